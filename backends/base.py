@@ -1,0 +1,141 @@
+"""The backend contract: backend -> compiled graph -> run.
+
+A :class:`Backend` is a library (ONNX Runtime, OpenVINO, PyTorch, ...) seen through
+four questions: which encodings it reads, which devices it can run on here
+(:meth:`Backend.devices`), how sure it is that some bytes are its format
+(:meth:`Backend.sniff`), and how to compile model bytes for one device
+(:meth:`Backend.load`). A :class:`CompiledGraph` reports its inputs and outputs and
+runs named inputs to named outputs, synchronously.
+
+Backends know nothing of trio or WebAssembly: they are called from worker threads
+owned by device actors. Every failure leaves a backend as a :class:`wasinn.errors.WasiNNError`
+leaf (never the library's own exception type), with a message that names the backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
+from wasinn.tensor import Tensor
+
+#: Model bytes as the guest handed them over: one buffer per builder.
+Builders = Sequence[bytes | bytearray | memoryview]
+
+
+@dataclass(frozen=True, order=True)
+class Device:
+    """One device a backend can run on: ``cpu``, ``gpu:0``, ``gpu:1``, ``tpu:0``..."""
+
+    kind: ExecutionTarget
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        return "cpu" if self.kind is ExecutionTarget.CPU else f"{self.kind.value}:{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> Device:
+        """``"cpu"``, ``"gpu"`` (= ``gpu:0``), ``"gpu:1"``, ``"npu:0"`` (npu is tpu)."""
+        kind, _, index = text.strip().lower().partition(":")
+        if kind == "npu":
+            kind = "tpu"
+        return cls(ExecutionTarget.coerce(kind), int(index) if index else 0)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output: name, element type and shape (None = dynamic)."""
+
+    name: str
+    type: TensorType
+    shape: tuple[int | None, ...]
+
+    def describe(self) -> str:
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        return f"{self.name}: {self.type.value}[{dims}]"
+
+
+@dataclass
+class LoadOptions:
+    """Options a backend may honour when compiling; unknown keys are ignored.
+
+    ``precision`` is the inference precision (``"f32"`` by default so that outputs
+    agree across CPUs; OpenVINO otherwise picks bf16 on CPUs with AMX);
+    ``threads`` the intra-op thread count (0 = the library's default);
+    ``extra`` backend-specific settings passed through as given.
+    """
+
+    precision: str = "f32"
+    threads: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class CompiledGraph(abc.ABC):
+    """A model compiled for one device. Thread-safe for concurrent ``run`` calls."""
+
+    device: Device
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @abc.abstractmethod
+    def run(
+        self,
+        inputs: Mapping[str, Tensor],
+        *,
+        outputs: Sequence[str] | None = None,
+        keep_on_device: bool = False,
+    ) -> dict[str, Tensor]:
+        """Run the graph on named inputs and return the named outputs.
+
+        ``outputs`` limits which outputs are produced (all when None).
+        ``keep_on_device`` returns backend-native tensors that stay on this graph's
+        device (ready to be fed to another graph of the same backend and device)
+        instead of host numpy tensors. Inputs may be host tensors or native tensors
+        produced by this backend on this device; they are not copied where the library
+        allows. Raises InvalidArgumentError for a wrong input name, element type or shape
+        (naming what the model expects) and BackendRuntimeError when the library fails.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the compiled session and its device memory. Idempotent."""
+
+
+class Backend(abc.ABC):
+    """A neural-network library behind the wasinn contract."""
+
+    #: Short name used in configs and logs ("onnxruntime", "openvino", "pytorch").
+    name: str
+    #: The encodings this backend reads.
+    encodings: frozenset[GraphEncoding]
+
+    @abc.abstractmethod
+    def devices(self) -> list[Device]:
+        """The devices this backend can run on in this process (probed, cached)."""
+
+    def sniff(self, builders: Builders) -> float:
+        """How sure (0.0-1.0) this backend is that ``builders`` are a model it reads."""
+        from wasinn.backends.formats import detect_encoding
+
+        encoding = detect_encoding(builders)
+        return 1.0 if encoding in self.encodings else 0.0
+
+    @abc.abstractmethod
+    def load(
+        self,
+        builders: Builders,
+        encoding: GraphEncoding,
+        device: Device,
+        options: LoadOptions | None = None,
+    ) -> CompiledGraph:
+        """Compile ``builders`` for ``device``.
+
+        Raises InvalidEncodingError (naming this backend and the reason) for bytes it
+        cannot read, UnsupportedOperationError for a device it does not have.
+        """

@@ -1,0 +1,124 @@
+"""Recognising a model's format from its bytes, without importing any backend library.
+
+``detect_encoding`` answers ``autodetect`` for the registry: ONNX and TensorFlow
+protobufs are told apart by walking their top-level protobuf fields, OpenVINO IR by its
+``<net`` XML root, TorchScript by its zip layout, TensorFlow Lite by the ``TFL3``
+flatbuffer identifier, GGUF by its magic.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from io import BytesIO
+
+from wasinn.enums import GraphEncoding
+from wasinn.errors import InvalidEncodingError
+
+from .base import Builders
+
+_ONNX_FIELDS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 14, 20, 25})
+_GRAPHDEF_FIELDS = frozenset({1, 2, 3, 4})
+_SAVEDMODEL_FIELDS = frozenset({1, 2})
+
+
+def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
+    """Top-level field numbers of a protobuf message -> wire type of their first occurrence.
+
+    Raises ValueError when the bytes are not a well-formed protobuf message.
+    """
+    view = memoryview(data).cast("B")
+    fields: dict[int, int] = {}
+    pos = 0
+    while pos < len(view):
+        key, pos = _varint(view, pos)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            _, pos = _varint(view, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(view, pos)
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > len(view):
+            raise ValueError("field runs past the end")
+        fields.setdefault(number, wire)
+    return fields
+
+
+def _looks_like_ir(data: bytes | bytearray | memoryview) -> bool:
+    head = bytes(memoryview(data)[:512]).lstrip()
+    return head.startswith(b"<?xml") and b"<net" in head or head.startswith(b"<net")
+
+
+def _zip_names(data: bytes | bytearray | memoryview) -> list[str]:
+    try:
+        with zipfile.ZipFile(BytesIO(bytes(data))) as archive:
+            return archive.namelist()
+    except (zipfile.BadZipFile, ValueError):
+        return []
+
+
+def _protobuf_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding | None:
+    try:
+        fields = protobuf_fields(data)
+    except ValueError:
+        return None
+    numbers = set(fields)
+    if 7 in numbers and 8 in numbers and numbers <= _ONNX_FIELDS and fields[7] == 2:
+        return GraphEncoding.ONNX
+    if numbers <= _SAVEDMODEL_FIELDS and fields.get(2) == 2 and fields.get(1, 0) == 0:
+        return GraphEncoding.TENSORFLOW
+    if numbers <= _GRAPHDEF_FIELDS and fields.get(1) == 2:
+        return GraphEncoding.TENSORFLOW
+    return None
+
+
+def detect_encoding(builders: Builders) -> GraphEncoding:
+    """The encoding of ``builders`` judged by content.
+
+    Raises InvalidEncodingError when no known format matches, saying what was seen.
+    """
+    if not builders:
+        raise InvalidEncodingError("autodetect: no model bytes given (empty builder list)")
+    first = builders[0]
+    head = bytes(memoryview(first)[:8])
+    if _looks_like_ir(first):
+        return GraphEncoding.OPENVINO
+    if head[4:8] == b"TFL3":
+        return GraphEncoding.TENSORFLOWLITE
+    if head[:4] == b"GGUF":
+        return GraphEncoding.GGML
+    if head[:4] == b"PK\x03\x04":
+        names = _zip_names(first)
+        if any(n.endswith(("/data.pkl", "/constants.pkl")) or n.endswith("/code/") for n in names):
+            return GraphEncoding.PYTORCH
+        raise InvalidEncodingError(
+            "autodetect: a zip archive that is not a TorchScript archive (no data.pkl)"
+        )
+    found = _protobuf_encoding(first)
+    if found is not None:
+        return found
+    raise InvalidEncodingError(
+        f"autodetect: {len(memoryview(first).cast('B'))} bytes starting {head.hex()} match no "
+        "known format: expected ONNX, OpenVINO IR (xml + bin), TorchScript, TensorFlow Lite "
+        "or a TensorFlow GraphDef/SavedModel"
+    )

@@ -1,0 +1,168 @@
+"""Several backends side by side, imported only when first needed.
+
+Built-in backends are described by a :class:`BackendSpec` (its library and encodings are
+known without importing anything); third-party backends plug in through the entry-point
+group ``wasinn.backends`` (an entry point names a :class:`~wasinn.backends.base.Backend`
+subclass). :meth:`BackendRegistry.choose` picks the backend for an (encoding, target) pair
+following a preference order that a config can change, and logs why at debug level.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import InvalidArgumentError, UnsupportedOperationError
+
+from .base import Backend, Device
+
+log = logging.getLogger("wasinn.backends")
+
+ENTRY_POINT_GROUP = "wasinn.backends"
+
+_E = GraphEncoding
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What is known about a backend before importing it."""
+
+    name: str
+    entry: str  # "module:Class"
+    library: str | None  # the import whose presence means "installed"; None = always
+    encodings: frozenset[GraphEncoding] | None  # None = ask the backend once imported
+
+
+BUILTIN: tuple[BackendSpec, ...] = (
+    BackendSpec("openvino", "wasinn.backends.openvino:OpenVinoBackend", "openvino",
+                frozenset({_E.OPENVINO, _E.ONNX, _E.TENSORFLOW, _E.TENSORFLOWLITE})),
+    BackendSpec("onnxruntime", "wasinn.backends.onnxruntime:OnnxRuntimeBackend", "onnxruntime",
+                frozenset({_E.ONNX})),
+    BackendSpec("pytorch", "wasinn.backends.pytorch:TorchBackend", "torch",
+                frozenset({_E.PYTORCH})),
+)
+
+#: Default preference: ONNX Runtime first for ONNX (fastest on CPU at batch 1 in our
+#: measurements and the only one with a CUDA provider), then OpenVINO, then PyTorch.
+DEFAULT_PREFERENCE: tuple[str, ...] = ("onnxruntime", "openvino", "pytorch")
+
+
+def _plugin_specs() -> list[BackendSpec]:
+    specs = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        specs.append(BackendSpec(ep.name, ep.value, None, None))
+    return specs
+
+
+class BackendRegistry:
+    """The backends this process knows, each imported and instantiated on first use."""
+
+    def __init__(
+        self,
+        preference: Sequence[str] = DEFAULT_PREFERENCE,
+        *,
+        extra: Iterable[Backend] = (),
+        discover_plugins: bool = True,
+    ) -> None:
+        self._specs: dict[str, BackendSpec] = {s.name: s for s in BUILTIN}
+        if discover_plugins:
+            for spec in _plugin_specs():
+                self._specs.setdefault(spec.name, spec)
+        self._instances: dict[str, Backend] = {}
+        for backend in extra:
+            self._instances[backend.name] = backend
+            self._specs[backend.name] = BackendSpec(backend.name, "", None, backend.encodings)
+        self._lock = threading.Lock()
+        self.preference: tuple[str, ...] = tuple(preference)
+        for name in self.preference:
+            if name not in self._specs:
+                raise InvalidArgumentError(
+                    f"backend preference names unknown backend {name!r}: "
+                    f"expected one of {', '.join(sorted(self._specs))}"
+                )
+
+    def names(self) -> list[str]:
+        """Every backend name known, preferred ones first."""
+        rest = sorted(n for n in self._specs if n not in self.preference)
+        return [*self.preference, *rest]
+
+    def is_installed(self, name: str) -> bool:
+        """Whether ``name``'s library can be imported here (checked without importing it)."""
+        spec = self._spec(name)
+        if name in self._instances or spec.library is None:
+            return True
+        return importlib.util.find_spec(spec.library) is not None
+
+    def installed(self) -> list[str]:
+        return [n for n in self.names() if self.is_installed(n)]
+
+    def get(self, name: str) -> Backend:
+        """The backend instance called ``name``, importing it on first use."""
+        with self._lock:
+            backend = self._instances.get(name)
+            if backend is None:
+                spec = self._spec(name)
+                if not self.is_installed(name):
+                    raise UnsupportedOperationError(
+                        f"backend {name!r} is not installed: install wasinn[{name}]"
+                    )
+                module_name, _, attr = spec.entry.partition(":")
+                cls = getattr(importlib.import_module(module_name), attr)
+                backend = cls()
+                self._instances[name] = backend
+            return backend
+
+    def reads(self, name: str, encoding: GraphEncoding) -> bool:
+        spec = self._spec(name)
+        encodings = spec.encodings
+        if encodings is None:
+            encodings = self.get(name).encodings
+        return encoding in encodings
+
+    def candidates(self, encoding: GraphEncoding) -> list[str]:
+        """Installed backends that read ``encoding``, in preference order."""
+        return [n for n in self.installed() if self.reads(n, encoding)]
+
+    def choose(
+        self, encoding: GraphEncoding, target: ExecutionTarget
+    ) -> tuple[Backend, list[Device]]:
+        """The preferred installed backend that reads ``encoding`` and has a ``target`` device.
+
+        Returns the backend and its devices of that kind. Raises UnsupportedOperationError
+        naming every backend considered and why it was passed over.
+        """
+        passed: list[str] = []
+        for name in self.names():
+            if not self.is_installed(name):
+                passed.append(f"{name}: not installed")
+                continue
+            if not self.reads(name, encoding):
+                passed.append(f"{name}: does not read {encoding.value}")
+                continue
+            backend = self.get(name)
+            devices = [d for d in backend.devices() if d.kind is target]
+            if not devices:
+                passed.append(f"{name}: no {target.value} device here")
+                continue
+            log.debug(
+                "chose backend %s for %s on %s (preference %s; passed over: %s)",
+                name, encoding.value, target.value, list(self.names()), passed or "none",
+            )
+            return backend, devices
+        raise UnsupportedOperationError(
+            f"no backend runs {encoding.value} on {target.value}: " + "; ".join(passed)
+        )
+
+    def _spec(self, name: str) -> BackendSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"unknown backend {name!r}: expected one of {', '.join(sorted(self._specs))}"
+            ) from None

@@ -1,0 +1,107 @@
+"""wasinn's exception tree.
+
+Every error wasinn raises is a :class:`WasiNNError`. Its leaves map one to one onto
+wasi-nn's ``error-code`` values, so any layer (backend, actor, scheduler, guest
+bindings) can raise the precise leaf and the guest ABIs translate it without guessing::
+
+    WasiNNError
+    ├── InvalidArgumentError      invalid-argument      a caller passed something malformed
+    ├── InvalidEncodingError      invalid-encoding      model bytes a backend cannot read
+    ├── TimeoutError_             timeout               a deadline passed
+    ├── BackendRuntimeError       runtime-error         the backend failed while running
+    ├── UnsupportedOperationError unsupported-operation no backend/device can do this here
+    ├── TooLargeError             too-large             a tensor, buffer or quota is exceeded
+    ├── NotFoundError             not-found             unknown name, handle or index
+    │   └── ClosedResourceError                         the handle was closed/unloaded by its owner
+    ├── SecurityError             security              refused for safety (e.g. path escape)
+    └── UnknownError              unknown               anything else
+
+Messages say what was wrong and what was expected. An error that crosses an actor
+or thread boundary keeps its type and message.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """wasi-nn ``error-code`` (WIT names)."""
+
+    INVALID_ARGUMENT = "invalid-argument"
+    INVALID_ENCODING = "invalid-encoding"
+    TIMEOUT = "timeout"
+    RUNTIME_ERROR = "runtime-error"
+    UNSUPPORTED_OPERATION = "unsupported-operation"
+    TOO_LARGE = "too-large"
+    NOT_FOUND = "not-found"
+    SECURITY = "security"
+    UNKNOWN = "unknown"
+
+
+class WasiNNError(Exception):
+    """Base of every wasinn error; ``code`` is the wasi-nn error code it maps to."""
+
+    code: ErrorCode = ErrorCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgumentError(WasiNNError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class InvalidEncodingError(WasiNNError):
+    code = ErrorCode.INVALID_ENCODING
+
+
+class TimeoutError_(WasiNNError):  # noqa: N801 - the builtin name is taken
+    code = ErrorCode.TIMEOUT
+
+
+class BackendRuntimeError(WasiNNError):
+    code = ErrorCode.RUNTIME_ERROR
+
+
+class UnsupportedOperationError(WasiNNError):
+    code = ErrorCode.UNSUPPORTED_OPERATION
+
+
+class TooLargeError(WasiNNError):
+    code = ErrorCode.TOO_LARGE
+
+
+class NotFoundError(WasiNNError):
+    code = ErrorCode.NOT_FOUND
+
+
+class ClosedResourceError(NotFoundError):
+    """A graph, context or actor was used after it was closed, unloaded or finalized."""
+
+
+class SecurityError(WasiNNError):
+    code = ErrorCode.SECURITY
+
+
+class UnknownError(WasiNNError):
+    code = ErrorCode.UNKNOWN
+
+
+_BY_CODE: dict[ErrorCode, type[WasiNNError]] = {
+    ErrorCode.INVALID_ARGUMENT: InvalidArgumentError,
+    ErrorCode.INVALID_ENCODING: InvalidEncodingError,
+    ErrorCode.TIMEOUT: TimeoutError_,
+    ErrorCode.RUNTIME_ERROR: BackendRuntimeError,
+    ErrorCode.UNSUPPORTED_OPERATION: UnsupportedOperationError,
+    ErrorCode.TOO_LARGE: TooLargeError,
+    ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.SECURITY: SecurityError,
+    ErrorCode.UNKNOWN: UnknownError,
+}
+
+
+def error_for_code(code: ErrorCode) -> type[WasiNNError]:
+    """The exception class that stands for ``code``."""
+    return _BY_CODE[code]

@@ -1,0 +1,190 @@
+"""Models generated offline, for tests, benchmarks, examples and the demo.
+
+wasinn never downloads a model: this module builds a MobileNetV2-like network in plain
+torch (fixed seed) and exports it to ONNX, TorchScript and OpenVINO IR, and builds tiny
+``onnx.helper`` graphs for the element-type matrix. It needs the ``torch``, ``onnx`` and
+``openvino`` packages (the ``all`` and ``dev`` extras) and imports them only when called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wasinn.enums import TensorType
+
+#: Input and output names of the generated classifier, shared by every export.
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+NUM_CLASSES = 1000
+IMAGE_SHAPE = (1, 3, 224, 224)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """One network exported three ways."""
+
+    onnx: Path
+    torchscript: Path
+    ir_xml: Path
+    ir_bin: Path
+
+
+def _make_divisible(v: float, divisor: int = 8) -> int:
+    new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
+    return new_v + divisor if new_v < 0.9 * v else new_v
+
+
+def mobilenet_v2(width: float = 1.0, seed: int = 0, num_classes: int = NUM_CLASSES) -> Any:
+    """A MobileNetV2-shaped torch module (inverted residuals, ReLU6), eval mode, fixed seed."""
+    import torch
+    from torch import nn
+
+    def conv_bn(inp: int, out: int, k: int, stride: int, groups: int = 1, act: bool = True) -> Any:
+        layers: list[Any] = [
+            nn.Conv2d(inp, out, k, stride, k // 2, groups=groups, bias=False),
+            nn.BatchNorm2d(out),
+        ]
+        if act:
+            layers.append(nn.ReLU6(inplace=True))
+        return nn.Sequential(*layers)
+
+    class InvertedResidual(nn.Module):
+        def __init__(self, inp: int, out: int, stride: int, expand: int) -> None:
+            super().__init__()
+            hidden = inp * expand
+            self.use_res = stride == 1 and inp == out
+            layers: list[Any] = []
+            if expand != 1:
+                layers.append(conv_bn(inp, hidden, 1, 1))
+            layers += [conv_bn(hidden, hidden, 3, stride, groups=hidden),
+                       conv_bn(hidden, out, 1, 1, act=False)]
+            self.conv = nn.Sequential(*layers)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.conv(x) if self.use_res else self.conv(x)
+
+    class MobileNetV2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            settings = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                        (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
+            inp = _make_divisible(32 * width)
+            last = _make_divisible(1280 * max(1.0, width))
+            feats: list[Any] = [conv_bn(3, inp, 3, 2)]
+            for t, c, n, s in settings:
+                out = _make_divisible(c * width)
+                for i in range(n):
+                    feats.append(InvertedResidual(inp, out, s if i == 0 else 1, t))
+                    inp = out
+            feats.append(conv_bn(inp, last, 1, 1))
+            self.features = nn.Sequential(*feats)
+            self.classifier = nn.Linear(last, num_classes)
+
+        def forward(self, x: Any) -> Any:
+            x = self.features(x)
+            x = nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+            return self.classifier(x)
+
+    torch.manual_seed(seed)
+    model = MobileNetV2()
+    # Non-trivial batch-norm statistics so that eval mode is not an identity.
+    gen = torch.Generator().manual_seed(seed + 1)
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.copy_(torch.randn(mod.num_features, generator=gen) * 0.1)
+            mod.running_var.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
+    return model.eval()
+
+
+def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -> ModelFiles:
+    """Export the MobileNetV2-like network to ONNX, TorchScript and OpenVINO IR in ``directory``.
+
+    Files already there from an earlier call with the same arguments are reused.
+    """
+    import warnings
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"mobilenet_w{width:g}_s{seed}"
+    files = ModelFiles(directory / f"{stem}.onnx", directory / f"{stem}.pt",
+                       directory / f"{stem}.xml", directory / f"{stem}.bin")
+    if all(p.exists() for p in (files.onnx, files.torchscript, files.ir_xml, files.ir_bin)):
+        return files
+    import torch
+
+    model = mobilenet_v2(width, seed)
+    example = torch.zeros(IMAGE_SHAPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tmp = files.onnx.with_suffix(f".onnx.{os.getpid()}")
+        torch.onnx.export(
+            model, (example,), str(tmp), opset_version=17,
+            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, dynamo=False,
+        )
+        tmp.replace(files.onnx)
+        with torch.no_grad():
+            traced = torch.jit.trace(model, example)
+        tmp = files.torchscript.with_suffix(f".pt.{os.getpid()}")
+        traced.save(str(tmp))
+        tmp.replace(files.torchscript)
+    import openvino as ov
+
+    ov.save_model(ov.convert_model(str(files.onnx)), str(files.ir_xml), compress_to_fp16=False)
+    return files
+
+
+def sample_image(seed: int = 0, batch: int = 1) -> np.ndarray[Any, Any]:
+    """A deterministic f32 "image" in NCHW layout, normalized like ImageNet inputs."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, *IMAGE_SHAPE[1:]), dtype=np.float32)
+
+
+_ONNX_TYPES = {
+    TensorType.F16: 10, TensorType.F32: 1, TensorType.F64: 11, TensorType.BF16: 16,
+    TensorType.U8: 2, TensorType.I32: 6, TensorType.I64: 7,
+}
+
+
+def identity_onnx(tensor_type: TensorType, shape: tuple[int | str, ...] = ("n", 4),
+                  opset: int = 17) -> bytes:
+    """A one-node ONNX graph ``y = Identity(x)`` of ``tensor_type``; x, y are its names."""
+    from onnx import TensorProto, helper
+
+    elem = _ONNX_TYPES[tensor_type]
+    assert TensorProto.DataType.Name(elem)  # the table above matches onnx's numbering
+    x = helper.make_tensor_value_info("x", elem, list(shape))
+    y = helper.make_tensor_value_info("y", elem, list(shape))
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              producer_name="wasinn.modelgen")
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
+                in_name: str = "x", out_name: str = "y") -> bytes:
+    """A tiny f32 ONNX graph ``y = x * scale + bias`` over shape (n, size)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    s = numpy_helper.from_array(np.full((size,), scale, np.float32), "scale")
+    b = numpy_helper.from_array(np.full((size,), bias, np.float32), "bias")
+    nodes = [helper.make_node("Mul", [in_name, "scale"], ["t"]),
+             helper.make_node("Add", ["t", "bias"], [out_name])]
+    x = helper.make_tensor_value_info(in_name, TensorProto.FLOAT, ["n", size])
+    y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", size])
+    graph = helper.make_graph(nodes, "affine", [x], [y], initializer=[s, b])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              producer_name="wasinn.modelgen")
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]

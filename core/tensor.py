@@ -1,0 +1,199 @@
+"""``Tensor``: dimensions, element type and data, in host memory or on a device.
+
+A tensor's data is either a numpy array (host memory, zero-copy where the element
+type allows) or a *backend-native* value (an ``OrtValue``, a ``torch.Tensor``, an
+``ov.Tensor``) that stays where the backend put it, on the CPU or on a GPU. A native
+tensor is materialized into host memory only when someone asks for ``numpy()``;
+every such materialization is counted (:func:`host_copies`) so tests can prove that
+chained models never route their intermediate tensors through host memory.
+
+bf16 has no numpy dtype of its own: wasinn carries it as ``ml_dtypes.bfloat16``,
+a real numpy dtype with the same 2-byte layout, so bf16 data is zero-copy as well.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from wasinn.enums import TensorType
+from wasinn.errors import InvalidArgumentError
+
+_DTYPES: dict[TensorType, np.dtype[Any]] = {
+    TensorType.F16: np.dtype(np.float16),
+    TensorType.F32: np.dtype(np.float32),
+    TensorType.F64: np.dtype(np.float64),
+    TensorType.BF16: np.dtype(ml_dtypes.bfloat16),
+    TensorType.U8: np.dtype(np.uint8),
+    TensorType.I32: np.dtype(np.int32),
+    TensorType.I64: np.dtype(np.int64),
+}
+_TYPES: dict[np.dtype[Any], TensorType] = {dt: tt for tt, dt in _DTYPES.items()}
+
+#: Upper bound on the rank of a tensor; wasi-nn guests never need more.
+MAX_RANK = 32
+
+
+def numpy_dtype(tensor_type: TensorType) -> np.dtype[Any]:
+    """The numpy dtype that carries ``tensor_type`` (bf16: ``ml_dtypes.bfloat16``)."""
+    return _DTYPES[tensor_type]
+
+
+def tensor_type_of(dtype: npt.DTypeLike) -> TensorType:
+    """The wasi-nn element type of a numpy dtype; InvalidArgumentError if it has none."""
+    dt = np.dtype(dtype)
+    try:
+        return _TYPES[dt.newbyteorder("=")]
+    except KeyError:
+        expected = ", ".join(t.value for t in TensorType)
+        raise InvalidArgumentError(
+            f"numpy dtype {dt} has no wasi-nn element type: expected one of {expected}"
+        ) from None
+
+
+class _CopyCounter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
+_HOST_COPIES = _CopyCounter()
+
+
+def host_copies() -> int:
+    """How many device-resident tensors have been materialized into host memory so far."""
+    return _HOST_COPIES.count
+
+
+def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
+    """Validate tensor dimensions: at most MAX_RANK non-negative integers."""
+    if len(dims) > MAX_RANK:
+        raise InvalidArgumentError(f"tensor rank {len(dims)} is too large: expected <= {MAX_RANK}")
+    out = tuple(int(d) for d in dims)
+    if any(d < 0 for d in out):
+        raise InvalidArgumentError(f"tensor dimensions {list(out)} must be non-negative")
+    return out
+
+
+class Tensor:
+    """An n-dimensional tensor of one wasi-nn element type.
+
+    Build one with :meth:`from_numpy`, :meth:`from_bytes` or (backends only)
+    :meth:`from_native`. ``numpy()`` returns host data, materializing a device-resident
+    value once and caching it.
+    """
+
+    __slots__ = ("_array", "_materialize", "_native", "device", "dims", "type")
+
+    def __init__(
+        self,
+        dims: tuple[int, ...],
+        type: TensorType,  # noqa: A002 - the wasi-nn field name
+        *,
+        array: np.ndarray[Any, Any] | None = None,
+        native: object = None,
+        materialize: Callable[[], np.ndarray[Any, Any]] | None = None,
+        device: str = "cpu",
+    ) -> None:
+        self.dims = dims
+        self.type = type
+        self.device = device
+        self._array = array
+        self._native = native
+        self._materialize = materialize
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_numpy(cls, array: npt.ArrayLike) -> Tensor:
+        """Wrap a numpy array (zero-copy when it is already C-contiguous)."""
+        arr = np.asarray(array)
+        ttype = tensor_type_of(arr.dtype)
+        arr = np.ascontiguousarray(arr)
+        return cls(tuple(arr.shape), ttype, array=arr)
+
+    @classmethod
+    def from_bytes(
+        cls,
+        dims: Sequence[int],
+        type: TensorType | str,  # noqa: A002
+        data: bytes | bytearray | memoryview | np.ndarray[Any, Any],
+    ) -> Tensor:
+        """A tensor over raw little-endian bytes, without copying them.
+
+        Raises InvalidArgumentError when ``len(data)`` is not ``prod(dims) * itemsize``.
+        """
+        ttype = TensorType.coerce(type)
+        shape = check_dims(dims)
+        expected = math.prod(shape) * ttype.itemsize
+        buf = data if isinstance(data, np.ndarray) else memoryview(data)
+        size = buf.nbytes
+        if size != expected:
+            raise InvalidArgumentError(
+                f"tensor data is {size} bytes but dimensions {list(shape)} of {ttype.value} "
+                f"need {expected} bytes"
+            )
+        flat = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        arr = flat.reshape(-1).view(_DTYPES[ttype]).reshape(shape)
+        return cls(shape, ttype, array=arr)
+
+    @classmethod
+    def from_native(
+        cls,
+        value: object,
+        dims: Sequence[int],
+        type: TensorType,  # noqa: A002
+        *,
+        device: str,
+        materialize: Callable[[], np.ndarray[Any, Any]],
+    ) -> Tensor:
+        """A tensor whose data stays in a backend-native value on ``device``."""
+        return cls(tuple(int(d) for d in dims), type, native=value, materialize=materialize,
+                   device=device)
+
+    # -- access ---------------------------------------------------------------------
+    @property
+    def native(self) -> object:
+        """The backend-native value, or None for a host tensor."""
+        return self._native
+
+    @property
+    def is_host(self) -> bool:
+        """True when the data is already in host memory (no copy needed to read it)."""
+        return self._array is not None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.dims) * self.type.itemsize
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """The data as a numpy array, materializing a device-resident value once."""
+        if self._array is None:
+            if self._materialize is None:
+                raise InvalidArgumentError("tensor has neither host data nor a materializer")
+            _HOST_COPIES.add()
+            self._array = np.ascontiguousarray(self._materialize())
+        return self._array
+
+    def tobytes(self) -> bytes:
+        return self.numpy().tobytes()
+
+    def __repr__(self) -> str:
+        where = "host" if self.is_host else f"native@{self.device}"
+        return f"Tensor(dims={list(self.dims)}, type={self.type.value}, {where})"
+
+
+def as_tensor(value: Tensor | npt.ArrayLike) -> Tensor:
+    """Accept a Tensor or anything numpy can turn into an array of a wasi-nn type."""
+    if isinstance(value, Tensor):
+        return value
+    return Tensor.from_numpy(value)

@@ -1,0 +1,45 @@
+"""Shared test helpers: skipping what this machine lacks, unless WASINN_REQUIRE says it must run.
+
+``WASINN_REQUIRE=gpu,openvino`` turns the skip for those features into a failure, so CI
+or a GPU machine can insist that a path really ran.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def required() -> set[str]:
+    return {f.strip().lower() for f in os.environ.get("WASINN_REQUIRE", "").split(",") if f.strip()}
+
+
+def skip_unless(feature: str, available: bool, reason: str) -> None:
+    """Skip (or fail, where WASINN_REQUIRE names ``feature``) when ``available`` is false."""
+    if available:
+        return
+    if feature.lower() in required():
+        pytest.fail(f"WASINN_REQUIRE={feature} but {reason}")
+    pytest.skip(reason)
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def has_cuda() -> bool:
+    if not has_module("torch"):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def require_backend(library: str) -> None:
+    skip_unless(library, has_module(library), f"{library} is not installed")
+
+
+def require_gpu() -> None:
+    skip_unless("gpu", has_cuda(), "no CUDA GPU on this machine")
