@@ -15,6 +15,7 @@ leaf (never the library's own exception type), with a message that names the bac
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +27,22 @@ from wasinn.tensor import Tensor
 Builders = Sequence[bytes | bytearray | memoryview]
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Device:
-    """One device a backend can run on: ``cpu``, ``gpu:0``, ``gpu:1``, ``tpu:0``..."""
+    """One device a backend can run on: ``cpu``, ``gpu:0``, ``gpu:1``, ``tpu:0``...
+
+    Devices sort by kind (cpu, gpu, tpu) then index.
+    """
 
     kind: ExecutionTarget
     index: int = 0
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        order = list(ExecutionTarget)
+        return (order.index(self.kind), self.index) < (order.index(other.kind), other.index)
 
     @property
     def name(self) -> str:

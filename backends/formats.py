@@ -2,8 +2,8 @@
 
 ``detect_encoding`` answers ``autodetect`` for the registry: ONNX and TensorFlow
 protobufs are told apart by walking their top-level protobuf fields, OpenVINO IR by its
-``<net`` XML root, TorchScript by its zip layout, TensorFlow Lite by the ``TFL3``
-flatbuffer identifier, GGUF by its magic.
+``<net`` XML root, TorchScript and ``torch.export`` archives by their zip layout,
+TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from wasinn.errors import InvalidEncodingError
 
 from .base import Builders
 
-_ONNX_FIELDS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 14, 20, 25})
+_ONNX_FIELDS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 14, 20, 25, 26})  # onnx.ModelProto
 _GRAPHDEF_FIELDS = frozenset({1, 2, 3, 4})
 _SAVEDMODEL_FIELDS = frozenset({1, 2})
 
@@ -66,7 +66,7 @@ def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
 
 def _looks_like_ir(data: bytes | bytearray | memoryview) -> bool:
     head = bytes(memoryview(data)[:512]).lstrip()
-    return head.startswith(b"<?xml") and b"<net" in head or head.startswith(b"<net")
+    return (head.startswith(b"<?xml") and b"<net" in head) or head.startswith(b"<net")
 
 
 def _zip_names(data: bytes | bytearray | memoryview) -> list[str]:
@@ -109,10 +109,14 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
         return GraphEncoding.GGML
     if head[:4] == b"PK\x03\x04":
         names = _zip_names(first)
-        if any(n.endswith(("/data.pkl", "/constants.pkl")) or n.endswith("/code/") for n in names):
+        # TorchScript archives hold data.pkl / constants.pkl / code/; torch.export
+        # (.pt2) archives hold archive_format and models/*.json.
+        if any(n.endswith(("/data.pkl", "/constants.pkl", "/archive_format"))
+               or "/code/" in n for n in names):
             return GraphEncoding.PYTORCH
         raise InvalidEncodingError(
-            "autodetect: a zip archive that is not a TorchScript archive (no data.pkl)"
+            "autodetect: a zip archive that is neither a TorchScript archive (no data.pkl) "
+            "nor a torch.export archive (no archive_format)"
         )
     found = _protobuf_encoding(first)
     if found is not None:

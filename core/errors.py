@@ -57,7 +57,7 @@ class InvalidEncodingError(WasiNNError):
     code = ErrorCode.INVALID_ENCODING
 
 
-class TimeoutError_(WasiNNError):  # noqa: N801 - the builtin name is taken
+class TimeoutError_(WasiNNError):
     code = ErrorCode.TIMEOUT
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from wasinn.enums import TensorType
 
 #: Input and output names of the generated classifier, shared by every export.
@@ -97,6 +96,7 @@ def mobilenet_v2(width: float = 1.0, seed: int = 0, num_classes: int = NUM_CLASS
     gen = torch.Generator().manual_seed(seed + 1)
     for mod in model.modules():
         if isinstance(mod, nn.BatchNorm2d):
+            assert mod.running_mean is not None and mod.running_var is not None
             mod.running_mean.copy_(torch.randn(mod.num_features, generator=gen) * 0.1)
             mod.running_var.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
     return model.eval()
@@ -130,7 +130,7 @@ def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -
         )
         tmp.replace(files.onnx)
         with torch.no_grad():
-            traced = torch.jit.trace(model, example)
+            traced = torch.jit.trace(model, example)  # type: ignore[no-untyped-call]
         tmp = files.torchscript.with_suffix(f".pt.{os.getpid()}")
         traced.save(str(tmp))
         tmp.replace(files.torchscript)

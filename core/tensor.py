@@ -98,7 +98,7 @@ class Tensor:
     def __init__(
         self,
         dims: tuple[int, ...],
-        type: TensorType,  # noqa: A002 - the wasi-nn field name
+        type: TensorType,
         *,
         array: np.ndarray[Any, Any] | None = None,
         native: object = None,
@@ -125,7 +125,7 @@ class Tensor:
     def from_bytes(
         cls,
         dims: Sequence[int],
-        type: TensorType | str,  # noqa: A002
+        type: TensorType | str,
         data: bytes | bytearray | memoryview | np.ndarray[Any, Any],
     ) -> Tensor:
         """A tensor over raw little-endian bytes, without copying them.
@@ -151,7 +151,7 @@ class Tensor:
         cls,
         value: object,
         dims: Sequence[int],
-        type: TensorType,  # noqa: A002
+        type: TensorType,
         *,
         device: str,
         materialize: Callable[[], np.ndarray[Any, Any]],

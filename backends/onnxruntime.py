@@ -1,0 +1,276 @@
+"""ONNX Runtime behind the wasinn contract: ONNX models on the CPU and, where
+``onnxruntime-gpu`` is installed, on CUDA devices (``gpu:N``).
+
+Every wasi-nn element type runs (f16, f32, f64, bf16, u8, i32, i64). numpy has no bf16,
+and ONNX Runtime's Python API cannot build or read bf16 values from ``ml_dtypes``
+arrays, so bf16 tensors cross the boundary as a ``uint16`` view tagged with ONNX's
+BFLOAT16 element type and are read back through the value's raw bytes.
+
+A :class:`OrtGraph` owns one ``InferenceSession`` (thread-safe for concurrent runs).
+A run of host tensors calls ``InferenceSession.run`` directly, so the layer adds only
+input checks; native inputs, bf16 and ``keep_on_device`` go through a per-run
+``IOBinding`` so that ``OrtValue`` s are bound as they are, without a copy.
+
+``LoadOptions.precision`` is not applied: ONNX Runtime computes in the model's own types.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
+from wasinn.errors import (
+    BackendRuntimeError,
+    ClosedResourceError,
+    InvalidEncodingError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
+from wasinn.tensor import Tensor, numpy_dtype
+
+from ._graphio import InputChecker, OutputSelector, expect_builders
+from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+
+NAME = "onnxruntime"
+
+_TYPES: dict[str, TensorType] = {
+    "tensor(float16)": TensorType.F16,
+    "tensor(float)": TensorType.F32,
+    "tensor(double)": TensorType.F64,
+    "tensor(bfloat16)": TensorType.BF16,
+    "tensor(uint8)": TensorType.U8,
+    "tensor(int32)": TensorType.I32,
+    "tensor(int64)": TensorType.I64,
+}
+_ONNX_BFLOAT16 = 16
+_BF16 = numpy_dtype(TensorType.BF16)
+
+
+def _spec(arg: Any, role: str) -> TensorSpec:
+    ttype = _TYPES.get(arg.type)
+    if ttype is None:
+        raise UnsupportedOperationError(
+            f"{NAME}: {role} {arg.name!r} has element type {arg.type}, which wasi-nn cannot "
+            f"carry: expected one of {', '.join(t.value for t in TensorType)}"
+        )
+    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or ()))
+    return TensorSpec(arg.name, ttype, shape)
+
+
+def _host_array(value: Any, ttype: TensorType) -> np.ndarray[Any, Any]:
+    """Copy an OrtValue into a host numpy array (bf16 through its raw bytes on the CPU)."""
+    if ttype is not TensorType.BF16:
+        return value.numpy()  # type: ignore[no-any-return]
+    if value.device_name().lower() != "cpu":
+        raise UnsupportedOperationError(
+            f"{NAME}: cannot read a bf16 value on {value.device_name()}"
+        )
+    shape = tuple(value.shape())
+    size = int(value.tensor_size_in_bytes())
+    raw = (ctypes.c_uint8 * size).from_address(value.data_ptr()) if size else b""
+    return np.frombuffer(bytes(raw), dtype=_BF16).reshape(shape)
+
+
+def _ort_input(tensor: Tensor) -> Any:
+    """An OrtValue for ``tensor`` without copying host data (bf16 tagged as BFLOAT16)."""
+    native = tensor.native
+    if isinstance(native, ort.OrtValue):
+        return native
+    array = tensor.numpy()
+    if tensor.type is TensorType.BF16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16),
+                                                               _ONNX_BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+class OrtGraph(CompiledGraph):
+    """An ONNX model in one ONNX Runtime session on one device."""
+
+    def __init__(self, session: Any, device: Device) -> None:
+        self._session: Any = session
+        self.device = device
+        self.inputs = tuple(_spec(a, "input") for a in session.get_inputs())
+        self.outputs = tuple(_spec(a, "output") for a in session.get_outputs())
+        self._checker = InputChecker(NAME, self.inputs)
+        self._selector = OutputSelector(NAME, self.outputs)
+        self._input_names = tuple(s.name for s in self.inputs)
+        self._output_names = tuple(s.name for s in self.outputs)
+        self._all_names = list(self._output_names)
+        self._all = self._selector.select(None)
+        self._has_bf16 = any(s.type is TensorType.BF16 for s in (*self.inputs, *self.outputs))
+        if device.kind is ExecutionTarget.GPU:
+            self._ort_device: tuple[str, int] = ("cuda", device.index)
+        else:
+            self._ort_device = ("cpu", 0)
+
+    @property
+    def session(self) -> Any:
+        """The underlying ``onnxruntime.InferenceSession`` (for benchmarks and diagnostics)."""
+        if self._session is None:
+            raise ClosedResourceError(f"{NAME}: the graph was closed")
+        return self._session
+
+    def run(
+        self,
+        inputs: Mapping[str, Tensor],
+        *,
+        outputs: Sequence[str] | None = None,
+        keep_on_device: bool = False,
+    ) -> dict[str, Tensor]:
+        session = self._session
+        if session is None:
+            raise ClosedResourceError(f"{NAME}: the graph was closed")
+        ordered = self._checker.check(inputs)
+        picked = self._selector.select(outputs)
+        if not picked:
+            return {}  # ORT refuses to run for no outputs (and reads [] as "all")
+        if not keep_on_device and not self._has_bf16 and all(t.is_host for t in ordered):
+            return self._run_host(session, ordered, picked)
+        return self._run_bound(session, ordered, picked, keep_on_device)
+
+    def _run_host(
+        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...]
+    ) -> dict[str, Tensor]:
+        names = self._output_names
+        wanted = self._all_names if picked is self._all else [names[i] for i in picked]
+        feed = {name: t.numpy() for name, t in zip(self._input_names, ordered, strict=True)}
+        try:
+            results = session.run(wanted, feed)
+        except Exception as exc:
+            raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
+        specs = self.outputs
+        return {
+            names[i]: Tensor(arr.shape, specs[i].type, array=arr)
+            for i, arr in zip(picked, results, strict=True)
+        }
+
+    def _run_bound(
+        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep: bool
+    ) -> dict[str, Tensor]:
+        try:
+            binding = session.io_binding()
+            for name, tensor in zip(self._input_names, ordered, strict=True):
+                binding.bind_ortvalue_input(name, _ort_input(tensor))
+            for i in picked:
+                spec = self.outputs[i]
+                # ORT cannot hand bf16 back from a CUDA buffer: bf16 outputs land on the CPU.
+                where = "cpu" if not keep or spec.type is TensorType.BF16 else self._ort_device[0]
+                binding.bind_output(spec.name, where, self._ort_device[1] if where != "cpu" else 0)
+            session.run_with_iobinding(binding)
+            values = binding.get_outputs()
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
+        result: dict[str, Tensor] = {}
+        for i, value in zip(picked, values, strict=True):
+            spec = self.outputs[i]
+            if keep:
+                result[spec.name] = Tensor.from_native(
+                    value, value.shape(), spec.type,
+                    device=self.device.name if value.device_name().lower() != "cpu" else "cpu",
+                    materialize=functools.partial(_host_array, value, spec.type),
+                )
+            else:
+                array = _host_array(value, spec.type)
+                result[spec.name] = Tensor(array.shape, spec.type, array=array)
+        return result
+
+    def close(self) -> None:
+        self._session = None
+
+
+class OnnxRuntimeBackend(Backend):
+    """ONNX Runtime: ``onnx`` on ``cpu`` and, with the CUDA provider, ``gpu:N``."""
+
+    name = NAME
+    encodings = frozenset({GraphEncoding.ONNX})
+
+    def __init__(self) -> None:
+        self._devices: list[Device] | None = None
+        self._lock = threading.Lock()
+
+    def devices(self) -> list[Device]:
+        with self._lock:
+            if self._devices is None:
+                found = [Device(ExecutionTarget.CPU)]
+                if "CUDAExecutionProvider" in ort.get_available_providers():
+                    found += [Device(ExecutionTarget.GPU, i) for i in range(_cuda_count())]
+                self._devices = found
+            return list(self._devices)
+
+    def load(
+        self,
+        builders: Builders,
+        encoding: GraphEncoding,
+        device: Device,
+        options: LoadOptions | None = None,
+    ) -> OrtGraph:
+        """Compile one ONNX builder into a session on ``device``.
+
+        Raises InvalidEncodingError for another encoding, a builder count other than one
+        or bytes ONNX Runtime cannot read; UnsupportedOperationError for a device it lacks
+        or a model whose inputs/outputs use a type outside the wasi-nn set.
+        """
+        if encoding not in (GraphEncoding.ONNX, GraphEncoding.AUTODETECT):
+            raise InvalidEncodingError(
+                f"{NAME}: reads onnx models, not {encoding.value}"
+            )
+        expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
+        if device not in self.devices():
+            raise UnsupportedOperationError(
+                f"{NAME}: no device {device} here: expected one of "
+                f"{', '.join(d.name for d in self.devices())}"
+            )
+        options = options or LoadOptions()
+        try:
+            session = ort.InferenceSession(
+                bytes(builders[0]), sess_options=session_options(options),
+                providers=providers_for(device, options),
+            )
+        except Exception as exc:
+            raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
+        if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
+            session.get_providers()
+        ):
+            raise UnsupportedOperationError(f"{NAME}: the CUDA provider did not start on {device}")
+        return OrtGraph(session, device)
+
+
+def session_options(options: LoadOptions) -> Any:
+    """The ``SessionOptions`` wasinn uses; also used by benchmarks for native sessions.
+
+    ``options.extra`` keys starting with ``session.`` become session config entries.
+    """
+    so = ort.SessionOptions()
+    so.log_severity_level = 3  # errors only: warnings go to the exception, not stderr
+    if options.threads:
+        so.intra_op_num_threads = options.threads
+    for key, value in options.extra.items():
+        if key.startswith("session."):
+            so.add_session_config_entry(key, str(value))
+    return so
+
+
+def providers_for(device: Device, options: LoadOptions) -> list[Any]:
+    """The execution providers for ``device`` (``extra["provider_options"]`` for CUDA)."""
+    if device.kind is ExecutionTarget.GPU:
+        cuda_options = {"device_id": device.index, **options.extra.get("provider_options", {})}
+        return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _cuda_count() -> int:
+    """How many CUDA devices the provider sees (1 when ORT cannot enumerate them)."""
+    try:
+        count = sum(1 for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider")
+    except Exception:
+        count = 0
+    return count or 1

@@ -1,0 +1,269 @@
+"""Every built-in backend against the same contract, with real libraries and generated models.
+
+Parametrized over ONNX Runtime, OpenVINO and PyTorch; a missing library is skipped
+(or fails where WASINN_REQUIRE names it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import wasinn
+from tests import backend_models
+from tests.support import require_backend
+from wasinn import (
+    ClosedResourceError,
+    GraphEncoding,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    Tensor,
+    TensorType,
+)
+from wasinn.backends import Backend, CompiledGraph, Device
+from wasinn.backends.registry import BUILTIN, BackendRegistry
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+from wasinn.tensor import numpy_dtype
+
+LIBRARY = {spec.name: spec.library or spec.name for spec in BUILTIN}
+BACKENDS = ["onnxruntime", "openvino", "pytorch"]
+CPU = Device.parse("cpu")
+
+
+@pytest.fixture(scope="module")
+def registry() -> BackendRegistry:
+    return BackendRegistry(discover_plugins=False)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, registry: BackendRegistry) -> Backend:
+    name: str = request.param
+    require_backend(LIBRARY[name])
+    return registry.get(name)
+
+
+def load(backend: Backend, model: backend_models.Model) -> CompiledGraph:
+    builders, encoding = model
+    return backend.load(builders, encoding, CPU)
+
+
+def f32(*rows: list[float]) -> Tensor:
+    return Tensor.from_numpy(np.array(rows, dtype=np.float32))
+
+
+# -- same model, same answer ---------------------------------------------------------------
+def _reference(files: ModelFiles) -> np.ndarray[Any, Any]:
+    import torch
+
+    from wasinn.modelgen import mobilenet_v2
+
+    with torch.inference_mode():
+        return mobilenet_v2(1.0, 0)(torch.from_numpy(sample_image())).numpy()  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_mobilenet_gives_the_same_answer_on_every_backend(
+    mobilenet: ModelFiles, registry: BackendRegistry
+) -> None:
+    for name in BACKENDS:
+        require_backend(LIBRARY[name])
+    image = Tensor.from_numpy(sample_image())
+    onnx, ts = mobilenet.onnx.read_bytes(), mobilenet.torchscript.read_bytes()
+    ir = [mobilenet.ir_xml.read_bytes(), mobilenet.ir_bin.read_bytes()]
+    runs = {
+        "onnxruntime/onnx": (registry.get("onnxruntime"), [onnx], GraphEncoding.ONNX, "input"),
+        "openvino/onnx": (registry.get("openvino"), [onnx], GraphEncoding.ONNX, "input"),
+        "openvino/ir": (registry.get("openvino"), ir, GraphEncoding.OPENVINO, "input"),
+        "pytorch/torchscript": (registry.get("pytorch"), [ts], GraphEncoding.PYTORCH, "x"),
+    }
+    expected = _reference(mobilenet)
+    for label, (backend, builders, encoding, in_name) in runs.items():
+        graph = backend.load(builders, encoding, CPU)
+        (out,) = graph.run({in_name: image}).values()
+        got = out.numpy()
+        assert got.shape == (1, 1000) and out.type is TensorType.F32, label
+        diff = float(np.abs(got - expected).max())
+        assert diff <= 1e-4, f"{label}: max abs diff {diff}"
+        assert int(got.argmax()) == int(expected.argmax()), label
+
+
+# -- element types -------------------------------------------------------------------------
+def _values(ttype: TensorType) -> np.ndarray[Any, Any]:
+    base = np.array([[0, 1, 2, 250], [-3, 7, 100, 5]])
+    if ttype is TensorType.U8:
+        base = np.abs(base)
+    arr = base.astype(numpy_dtype(ttype))
+    if ttype in (TensorType.F16, TensorType.F32, TensorType.F64, TensorType.BF16):
+        arr = (arr / 4).astype(numpy_dtype(ttype))  # fractions survive exactly
+    if ttype in (TensorType.I32, TensorType.I64):
+        arr[0, 3] = np.iinfo(np.int32).max  # the extreme that still fits every backend
+    return arr
+
+
+@pytest.mark.parametrize("ttype", list(TensorType))
+def test_every_element_type_round_trips(backend: Backend, ttype: TensorType) -> None:
+    graph = load(backend, backend_models.identity(backend.name, ttype))
+    assert graph.inputs[0].type is ttype and graph.inputs[0].shape == (None, 4)
+    assert graph.outputs[0].type is ttype
+    arr = _values(ttype)
+    for keep in (False, True):
+        (out,) = graph.run({"x": Tensor.from_numpy(arr)}, keep_on_device=keep).values()
+        assert out.type is ttype and out.dims == arr.shape
+        got = out.numpy()
+        assert got.dtype == arr.dtype
+        np.testing.assert_array_equal(got, arr)
+
+
+# -- bad input -----------------------------------------------------------------------------
+@pytest.fixture
+def affine_graph(backend: Backend) -> CompiledGraph:
+    return load(backend, backend_models.affine(backend.name, 2.0, 1.0))
+
+
+def test_affine_runs(affine_graph: CompiledGraph) -> None:
+    (out,) = affine_graph.run({"x": f32([1, 2, 3, 4], [0, 0, 0, 0])}).values()
+    np.testing.assert_allclose(out.numpy(), [[3, 5, 7, 9], [1, 1, 1, 1]])
+    (by_index,) = affine_graph.run({0: f32([1, 1, 1, 1])}).values()  # type: ignore[dict-item]
+    np.testing.assert_allclose(by_index.numpy(), [[3, 3, 3, 3]])
+
+
+@pytest.mark.parametrize(
+    ("inputs", "what"),
+    [
+        ({"nope": np.zeros((1, 4), np.float32)}, "no input 'nope'"),
+        ({"x": np.zeros((1, 4), np.float64)}, "input 'x' is f64"),
+        ({"x": np.zeros((1, 4), np.int32)}, "input 'x' is i32"),
+        ({"x": np.zeros((1, 5), np.float32)}, "has shape [1, 5]"),
+        ({"x": np.zeros((4,), np.float32)}, "has shape [4]"),
+        ({"x": np.zeros((1, 1, 4), np.float32)}, "has shape [1, 1, 4]"),
+        ({}, "missing inputs"),
+    ],
+)
+def test_bad_inputs_name_what_the_model_expects(
+    affine_graph: CompiledGraph, inputs: dict[str, Any], what: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        affine_graph.run({k: Tensor.from_numpy(v) for k, v in inputs.items()})
+    message = str(info.value)
+    assert what in message
+    assert affine_graph.inputs[0].describe() in message  # "x: f32[?, 4]"
+
+
+def test_unknown_output_names_the_outputs(affine_graph: CompiledGraph) -> None:
+    with pytest.raises(InvalidArgumentError, match="no output 'nope'") as info:
+        affine_graph.run({"x": f32([1, 2, 3, 4])}, outputs=["nope"])
+    assert affine_graph.outputs[0].describe() in str(info.value)
+
+
+def _garbage() -> bytes:
+    return np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+
+
+def _bad_loads(name: str) -> list[tuple[list[bytes], GraphEncoding, str]]:
+    good, encoding = backend_models.affine(name, 2.0, 1.0)
+    return [
+        ([], encoding, "empty builder list"),
+        ([good[0], good[0]], encoding, "2 builders"),
+        ([good[0][: len(good[0]) // 2]], encoding, ""),
+        ([_garbage()], encoding, ""),
+        ([b"\x00" * 64], encoding, ""),
+    ]
+
+
+def test_bad_model_bytes_are_invalid_encoding(backend: Backend) -> None:
+    for builders, encoding, what in _bad_loads(backend.name):
+        with pytest.raises(InvalidEncodingError) as info:
+            backend.load(builders, encoding, CPU)
+        assert backend.name in str(info.value) and what in str(info.value)
+
+
+def test_an_encoding_the_backend_does_not_read_is_invalid_encoding(backend: Backend) -> None:
+    wrong = next(e for e in (GraphEncoding.GGML, GraphEncoding.PYTORCH) if e not in
+                 backend.encodings)
+    with pytest.raises(InvalidEncodingError, match=backend.name):
+        backend.load([affine_onnx()], wrong, CPU)
+
+
+# -- keeping tensors on the device ---------------------------------------------------------
+def test_keep_on_device_chains_without_host_copies(backend: Backend) -> None:
+    first = load(backend, backend_models.affine(backend.name, 2.0, 1.0, out_name="y"))
+    second = load(backend, backend_models.affine(backend.name, 3.0, -1.0, in_name="y",
+                                                 out_name="z"))
+    x = np.array([[1, 2, 3, 4], [-1, -2, -3, -4]], np.float32)
+    before = wasinn.host_copies()
+    (mid,) = first.run({"x": Tensor.from_numpy(x)}, keep_on_device=True).values()
+    assert not mid.is_host and mid.native is not None
+    assert mid.dims == (2, 4) and mid.type is TensorType.F32
+    in_name = second.inputs[0].name
+    (out,) = second.run({in_name: mid}, keep_on_device=True).values()
+    assert wasinn.host_copies() == before  # nothing crossed into host memory
+    np.testing.assert_allclose(out.numpy(), (x * 2 + 1) * 3 - 1)
+    assert wasinn.host_copies() == before + 1  # the final read is the one copy
+
+
+def test_native_tensor_of_another_backend_is_accepted(registry: BackendRegistry) -> None:
+    require_backend("onnxruntime")
+    require_backend("openvino")
+    ort_graph = registry.get("onnxruntime").load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    ov_graph = registry.get("openvino").load([affine_onnx(3.0, 0.0)], GraphEncoding.ONNX, CPU)
+    (mid,) = ort_graph.run({"x": f32([1, 2, 3, 4])}, keep_on_device=True).values()
+    before = wasinn.host_copies()
+    (out,) = ov_graph.run({"x": mid}).values()
+    assert wasinn.host_copies() == before + 1  # a foreign native value goes through the host
+    np.testing.assert_allclose(out.numpy(), [[9, 15, 21, 27]])
+
+
+# -- threads and lifetime ------------------------------------------------------------------
+def test_concurrent_runs_on_one_graph(affine_graph: CompiledGraph) -> None:
+    results: dict[int, np.ndarray[Any, Any]] = {}
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for _ in range(20):
+                x = np.full((3, 4), k, np.float32)
+                (out,) = affine_graph.run({"x": Tensor.from_numpy(x)}).values()
+                results[k] = out.numpy()
+                np.testing.assert_allclose(results[k], x * 2 + 1)
+        except BaseException as exc:  # collected and re-raised in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+
+
+def test_closed_graph_refuses_to_run(affine_graph: CompiledGraph) -> None:
+    affine_graph.close()
+    affine_graph.close()  # idempotent
+    with pytest.raises(ClosedResourceError):
+        affine_graph.run({"x": f32([1, 2, 3, 4])})
+
+
+def test_specs_report_dynamic_dims(affine_graph: CompiledGraph) -> None:
+    (spec,) = affine_graph.inputs
+    assert spec.type is TensorType.F32 and spec.shape == (None, 4)
+    assert affine_graph.outputs[0].shape == (None, 4)
+    assert affine_graph.device == CPU
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_outputs_selects_by_name_in_any_order(backend: Backend, keep: bool) -> None:
+    builders, encoding, (same, negated) = backend_models.two_outputs(backend.name)
+    graph = backend.load(builders, encoding, CPU)
+    assert [s.name for s in graph.outputs] == [same, negated]
+    x = f32([1, 2, 3, 4])
+    out = graph.run({"x": x}, outputs=[negated, same], keep_on_device=keep)
+    assert sorted(out) == sorted([same, negated])
+    np.testing.assert_array_equal(out[negated].numpy(), -x.numpy())
+    np.testing.assert_array_equal(out[same].numpy(), x.numpy())
+    only = graph.run({"x": x}, outputs=[negated], keep_on_device=keep)
+    assert list(only) == [negated]
+    assert graph.run({"x": x}, outputs=[], keep_on_device=keep) == {}

@@ -1,0 +1,100 @@
+"""ONNX Runtime specifics: natives are OrtValues, bf16 through a uint16 carrier, options, CUDA."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.support import has_module, require_backend, skip_unless
+from wasinn import GraphEncoding, Tensor, TensorType, UnsupportedOperationError
+from wasinn.backends import Device, LoadOptions
+from wasinn.modelgen import affine_onnx, identity_onnx
+
+pytestmark = pytest.mark.usefixtures("_ort")
+
+CPU = Device.parse("cpu")
+
+
+@pytest.fixture
+def _ort() -> None:
+    require_backend("onnxruntime")
+
+
+@pytest.fixture
+def backend() -> Any:
+    from wasinn.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend()
+
+
+def test_devices_start_with_the_cpu(backend: Any) -> None:
+    import onnxruntime as ort
+
+    devices = backend.devices()
+    assert devices[0] == CPU
+    has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    assert any(d.kind.value == "gpu" for d in devices) == has_cuda
+
+
+def test_keep_on_device_returns_ortvalues_that_bind_back(backend: Any) -> None:
+    import onnxruntime as ort
+
+    graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    x = Tensor.from_numpy(np.ones((2, 4), np.float32))
+    (out,) = graph.run({"x": x}, keep_on_device=True).values()
+    assert isinstance(out.native, ort.OrtValue) and out.device == "cpu"
+    (again,) = graph.run({"x": out}).values()
+    np.testing.assert_allclose(again.numpy(), np.full((2, 4), 7.0))
+
+
+def test_bf16_values_keep_their_bits(backend: Any) -> None:
+    graph = backend.load([identity_onnx(TensorType.BF16)], GraphEncoding.ONNX, CPU)
+    arr = np.array([[1.5, -2.0, 3.0e38, 1.0e-30]], dtype=ml_dtypes.bfloat16)
+    (out,) = graph.run({"x": Tensor.from_numpy(arr)}).values()
+    assert out.numpy().dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(out.numpy().view(np.uint16), arr.view(np.uint16))
+
+
+def test_a_type_outside_wasi_nn_is_unsupported(backend: Any) -> None:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.BOOL, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.BOOL, [2])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(UnsupportedOperationError, match=r"input 'x' has element type tensor\(bool"):
+        backend.load([model.SerializeToString()], GraphEncoding.ONNX, CPU)
+
+
+def test_options_reach_the_session(backend: Any) -> None:
+    options = LoadOptions(threads=1, extra={"session.intra_op.allow_spinning": "0"})
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
+    assert graph.session.get_session_options().intra_op_num_threads == 1
+    assert graph.session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_a_missing_device_is_unsupported(backend: Any) -> None:
+    with pytest.raises(UnsupportedOperationError, match="no device tpu:0"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, Device.parse("tpu:0"))
+
+
+@pytest.mark.gpu
+def test_cuda_provider_runs_and_keeps_outputs_on_the_gpu(backend: Any) -> None:
+    import onnxruntime as ort
+
+    skip_unless("onnxruntime-gpu", has_module("onnxruntime")
+                and "CUDAExecutionProvider" in ort.get_available_providers(),
+                "onnxruntime has no CUDA provider here (install onnxruntime-gpu)")
+    gpu = Device.parse("gpu:0")
+    first = backend.load([affine_onnx(2.0, 1.0, out_name="y")], GraphEncoding.ONNX, gpu)
+    second = backend.load([affine_onnx(3.0, 0.0, in_name="y", out_name="z")],
+                          GraphEncoding.ONNX, gpu)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    (mid,) = first.run({"x": Tensor.from_numpy(x)}, keep_on_device=True).values()
+    assert mid.device == "gpu:0" and mid.native.device_name().lower() == "cuda"
+    (out,) = second.run({"y": mid}).values()
+    np.testing.assert_allclose(out.numpy(), (x * 2 + 1) * 3)

@@ -1,0 +1,164 @@
+"""OpenVINO specifics: IR, TensorFlow and TFLite frontends, precision, i64, device names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests import backend_models
+from tests.support import require_backend
+from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
+from wasinn import (
+    GraphEncoding,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    Tensor,
+    TensorType,
+    UnsupportedOperationError,
+)
+from wasinn.backends import Device, LoadOptions
+from wasinn.modelgen import affine_onnx, identity_onnx
+
+pytestmark = pytest.mark.usefixtures("_openvino")
+
+CPU = Device.parse("cpu")
+X = np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32)
+
+
+@pytest.fixture
+def _openvino() -> None:
+    require_backend("openvino")
+
+
+@pytest.fixture
+def backend() -> Any:
+    from wasinn.backends.openvino import OpenVinoBackend
+
+    return OpenVinoBackend()
+
+
+def test_ir_runs_from_xml_and_weights(backend: Any) -> None:
+    builders, encoding = backend_models.affine_ir(2.0, 1.0)
+    graph = backend.load(builders, encoding, CPU)
+    assert [s.describe() for s in graph.inputs] == ["x: f32[?, 4]"]
+    (out,) = graph.run({"x": Tensor.from_numpy(X)}).values()
+    np.testing.assert_allclose(out.numpy(), X * 2 + 1)
+
+
+@pytest.mark.parametrize(
+    ("make", "encoding", "in_name", "out_name"),
+    [
+        (relu_graphdef, GraphEncoding.TENSORFLOW, "x:0", "y:0"),
+        (relu_saved_model, GraphEncoding.TENSORFLOW, "x", "y"),
+        (relu_tflite, GraphEncoding.TENSORFLOWLITE, "x", "y"),
+    ],
+    ids=["graphdef", "savedmodel", "tflite"],
+)
+def test_tensorflow_frontends_run(
+    backend: Any, make: Any, encoding: GraphEncoding, in_name: str, out_name: str
+) -> None:
+    graph = backend.load([make()], encoding, CPU)
+    assert [s.describe() for s in graph.inputs] == [f"{in_name}: f32[1, 4]"]
+    assert [s.name for s in graph.outputs] == [out_name]
+    out = graph.run({in_name: Tensor.from_numpy(X)})
+    np.testing.assert_array_equal(out[out_name].numpy(), np.maximum(X, 0))
+    # TensorFlow's "x:0" tensor names also answer to the node name "x".
+    short = in_name.removesuffix(":0")
+    np.testing.assert_array_equal(
+        graph.run({short: Tensor.from_numpy(X)}, outputs=[out_name.removesuffix(":0")])[
+            out_name].numpy(),
+        np.maximum(X, 0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("builders", "encoding", "what"),
+    [
+        (lambda: [affine_onnx(), b""], GraphEncoding.OPENVINO,
+         "declared openvino but its first builder is onnx"),
+        (lambda: [affine_onnx()], GraphEncoding.OPENVINO, "1 builders given"),
+        (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0]], GraphEncoding.ONNX,
+         "declared onnx but its first builder is openvino"),
+        (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0], b"\x00" * 4], GraphEncoding.OPENVINO,
+         "weights"),
+        (lambda: [relu_tflite()[:40]], GraphEncoding.TENSORFLOWLITE, "model.tflite"),
+        (lambda: [relu_graphdef()[:60]], GraphEncoding.TENSORFLOW, "model.pb"),
+        (lambda: [relu_tflite()], GraphEncoding.TENSORFLOW, "declared tensorflow"),
+        (lambda: [affine_onnx()], GraphEncoding.GGML, "cannot read ggml"),
+    ],
+    ids=["onnx-as-ir", "ir-one-builder", "ir-as-onnx", "ir-bad-weights", "tflite-truncated",
+         "graphdef-truncated", "tflite-as-tf", "ggml"],
+)
+def test_mislabelled_or_broken_models_are_invalid_encoding(
+    backend: Any, builders: Any, encoding: GraphEncoding, what: str
+) -> None:
+    with pytest.raises(InvalidEncodingError, match=r"^openvino: ") as info:
+        backend.load(builders(), encoding, CPU)
+    assert what in str(info.value)
+
+
+def test_inference_precision_defaults_to_f32(backend: Any) -> None:
+    import openvino as ov
+
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    assert graph.compiled_model.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    plugin_default = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU,
+                                  LoadOptions(precision="default"))
+    expected = backend.core.get_property("CPU", "INFERENCE_PRECISION_HINT")
+    assert plugin_default.compiled_model.get_property("INFERENCE_PRECISION_HINT") == expected
+
+
+def test_i64_outside_the_i32_range_is_refused_not_truncated(backend: Any) -> None:
+    graph = backend.load([identity_onnx(TensorType.I64)], GraphEncoding.ONNX, CPU)
+    fits = np.array([[-(2**31), 0, 1, 2**31 - 1]], np.int64)
+    np.testing.assert_array_equal(graph.run({"x": Tensor.from_numpy(fits)})["y"].numpy(), fits)
+    with pytest.raises(InvalidArgumentError, match="outside the i32 range"):
+        graph.run({"x": Tensor.from_numpy(np.array([[2**40, 0, 0, 0]], np.int64))})
+
+
+def test_keep_on_device_returns_ov_tensors(backend: Any) -> None:
+    import openvino as ov
+
+    graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    first = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
+    second = graph.run({"x": Tensor.from_numpy(X * 0)}, keep_on_device=True)["y"]
+    assert isinstance(first.native, ov.Tensor)
+    # A later run must not overwrite an earlier run's native output.
+    np.testing.assert_allclose(first.numpy(), X * 2 + 1)
+    np.testing.assert_allclose(second.numpy(), np.ones_like(X))
+
+
+class _FakeCore:
+    """Stands in for ov.Core to test the device-name mapping only."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.available_devices = names
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["CPU"], ["cpu"]),
+        (["CPU", "GPU"], ["cpu", "gpu:0"]),
+        (["CPU", "GPU.0", "GPU.1", "NPU"], ["cpu", "gpu:0", "gpu:1", "tpu:0"]),
+        (["CPU", "GNA", "HETERO"], ["cpu"]),
+    ],
+)
+def test_device_names_map_onto_wasi_nn_targets(
+    backend: Any, names: list[str], expected: list[str]
+) -> None:
+    backend._core = _FakeCore(names)
+    assert [d.name for d in backend.devices()] == expected
+
+
+def test_a_device_openvino_lacks_is_unsupported(backend: Any) -> None:
+    with pytest.raises(UnsupportedOperationError, match="no device gpu:3"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, Device.parse("gpu:3"))
+
+
+def test_extra_options_pass_through_when_openvino_knows_them(backend: Any) -> None:
+    options = LoadOptions(extra={"PERFORMANCE_HINT": "THROUGHPUT", "optimize": False})
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
+    assert str(graph.compiled_model.get_property("PERFORMANCE_HINT")).endswith("THROUGHPUT")

@@ -1,0 +1,153 @@
+"""The backend registry: preference order, lazy imports, plugins through entry points.
+
+Fakes appear only where routing is under test (a backend that records what it is asked).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import require_backend
+from wasinn import (
+    ExecutionTarget,
+    GraphEncoding,
+    InvalidArgumentError,
+    UnsupportedOperationError,
+)
+from wasinn.backends import Backend, BackendRegistry, Builders, CompiledGraph, Device, LoadOptions
+
+CPU, GPU = ExecutionTarget.CPU, ExecutionTarget.GPU
+
+
+class RoutingBackend(Backend):
+    """Reads ggml on cpu and gpu:0, gpu:1; compiles nothing."""
+
+    name = "routing"
+    encodings = frozenset({GraphEncoding.GGML, GraphEncoding.ONNX})
+
+    def devices(self) -> list[Device]:
+        return [Device(CPU), Device(GPU, 0), Device(GPU, 1)]
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> CompiledGraph:
+        raise UnsupportedOperationError("routing backend compiles nothing")
+
+
+def test_default_preference_picks_onnxruntime_for_onnx() -> None:
+    require_backend("onnxruntime")
+    backend, devices = BackendRegistry(discover_plugins=False).choose(GraphEncoding.ONNX, CPU)
+    assert backend.name == "onnxruntime" and devices == [Device(CPU)]
+
+
+def test_preference_order_changes_the_choice(caplog: pytest.LogCaptureFixture) -> None:
+    require_backend("onnxruntime")
+    require_backend("openvino")
+    registry = BackendRegistry(("openvino", "onnxruntime", "pytorch"), discover_plugins=False)
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        backend, _ = registry.choose(GraphEncoding.ONNX, CPU)
+    assert backend.name == "openvino"
+    (record,) = [r for r in caplog.records if r.name == "wasinn.backends"]
+    assert record.levelno == logging.DEBUG
+    assert "chose backend openvino for onnx on cpu" in record.getMessage()
+    assert "'openvino', 'onnxruntime', 'pytorch'" in record.getMessage()
+
+
+def test_each_encoding_goes_to_the_backend_that_reads_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for lib in ("onnxruntime", "openvino", "torch"):
+        require_backend(lib)
+    registry = BackendRegistry(discover_plugins=False)
+    expected = {
+        GraphEncoding.OPENVINO: "openvino",
+        GraphEncoding.TENSORFLOW: "openvino",
+        GraphEncoding.TENSORFLOWLITE: "openvino",
+        GraphEncoding.PYTORCH: "pytorch",
+    }
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        for encoding, name in expected.items():
+            assert registry.choose(encoding, CPU)[0].name == name
+    # The reason names what was passed over: onnxruntime does not read pytorch.
+    assert any("onnxruntime: does not read pytorch" in r.getMessage() for r in caplog.records)
+
+
+def test_nothing_reads_ggml_says_why_for_each_backend() -> None:
+    registry = BackendRegistry(discover_plugins=False)
+    with pytest.raises(UnsupportedOperationError, match="no backend runs ggml on cpu") as info:
+        registry.choose(GraphEncoding.GGML, CPU)
+    for name in ("onnxruntime", "openvino", "pytorch"):
+        assert name in str(info.value)
+
+
+def test_a_target_without_devices_is_unsupported() -> None:
+    require_backend("onnxruntime")
+    registry = BackendRegistry(("onnxruntime",), discover_plugins=False)
+    if any(d.kind is ExecutionTarget.TPU for d in registry.get("onnxruntime").devices()):
+        pytest.skip("this machine has a TPU for onnxruntime")
+    with pytest.raises(UnsupportedOperationError, match="onnxruntime: no tpu device here"):
+        registry.choose(GraphEncoding.ONNX, ExecutionTarget.TPU)
+
+
+def test_extra_backends_join_and_can_be_preferred() -> None:
+    routing = RoutingBackend()
+    registry = BackendRegistry(("routing", "onnxruntime"), extra=[routing],
+                               discover_plugins=False)
+    assert registry.names()[0] == "routing" and registry.is_installed("routing")
+    backend, devices = registry.choose(GraphEncoding.GGML, GPU)
+    assert backend is routing and devices == [Device(GPU, 0), Device(GPU, 1)]
+    assert registry.choose(GraphEncoding.ONNX, CPU)[0] is routing
+
+
+def test_unknown_backend_names_are_invalid_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown backend 'nope'"):
+        BackendRegistry(("nope",), discover_plugins=False)
+    with pytest.raises(InvalidArgumentError, match=r"expected one of .*onnxruntime"):
+        BackendRegistry(discover_plugins=False).get("nope")
+
+
+def test_entry_points_plug_in_third_party_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = importlib.metadata.EntryPoint(
+        name="routing", value=f"{__name__}:RoutingBackend", group="wasinn.backends")
+    asked: list[str | None] = []
+
+    def entry_points(*, group: str | None = None) -> importlib.metadata.EntryPoints:
+        asked.append(group)
+        return importlib.metadata.EntryPoints([plugin] if group == "wasinn.backends" else [])
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    registry = BackendRegistry()
+    assert asked == ["wasinn.backends"]
+    assert "routing" in registry.names() and registry.is_installed("routing")
+    backend = registry.get("routing")
+    assert type(backend).__name__ == "RoutingBackend"
+    assert registry.reads("routing", GraphEncoding.GGML)  # encodings asked once imported
+    assert registry.choose(GraphEncoding.GGML, CPU)[0] is backend
+    assert "routing" not in BackendRegistry(discover_plugins=False).names()
+
+
+def test_a_plugin_cannot_shadow_a_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
+    shadow = importlib.metadata.EntryPoint(
+        name="onnxruntime", value=f"{__name__}:RoutingBackend", group="wasinn.backends")
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda *, group=None: importlib.metadata.EntryPoints([shadow]))
+    spec = BackendRegistry()._spec("onnxruntime")
+    assert spec.entry == "wasinn.backends.onnxruntime:OnnxRuntimeBackend"
+
+
+def test_only_the_chosen_backend_is_imported() -> None:
+    require_backend("openvino")
+    code = (
+        "import sys; from wasinn.backends import BackendRegistry;"
+        "from wasinn import GraphEncoding, ExecutionTarget;"
+        "r = BackendRegistry(); r.installed();"
+        "b, _ = r.choose(GraphEncoding.TENSORFLOWLITE, ExecutionTarget.CPU);"
+        "print(b.name, sorted(m for m in ('onnxruntime', 'openvino', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "openvino ['openvino']"
