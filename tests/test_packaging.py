@@ -61,3 +61,27 @@ def test_import_time_is_measured_under_budget() -> None:
         for _ in range(3)
     )
     assert best < 0.3, f"import wasinn took {best:.3f} s, budget 0.3 s"
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_the_wasinn_namespace(tmp_path: Path) -> None:
+    # Build the real wheel (no network: the build backend is already installed) and read its
+    # file list: every module must sit under wasinn/, with the TOML configs and WIT files
+    # shipped as package data.
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(root)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("wasinn-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.startswith("wasinn-")}
+    assert tops == {"wasinn"}, tops
+    assert "wasinn/py.typed" in names
+    assert "wasinn/configs/default.toml" in names
+    assert any(n.startswith("wasinn/wit/") and n.endswith((".wit", ".witx")) for n in names)
+    for sub in ("backends", "actors", "scheduler", "host"):
+        assert f"wasinn/{sub}/__init__.py" in names

@@ -1,0 +1,269 @@
+"""Running component guests: ``run_component`` (``wasi:cli/run``) and :class:`ComponentGuest`.
+
+Each guest instance has its own Store and Linker; the Engine and the compiled
+component are shared and cached on disk (:func:`wasinn.host.engine.compile_component`).
+Guest code runs in a worker thread (wasm runs without the GIL, so guests run in
+parallel) and reaches the scheduler through ``trio.from_thread``.
+
+Cancellation: cancelling a call interrupts the guest wherever it is. A guest computing
+in wasm traps at its next epoch check (:class:`~wasinn.host.interrupt.Interrupter`); a
+guest waiting in a wasi-nn call has that call cancelled in trio, then traps. Whatever
+way a guest ends, every context it still holds is closed and every graph unloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import outcome
+import trio
+import wasmtime
+import wasmtime.component as wc
+
+from wasinn.errors import InvalidArgumentError
+from wasinn.host.component import fastlist
+from wasinn.host.component.linking import nn_linker
+from wasinn.host.component.service import GuestPolicy, NNService
+from wasinn.host.engine import compile_component, shared_engine
+from wasinn.host.interrupt import INTERRUPTED, Interrupter
+from wasinn.host.limits import GuestLimits
+from wasinn.host.runner import GuestTrap
+from wasinn.host.scheduler_api import TrioPortal
+from wasinn.host.wasi import Dirs, wasi_config
+
+log = logging.getLogger("wasinn.host.component")
+
+T = TypeVar("T")
+
+#: ``wasi:cli/run`` versions looked for, newest first.
+_RUN_INTERFACES = tuple(f"wasi:cli/run@0.2.{minor}" for minor in range(9, -1, -1))
+
+_GUEST_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("wasinn_component_threads")
+
+
+def _guest_threads() -> trio.CapacityLimiter:
+    # One thread per running guest: guests mostly wait in wasi-nn calls and must not
+    # compete with the device actors' inference threads for trio's default limiter.
+    try:
+        return _GUEST_THREADS.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(math.inf)
+        _GUEST_THREADS.set(limiter)
+        return limiter
+
+
+def _trap_message(exc: BaseException) -> str:
+    return str(exc).strip() or type(exc).__name__
+
+
+def compile_guest(wasm: bytes | str, program: str = "component") -> wc.Component:
+    """Compile (or fetch from the disk cache) a component in binary or text format.
+
+    Raises InvalidArgumentError naming ``program`` when it is not a valid component.
+    """
+    data = wasm.encode() if isinstance(wasm, str) else wasm
+    try:
+        return compile_component(data)
+    except wasmtime.WasmtimeError as exc:
+        raise InvalidArgumentError(f"{program} is not a valid component: {exc}") from None
+
+
+class ComponentGuest:
+    """One instantiated component guest with the wasi-nn host, driven from trio.
+
+    ``await ComponentGuest.start(rt, wasm)`` instantiates it; :meth:`call` runs one of
+    its exported functions in a worker thread; :meth:`aclose` releases everything it
+    still holds (also on ``async with``). ``live()`` counts its live host handles.
+    """
+
+    def __init__(self, service: NNService, program: str) -> None:
+        self.service = service
+        self.program = program
+        self.engine = shared_engine()
+        self.interrupter = Interrupter(self.engine)
+        self.store: wasmtime.Store | None = None
+        self.instance: wc.Instance | None = None
+        self._closed = False
+        self._busy = False
+
+    @classmethod
+    async def start(
+        cls,
+        rt: Any,
+        wasm: bytes | str | wc.Component,
+        *,
+        limits: GuestLimits | None = None,
+        policy: GuestPolicy | None = None,
+        wasi: wasmtime.WasiConfig | None = None,
+        program: str = "component",
+    ) -> ComponentGuest:
+        """Compile (cached) and instantiate ``wasm`` with WASI 0.2 and every wasi-nn version.
+
+        Raises InvalidArgumentError when it is not a component or imports something the
+        host does not provide.
+        """
+        limits = limits or getattr(rt, "guest_limits", None) or GuestLimits()
+        component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
+            compile_guest, wasm, program)
+        guest = cls(NNService(rt, TrioPortal(), limits, policy), program)
+        config = wasi or wasi_config(program)
+        await trio.to_thread.run_sync(guest._instantiate, component, config)
+        return guest
+
+    def _instantiate(self, component: wc.Component, config: wasmtime.WasiConfig) -> None:
+        started = time.perf_counter()
+        store = wasmtime.Store(self.engine)
+        store.set_wasi(config)
+        self.interrupter.install(store)
+        linker = nn_linker(self.engine, self.service, self.interrupter)
+        try:
+            self.instance = linker.instantiate(store, component)
+        except wasmtime.WasmtimeError as exc:
+            raise InvalidArgumentError(f"cannot instantiate {self.program}: {exc}") from None
+        self.store = store
+        log.info("instantiated %s in %.1f ms", self.program, (time.perf_counter() - started) * 1e3)
+
+    def func(self, name: str | Sequence[str]) -> wc.Func | None:
+        """The exported function ``name`` (or ``(interface, function)``), if any."""
+        assert self.store is not None and self.instance is not None
+        path = [name] if isinstance(name, str) else list(name)
+        index = None
+        for part in path:
+            index = self.instance.get_export_index(self.store, part, index)
+            if index is None:
+                return None
+        return self.instance.get_func(self.store, index) if index is not None else None
+
+    def _invoke(self, func: wc.Func, args: Sequence[Any]) -> Any:
+        assert self.store is not None
+        with fastlist.words_as_bytes():
+            try:
+                result = func(self.store, *args)
+                func.post_return(self.store)
+            except wasmtime.ExitTrap:
+                raise
+            except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
+                if self.interrupter.requested:
+                    raise GuestTrap(INTERRUPTED) from None
+                raise GuestTrap(f"{self.program} trapped: {_trap_message(exc)}") from None
+        return result
+
+    async def call(self, name: str | Sequence[str], *args: Any) -> Any:
+        """Call an export in a worker thread and return its (converted) result.
+
+        Raises InvalidArgumentError for an unknown export or a closed or busy guest, GuestTrap
+        when the guest traps (the instance cannot be entered again afterwards).
+        Cancellation interrupts the guest; it is dead afterwards.
+        """
+        if self._closed or self.store is None:
+            raise InvalidArgumentError(f"{self.program} is closed")
+        if self._busy:
+            raise InvalidArgumentError(f"{self.program} is already running a call")
+        func = self.func(name)
+        if func is None:
+            raise InvalidArgumentError(f"{self.program} exports no function {name!r}")
+        self._busy = True
+        try:
+            return await self._interruptible(self._invoke, func, args)
+        finally:
+            self._busy = False
+
+    async def _interruptible(self, fn: Callable[..., T], *args: Any) -> T:
+        result: outcome.Outcome[T] | None = None
+        finished = False
+
+        async def guest() -> None:
+            nonlocal result, finished
+            # Captured, not raised, so a trap is not wrapped in the nursery's group.
+            result = await outcome.acapture(
+                trio.to_thread.run_sync, fn, *args, abandon_on_cancel=False,
+                limiter=_guest_threads())
+            finished = True
+            nursery.cancel_scope.cancel()
+
+        async def stop_on_cancel() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                if not finished:
+                    self.interrupter.request()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(guest)
+            nursery.start_soon(stop_on_cancel)
+        assert result is not None
+        if isinstance(result, outcome.Error) and self.interrupter.requested:
+            await trio.lowlevel.checkpoint()  # let the cancellation be what the caller sees
+        return result.unwrap()
+
+    def live(self) -> dict[str, int]:
+        """Live host handles of each kind (all zero when the guest has dropped all)."""
+        return self.service.tables.live()
+
+    async def aclose(self) -> None:
+        """Release every context and graph the guest still holds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.interrupter.finish()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.service.close)
+        self.instance = None
+        self.store = None
+
+    async def __aenter__(self) -> ComponentGuest:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _find_run(guest: ComponentGuest) -> wc.Func:
+    for interface in _RUN_INTERFACES:
+        func = guest.func((interface, "run"))
+        if func is not None:
+            return func
+    raise InvalidArgumentError(
+        f"{guest.program} exports no wasi:cli/run: expected a WASI 0.2 command component"
+    )
+
+
+def _exit_code(result: Any) -> int:
+    if isinstance(result, wc.Variant):
+        return 0 if result.tag == "ok" else 1
+    return 0
+
+
+async def run_component(
+    rt: Any,
+    wasm: bytes,
+    *,
+    argv: Sequence[str] = (),
+    dirs: Dirs | None = None,
+    env: Mapping[str, str] | None = None,
+    limits: GuestLimits | None = None,
+    policy: GuestPolicy | None = None,
+    program: str = "component.wasm",
+) -> int:
+    """Run a WASI 0.2 command component (its ``wasi:cli/run`` export); return its exit code.
+
+    0 when ``run`` returns ok, 1 when it returns an error, the status given to
+    ``wasi:cli/exit`` otherwise. ``argv``/``dirs``/``env`` are as in
+    :mod:`wasinn.host.wasi`. Raises :class:`GuestTrap` when the guest traps and
+    InvalidArgumentError for bytes that are not a runnable component. Cancellation
+    interrupts the guest; every graph and context it held is released either way.
+    """
+    config = wasi_config(program, argv, dirs, env)
+    guest = await ComponentGuest.start(rt, wasm, limits=limits, policy=policy, wasi=config,
+                                       program=program)
+    async with guest:
+        run = _find_run(guest)
+        try:
+            result = await guest._interruptible(guest._invoke, run, ())
+        except wasmtime.ExitTrap as exc:
+            return int(exc.code)
+        return _exit_code(result)

@@ -1,0 +1,417 @@
+"""wasi-nn for one component guest, in host terms: reps in, reps out, wasinn errors raised.
+
+:class:`NNService` implements every operation of the WIT interfaces (all release
+candidates and the wasinn extension) over one guest's :class:`GuestTables`, reaching
+the scheduler through a :class:`~wasinn.host.scheduler_api.Portal`. It knows nothing of
+wasmtime: the linker (:mod:`wasinn.host.component.linking`) converts values and turns
+every raised :class:`~wasinn.errors.WasiNNError` into an ``error`` resource.
+
+Outputs are computed with ``keep_on_device=True``: they stay backend-native values
+(on the CPU too) until the guest calls ``data()``, so a guest that passes one model's
+output to another model's compute never moves it through host or guest memory.
+
+Ownership: an owned tensor handed to the host (compute inputs, ``set-input``) leaves
+the guest's table at once, whatever happens next. A graph is unloaded when its last
+holder, the graph handle or a context created from it, is dropped. :meth:`close`
+releases whatever a guest left behind (it trapped, exited or was cancelled).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
+from wasinn.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    NotFoundError,
+    SecurityError,
+    TimeoutError_,
+    TooLargeError,
+    UnknownError,
+    WasiNNError,
+    error_for_code,
+)
+from wasinn.host.component.tables import ContextEntry, GraphEntry, GuestTables, TensorEntry
+from wasinn.host.limits import GuestLimits
+from wasinn.host.scheduler_api import Portal
+from wasinn.tensor import Tensor
+
+log = logging.getLogger("wasinn.host.component")
+
+T = TypeVar("T")
+
+#: WIT ``tensor-type`` case names, in WIT order, onto wasinn's element types.
+WIT_TENSOR_TYPES: dict[str, TensorType] = {
+    "FP16": TensorType.F16,
+    "FP32": TensorType.F32,
+    "FP64": TensorType.F64,
+    "BF16": TensorType.BF16,
+    "U8": TensorType.U8,
+    "I32": TensorType.I32,
+    "I64": TensorType.I64,
+}
+_WIT_TYPE_NAME = {tt: name for name, tt in WIT_TENSOR_TYPES.items()}
+
+
+def wit_type_name(tensor_type: TensorType) -> str:
+    return _WIT_TYPE_NAME[tensor_type]
+
+
+@dataclass(frozen=True)
+class GuestPolicy:
+    """What the host lets one component guest do beyond :class:`GuestLimits`.
+
+    ``allowed_targets``: the execution targets this guest may ask for (None = all);
+    asking for another gives the guest a ``security`` error, the spec's code for "cannot
+    access a hardware feature requested". ``compute_timeout``: seconds one compute may
+    take before the guest gets ``timeout`` (None = no limit).
+    """
+
+    allowed_targets: frozenset[ExecutionTarget] | None = None
+    compute_timeout: float | None = None
+
+
+class NNService:
+    """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread."""
+
+    def __init__(
+        self,
+        runtime: Any,
+        portal: Portal,
+        limits: GuestLimits | None = None,
+        policy: GuestPolicy | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.portal = portal
+        self.limits = limits or GuestLimits()
+        self.policy = policy or GuestPolicy()
+        self.tables = GuestTables.create(self.limits.max_graphs, self.limits.max_contexts)
+        self._model_bytes = 0
+
+    # -- errors -----------------------------------------------------------------------
+    def error_new(self, error: WasiNNError) -> int:
+        return self.tables.errors.add(error)
+
+    def error_from_parts(self, code: str, data: str) -> int:
+        """The 2024-06-25 ``error`` constructor."""
+        try:
+            cls = error_for_code(ErrorCode(code))
+        except ValueError:
+            cls = UnknownError
+        return self.tables.errors.add(cls(data))
+
+    def error_code(self, rep: int) -> str:
+        return self.tables.errors.get(rep).code.value
+
+    def error_data(self, rep: int) -> str:
+        return self.tables.errors.get(rep).message
+
+    def error_drop(self, rep: int) -> None:
+        self.tables.errors.pop(rep)
+
+    # -- tensors ----------------------------------------------------------------------
+    def tensor_new(self, dims: Sequence[int], type_name: str, data: bytes) -> int:
+        """The tensor constructor: never raises for bad arguments (WIT gives it no error).
+
+        An inconsistent tensor is stored with its error; compute reports it.
+        """
+        shape = tuple(int(d) for d in dims)
+        try:
+            tensor = self._make_tensor(shape, type_name, data)
+            entry = TensorEntry(shape, type_name, tensor)
+        except WasiNNError as exc:
+            entry = TensorEntry(shape, type_name, None, invalid=exc, raw=bytes(data))
+        return self.tables.tensors.add(entry)
+
+    def tensor_from_words(self, dims: Sequence[int], type_name: str, words: bytes) -> int:
+        """``wasinn:nn/bulk.tensor-from-words``: data as little-endian u64 words (padded)."""
+        shape = tuple(int(d) for d in dims)
+        ttype = self._tensor_type(type_name)
+        size = math.prod(shape) * ttype.itemsize
+        need = (size + 7) // 8 * 8
+        if len(words) != need:
+            raise InvalidArgumentError(
+                f"tensor-from-words got {len(words) // 8} words but dimensions {list(shape)} "
+                f"of {type_name} need {need // 8} ({size} bytes, padded to whole words)"
+            )
+        tensor = self._make_tensor(shape, type_name, memoryview(words)[:size])
+        return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
+
+    def _tensor_type(self, type_name: str) -> TensorType:
+        try:
+            return WIT_TENSOR_TYPES[type_name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"unknown tensor-type {type_name!r}: expected one of {', '.join(WIT_TENSOR_TYPES)}"
+            ) from None
+
+    def _make_tensor(self, shape: tuple[int, ...], type_name: str, data: Any) -> Tensor:
+        ttype = self._tensor_type(type_name)
+        nbytes = math.prod(shape) * ttype.itemsize
+        if nbytes > self.limits.max_tensor_bytes or len(data) > self.limits.max_tensor_bytes:
+            raise TooLargeError(
+                f"tensor of {max(nbytes, len(data))} bytes exceeds this guest's limit of "
+                f"{self.limits.max_tensor_bytes} bytes per tensor"
+            )
+        return Tensor.from_bytes(shape, ttype, data)
+
+    def tensor_dims(self, rep: int) -> list[int]:
+        return list(self.tables.tensors.get(rep).dims)
+
+    def tensor_type(self, rep: int) -> str:
+        return self.tables.tensors.get(rep).type_name
+
+    def tensor_bytes(self, rep: int) -> np.ndarray[Any, Any] | bytes:
+        """The tensor's bytes; a device-resident output is materialized here, once."""
+        entry = self.tables.tensors.get(rep)
+        if entry.tensor is None:
+            return entry.raw
+        return entry.tensor.numpy().reshape(-1).view(np.uint8)
+
+    def tensor_drop(self, rep: int) -> None:
+        self.tables.tensors.pop(rep)
+
+    def take_tensor(self, rep: int) -> TensorEntry:
+        """Take over an owned tensor handle (it leaves the guest's table)."""
+        entry = self.tables.tensors.pop(rep)
+        if entry is None:
+            raise NotFoundError(f"tensor handle {rep} is no longer live")
+        return entry
+
+    # -- graphs -----------------------------------------------------------------------
+    def _check_target(self, target: ExecutionTarget | None) -> None:
+        allowed = self.policy.allowed_targets
+        if target is not None and allowed is not None and target not in allowed:
+            names = ", ".join(sorted(t.value for t in allowed)) or "none"
+            raise SecurityError(
+                f"this guest may not use execution target {target.value}: allowed are {names}"
+            )
+
+    def load(self, builders: Sequence[bytes | memoryview], encoding: str, target: str) -> int:
+        enc = GraphEncoding.coerce(encoding)
+        tgt = ExecutionTarget.coerce(target)
+        self._check_target(tgt)
+        if not builders:
+            raise InvalidArgumentError("load needs at least one graph-builder; got none")
+        size = sum(len(b) for b in builders)
+        self._reserve_model_bytes(size)
+        self._check_graph_room()
+        graph = self.portal.run(
+            functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt)
+        )
+        return self._add_graph(graph, f"{enc.value} graph", size)
+
+    def load_words(self, builders: Sequence[tuple[int, bytes]], encoding: str, target: str
+                   ) -> int:
+        """``wasinn:nn/bulk.load-words``: builders as (byte length, padded words)."""
+        data: list[bytes | memoryview] = []
+        for i, (size, words) in enumerate(builders):
+            if not 0 <= size <= len(words) < size + 8 or len(words) % 8:
+                raise InvalidArgumentError(
+                    f"builder {i} claims {size} bytes but carries {len(words) // 8} words: "
+                    f"expected {(size + 7) // 8}"
+                )
+            data.append(memoryview(words)[:size])
+        return self.load(data, encoding, target)
+
+    def load_by_name(self, name: str) -> int:
+        if not name:
+            raise InvalidArgumentError("load-by-name needs a model name; got an empty string")
+        self._check_graph_room()
+        graph = self.portal.run(self.runtime.load_by_name, name)
+        return self._add_graph(graph, f"graph {name!r}", 0)
+
+    def _check_graph_room(self) -> None:
+        if len(self.tables.graphs) >= self.limits.max_graphs:
+            raise TooLargeError(
+                f"this guest already holds {len(self.tables.graphs)} graphs, the most it may "
+                f"hold at once: drop a graph before loading another"
+            )
+
+    def _reserve_model_bytes(self, size: int) -> None:
+        if self._model_bytes + size > self.limits.max_model_bytes:
+            raise TooLargeError(
+                f"loading {size} bytes of model would bring this guest to "
+                f"{self._model_bytes + size} bytes of loaded models, over its limit of "
+                f"{self.limits.max_model_bytes}"
+            )
+
+    def _add_graph(self, graph: Any, label: str, size: int) -> int:
+        entry = GraphEntry(graph, label, model_bytes=size)
+        try:
+            rep = self.tables.graphs.add(entry)
+        except WasiNNError:
+            self._release_graph(entry)
+            raise
+        self._model_bytes += size
+        return rep
+
+    def graph_drop(self, rep: int) -> None:
+        entry = self.tables.graphs.pop(rep)
+        if entry is not None:
+            self._release_graph(entry)
+
+    def _release_graph(self, entry: GraphEntry) -> None:
+        entry.holders -= 1
+        if entry.holders > 0 or entry.unloaded:
+            return
+        entry.unloaded = True
+        self._model_bytes -= entry.model_bytes
+        try:
+            self.portal.run(entry.graph.unload)
+        except Exception:  # the guest has let go; a failed unload must not reach it
+            log.exception("unloading %s failed", entry.label)
+
+    def init_context(self, graph_rep: int, target: str | None = None) -> int:
+        graph = self.tables.graphs.get(graph_rep)
+        tgt = None if target is None else ExecutionTarget.coerce(target)
+        self._check_target(tgt)
+        ctx = self.portal.run_sync(
+            functools.partial(graph.graph.init_execution_context, target=tgt)
+        )
+        entry = ContextEntry(ctx, graph)
+        try:
+            rep = self.tables.contexts.add(entry)
+        except WasiNNError:
+            self._close_context(entry)
+            raise
+        graph.holders += 1
+        return rep
+
+    def context_drop(self, rep: int) -> None:
+        entry = self.tables.contexts.pop(rep)
+        if entry is not None:
+            self._close_context(entry)
+            self._release_graph(entry.graph)
+
+    def _close_context(self, entry: ContextEntry) -> None:
+        if entry.closed:
+            return
+        entry.closed = True
+        try:
+            self.portal.run_sync(entry.context.close)
+        except Exception:
+            log.exception("closing a context of %s failed", entry.graph.label)
+
+    # -- inference --------------------------------------------------------------------
+    def _inputs(self, named: Sequence[tuple[str, TensorEntry]]) -> dict[str | int, Tensor]:
+        inputs: dict[str | int, Tensor] = {}
+        for name, entry in named:
+            if name in inputs:
+                raise InvalidArgumentError(f"input {name!r} is given twice")
+            try:
+                inputs[name] = entry.require()
+            except WasiNNError as exc:
+                raise type(exc)(f"input {name!r}: {exc.message}") from None
+        return inputs
+
+    def _run(self, afn: Callable[[], Awaitable[T]], what: str) -> T:
+        timeout = self.policy.compute_timeout
+        if timeout is None:
+            return self.portal.run(afn)
+
+        async def bounded() -> T:
+            import trio
+
+            try:
+                with trio.fail_after(timeout):
+                    return await afn()
+            except trio.TooSlowError:
+                raise TimeoutError_(
+                    f"{what} took longer than this guest's limit of {timeout:g} s"
+                ) from None
+
+        return self.portal.run(bounded)
+
+    def _add_outputs(self, outputs: Mapping[Any, Tensor]) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        try:
+            for name, tensor in outputs.items():
+                rep = self.tables.tensors.add(
+                    TensorEntry(tuple(tensor.dims), wit_type_name(tensor.type), tensor)
+                )
+                out.append((str(name), rep))
+        except WasiNNError:
+            for _, rep in out:
+                self.tables.tensors.pop(rep)
+            raise
+        return out
+
+    def compute(
+        self, ctx_rep: int, named: Sequence[tuple[str, TensorEntry]]
+    ) -> list[tuple[str, int]]:
+        """2024-10-28 ``compute(list<named-tensor>)``; the inputs were already taken over."""
+        entry = self.tables.contexts.get(ctx_rep)
+        inputs = self._inputs(named)
+        outputs = self._run(
+            functools.partial(entry.context.compute, inputs, keep_on_device=True),
+            f"compute on {entry.graph.label}",
+        )
+        return self._add_outputs(outputs)
+
+    def graph_compute(
+        self, graph_rep: int, named: Sequence[tuple[str, TensorEntry]], target: str | None
+    ) -> list[tuple[str, int]]:
+        """wasinn extension: compute on a graph without a context (seed 002)."""
+        graph = self.tables.graphs.get(graph_rep)
+        tgt = None if target is None else ExecutionTarget.coerce(target)
+        self._check_target(tgt)
+        inputs = self._inputs(named)
+        outputs = self._run(
+            functools.partial(graph.graph.compute, inputs, target=tgt, keep_on_device=True),
+            f"compute on {graph.label}",
+        )
+        return self._add_outputs(outputs)
+
+    def set_input(self, ctx_rep: int, name: str, tensor: TensorEntry) -> None:
+        """Older RCs: stage an input by name until ``compute``."""
+        entry = self.tables.contexts.get(ctx_rep)
+        (key, value), = self._inputs([(name, tensor)]).items()
+        entry.inputs[key] = value
+
+    def compute_staged(self, ctx_rep: int) -> None:
+        """Older RCs: ``compute()`` on the staged inputs; outputs wait for ``get-output``."""
+        entry = self.tables.contexts.get(ctx_rep)
+        if not entry.inputs:
+            raise InvalidArgumentError("compute called before any set-input on this context")
+        outputs = self._run(
+            functools.partial(entry.context.compute, dict(entry.inputs), keep_on_device=True),
+            f"compute on {entry.graph.label}",
+        )
+        entry.outputs = {str(k): v for k, v in outputs.items()}
+
+    def get_output(self, ctx_rep: int, name: str) -> int:
+        entry = self.tables.contexts.get(ctx_rep)
+        if entry.outputs is None:
+            raise InvalidArgumentError(
+                f"get-output({name!r}) called before a successful compute on this context"
+            )
+        tensor = entry.outputs.get(name)
+        if tensor is None and name.isdigit() and int(name) < len(entry.outputs):
+            tensor = list(entry.outputs.values())[int(name)]
+        if tensor is None:
+            raise NotFoundError(
+                f"the graph has no output {name!r}: its outputs are "
+                f"{', '.join(entry.outputs) or 'none'}"
+            )
+        ((_, rep),) = self._add_outputs({name: tensor})
+        return rep
+
+    # -- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Release everything the guest still holds (contexts, then graphs). Idempotent."""
+        for ctx in self.tables.contexts.drain():
+            self._close_context(ctx)
+            self._release_graph(ctx.graph)
+        for graph in self.tables.graphs.drain():
+            self._release_graph(graph)
+        self.tables.tensors.drain()
+        self.tables.errors.drain()

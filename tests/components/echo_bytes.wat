@@ -1,0 +1,62 @@
+;; Moves list<u8> values between guest and host, for the fast-list tests and benchmarks.
+;; Imports host.take(list<u8>) -> u32 and host.give(n) -> list<u8>. Exports:
+;;   fill(data: list<u8>) -> u32   stores data (at most 2 MiB - 1 KiB) at address 1024
+;;   run-in(n) -> u32              passes the n bytes at 1024 to take, returns its result
+;;   run-out(n) -> u32             asks give for n bytes, returns the length received
+;;   peek(i) -> u8                 byte i of what give returned last
+(component
+  (import "host" (instance $host
+    (export "take" (func (param "data" (list u8)) (result u32)))
+    (export "give" (func (param "n" u32) (result (list u8))))
+  ))
+  (core module $Mem
+    (memory (export "memory") 64)
+    (global $bump (mut i32) (i32.const 2097152))
+    (func (export "realloc") (param i32 i32 i32 i32) (result i32)
+      (local $p i32) (local $end i32) (local $have i32)
+      (local.set $p (i32.and (i32.add (global.get $bump) (i32.sub (local.get 2) (i32.const 1)))
+                             (i32.sub (i32.const 0) (local.get 2))))
+      (local.set $end (i32.add (local.get $p) (local.get 3)))
+      (local.set $have (i32.shl (memory.size) (i32.const 16)))
+      (if (i32.gt_u (local.get $end) (local.get $have))
+        (then (drop (memory.grow (i32.add (i32.const 1)
+                                          (i32.shr_u (i32.sub (local.get $end) (local.get $have))
+                                                     (i32.const 16)))))))
+      (global.set $bump (local.get $end))
+      (local.get $p))
+    (func (export "reset") (global.set $bump (i32.const 2097152)))
+  )
+  (core instance $mem (instantiate $Mem))
+  (alias core export $mem "memory" (core memory $memory))
+  (alias core export $mem "realloc" (core func $realloc))
+  (alias export $host "take" (func $take))
+  (alias export $host "give" (func $give))
+  (core func $take_lowered (canon lower (func $take) (memory $memory)))
+  (core func $give_lowered (canon lower (func $give) (memory $memory) (realloc $realloc)))
+  (core module $Main
+    (import "mem" "memory" (memory 1))
+    (import "mem" "reset" (func $reset))
+    (import "host" "take" (func $take (param i32 i32) (result i32)))
+    (import "host" "give" (func $give (param i32 i32)))
+    (func (export "fill") (param $ptr i32) (param $len i32) (result i32)
+      (memory.copy (i32.const 1024) (local.get $ptr) (local.get $len))
+      (call $reset)
+      (local.get $len))
+    (func (export "run-in") (param $n i32) (result i32)
+      (call $take (i32.const 1024) (local.get $n)))
+    (func (export "run-out") (param $n i32) (result i32)
+      (call $reset)
+      (call $give (local.get $n) (i32.const 16))
+      (i32.load (i32.const 20)))
+    (func (export "peek") (param $i i32) (result i32)
+      (i32.load8_u (i32.add (i32.load (i32.const 16)) (local.get $i))))
+  )
+  (core instance $main (instantiate $Main
+     (with "mem" (instance $mem))
+     (with "host" (instance (export "take" (func $take_lowered)) (export "give" (func $give_lowered))))))
+  (func (export "fill") (param "data" (list u8)) (result u32)
+    (canon lift (core func $main "fill") (memory $memory) (realloc $realloc)))
+  (func (export "run-in") (param "n" u32) (result u32) (canon lift (core func $main "run-in")))
+  (func (export "run-out") (param "n" u32) (result u32) (canon lift (core func $main "run-out")))
+  (func (export "peek") (param "i" u32) (result u8) (canon lift (core func $main "peek")))
+)
