@@ -1,0 +1,134 @@
+"""Core-module guest vs native ONNX Runtime, measured in the same run.
+
+1. Latency at batch 1: the C guest ``classify_named`` runs N inferences of the
+   MobileNetV2-like network (width 1.0) through wasinn and times them itself (WASI
+   monotonic clock, so the figure is set_input + compute + get_output as the guest sees
+   them); native ONNX Runtime runs the same model, with the session options wasinn uses,
+   on the same input. Goal: ratio <= 1.03. Both the legacy calls (set_input / compute /
+   get_output by index) and wasinn's extensions (input by name, output buffer bound before
+   compute) are measured.
+2. Transfer: the ``transfer`` guest sends one big f32 tensor through an identity model
+   and reads it back; MB/s counts the bytes moved in and out of the guest, against native
+   ONNX Runtime running the same identity model on the same array.
+
+Usage: python benchmarks/guest_core.py [--n 25] [--rounds 15] [--mb 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import trio
+
+from wasinn.backends.base import LoadOptions
+from wasinn.backends.onnxruntime import session_options
+from wasinn.configs.loader import parse_config
+from wasinn.host.engine import cache_dir
+from wasinn.host.guests import build_example
+from wasinn.modelgen import IMAGE_SHAPE, TensorType, export_mobilenet, identity_onnx, sample_image
+from wasinn.scheduler import Runtime
+
+
+def native_ms(session: Any, feed: dict[str, np.ndarray[Any, Any]], n: int) -> float:
+    session.run(None, feed)  # warm-up
+    start = time.perf_counter()
+    for _ in range(n):
+        session.run(None, feed)
+    return (time.perf_counter() - start) * 1e3 / n
+
+
+async def guest_ms(rt: Runtime, wasm: Path, argv: list[str], workdir: Path) -> float:
+    """Run a guest with stdout captured to a file; the per-iteration ms it printed."""
+    import os
+
+    out = workdir / "guest-stdout.txt"
+    saved = os.dup(1)
+    with out.open("w") as sink:
+        sys.stdout.flush()
+        os.dup2(sink.fileno(), 1)
+        try:
+            code = await rt.run_wasm(wasm, argv=argv, dirs={"/d": str(workdir)})
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    text = out.read_text()
+    if code != 0:
+        raise SystemExit(f"{wasm.name} exited with {code}: {text}")
+    match = re.search(r"([\d.]+) ms each", text)
+    if not match:
+        raise SystemExit(f"{wasm.name} printed no timing: {text!r}")
+    return float(match[1])
+
+
+def best_of(rounds: int, measure: Callable[[], float]) -> float:
+    return min(measure() for _ in range(rounds))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=25, help="inferences per measurement")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="interleaved guest/native measurements (short rounds, many of "
+                        "them: the median ratio resists load from other processes)")
+    parser.add_argument("--mb", type=float, default=16.0, help="transfer tensor size in MB")
+    args = parser.parse_args()
+
+    models = cache_dir() / "bench-models"
+    files = export_mobilenet(models, width=1.0, seed=0)
+    workdir = Path(tempfile.mkdtemp(prefix="wasinn-bench-"))
+    image = sample_image(seed=0)
+    (workdir / "input.bin").write_bytes(image.tobytes())
+    (workdir / "identity.onnx").write_bytes(identity_onnx(TensorType.F32))
+    config = parse_config({"models": {
+        "mobilenet": {"files": [str(files.onnx)], "encoding": "onnx", "resident": True},
+        "identity": {"files": [str(workdir / "identity.onnx")], "encoding": "onnx",
+                     "resident": True},
+    }}, None)
+    classify = build_example("classify_named")
+    transfer = build_example("transfer")
+    native = ort.InferenceSession(str(files.onnx), session_options(LoadOptions()),
+                                  providers=["CPUExecutionProvider"])
+    count = int(args.mb * 1024 * 1024 / 16)
+    big = np.arange(count * 4, dtype=np.float32).reshape(count, 4)
+    identity = ort.InferenceSession(str(workdir / "identity.onnx"),
+                                    session_options(LoadOptions()),
+                                    providers=["CPUExecutionProvider"])
+    print(f"MobileNetV2-like w1.0 {IMAGE_SHAPE}, batch 1, n={args.n} x {args.rounds} rounds; "
+          f"{ort.get_device()} ONNX Runtime {ort.__version__}")
+    async with Runtime(config) as rt:
+        rows = []
+        for label, flags in (("guest legacy ABI", ["--legacy"]), ("guest wasinn ext", [])):
+            wasinn_runs, native_runs = [], []
+            for _ in range(args.rounds):  # interleaved, so drift hits both alike
+                native_runs.append(native_ms(native, {"input": image}, args.n))
+                wasinn_runs.append(await guest_ms(
+                    rt, classify, [*flags, "--repeat", str(args.n), "mobilenet",
+                                   "/d/input.bin"], workdir))
+            per_round = [w / n for w, n in zip(wasinn_runs, native_runs, strict=True)]
+            rows.append((label, min(wasinn_runs), min(native_runs), statistics.median(per_round)))
+        for label, w, n, median in rows:
+            print(f"  {label:18s} {w:8.3f} ms/inference   native ORT {n:8.3f} ms   "
+                  f"ratio {w / n:.3f} (best vs best; median of per-round ratios {median:.3f})")
+        reps = max(3, args.n // 20)
+        moved = 2 * big.nbytes
+        t_guest = min([await guest_ms(rt, transfer, ["identity", str(count), str(reps)],
+                                      workdir) for _ in range(args.rounds)])
+        t_native = best_of(args.rounds, lambda: native_ms(identity, {"x": big}, reps))
+        print(f"transfer {big.nbytes / 1e6:.1f} MB in + out per round ({reps} rounds):")
+        print(f"  guest  {t_guest:8.3f} ms/round  {moved / t_guest / 1e3:9.1f} MB/s")
+        print(f"  native {t_native:8.3f} ms/round  {moved / t_native / 1e3:9.1f} MB/s "
+              f"(identity model only)   ratio {t_guest / t_native:.3f}")
+
+
+if __name__ == "__main__":
+    trio.run(main)

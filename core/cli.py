@@ -1,0 +1,250 @@
+"""The ``wasinn`` command.
+
+::
+
+    wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]...
+               [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
+               [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
+    wasinn devices [--config FILE]     the devices and backends found, as a table
+    wasinn models [--config FILE]      the model registry
+    wasinn demo                        generate a model, build the C classifier, run it
+
+``-v`` logs progress and timing (model load, guest compile and run times), ``-vv``
+every wasi-nn call with its time. ``run`` exits with the guest's exit code; a guest
+trap prints its message and exits with 134; an error before the guest starts prints
+``wasinn: error: ...`` and exits with 1 (2 for a malformed command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wasinn.errors import WasiNNError
+
+if TYPE_CHECKING:
+    from wasinn.configs.schema import RuntimeConfig
+    from wasinn.host.preload import Preload
+
+#: Exit status when wasinn itself fails before or around the guest.
+EXIT_ERROR = 1
+
+
+class UsageError(Exception):
+    """A command-line value that cannot be used (exit status 2, like argparse)."""
+
+
+def parse_dir(spec: str) -> tuple[str, str]:
+    """``--dir`` as (guest path, host path).
+
+    ``HOST::GUEST`` (Wasmtime), ``HOST`` alone (same name in the guest, as Wasmtime does),
+    or ``GUEST:HOST`` (WasmEdge's single colon).
+    """
+    if "::" in spec:
+        host, _, guest = spec.partition("::")
+    elif ":" in spec:
+        guest, _, host = spec.partition(":")
+    else:
+        host = guest = spec
+    if not host or not guest:
+        raise UsageError(f"--dir {spec!r}: expected HOST[::GUEST] or GUEST:HOST")
+    return guest, host
+
+
+def parse_env(spec: str) -> tuple[str, str]:
+    """``--env K=V``; ``--env K`` passes the host's value of K (Wasmtime's behaviour)."""
+    key, sep, value = spec.partition("=")
+    if not key:
+        raise UsageError(f"--env {spec!r}: expected KEY=VALUE or KEY")
+    if not sep:
+        if key not in os.environ:
+            raise UsageError(f"--env {key}: not set in the host environment; use KEY=VALUE")
+        value = os.environ[key]
+    return key, value
+
+
+def _parser() -> argparse.ArgumentParser:
+    # -v is accepted before and after the command; SUPPRESS keeps the subcommand's
+    # parser from resetting a count given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="progress and timing (-vv: every wasi-nn call)")
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", metavar="FILE",
+                        help="runtime config (TOML); default: the embedded default")
+
+    parser = argparse.ArgumentParser(
+        prog="wasinn",
+        description="Run wasi-nn WebAssembly guests on an async multi-device scheduler.")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="progress and timing (-vv: every wasi-nn call)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", parents=[common, config], help="run a guest (.wasm or .wat)",
+                         description="Run a core-module or component guest to completion.")
+    run.add_argument("--dir", action="append", default=[], metavar="HOST[::GUEST]",
+                     help="preopen a host directory (GUEST:HOST also accepted)")
+    run.add_argument("--env", action="append", default=[], metavar="K[=V]",
+                     help="set a guest environment variable")
+    run.add_argument("--nn-preload", action="append", default=[],
+                     metavar="NAME:ENCODING:TARGET:PATH[:PATH...]",
+                     help="register a model for load_by_name (WasmEdge syntax)")
+    run.add_argument("-S", "--wasi", action="append", default=[],
+                     metavar="nn-graph=ENCODING::DIR",
+                     help="register DIR's model under DIR's name (Wasmtime syntax; "
+                          "-S nn is accepted: wasi-nn is always on)")
+    run.add_argument("guest", metavar="GUEST.wasm")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                     help="arguments passed to the guest")
+
+    sub.add_parser("devices", parents=[common, config],
+                   help="list the devices and backends found")
+    sub.add_parser("models", parents=[common, config], help="list the model registry")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="classify a generated image with the C example guest")
+    demo.add_argument("--width", type=float, default=0.35,
+                      help="MobileNetV2-like width multiplier (default 0.35)")
+    demo.add_argument("--workdir", metavar="DIR",
+                      help="where the model and input go (default: wasinn's cache)")
+    return parser
+
+
+def _configure_logging(verbose: int) -> None:
+    if verbose <= 0:
+        return
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr,
+        format="[%(relativeCreated)8.1f ms] %(name)s: %(message)s")
+    logging.getLogger("wasinn").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+def _load_config(path: str | None) -> RuntimeConfig:
+    from wasinn.configs.loader import load_config, packaged_config
+
+    return load_config(path) if path else packaged_config()
+
+
+def _preloads(args: argparse.Namespace) -> list[Preload]:
+    from wasinn.host.preload import parse_nn_graph, parse_nn_preload
+
+    out = [parse_nn_preload(s) for s in args.nn_preload]
+    for spec in args.wasi:
+        if spec.strip() in ("nn", "nn=y", "nn=true", "common", "common=y"):
+            continue  # wasi-nn and WASI are always on
+        out.append(parse_nn_graph(spec))
+    return out
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from wasinn.host.preload import with_preloads
+    from wasinn.host.runner import TRAP_EXIT_STATUS, GuestTrap
+    from wasinn.scheduler import Runtime
+
+    dirs = dict(parse_dir(d) for d in args.dir)
+    env = dict(parse_env(e) for e in args.env)
+    config = with_preloads(_load_config(args.config), _preloads(args))
+    async with Runtime(config) as rt:
+        try:
+            return await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
+        except GuestTrap as trap:
+            print(f"wasinn: {trap.message}", file=sys.stderr)
+            return TRAP_EXIT_STATUS
+
+
+async def _devices(args: argparse.Namespace) -> int:
+    from wasinn.backends.registry import BackendRegistry
+    from wasinn.scheduler import Runtime
+
+    config = _load_config(args.config)
+    registry = BackendRegistry(config.runtime.backends or ())
+    rows: list[tuple[str, ...]] = []
+    found: dict[str, list[str]] = {}
+    for name in registry.names():
+        if not registry.is_installed(name):
+            rows.append((name, "not installed", "-", "-"))
+            continue
+        try:
+            backend = registry.get(name)
+            devices = [d.name for d in backend.devices()]
+        except WasiNNError as exc:
+            rows.append((name, "unavailable", "-", exc.message))
+            continue
+        encodings = ", ".join(sorted(e.value for e in backend.encodings))
+        rows.append((name, "installed", ", ".join(devices) or "-", encodings))
+        for device in devices:
+            found.setdefault(device, []).append(name)
+    print(_table(("BACKEND", "STATUS", "DEVICES", "ENCODINGS"), rows))
+    print()
+    async with Runtime(config) as rt:
+        served = [(d.name, d.kind.value, ", ".join(found.get(d.name, [])) or "-")
+                  for d in rt.devices]
+    print(_table(("DEVICE", "KIND", "BACKENDS"), served))
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    config = _load_config(args.config)
+    rows: list[tuple[str, ...]] = [
+        (name, "model", m.encoding, m.target, ", ".join(m.files))
+        for name, m in config.models.items()
+    ]
+    rows += [
+        (name, "pipeline", "-", p.target, " -> ".join(s.model for s in p.steps))
+        for name, p in config.pipelines.items()
+    ]
+    if not rows:
+        where = config.source or "the embedded default config"
+        print(f"no models registered in {where}: add a [models] table, or use "
+              "--nn-preload / --wasi nn-graph with `wasinn run`")
+        return 0
+    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "FILES / STEPS"), rows))
+    return 0
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from wasinn.host.demo import run_demo
+
+    workdir = Path(args.workdir) if args.workdir else None
+    return await run_demo(width=args.width, workdir=workdir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``wasinn`` console script; returns the exit status."""
+    import trio
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        if args.command == "run":
+            return int(trio.run(_run, args))
+        if args.command == "devices":
+            return int(trio.run(_devices, args))
+        if args.command == "models":
+            return _models(args)
+        return int(trio.run(_demo, args))
+    except UsageError as exc:
+        parser.error(str(exc))
+    except (WasiNNError, OSError, RuntimeError) as exc:
+        message = exc.message if isinstance(exc, WasiNNError) else str(exc)
+        print(f"wasinn: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_ERROR  # pragma: no cover - parser.error exits
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Bounds-checked, zero-copy access to a guest's linear memory.
+
+A :class:`GuestMemory` is a numpy ``uint8`` view over the whole linear memory as it is
+*during one host call*. It must not outlive that call: a guest that grows its memory
+may move it. Every pointer and length is a u32 (the caller masks the signed i32 that
+wasmtime hands over) and is checked against the memory's current size before any byte
+is read or written, so a bad guest pointer becomes an InvalidArgumentError, never an
+out-of-bounds access of the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wasinn.enums import TensorType
+from wasinn.errors import InvalidArgumentError
+from wasinn.host.abi import decode_tensor_type
+from wasinn.tensor import MAX_RANK
+
+_U32 = np.dtype("<u4")
+_RECORD = struct.Struct("<5I")
+_EMPTY = np.zeros(0, dtype=np.uint8)
+
+#: Size of the WITX tensor record: dims_ptr, dims_len, type (+3 bytes padding), data_ptr,
+#: data_len, each a little-endian u32.
+TENSOR_RECORD_SIZE = 20
+#: Size of one graph builder (ptr, len) in the ``load`` builders array.
+BUILDER_SIZE = 8
+
+
+def u32(value: int) -> int:
+    """An i32 as wasmtime passes it (signed) read as the u32 the guest meant."""
+    return value & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A decoded WITX tensor record; the data stays in guest memory at ``data_ptr``."""
+
+    dims: tuple[int, ...]
+    type: TensorType
+    data_ptr: int
+    data_len: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.data_ptr, self.data_ptr + self.data_len
+
+
+class GuestMemory:
+    """The guest's linear memory during one host call (see the module docstring)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        self.data = data
+
+    @classmethod
+    def at(cls, address: int, size: int) -> GuestMemory:
+        """A view over ``size`` bytes of host memory at ``address`` (the wasm memory base)."""
+        if size == 0 or not address:
+            return cls(_EMPTY)
+        buf = (ctypes.c_uint8 * size).from_address(address)
+        return cls(np.frombuffer(memoryview(buf), dtype=np.uint8))
+
+    @property
+    def size(self) -> int:
+        return int(self.data.shape[0])
+
+    def span(self, ptr: int, length: int, what: str = "buffer") -> np.ndarray[Any, Any]:
+        """The ``length`` bytes at ``ptr`` as a writable uint8 view (InvalidArgumentError)."""
+        ptr, length = u32(ptr), u32(length)
+        end = ptr + length
+        if end > self.size:
+            raise InvalidArgumentError(
+                f"{what} at guest address {ptr:#x} of {length} bytes ends at {end:#x}, "
+                f"outside guest memory of {self.size:#x} bytes"
+            )
+        return self.data[ptr:end]
+
+    def read_u32(self, ptr: int, what: str = "u32") -> int:
+        return int(self.span(ptr, 4, what).view(_U32)[0])
+
+    def write_u32(self, ptr: int, value: int, what: str = "result") -> None:
+        self.span(ptr, 4, what).view(_U32)[0] = value
+
+    def check_writable_u32(self, ptr: int, what: str = "result") -> None:
+        """Fail now, before any work is done, if a result pointer is out of bounds."""
+        self.span(ptr, 4, what)
+
+    def read_u32s(self, ptr: int, count: int, what: str) -> np.ndarray[Any, Any]:
+        count = u32(count)
+        if count * 4 > 0xFFFFFFFF:
+            raise InvalidArgumentError(f"{what}: {count} entries cannot fit in guest memory")
+        return self.span(ptr, count * 4, what).view(_U32)
+
+    def read_str(self, ptr: int, length: int, what: str = "name") -> str:
+        """A UTF-8 string; InvalidArgumentError when it is not valid UTF-8."""
+        raw = self.span(ptr, length, what).tobytes()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgumentError(
+                f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start}): "
+                f"expected a UTF-8 string"
+            ) from None
+
+    def builders(self, ptr: int, count: int) -> list[np.ndarray[Any, Any]]:
+        """The ``count`` graph builders (ptr, len pairs) at ``ptr`` as views, each checked."""
+        pairs = self.read_u32s(ptr, u32(count) * 2, "graph builder array").reshape(-1, 2)
+        return [
+            self.span(int(p), int(n), f"graph builder {i}") for i, (p, n) in enumerate(pairs)
+        ]
+
+    def tensor(self, ptr: int) -> TensorRecord:
+        """Decode the 20-byte tensor record at ``ptr`` and check that its data is in bounds.
+
+        Raises InvalidArgumentError for a record, dimension array or data span outside
+        memory, a rank above MAX_RANK, or a type/length mismatch (see
+        :func:`wasinn.host.abi.decode_tensor_type`).
+        """
+        # struct on the checked span: this runs on every set_input, and a handful of
+        # numpy scalar operations would cost several times more.
+        record = self.span(ptr, TENSOR_RECORD_SIZE, "tensor record")
+        dims_ptr, dims_len, type_field, data_ptr, data_len = _RECORD.unpack_from(record.data)
+        if dims_len > MAX_RANK:
+            raise InvalidArgumentError(
+                f"tensor rank {dims_len} is too large: expected <= {MAX_RANK}"
+            )
+        dims_raw = self.span(dims_ptr, dims_len * 4, "tensor dimensions")
+        dims: tuple[int, ...] = struct.unpack_from(f"<{dims_len}I", dims_raw.data)
+        self.span(data_ptr, data_len, "tensor data")
+        ttype = decode_tensor_type(type_field, dims, data_len)
+        return TensorRecord(dims, ttype, data_ptr, data_len)

@@ -1,0 +1,88 @@
+"""Stopping one running guest without stopping the others.
+
+Epoch interruption is engine-wide: ``engine.increment_epoch()`` reaches every store. To
+stop only the guest being cancelled, each store gets an epoch deadline of one tick and
+an *epoch-deadline callback*: when any guest is interrupted the epoch moves on, every
+running store calls its callback once at its next check, and the callback traps only
+if its own guest was asked to stop; the others carry on with a new one-tick deadline.
+Epochs move only when a guest is interrupted, so the callbacks cost nothing otherwise.
+
+wasmtime-py exposes the callback only in its raw C bindings
+(``wasmtime_store_epoch_deadline_callback``, present since wasmtime 14); their presence
+is checked at import. Without them a guest is still stopped at its next host call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from typing import Any
+
+import wasmtime
+
+log = logging.getLogger("wasinn.host")
+
+try:
+    from wasmtime import _bindings as _raw
+
+    _SET_CALLBACK: Any = _raw._wasmtime_store_epoch_deadline_callback
+    _CALLBACK_TYPE: Any = _SET_CALLBACK.argtypes[1]
+    _FINALIZER_TYPE: Any = _SET_CALLBACK.argtypes[3]
+    _ERROR_NEW: Any = _raw.wasmtime_error_new
+except (ImportError, AttributeError, IndexError):  # pragma: no cover - other wasmtime-py
+    _SET_CALLBACK = None
+
+#: wasmtime_update_deadline_kind_t: keep running with the new deadline.
+_CONTINUE = 0
+
+#: The message of the trap an interrupted guest stops with.
+INTERRUPTED = "wasm guest interrupted: its run_wasm call was cancelled"
+
+
+class Interrupter:
+    """The stop switch of one guest's store (see the module docstring). Thread-safe."""
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._requested = False
+        self._finished = False
+        self._callback: Any = None  # kept alive as long as the store may call it
+
+    @property
+    def requested(self) -> bool:
+        return self._requested
+
+    def install(self, store: wasmtime.Store) -> None:
+        """Arm ``store``: it traps at its next epoch check after :meth:`request`."""
+        if _SET_CALLBACK is None:
+            log.warning("this wasmtime-py has no epoch-deadline callback: a cancelled guest "
+                        "stops only at its next wasi-nn call")
+            store.set_epoch_deadline(2**62)
+            return
+
+        def on_deadline(_ctx: Any, _env: Any, delta: Any, kind: Any) -> int:
+            if self._requested:
+                err = _ERROR_NEW(INTERRUPTED.encode())
+                return ctypes.cast(err, ctypes.c_void_p).value or 0
+            delta[0] = 1
+            kind[0] = _CONTINUE
+            return 0
+
+        self._callback = _CALLBACK_TYPE(on_deadline)
+        _SET_CALLBACK(store.ptr(), self._callback, None, _FINALIZER_TYPE())
+        store.set_epoch_deadline(1)
+
+    def request(self) -> None:
+        """Ask the guest to stop (no effect once it has finished)."""
+        with self._lock:
+            if self._finished or self._requested:
+                return
+            self._requested = True
+        self._engine.increment_epoch()
+
+    def finish(self) -> None:
+        """The guest has stopped: later requests are no-ops."""
+        with self._lock:
+            self._finished = True

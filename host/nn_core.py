@@ -1,0 +1,377 @@
+"""One guest's view of wasi-nn through the legacy ABI: its handles, limits and calls.
+
+A :class:`GuestNN` belongs to one guest instance and is used only from that guest's
+worker thread. Each method implements one ABI function over a :class:`GuestMemory`
+and the raw (already u32-masked) arguments; it returns normally on success and raises
+a :class:`~wasinn.errors.WasiNNError` leaf otherwise, which the bindings turn into the
+guest's errno. Scheduler objects are reached only through the :class:`Portal`.
+
+Handles are small integers, never reused within a guest, so a handle used after
+``unload`` / ``finalize_execution_context`` is reported as closed, not confused with a
+newer one.
+
+Data movement (why each copy is or is not made):
+
+- Model builders are copied out of guest memory at ``load``: the scheduler may keep them
+  to compile the graph for another device later, and guests free them right after.
+- Inputs are *not* copied at ``set_input``: the call records where the tensor lies and
+  ``compute`` hands the scheduler numpy views over guest memory, made during the compute
+  call itself, when the guest cannot run and so cannot grow (move) its memory. Like
+  WasmEdge, a guest therefore must keep the input buffer intact until ``compute``. Two
+  inputs bound to overlapping bytes are the one case where that would surprise a guest
+  (a buffer reused for the next input): the earlier input is snapshotted then.
+- Outputs are copied once, straight into the guest's buffer (``get_output``), or written
+  there by the backend itself when the buffer was bound before compute
+  (``set_output_by_name``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from wasinn.backends.base import TensorSpec
+from wasinn.errors import (
+    ClosedResourceError,
+    InvalidArgumentError,
+    NotFoundError,
+    TooLargeError,
+)
+from wasinn.host.abi import (
+    EndOfSequenceError,
+    ModelNotFoundError,
+    decode_encoding,
+    decode_target,
+)
+from wasinn.host.guest_memory import GuestMemory, u32
+from wasinn.host.limits import GuestLimits
+from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
+from wasinn.host.tensor_binding import (
+    BoundTooSmall,
+    InputBinding,
+    OutputBinding,
+    check_against_spec,
+    run_context,
+    spec_at,
+    spec_named,
+    static_nbytes,
+)
+from wasinn.tensor import Tensor
+
+log = logging.getLogger("wasinn.host.nn")
+
+
+@dataclass
+class _GuestGraph:
+    graph: GraphLike
+    model_bytes: int
+    contexts: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _GuestContext:
+    ctx: ContextLike
+    graph_handle: int
+    inputs_spec: tuple[TensorSpec, ...]
+    outputs_spec: tuple[TensorSpec, ...]
+    inputs: dict[str, InputBinding] = field(default_factory=dict)
+    bound_outputs: dict[str, OutputBinding] = field(default_factory=dict)
+    results: dict[str, Tensor] | None = None
+    stream_done: bool = False
+
+
+class GuestNN:
+    """The wasi-nn state of one guest instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: RuntimeLike,
+        portal: Portal,
+        limits: GuestLimits | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.portal = portal
+        self.limits = limits or GuestLimits()
+        self.graphs: dict[int, _GuestGraph] = {}
+        self.contexts: dict[int, _GuestContext] = {}
+        self._next_graph = 0
+        self._next_context = 0
+        self.model_bytes = 0
+
+    # -- handles ------------------------------------------------------------------
+    def _graph(self, handle: int) -> _GuestGraph:
+        try:
+            return self.graphs[handle]
+        except KeyError:
+            if handle < self._next_graph:  # handles are never reused
+                raise ClosedResourceError(f"graph {handle} was unloaded") from None
+            raise NotFoundError(f"unknown graph handle {handle}") from None
+
+    def _context(self, handle: int) -> _GuestContext:
+        try:
+            return self.contexts[handle]
+        except KeyError:
+            if handle < self._next_context:
+                raise ClosedResourceError(
+                    f"execution context {handle} was finalized (or its graph unloaded)"
+                ) from None
+            raise NotFoundError(f"unknown execution context handle {handle}") from None
+
+    def _add_graph(self, graph: GraphLike, model_bytes: int) -> int:
+        handle = self._next_graph
+        self._next_graph += 1
+        self.graphs[handle] = _GuestGraph(graph, model_bytes)
+        self.model_bytes += model_bytes
+        return handle
+
+    def _check_graph_quota(self, model_bytes: int = 0) -> None:
+        if len(self.graphs) >= self.limits.max_graphs:
+            raise TooLargeError(
+                f"guest already holds {len(self.graphs)} graphs: the limit is "
+                f"{self.limits.max_graphs} (unload one first)"
+            )
+        if self.model_bytes + model_bytes > self.limits.max_model_bytes:
+            raise TooLargeError(
+                f"loading {model_bytes} bytes of model would bring this guest to "
+                f"{self.model_bytes + model_bytes} bytes: the limit is "
+                f"{self.limits.max_model_bytes}"
+            )
+
+    # -- graphs -------------------------------------------------------------------
+    def load(self, mem: GuestMemory, builders_ptr: int, builders_len: int, encoding: int,
+             target: int, graph_out: int) -> None:
+        mem.check_writable_u32(graph_out, "graph handle result")
+        enc = decode_encoding(encoding)
+        tgt = decode_target(target)
+        views = mem.builders(builders_ptr, builders_len)
+        total = sum(int(v.nbytes) for v in views)
+        self._check_graph_quota(total)
+        builders = [v.tobytes() for v in views]  # the scheduler keeps them: copy once
+        start = time.perf_counter()
+        graph = self.portal.run(
+            functools.partial(self.runtime.load, builders, encoding=enc, target=tgt))
+        handle = self._add_graph(graph, total)
+        log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", handle, total,
+                 enc.value, tgt.value, (time.perf_counter() - start) * 1e3)
+        mem.write_u32(graph_out, handle)
+
+    def load_by_name(self, mem: GuestMemory, name_ptr: int, name_len: int,
+                     graph_out: int) -> None:
+        mem.check_writable_u32(graph_out, "graph handle result")
+        name = mem.read_str(name_ptr, name_len, "model name")
+        self._check_graph_quota()
+        start = time.perf_counter()
+        try:
+            graph = self.portal.run(self.runtime.load_by_name, name)
+        except ClosedResourceError:
+            raise
+        except NotFoundError as exc:
+            known = self.portal.run_sync(self.runtime.model_names)
+            if name in known:  # registered, so it is the model's file that is missing
+                raise ModelNotFoundError(exc.message) from None
+            raise
+        handle = self._add_graph(graph, 0)
+        log.info("graph %d: %r loaded by name in %.1f ms", handle, name,
+                 (time.perf_counter() - start) * 1e3)
+        mem.write_u32(graph_out, handle)
+
+    def load_by_name_with_config(self, mem: GuestMemory, name_ptr: int, name_len: int,
+                                 config_ptr: int, config_len: int, graph_out: int) -> None:
+        # The config is opaque to wasi-nn (WasmEdge's GGML options in JSON); no backend
+        # wasinn runs reads it, so it is only checked to be readable guest memory.
+        mem.span(config_ptr, config_len, "load config")
+        self.load_by_name(mem, name_ptr, name_len, graph_out)
+
+    def unload(self, graph_handle: int) -> None:
+        entry = self._graph(graph_handle)
+        for ctx_handle in sorted(entry.contexts):
+            self._close_context(ctx_handle)
+        del self.graphs[graph_handle]
+        self.model_bytes -= entry.model_bytes
+        self.portal.run(entry.graph.unload)
+
+    # -- contexts -----------------------------------------------------------------
+    def init_execution_context(self, mem: GuestMemory, graph_handle: int, ctx_out: int,
+                               target: int | None = None) -> None:
+        mem.check_writable_u32(ctx_out, "context handle result")
+        entry = self._graph(graph_handle)
+        tgt = None if target is None else decode_target(target)
+        if len(self.contexts) >= self.limits.max_contexts:
+            raise TooLargeError(
+                f"guest already holds {len(self.contexts)} execution contexts: the limit "
+                f"is {self.limits.max_contexts} (finalize one first)"
+            )
+        ctx = self.portal.run_sync(functools.partial(
+            entry.graph.init_execution_context, target=tgt))
+        handle = self._next_context
+        self._next_context += 1
+        self.contexts[handle] = _GuestContext(
+            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs))
+        entry.contexts.add(handle)
+        mem.write_u32(ctx_out, handle)
+
+    def finalize_execution_context(self, ctx_handle: int) -> None:
+        self._context(ctx_handle)
+        self._close_context(ctx_handle)
+
+    def _close_context(self, ctx_handle: int) -> None:
+        entry = self.contexts.pop(ctx_handle)
+        graph = self.graphs.get(entry.graph_handle)
+        if graph is not None:
+            graph.contexts.discard(ctx_handle)
+        self.portal.run_sync(entry.ctx.close)
+
+    # -- inputs -------------------------------------------------------------------
+    def set_input(self, mem: GuestMemory, ctx_handle: int, index: int, tensor_ptr: int) -> None:
+        entry = self._context(ctx_handle)
+        self._bind_input(mem, entry, spec_at(entry.inputs_spec, index, "input"), tensor_ptr)
+
+    def set_input_by_name(self, mem: GuestMemory, ctx_handle: int, name_ptr: int,
+                          name_len: int, tensor_ptr: int) -> None:
+        entry = self._context(ctx_handle)
+        name = mem.read_str(name_ptr, name_len, "input name")
+        self._bind_input(mem, entry, spec_named(entry.inputs_spec, name, "input"), tensor_ptr)
+
+    def _bind_input(self, mem: GuestMemory, entry: _GuestContext, spec: TensorSpec,
+                    tensor_ptr: int) -> None:
+        record = mem.tensor(tensor_ptr)
+        if record.data_len > self.limits.max_tensor_bytes:
+            raise TooLargeError(
+                f"input {spec.name!r} is {record.data_len} bytes: the limit is "
+                f"{self.limits.max_tensor_bytes}"
+            )
+        check_against_spec(record, spec)
+        start, end = record.span
+        for other_name, other in entry.inputs.items():
+            if other_name == spec.name or other.snapshot is not None:
+                continue  # being replaced, or already safe
+            o_start, o_end = other.record.span
+            if start < o_end and o_start < end:
+                other.snapshot = mem.span(o_start, o_end - o_start).copy()
+        entry.inputs[spec.name] = InputBinding(record)
+        entry.stream_done = False
+
+    # -- outputs bound before compute -------------------------------------------------
+    def set_output_by_name(self, mem: GuestMemory, ctx_handle: int, name_ptr: int,
+                           name_len: int, out_ptr: int, out_max_len: int,
+                           written_ptr: int) -> None:
+        entry = self._context(ctx_handle)
+        name = mem.read_str(name_ptr, name_len, "output name")
+        spec = spec_named(entry.outputs_spec, name, "output")
+        mem.span(out_ptr, out_max_len, f"output buffer for {name!r}")
+        mem.check_writable_u32(written_ptr, "bytes-written result")
+        entry.bound_outputs[spec.name] = OutputBinding(out_ptr, u32(out_max_len), written_ptr)
+
+    # -- compute ------------------------------------------------------------------
+    def compute(self, mem: GuestMemory, ctx_handle: int) -> None:
+        entry = self._context(ctx_handle)
+        inputs = {
+            name: Tensor.from_bytes(
+                b.record.dims, b.record.type,
+                b.snapshot if b.snapshot is not None
+                else mem.span(b.record.data_ptr, b.record.data_len))
+            for name, b in entry.inputs.items()
+        }
+        bound: dict[str, np.ndarray[Any, Any]] = {}
+        for name, binding in entry.bound_outputs.items():
+            needed = static_nbytes(spec_named(entry.outputs_spec, name, "output"))
+            if needed is not None and needed > binding.max_len:
+                mem.write_u32(binding.written_ptr, needed)
+                raise TooLargeError(
+                    f"output {name!r} needs {needed} bytes but its bound buffer holds "
+                    f"{binding.max_len} (the needed size was written to bytes_written)"
+                )
+            bound[name] = mem.span(binding.ptr, binding.max_len, f"output buffer for {name!r}")
+        entry.results = None
+        names = [spec.name for spec in entry.outputs_spec]
+        try:
+            entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names)
+        except BoundTooSmall as exc:
+            for name, size in exc.sizes.items():
+                mem.write_u32(entry.bound_outputs[name].written_ptr, size)
+            raise TooLargeError(exc.message) from None
+        for name, binding in entry.bound_outputs.items():
+            mem.write_u32(binding.written_ptr, entry.results[name].nbytes)
+
+    def compute_single(self, mem: GuestMemory, ctx_handle: int) -> None:
+        # Streaming (LLM token by token) is a WasmEdge extension. wasinn's graphs produce
+        # their whole output at once: the first call computes it, the next ones report
+        # end_of_sequence until new inputs are set, so a token loop terminates.
+        entry = self._context(ctx_handle)
+        if entry.stream_done:
+            raise EndOfSequenceError("no more output: the whole sequence has been computed")
+        self.compute(mem, ctx_handle)
+        entry.stream_done = True
+
+    def fini_single(self, ctx_handle: int) -> None:
+        self._context(ctx_handle).stream_done = False
+
+    # -- get_output -------------------------------------------------------------------
+    def get_output(self, mem: GuestMemory, ctx_handle: int, index: int, out_ptr: int,
+                   out_max_len: int, written_ptr: int) -> None:
+        entry = self._context(ctx_handle)
+        spec = spec_at(entry.outputs_spec, index, "output")
+        self._copy_result(mem, entry, spec.name, out_ptr, out_max_len, written_ptr)
+
+    def get_output_by_name(self, mem: GuestMemory, ctx_handle: int, name_ptr: int,
+                           name_len: int, out_ptr: int, out_max_len: int,
+                           written_ptr: int) -> None:
+        entry = self._context(ctx_handle)
+        name = mem.read_str(name_ptr, name_len, "output name")
+        spec = spec_named(entry.outputs_spec, name, "output")
+        self._copy_result(mem, entry, spec.name, out_ptr, out_max_len, written_ptr)
+
+    def _copy_result(self, mem: GuestMemory, entry: _GuestContext, name: str, out_ptr: int,
+                     out_max_len: int, written_ptr: int) -> None:
+        mem.span(out_ptr, out_max_len, "output buffer")
+        mem.check_writable_u32(written_ptr, "bytes-written result")
+        if entry.results is None:
+            raise InvalidArgumentError("no outputs yet: call compute before get_output")
+        tensor = entry.results.get(name)
+        if tensor is None:
+            raise NotFoundError(f"output {name!r} was not produced by the last compute")
+        self._write_output(mem, tensor, name, out_ptr, u32(out_max_len), written_ptr)
+
+    def _write_output(self, mem: GuestMemory, tensor: Tensor, name: str, out_ptr: int,
+                      max_len: int, written_ptr: int) -> None:
+        needed = tensor.nbytes
+        if needed > self.limits.max_tensor_bytes:
+            raise TooLargeError(
+                f"output {name!r} is {needed} bytes: the limit is {self.limits.max_tensor_bytes}"
+            )
+        mem.write_u32(written_ptr, needed)
+        if needed > max_len:
+            raise TooLargeError(
+                f"output {name!r} needs {needed} bytes but the guest buffer holds {max_len} "
+                f"(the needed size was written to bytes_written)"
+            )
+        target = mem.span(out_ptr, needed, "output buffer")
+        source = tensor.numpy()
+        if source.ctypes.data != target.ctypes.data:  # not already written in place
+            np.copyto(target, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+
+    # -- end of the guest ---------------------------------------------------------------
+    async def release(self) -> None:
+        """Close every context and unload every graph this guest still holds (in trio).
+
+        Called by the runner once the guest has stopped, however it stopped. Never
+        raises for one failing handle: the rest are still released.
+        """
+        for handle in list(self.contexts):
+            entry = self.contexts.pop(handle)
+            try:
+                entry.ctx.close()
+            except Exception:
+                log.exception("closing execution context %d failed", handle)
+        for handle in list(self.graphs):
+            graph = self.graphs.pop(handle)
+            try:
+                await graph.graph.unload()
+            except Exception:
+                log.exception("unloading graph %d failed", handle)
+        self.model_bytes = 0

@@ -1,0 +1,125 @@
+"""Graphs preloaded by name from the command line, for ``load_by_name``.
+
+``wasinn run --nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]`` (WasmEdge) and
+``--wasi nn-graph=ENCODING::DIR`` (Wasmtime) name model files on the host. A guest only
+ever chooses among registered names: its string is looked up, never turned into a path.
+
+Preloads become entries of the config's ``[models]`` table (:func:`with_preloads`), so
+the runtime's registry loads each on first ``load_by_name`` (as WasmEdge does) and shares
+it between guests; a missing file is reported to the guest that asks as
+``model_not_found`` (errno 103) rather than failing the command at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from wasinn.configs.schema import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class Preload:
+    """One named model: its encoding, the target it loads on, its files in builder order."""
+
+    name: str
+    encoding: GraphEncoding
+    target: ExecutionTarget | None  # None = "auto": the model's default (cpu)
+    paths: tuple[Path, ...]
+
+    def read(self) -> list[bytes]:
+        """The builders, one per file; ModelNotFoundError naming a file that cannot be read."""
+        from wasinn.host.abi import ModelNotFoundError
+
+        out = []
+        for path in self.paths:
+            try:
+                out.append(path.read_bytes())
+            except OSError as exc:
+                raise ModelNotFoundError(
+                    f"model {self.name!r} is registered but its file {str(path)!r} cannot be "
+                    f"read: {exc.strerror or exc}"
+                ) from None
+        return out
+
+
+def parse_nn_preload(spec: str) -> Preload:
+    """``NAME:ENCODING:TARGET:PATH[:PATH...]`` (WasmEdge's syntax; case-insensitive enums)."""
+    parts = spec.split(":")
+    if len(parts) < 4 or not parts[0] or not all(parts[3:]):
+        raise InvalidArgumentError(
+            f"--nn-preload {spec!r}: expected NAME:ENCODING:TARGET:PATH[:PATH...]"
+        )
+    name, encoding, target, *paths = parts
+    tgt = None if target.strip().lower() == "auto" else ExecutionTarget.coerce(target)
+    return Preload(name, GraphEncoding.coerce(encoding), tgt, tuple(Path(p) for p in paths))
+
+
+#: Files a Wasmtime-style graph directory may hold, by encoding.
+_DIR_FILES: dict[GraphEncoding, tuple[str, ...]] = {
+    GraphEncoding.OPENVINO: ("model.xml", "model.bin"),
+    GraphEncoding.ONNX: ("model.onnx",),
+    GraphEncoding.PYTORCH: ("model.pt",),
+    GraphEncoding.TENSORFLOWLITE: ("model.tflite",),
+}
+
+
+def parse_nn_graph(spec: str) -> Preload:
+    """``nn-graph=ENCODING::DIR`` (Wasmtime's syntax); the name is DIR's last component."""
+    key, sep, value = spec.partition("=")
+    encoding, sep2, directory = value.partition("::")
+    if key.strip() != "nn-graph" or not sep or not sep2 or not directory:
+        raise InvalidArgumentError(f"--wasi {spec!r}: expected nn-graph=ENCODING::DIR")
+    enc = GraphEncoding.coerce(encoding)
+    files = _DIR_FILES.get(enc)
+    if files is None:
+        raise InvalidArgumentError(
+            f"--wasi {spec!r}: encoding {enc.value} has no graph-directory layout: expected "
+            f"one of {', '.join(e.value for e in _DIR_FILES)}"
+        )
+    path = Path(directory)
+    name = path.resolve().name
+    return Preload(name, enc, None, tuple(path / f for f in files))
+
+
+def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> RuntimeConfig:
+    """``config`` with each preload added to its ``[models]`` table (absolute paths).
+
+    The runtime's model registry then serves them like any configured model: loaded on
+    first ``load_by_name``, shared by every guest. A name already in the config is
+    replaced by the command line's. Raises ConfigError for a name the config would
+    refuse (names are identifiers, never paths).
+    """
+    from wasinn.configs.loader import parse_config
+
+    if not preloads:
+        return config
+    data = config.model_dump()
+    for preload in preloads:
+        model: dict[str, object] = {
+            "files": [str(p.absolute()) for p in preload.paths],
+            "encoding": preload.encoding.value,
+        }
+        if preload.target is not None:
+            model["target"] = preload.target.value
+        data["models"][preload.name] = model
+    label = str(config.source) if config.source else "<command line>"
+    return parse_config(data, config.source, label=f"{label} + preloads")
+
+
+class _NoPreloads:
+    def get(self, name: str) -> Preload | None:
+        return None
+
+
+def preload_table(runtime: object) -> _NoPreloads:
+    """Always empty: preloads are registered in the runtime's config (:func:`with_preloads`)
+    and served by ``runtime.load_by_name``. Kept for callers written against an earlier
+    draft of this module, which consulted a side table before the registry."""
+    return _NoPreloads()

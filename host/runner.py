@@ -1,0 +1,187 @@
+"""Running a WebAssembly guest against a runtime: ``run_wasm``.
+
+A core module (WASI preview1, importing ``wasi_ephemeral_nn``) runs here; a component
+is handed to :func:`wasinn.host.component.run_component`. Each guest instance gets its
+own Store and Linker in its own worker thread (wasm runs without the GIL, so guests run
+in parallel); the Engine and compiled modules are shared and cached on disk
+(:mod:`wasinn.host.engine`). The guest's wasi-nn calls reach the scheduler through
+``trio.from_thread``.
+
+Cancellation: cancelling ``run_wasm`` interrupts the guest wherever it is. A guest
+computing in wasm traps at its next epoch check (:mod:`wasinn.host.interrupt`); a guest
+waiting in a wasi-nn call has that call cancelled in trio (which drops its queued
+tickets), then traps. Whatever way the guest ends, every context it still holds is
+closed and every graph unloaded before ``run_wasm`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import outcome
+import trio
+import wasmtime
+
+from wasinn.errors import InvalidArgumentError
+from wasinn.host.core_bindings import define_nn
+from wasinn.host.engine import compile_module, is_component, shared_engine
+from wasinn.host.interrupt import INTERRUPTED, Interrupter
+from wasinn.host.limits import GuestLimits, limits_of
+from wasinn.host.nn_core import GuestNN
+from wasinn.host.scheduler_api import RuntimeLike, TrioPortal
+from wasinn.host.wasi import Dirs, wasi_config
+
+log = logging.getLogger("wasinn.host")
+
+#: Exit status reported for a guest that trapped (as Wasmtime's CLI does: 128 + SIGABRT).
+TRAP_EXIT_STATUS = 134
+
+# Every guest gets its own worker thread for as long as it runs: guests mostly wait in
+# wasi-nn calls, so they must not compete with the device actors' inference threads.
+_GUEST_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("wasinn_guest_threads")
+
+
+def _guest_threads() -> trio.CapacityLimiter:
+    try:
+        return _GUEST_THREADS.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(math.inf)
+        _GUEST_THREADS.set(limiter)
+        return limiter
+
+
+class GuestTrap(Exception):
+    """The guest trapped (``unreachable``, out-of-bounds access, stack overflow ...).
+
+    ``message`` is wasmtime's trap message including the guest backtrace.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+async def run_wasm(
+    rt: RuntimeLike,
+    path: str | os.PathLike[str],
+    *,
+    argv: Sequence[str] = (),
+    dirs: Dirs | None = None,
+    env: Mapping[str, str] | None = None,
+    limits: GuestLimits | None = None,
+) -> int:
+    """Run the guest at ``path`` (``.wasm`` binary or ``.wat`` text) and return its exit code.
+
+    ``argv``, ``dirs`` and ``env`` are as in :mod:`wasinn.host.wasi`. ``limits`` defaults
+    to the runtime's ``guest_limits`` (from its config) or :class:`GuestLimits`' defaults.
+    Returns the code the guest passed to ``proc_exit`` (0 when ``_start`` returns).
+    Raises :class:`GuestTrap` when the guest traps, InvalidArgumentError for a file that
+    is not a runnable guest (naming what is wrong), and OSError if it cannot be read.
+    Cancellation interrupts the guest and releases its graphs and contexts.
+    """
+    wasm = await trio.Path(path).read_bytes()
+    program = Path(path).name
+    limits = limits or limits_of(rt)
+    if is_component(wasm):
+        from wasinn.host.component import run_component
+
+        return await run_component(rt, wasm, argv=argv, dirs=dirs, env=env, limits=limits,
+                                   program=program)
+    module = await trio.to_thread.run_sync(_compile, wasm, program)
+    config = wasi_config(program, argv, dirs, env)
+    nn = GuestNN(rt, TrioPortal(), limits)
+    return await run_core_module(module, config, nn, program)
+
+
+def _compile(wasm: bytes, program: str) -> wasmtime.Module:
+    try:
+        return compile_module(wasm)
+    except wasmtime.WasmtimeError as exc:
+        raise InvalidArgumentError(f"{program} is not a valid WebAssembly module: {exc}") from None
+
+
+async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, nn: GuestNN,
+                          program: str) -> int:
+    """Instantiate ``module`` with WASI ``config`` and wasi-nn ``nn``; run ``_start``."""
+    engine = shared_engine()
+    interrupter = Interrupter(engine)
+    result: outcome.Outcome[int] | None = None
+
+    async def run_in_thread() -> int:
+        return await trio.to_thread.run_sync(
+            _run_start, engine, module, config, nn, interrupter, program,
+            abandon_on_cancel=False, limiter=_guest_threads())
+
+    async def guest() -> None:
+        nonlocal result
+        # Captured rather than raised, so that a trap is not wrapped in the nursery's
+        # exception group; a Cancelled is re-raised below, outside the nursery.
+        result = await outcome.acapture(run_in_thread)
+        interrupter.finish()
+        nursery.cancel_scope.cancel()
+
+    async def stop_on_cancel() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            interrupter.request()  # a no-op once the guest has finished
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(guest)
+            nursery.start_soon(stop_on_cancel)
+    finally:
+        interrupter.finish()
+        with trio.CancelScope(shield=True):
+            await nn.release()
+    assert result is not None
+    if isinstance(result, outcome.Error) and interrupter.requested:
+        # The guest was stopped because this call was cancelled: let the cancellation,
+        # not the resulting trap, be what the caller sees.
+        await trio.lowlevel.checkpoint()
+    return result.unwrap()
+
+
+def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtime.WasiConfig,
+               nn: GuestNN, interrupter: Interrupter, program: str) -> int:
+    """The guest's worker thread: its own Store and Linker, then ``_start``."""
+    start_time = time.perf_counter()
+    store = wasmtime.Store(engine)
+    store.set_wasi(config)
+    interrupter.install(store)
+    linker = wasmtime.Linker(engine)
+    linker.define_wasi()
+    define_nn(linker, nn, interrupter.request)
+    try:
+        instance = linker.instantiate(store, module)
+    except wasmtime.WasmtimeError as exc:
+        raise InvalidArgumentError(f"cannot instantiate {program}: {exc}") from None
+    start = instance.exports(store).get("_start")
+    if not isinstance(start, wasmtime.Func):
+        raise InvalidArgumentError(
+            f"{program} exports no _start function: expected a WASI command module"
+        )
+    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
+    try:
+        start(store)
+        code = 0
+    except wasmtime.ExitTrap as exc:
+        code = exc.code
+    except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
+        if interrupter.requested:
+            raise GuestTrap(INTERRUPTED) from None
+        raise GuestTrap(f"{program} trapped: {_trap_message(exc)}") from None
+    finally:
+        log.info("%s ran for %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
+    return code
+
+
+def _trap_message(exc: Any) -> str:
+    text = str(exc).strip()
+    return text or type(exc).__name__

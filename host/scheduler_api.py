@@ -1,0 +1,78 @@
+"""What the guest bindings need from the scheduler, as structural types.
+
+The bindings depend on the scheduler's public API (``wasinn.Runtime``, its graphs and
+execution contexts) only through these protocols, so host/ imports nothing from the
+scheduler package and a fake can stand in where a test checks routing only.
+
+:class:`Portal` is how a guest's worker thread reaches trio: in the runner it is
+``trio.from_thread.run`` / ``run_sync``. Graph and context objects are not thread-safe,
+so every call on them goes through the portal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+from wasinn.backends.base import Device, TensorSpec
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.tensor import Tensor
+
+T = TypeVar("T")
+
+Builders = Sequence[bytes | bytearray | memoryview]
+
+
+class ContextLike(Protocol):
+    def set_input(self, key: str | int, value: Any) -> None: ...
+    def set_output(self, key: str | int, buffer: Any) -> None: ...
+    async def run(self) -> None: ...
+    def get_output(self, key: str | int) -> Tensor: ...
+    def close(self) -> None: ...
+
+
+class GraphLike(Protocol):
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]: ...
+    def init_execution_context(self, target: Any = None) -> Any: ...
+    async def unload(self) -> None: ...
+
+
+class RuntimeLike(Protocol):
+    async def load(
+        self,
+        builders: Builders,
+        encoding: GraphEncoding | str = ...,
+        target: ExecutionTarget | str = ...,
+    ) -> Any: ...
+    async def load_by_name(self, name: str) -> Any: ...
+    def model_names(self) -> Any: ...
+    @property
+    def devices(self) -> list[Device]: ...
+
+
+class Portal(Protocol):
+    """Runs scheduler calls in trio from a guest's worker thread."""
+
+    def run(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+class TrioPortal:
+    """The real portal: ``trio.from_thread`` from a ``trio.to_thread`` worker."""
+
+    def run(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        import trio
+
+        return trio.from_thread.run(afn, *args)
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        import trio
+
+        return trio.from_thread.run_sync(fn, *args)
+
+
+def spec_names(specs: Sequence[TensorSpec]) -> Mapping[str, int]:
+    return {spec.name: i for i, spec in enumerate(specs)}

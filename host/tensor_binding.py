@@ -1,0 +1,103 @@
+"""How guest tensors bind to a graph's inputs and outputs (legacy ABI).
+
+An :class:`InputBinding` records where a guest's input tensor lies in its memory; the
+data is read (as a view) only when ``compute`` runs. An :class:`OutputBinding` is a
+guest buffer bound to an output before compute. :func:`run_context` is the one trio
+round trip a compute makes: bind inputs and outputs, run, collect every output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from wasinn.backends.base import TensorSpec
+from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError, WasiNNError
+from wasinn.host.guest_memory import TensorRecord
+from wasinn.host.scheduler_api import ContextLike
+from wasinn.tensor import Tensor
+
+
+@dataclass
+class InputBinding:
+    record: TensorRecord
+    snapshot: np.ndarray[Any, Any] | None = None  # set when the guest bytes may change
+
+
+@dataclass
+class OutputBinding:
+    ptr: int
+    max_len: int
+    written_ptr: int
+
+
+
+class BoundTooSmall(TooLargeError):
+    def __init__(self, message: str, sizes: dict[str, int]) -> None:
+        super().__init__(message)
+        self.sizes = sizes
+
+
+async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
+                       bound: dict[str, np.ndarray[Any, Any]],
+                       names: list[str]) -> dict[str, Tensor]:
+    """One trio round trip per compute: bind, run, collect every output (in trio).
+
+    Bound buffers are filled by the context during ``run`` (straight into guest memory).
+    """
+    for name, tensor in inputs.items():
+        ctx.set_input(name, tensor)
+    for name, buffer in bound.items():
+        ctx.set_output(name, buffer)
+    try:
+        await ctx.run()
+    except TooLargeError as exc:
+        if not bound:
+            raise
+        try:  # a dynamic output overflowed its buffer: report the sizes it needed
+            sizes = {name: ctx.get_output(name).nbytes for name in bound}
+        except WasiNNError:
+            raise exc from None
+        raise BoundTooSmall(exc.message, sizes) from None
+    return {name: ctx.get_output(name) for name in names}
+
+
+def static_nbytes(spec: TensorSpec) -> int | None:
+    """The byte size of an output whose shape is fully known before running, else None."""
+    if any(d is None for d in spec.shape):
+        return None
+    return math.prod(d for d in spec.shape if d is not None) * spec.type.itemsize
+
+
+def spec_at(specs: tuple[TensorSpec, ...], index: int, kind: str) -> TensorSpec:
+    if 0 <= index < len(specs):
+        return specs[index]
+    raise NotFoundError(
+        f"{kind} index {index} does not exist: the graph has {len(specs)} {kind}s "
+        f"({', '.join(s.describe() for s in specs)})"
+    )
+
+
+def spec_named(specs: tuple[TensorSpec, ...], name: str, kind: str) -> TensorSpec:
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    raise NotFoundError(
+        f"the graph has no {kind} named {name!r}: expected one of "
+        f"{', '.join(repr(s.name) for s in specs)}"
+    )
+
+
+def check_against_spec(record: TensorRecord, spec: TensorSpec) -> None:
+    """Reject at set_input what compute would reject anyway, naming what the model wants."""
+    # A spec of rank 0 may also stand for "rank unknown" (some exporters): check types only.
+    shape_ok = not spec.shape or (len(record.dims) == len(spec.shape) and all(
+        want is None or want == got for want, got in zip(spec.shape, record.dims, strict=True)))
+    if record.type is not spec.type or not shape_ok:
+        raise InvalidArgumentError(
+            f"input {spec.name!r} got {record.type.value}{list(record.dims)}: the model "
+            f"expects {spec.describe()}"
+        )

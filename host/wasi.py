@@ -1,0 +1,44 @@
+"""WASI settings of a guest: arguments, environment, preopened directories, stdio.
+
+Shared by the core-module runner and the component runner so both see the same
+``argv`` / ``dirs`` / ``env`` conventions:
+
+- ``argv`` holds the guest's arguments; ``argv[0]`` (the program name) is the wasm
+  file's name, as Wasmtime and WasmEdge set it.
+- ``dirs`` maps a *guest* path to the *host* directory it opens
+  (``{"/models": "/srv/models"}``); a host directory that does not exist is an
+  InvalidArgumentError before the guest starts.
+- ``env`` is the guest's whole environment: nothing of the host's is inherited.
+- stdin, stdout and stderr are the host process's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import wasmtime
+
+from wasinn.errors import InvalidArgumentError
+
+Dirs = Mapping[str, "str | os.PathLike[str]"]
+
+
+def wasi_config(program: str, argv: Sequence[str] = (), dirs: Dirs | None = None,
+                env: Mapping[str, str] | None = None) -> wasmtime.WasiConfig:
+    """A WasiConfig for one guest instance (see the module docstring)."""
+    config = wasmtime.WasiConfig()
+    config.argv = [program, *(str(a) for a in argv)]
+    config.env = [(str(k), str(v)) for k, v in (env or {}).items()]
+    for guest, host in (dirs or {}).items():
+        path = Path(host)
+        if not path.is_dir():
+            raise InvalidArgumentError(
+                f"cannot preopen {str(path)!r} as {guest!r}: expected an existing host directory"
+            )
+        config.preopen_dir(str(path), str(guest))
+    config.inherit_stdin()
+    config.inherit_stdout()
+    config.inherit_stderr()
+    return config

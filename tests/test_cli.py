@@ -1,0 +1,144 @@
+"""The ``wasinn`` command: run (WasmEdge and Wasmtime flags), devices, models, demo."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models
+from tests.support import require_backend
+from wasinn.cli import main, parse_dir, parse_env
+from wasinn.errors import InvalidArgumentError
+from wasinn.host.preload import parse_nn_graph, parse_nn_preload
+from wasinn.modelgen import ModelFiles
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles) -> GuestModels:
+    require_backend("onnxruntime")
+    return make_guest_models(tmp_path_factory.mktemp("cli-models"), small_mobilenet)
+
+
+@pytest.fixture(scope="module")
+def classify_named(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return example_guest("classify_named", tmp_path_factory.mktemp("cli-guests"))
+
+
+def test_dir_syntaxes() -> None:
+    assert parse_dir("/srv/m::/models") == ("/models", "/srv/m")   # Wasmtime HOST::GUEST
+    assert parse_dir("data") == ("data", "data")                   # HOST alone
+    assert parse_dir("/models:/srv/m") == ("/models", "/srv/m")    # WasmEdge GUEST:HOST
+
+
+def test_env_syntaxes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WASINN_TEST_VALUE", "from-host")
+    assert parse_env("A=b=c") == ("A", "b=c")
+    assert parse_env("WASINN_TEST_VALUE") == ("WASINN_TEST_VALUE", "from-host")
+
+
+def test_preload_syntaxes(tmp_path: Path) -> None:
+    p = parse_nn_preload("mobilenet:OpenVINO:AUTO:/m/x.xml:/m/x.bin")
+    assert (p.name, p.encoding.value, p.target, [str(x) for x in p.paths]) == (
+        "mobilenet", "openvino", None, ["/m/x.xml", "/m/x.bin"])
+    assert parse_nn_preload("m:onnx:GPU:/m.onnx").target is not None
+    with pytest.raises(InvalidArgumentError, match="NAME:ENCODING:TARGET:PATH"):
+        parse_nn_preload("m:onnx:/m.onnx")
+    with pytest.raises(InvalidArgumentError, match="unknown GraphEncoding 'caffe'"):
+        parse_nn_preload("m:caffe:cpu:/m")
+    graph = parse_nn_graph(f"nn-graph=openvino::{tmp_path / 'fixture'}")
+    assert graph.name == "fixture"
+    assert [p.name for p in graph.paths] == ["model.xml", "model.bin"]
+    with pytest.raises(InvalidArgumentError, match="nn-graph=ENCODING::DIR"):
+        parse_nn_graph("nn-graph=onnx:/x")
+
+
+def test_run_with_wasmedge_preload(models: GuestModels, classify_named: Path,
+                                   capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--nn-preload", f"net:ONNX:CPU:{models.directory / 'model.onnx'}",
+                 "--dir", f"/data:{models.directory}", str(classify_named),
+                 "net", "/data/input.bin"])
+    assert code == 0
+    assert re.search(r"top-1: class \d+ score", capfd.readouterr().out)
+
+
+def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
+                                     tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    graph_dir = tmp_path / "mobile"
+    graph_dir.mkdir()
+    (graph_dir / "model.onnx").write_bytes((models.directory / "model.onnx").read_bytes())
+    code = main(["-v", "run", "-S", "nn", "--wasi", f"nn-graph=onnx::{graph_dir}", "--dir",
+                 f"{models.directory}::/data", str(classify_named), "--legacy", "mobile",
+                 "/data/input.bin"])
+    captured = capfd.readouterr()
+    assert code == 0
+    assert "top-1: class" in captured.out
+    # -v: load and run times (pytest's log capture stands in for stderr here)
+    assert re.search(r"graph 0: 'mobile' loaded by name in [\d.]+ ms", caplog.text)
+    assert re.search(r"classify_named.wasm ran for [\d.]+ ms", caplog.text)
+
+
+def test_missing_preloaded_file_is_model_not_found(models: GuestModels, classify_named: Path,
+                                                   tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--nn-preload", f"gone:onnx:cpu:{tmp_path / 'gone.onnx'}", "--dir",
+                 f"{models.directory}::/data", str(classify_named), "gone", "/data/input.bin"])
+    assert code == 10 + 103 - 90  # classify_named's exit status for errno 103
+    assert "load_by_name failed: wasi-nn errno 103" in capfd.readouterr().err
+
+
+def test_run_passes_args_env_and_exit_code(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--env", "A=1", str(WAT_DIR / "exit_code.wat")]) == 42
+
+
+def test_trap_prints_message_and_exits_nonzero(capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", str(WAT_DIR / "trap.wat")])
+    assert code == 134
+    assert "unreachable" in capfd.readouterr().err
+
+
+def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["run", str(tmp_path / "absent.wasm")]) == 1
+    assert "absent.wasm" in capfd.readouterr().err
+    assert main(["run", "--nn-preload", "x:onnx:/y", str(WAT_DIR / "exit_code.wat")]) == 1
+    assert "NAME:ENCODING:TARGET:PATH" in capfd.readouterr().err
+    assert main(["run", "--dir", str(tmp_path / "nope"), str(WAT_DIR / "exit_code.wat")]) == 1
+    assert "expected an existing host directory" in capfd.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--env", "=x", str(WAT_DIR / "exit_code.wat")])
+    assert exc.value.code == 2
+
+
+def test_devices_table(capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["devices"]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"^BACKEND\s+STATUS\s+DEVICES\s+ENCODINGS", out, re.M)
+    assert re.search(r"^onnxruntime\s+installed\s+cpu", out, re.M)
+    assert re.search(r"^cpu\s+cpu\s+.*onnxruntime", out, re.M)
+
+
+def test_models_table(models: GuestModels, tmp_path: Path,
+                      capfd: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'[models.net]\nfiles = ["{models.directory / "model.onnx"}"]\n'
+                      'encoding = "onnx"\n')
+    assert main(["models", "--config", str(config)]) == 0
+    assert re.search(r"^net\s+model\s+onnx\s+cpu\s+/", capfd.readouterr().out, re.M)
+    assert main(["models"]) == 0
+    assert "no models registered" in capfd.readouterr().out
+
+
+@pytest.mark.slow
+def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
+    example_guest("classify", tmp_path)  # skips without a compiler
+    proc = subprocess.run([sys.executable, "-m", "wasinn", "demo", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    guest = re.search(r"^top-1: class (\d+) score (\S+)", proc.stdout, re.M)
+    host = re.search(r"host check.*: class (\d+) score (\S+)", proc.stdout)
+    assert guest and host, proc.stdout
+    assert guest.groups() == host.groups()

@@ -1,0 +1,162 @@
+"""The legacy ABI's numbering and the bounds-checked guest memory, without a guest."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from wasinn import (
+    ErrorCode,
+    ExecutionTarget,
+    GraphEncoding,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    TensorType,
+    UnsupportedOperationError,
+)
+from wasinn.errors import error_for_code
+from wasinn.host.abi import (
+    Errno,
+    ModelNotFoundError,
+    decode_encoding,
+    decode_target,
+    decode_tensor_type,
+    errno_of,
+)
+from wasinn.host.guest_memory import GuestMemory, u32
+
+
+def test_witx_encoding_numbers_differ_from_wit() -> None:
+    assert decode_encoding(5) is GraphEncoding.AUTODETECT
+    assert decode_encoding(6) is GraphEncoding.GGML
+    assert [decode_encoding(n) for n in range(5)] == [
+        GraphEncoding.OPENVINO, GraphEncoding.ONNX, GraphEncoding.TENSORFLOW,
+        GraphEncoding.PYTORCH, GraphEncoding.TENSORFLOWLITE]
+
+
+def test_wasmedge_encodings_are_unsupported_and_unknown_ones_invalid() -> None:
+    with pytest.raises(UnsupportedOperationError, match="whisper"):
+        decode_encoding(9)
+    with pytest.raises(InvalidEncodingError, match="unknown graph encoding 4294967295"):
+        decode_encoding(-1)
+
+
+def test_targets() -> None:
+    assert decode_target(1) is ExecutionTarget.GPU
+    with pytest.raises(InvalidArgumentError, match="expected one of 0=cpu, 1=gpu, 2=tpu"):
+        decode_target(3)
+
+
+@pytest.mark.parametrize(
+    ("number", "dims", "data_len", "expected"),
+    [
+        (1, (1, 4), 16, TensorType.F32),
+        (3, (2, 2), 4, TensorType.U8),
+        (2, (2, 2), 32, TensorType.F64),
+        (2, (2, 2), 4, TensorType.U8),       # Rust wasi-nn <= 0.5: u8 = 2
+        (3, (3,), 12, TensorType.I32),       # Rust wasi-nn <= 0.5: i32 = 3
+        (0x100301, (4,), 16, TensorType.F32),  # garbage in the padding bytes
+        (0x101002, (4,), 32, TensorType.F64),
+        (6, (2,), 4, TensorType.BF16),
+    ],
+)
+def test_tensor_type_tables(number: int, dims: tuple[int, ...], data_len: int,
+                            expected: TensorType) -> None:
+    assert decode_tensor_type(number, dims, data_len) is expected
+
+
+def test_tensor_type_mismatch_says_what_was_expected() -> None:
+    with pytest.raises(InvalidArgumentError, match="need 16 bytes"):
+        decode_tensor_type(1, (1, 4), 15)
+    with pytest.raises(InvalidArgumentError, match="unknown tensor type 9"):
+        decode_tensor_type(9, (1,), 1)
+
+
+def test_every_error_code_has_an_errno() -> None:
+    for code in ErrorCode:
+        assert errno_of(error_for_code(code)("x")) != Errno.SUCCESS
+    assert errno_of(ModelNotFoundError("gone")) == 103
+    assert errno_of(error_for_code(ErrorCode.TOO_LARGE)("x")) == 7
+    assert errno_of(error_for_code(ErrorCode.NOT_FOUND)("x")) == 8
+
+
+def _memory(size: int = 256) -> GuestMemory:
+    return GuestMemory(np.zeros(size, dtype=np.uint8))
+
+
+def test_u32_masks_signed_arguments() -> None:
+    assert u32(-1) == 0xFFFFFFFF
+    assert u32(-2147483648) == 0x80000000
+
+
+@pytest.mark.parametrize(("ptr", "length"), [(250, 8), (-4, 4), (0, -1), (256, 1),
+                                              (0x7FFFFFFF, 2)])
+def test_spans_outside_memory_are_invalid_arguments(ptr: int, length: int) -> None:
+    with pytest.raises(InvalidArgumentError, match="outside guest memory"):
+        _memory().span(ptr, length)
+
+
+def test_span_is_a_writable_view() -> None:
+    mem = _memory()
+    mem.span(10, 4)[:] = 7
+    assert mem.read_u32(10) == 0x07070707
+    mem.write_u32(20, 0xDEADBEEF)
+    assert bytes(mem.data[20:24]) == struct.pack("<I", 0xDEADBEEF)
+    assert mem.span(256, 0).size == 0  # an empty span at the very end is fine
+
+
+def test_strings_must_be_utf8() -> None:
+    mem = _memory()
+    mem.data[0:4] = list(b"ab\xffc")
+    mem.data[8:13] = list("héé".encode())
+    assert mem.read_str(8, 5) == "héé"
+    with pytest.raises(InvalidArgumentError, match="not valid UTF-8"):
+        mem.read_str(0, 4, "model name")
+
+
+def _record(mem: GuestMemory, at: int, dims_ptr: int, dims: list[int], type_field: int,
+            data_ptr: int, data_len: int) -> None:
+    mem.data[dims_ptr:dims_ptr + 4 * len(dims)] = np.frombuffer(
+        struct.pack(f"<{len(dims)}I", *dims), np.uint8)
+    mem.data[at:at + 20] = np.frombuffer(
+        struct.pack("<5I", dims_ptr, len(dims), type_field, data_ptr, data_len), np.uint8)
+
+
+def test_tensor_record_decoding() -> None:
+    mem = _memory()
+    _record(mem, 0, 40, [1, 2, 2], 0x00AB0303, 100, 4)  # u8 with garbage padding
+    record = mem.tensor(0)
+    assert record.dims == (1, 2, 2)
+    assert record.type is TensorType.U8
+    assert (record.data_ptr, record.data_len) == (100, 4)
+
+
+@pytest.mark.parametrize(
+    ("dims_ptr", "dims", "type_field", "data_ptr", "data_len", "message"),
+    [
+        (40, [1, 4], 1, 240, 32, "tensor data .* outside guest memory"),
+        (248, [1, 4, 4], 1, 100, 64, "tensor dimensions .* outside guest memory"),
+        (40, [1] * 33, 3, 100, 1, "rank 33 is too large"),
+        (40, [65536, 65536, 65536], 3, 100, 4, "need 281474976710656 bytes"),
+    ],
+)
+def test_bad_tensor_records(dims_ptr: int, dims: list[int], type_field: int, data_ptr: int,
+                            data_len: int, message: str) -> None:
+    mem = GuestMemory(np.zeros(256 + 4 * 33, dtype=np.uint8))
+    _record(mem, 0, dims_ptr, dims, type_field, data_ptr, data_len)
+    with pytest.raises(InvalidArgumentError, match=message):
+        GuestMemory(mem.data[:256]).tensor(0)
+
+
+def test_builders_array() -> None:
+    mem = _memory()
+    mem.data[0:16] = np.frombuffer(struct.pack("<4I", 100, 3, 200, 5), np.uint8)
+    views = mem.builders(0, 2)
+    assert [v.nbytes for v in views] == [3, 5]
+    mem.data[0:8] = np.frombuffer(struct.pack("<2I", 250, 10), np.uint8)
+    with pytest.raises(InvalidArgumentError, match="graph builder 0"):
+        mem.builders(0, 2)
+    with pytest.raises(InvalidArgumentError, match="graph builder array"):
+        mem.builders(0, 0x40000000)

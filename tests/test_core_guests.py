@@ -1,0 +1,220 @@
+"""Core-module guests end to end: real wasm (WAT and C), real threads, real backends."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import trio
+
+import wasinn
+from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models, top1
+from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
+from tests.support import require_backend
+from wasinn.host.limits import GuestLimits
+from wasinn.host.runner import GuestTrap, run_wasm
+from wasinn.modelgen import ModelFiles
+
+
+@pytest.fixture(scope="session")
+def guest_models(tmp_path_factory: pytest.TempPathFactory,
+                 small_mobilenet: ModelFiles) -> GuestModels:
+    return make_guest_models(tmp_path_factory.mktemp("guest-models"), small_mobilenet)
+
+
+@pytest.fixture(scope="session")
+def guest_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("guests")
+
+
+@pytest.fixture
+async def rt(guest_models: GuestModels):  # type: ignore[no-untyped-def]
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(guest_models.config) as runtime:
+        yield runtime
+
+
+def native_top1(guest_models: GuestModels) -> tuple[int, float]:
+    session = ort.InferenceSession(str(guest_models.directory / "model.onnx"))
+    return top1(session.run(None, {"input": guest_models.image})[0])
+
+
+def printed(out: str, label: str) -> tuple[int, float]:
+    match = re.search(rf"{label}: class (\d+) score (-?[\d.]+)", out)
+    assert match, f"no '{label}' line in guest output {out!r}"
+    return int(match[1]), float(match[2])
+
+
+@pytest.mark.parametrize("name", ["bad_inputs", "old_types", "extensions"])
+async def test_wat_guest_checks(rt: wasinn.Runtime, name: str) -> None:
+    code = await rt.run_wasm(WAT_DIR / f"{name}.wat")
+    assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
+
+
+async def test_guest_without_memory_gets_missing_memory(rt: wasinn.Runtime) -> None:
+    assert await rt.run_wasm(WAT_DIR / "no_memory.wat") == 0
+
+
+async def test_exit_code_is_returned(rt: wasinn.Runtime) -> None:
+    assert await rt.run_wasm(WAT_DIR / "exit_code.wat") == 42
+
+
+async def test_trap_raises_with_its_message(rt: wasinn.Runtime) -> None:
+    with pytest.raises(GuestTrap, match="unreachable"):
+        await rt.run_wasm(WAT_DIR / "trap.wat")
+
+
+async def test_not_a_module_is_an_invalid_argument(rt: wasinn.Runtime, tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.wasm"
+    bogus.write_bytes(b"\0asm\x01\0\0\0garbage")
+    with pytest.raises(wasinn.InvalidArgumentError, match="not a valid WebAssembly module"):
+        await rt.run_wasm(bogus)
+
+
+async def test_cancelling_one_guest_interrupts_only_that_guest(rt: wasinn.Runtime) -> None:
+    spin = WAT_DIR / "spin.wat"
+    first, second = trio.CancelScope(), trio.CancelScope()
+    finished: list[str] = []
+
+    async def guest(scope: trio.CancelScope, label: str) -> None:
+        with scope:
+            await rt.run_wasm(spin)
+        finished.append(label)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guest, first, "first")
+        nursery.start_soon(guest, second, "second")
+        await trio.sleep(0.3)  # both are spinning in wasm now
+        first.cancel()
+        with trio.fail_after(30):
+            while not finished:
+                await trio.sleep(0.01)
+        assert finished == ["first"]
+        await trio.sleep(0.3)  # the other guest's store saw the epoch move and carried on
+        assert finished == ["first"]
+        second.cancel()
+    assert first.cancelled_caught
+    assert second.cancelled_caught
+
+
+async def test_c_classifier_loads_from_files(rt: wasinn.Runtime, guest_models: GuestModels,
+                                             guest_dir: Path,
+                                             capfd: pytest.CaptureFixture[str]) -> None:
+    wasm = example_guest("classify", guest_dir)
+    code = await rt.run_wasm(wasm, argv=["/data/model.onnx", "/data/input.bin", "1"],
+                             dirs={"/data": str(guest_models.directory)})
+    assert code == 0
+    cls, score = printed(capfd.readouterr().out, "top-1")
+    want_cls, want_score = native_top1(guest_models)
+    assert cls == want_cls
+    assert score == pytest.approx(want_score, abs=1e-4)
+
+
+@pytest.mark.parametrize("flags", [[], ["--legacy"]], ids=["wasinn-extensions", "legacy"])
+async def test_c_classifier_by_name(rt: wasinn.Runtime, guest_models: GuestModels,
+                                    guest_dir: Path, capfd: pytest.CaptureFixture[str],
+                                    flags: list[str]) -> None:
+    wasm = example_guest("classify_named", guest_dir)
+    code = await rt.run_wasm(wasm, argv=[*flags, "--repeat", "3", "mobilenet", "/d/input.bin"],
+                             dirs={"/d": str(guest_models.directory)})
+    assert code == 0
+    cls, score = printed(capfd.readouterr().out, "top-1")
+    want_cls, want_score = native_top1(guest_models)
+    assert (cls, pytest.approx(want_score, abs=1e-4)) == (want_cls, score)
+
+
+async def test_c_guest_chains_two_models(rt: wasinn.Runtime, guest_models: GuestModels,
+                                         guest_dir: Path,
+                                         capfd: pytest.CaptureFixture[str]) -> None:
+    wasm = example_guest("chain", guest_dir)
+    code = await rt.run_wasm(wasm, argv=["mobilenet", "affine", "/d/input.bin"],
+                             dirs={"/d": str(guest_models.directory)})
+    assert code == 0
+    out = capfd.readouterr().out
+    first_cls, first_score = printed(out, "first")
+    second_cls, second_score = printed(out, "second")
+    assert first_cls == second_cls == native_top1(guest_models)[0]
+    assert second_score == pytest.approx(2 * first_score + 1, abs=1e-3)  # affine: 2x + 1
+
+
+async def test_many_guests_share_one_loaded_graph(rt: wasinn.Runtime, guest_models: GuestModels,
+                                                  guest_dir: Path,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    wasm = example_guest("classify_named", guest_dir)
+    codes: list[int] = []
+    gate = trio.Event()
+
+    async def guest() -> None:
+        await gate.wait()
+        codes.append(await rt.run_wasm(wasm, argv=["--repeat", "5", "mobilenet", "/d/input.bin"],
+                                       dirs={"/d": str(guest_models.directory)}))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(guest)
+        gate.set()
+    assert codes == [0, 0, 0, 0]
+    tops = re.findall(r"top-1: class (\d+)", capfd.readouterr().out)
+    assert tops == [str(native_top1(guest_models)[0])] * 4
+    assert rt.name_registry.loads["mobilenet"] == 1  # loaded once, shared by all four
+
+
+async def test_cancel_during_inference_releases_graphs(rt: wasinn.Runtime,
+                                                       guest_models: GuestModels,
+                                                       guest_dir: Path) -> None:
+    wasm = example_guest("classify_named", guest_dir)
+    with trio.move_on_after(2.0) as scope:
+        await rt.run_wasm(wasm, argv=["--repeat", "1000000", "mobilenet", "/d/input.bin"],
+                          dirs={"/d": str(guest_models.directory)})
+    assert scope.cancelled_caught
+    assert rt.name_registry.loads["mobilenet"] == 1
+    graph = await rt.load_by_name("mobilenet")
+    # The cancelled guest's graph and context were released, so the registry had dropped
+    # the model and loaded it again for this caller.
+    assert rt.name_registry.loads["mobilenet"] == 2
+    out = await graph.compute({"input": guest_models.image})
+    assert np.isfinite(next(iter(out.values())).numpy()).all()
+    await graph.unload()
+
+
+async def test_guest_limits(rt: wasinn.Runtime) -> None:
+    limits = GuestLimits(max_graphs=1, max_contexts=1, max_model_bytes=10, max_tensor_bytes=8)
+    code = await run_wasm(rt, WAT_DIR / "limits.wat", limits=limits)
+    assert code == 0, f"limits.wat: check #{code} failed"
+
+
+async def test_edge_case_guests_in_parallel_keep_their_own_errors(rt: wasinn.Runtime) -> None:
+    # Three guests returning many different errnos at once, each in its own thread: no
+    # error is attributed to the wrong guest and no guest disturbs another.
+    codes: dict[str, int] = {}
+
+    async def guest(name: str) -> None:
+        codes[name] = await rt.run_wasm(WAT_DIR / f"{name}.wat")
+
+    async with trio.open_nursery() as nursery:
+        for name in ("bad_inputs", "extensions", "old_types", "bad_inputs"):
+            nursery.start_soon(guest, name)
+    assert codes == {"bad_inputs": 0, "extensions": 0, "old_types": 0}
+
+
+async def test_guest_never_blocks_the_event_loop(
+        rt: wasinn.Runtime, guest_models: GuestModels, guest_dir: Path,
+        heartbeat: Heartbeat) -> None:  # noqa: F811 - the imported fixture
+    wasm = example_guest("classify_named", guest_dir)
+    # Loaded beforehand: creating a backend session holds the GIL for a while in its
+    # worker thread, which is the backend's cost, not the guest's.
+    graph = await rt.load_by_name("mobilenet")
+    heartbeat.reset()
+    start = time.perf_counter()
+    code = await rt.run_wasm(wasm, argv=["--repeat", "20", "mobilenet", "/d/input.bin"],
+                             dirs={"/d": str(guest_models.directory)})
+    elapsed = time.perf_counter() - start
+    assert code == 0
+    assert heartbeat.beats > 0
+    # wasm, model loading and inference all run off the loop: no gap near the run time
+    assert heartbeat.max_gap < elapsed / 4, (heartbeat.max_gap, elapsed)
+    await graph.unload()
