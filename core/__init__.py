@@ -4,7 +4,10 @@ The public surface is declared here and guarded by ``tests/test_exports.py``.
 Importing wasinn imports no backend library; each is imported on first use.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from wasinn._version import __version__
+from wasinn.configs import ConfigError
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
@@ -22,15 +25,51 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, host_copies
 
+if TYPE_CHECKING:
+    from wasinn.configs.schema import RuntimeConfig
+    from wasinn.scheduler import ExecutionContext, Graph, Pipeline, Runtime
+
+# The scheduler (which imports trio) and the config schema (pydantic) are resolved on
+# first access, so that `import wasinn` stays cheap for code that only needs the types.
+_LAZY = {
+    "ExecutionContext": "wasinn.scheduler",
+    "Graph": "wasinn.scheduler",
+    "Pipeline": "wasinn.scheduler",
+    "Runtime": "wasinn.scheduler",
+    "RuntimeConfig": "wasinn.configs.schema",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wasinn' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "BackendRuntimeError",
     "ClosedResourceError",
+    "ConfigError",
     "ErrorCode",
+    "ExecutionContext",
     "ExecutionTarget",
+    "Graph",
     "GraphEncoding",
     "InvalidArgumentError",
     "InvalidEncodingError",
     "NotFoundError",
+    "Pipeline",
+    "Runtime",
+    "RuntimeConfig",
     "SecurityError",
     "Tensor",
     "TensorType",

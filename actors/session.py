@@ -1,0 +1,60 @@
+"""A compiled graph cached on one device actor, and when it may really be closed.
+
+A graph compiled for a device is shared by every context that runs it there. Unloading
+evicts it, but a worker thread may still be running it (a caller that was cancelled
+abandons its thread, which runs on to completion): the session is closed by whichever
+comes last, the eviction or the last run. Runs happen in worker threads, so the count is
+guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from wasinn.backends.base import CompiledGraph
+from wasinn.errors import ClosedResourceError
+
+
+class Session:
+    """One :class:`CompiledGraph` on one device, with an in-use count."""
+
+    __slots__ = ("_evicted", "_lock", "_users", "backend", "compiled")
+
+    def __init__(self, compiled: CompiledGraph, backend: str) -> None:
+        self.compiled = compiled
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._users = 0
+        self._evicted = False
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted
+
+    def acquire(self) -> CompiledGraph:
+        """Count one more run; ClosedResourceError once evicted."""
+        with self._lock:
+            if self._evicted:
+                raise ClosedResourceError(
+                    f"the {self.backend} graph on {self.compiled.device} was unloaded"
+                )
+            self._users += 1
+        return self.compiled
+
+    def release(self) -> None:
+        """A run finished (in any thread); close the graph if it was evicted meanwhile."""
+        with self._lock:
+            self._users -= 1
+            close = self._evicted and self._users == 0
+        if close:
+            self.compiled.close()
+
+    def evict(self) -> None:
+        """No new runs; close now, or when the last running one finishes. Idempotent."""
+        with self._lock:
+            if self._evicted:
+                return
+            self._evicted = True
+            close = self._users == 0
+        if close:
+            self.compiled.close()

@@ -1,0 +1,181 @@
+"""What a wasinn config may say, validated with pydantic.
+
+A config has four tables::
+
+    [runtime]                      # backends = preference order; fallback = a target kind
+    [pools.NAME]                   # one pool per device kind: kind, devices, workers,
+                                   # queue_limit, backends (this pool's preference order)
+    [models.NAME]                  # files (relative to the config file), encoding, target,
+                                   # backend, precision, threads, options, resident
+    [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...]
+
+Unknown keys are errors (a typo must not be ignored silently). Names of models and
+pipelines are looked up, never used as paths; model files must lie inside the config's
+directory unless the config gives an absolute path (checked by the loader, which knows the
+directory).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from wasinn.backends.base import Device
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import InvalidArgumentError
+
+
+def _target(value: str) -> str:
+    try:
+        return ExecutionTarget.coerce(value).value
+    except InvalidArgumentError as exc:
+        raise ValueError(exc.message) from None
+
+
+def _encoding(value: str) -> str:
+    try:
+        return GraphEncoding.coerce(value).value
+    except InvalidArgumentError as exc:
+        raise ValueError(exc.message) from None
+
+
+def _device(value: str) -> str:
+    try:
+        return Device.parse(value).name
+    except (InvalidArgumentError, ValueError) as exc:
+        raise ValueError(
+            f"{value!r} is not a device: expected cpu, gpu, gpu:N, tpu:N or npu:N ({exc})"
+        ) from None
+
+
+TargetName = Annotated[str, AfterValidator(_target)]
+EncodingName = Annotated[str, AfterValidator(_encoding)]
+DeviceName = Annotated[str, AfterValidator(_device)]
+#: Model and pipeline names: looked up as keys, so plain identifiers only.
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$", max_length=128)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RuntimeSection(_Strict):
+    """``[runtime]``: runtime-wide settings."""
+
+    #: Backend preference order for every pool that names none (empty = wasinn's default).
+    backends: list[str] = Field(default_factory=list)
+    #: Where a target with no device here runs instead (with a warning); None = refuse.
+    fallback: TargetName | None = None
+
+
+class PoolConfig(_Strict):
+    """``[pools.NAME]``: the devices of one kind and how each is driven."""
+
+    kind: Literal["cpu", "gpu", "tpu"]
+    #: "auto" = every device of this kind the installed backends report.
+    devices: Literal["auto"] | list[DeviceName] = "auto"
+    #: Worker threads per device (requests running at once on one device). Backends
+    #: already use every core for one inference, so 1 is the default.
+    workers: int = Field(default=1, ge=1, le=256)
+    #: Requests allowed to wait per device before callers get too-large.
+    queue_limit: int = Field(default=1024, ge=1)
+    #: Backend preference order on this pool (empty = [runtime] backends).
+    backends: list[str] = Field(default_factory=list)
+    #: Which waiting request runs next: "priority" (priority, then deadline, then
+    #: arrival) or "fair" (tenants in turn, priority order within each tenant).
+    policy: Literal["priority", "fair"] = "priority"
+
+    @model_validator(mode="after")
+    def _devices_of_kind(self) -> PoolConfig:
+        if self.devices != "auto":
+            for name in self.devices:
+                if Device.parse(name).kind.value != self.kind:
+                    raise ValueError(f"device {name!r} is not a {self.kind} device")
+        return self
+
+
+class ModelConfig(_Strict):
+    """``[models.NAME]``: a model ``load_by_name`` can load."""
+
+    #: Model files, one per builder (IR: xml then bin), relative to the config file.
+    files: list[str] = Field(min_length=1)
+    encoding: EncodingName = "autodetect"
+    #: The default target of the loaded graph.
+    target: TargetName = "cpu"
+    #: Force a backend (None = the pool's preference order).
+    backend: str | None = None
+    precision: str = "f32"
+    threads: int = Field(default=0, ge=0)
+    #: Backend-specific options, passed through as LoadOptions.extra.
+    options: dict[str, Any] = Field(default_factory=dict)
+    #: Keep it loaded for the runtime's lifetime even when no caller holds it.
+    resident: bool = False
+
+
+class StepConfig(_Strict):
+    """One step of a pipeline: a model, and how the previous step's outputs feed it."""
+
+    model: Name
+    #: previous step's output name -> this step's input name (may be omitted when both
+    #: have exactly one).
+    wire: dict[str, str] = Field(default_factory=dict)
+
+
+class PipelineConfig(_Strict):
+    """``[pipelines.NAME]``: models chained on one device."""
+
+    steps: list[StepConfig] = Field(min_length=1)
+    target: TargetName = "cpu"
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"cpu": PoolConfig(kind="cpu", devices=["cpu"])}
+
+
+class RuntimeConfig(_Strict):
+    """A whole config. Build it from TOML with :func:`wasinn.configs.loader.load_config`."""
+
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    pools: dict[Name, PoolConfig] = Field(default_factory=_default_pools)
+    models: dict[Name, ModelConfig] = Field(default_factory=dict)
+    pipelines: dict[Name, PipelineConfig] = Field(default_factory=dict)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Path | None:
+        """The file this config was read from (None when built in code)."""
+        return self._source
+
+    @property
+    def base_dir(self) -> Path:
+        """The directory model files are relative to (the config file's, else the cwd)."""
+        return self._source.parent if self._source is not None else Path.cwd()
+
+    def with_source(self, source: Path) -> RuntimeConfig:
+        self._source = source
+        return self
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RuntimeConfig:
+        kinds: dict[str, str] = {}
+        for name, pool in self.pools.items():
+            if pool.kind in kinds:
+                raise ValueError(
+                    f"pools {kinds[pool.kind]!r} and {name!r} are both {pool.kind} pools: "
+                    "expected one pool per device kind"
+                )
+            kinds[pool.kind] = name
+        for name, pipeline in self.pipelines.items():
+            if name in self.models:
+                raise ValueError(f"{name!r} names both a model and a pipeline: expected one")
+            for i, step in enumerate(pipeline.steps):
+                if step.model not in self.models:
+                    known = ", ".join(sorted(self.models)) or "none"
+                    raise ValueError(
+                        f"pipeline {name!r} step {i} uses model {step.model!r}, which is not "
+                        f"in [models] (models: {known})"
+                    )
+        return self

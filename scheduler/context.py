@@ -1,0 +1,226 @@
+"""``ExecutionContext``: a ticket to run a graph on a kind of device.
+
+Creating one does no backend work: it records the graph and the resolved target kind and
+holds a reference that keeps the graph's compiled sessions alive until ``close``. The
+device actor is chosen per request (least loaded of the kind, or the one holding a native
+input), and compiles the graph there on first use.
+
+Two ways to run, both from trio:
+
+* ``await ctx.compute({"input": array})`` returns every output as a :class:`Tensor`.
+  On a GPU (or with ``keep_on_device=True``) outputs are backend-native values left on
+  the device: pass one straight into another compute on the same device and it is not
+  copied through host memory; ``.numpy()`` reads it (counted by ``wasinn.host_copies``).
+  On the CPU they are host arrays by default, which feed the next compute without a copy;
+* staged (wasi-nn): ``set_input`` / ``set_output`` (bind a host buffer that ``run`` fills
+  in place) / ``await run()`` / ``get_output``. Inputs stay set across runs.
+
+Keys are input/output names or their positions. Contexts are not thread-safe: use them
+from the trio thread (guests' worker threads go through ``trio.from_thread``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import trio
+
+from wasinn.backends.base import TensorSpec
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import ClosedResourceError, InvalidArgumentError, TooLargeError
+from wasinn.tensor import Tensor, as_tensor
+
+from .model import Executable, Inputs
+
+
+def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: str) -> str:
+    """The name of the input/output ``key`` (a name or a position) names.
+
+    Raises InvalidArgumentError naming what the graph has.
+    """
+    if isinstance(key, str):
+        for spec in specs:
+            if spec.name == key:
+                return key
+    elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(specs):
+        return specs[key].name
+    have = ", ".join(f"{i}={s.describe()}" for i, s in enumerate(specs)) or "none"
+    raise InvalidArgumentError(f"{owner} has no {role} {key!r}: expected one of {have}")
+
+
+def deadline_after(timeout: float | None) -> float:
+    """A trio deadline ``timeout`` seconds from now (inf for None)."""
+    if timeout is None:
+        return math.inf
+    if timeout < 0 or math.isnan(timeout):
+        raise InvalidArgumentError(f"timeout {timeout} must be a non-negative number of seconds")
+    return trio.current_time() + timeout
+
+
+def check_inputs(inputs: object) -> None:
+    """InvalidArgumentError unless ``inputs`` is a mapping (names or positions -> tensors)."""
+    if not isinstance(inputs, Mapping):
+        raise InvalidArgumentError(
+            f"inputs must be a mapping of input names or positions to tensors, "
+            f"not {type(inputs).__name__}"
+        )
+
+
+def _writable_bytes(buffer: Any, what: str) -> np.ndarray[Any, Any]:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: {type(buffer).__name__} is not a buffer: expected a writable numpy "
+            "array, bytearray or memoryview"
+        ) from None
+    if view.readonly:
+        raise InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
+    if not view.c_contiguous:
+        raise InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
+    return np.frombuffer(view.cast("B"), dtype=np.uint8)
+
+
+class ExecutionContext:
+    """A lightweight ticket for running one graph (or pipeline) on ``target`` devices."""
+
+    __slots__ = ("_bound", "_closed", "_executable", "_inputs", "_outputs", "target")
+
+    def __init__(self, executable: Executable, target: ExecutionTarget) -> None:
+        executable.retain()
+        self._executable = executable
+        self.target = target
+        self._inputs: dict[str, Tensor] | None = None
+        self._outputs: dict[str, Tensor] | None = None
+        self._bound: dict[str, np.ndarray[Any, Any]] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<ExecutionContext {self._executable.name} on {self.target.value} {state}>"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(
+                f"the execution context of {self._executable.name} is closed"
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- one call -----------------------------------------------------------------------
+    async def compute(
+        self,
+        inputs: Inputs,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = "",
+        keep_on_device: bool | None = None,
+    ) -> dict[str, Tensor]:
+        """Run on ``inputs`` (names or positions -> Tensor or numpy array); every output.
+
+        Outputs bound with ``set_output`` are also written into their buffers, and all are
+        kept for ``get_output``. ``priority`` (higher first) and ``timeout`` (seconds)
+        order and bound the wait on a busy device. ``keep_on_device``: see the module
+        docstring (None = native off the CPU, host on it). Raises InvalidArgumentError for wrong
+        inputs (naming what the model expects), BackendRuntimeError when the backend fails,
+        TimeoutError_ when ``timeout`` passes, TooLargeError when the device's queue is full
+        or a bound buffer is too small, ClosedResourceError after ``close``. Cancelling the
+        caller drops a queued request, or abandons a running one (its result is discarded).
+        """
+        self._check_open()
+        check_inputs(inputs)
+        outputs = await self._executable.execute(
+            self.target, inputs, priority=priority, deadline=deadline_after(timeout),
+            tenant=tenant, keep_on_device=keep_on_device,
+        )
+        self._outputs = outputs
+        if self._bound:
+            self._fill(outputs)
+        return outputs
+
+    # -- the staged form (wasi-nn) ------------------------------------------------------
+    def set_input(self, key: str | int, value: Tensor | Any) -> None:
+        """Stage input ``key`` (a name or position) for ``run``. Not copied.
+
+        Raises InvalidArgumentError for an unknown key or a value with no wasi-nn type.
+        """
+        self._check_open()
+        name = spec_name(self._executable.inputs, key, "input", self._executable.name)
+        if self._inputs is None:
+            self._inputs = {}
+        self._inputs[name] = as_tensor(value)
+
+    def set_output(self, key: str | int, buffer: Any) -> None:
+        """Bind a writable host buffer that ``run``/``compute`` fill with output ``key``.
+
+        Raises InvalidArgumentError for an unknown key or a read-only/non-contiguous buffer.
+        """
+        self._check_open()
+        name = spec_name(self._executable.outputs, key, "output", self._executable.name)
+        target = _writable_bytes(buffer, f"output {name!r}")
+        if self._bound is None:
+            self._bound = {}
+        self._bound[name] = target
+
+    async def run(self, *, priority: int = 0, timeout: float | None = None,
+                  tenant: str = "") -> None:
+        """Run on the staged inputs (see :meth:`compute` for what is raised)."""
+        self._check_open()
+        await self.compute(self._inputs or {}, priority=priority, timeout=timeout,
+                           tenant=tenant)
+
+    def get_output(self, key: str | int) -> Tensor:
+        """Output ``key`` (a name or position) of the last run.
+
+        Raises InvalidArgumentError before the first run or for an unknown key.
+        """
+        self._check_open()
+        name = spec_name(self._executable.outputs, key, "output", self._executable.name)
+        if self._outputs is None:
+            raise InvalidArgumentError(
+                f"{self._executable.name}: no outputs yet: call run() or compute() first"
+            )
+        try:
+            return self._outputs[name]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"{self._executable.name}: output {name!r} was not produced by the last run"
+            ) from None
+
+    def _fill(self, outputs: dict[str, Tensor]) -> None:
+        assert self._bound is not None
+        for name, target in self._bound.items():
+            tensor = outputs.get(name)
+            if tensor is None:
+                continue
+            raw = tensor.numpy().reshape(-1).view(np.uint8)
+            if raw.nbytes > target.nbytes:
+                raise TooLargeError(
+                    f"output {name!r} is {raw.nbytes} bytes ({list(tensor.dims)} of "
+                    f"{tensor.type.value}) but its bound buffer holds {target.nbytes}"
+                )
+            target[: raw.nbytes] = raw
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finalize the context; idempotent. The graph's compiled sessions are freed when
+        the graph is unloaded and its last context is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inputs = self._outputs = self._bound = None
+        self._executable.release()
+
+    def __enter__(self) -> ExecutionContext:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""``Graph``: a handle on a loaded model (``Pipeline`` is one on a chain of models).
+
+A graph's model is loaded once (bytes kept, backend chosen, compiled on its default
+target's device at load so that bad bytes fail the load); contexts are tickets made from
+it. Handles are refcounted against the model: ``unload`` ends this handle, and the
+compiled sessions and device memory are freed once every handle is unloaded and every
+context made from them is closed.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from wasinn.backends.base import TensorSpec
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import ClosedResourceError
+from wasinn.tensor import Tensor
+
+from .context import ExecutionContext, check_inputs, deadline_after
+from .model import Executable, Inputs
+from .placement import Scheduler
+
+
+class Graph:
+    """A loaded model. Not thread-safe: use it from the trio thread."""
+
+    __slots__ = ("_executable", "_scheduler", "_unloaded", "default_target")
+
+    def __init__(self, executable: Executable, scheduler: Scheduler,
+                 default_target: ExecutionTarget) -> None:
+        executable.retain()
+        self._executable = executable
+        self._scheduler = scheduler
+        self.default_target = default_target
+        self._unloaded = False
+
+    def __repr__(self) -> str:
+        state = "unloaded" if self._unloaded else self.default_target.value
+        return f"<{type(self).__name__} {self._executable.name} {state}>"
+
+    @property
+    def name(self) -> str:
+        return self._executable.name
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self._executable.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self._executable.outputs
+
+    @property
+    def unloaded(self) -> bool:
+        return self._unloaded
+
+    def _check_loaded(self) -> None:
+        if self._unloaded:
+            raise ClosedResourceError(f"{self._executable.name} was unloaded")
+
+    def init_execution_context(self, target: ExecutionTarget | str | None = None
+                               ) -> ExecutionContext:
+        """A new context running on ``target`` devices (None = the graph's default).
+
+        No backend work happens here. Raises ClosedResourceError after ``unload``,
+        InvalidArgumentError for an unknown target name, UnsupportedOperationError for a
+        target no device here provides (unless the config allows a fallback: then a
+        RuntimeWarning names both targets).
+        """
+        self._check_loaded()
+        kind = self.default_target if target is None else self._scheduler.resolve_target(target)
+        return ExecutionContext(self._executable, kind)
+
+    async def compute(
+        self,
+        inputs: Inputs,
+        *,
+        target: ExecutionTarget | str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = "",
+        keep_on_device: bool | None = None,
+    ) -> dict[str, Tensor]:
+        """One-shot run without a context (see ExecutionContext.compute for the contract)."""
+        self._check_loaded()
+        check_inputs(inputs)
+        kind = self.default_target if target is None else self._scheduler.resolve_target(target)
+        self._executable.retain()  # an unload during the run frees after it
+        try:
+            return await self._executable.execute(
+                kind, inputs, priority=priority, deadline=deadline_after(timeout),
+                tenant=tenant, keep_on_device=keep_on_device,
+            )
+        finally:
+            self._executable.release()
+
+    async def unload(self) -> None:
+        """End this handle; idempotent. Contexts already made keep working until closed."""
+        await trio.lowlevel.checkpoint()
+        if self._unloaded:
+            return
+        self._unloaded = True
+        self._executable.release()

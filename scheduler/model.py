@@ -1,0 +1,103 @@
+"""What the scheduler runs: a loaded model (and, in pipeline.py, a chain of them).
+
+A :class:`LoadedModel` is loaded once: its bytes are kept (owned copies, so a guest may
+reuse its memory), its encoding is known (autodetected once), and its specs come from the
+first compile. Graph handles and contexts hold references to it; when the last one goes,
+``on_release`` frees its compiled graphs on every device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from wasinn.backends.base import Backend, LoadOptions, TensorSpec
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.tensor import Tensor
+
+#: Inputs as callers give them: names or positions -> tensors or numpy-compatible values.
+Inputs = Mapping[Any, object]
+
+_ids = itertools.count(1)
+
+
+class Executable(Protocol):
+    """Something a graph handle or context runs: a model or a pipeline of models."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    released: bool
+
+    def retain(self) -> None:
+        """One more handle or context uses this."""
+
+    def release(self) -> None:
+        """One fewer; the last release frees the compiled graphs everywhere."""
+
+    async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                      deadline: float, tenant: str, keep_on_device: bool | None
+                      ) -> dict[str, Tensor]:
+        """Run on a device of kind ``target`` (see Scheduler.run_model for the outputs)."""
+
+
+class LoadedModel:
+    """One model's bytes and what is known about them; refcounted by handles and contexts."""
+
+    __slots__ = ("backend_name", "backends", "builders", "encoding", "id", "inputs", "name",
+                 "on_release", "options", "outputs", "refs", "released", "runner")
+
+    def __init__(
+        self,
+        builders: tuple[bytes, ...],
+        encoding: GraphEncoding,
+        options: LoadOptions,
+        *,
+        backend_name: str | None = None,
+        name: str = "",
+    ) -> None:
+        self.id = next(_ids)
+        self.name = name or f"graph#{self.id}"
+        self.builders = builders
+        self.encoding = encoding
+        self.options = options
+        self.backend_name = backend_name
+        #: The backend chosen per device kind (filled on first use of that kind).
+        self.backends: dict[ExecutionTarget, Backend] = {}
+        self.inputs: tuple[TensorSpec, ...] = ()
+        self.outputs: tuple[TensorSpec, ...] = ()
+        self.refs = 0
+        self.released = False
+        self.on_release: Callable[[LoadedModel], None] | None = None
+        self.runner: ModelRunner | None = None
+
+    def retain(self) -> None:
+        self.refs += 1
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs == 0 and not self.released:
+            self.released = True
+            if self.on_release is not None:
+                self.on_release(self)
+
+    async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                      deadline: float, tenant: str, keep_on_device: bool | None
+                      ) -> dict[str, Tensor]:
+        assert self.runner is not None, "a model is bound to its scheduler when loaded"
+        return await self.runner.run_model(self, target, inputs, priority=priority,
+                                           deadline=deadline, tenant=tenant,
+                                           keep_on_device=keep_on_device)
+
+    def __repr__(self) -> str:
+        return f"<LoadedModel {self.name} {self.encoding.value} refs={self.refs}>"
+
+
+class ModelRunner(Protocol):
+    """The scheduler as a model sees it (breaks the import cycle with placement.py)."""
+
+    async def run_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                        *, priority: int, deadline: float, tenant: str,
+                        keep_on_device: bool | None) -> dict[str, Tensor]:
+        """Run ``model`` on the least-loaded device of kind ``target``."""

@@ -1,0 +1,90 @@
+"""The model registry behind ``load_by_name``: names looked up, loaded lazily, shared.
+
+A name is only ever a key into the config's ``[models]`` and ``[pipelines]`` tables: it is
+never joined to a path, so a guest cannot reach host files through it. The first caller
+of a name loads it; callers arriving meanwhile wait for that same load (one load however
+many ask) and share the result. The entry is kept while any handle or context uses it
+(or for the runtime's lifetime when the model is ``resident``); after it is released the
+next caller loads it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+
+import trio
+
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import NotFoundError, WasiNNError
+
+from .model import Executable
+
+Entry = tuple[Executable, ExecutionTarget]
+
+
+class _Loading:
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.error: WasiNNError | None = None
+
+
+class NameRegistry:
+    """Named models and pipelines, each loaded on first use by ``load``."""
+
+    def __init__(self, names: Iterable[str], load: Callable[[str], Awaitable[Entry]],
+                 *, resident: Iterable[str] = ()) -> None:
+        self._names = tuple(names)
+        self._known = frozenset(self._names)
+        self._load = load
+        self._resident = frozenset(resident)
+        self._loaded: dict[str, Entry] = {}
+        self._loading: dict[str, _Loading] = {}
+        #: How many loads actually ran, per name (for tests and metrics).
+        self.loads: dict[str, int] = {}
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    async def get(self, name: str) -> Entry:
+        """The loaded entry for ``name``, loading it if needed.
+
+        Raises NotFoundError for a name not in the registry, and the load's own error
+        (InvalidEncodingError, NotFoundError for a missing file, ...) when loading fails;
+        every caller waiting on that load gets an error of the same type and message.
+        """
+        if not isinstance(name, str) or name not in self._known:
+            known = ", ".join(self._names) or "none"
+            raise NotFoundError(f"no model or pipeline named {name!r}: registered: {known}")
+        while True:
+            entry = self._loaded.get(name)
+            if entry is not None and not getattr(entry[0], "released", False):
+                return entry
+            pending = self._loading.get(name)
+            if pending is None:
+                break
+            await pending.done.wait()
+            if pending.error is not None:
+                raise type(pending.error)(pending.error.message)
+        pending = self._loading[name] = _Loading()
+        try:
+            entry = await self._load(name)
+            self.loads[name] = self.loads.get(name, 0) + 1
+            if name in self._resident:
+                entry[0].retain()  # the registry's own reference: never released
+            self._loaded[name] = entry
+            return entry
+        except WasiNNError as exc:
+            pending.error = exc
+            raise
+        finally:
+            del self._loading[name]
+            pending.done.set()
+
+    def drop_all(self) -> None:
+        """Forget every entry (the runtime is closing; device actors free the graphs)."""
+        self._loaded.clear()

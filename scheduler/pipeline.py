@@ -1,0 +1,123 @@
+"""Chained pipelines: models run one after another on one device, intermediates kept there.
+
+A pipeline (``[pipelines.NAME]`` in a config) behaves like a graph: its inputs are the
+first step's, its outputs the last step's. A request runs as ONE job on one device actor:
+every step is compiled on that actor and each step's outputs are produced with
+``keep_on_device=True`` and fed as they are (OrtValue, torch tensor, ov.Tensor) into the
+next step, so intermediates never pass through host memory when consecutive steps use the
+same backend (zero :func:`wasinn.host_copies` on the CPU; on a GPU they stay in device
+memory). When consecutive steps use different backends, the next backend cannot take the
+other library's value: it materializes it through ``Tensor.numpy()``, which is allowed
+and counted in :func:`wasinn.host_copies`.
+
+Wiring: each step after the first maps the previous step's output names to its own input
+names (``wire = { y = "input" }``); it may be omitted when the previous step has exactly
+one output and this step exactly one input. Outputs not wired are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import InvalidArgumentError
+from wasinn.tensor import Tensor
+
+from .graph import Graph
+from .model import Inputs, LoadedModel
+from .placement import Link, Scheduler
+
+
+def resolve_wiring(name: str, steps: Sequence[LoadedModel],
+                   wires: Sequence[Mapping[str, str]]) -> tuple[Link, ...]:
+    """For each step after the first, the (previous output, this input) pairs.
+
+    Raises InvalidArgumentError naming the pipeline, the step and what the models have.
+    """
+    links: list[Link] = []
+    for i in range(1, len(steps)):
+        prev, step = steps[i - 1], steps[i]
+        wire = dict(wires[i]) if i < len(wires) else {}
+        prev_out = [s.name for s in prev.outputs]
+        step_in = [s.name for s in step.inputs]
+        where = f"pipeline {name!r} step {i} ({step.name})"
+        if not wire:
+            if len(prev_out) != 1 or len(step_in) != 1:
+                raise InvalidArgumentError(
+                    f"{where}: no wiring given and {prev.name} has outputs {prev_out}, "
+                    f"{step.name} inputs {step_in}: expected wire = {{ output = \"input\" }}"
+                )
+            wire = {prev_out[0]: step_in[0]}
+        for out, inp in wire.items():
+            if out not in prev_out:
+                raise InvalidArgumentError(
+                    f"{where}: wires {out!r}, which {prev.name} does not output: "
+                    f"expected one of {prev_out}"
+                )
+            if inp not in step_in:
+                raise InvalidArgumentError(
+                    f"{where}: wires into {inp!r}, which {step.name} does not take: "
+                    f"expected one of {step_in}"
+                )
+        fed = list(wire.values())
+        missing = [n for n in step_in if n not in fed]
+        if missing or len(set(fed)) != len(fed):
+            raise InvalidArgumentError(
+                f"{where}: every input must be wired exactly once: got {wire}, "
+                f"inputs {step_in}"
+            )
+        links.append(tuple(wire.items()))
+    return tuple(links)
+
+
+class PipelineModel:
+    """The executable behind a :class:`Pipeline`: step models plus their wiring."""
+
+    __slots__ = ("inputs", "links", "name", "outputs", "refs", "released", "scheduler",
+                 "steps")
+
+    def __init__(self, name: str, steps: Sequence[LoadedModel],
+                 wires: Sequence[Mapping[str, str]], scheduler: Scheduler) -> None:
+        if not steps:
+            raise InvalidArgumentError(f"pipeline {name!r} has no steps: expected at least one")
+        self.name = name
+        self.steps = tuple(steps)
+        self.links = resolve_wiring(name, self.steps, wires)
+        self.inputs = self.steps[0].inputs
+        self.outputs = self.steps[-1].outputs
+        self.scheduler = scheduler
+        self.refs = 0
+        self.released = False
+        for step in self.steps:
+            step.retain()
+
+    def retain(self) -> None:
+        self.refs += 1
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs == 0 and not self.released:
+            self.released = True
+            for step in self.steps:
+                step.release()
+
+    async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                      deadline: float, tenant: str, keep_on_device: bool | None
+                      ) -> dict[str, Tensor]:
+        return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
+                                              inputs, priority=priority, deadline=deadline,
+                                              tenant=tenant, keep_on_device=keep_on_device)
+
+
+class Pipeline(Graph):
+    """A graph-like handle on a pipeline: ``inputs`` of the first step, ``outputs`` of the
+    last; ``init_execution_context``, ``compute`` and ``unload`` work as on a Graph."""
+
+    __slots__ = ()
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The names of the step models, in order."""
+        executable = self._executable
+        assert isinstance(executable, PipelineModel)
+        return tuple(step.name for step in executable.steps)

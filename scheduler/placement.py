@@ -1,0 +1,240 @@
+"""Placement: which device actor runs a request, and which backend compiles a model there.
+
+The :class:`Scheduler` knows the runtime's actors by kind. A request for kind ``gpu`` goes
+to the actor that already holds one of its native input tensors (so chained computes stay
+on one device without a copy), otherwise to the least-loaded actor of that kind (running
+plus queued requests). The actor compiles the model on first use and caches it.
+
+A target no actor provides raises UnsupportedOperationError, unless the runtime allows a
+fallback: then a RuntimeWarning names both targets, once per runtime and target.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping, Sequence
+
+import trio
+
+from wasinn.actors.device import DeviceActor
+from wasinn.actors.session import Session
+from wasinn.backends.base import Backend, CompiledGraph, Device
+from wasinn.backends.formats import detect_encoding
+from wasinn.backends.registry import BackendRegistry
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import ClosedResourceError, InvalidEncodingError, UnsupportedOperationError
+from wasinn.tensor import Tensor
+
+from .model import Inputs, LoadedModel
+
+#: How one pipeline step feeds the next: (previous output name, next input name) pairs.
+Link = tuple[tuple[str, str], ...]
+
+
+class Scheduler:
+    """Routes models and requests onto device actors."""
+
+    def __init__(
+        self,
+        actors: Sequence[DeviceActor],
+        registries: Mapping[ExecutionTarget, BackendRegistry],
+        *,
+        fallback: ExecutionTarget | None = None,
+    ) -> None:
+        self.actors = list(actors)
+        self._by_kind: dict[ExecutionTarget, list[DeviceActor]] = {}
+        for actor in self.actors:
+            self._by_kind.setdefault(actor.device.kind, []).append(actor)
+        self._by_name = {a.device.name: a for a in self.actors}
+        self._registries = dict(registries)
+        self.fallback = fallback
+        self._resolved: dict[ExecutionTarget, ExecutionTarget] = {
+            kind: kind for kind in self._by_kind
+        }
+
+    @property
+    def devices(self) -> list[Device]:
+        return [a.device for a in self.actors]
+
+    def actors_of(self, kind: ExecutionTarget) -> list[DeviceActor]:
+        return list(self._by_kind.get(kind, ()))
+
+    # -- targets --------------------------------------------------------------------------
+    def resolve_target(self, target: ExecutionTarget | str) -> ExecutionTarget:
+        """The kind of device that will serve ``target`` (no backend work).
+
+        Raises UnsupportedOperationError when no device of that kind is here and the config
+        allows no fallback; warns (RuntimeWarning, once per target) when it falls back.
+        """
+        kind = target if isinstance(target, ExecutionTarget) else ExecutionTarget.coerce(target)
+        resolved = self._resolved.get(kind)
+        if resolved is not None:
+            return resolved
+        here = ", ".join(a.device.name for a in self.actors) or "none"
+        fallback = self.fallback
+        if fallback is None or fallback not in self._by_kind:
+            raise UnsupportedOperationError(
+                f"no {kind.value} device in this runtime (devices here: {here}); "
+                "set [runtime] fallback in the config to run such requests elsewhere"
+            )
+        warnings.warn(
+            f"wasinn: no {kind.value} device here (devices: {here}): "
+            f"target {kind.value} falls back to {fallback.value}",
+            RuntimeWarning, stacklevel=3,
+        )
+        self._resolved[kind] = fallback
+        return fallback
+
+    def pick(self, kind: ExecutionTarget, inputs: Inputs) -> DeviceActor:
+        """The actor of ``kind`` that should run a request with ``inputs``."""
+        actors = self._by_kind.get(kind)
+        if not actors:
+            raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
+        if len(actors) == 1:
+            return actors[0]
+        for value in inputs.values():
+            if isinstance(value, Tensor) and value.native is not None:
+                holder = self._by_name.get(value.device)
+                if holder is not None and holder.device.kind is kind:
+                    return holder
+        return min(actors, key=_load)
+
+    # -- compiling ----------------------------------------------------------------------
+    async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> Backend:
+        """The backend that runs ``model`` on ``kind`` (chosen once, in a worker thread,
+        because choosing may import the backend's library)."""
+        backend = model.backends.get(kind)
+        if backend is None:
+            backend = await trio.to_thread.run_sync(self._choose, model, kind)
+            model.backends[kind] = backend
+        return backend
+
+    def _choose(self, model: LoadedModel, kind: ExecutionTarget) -> Backend:
+        if model.encoding is GraphEncoding.AUTODETECT:
+            model.encoding = detect_encoding(model.builders)
+        registry = self._registries.get(kind)
+        if registry is None:
+            raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
+        if model.backend_name is None:
+            backend, _ = registry.choose(model.encoding, kind)
+            return backend
+        name = model.backend_name
+        if not registry.reads(name, model.encoding):
+            raise InvalidEncodingError(
+                f"backend {name!r} does not read {model.encoding.value} models"
+            )
+        backend = registry.get(name)
+        if not any(d.kind is kind for d in backend.devices()):
+            raise UnsupportedOperationError(f"backend {name!r} has no {kind.value} device here")
+        return backend
+
+    async def session(self, actor: DeviceActor, model: LoadedModel) -> Session:
+        """``model`` compiled on ``actor``'s device (compiled on first use, then cached)."""
+        backend = await self.backend_for(model, actor.device.kind)
+        compile_graph = functools.partial(backend.load, model.builders, model.encoding,
+                                          actor.device, model.options)
+        session = await actor.session(model.id, compile_graph, backend.name)
+        if model.released:
+            # Unloaded while we compiled: do not leave the graph cached on the device.
+            actor.evict(model.id)
+            raise ClosedResourceError(f"{model.name} was unloaded")
+        return session
+
+    async def compile(self, model: LoadedModel, kind: ExecutionTarget) -> CompiledGraph:
+        """Compile ``model`` on the least-loaded ``kind`` device; its errors surface here."""
+        session = await self.session(self.pick(kind, {}), model)
+        return session.compiled
+
+    def release(self, model: LoadedModel) -> None:
+        """Free ``model``'s compiled graphs on every device (now or after running jobs)."""
+        for actor in self.actors:
+            actor.evict(model.id)
+
+    # -- running ------------------------------------------------------------------------
+    async def run_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                        *, priority: int = 0, deadline: float = float("inf"),
+                        tenant: str = "", keep_on_device: bool | None = None
+                        ) -> dict[str, Tensor]:
+        """Run ``model`` on a ``target`` device.
+
+        Outputs are backend-native values left on the device when ``keep_on_device`` is
+        true, host tensors when false; None (the default) keeps them native on devices
+        other than the CPU (where host memory *is* the device's, and where OpenVINO would
+        otherwise have to retire an infer request per run to hand its outputs out).
+        """
+        if model.released:
+            raise ClosedResourceError(f"{model.name} was unloaded")
+        actor = self.pick(target, inputs)
+        session = actor.cached_session(model.id)
+        if session is None:
+            actor.placed += 1  # counts as this device's load until it queues or runs
+            try:
+                session = await self.session(actor, model)
+            finally:
+                actor.placed -= 1
+        keep = _keep(actor, keep_on_device)
+        return await actor.execute(functools.partial(_run, session, inputs, keep),
+                                   priority=priority, deadline=deadline, tenant=tenant)
+
+
+    async def run_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
+                        target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
+                        deadline: float = float("inf"), tenant: str = "",
+                        keep_on_device: bool | None = None) -> dict[str, Tensor]:
+        """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
+        each step's native outputs to the next along ``links``; the last step's outputs
+        follow ``keep_on_device`` as in :meth:`run_model`."""
+        actor = self.pick(target, inputs)
+        sessions = []
+        for model in models:
+            if model.released:
+                raise ClosedResourceError(f"pipeline {name!r}: {model.name} was unloaded")
+            session = actor.cached_session(model.id)
+            if session is None:
+                actor.placed += 1
+                try:
+                    session = await self.session(actor, model)
+                finally:
+                    actor.placed -= 1
+            sessions.append(session)
+        keep = _keep(actor, keep_on_device)
+        return await actor.execute(functools.partial(_run_chain, sessions, links, inputs, keep),
+                                   priority=priority, deadline=deadline, tenant=tenant)
+
+
+def _load(actor: DeviceActor) -> int:
+    return actor.load
+
+
+def _keep(actor: DeviceActor, keep_on_device: bool | None) -> bool:
+    if keep_on_device is None:
+        return actor.device.kind is not ExecutionTarget.CPU
+    return keep_on_device
+
+
+def _run(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
+    # Runs in the actor's worker thread; the in-use count defers an unload's close.
+    compiled = session.acquire()
+    try:
+        return compiled.run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
+    finally:
+        session.release()
+
+
+def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
+               keep: bool) -> dict[str, Tensor]:
+    # Runs in the actor's worker thread: every step on this device, natives passed along.
+    compiled: list[CompiledGraph] = []
+    try:
+        for session in sessions:
+            compiled.append(session.acquire())  # raises before any run if one was unloaded
+        last = len(compiled) - 1
+        current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]
+        for step, (graph, link) in enumerate(zip(compiled[1:], links, strict=True), 1):
+            current = graph.run({inp: current[out] for out, inp in link},
+                                keep_on_device=keep or step < last)
+        return current
+    finally:
+        for session in sessions[: len(compiled)]:
+            session.release()

@@ -1,0 +1,365 @@
+"""``Runtime``: the front door of the scheduler.
+
+::
+
+    async with wasinn.Runtime.from_config("configs/pools.toml") as rt:   # or wasinn.Runtime()
+        g = await rt.load([model_bytes], encoding="onnx", target="cpu")
+        ctx = g.init_execution_context(target="gpu")
+        out = await ctx.compute({"input": array})
+
+Entering the runtime probes the devices its pools name (in a worker thread: probing may
+import backend libraries), starts one :class:`~wasinn.actors.device.DeviceActor` per
+device with ``nursery.start`` (each reports ready only once its device is usable), and
+leaves them serving until the runtime is closed. Closing fails queued requests with
+ClosedResourceError and frees every compiled graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from wasinn.actors.device import DeviceActor
+from wasinn.actors.queue import POLICIES
+from wasinn.backends.base import Backend, Device, LoadOptions
+from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import (
+    ClosedResourceError,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    NotFoundError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
+
+from .graph import Graph
+from .model import Executable, LoadedModel
+from .names import Entry, NameRegistry
+from .pipeline import Pipeline, PipelineModel
+from .placement import Scheduler
+
+if TYPE_CHECKING:
+    from wasinn.configs.schema import PoolConfig, RuntimeConfig
+
+log = logging.getLogger("wasinn.scheduler")
+
+
+def _owned_builders(builders: object) -> tuple[bytes, ...]:
+    if isinstance(builders, bytes | bytearray | memoryview | str) or not isinstance(
+        builders, Sequence
+    ):
+        raise InvalidArgumentError(
+            f"builders must be a sequence of bytes-like objects (one per model file), "
+            f"not {type(builders).__name__}"
+        )
+    owned = []
+    for i, builder in enumerate(builders):
+        if isinstance(builder, bytes):
+            owned.append(builder)
+        elif isinstance(builder, bytearray | memoryview):
+            owned.append(bytes(builder))  # the caller may reuse its memory: keep our copy
+        else:
+            raise InvalidArgumentError(
+                f"builder {i} is {type(builder).__name__}: expected bytes, bytearray or "
+                "memoryview"
+            )
+    if not owned:
+        raise InvalidEncodingError("empty builder list: expected the model's bytes")
+    return tuple(owned)
+
+
+def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOptions:
+    if options is None:
+        return LoadOptions()
+    if isinstance(options, LoadOptions):
+        return options
+    if not isinstance(options, Mapping):
+        raise InvalidArgumentError(
+            f"options must be a mapping or LoadOptions, not {type(options).__name__}"
+        )
+    extra = {k: v for k, v in options.items() if k not in ("precision", "threads")}
+    precision = options.get("precision", "f32")
+    threads = options.get("threads", 0)
+    if not isinstance(precision, str) or not isinstance(threads, int) or threads < 0:
+        raise InvalidArgumentError(
+            f"options precision={precision!r}, threads={threads!r}: expected a precision "
+            "name (e.g. 'f32') and a non-negative thread count"
+        )
+    return LoadOptions(precision=precision, threads=threads, extra=extra)
+
+
+def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
+    out = []
+    for path in paths:
+        try:
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise NotFoundError(
+                f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
+                f"{exc.strerror or exc}"
+            ) from None
+    return tuple(out)
+
+
+class Runtime:
+    """Device actors, placement, the model registry and the async API, for one config.
+
+    ``Runtime()`` uses the embedded default (``wasinn/configs/default.toml``: every
+    installed backend, the CPU pool); ``Runtime.from_config(path)`` reads a TOML file;
+    ``Runtime(config)`` takes a :class:`~wasinn.configs.schema.RuntimeConfig`. ``backends``
+    adds backend instances (third-party or test backends) to every pool's registry.
+    Use it with ``async with``; every method must be called from trio.
+    """
+
+    def __init__(self, config: RuntimeConfig | None = None, *,
+                 backends: Iterable[Backend] = ()) -> None:
+        if config is None:
+            from wasinn.configs.loader import packaged_config
+
+            config = packaged_config()
+        self._config = config
+        self._extra = tuple(backends)
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._scheduler: Scheduler | None = None
+        self._closed = False
+        self._names = NameRegistry(
+            [*config.models, *config.pipelines], self._load_named,
+            resident=[n for n, m in config.models.items() if m.resident],
+        )
+
+    @classmethod
+    def from_config(cls, path: str | Path, *, backends: Iterable[Backend] = ()) -> Runtime:
+        """A runtime for the TOML config at ``path`` (NotFoundError, ConfigError)."""
+        from wasinn.configs.loader import load_config
+
+        return cls(load_config(path), backends=backends)
+
+    # -- lifetime -------------------------------------------------------------------------
+    async def __aenter__(self) -> Runtime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Probe devices and start one actor per device; ready when this returns.
+
+        Raises UnsupportedOperationError for a configured device that is missing or
+        cannot be opened, ConfigError for an unknown backend name in the config.
+        """
+        if self._stack is not None or self._closed:
+            raise InvalidArgumentError("a Runtime can be started once")
+        actors, registries = await trio.to_thread.run_sync(self._plan)
+        fallback = self._config.runtime.fallback
+        scheduler = Scheduler(actors, registries,
+                              fallback=ExecutionTarget.coerce(fallback) if fallback else None)
+        stack = AsyncExitStack()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        try:
+            for actor in actors:
+                await nursery.start(actor.serve)
+        except BaseException:
+            # A device that cannot be opened (or a cancelled start): stop the actors that
+            # did start, leave the nursery, and report the original error.
+            for actor in actors:
+                actor.close()
+            nursery.cancel_scope.cancel()
+            await stack.aclose()
+            raise
+        self._stack = stack
+        self._nursery = nursery
+        self._scheduler = scheduler
+        log.debug("runtime started: devices %s", [a.device.name for a in actors])
+
+    async def aclose(self) -> None:
+        """Stop every actor: queued requests fail with ClosedResourceError, compiled graphs
+        are freed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._names.drop_all()
+        if self._scheduler is not None:
+            for actor in self._scheduler.actors:
+                actor.close()
+        if self._stack is not None and self._nursery is not None:
+            stack, self._stack = self._stack, None
+            # The nursery holds only the actors' serve tasks: cancel them and wait.
+            self._nursery.cancel_scope.cancel()
+            await stack.aclose()
+
+    def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
+        # Runs in a worker thread: asking backends for devices may import their libraries.
+        from wasinn.configs import ConfigError
+
+        config = self._config
+        actors: list[DeviceActor] = []
+        registries: dict[ExecutionTarget, BackendRegistry] = {}
+        for pool_name, pool in config.pools.items():
+            kind = ExecutionTarget.coerce(pool.kind)
+            preference = pool.backends or config.runtime.backends or DEFAULT_PREFERENCE
+            try:
+                registry = BackendRegistry(preference, extra=self._extra)
+            except InvalidArgumentError as exc:
+                raise ConfigError(f"pools.{pool_name}.backends: {exc.message}") from None
+            devices = self._pool_devices(pool_name, pool, kind, registry)
+            if devices:
+                registries[kind] = registry
+            actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
+                                   policy=POLICIES[pool.policy]())
+                       for d in devices]
+        return actors, registries
+
+    def _pool_devices(self, pool_name: str, pool: PoolConfig, kind: ExecutionTarget,
+                      registry: BackendRegistry) -> list[Device]:
+        if kind is ExecutionTarget.CPU:
+            return [Device(ExecutionTarget.CPU)]  # every backend runs on the CPU
+        names = [n for n in (pool.backends or registry.installed()) if registry.is_installed(n)]
+        reported: set[Device] = set()
+        for name in names:
+            try:
+                reported.update(d for d in registry.get(name).devices() if d.kind is kind)
+            except WasiNNError as exc:
+                log.warning("pool %s: backend %s cannot list devices: %s", pool_name, name, exc)
+        if pool.devices == "auto":
+            return sorted(reported)
+        wanted = [Device.parse(n) for n in pool.devices]
+        for device in wanted:
+            if device not in reported:
+                found = ", ".join(d.name for d in sorted(reported)) or "none"
+                raise UnsupportedOperationError(
+                    f"pools.{pool_name}: device {device} is not reported by any backend "
+                    f"({', '.join(names) or 'none installed'}); found: {found}"
+                )
+        return wanted
+
+    # -- what is here -------------------------------------------------------------------------
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._config
+
+    @property
+    def _sched(self) -> Scheduler:
+        if self._closed:
+            raise ClosedResourceError("the runtime is closed")
+        if self._scheduler is None:
+            raise ClosedResourceError(
+                "the runtime is not running: use `async with wasinn.Runtime() as rt:`"
+            )
+        return self._scheduler
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices this runtime has an actor for."""
+        return self._sched.devices
+
+    @property
+    def actors(self) -> list[DeviceActor]:
+        """The device actors (for diagnostics and tests)."""
+        return list(self._sched.actors)
+
+    def model_names(self) -> list[str]:
+        """The registry's model and pipeline names, as ``load_by_name`` accepts them."""
+        return self._names.names()
+
+    @property
+    def name_registry(self) -> NameRegistry:
+        return self._names
+
+    # -- loading --------------------------------------------------------------------------
+    async def load(
+        self,
+        builders: Sequence[bytes | bytearray | memoryview],
+        encoding: GraphEncoding | str = GraphEncoding.AUTODETECT,
+        target: ExecutionTarget | str = ExecutionTarget.CPU,
+        *,
+        backend: str | None = None,
+        options: LoadOptions | Mapping[str, Any] | None = None,
+    ) -> Graph:
+        """Load a model from its bytes (one buffer per file; IR: xml then weights).
+
+        ``target`` is the graph's default; the model is compiled there now so that bad
+        bytes fail here. Raises InvalidEncodingError (bytes no backend reads, an empty
+        builder list), InvalidArgumentError (unknown encoding/target/backend names, bad
+        options), UnsupportedOperationError (no device or backend for the target).
+        """
+        owned = _owned_builders(builders)
+        model, kind = await self._load_model(
+            owned, GraphEncoding.coerce(encoding), target, backend=backend,
+            options=_load_options(options), name="",
+        )
+        return Graph(model, self._sched, kind)
+
+    async def load_by_name(self, name: str) -> Graph:
+        """The registry's model or pipeline called ``name`` (a :class:`Pipeline` for a
+        pipeline), loaded on first use and shared by every caller.
+
+        Raises NotFoundError for a name not in the registry or a registered file that is
+        missing, SecurityError for a file outside the config's directory, and whatever
+        loading the model raises.
+        """
+        scheduler = self._sched
+        executable, kind = await self._names.get(name)
+        if isinstance(executable, PipelineModel):
+            return Pipeline(executable, scheduler, kind)
+        return Graph(executable, scheduler, kind)
+
+    async def _load_model(self, builders: tuple[bytes, ...], encoding: GraphEncoding,
+                          target: ExecutionTarget | str, *, backend: str | None,
+                          options: LoadOptions, name: str) -> tuple[LoadedModel, ExecutionTarget]:
+        scheduler = self._sched
+        kind = scheduler.resolve_target(target)
+        model = LoadedModel(builders, encoding, options, backend_name=backend, name=name)
+        model.runner = scheduler
+        model.on_release = scheduler.release
+        compiled = await scheduler.compile(model, kind)
+        model.inputs, model.outputs = compiled.inputs, compiled.outputs
+        return model, kind
+
+    async def _load_named(self, name: str) -> Entry:
+        from wasinn.configs.loader import model_file
+
+        config = self._config
+        pipeline = config.pipelines.get(name)
+        if pipeline is not None:
+            steps: list[LoadedModel] = []
+            for step in pipeline.steps:
+                executable, _ = await self._names.get(step.model)
+                assert isinstance(executable, LoadedModel)
+                steps.append(executable)
+            scheduler = self._sched
+            kind = scheduler.resolve_target(pipeline.target)
+            # Compile every step on one device of the kind now, so errors surface at load.
+            actor = scheduler.pick(kind, {})
+            for step_model in steps:
+                await scheduler.session(actor, step_model)
+            made: Executable = PipelineModel(name, steps, [s.wire for s in pipeline.steps],
+                                             scheduler)
+            return made, kind
+        entry = config.models[name]
+        paths = [model_file(config, f) for f in entry.files]
+        builders = await trio.to_thread.run_sync(_read_files, paths, name)
+        options = LoadOptions(precision=entry.precision, threads=entry.threads,
+                              extra=dict(entry.options))
+        return await self._load_model(builders, GraphEncoding.coerce(entry.encoding),
+                                      entry.target, backend=entry.backend, options=options,
+                                      name=name)
+
+    # -- guests -----------------------------------------------------------------------------
+    async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
+                       dirs: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None) -> int:
+        """Run a WebAssembly guest against this runtime; its exit code (see wasinn.host)."""
+        import wasinn.host.runner
+
+        self._sched  # noqa: B018 - raises when the runtime is not running
+        return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)

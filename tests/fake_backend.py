@@ -1,0 +1,93 @@
+"""A fake device backend, for ROUTING tests only (placement, compile-once, unload, queue
+order on devices this machine lacks). Every model-path test uses the real backends.
+
+Model bytes are a tiny recipe: ``b"fake:add=1"`` makes a graph computing ``y = x + 1`` on
+``x: f32[n, 4]``; ``b"fake:bad"`` fails to compile. A run whose input has a negative first
+element raises a library-style RuntimeError (to test error containment); a graph built
+with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from wasinn.backends.base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from wasinn.enums import GraphEncoding, TensorType
+from wasinn.errors import InvalidEncodingError
+from wasinn.tensor import Tensor, as_tensor
+
+
+class FakeNative:
+    """Stands for a device-resident value (an OrtValue on a GPU, say)."""
+
+    def __init__(self, array: np.ndarray[Any, Any], device: str) -> None:
+        self.array = array
+        self.device = device
+
+
+class FakeGraph(CompiledGraph):
+    def __init__(self, backend: FakeBackend, device: Device, add: float, gated: bool) -> None:
+        self.backend = backend
+        self.device = device
+        self.add = add
+        self.gated = gated
+        self.closed = False
+        self.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
+        self.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
+
+    def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
+            keep_on_device: bool = False) -> dict[str, Tensor]:
+        assert not self.closed, "ran a closed graph"
+        tensor = as_tensor(inputs["x"] if "x" in inputs else inputs[0])  # type: ignore[index]
+        native = tensor.native
+        if isinstance(native, FakeNative) and native.device == self.device.name:
+            x = native.array  # same device: no copy
+        else:
+            x = tensor.numpy()
+        self.backend.runs.append((self.device.name, float(x.reshape(-1)[0])))
+        if self.gated and not self.backend.gate.wait(timeout=30):
+            raise RuntimeError("gate never opened")
+        if x.size and x.reshape(-1)[0] < 0:
+            raise RuntimeError("fake library exploded on a negative input")
+        y = (x + self.add).astype(np.float32)
+        if keep_on_device:
+            value = FakeNative(y, self.device.name)
+            return {"y": Tensor.from_native(value, y.shape, TensorType.F32,
+                                            device=self.device.name,
+                                            materialize=lambda: value.array)}
+        return {"y": Tensor.from_numpy(y)}
+
+    def close(self) -> None:
+        self.closed = True
+        self.backend.closed.append(self.device.name)
+
+
+class FakeBackend(Backend):
+    name = "fake"
+    encodings = frozenset({GraphEncoding.GGML})
+
+    def __init__(self, devices: Sequence[str] = ("cpu", "gpu:0", "gpu:1")) -> None:
+        self._devices = [Device.parse(d) for d in devices]
+        self.loads: list[str] = []
+        self.runs: list[tuple[str, float]] = []
+        self.closed: list[str] = []
+        self.gate = threading.Event()
+
+    def devices(self) -> list[Device]:
+        return list(self._devices)
+
+    def sniff(self, builders: Builders) -> float:
+        return 1.0 if bytes(builders[0][:5]) == b"fake:" else 0.0
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> FakeGraph:
+        recipe = bytes(builders[0]).decode(errors="replace")
+        if not recipe.startswith("fake:add="):
+            raise InvalidEncodingError(f"fake: cannot read {recipe[:20]!r}: expected fake:add=N")
+        parts = recipe.removeprefix("fake:add=").split(":")
+        self.loads.append(device.name)
+        return FakeGraph(self, device, float(parts[0]), "gate" in parts[1:])

@@ -1,0 +1,338 @@
+"""DeviceActor: readiness, worker threads, queue order, deadlines, cancellation, errors,
+compile-once sessions and deferred close. Jobs here are plain callables in real threads."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import trio
+import trio.testing
+
+from tests.fake_backend import FakeBackend, FakeGraph
+from wasinn import (
+    BackendRuntimeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    TimeoutError_,
+    TooLargeError,
+)
+from wasinn.actors import DeviceActor, PriorityDeadlinePolicy, Request, TenantRoundRobinPolicy
+from wasinn.actors.session import Session
+from wasinn.backends.base import CompiledGraph, Device
+from wasinn.enums import ExecutionTarget
+
+CPU = Device(ExecutionTarget.CPU)
+
+
+@pytest.fixture
+async def actor() -> AsyncIterator[DeviceActor]:
+    async with trio.open_nursery() as nursery:
+        started = await nursery.start(DeviceActor(CPU, workers=1, queue_limit=8).serve)
+        yield started
+        nursery.cancel_scope.cancel()
+
+
+def gate_job(gate: threading.Event, started: threading.Event | None = None,
+             result: object = "gated") -> Callable[[], object]:
+    def job() -> object:
+        if started is not None:
+            started.set()
+        if not gate.wait(timeout=30):
+            raise RuntimeError("gate never opened")
+        return result
+    return job
+
+
+async def test_actor_reports_ready_only_after_start() -> None:
+    actor = DeviceActor(CPU, workers=2)
+    assert not actor.ready
+    async with trio.open_nursery() as nursery:
+        assert await nursery.start(actor.serve) is actor
+        assert actor.ready
+        nursery.cancel_scope.cancel()
+    assert not actor.ready
+
+
+async def test_jobs_run_in_worker_threads_and_the_loop_keeps_running(
+        actor: DeviceActor) -> None:
+    # The job can only finish if a trio task runs while it waits: a job that held the loop
+    # would time out in the thread and fail the test.
+    release = threading.Event()
+
+    def job() -> int:
+        if not release.wait(timeout=10):
+            raise RuntimeError("the event loop never ran while the job waited")
+        return threading.get_ident()
+
+    async def opener() -> None:
+        await trio.sleep(0.01)
+        release.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(opener)
+        ident = await actor.execute(job)
+    assert ident != threading.get_ident()
+
+
+async def test_queue_serves_priority_then_deadline_then_arrival(actor: DeviceActor) -> None:
+    gate = threading.Event()
+    order: list[str] = []
+
+    async def request(tag: str, priority: int, deadline: float) -> None:
+        await actor.execute(lambda: order.append(tag), priority=priority, deadline=deadline)
+
+    now = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        for tag, priority, deadline in [("low", 0, math.inf), ("high-late", 5, now + 900),
+                                        ("mid", 1, math.inf), ("high-soon", 5, now + 600),
+                                        ("low-2", 0, math.inf)]:
+            nursery.start_soon(request, tag, priority, deadline)
+            await trio.testing.wait_all_tasks_blocked()
+        assert actor.load == 6
+        gate.set()
+    assert order == ["high-soon", "high-late", "mid", "low", "low-2"]
+
+
+def test_policy_orders_and_removes() -> None:
+    policy = PriorityDeadlinePolicy()
+    a, b, c = Request(0, 5.0), Request(0, 1.0), Request(3)
+    for r in (a, b, c):
+        policy.push(r)
+    policy.remove(b)
+    assert len(policy) == 2
+    assert policy.pop() is c
+    assert policy.pop() is a
+    assert policy.pop() is None and len(policy) == 0
+
+
+def test_fair_policy_serves_tenants_in_turn() -> None:
+    policy = TenantRoundRobinPolicy()
+    flood = [Request(0, tenant="a") for _ in range(4)]
+    for r in flood:
+        policy.push(r)
+    b1, b2, c1 = Request(0, tenant="b"), Request(5, tenant="b"), Request(0, tenant="c")
+    for r in (b1, b2, c1):
+        policy.push(r)
+    policy.remove(flood[1])
+    assert len(policy) == 6
+    order = [policy.pop() for _ in range(6)]
+    # a, b (its high priority first), c, then a and b again, then a.
+    assert order == [flood[0], b2, c1, flood[2], b1, flood[3]]
+    assert policy.pop() is None and len(policy) == 0
+    # A tenant whose only request was removed keeps its place in the turns for the next.
+    lone, other = Request(tenant="x"), Request(tenant="y")
+    policy.push(lone)
+    policy.push(other)
+    policy.remove(lone)
+    policy.push(again := Request(tenant="x"))
+    assert [policy.pop(), policy.pop(), policy.pop()] == [again, other, None]
+
+
+async def test_deadline_drops_a_queued_request(autojump_clock: trio.testing.MockClock,
+                                               actor: DeviceActor) -> None:
+    gate = threading.Event()
+    ran = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        with pytest.raises(TimeoutError_, match="deadline"):
+            await actor.execute(lambda: ran.append(1), deadline=start + 10)
+        assert trio.current_time() - start == pytest.approx(10)
+        assert actor.load == 1  # the queued request is gone; the gate job still runs
+        gate.set()
+    assert ran == []
+
+
+async def test_deadline_abandons_a_running_request(autojump_clock: trio.testing.MockClock,
+                                                   actor: DeviceActor) -> None:
+    gate = threading.Event()
+    with pytest.raises(TimeoutError_):
+        await actor.execute(gate_job(gate), deadline=trio.current_time() + 5)
+    # The abandoned thread still holds the device's only token until it finishes.
+    assert actor.limiter.borrowed_tokens == 1
+    gate.set()
+    assert await actor.execute(lambda: "next") == "next"
+
+
+async def test_cancelled_while_queued_never_runs(actor: DeviceActor) -> None:
+    gate = threading.Event()
+    ran = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+            nursery.start_soon(lambda: _cancel_soon(scope))
+            await actor.execute(lambda: ran.append(1))
+        assert scope.cancelled_caught
+        assert actor.load == 1
+        gate.set()
+    assert ran == []
+    assert await actor.execute(lambda: 7) == 7
+
+
+async def _cancel_soon(scope: trio.CancelScope) -> None:
+    await trio.testing.wait_all_tasks_blocked()
+    scope.cancel()
+
+
+async def test_cancelled_while_running_abandons_the_result(actor: DeviceActor) -> None:
+    gate, started = threading.Event(), threading.Event()
+    finished = threading.Event()
+
+    def job() -> str:
+        started.set()
+        gate.wait(timeout=30)
+        finished.set()
+        return "late"
+
+    with trio.move_on_after(30) as scope:
+        async with trio.open_nursery() as nursery:
+            async def cancel_when_started() -> None:
+                await trio.to_thread.run_sync(started.wait)
+                scope.cancel()
+            nursery.start_soon(cancel_when_started)
+            await actor.execute(job)
+    assert scope.cancelled_caught and not finished.is_set()
+    # A new request waits for the abandoned thread's token, then runs.
+    async with trio.open_nursery() as nursery:
+        result: list[str] = []
+
+        async def follow() -> None:
+            result.append(await actor.execute(lambda: "next"))
+        nursery.start_soon(follow)
+        await trio.testing.wait_all_tasks_blocked()
+        assert result == []
+        gate.set()
+    assert finished.is_set() and result == ["next"]
+
+
+async def test_a_failing_job_fails_only_its_request(actor: DeviceActor) -> None:
+    def boom() -> None:
+        raise RuntimeError("library exploded")
+
+    def bad_input() -> None:
+        raise InvalidArgumentError("input x is wrong")
+
+    with pytest.raises(BackendRuntimeError, match="library exploded"):
+        await actor.execute(boom)
+    with pytest.raises(InvalidArgumentError, match="input x is wrong"):
+        await actor.execute(bad_input)
+    assert await actor.execute(lambda: "still serving") == "still serving"
+
+
+async def test_a_full_queue_refuses_more(actor: DeviceActor) -> None:
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(actor.queue_limit):
+            nursery.start_soon(actor.execute, lambda: None)
+        await trio.testing.wait_all_tasks_blocked()
+        try:
+            with pytest.raises(TooLargeError, match="queue is full"):
+                await actor.execute(lambda: None)
+        finally:
+            gate.set()
+
+
+async def test_closing_fails_queued_requests() -> None:
+    actor = DeviceActor(CPU, workers=1)
+    gate = threading.Event()
+    errors: list[BaseException] = []
+
+    async def queued() -> None:
+        try:
+            await actor.execute(lambda: None)
+        except ClosedResourceError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.serve)
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(queued)
+        await trio.testing.wait_all_tasks_blocked()
+        actor.close()
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+        nursery.cancel_scope.cancel()
+    assert len(errors) == 1
+    with pytest.raises(ClosedResourceError):
+        await actor.execute(lambda: None)
+
+
+async def test_session_compiles_once_for_concurrent_callers(actor: DeviceActor) -> None:
+    backend = FakeBackend()
+    sessions: list[Session] = []
+
+    def compile_graph() -> CompiledGraph:
+        return backend.load([b"fake:add=1"], backend.encodings.__iter__().__next__(), CPU)
+
+    async def ask() -> None:
+        sessions.append(await actor.session("m", compile_graph, "fake"))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(ask)
+    assert backend.loads == ["cpu"]
+    assert len({id(s) for s in sessions}) == 1
+    assert actor.cached("m")
+
+
+async def test_failed_compile_reaches_every_waiter_and_is_not_cached(
+        actor: DeviceActor) -> None:
+    attempts = []
+
+    def bad() -> CompiledGraph:
+        attempts.append(1)
+        raise InvalidEncodingError("fake: unreadable")
+
+    errors: list[InvalidEncodingError] = []
+
+    async def ask() -> None:
+        try:
+            await actor.session("m", bad, "fake")
+        except InvalidEncodingError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(ask)
+    assert len(attempts) == 1  # one compile for every concurrent caller
+    assert [e.message for e in errors] == ["fake: unreadable"] * 4
+    assert not actor.cached("m")
+    with pytest.raises(InvalidEncodingError):
+        await actor.session("m", bad, "fake")
+    assert len(attempts) == 2  # not cached: a later call tries again
+
+
+async def test_evict_defers_close_until_the_running_job_ends(actor: DeviceActor) -> None:
+    backend = FakeBackend()
+    graph = backend.load([b"fake:add=1"], next(iter(backend.encodings)), CPU)
+    session = await actor.session("m", lambda: graph, "fake")
+    started, gate = threading.Event(), threading.Event()
+
+    def job() -> None:
+        session.acquire()
+        try:
+            started.set()
+            gate.wait(timeout=30)
+        finally:
+            session.release()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, job)
+        await trio.to_thread.run_sync(started.wait)
+        actor.evict("m")
+        assert isinstance(graph, FakeGraph) and not graph.closed
+        with pytest.raises(ClosedResourceError):
+            session.acquire()
+        gate.set()
+    assert graph.closed

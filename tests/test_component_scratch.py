@@ -1,0 +1,361 @@
+"""``wasinn:nn/scratch``: tensor bytes handed over as files in a guest's scratch directory.
+
+Driven through ``tests/components/scratch_loop.wat``, a component that writes and reads
+its files with real wasi:filesystem calls (Wasmtime's own WASI host) and calls
+``tensor-from-scratch`` / ``tensor-to-scratch`` through the canonical ABI.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from wasmtime.component import Variant
+
+import wasinn
+from tests.component_guests import COMPONENTS, RecordingRuntime, component_models
+from tests.support import require_backend
+from wasinn.configs.schema import RuntimeConfig
+from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError
+from wasinn.host.component import ComponentGuest
+from wasinn.host.component import guest as guest_module
+from wasinn.host.component.scratch import GUEST_PATH, SHM, ScratchDir, default_base
+from wasinn.host.limits import GuestLimits
+from wasinn.host.runner import GuestTrap
+from wasinn.modelgen import IMAGE_SHAPE, ModelFiles, sample_image
+
+TYPES = ["FP16", "FP32", "FP64", "BF16", "U8", "I32", "I64"]
+CODES = ["invalid-argument", "invalid-encoding", "timeout", "runtime-error",
+         "unsupported-operation", "too-large", "not-found", "security", "unknown"]
+FP32 = TYPES.index("FP32")
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+def scratch_loop() -> str:
+    return (COMPONENTS / "scratch_loop.wat").read_text()
+
+
+@pytest.fixture(scope="module")
+def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
+              ) -> RuntimeConfig:
+    return component_models(tmp_path_factory.mktemp("scratch-models"), small_mobilenet.onnx)
+
+
+@pytest.fixture
+async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(nn_config) as runtime:
+        yield RecordingRuntime(runtime)
+
+
+class Guest:
+    """Calls into scratch_loop; ``ok``/``err`` unwrap its result<_, u32> values."""
+
+    def __init__(self, guest: ComponentGuest) -> None:
+        self.guest = guest
+
+    async def __call__(self, name: str, *args: Any) -> Any:
+        return await self.guest.call(name, *args)
+
+    async def ok(self, name: str, *args: Any) -> Any:
+        result = await self(name, *args)
+        assert isinstance(result, Variant)
+        if result.tag != "ok":
+            assert isinstance(result.payload, int)
+            code, message = await self.describe(result.payload)
+            raise AssertionError(f"{name} failed: {code}: {message}")
+        return result.payload
+
+    async def err(self, name: str, *args: Any) -> tuple[str, str]:
+        """The (code, message) of the error ``name`` returns; the error is dropped."""
+        result = await self(name, *args)
+        assert isinstance(result, Variant)
+        assert result.tag == "err", f"{name} succeeded: {result!r}"
+        assert isinstance(result.payload, int)
+        return await self.describe(result.payload)
+
+    async def describe(self, error: int) -> tuple[str, str]:
+        code = CODES[await self("error-code", error)]
+        message = await self("error-data", error)
+        await self("error-drop", error)
+        return code, message
+
+    async def write(self, name: str, data: bytes) -> None:
+        assert await self("write-file", name, data) == 0
+
+    async def from_scratch(self, name: str, dims: list[int], ty: str = "FP32") -> int:
+        handle: int = await self.ok("from-scratch", name, dims, TYPES.index(ty))
+        return handle
+
+
+async def start(rt: Any, **kwargs: Any) -> tuple[ComponentGuest, Guest]:
+    guest = await ComponentGuest.start(rt, scratch_loop(), program="scratch_loop", **kwargs)
+    return guest, Guest(guest)
+
+
+@pytest.fixture
+async def g(rt: RecordingRuntime) -> AsyncIterator[Guest]:
+    guest, wrapper = await start(rt)
+    async with guest:
+        yield wrapper
+
+
+# -- the two functions ---------------------------------------------------------------------
+async def test_a_file_written_by_the_guest_becomes_a_tensor_and_back(
+        g: Guest, rt: RecordingRuntime) -> None:
+    await g.write("x.bin", X.tobytes())
+    t = await g.from_scratch("x.bin", [2, 4])
+    assert np.array_equal(np.frombuffer(await g("tensor-data", t), np.float32), X.reshape(-1))
+    assert await g("prepare", "affine") == 0
+    y = await g.ok("compute1", "x", t)
+    assert await g.ok("to-scratch", y, "y.bin") == X.nbytes
+    got = np.frombuffer(await g("read-file", "y.bin", X.nbytes), np.float32)
+    assert np.array_equal(got, 2 * X.reshape(-1) + 1)
+    await g("tensor-drop", y)
+    await g("release")
+    assert g.guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
+    assert all(graph.unloaded for graph in rt.graphs)
+
+
+async def test_the_infer_loop_through_scratch_files_matches_native(
+        g: Guest, small_mobilenet: ModelFiles) -> None:
+    import onnxruntime as ort
+
+    image = sample_image(seed=3)
+    assert await g("fill", image.tobytes()) == image.nbytes
+    assert await g("prepare", "mobilenet") == 0
+    assert await g("infer", 3, list(IMAGE_SHAPE)) == 4000, await g("last-failure")
+    assert await g("last-failure") == 0
+    # The loop left its last files behind: the input as the guest wrote it, the output
+    # as the host wrote it.
+    scratch = g.guest.scratch
+    assert scratch is not None
+    assert (scratch.path / "in.bin").read_bytes() == image.tobytes()
+    session = ort.InferenceSession(str(small_mobilenet.onnx), providers=["CPUExecutionProvider"])
+    (expected,) = session.run(None, {"input": image})
+    got = np.frombuffer((scratch.path / "out.bin").read_bytes(), np.float32)
+    np.testing.assert_allclose(got, expected.reshape(-1), rtol=1e-4, atol=1e-5)
+    await g("release")
+    assert g.guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
+
+
+@pytest.mark.parametrize("ty", TYPES)
+async def test_every_tensor_type_comes_from_scratch(g: Guest, ty: str) -> None:
+    data = bytes(range(24))
+    itemsize = {"FP16": 2, "BF16": 2, "FP32": 4, "I32": 4, "FP64": 8, "I64": 8, "U8": 1}[ty]
+    await g.write("t.bin", data)
+    t = await g.from_scratch("t.bin", [24 // itemsize], ty)
+    assert await g("tensor-data", t) == data
+    assert await g.ok("to-scratch", t, "copy.bin") == 24
+    assert await g("read-file", "copy.bin", 24) == data
+    await g("tensor-drop", t)
+
+
+async def test_a_tensor_is_a_copy_of_the_file(g: Guest) -> None:
+    await g.write("x.bin", X.tobytes())
+    t = await g.from_scratch("x.bin", [2, 4])
+    await g.write("x.bin", (X + 100).tobytes())
+    assert np.array_equal(np.frombuffer(await g("tensor-data", t), np.float32), X.reshape(-1))
+    await g("tensor-drop", t)
+
+
+async def test_an_empty_tensor_comes_from_an_empty_file(g: Guest) -> None:
+    await g.write("empty", b"")
+    t = await g.from_scratch("empty", [0, 4])
+    assert await g("tensor-data", t) == b""
+    assert await g.ok("to-scratch", t, "empty2") == 0
+    await g("tensor-drop", t)
+
+
+# -- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "why"), [
+    ("", "is empty"),
+    (".", "names a directory"),
+    ("..", "names a directory"),
+    ("../escape.bin", "path separator"),
+    ("sub/x.bin", "path separator"),
+    ("/etc/passwd", "path separator"),
+    ("..\\x", "path separator"),
+    ("nul\0x", "NUL byte"),
+    ("n" * 256, "at most 255"),
+])
+async def test_a_name_that_is_not_a_plain_file_name_is_invalid(
+        g: Guest, name: str, why: str) -> None:
+    await g.write("x.bin", X.tobytes())
+    code, message = await g.err("from-scratch", name, [2, 4], FP32)
+    assert (code, why in message) == ("invalid-argument", True), message
+    t = await g.from_scratch("x.bin", [2, 4])
+    code, message = await g.err("to-scratch", t, name)
+    assert (code, why in message) == ("invalid-argument", True)
+    await g("tensor-drop", t)
+    assert g.guest.live()["error"] == 0
+
+
+async def test_a_missing_file_is_not_found(g: Guest) -> None:
+    code, message = await g.err("from-scratch", "never-written.bin", [2, 4], FP32)
+    assert code == "not-found"
+    assert "'never-written.bin' does not exist" in message and GUEST_PATH in message
+
+
+async def test_a_file_of_the_wrong_size_is_invalid(g: Guest) -> None:
+    await g.write("short.bin", X.tobytes()[:-4])
+    code, message = await g.err("from-scratch", "short.bin", [2, 4], FP32)
+    assert code == "invalid-argument"
+    assert "is 28 bytes but the tensor needs exactly 32" in message
+
+
+async def test_a_tensor_over_the_guest_limit_is_too_large(rt: RecordingRuntime) -> None:
+    guest, g = await start(rt, limits=GuestLimits(max_tensor_bytes=64))
+    async with guest:
+        await g.write("big.bin", bytes(68))
+        code, message = await g.err("from-scratch", "big.bin", [17], FP32)
+        assert code == "too-large"
+        assert "68 bytes exceeds this guest's limit of 64" in message
+        # A dimension product far beyond any file is refused before the file is looked at.
+        code, _ = await g.err("from-scratch", "absent.bin", [1 << 31, 1 << 31], FP32)
+        assert code == "too-large"
+
+
+async def test_links_and_directories_are_refused(g: Guest, tmp_path: Path) -> None:
+    scratch = g.guest.scratch
+    assert scratch is not None
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(X.tobytes())
+    os.symlink(outside, scratch.path / "link.bin")
+    (scratch.path / "dir").mkdir()
+    code, message = await g.err("from-scratch", "link.bin", [2, 4], FP32)
+    assert (code, "symbolic link" in message) == ("invalid-argument", True)
+    code, message = await g.err("from-scratch", "dir", [2, 4], FP32)
+    assert (code, "directory" in message) == ("invalid-argument", True)
+    await g.write("x.bin", X.tobytes())
+    t = await g.from_scratch("x.bin", [2, 4])
+    code, message = await g.err("to-scratch", t, "link.bin")
+    assert (code, "symbolic link" in message) == ("invalid-argument", True)
+    assert outside.read_bytes() == X.tobytes()  # not written through the link
+    code, message = await g.err("to-scratch", t, "dir")
+    assert (code, "directory" in message) == ("invalid-argument", True)
+    await g("tensor-drop", t)
+
+
+async def test_guests_do_not_see_each_others_files(rt: RecordingRuntime) -> None:
+    first, a = await start(rt)
+    second, b = await start(rt)
+    async with first, second:
+        assert first.scratch is not None and second.scratch is not None
+        assert first.scratch.path != second.scratch.path
+        await a.write("mine.bin", X.tobytes())
+        code, _ = await b.err("from-scratch", "mine.bin", [2, 4], FP32)
+        assert code == "not-found"
+        assert await b("read-file", "mine.bin", 32) == b""
+
+
+async def test_a_guest_without_scratch_gets_unsupported_operation(rt: RecordingRuntime) -> None:
+    guest, g = await start(rt, scratch=False)
+    async with guest:
+        assert guest.scratch is None
+        assert await g("write-file", "x.bin", b"abc") == 1000  # no /.wasinn-scratch preopen
+        code, message = await g.err("from-scratch", "x.bin", [3], TYPES.index("U8"))
+        assert (code, "without a scratch directory" in message) == ("unsupported-operation", True)
+
+
+# -- lifetime --------------------------------------------------------------------------------
+async def test_the_directory_is_removed_when_the_guest_ends(rt: RecordingRuntime) -> None:
+    guest, g = await start(rt)
+    scratch = guest.scratch
+    assert scratch is not None
+    assert scratch.path.parent == default_base()
+    assert scratch.path.stat().st_mode & 0o777 == 0o700
+    async with guest:
+        await g.write("left-behind.bin", X.tobytes())
+        (scratch.path / "sub").mkdir()
+        (scratch.path / "sub" / "deeper.bin").write_bytes(b"x")
+    assert not scratch.path.exists()
+    assert scratch.removed
+
+
+async def test_the_directory_is_removed_after_a_trap(rt: RecordingRuntime) -> None:
+    guest, g = await start(rt)
+    scratch = guest.scratch
+    assert scratch is not None
+    async with guest:
+        await g.write("x.bin", X.tobytes())
+        with pytest.raises(GuestTrap):
+            await g("from-scratch", "x.bin", [2, 4], 99)  # no tensor-type has case 99
+    assert not scratch.path.exists()
+
+
+async def test_the_directory_is_removed_when_instantiation_fails(
+        rt: RecordingRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[ScratchDir] = []
+
+    class Recording(ScratchDir):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(guest_module, "ScratchDir", Recording)
+    needs = '(component (import "no:such/thing" (instance (export "f" (func)))))'
+    with pytest.raises(InvalidArgumentError, match="cannot instantiate"):
+        await ComponentGuest.start(rt, needs, program="needs-more")
+    assert len(made) == 1 and not made[0].path.exists()
+
+
+async def test_run_component_removes_its_directory(
+        rt: RecordingRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[ScratchDir] = []
+
+    class Recording(ScratchDir):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(guest_module, "ScratchDir", Recording)
+    with pytest.raises(InvalidArgumentError, match="no wasi:cli/run"):
+        await guest_module.run_component(rt, scratch_loop().encode(), program="no-run")
+    assert len(made) == 1 and not made[0].path.exists()
+
+
+# -- ScratchDir on its own -------------------------------------------------------------------
+def test_default_base_is_dev_shm_when_present() -> None:
+    if SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK):
+        assert default_base() == SHM
+    else:
+        assert default_base() != SHM
+
+
+def test_a_scratch_dir_elsewhere_works_and_is_removed_when_collected(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    path = scratch.path
+    assert path.parent == tmp_path
+    assert scratch.write("a", np.arange(3, dtype=np.int32)) == 12
+    assert scratch.read("a", 12).view(np.int32).tolist() == [0, 1, 2]
+    del scratch
+    gc.collect()
+    assert not path.exists()
+
+
+def test_write_tensor_respects_the_limit_and_use_after_remove_fails(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    with pytest.raises(TooLargeError, match="100 bytes exceeds this guest's limit of 99"):
+        scratch.write_tensor("t", bytes(100), 99)
+    assert not (scratch.path / "t").exists()
+    scratch.remove()
+    scratch.remove()  # idempotent
+    with pytest.raises(NotFoundError, match="already removed"):
+        scratch.read("t", 0)
+
+
+# -- the WIT ---------------------------------------------------------------------------------
+def test_the_scratch_interface_is_declared_and_served(tmp_path: Path) -> None:
+    from tests.test_component_wit import declared, served
+    from wasinn import wit
+
+    ext = wit.package_dir("wasinn-nn-0.1.0")
+    functions = declared(ext, [wit.package_dir("wasi-nn-2024-10-28")], tmp_path)
+    assert functions["wasinn:nn/scratch@0.1.0"] == {"tensor-from-scratch", "tensor-to-scratch"}
+    assert served()["wasinn:nn/scratch@0.1.0"] == functions["wasinn:nn/scratch@0.1.0"]

@@ -1,0 +1,204 @@
+"""Placement on devices this machine lacks, with a fake device backend (routing only):
+one actor per device, least-loaded placement, compile on first use per device, native
+inputs kept on their device, unload on every device, deadlines through the API."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.fake_backend import FakeBackend
+from wasinn import (
+    BackendRuntimeError,
+    ExecutionTarget,
+    TimeoutError_,
+    UnsupportedOperationError,
+)
+from wasinn.configs.loader import parse_config
+
+RECIPE = [b"fake:add=1"]
+
+
+def fake_config(gpu_devices: Any = "auto", gpu_workers: int = 1, policy: str = "priority",
+                **runtime: Any) -> Any:
+    return parse_config({
+        "runtime": runtime,
+        "pools": {
+            "cpu": {"kind": "cpu", "devices": ["cpu"], "backends": ["fake"]},
+            "gpu": {"kind": "gpu", "devices": gpu_devices, "workers": gpu_workers,
+                    "backends": ["fake"], "policy": policy},
+        },
+    }, None)
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend()
+
+
+@pytest.fixture
+async def rt(fake: FakeBackend) -> AsyncIterator[wasinn.Runtime]:
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as runtime:
+        yield runtime
+    fake.gate.set()
+
+
+def x(value: float) -> np.ndarray[Any, Any]:
+    return np.full((1, 4), value, np.float32)
+
+
+async def test_one_actor_per_reported_device(rt: wasinn.Runtime) -> None:
+    assert [d.name for d in rt.devices] == ["cpu", "gpu:0", "gpu:1"]
+    assert all(a.ready for a in rt.actors)
+
+
+async def test_load_compiles_on_the_default_target_and_contexts_do_no_work(
+        rt: wasinn.Runtime, fake: FakeBackend) -> None:
+    graph = await rt.load(RECIPE, "ggml", "cpu")
+    assert fake.loads == ["cpu"]
+    ctx = graph.init_execution_context(target="gpu")
+    assert ctx.target is ExecutionTarget.GPU
+    assert fake.loads == ["cpu"]  # a ticket: nothing compiled yet
+    out = await ctx.compute({"x": x(1)})
+    assert out["y"].device.startswith("gpu")  # native on the GPU by default
+    assert fake.loads[1:] in (["gpu:0"], ["gpu:1"])
+    await ctx.compute({"x": x(2)})
+    assert len(fake.loads) == 2  # cached on that device
+
+
+async def test_least_loaded_gpu_gets_the_next_request(rt: wasinn.Runtime,
+                                                      fake: FakeBackend) -> None:
+    graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+    fake.loads.clear()
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(graph.compute, {"x": x(i)})
+            await trio.testing.wait_all_tasks_blocked()
+        loads = {a.device.name: a.load for a in rt.actors}
+        assert loads == {"cpu": 0, "gpu:0": 2, "gpu:1": 2}
+        fake.gate.set()
+    assert fake.loads == ["gpu:1"]  # compiled on gpu:0 at load, on gpu:1 at first use
+    assert sorted({device for device, _ in fake.runs}) == ["gpu:0", "gpu:1"]
+
+
+async def test_a_native_input_runs_where_it_lives_without_a_copy(
+        rt: wasinn.Runtime, fake: FakeBackend) -> None:
+    graph = await rt.load(RECIPE, "ggml", "gpu")
+    first = await graph.compute({"x": x(1)})
+    home = first["y"].device
+    before = wasinn.host_copies()
+    out = first
+    for _ in range(5):
+        out = await graph.compute({"x": out["y"]})
+    assert wasinn.host_copies() == before
+    assert {device for device, _ in fake.runs[1:]} == {home}
+    np.testing.assert_array_equal(out["y"].numpy(), x(7))
+
+
+async def test_unload_frees_the_graph_on_every_device(rt: wasinn.Runtime,
+                                                      fake: FakeBackend) -> None:
+    graph = await rt.load([b"fake:add=1:gate"], "ggml", "cpu")
+    async with trio.open_nursery() as nursery:
+        for target in ("cpu", "gpu", "gpu"):
+            nursery.start_soon(lambda t=target: graph.compute({"x": x(0)}, target=t))
+            await trio.testing.wait_all_tasks_blocked()
+        fake.gate.set()
+    compiled_on = sorted(fake.loads)
+    assert compiled_on == ["cpu", "gpu:0", "gpu:1"]
+    await graph.unload()
+    assert sorted(fake.closed) == compiled_on
+    assert all(not a.session_keys() for a in rt.actors)
+
+
+async def test_backend_failure_through_the_api_fails_one_request(rt: wasinn.Runtime) -> None:
+    graph = await rt.load(RECIPE, "ggml", "gpu")
+    with pytest.raises(BackendRuntimeError, match="exploded"):
+        await graph.compute({"x": x(-1)})
+    out = await graph.compute({"x": x(1)}, keep_on_device=False)
+    assert out["y"].is_host and out["y"].numpy().tolist() == [[2.0] * 4]
+
+
+async def test_timeout_through_the_api(autojump_clock: trio.testing.MockClock,
+                                       fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+        ctx = graph.init_execution_context()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.compute, {"x": x(0)})
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+            with pytest.raises(TimeoutError_):
+                await ctx.compute({"x": x(5)}, timeout=3)
+            assert trio.current_time() - start == pytest.approx(3)
+            fake.gate.set()
+        assert [v for _, v in fake.runs] == [0.0]  # the timed-out request never ran
+
+
+async def test_priority_through_the_api(fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.compute, {"x": x(0)})
+            await trio.testing.wait_all_tasks_blocked()
+            for value, priority in ((1, 0), (2, 9), (3, 4)):
+                nursery.start_soon(lambda v=value, p=priority: graph.compute({"x": x(v)},
+                                                                            priority=p))
+                await trio.testing.wait_all_tasks_blocked()
+            fake.gate.set()
+        assert [v for _, v in fake.runs] == [0.0, 2.0, 3.0, 1.0]
+
+
+async def test_missing_explicit_device_fails_the_start(fake: FakeBackend) -> None:
+    with pytest.raises(UnsupportedOperationError, match="gpu:5 is not reported"):
+        async with wasinn.Runtime(fake_config(gpu_devices=["gpu:5"]), backends=[fake]):
+            pass
+
+
+async def test_no_device_of_the_kind_and_the_fallback(fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        with pytest.raises(UnsupportedOperationError, match="no tpu device"):
+            graph.init_execution_context("tpu")
+    async with wasinn.Runtime(fake_config(fallback="gpu"), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "cpu")
+        with pytest.warns(RuntimeWarning, match="tpu falls back to gpu"):
+            ctx = graph.init_execution_context("tpu")
+        out = await ctx.compute({"x": x(1)})
+        assert out["y"].device.startswith("gpu")
+
+
+async def test_tenants_take_turns_on_a_fair_pool(fake: FakeBackend) -> None:
+    config = fake_config(gpu_devices=["gpu:0"], policy="fair")
+    async with wasinn.Runtime(config, backends=[fake]) as rt:
+        graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.compute, {"x": x(0)})
+            await trio.testing.wait_all_tasks_blocked()
+            for value, tenant in ((1, "flood"), (2, "flood"), (3, "flood"), (4, "quiet")):
+                nursery.start_soon(lambda v=value, t=tenant: graph.compute({"x": x(v)},
+                                                                          tenant=t))
+                await trio.testing.wait_all_tasks_blocked()
+            fake.gate.set()
+        assert [v for _, v in fake.runs] == [0.0, 1.0, 4.0, 2.0, 3.0]
+
+
+async def test_a_device_that_cannot_be_opened_fails_the_start(
+        fake: FakeBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wasinn.actors import device as device_module
+    from wasinn.actors.devicectx import DeviceContext
+
+    class Broken(DeviceContext):
+        def open(self) -> None:
+            if self.device.name == "gpu:1":
+                raise RuntimeError("driver says no")
+
+    monkeypatch.setattr(device_module, "context_for", Broken)
+    with pytest.raises(UnsupportedOperationError, match="gpu:1: cannot open the device: driver"):
+        async with wasinn.Runtime(fake_config(), backends=[fake]):
+            pass
