@@ -1,6 +1,6 @@
 """What a wasinn config may say, validated with pydantic.
 
-A config has four tables::
+A config has five tables::
 
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
@@ -8,6 +8,9 @@ A config has four tables::
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident
     [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...]
+    [guests]                       # per-guest limits: max_graphs, max_contexts,
+                                   # max_model_bytes, max_tensor_bytes, allowed_targets,
+                                   # compute_timeout
 
 Unknown keys are errors (a typo must not be ignored silently). Names of models and
 pipelines are looked up, never used as paths; model files must lie inside the config's
@@ -130,6 +133,24 @@ class PipelineConfig(_Strict):
     target: TargetName = "cpu"
 
 
+class GuestsConfig(_Strict):
+    """``[guests]``: what one WebAssembly guest instance may hold and do.
+
+    Beyond a size limit the guest gets too-large. ``allowed_targets`` restricts the
+    execution targets guests may ask for (None = every target); another target gives
+    component guests ``security`` and core-module guests ``unsupported_operation``.
+    ``compute_timeout`` bounds one compute in seconds (None = no bound); past it the guest
+    gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
+    """
+
+    max_graphs: int = Field(default=64, ge=1)
+    max_contexts: int = Field(default=1024, ge=1)
+    max_model_bytes: int = Field(default=2 * 1024**3, ge=1)
+    max_tensor_bytes: int = Field(default=1024**3, ge=1)
+    allowed_targets: list[TargetName] | None = None
+    compute_timeout: float | None = Field(default=None, gt=0)
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {"cpu": PoolConfig(kind="cpu", devices=["cpu"])}
 
@@ -141,6 +162,7 @@ class RuntimeConfig(_Strict):
     pools: dict[Name, PoolConfig] = Field(default_factory=_default_pools)
     models: dict[Name, ModelConfig] = Field(default_factory=dict)
     pipelines: dict[Name, PipelineConfig] = Field(default_factory=dict)
+    guests: GuestsConfig = Field(default_factory=GuestsConfig)
 
     _source: Path | None = PrivateAttr(default=None)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from wasinn.enums import TensorType
 
 #: Input and output names of the generated classifier, shared by every export.

@@ -1,33 +1,56 @@
-"""Per-guest resource limits, set by config, enforced by both guest ABIs."""
+"""Per-guest resource limits, set by the config's ``[guests]`` table, enforced by both ABIs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import SecurityError
+
 
 @dataclass(frozen=True)
 class GuestLimits:
-    """What one guest instance may hold at once. Beyond a limit the guest gets too-large.
+    """What one guest instance may hold and do. Beyond a size limit the guest gets too-large.
 
     ``max_graphs``/``max_contexts``: live handles; ``max_model_bytes``: total bytes of
     model builders loaded by this guest; ``max_tensor_bytes``: the size of one tensor.
+    ``allowed_targets``: the execution targets the guest may ask for (None = all); another
+    raises SecurityError (component guests see ``security``; the legacy ABI has no such
+    errno, so core modules see ``invalid_argument``). ``compute_timeout``: seconds one
+    compute may take (None = unbounded); past it the request is cancelled and the guest
+    gets ``timeout`` (core modules: ``runtime_error``).
     """
 
     max_graphs: int = 64
     max_contexts: int = 1024
     max_model_bytes: int = 2 * 1024**3
     max_tensor_bytes: int = 1024**3
+    allowed_targets: frozenset[ExecutionTarget] | None = None
+    compute_timeout: float | None = None
+
+    def check_target(self, target: ExecutionTarget | None) -> None:
+        """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
+        if target is None or self.allowed_targets is None or target in self.allowed_targets:
+            return
+        allowed = ", ".join(sorted(t.value for t in self.allowed_targets)) or "none"
+        raise SecurityError(
+            f"this guest may not use execution target {target.value}: the host allows "
+            f"{allowed} ([guests] allowed_targets)"
+        )
 
 
 def limits_of(runtime: object) -> GuestLimits:
-    """The guest limits a runtime's config sets (its ``[guests]`` table), else the defaults.
-
-    Reads ``runtime.config.guests`` when the config schema has that section, taking any of
-    the field names of :class:`GuestLimits` it defines.
-    """
+    """The guest limits a runtime's config sets (its ``[guests]`` table), else the defaults."""
     section = getattr(getattr(runtime, "config", None), "guests", None)
     if section is None:
         return GuestLimits()
-    names = GuestLimits.__dataclass_fields__
-    values = {k: int(getattr(section, k)) for k in names if getattr(section, k, None) is not None}
-    return GuestLimits(**values)
+    targets = getattr(section, "allowed_targets", None)
+    return GuestLimits(
+        max_graphs=section.max_graphs,
+        max_contexts=section.max_contexts,
+        max_model_bytes=section.max_model_bytes,
+        max_tensor_bytes=section.max_tensor_bytes,
+        allowed_targets=None if targets is None
+        else frozenset(ExecutionTarget.coerce(t) for t in targets),
+        compute_timeout=getattr(section, "compute_timeout", None),
+    )

@@ -148,6 +148,7 @@ class GuestNN:
         mem.check_writable_u32(graph_out, "graph handle result")
         enc = decode_encoding(encoding)
         tgt = decode_target(target)
+        self.limits.check_target(tgt)
         views = mem.builders(builders_ptr, builders_len)
         total = sum(int(v.nbytes) for v in views)
         self._check_graph_quota(total)
@@ -201,6 +202,7 @@ class GuestNN:
         mem.check_writable_u32(ctx_out, "context handle result")
         entry = self._graph(graph_handle)
         tgt = None if target is None else decode_target(target)
+        self.limits.check_target(tgt)
         if len(self.contexts) >= self.limits.max_contexts:
             raise TooLargeError(
                 f"guest already holds {len(self.contexts)} execution contexts: the limit "
@@ -290,7 +292,8 @@ class GuestNN:
         entry.results = None
         names = [spec.name for spec in entry.outputs_spec]
         try:
-            entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names)
+            entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names,
+                                            self.limits.compute_timeout)
         except BoundTooSmall as exc:
             for name, size in exc.sizes.items():
                 mem.write_u32(entry.bound_outputs[name].written_ptr, size)

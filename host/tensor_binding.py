@@ -13,9 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import trio
 
 from wasinn.backends.base import TensorSpec
-from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError, WasiNNError
+from wasinn.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    TimeoutError_,
+    TooLargeError,
+    WasiNNError,
+)
 from wasinn.host.guest_memory import TensorRecord
 from wasinn.host.scheduler_api import ContextLike
 from wasinn.tensor import Tensor
@@ -43,17 +50,25 @@ class BoundTooSmall(TooLargeError):
 
 async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
                        bound: dict[str, np.ndarray[Any, Any]],
-                       names: list[str]) -> dict[str, Tensor]:
+                       names: list[str], timeout: float | None = None) -> dict[str, Tensor]:
     """One trio round trip per compute: bind, run, collect every output (in trio).
 
     Bound buffers are filled by the context during ``run`` (straight into guest memory).
+    Past ``timeout`` seconds the run is cancelled (its queued request dropped, a running
+    one abandoned) and TimeoutError_ is raised.
     """
     for name, tensor in inputs.items():
         ctx.set_input(name, tensor)
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
     try:
-        await ctx.run()
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            await ctx.run()
+    except trio.TooSlowError:
+        raise TimeoutError_(
+            f"compute took longer than this guest's limit of {timeout:g} s "
+            "([guests] compute_timeout)"
+        ) from None
     except TooLargeError as exc:
         if not bound:
             raise

@@ -20,7 +20,7 @@ import wasinn
 from tests.component_guests import RecordingRuntime, component_models, shim_1028
 from tests.support import require_backend
 from wasinn.configs.schema import RuntimeConfig
-from wasinn.host.component import ComponentGuest, GuestPolicy
+from wasinn.host.component import ComponentGuest
 from wasinn.host.limits import GuestLimits
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 
@@ -315,7 +315,7 @@ async def test_load_without_builders(shim: Shim) -> None:
 
 
 async def test_timeout(rt: RecordingRuntime) -> None:
-    guest, shim = await start_shim(rt, policy=GuestPolicy(compute_timeout=1e-9))
+    guest, shim = await start_shim(rt, limits=GuestLimits(compute_timeout=1e-9))
     async with guest:
         _graph, ctx = await shim.context("mobilenet")
         code, message = await shim.err("compute", ctx, [("input", await shim.tensor(
@@ -371,8 +371,8 @@ async def test_not_found_for_an_empty_name(shim: Shim) -> None:
 
 
 async def test_security(rt: RecordingRuntime) -> None:
-    policy = GuestPolicy(allowed_targets=frozenset({wasinn.ExecutionTarget.CPU}))
-    guest, shim = await start_shim(rt, policy=policy)
+    limits = GuestLimits(allowed_targets=frozenset({wasinn.ExecutionTarget.CPU}))
+    guest, shim = await start_shim(rt, limits=limits)
     async with guest:
         code, message = await shim.err("load", [affine_onnx()], ONNX, TARGETS.index("gpu"))
         assert code == "security"

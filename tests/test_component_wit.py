@@ -99,7 +99,7 @@ def test_every_extension_function_is_served(tmp_path: Path) -> None:
     host = served()
     ext_interfaces = {k for k in wit_functions if k.startswith(EXT_PACKAGE.split("@")[0])}
     assert ext_interfaces == {"wasinn:nn/targets@0.1.0", "wasinn:nn/oneshot@0.1.0",
-                              "wasinn:nn/bulk@0.1.0"}
+                              "wasinn:nn/bulk@0.1.0", "wasinn:nn/scratch@0.1.0"}
     for interface in ext_interfaces:
         assert wit_functions[interface] == host[interface], interface
 

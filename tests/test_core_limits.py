@@ -1,18 +1,95 @@
-"""Guest limits come from the runtime's config when it has a ``[guests]`` table."""
+"""Guest limits come from the config's ``[guests]`` table and bind core-module guests."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
+import numpy as np
+import pytest
+
+import wasinn
+from tests.support import require_backend
+from wasinn.configs import ConfigError
+from wasinn.configs.loader import parse_config
 from wasinn.host.limits import GuestLimits, limits_of
+from wasinn.host.runner import run_wasm
+from wasinn.host.tensor_binding import run_context
+from wasinn.modelgen import affine_onnx
+
+# A guest whose exit code is the errno of `load(no builders, onnx, TARGET)`.
+LOAD_ON_TARGET = """
+(module
+  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    (call $exit (call $load (i32.const 0) (i32.const 0) (i32.const 1) (i32.const TARGET)
+                            (i32.const 64)))))
+"""
+INVALID_ARGUMENT, INVALID_ENCODING = 1, 2
 
 
 def test_defaults_without_a_guests_table() -> None:
-    assert limits_of(SimpleNamespace(config=SimpleNamespace())) == GuestLimits()
+    rt = wasinn.Runtime(parse_config({}, None))
+    assert limits_of(rt) == GuestLimits()
     assert limits_of(object()) == GuestLimits()
 
 
-def test_guests_table_overrides_the_fields_it_sets() -> None:
-    runtime = SimpleNamespace(config=SimpleNamespace(
-        guests=SimpleNamespace(max_graphs=2, max_tensor_bytes=1024, max_contexts=None)))
-    assert limits_of(runtime) == GuestLimits(max_graphs=2, max_tensor_bytes=1024)
+def test_guests_table_sets_every_limit() -> None:
+    config = parse_config({"guests": {"max_graphs": 2, "max_tensor_bytes": 1024,
+                                      "allowed_targets": ["CPU"], "compute_timeout": 2.5}}, None)
+    assert limits_of(wasinn.Runtime(config)) == GuestLimits(
+        max_graphs=2, max_tensor_bytes=1024,
+        allowed_targets=frozenset({wasinn.ExecutionTarget.CPU}), compute_timeout=2.5)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [({"allowed_targets": ["fpga"]}, "guests.allowed_targets"),
+     ({"max_graphs": 0}, "guests.max_graphs"),
+     ({"compute_timeout": -1}, "guests.compute_timeout"),
+     ({"max_graph": 3}, "guests.max_graph")],
+)
+def test_bad_guests_table_names_the_key(table: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"guests": table}, None)
+
+
+def test_check_target_names_what_is_allowed() -> None:
+    limits = GuestLimits(allowed_targets=frozenset({wasinn.ExecutionTarget.CPU}))
+    limits.check_target(wasinn.ExecutionTarget.CPU)
+    limits.check_target(None)
+    with pytest.raises(wasinn.SecurityError, match=r"may not use execution target gpu.*cpu"):
+        limits.check_target(wasinn.ExecutionTarget.GPU)
+
+
+@pytest.mark.parametrize(("target", "allowed", "errno"), [
+    (1, None, None),                    # gpu, unrestricted: reaches the loader
+    (1, ["cpu"], INVALID_ARGUMENT),     # gpu refused before anything is read
+    (0, ["cpu"], INVALID_ENCODING),     # cpu allowed: the empty builder list is the error
+])
+async def test_core_guest_targets_follow_allowed_targets(
+    tmp_path: Path, target: int, allowed: list[str] | None, errno: int | None
+) -> None:
+    guest = tmp_path / "load_on_target.wat"
+    guest.write_text(LOAD_ON_TARGET.replace("TARGET", str(target)))
+    config = parse_config({"guests": {"allowed_targets": allowed}} if allowed else {}, None)
+    async with wasinn.Runtime(config) as rt:
+        code = await run_wasm(rt, guest)
+    if errno is None:
+        assert code not in (0, INVALID_ARGUMENT)
+    else:
+        assert code == errno
+
+
+async def test_compute_timeout_cancels_the_run() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([affine_onnx()], encoding="onnx")
+        ctx = graph.init_execution_context()
+        x = wasinn.Tensor.from_numpy(np.ones((1, 4), np.float32))
+        with pytest.raises(wasinn.TimeoutError_, match="compute_timeout"):
+            await run_context(ctx, {"x": x}, {}, ["y"], timeout=1e-9)
+        # The context still serves a compute within its limit.
+        out = await run_context(ctx, {"x": x}, {}, ["y"], timeout=60)
+        np.testing.assert_allclose(out["y"].numpy(), np.full((1, 4), 3.0))

@@ -40,7 +40,7 @@ def test_from_bytes_rejects_wrong_size_with_expected_size() -> None:
 
 
 def test_unsupported_dtype_names_the_expected_types() -> None:
-    with pytest.raises(InvalidArgumentError, match="complex128.*expected one of f16"):
+    with pytest.raises(InvalidArgumentError, match=r"complex128.*expected one of f16"):
         Tensor.from_numpy(np.zeros(2, np.complex128))
 
 
@@ -58,7 +58,9 @@ def test_native_tensor_materializes_once_and_is_counted() -> None:
         calls.append(1)
         return np.ones((2, 2), np.float32)
 
-    t = Tensor.from_native(object(), (2, 2), TensorType.F32, device="gpu:0", materialize=materialize)
+    t = Tensor.from_native(
+        object(), (2, 2), TensorType.F32, device="gpu:0", materialize=materialize
+    )
     assert not t.is_host and t.device == "gpu:0"
     before = wasinn.host_copies()
     np.testing.assert_array_equal(t.numpy(), np.ones((2, 2)))

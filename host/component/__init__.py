@@ -9,7 +9,7 @@ installs the fast ``list<u8>`` conversion (:mod:`wasinn.host.component.fastlist`
 from wasinn.host.component import fastlist
 from wasinn.host.component.guest import ComponentGuest, compile_guest, run_component
 from wasinn.host.component.linking import EXT_PACKAGE, NN_VERSIONS
-from wasinn.host.component.service import GuestPolicy, NNService
+from wasinn.host.component.service import NNService
 
 fastlist.install()
 
@@ -17,7 +17,6 @@ __all__ = [
     "EXT_PACKAGE",
     "NN_VERSIONS",
     "ComponentGuest",
-    "GuestPolicy",
     "NNService",
     "compile_guest",
     "run_component",

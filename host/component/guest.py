@@ -9,6 +9,10 @@ Cancellation: cancelling a call interrupts the guest wherever it is. A guest com
 in wasm traps at its next epoch check (:class:`~wasinn.host.interrupt.Interrupter`); a
 guest waiting in a wasi-nn call has that call cancelled in trio, then traps. Whatever
 way a guest ends, every context it still holds is closed and every graph unloaded.
+
+Every guest gets a private scratch directory (:mod:`wasinn.host.component.scratch`),
+preopened at ``/.wasinn-scratch`` for ``wasinn:nn/scratch``; it is removed, with whatever
+the guest left in it, when the guest is closed (or fails to instantiate).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import wasmtime.component as wc
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component import fastlist
 from wasinn.host.component.linking import nn_linker
-from wasinn.host.component.service import GuestPolicy, NNService
+from wasinn.host.component.scratch import GUEST_PATH, ScratchDir
+from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
-from wasinn.host.limits import GuestLimits
+from wasinn.host.limits import GuestLimits, limits_of
 from wasinn.host.runner import GuestTrap
 from wasinn.host.scheduler_api import TrioPortal
 from wasinn.host.wasi import Dirs, wasi_config
@@ -97,21 +102,33 @@ class ComponentGuest:
         wasm: bytes | str | wc.Component,
         *,
         limits: GuestLimits | None = None,
-        policy: GuestPolicy | None = None,
         wasi: wasmtime.WasiConfig | None = None,
         program: str = "component",
+        scratch: bool = True,
     ) -> ComponentGuest:
         """Compile (cached) and instantiate ``wasm`` with WASI 0.2 and every wasi-nn version.
 
+        With ``scratch`` (the default) the guest gets a fresh scratch directory, preopened
+        into ``wasi`` at ``/.wasinn-scratch`` (``wasi`` is consumed by the guest in any
+        case); when none can be created the guest runs without one and its
+        ``wasinn:nn/scratch`` calls return ``unsupported-operation``.
         Raises InvalidArgumentError when it is not a component or imports something the
         host does not provide.
         """
-        limits = limits or getattr(rt, "guest_limits", None) or GuestLimits()
+        limits = limits or limits_of(rt)
         component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
             compile_guest, wasm, program)
-        guest = cls(NNService(rt, TrioPortal(), limits, policy), program)
         config = wasi or wasi_config(program)
-        await trio.to_thread.run_sync(guest._instantiate, component, config)
+        scratch_dir = _scratch_dir(program) if scratch else None
+        guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir), program)
+        try:
+            if scratch_dir is not None:
+                config.preopen_dir(str(scratch_dir.path), GUEST_PATH)
+            await trio.to_thread.run_sync(guest._instantiate, component, config)
+        except BaseException:
+            if scratch_dir is not None:
+                scratch_dir.remove()
+            raise
         return guest
 
     def _instantiate(self, component: wc.Component, config: wasmtime.WasiConfig) -> None:
@@ -200,18 +217,28 @@ class ComponentGuest:
             await trio.lowlevel.checkpoint()  # let the cancellation be what the caller sees
         return result.unwrap()
 
+    @property
+    def scratch(self) -> ScratchDir | None:
+        """This guest's scratch directory on the host (None when it has none)."""
+        return self.service.scratch
+
     def live(self) -> dict[str, int]:
         """Live host handles of each kind (all zero when the guest has dropped all)."""
         return self.service.tables.live()
 
     async def aclose(self) -> None:
-        """Release every context and graph the guest still holds. Idempotent."""
+        """Release every context and graph the guest still holds and remove its scratch
+        directory. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.interrupter.finish()
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self.service.close)
+            try:
+                await trio.to_thread.run_sync(self.service.close)
+            finally:
+                if self.service.scratch is not None:
+                    self.service.scratch.remove()
         self.instance = None
         self.store = None
 
@@ -220,6 +247,15 @@ class ComponentGuest:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _scratch_dir(program: str) -> ScratchDir | None:
+    try:
+        return ScratchDir()
+    except OSError as exc:
+        log.warning("no scratch directory for %s (%s): wasinn:nn/scratch is unavailable to it",
+                    program, exc)
+        return None
 
 
 def _find_run(guest: ComponentGuest) -> wc.Func:
@@ -246,7 +282,6 @@ async def run_component(
     dirs: Dirs | None = None,
     env: Mapping[str, str] | None = None,
     limits: GuestLimits | None = None,
-    policy: GuestPolicy | None = None,
     program: str = "component.wasm",
 ) -> int:
     """Run a WASI 0.2 command component (its ``wasi:cli/run`` export); return its exit code.
@@ -258,7 +293,7 @@ async def run_component(
     interrupts the guest; every graph and context it held is released either way.
     """
     config = wasi_config(program, argv, dirs, env)
-    guest = await ComponentGuest.start(rt, wasm, limits=limits, policy=policy, wasi=config,
+    guest = await ComponentGuest.start(rt, wasm, limits=limits, wasi=config,
                                        program=program)
     async with guest:
         run = _find_run(guest)

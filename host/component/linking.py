@@ -261,6 +261,14 @@ class Binder:
         inst.add_func("load-words", self.fallible(load_words, tagged=True))
         inst.add_func("tensor-words", self.infallible(words_of, list))
 
+    def define_scratch(self, inst: LinkerInstance) -> None:
+        svc = self.service
+        inst.add_func("tensor-from-scratch", self.fallible(
+            lambda store, name, dims, ty: ResourceHost.own(
+                svc.tensor_from_scratch(name, dims, ty), TENSOR), tagged=True))
+        inst.add_func("tensor-to-scratch", self.fallible(
+            lambda store, h, name: svc.tensor_to_scratch(_rep(store, h), name), tagged=False))
+
     def define_all(self, linker: Linker) -> None:
         """Every wasi-nn release candidate plus the wasinn extension."""
         with linker.root() as root:
@@ -280,6 +288,8 @@ class Binder:
                 self.define_oneshot(inst)
             with root.add_instance(f"{package}/bulk@{ver}") as inst:
                 self.define_bulk(inst)
+            with root.add_instance(f"{package}/scratch@{ver}") as inst:
+                self.define_scratch(inst)
 
 
 def nn_linker(engine: Any, service: NNService, interrupter: Interrupter | None = None,

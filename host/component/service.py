@@ -10,6 +10,11 @@ Outputs are computed with ``keep_on_device=True``: they stay backend-native valu
 (on the CPU too) until the guest calls ``data()``, so a guest that passes one model's
 output to another model's compute never moves it through host or guest memory.
 
+Tensor data can also pass through files in the guest's scratch directory
+(``wasinn:nn/scratch``, :mod:`wasinn.host.component.scratch`), which keeps it out of
+wasmtime-py's per-value conversion; without a directory those calls raise
+UnsupportedOperationError.
+
 Ownership: an owned tensor handed to the host (compute inputs, ``set-input``) leaves
 the guest's table at once, whatever happens next. A graph is unloaded when its last
 holder, the graph handle or a context created from it, is dropped. :meth:`close`
@@ -22,7 +27,6 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,13 +36,14 @@ from wasinn.errors import (
     ErrorCode,
     InvalidArgumentError,
     NotFoundError,
-    SecurityError,
     TimeoutError_,
     TooLargeError,
     UnknownError,
+    UnsupportedOperationError,
     WasiNNError,
     error_for_code,
 )
+from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.tables import ContextEntry, GraphEntry, GuestTables, TensorEntry
 from wasinn.host.limits import GuestLimits
 from wasinn.host.scheduler_api import Portal
@@ -65,20 +70,6 @@ def wit_type_name(tensor_type: TensorType) -> str:
     return _WIT_TYPE_NAME[tensor_type]
 
 
-@dataclass(frozen=True)
-class GuestPolicy:
-    """What the host lets one component guest do beyond :class:`GuestLimits`.
-
-    ``allowed_targets``: the execution targets this guest may ask for (None = all);
-    asking for another gives the guest a ``security`` error, the spec's code for "cannot
-    access a hardware feature requested". ``compute_timeout``: seconds one compute may
-    take before the guest gets ``timeout`` (None = no limit).
-    """
-
-    allowed_targets: frozenset[ExecutionTarget] | None = None
-    compute_timeout: float | None = None
-
-
 class NNService:
     """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread."""
 
@@ -87,12 +78,12 @@ class NNService:
         runtime: Any,
         portal: Portal,
         limits: GuestLimits | None = None,
-        policy: GuestPolicy | None = None,
+        scratch: ScratchDir | None = None,
     ) -> None:
         self.runtime = runtime
+        self.scratch = scratch
         self.portal = portal
         self.limits = limits or GuestLimits()
-        self.policy = policy or GuestPolicy()
         self.tables = GuestTables.create(self.limits.max_graphs, self.limits.max_contexts)
         self._model_bytes = 0
 
@@ -145,6 +136,25 @@ class NNService:
         tensor = self._make_tensor(shape, type_name, memoryview(words)[:size])
         return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
 
+    def tensor_from_scratch(self, name: str, dims: Sequence[int], type_name: str) -> int:
+        """``wasinn:nn/scratch.tensor-from-scratch``: data copied from a scratch file."""
+        shape = tuple(int(d) for d in dims)
+        tensor = self._scratch().read_tensor(
+            name, shape, self._tensor_type(type_name), self.limits.max_tensor_bytes)
+        return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
+
+    def tensor_to_scratch(self, rep: int, name: str) -> int:
+        """``wasinn:nn/scratch.tensor-to-scratch``: the tensor's bytes into a scratch file."""
+        data = self.tensor_bytes(rep)
+        return self._scratch().write_tensor(name, data, self.limits.max_tensor_bytes)
+
+    def _scratch(self) -> ScratchDir:
+        if self.scratch is None:
+            raise UnsupportedOperationError(
+                "this guest was started without a scratch directory: pass tensor data "
+                "through wasi:nn/tensor or wasinn:nn/bulk instead")
+        return self.scratch
+
     def _tensor_type(self, type_name: str) -> TensorType:
         try:
             return WIT_TENSOR_TYPES[type_name]
@@ -188,12 +198,7 @@ class NNService:
 
     # -- graphs -----------------------------------------------------------------------
     def _check_target(self, target: ExecutionTarget | None) -> None:
-        allowed = self.policy.allowed_targets
-        if target is not None and allowed is not None and target not in allowed:
-            names = ", ".join(sorted(t.value for t in allowed)) or "none"
-            raise SecurityError(
-                f"this guest may not use execution target {target.value}: allowed are {names}"
-            )
+        self.limits.check_target(target)
 
     def load(self, builders: Sequence[bytes | memoryview], encoding: str, target: str) -> int:
         enc = GraphEncoding.coerce(encoding)
@@ -314,7 +319,7 @@ class NNService:
         return inputs
 
     def _run(self, afn: Callable[[], Awaitable[T]], what: str) -> T:
-        timeout = self.policy.compute_timeout
+        timeout = self.limits.compute_timeout
         if timeout is None:
             return self.portal.run(afn)
 

@@ -1,0 +1,221 @@
+"""A component guest's private scratch directory: tensor bytes handed over as files.
+
+wasmtime-py passes component values through its C API one element at a time, so even
+the fast ``list<u8>`` path (:mod:`wasinn.host.component.fastlist`) costs tens of
+milliseconds for an image. WASI file I/O does not: Wasmtime's own (Rust) WASI host
+copies a ``descriptor.write`` buffer out of guest memory in one piece. So each guest
+gets a directory of its own, preopened at :data:`GUEST_PATH`; the guest writes a
+tensor's bytes to a file there and calls ``wasinn:nn/scratch.tensor-from-scratch``,
+or asks ``tensor-to-scratch`` for an output and reads the file back.
+
+The directory lives on ``/dev/shm`` when that exists (memory, no disk I/O), otherwise
+in the system temporary directory. It is created empty (mode 0700) when the guest
+starts and removed with everything in it when the guest ends (:meth:`ScratchDir.remove`,
+or at garbage collection / interpreter exit if nobody called it).
+
+Security: a name is one plain file name (no separator, not ``.`` or ``..``, no NUL);
+it is resolved relative to a descriptor of this guest's own directory, never followed
+through a symbolic link, and must name a regular file. Every failure is a
+:class:`~wasinn.errors.WasiNNError`: NotFoundError for a missing file,
+InvalidArgumentError for a bad name or a file of the wrong size or kind, TooLargeError
+beyond the guest's ``max_tensor_bytes``. Tensor data is *copied* out of the file, so a
+guest rewriting the file later does not change a tensor it already made.
+
+Not enforced: how much a guest writes to its directory through plain WASI calls (WASI
+has no quota); a guest can use up ``/dev/shm`` until it ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import shutil
+import stat
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from wasinn.enums import TensorType
+from wasinn.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    TooLargeError,
+    UnknownError,
+    WasiNNError,
+)
+from wasinn.tensor import Tensor
+
+#: Where every component guest finds its scratch directory.
+GUEST_PATH = "/.wasinn-scratch"
+#: Host directory used when present: memory-backed, so a scratch file never hits a disk.
+SHM = Path("/dev/shm")
+#: Longest name accepted (Linux's NAME_MAX).
+MAX_NAME_BYTES = 255
+
+_PREFIX = "wasinn-scratch-"
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def default_base() -> Path:
+    """``/dev/shm`` when it is a writable directory, else the system temporary directory."""
+    if SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK):
+        return SHM
+    return Path(tempfile.gettempdir())
+
+
+def check_name(name: str) -> str:
+    """``name`` when it is one plain file name; InvalidArgumentError saying why not."""
+    expected = "expected a plain file name such as 'input.bin' inside the scratch directory"
+    if not name:
+        raise InvalidArgumentError(f"scratch file name is empty: {expected}")
+    if name in {".", ".."}:
+        raise InvalidArgumentError(f"scratch file name {name!r} names a directory: {expected}")
+    if "/" in name or "\\" in name:
+        raise InvalidArgumentError(
+            f"scratch file name {name!r} contains a path separator: {expected}")
+    if "\0" in name:
+        raise InvalidArgumentError(f"scratch file name {name!r} contains a NUL byte: {expected}")
+    if len(os.fsencode(name)) > MAX_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"scratch file name is {len(os.fsencode(name))} bytes long: expected at most "
+            f"{MAX_NAME_BYTES}")
+    return name
+
+
+def _os_error(exc: OSError, name: str, doing: str) -> WasiNNError:
+    """The wasi-nn error for an OSError met while ``doing`` scratch file ``name``."""
+    where = f"scratch file {name!r}"
+    if exc.errno == errno.ENOENT:
+        return NotFoundError(
+            f"{where} does not exist: write it under {GUEST_PATH} before {doing} it")
+    if exc.errno == errno.ELOOP:
+        return InvalidArgumentError(f"{where} is a symbolic link: expected a regular file")
+    if exc.errno == errno.EISDIR:
+        return InvalidArgumentError(f"{where} is a directory: expected a regular file")
+    if exc.errno in {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}:
+        return TooLargeError(f"no room to write {where}: {exc.strerror}")
+    return UnknownError(f"{doing} {where} failed: {exc.strerror or exc}")
+
+
+def _require_regular(mode: int, name: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+    raise InvalidArgumentError(f"scratch file {name!r} is {kind}: expected a regular file")
+
+
+def _cleanup(path: str, fd: int) -> None:
+    try:
+        os.close(fd)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class ScratchDir:
+    """One guest's scratch directory on the host. Not thread-safe: one guest thread."""
+
+    def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
+        """Create an empty private directory under ``base`` (default :func:`default_base`).
+
+        Raises OSError when it cannot be created.
+        """
+        self.path = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=base or default_base()))
+        try:
+            # All file access goes through this descriptor, so names resolve inside this
+            # directory even if its host path were renamed or replaced meanwhile.
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self._fd)
+
+    @property
+    def removed(self) -> bool:
+        return not self._finalizer.alive
+
+    def remove(self) -> None:
+        """Delete the directory and everything the guest left in it. Idempotent."""
+        self._finalizer()
+
+    def _require_open(self) -> None:
+        if self.removed:
+            raise NotFoundError("this guest's scratch directory was already removed")
+
+    def read(self, name: str, nbytes: int) -> np.ndarray[Any, Any]:
+        """A copy of scratch file ``name``, which must be exactly ``nbytes`` long (uint8)."""
+        check_name(name)
+        self._require_open()
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._fd)
+        except OSError as exc:
+            raise _os_error(exc, name, "reading") from None
+        try:
+            info = os.fstat(fd)
+            _require_regular(info.st_mode, name)
+            if info.st_size != nbytes:
+                raise InvalidArgumentError(
+                    f"scratch file {name!r} is {info.st_size} bytes but the tensor needs "
+                    f"exactly {nbytes}")
+            data = np.empty(nbytes, dtype=np.uint8)
+            view, done = data.data, 0
+            while done < nbytes:
+                got = os.readv(fd, [view[done:]])
+                if got == 0:
+                    raise InvalidArgumentError(
+                        f"scratch file {name!r} shrank to {done} bytes while being read: "
+                        f"expected {nbytes}")
+                done += got
+            return data
+        except OSError as exc:
+            raise _os_error(exc, name, "reading") from None
+        finally:
+            os.close(fd)
+
+    def write(self, name: str, data: np.ndarray[Any, Any] | bytes) -> int:
+        """Replace scratch file ``name`` with ``data``; returns the bytes written."""
+        check_name(name)
+        self._require_open()
+        flat = (np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+                if isinstance(data, np.ndarray) else memoryview(data))
+        try:
+            fd = os.open(name, _WRITE_FLAGS, 0o600, dir_fd=self._fd)
+        except OSError as exc:
+            raise _os_error(exc, name, "writing") from None
+        try:
+            _require_regular(os.fstat(fd).st_mode, name)
+            done = 0
+            while done < len(flat):
+                done += os.write(fd, flat[done:])
+            return done
+        except OSError as exc:
+            raise _os_error(exc, name, "writing") from None
+        finally:
+            os.close(fd)
+
+    def read_tensor(self, name: str, dims: tuple[int, ...], ttype: TensorType,
+                    max_bytes: int) -> Tensor:
+        """A tensor of ``dims`` and ``ttype`` whose data is scratch file ``name``.
+
+        TooLargeError when the tensor would exceed ``max_bytes`` (checked before the file
+        is opened); otherwise as :meth:`read`.
+        """
+        nbytes = math.prod(dims) * ttype.itemsize
+        if nbytes > max_bytes:
+            raise TooLargeError(
+                f"tensor of {nbytes} bytes exceeds this guest's limit of {max_bytes} bytes "
+                f"per tensor")
+        return Tensor.from_bytes(dims, ttype, self.read(name, nbytes))
+
+    def write_tensor(self, name: str, data: np.ndarray[Any, Any] | bytes, max_bytes: int) -> int:
+        """Write a tensor's bytes to scratch file ``name``; TooLargeError beyond ``max_bytes``."""
+        nbytes = data.nbytes if isinstance(data, np.ndarray) else len(data)
+        if nbytes > max_bytes:
+            raise TooLargeError(
+                f"tensor of {nbytes} bytes exceeds this guest's limit of {max_bytes} bytes "
+                f"per tensor")
+        return self.write(name, data)
