@@ -1,26 +1,36 @@
 """``wasinn demo``: the main job end to end, on the embedded default config.
 
-Generates the MobileNetV2-like model (:mod:`wasinn.modelgen`, fixed seed) and a sample
-image, builds the C classifier guest (``examples/classify.c``) to wasm32-wasi, runs it
-through the scheduler with the model's directory preopened, and checks its answer
-against the same model run directly by the runtime.
+Generates the MobileNetV2-like model (:mod:`wasinn.modelgen`, fixed seed) in three formats
+(ONNX, OpenVINO IR, TorchScript) and a sample image, builds the C classifier guest
+(``examples/classify.c``) to wasm32-wasi, and runs it through the scheduler once per
+format with ``autodetect``, so the host picks the backend (ONNX Runtime, OpenVINO,
+PyTorch) from the model's bytes. It then runs the same models from the host and prints
+the answers side by side; the exit status is non-zero when a guest fails or the backends
+disagree on the class.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from wasinn.host.engine import cache_dir
 
-log = logging.getLogger("wasinn.demo")
+
+@dataclass(frozen=True)
+class _Format:
+    label: str
+    files: tuple[Path, ...]
+    library: str
 
 
 async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
-    """Run the demo; returns the guest's exit status (non-zero also when answers differ).
+    """Run the demo; returns 0 when every guest ran and every backend gave the same class.
 
     Raises UnsupportedOperationError when no C compiler or no model tooling
     (torch/onnx/openvino) is installed, naming what to install.
@@ -29,31 +39,60 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
     from wasinn.host.guests import build_example
     from wasinn.scheduler import Runtime
 
-    try:
-        from wasinn.modelgen import export_mobilenet, sample_image
-    except ImportError as exc:  # pragma: no cover - modelgen imports lazily
-        raise UnsupportedOperationError(f"the demo needs wasinn[all]: {exc}") from None
     workdir = workdir or cache_dir() / "demo"
     workdir.mkdir(parents=True, exist_ok=True)
     try:
+        from wasinn.modelgen import export_mobilenet, sample_image
+
         files = export_mobilenet(workdir, width=width, seed=0)
     except ImportError as exc:
         raise UnsupportedOperationError(
-            f"generating the demo model needs torch, onnx and openvino: {exc}") from None
+            f"generating the demo model needs wasinn[all] (torch, onnx, openvino): {exc}"
+        ) from None
     image = sample_image(seed=0)
     (workdir / "input.bin").write_bytes(image.tobytes())
     wasm = build_example("classify")
-    print(f"demo: model {files.onnx.name}, guest {wasm.name}, input {image.shape} f32",
-          flush=True)
+    formats = [
+        _Format("ONNX", (files.onnx,), "onnxruntime"),
+        _Format("OpenVINO IR", (files.ir_xml, files.ir_bin), "openvino"),
+        _Format("TorchScript", (files.torchscript,), "torch"),
+    ]
+    print(f"demo: guest {wasm.name}, MobileNetV2-like width {width:g}, "
+          f"input {image.shape} f32, embedded default config", flush=True)
+    status = 0
+    rows: list[tuple[str, str, int, float, float]] = []
     async with Runtime() as rt:
-        code = await rt.run_wasm(wasm, argv=[f"/demo/{files.onnx.name}", "/demo/input.bin"],
-                                 dirs={"/demo": str(workdir)})
-        sys.stdout.flush()
-        graph = await rt.load([files.onnx.read_bytes()], encoding="onnx")
-        out = await graph.compute({"input": image})
-        scores = next(iter(out.values())).numpy().reshape(-1)
-        await graph.unload()
-    best = int(np.argmax(scores))
-    print(f"demo: host check, the same model run by the runtime: class {best} "
-          f"score {scores[best]:.4f}")
-    return code
+        for fmt in formats:
+            if importlib.util.find_spec(fmt.library) is None:
+                print(f"\ndemo: skipping {fmt.label}: {fmt.library} is not installed")
+                continue
+            model_arg = "+".join(f"/demo/{p.name}" for p in fmt.files)
+            print(f"\n$ wasinn run --dir {workdir}::/demo {wasm.name} {model_arg} "
+                  "/demo/input.bin", flush=True)
+            start = time.perf_counter()
+            code = await rt.run_wasm(wasm, argv=[model_arg, "/demo/input.bin"],
+                                     dirs={"/demo": str(workdir)})
+            sys.stdout.flush()
+            guest_ms = (time.perf_counter() - start) * 1e3
+            if code != 0:
+                print(f"demo: the guest exited with {code} on {fmt.label}")
+                status = status or code
+                continue
+            graph = await rt.load([p.read_bytes() for p in fmt.files])
+            out = await graph.compute({0: image})
+            scores = next(iter(out.values())).numpy().reshape(-1)
+            await graph.unload()
+            best = int(np.argmax(scores))
+            rows.append((fmt.label, graph.backend, best, float(scores[best]), guest_ms))
+    _print_table(rows)
+    classes = {row[2] for row in rows}
+    if len(classes) > 1:
+        print("demo: the backends disagree on the class")
+        status = status or 1
+    return status
+
+
+def _print_table(rows: list[tuple[str, str, int, float, float]]) -> None:
+    print("\nformat        backend (host's choice)  top-1  score     guest run (load+infer)")
+    for label, backend, best, score, ms in rows:
+        print(f"{label:<13} {backend:<24} {best:<6} {score:<9.4f} {ms:8.1f} ms")

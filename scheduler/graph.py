@@ -51,6 +51,12 @@ class Graph:
         return self._executable.outputs
 
     @property
+    def backend(self) -> str:
+        """The backend the host chose for the default target ("+"-joined for a pipeline of
+        several; "" until the graph has been compiled for that target)."""
+        return self._executable.backend_for(self.default_target)
+
+    @property
     def unloaded(self) -> bool:
         return self._unloaded
 

@@ -30,6 +30,9 @@ class Executable(Protocol):
     outputs: tuple[TensorSpec, ...]
     released: bool
 
+    def backend_for(self, target: ExecutionTarget) -> str:
+        """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""
+
     def retain(self) -> None:
         """One more handle or context uses this."""
 
@@ -71,6 +74,10 @@ class LoadedModel:
         self.released = False
         self.on_release: Callable[[LoadedModel], None] | None = None
         self.runner: ModelRunner | None = None
+
+    def backend_for(self, target: ExecutionTarget) -> str:
+        backend = self.backends.get(target)
+        return backend.name if backend is not None else ""
 
     def retain(self) -> None:
         self.refs += 1

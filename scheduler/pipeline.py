@@ -91,6 +91,9 @@ class PipelineModel:
         for step in self.steps:
             step.retain()
 
+    def backend_for(self, target: ExecutionTarget) -> str:
+        return "+".join(dict.fromkeys(step.backend_for(target) for step in self.steps))
+
     def retain(self) -> None:
         self.refs += 1
 

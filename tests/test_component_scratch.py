@@ -299,7 +299,10 @@ async def test_the_directory_is_removed_when_instantiation_fails(
             made.append(self)
 
     monkeypatch.setattr(guest_module, "ScratchDir", Recording)
-    needs = '(component (import "no:such/thing" (instance (export "f" (func)))))'
+    # It asks for the scratch interface (so it gets a directory) and for something the
+    # host does not provide (so instantiation fails after the directory exists).
+    needs = ('(component (import "wasinn:nn/scratch@0.1.0" (instance))'
+             ' (import "no:such/thing" (instance (export "f" (func)))))')
     with pytest.raises(InvalidArgumentError, match="cannot instantiate"):
         await ComponentGuest.start(rt, needs, program="needs-more")
     assert len(made) == 1 and not made[0].path.exists()
@@ -359,3 +362,11 @@ def test_the_scratch_interface_is_declared_and_served(tmp_path: Path) -> None:
     functions = declared(ext, [wit.package_dir("wasi-nn-2024-10-28")], tmp_path)
     assert functions["wasinn:nn/scratch@0.1.0"] == {"tensor-from-scratch", "tensor-to-scratch"}
     assert served()["wasinn:nn/scratch@0.1.0"] == functions["wasinn:nn/scratch@0.1.0"]
+
+
+async def test_guest_without_the_scratch_import_gets_no_directory(rt: Any) -> None:
+    from tests.component_guests import shim_1028
+
+    guest = await ComponentGuest.start(rt, shim_1028(), program="shim_1028")
+    async with guest:
+        assert guest.scratch is None

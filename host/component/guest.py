@@ -108,7 +108,8 @@ class ComponentGuest:
     ) -> ComponentGuest:
         """Compile (cached) and instantiate ``wasm`` with WASI 0.2 and every wasi-nn version.
 
-        With ``scratch`` (the default) the guest gets a fresh scratch directory, preopened
+        With ``scratch`` (the default), a guest that imports ``wasinn:nn/scratch`` gets a
+        fresh scratch directory, preopened
         into ``wasi`` at ``/.wasinn-scratch`` (``wasi`` is consumed by the guest in any
         case); when none can be created the guest runs without one and its
         ``wasinn:nn/scratch`` calls return ``unsupported-operation``.
@@ -119,7 +120,10 @@ class ComponentGuest:
         component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
             compile_guest, wasm, program)
         config = wasi or wasi_config(program)
-        scratch_dir = _scratch_dir(program) if scratch else None
+        # Only a guest that imports wasinn:nn/scratch gets a directory: the others never
+        # see an extra preopen, and none can fill /dev/shm through it.
+        wants_scratch = scratch and _imports_scratch(component)
+        scratch_dir = _scratch_dir(program) if wants_scratch else None
         guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir), program)
         try:
             if scratch_dir is not None:
@@ -247,6 +251,15 @@ class ComponentGuest:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+#: The extension interface whose importers get a scratch directory.
+SCRATCH_INTERFACE = "wasinn:nn/scratch@"
+
+
+def _imports_scratch(component: wc.Component) -> bool:
+    imports = component.type.imports(shared_engine())
+    return any(name.startswith(SCRATCH_INTERFACE) for name in imports)
 
 
 def _scratch_dir(program: str) -> ScratchDir | None:
