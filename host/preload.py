@@ -33,21 +33,6 @@ class Preload:
     target: ExecutionTarget | None  # None = "auto": the model's default (cpu)
     paths: tuple[Path, ...]
 
-    def read(self) -> list[bytes]:
-        """The builders, one per file; ModelNotFoundError naming a file that cannot be read."""
-        from wasinn.host.abi import ModelNotFoundError
-
-        out = []
-        for path in self.paths:
-            try:
-                out.append(path.read_bytes())
-            except OSError as exc:
-                raise ModelNotFoundError(
-                    f"model {self.name!r} is registered but its file {str(path)!r} cannot be "
-                    f"read: {exc.strerror or exc}"
-                ) from None
-        return out
-
 
 def parse_nn_preload(spec: str) -> Preload:
     """``NAME:ENCODING:TARGET:PATH[:PATH...]`` (WasmEdge's syntax; case-insensitive enums)."""
@@ -112,14 +97,3 @@ def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> Runtime
     label = str(config.source) if config.source else "<command line>"
     return parse_config(data, config.source, label=f"{label} + preloads")
 
-
-class _NoPreloads:
-    def get(self, name: str) -> Preload | None:
-        return None
-
-
-def preload_table(runtime: object) -> _NoPreloads:
-    """Always empty: preloads are registered in the runtime's config (:func:`with_preloads`)
-    and served by ``runtime.load_by_name``. Kept for callers written against an earlier
-    draft of this module, which consulted a side table before the registry."""
-    return _NoPreloads()

@@ -47,7 +47,7 @@ TRAP_EXIT_STATUS = 134
 _GUEST_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("wasinn_guest_threads")
 
 
-def _guest_threads() -> trio.CapacityLimiter:
+def guest_threads() -> trio.CapacityLimiter:
     try:
         return _GUEST_THREADS.get()
     except LookupError:
@@ -116,7 +116,7 @@ async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, 
     async def run_in_thread() -> int:
         return await trio.to_thread.run_sync(
             _run_start, engine, module, config, nn, interrupter, program,
-            abandon_on_cancel=False, limiter=_guest_threads())
+            abandon_on_cancel=False, limiter=guest_threads())
 
     async def guest() -> None:
         nonlocal result

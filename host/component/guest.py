@@ -18,7 +18,6 @@ the guest left in it, when the guest is closed (or fails to instantiate).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -36,7 +35,7 @@ from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limits_of
-from wasinn.host.runner import GuestTrap
+from wasinn.host.runner import GuestTrap, guest_threads
 from wasinn.host.scheduler_api import TrioPortal
 from wasinn.host.wasi import Dirs, wasi_config
 
@@ -46,19 +45,6 @@ T = TypeVar("T")
 
 #: ``wasi:cli/run`` versions looked for, newest first.
 _RUN_INTERFACES = tuple(f"wasi:cli/run@0.2.{minor}" for minor in range(9, -1, -1))
-
-_GUEST_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("wasinn_component_threads")
-
-
-def _guest_threads() -> trio.CapacityLimiter:
-    # One thread per running guest: guests mostly wait in wasi-nn calls and must not
-    # compete with the device actors' inference threads for trio's default limiter.
-    try:
-        return _GUEST_THREADS.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(math.inf)
-        _GUEST_THREADS.set(limiter)
-        return limiter
 
 
 def _trap_message(exc: BaseException) -> str:
@@ -202,7 +188,7 @@ class ComponentGuest:
             # Captured, not raised, so a trap is not wrapped in the nursery's group.
             result = await outcome.acapture(
                 trio.to_thread.run_sync, fn, *args, abandon_on_cancel=False,
-                limiter=_guest_threads())
+                limiter=guest_threads())
             finished = True
             nursery.cancel_scope.cancel()
 
