@@ -4,24 +4,42 @@ An actor owns, for one device (``cpu``, ``gpu:0``, ...):
 
 * the compiled graphs run there (:meth:`DeviceActor.session`: compiled lazily at first use,
   once, however many contexts share them; :meth:`DeviceActor.evict` frees them);
-* its request queue and worker threads: a job runs in ``trio.to_thread.run_sync`` under
-  the actor's one ``CapacityLimiter`` (``workers`` tokens), so the event loop never blocks
-  on inference; when every slot is busy callers wait in the queue, served in the order
-  the :class:`~wasinn.actors.queue.QueuePolicy` chooses (priority, then deadline);
+* its request queue and ``workers`` persistent worker threads
+  (:class:`~wasinn.actors.workers.WorkerThreads`, started by :meth:`DeviceActor.serve` and
+  stopped when the actor closes): a job runs in one of them, so the event loop never
+  blocks on inference. At most ``workers`` requests hold a slot at once; when every slot
+  is busy callers wait in the queue, served in the order the
+  :class:`~wasinn.actors.queue.QueuePolicy` chooses (priority, then deadline);
 * its device context (a CUDA stream where torch sees the GPU), opened in a worker thread
   before the actor reports ready.
 
-Admission, not a dispatcher task: a caller whose request is granted a slot runs the job
-from its own task, which saves a task switch per request (the actor's ``serve`` task only
-holds the device's lifetime). Cancellation: a caller cancelled while queued is removed
-from the queue and never runs; cancelled while running, its thread is abandoned (it runs
-to completion and keeps its limiter token until then, so a device never runs more than
-``workers`` jobs) and the result is dropped. A job's exception fails that request only.
+Admission, not a dispatcher task: a caller whose request is granted a slot hands the job
+to the worker threads from its own task, which saves a task switch per request (the
+actor's ``serve`` task only holds the device's lifetime). A slot is freed when the worker
+thread has finished the job, and the next queued request is granted there.
+
+A caller that runs in a thread of its own (a WebAssembly guest's) may instead take a
+:class:`~wasinn.actors.lease.Lease` (:meth:`DeviceActor.lease`): the slot is reserved in
+trio as for any request, and the caller's thread runs the job itself (one trio round trip
+instead of two plus a thread hand-off).
+
+Inline runs (``inline_below``, a pool's ``inline_below_us``; 0 = off): a graph whose runs
+here are timed below that bound (see :mod:`wasinn.actors.inline`) runs on the trio thread
+itself when the device is idle, because two thread hand-offs would cost several times
+the run. The trade-off, plainly: the event loop is held for that run (bounded by the
+rule, not by force: a usually-tiny run that suddenly takes long holds the loop once for
+that long, and then the graph goes back to the worker threads).
+
+Cancellation: a caller cancelled while queued is removed from the queue and never runs;
+cancelled while running, its job is abandoned (the worker thread runs it to completion
+and keeps its slot until then, so a device never runs more than ``workers`` jobs) and the
+result is dropped. A job's exception fails that request only.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -32,14 +50,17 @@ from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
     TimeoutError_,
-    TooLargeError,
     UnsupportedOperationError,
     WasiNNError,
 )
 
 from .devicectx import DeviceContext, context_for
-from .queue import PriorityDeadlinePolicy, QueuePolicy, Request
+from .inline import RunProfile
+from .lease import Lease
+from .queue import PriorityDeadlinePolicy, QueuePolicy
 from .session import Session
+from .slots import Slots
+from .workers import WorkerThreads
 
 T = TypeVar("T")
 
@@ -64,15 +85,20 @@ class DeviceActor:
         workers: int = 1,
         queue_limit: int = 1024,
         policy: QueuePolicy | None = None,
+        inline_below: float = 0.0,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        if not inline_below >= 0:
+            raise ValueError("inline_below must be >= 0 seconds")
+        #: Jobs of graphs whose runs take less (seconds) may run inline (0 = never).
+        self.inline_below = inline_below
         self.device = device
         self.workers = workers
         self.queue_limit = queue_limit
-        self.limiter = trio.CapacityLimiter(workers)
-        self._policy: QueuePolicy = policy if policy is not None else PriorityDeadlinePolicy()
-        self._running = 0
+        self._threads = WorkerThreads(str(device), workers)
+        self._slots = Slots(str(device), workers, queue_limit,
+                            policy if policy is not None else PriorityDeadlinePolicy())
         #: Requests placed here that wait for their graph to be compiled on this device.
         self.placed = 0
         self._sessions: dict[Hashable, Session] = {}
@@ -81,8 +107,7 @@ class DeviceActor:
         self._wrap: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None
         self._ready = False
         self._closed = False
-        #: Finished jobs (compiles and runs, failed or not), for tests and metrics.
-        self.completed = 0
+        self._compiles = 0
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -90,15 +115,17 @@ class DeviceActor:
     # -- lifetime -----------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[DeviceActor] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        """Open the device, report ready, then hold it until cancelled.
+        """Open the device, start the worker threads, report ready, then hold it until
+        cancelled.
 
         Raises UnsupportedOperationError (before reporting ready) when the device cannot be
-        opened. On exit, queued callers get ClosedResourceError and cached graphs are freed
-        (a graph still running in an abandoned thread is freed when that run ends).
+        opened. On exit, queued callers get ClosedResourceError, cached graphs are freed
+        (a graph still running in an abandoned thread is freed when that run ends) and the
+        worker threads are stopped and waited for (see :meth:`close`).
         """
         try:
             # In a worker thread: finding out what the device needs may import torch.
-            context = await trio.to_thread.run_sync(self._open_context, limiter=self.limiter)
+            context = await trio.to_thread.run_sync(self._open_context)
         except WasiNNError:
             raise
         except Exception as exc:
@@ -107,12 +134,18 @@ class DeviceActor:
         self._context = context
         if type(context) is not DeviceContext:
             self._wrap = context.wrap
+        self._threads.start()
+        self._slots.open()
         self._ready = True
         task_status.started(self)
         try:
             await trio.sleep_forever()
         finally:
             self.close()
+            with trio.CancelScope(shield=True):
+                # Threads finish the jobs already handed to them, then exit; one still
+                # running an abandoned job exits when that backend call returns.
+                await self._threads.wait_stopped()
 
     def _open_context(self) -> DeviceContext:
         context = context_for(self.device)
@@ -120,12 +153,13 @@ class DeviceActor:
         return context
 
     def close(self) -> None:
-        """Stop serving: fail queued requests, free every cached graph. Idempotent."""
+        """Stop serving: fail queued requests, free every cached graph, tell the worker
+        threads to exit once the jobs already handed to them are done. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        while (request := self._policy.pop()) is not None:
-            request.event.set()  # not granted: the waiter raises ClosedResourceError
+        self._threads.stop()
+        self._slots.close()
         for key in list(self._sessions):
             self.evict(key)
         if self._context is not None:
@@ -136,10 +170,26 @@ class DeviceActor:
         return self._ready and not self._closed
 
     @property
+    def busy(self) -> int:
+        """Jobs (runs and compiles) handed to the worker threads and not finished yet,
+        abandoned ones included."""
+        return self._threads.busy
+
+    @property
+    def threads(self) -> WorkerThreads:
+        """The worker threads (for diagnostics and tests)."""
+        return self._threads
+
+    @property
     def load(self) -> int:
         """Running, queued and placed (waiting for a compile) requests: what placement
         compares."""
-        return self._running + len(self._policy) + self.placed
+        return self._slots.running + self._slots.queued + self.placed
+
+    @property
+    def completed(self) -> int:
+        """Finished jobs (compiles and runs, failed or not), for tests and metrics."""
+        return self._compiles + self._slots.released
 
     # -- compiled graphs ------------------------------------------------------------------
     async def session(self, key: Hashable, compile_graph: Callable[[], CompiledGraph],
@@ -176,19 +226,20 @@ class DeviceActor:
             pending.done.set()
 
     async def _compile(self, compile_graph: Callable[[], CompiledGraph]) -> CompiledGraph:
-        # A compile takes one of the device's thread tokens but no request slot, so it is
+        # A compile takes one of the device's worker threads but no request slot, so it is
         # not counted as load twice. It is not abandoned on cancellation (the thread would
         # go on loading weights anyway): the result is cached for the next caller.
         work = compile_graph if self._wrap is None else self._wrap(compile_graph)
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            compiled: CompiledGraph = await trio.to_thread.run_sync(work, limiter=self.limiter)
+            compiled: CompiledGraph = await self._threads.run(work, abandon_on_cancel=False)
         except WasiNNError:
             raise
         except Exception as exc:
             raise BackendRuntimeError(
                 f"{self.device}: compiling failed: {type(exc).__name__}: {exc}"
             ) from exc
-        self.completed += 1
+        self._compiles += 1
         return compiled
 
     def cached(self, key: Hashable) -> bool:
@@ -216,8 +267,14 @@ class DeviceActor:
         priority: int = 0,
         deadline: float = math.inf,
         tenant: str = "",
+        profile: RunProfile | None = None,
+        nbytes: int | None = None,
     ) -> T:
         """Run ``job`` in one of this device's worker threads and return its result.
+
+        ``profile`` (the run timings of the graph ``job`` runs) and ``nbytes`` (its input
+        size) let a tiny job run inline on the trio thread instead, when the actor's
+        ``inline_below`` allows it and the device is idle (see :mod:`wasinn.actors.inline`).
 
         Waits in the queue while every slot is busy. Raises ClosedResourceError when the
         actor is closed, TooLargeError when the queue is full, TimeoutError_ when
@@ -225,6 +282,12 @@ class DeviceActor:
         is abandoned), and BackendRuntimeError for an exception that is not a WasiNNError
         (those propagate as they are). Cancellation: see the module docstring.
         """
+        if profile is not None and self.inline_below and nbytes is not None:
+            if (profile.qualifies(nbytes, self.inline_below) and not self._threads.busy
+                    and (deadline == math.inf or trio.current_time() < deadline)
+                    and await self._take_idle_slot()):
+                return await self._run_inline(job, profile, nbytes)
+            job = self._timed(job, profile, nbytes)
         if deadline == math.inf:
             return await self._execute(job, priority, deadline, tenant)
         with trio.move_on_at(deadline) as scope:
@@ -234,16 +297,46 @@ class DeviceActor:
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str) -> T:
-        if self._closed:
-            raise ClosedResourceError(f"{self.device}: the device actor is closed")
-        if self._running < self.workers and not len(self._policy):
-            self._running += 1
-        else:
-            await self._wait_turn(Request(priority, deadline, tenant))
+        await self._take_slot(priority, deadline, tenant)
+        # From here the slot is freed when the worker thread has finished the job
+        # (abandoned or not).
+        work: Callable[[], T] = job if self._wrap is None else self._wrap(job)
         try:
-            work: Callable[[], T] = job if self._wrap is None else self._wrap(job)
-            return await trio.to_thread.run_sync(work, abandon_on_cancel=True,
-                                                 limiter=self.limiter)
+            return await self._threads.run(work, abandon_on_cancel=True,
+                                           on_done=self._slots.free)
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise BackendRuntimeError(
+                f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _timed(self, job: Callable[[], T], profile: RunProfile, nbytes: int
+                ) -> Callable[[], T]:
+        bound = self.inline_below
+
+        def timed() -> T:  # in a worker thread
+            start = time.perf_counter()
+            try:
+                return job()
+            finally:
+                profile.observe(time.perf_counter() - start, nbytes, bound)
+
+        return timed
+
+    async def _take_idle_slot(self) -> bool:
+        # A slot for an inline run: only when the device is idle (nothing running, nobody
+        # queued), so that the run overtakes nobody; it counts against the workers bound.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return not self._closed and self._slots.try_take_idle()
+
+    async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int) -> T:
+        # On the trio thread, holding an idle slot: run, time it, free the slot, then
+        # yield to the other tasks so that a stream of tiny requests cannot starve them.
+        work: Callable[[], T] = job if self._wrap is None else self._wrap(job)
+        start = time.perf_counter()
+        try:
+            result = work()
         except WasiNNError:
             raise
         except Exception as exc:
@@ -251,35 +344,54 @@ class DeviceActor:
                 f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            self.completed += 1
-            self._running -= 1
-            self._grant_next()
+            profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
+            self._slots.free()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
 
-    async def _wait_turn(self, request: Request) -> None:
-        if len(self._policy) >= self.queue_limit:
-            raise TooLargeError(
-                f"{self.device}: the request queue is full ({self.queue_limit} waiting): "
-                "retry later or raise the pool's queue_limit"
-            )
-        self._policy.push(request)
-        try:
-            await request.event.wait()
-        except BaseException:
-            if request.granted:
-                # A slot was reserved for us just as we were cancelled: hand it on.
-                self._running -= 1
-                self._grant_next()
-            else:
-                self._policy.remove(request)
-            raise
-        if not request.granted:
-            raise ClosedResourceError(f"{self.device}: the device actor closed while queued")
+    async def lease(
+        self,
+        job: Callable[[], T],
+        *,
+        priority: int = 0,
+        deadline: float = math.inf,
+        tenant: str = "",
+    ) -> Lease[T]:
+        """Reserve a worker slot for ``job``, to be run by the caller's own thread.
 
-    def _grant_next(self) -> None:
-        while self._running < self.workers and not self._closed:
-            request = self._policy.pop()
-            if request is None:
-                return
-            self._running += 1
-            request.granted = True
-            request.event.set()
+        Waits in the queue like :meth:`execute` (same errors while waiting: ClosedResourceError,
+        TooLargeError, TimeoutError_ when ``deadline`` passes first); returns once the slot
+        is held. Cancelled while queued, the request is removed. The holder must call
+        :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
+        that ends past ``deadline`` raises TimeoutError_ there.
+        """
+        if deadline == math.inf:
+            await self._take_slot(priority, deadline, tenant)
+            expires = math.inf
+        else:
+            with trio.move_on_at(deadline) as scope:
+                await self._take_slot(priority, deadline, tenant)
+            if scope.cancelled_caught:
+                raise TimeoutError_(
+                    f"{self.device}: the request's deadline passed before it started")
+            expires = time.perf_counter() + (deadline - trio.current_time())
+        return Lease(str(self.device), job, self._wrap, self._slots.free_from_thread, expires)
+
+    def try_lease(self, job: Callable[[], T], *, timeout: float | None = None
+                  ) -> Lease[T] | None:
+        """A lease on a free slot, taken from any thread without waiting for trio, or None
+        when every slot is busy, a request is queued (it must not be overtaken), or the
+        actor is not serving: then use :meth:`lease` through trio.
+
+        ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`.
+        """
+        if not self._slots.try_take():
+            return None
+        expires = math.inf if timeout is None else time.perf_counter() + timeout
+        return Lease(str(self.device), job, self._wrap, self._slots.free_from_thread, expires)
+
+    async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
+        await self._slots.take(priority, deadline, tenant)
+        if self._closed:  # closed between the grant and now: nothing may start any more
+            self._slots.free()
+            raise ClosedResourceError(f"{self.device}: the device actor is closed")

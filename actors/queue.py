@@ -32,7 +32,8 @@ class Request:
     """One caller waiting for a worker slot on a device actor.
 
     ``deadline`` is in ``trio.current_time()`` units (``math.inf`` = none). ``granted`` is
-    set by the actor when the request leaves the queue with a slot reserved for it.
+    set (by :class:`~wasinn.actors.slots.Slots`) when the request leaves the queue with a
+    slot reserved for it.
     """
 
     __slots__ = ("deadline", "event", "granted", "priority", "removed", "seq", "tenant")

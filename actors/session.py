@@ -14,11 +14,13 @@ import threading
 from wasinn.backends.base import CompiledGraph
 from wasinn.errors import ClosedResourceError
 
+from .inline import RunProfile
+
 
 class Session:
     """One :class:`CompiledGraph` on one device, with an in-use count."""
 
-    __slots__ = ("_evicted", "_lock", "_users", "backend", "compiled")
+    __slots__ = ("_evicted", "_lock", "_users", "backend", "compiled", "profile")
 
     def __init__(self, compiled: CompiledGraph, backend: str) -> None:
         self.compiled = compiled
@@ -26,6 +28,8 @@ class Session:
         self._lock = threading.Lock()
         self._users = 0
         self._evicted = False
+        #: How long its runs take here: decides whether they may run inline.
+        self.profile = RunProfile()
 
     @property
     def evicted(self) -> bool:

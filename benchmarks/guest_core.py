@@ -11,7 +11,11 @@
    and reads it back; MB/s counts the bytes moved in and out of the guest, against native
    ONNX Runtime running the same identity model on the same array.
 
-Usage: python benchmarks/guest_core.py [--n 25] [--rounds 15] [--mb 16]
+Usage: python benchmarks/guest_core.py [--n 100] [--rounds 10] [--mb 16]
+
+Rounds of 25 inferences were too short on a 2-core VM: each side's first runs after the
+other's (its thread pool asleep, caches cold) weighed on the ratio; 100 per round keeps
+that below the noise.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ def best_of(rounds: int, measure: Callable[[], float]) -> float:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=25, help="inferences per measurement")
-    parser.add_argument("--rounds", type=int, default=15,
+    parser.add_argument("--n", type=int, default=100, help="inferences per measurement")
+    parser.add_argument("--rounds", type=int, default=10,
                         help="interleaved guest/native measurements (short rounds, many of "
                         "them: the median ratio resists load from other processes)")
     parser.add_argument("--mb", type=float, default=16.0, help="transfer tensor size in MB")

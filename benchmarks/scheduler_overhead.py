@@ -5,9 +5,13 @@ direct backend call, measured in the same run.
 
 1. Round trip, tiny model (an ONNX ``y = 2x + 1`` on f32[1, 4], ONNX Runtime): median of
    ``await ctx.compute(...)`` minus median of ``CompiledGraph.run(...)`` on the same
-   compiled graph. Goal: <= 60 us.
+   compiled graph. Goal: <= 60 us. Measured three ways: with the embedded default config
+   (such a graph runs inline on the event loop once timed, see ``inline_below_us``), with
+   inline runs off (every run goes through the device's worker thread), and from a
+   thread of the caller's own (``ctx.compute_in_caller_thread``, what guests use: the
+   backend runs in that thread; the direct call is timed in the same thread).
 2. Round trip, MobileNetV2-like (width W, batch 1, ONNX Runtime and OpenVINO): ratio of
-   the medians. Goal: <= 3 %.
+   the medians, through the worker thread and from a caller's thread. Goal: <= 3 %.
 3. Throughput of 1, 4 and 16 concurrent callers on the CPU pool (MobileNetV2-like), each
    against the native backend's best: the library called from 1 or ``workers`` plain
    threads, whichever is faster.
@@ -15,12 +19,16 @@ direct backend call, measured in the same run.
 
 Calls alternate in short blocks (20 direct, 20 scheduled, ...) so that noise from other
 processes hits both alike while each block keeps its thread's caches warm. Figures vary
-with the machine's load: compare ratios, not absolutes.
+with the machine's load: compare ratios, not absolutes. The worker-thread path costs two
+cross-thread wake-ups per request, so it is printed next to the machine's own wake-up
+latency (a two-thread queue ping-pong, measured in the same run): on a busy or
+virtualised host that latency alone can be several times a tiny model's run time.
 """
 
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import tempfile
 import threading
@@ -34,6 +42,7 @@ import trio
 
 import wasinn
 from wasinn.actors.session import Session
+from wasinn.configs.loader import parse_config
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
 
 
@@ -68,6 +77,65 @@ async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str
     ctx.close()
     await graph.unload()
     return statistics.median(direct), statistics.median(scheduled)
+
+
+def caller_thread_round_trip(compiled: Any, ctx: Any, tensors: dict[str, wasinn.Tensor],
+                             inputs: dict[str, Any], iters: int) -> tuple[float, float]:
+    """In a thread of the caller's own: medians of the direct call and of
+    ``ctx.compute_in_caller_thread``, in alternating blocks."""
+    for _ in range(max(20, iters // 10)):
+        compiled.run(tensors)
+        ctx.compute_in_caller_thread(inputs)
+    direct, scheduled = [], []
+    block = max(1, min(20, iters // 10))
+    for _ in range(max(1, iters // block)):
+        for _ in range(block):
+            t0 = time.perf_counter()
+            compiled.run(tensors)
+            direct.append(time.perf_counter() - t0)
+        for _ in range(block):
+            t0 = time.perf_counter()
+            ctx.compute_in_caller_thread(inputs)
+            scheduled.append(time.perf_counter() - t0)
+    return statistics.median(direct), statistics.median(scheduled)
+
+
+async def both_round_trips(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],
+                           iters: int, backend: str = "onnxruntime"
+                           ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(direct, ctx.compute) and (direct, compute_in_caller_thread) medians."""
+    trip = await round_trip(rt, builders, inputs, iters, backend)
+    graph = await rt.load(builders, "onnx", backend=backend)
+    compiled = compiled_of(rt).compiled
+    ctx = graph.init_execution_context()
+    tensors = {k: wasinn.Tensor.from_numpy(v) for k, v in inputs.items()}
+    caller = await trio.to_thread.run_sync(caller_thread_round_trip, compiled, ctx, tensors,
+                                           inputs, iters)
+    ctx.close()
+    await graph.unload()
+    return trip, caller
+
+
+def wakeup_latency(rounds: int = 2000) -> float:
+    """Median round trip (seconds) of a two-thread queue ping-pong: two wake-ups."""
+    ping: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    pong: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def echo() -> None:
+        while (item := ping.get()) is not None:
+            pong.put(item)
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    times = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        ping.put(i)
+        pong.get()
+        times.append(time.perf_counter() - t0)
+    ping.put(None)
+    thread.join()
+    return statistics.median(times)
 
 
 def native_throughput(compiled: Any, tensors: dict[str, wasinn.Tensor], threads: int,
@@ -126,10 +194,16 @@ def context_figures(graph: wasinn.Graph, count: int) -> tuple[float, float]:
     return rate, size
 
 
-def report_round_trip(backend: str, width: float, direct: float, sched: float) -> None:
-    print(f"MobileNetV2-like w{width:g} batch 1 on {backend}: direct {direct * 1e3:.2f} ms, "
-          f"scheduled {sched * 1e3:.2f} ms, ratio {sched / direct:.3f} "
+def report_round_trip(backend: str, width: float, direct: float, sched: float,
+                      path: str = "worker thread") -> None:
+    print(f"MobileNetV2-like w{width:g} batch 1 on {backend} ({path}): direct "
+          f"{direct * 1e3:.2f} ms, scheduled {sched * 1e3:.2f} ms, ratio {sched / direct:.3f} "
           f"(overhead {(sched / direct - 1) * 100:+.1f} %, goal <= 3 %)")
+
+
+def report_tiny(path: str, direct: float, sched: float) -> None:
+    print(f"tiny model round trip ({path}): direct {direct * 1e6:.1f} us, scheduled "
+          f"{sched * 1e6:.1f} us, overhead {(sched - direct) * 1e6:.1f} us (goal <= 60 us)")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -141,13 +215,25 @@ async def main(args: argparse.Namespace) -> None:
         workers = rt.config.pools["cpu"].workers
         print(f"devices: {[d.name for d in rt.devices]}, cpu workers: {workers}")
 
-        direct, sched = await round_trip(rt, [affine_onnx()],
-                                         {"x": np.ones((1, 4), np.float32)}, args.iters * 10)
-        print(f"tiny model round trip: direct {direct * 1e6:.1f} us, scheduled "
-              f"{sched * 1e6:.1f} us, overhead {(sched - direct) * 1e6:.1f} us (goal <= 60 us)")
+        print(f"this machine's cross-thread wake-up: two-thread queue ping-pong "
+              f"{wakeup_latency() * 1e6:.1f} us per round trip")
+        tiny = {"x": np.ones((1, 4), np.float32)}
+        (direct, sched), caller = await both_round_trips(rt, [affine_onnx()], tiny,
+                                                         args.iters * 10)
+        report_tiny("default config: inline once timed", direct, sched)
+        report_tiny("caller's thread", *caller)
+        no_inline = parse_config({"pools": {"cpu": {
+            "kind": "cpu", "devices": ["cpu"], "workers": workers, "inline_below_us": 0}}},
+            None)
+        async with wasinn.Runtime(no_inline) as rt_threads:
+            direct, sched = await round_trip(rt_threads, [affine_onnx()], tiny,
+                                             args.iters * 10)
+        report_tiny("inline off: worker thread", direct, sched)
 
-        direct, sched = await round_trip(rt, mobilenet, {"input": image}, args.iters)
+        (direct, sched), caller = await both_round_trips(rt, mobilenet, {"input": image},
+                                                         args.iters)
         report_round_trip("onnxruntime", args.width, direct, sched)
+        report_round_trip("onnxruntime", args.width, *caller, path="caller's thread")
 
         graph = await rt.load(mobilenet, "onnx")
         compiled = compiled_of(rt).compiled
@@ -181,9 +267,10 @@ async def main(args: argparse.Namespace) -> None:
         # slow the ONNX Runtime figures measured after it on a 2-core machine.
         for backend in args.backends.split(","):
             if backend and backend != "onnxruntime":
-                direct, sched = await round_trip(rt, mobilenet, {"input": image},
-                                                 args.iters, backend)
+                (direct, sched), caller = await both_round_trips(
+                    rt, mobilenet, {"input": image}, args.iters, backend)
                 report_round_trip(backend, args.width, direct, sched)
+                report_round_trip(backend, args.width, *caller, path="caller's thread")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A config has five tables::
 
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
-                                   # queue_limit, backends (this pool's preference order)
+                                   # queue_limit, backends (this pool's preference order),
+                                   # policy, inline_below_us
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident
     [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...]
@@ -89,6 +90,12 @@ class PoolConfig(_Strict):
     #: Which waiting request runs next: "priority" (priority, then deadline, then
     #: arrival) or "fair" (tenants in turn, priority order within each tenant).
     policy: Literal["priority", "fair"] = "priority"
+    #: Graphs whose runs on this pool's devices take less than this many microseconds
+    #: (moving average, after a few timed runs, for inputs no larger than those timed)
+    #: run inline on the event loop when the device is idle, instead of through a worker
+    #: thread: no thread hand-off, at the price of holding the loop for that long. A run
+    #: over 4x the bound sends the graph back to the worker threads. 0 = never inline.
+    inline_below_us: float = Field(default=100.0, ge=0, le=10_000)
 
     @model_validator(mode="after")
     def _devices_of_kind(self) -> PoolConfig:

@@ -36,6 +36,7 @@ import trio
 import wasmtime
 
 from wasinn.errors import WasiNNError
+from wasinn.host import raw_funcs
 from wasinn.host.abi import MODULE, Errno, MissingMemoryError, errno_of
 from wasinn.host.guest_memory import GuestMemory
 from wasinn.host.nn_core import GuestNN
@@ -47,11 +48,41 @@ _I32 = wasmtime.ValType.i32()
 
 def guest_memory(caller: wasmtime.Caller) -> GuestMemory:
     """The calling guest's exported ``memory`` for the duration of this call."""
-    memory = caller.get("memory")
-    if not isinstance(memory, wasmtime.Memory):
-        raise MissingMemoryError("the guest exports no linear memory named 'memory'")
-    address = ctypes.cast(memory.data_ptr(caller), ctypes.c_void_p).value or 0
-    return GuestMemory.at(address, memory.data_len(caller))
+    return MemoryCache().get(caller)
+
+
+class MemoryCache:
+    """One guest's exported ``memory``: looked up once, its view rebuilt only when the
+    memory's base or size changed since the last host call.
+
+    A wasi-nn call costs a few microseconds of ctypes and numpy work to find and view the
+    memory; a guest makes three or more per inference, so they are kept. The view is only
+    ever used during a host call, after checking that base and size are unchanged (a
+    grown memory may have moved).
+    """
+
+    __slots__ = ("_address", "_memory", "_size", "_view")
+
+    def __init__(self) -> None:
+        self._memory: wasmtime.Memory | None = None
+        self._view: GuestMemory | None = None
+        self._address = -1
+        self._size = -1
+
+    def get(self, caller: wasmtime.Caller) -> GuestMemory:
+        memory = self._memory
+        if memory is None:
+            found = caller.get("memory")
+            if not isinstance(found, wasmtime.Memory):
+                raise MissingMemoryError("the guest exports no linear memory named 'memory'")
+            memory = self._memory = found
+        address = ctypes.cast(memory.data_ptr(caller), ctypes.c_void_p).value or 0
+        size = memory.data_len(caller)
+        view = self._view
+        if view is None or address != self._address or size != self._size:
+            view = self._view = GuestMemory.at(address, size)
+            self._address, self._size = address, size
+        return view
 
 
 #: name -> (parameter count, whether the GuestNN method takes the guest memory first,
@@ -98,20 +129,24 @@ class CallGuard:
     """Turns one ABI method into a host function that always returns an errno."""
 
     def __init__(self, name: str, method: Callable[..., None], with_memory: bool,
-                 on_cancel: Callable[[], None], timed: bool) -> None:
+                 on_cancel: Callable[[], None], timed: bool,
+                 memory_of: Callable[[Any], GuestMemory] | None = None) -> None:
         self.name = name
+        #: The guest's memory from what the host call receives as its caller (a
+        #: wasmtime.Caller, or the raw caller address for raw functions).
+        self.memory_of = memory_of if memory_of is not None else MemoryCache().get
         self.method = method
         self.with_memory = with_memory
         self.on_cancel = on_cancel
         self.timed = timed
         self.last_error: WasiNNError | None = None
 
-    def __call__(self, caller: wasmtime.Caller, *raw: int) -> int:
+    def __call__(self, caller: Any, *raw: int) -> int:
         start = time.perf_counter() if self.timed else 0.0
         try:
             args = [a & 0xFFFFFFFF for a in raw]
             if self.with_memory:
-                self.method(guest_memory(caller), *args)
+                self.method(self.memory_of(caller), *args)
             else:
                 self.method(*args)
             errno = Errno.SUCCESS
@@ -133,13 +168,36 @@ class CallGuard:
         return int(errno)
 
 
-def define_nn(linker: wasmtime.Linker, nn: GuestNN, on_cancel: Callable[[], None]) -> None:
-    """Define every ``wasi_ephemeral_nn`` function of :mod:`this module <.>` on ``linker``."""
+def define_nn(linker: wasmtime.Linker, nn: GuestNN, on_cancel: Callable[[], None],
+              *, raw: bool = True) -> list[Any]:
+    """Define every ``wasi_ephemeral_nn`` function of :mod:`this module <.>` on ``linker``.
+
+    With ``raw`` (and where this wasmtime-py allows it) they are defined on wasmtime's
+    unchecked C callback (:mod:`wasinn.host.raw_funcs`), which costs a fraction of
+    ``define_func``'s generic trampoline per call. Returns what must stay alive while a
+    store instantiated from ``linker`` runs (the raw callbacks).
+    """
     timed = log.isEnabledFor(logging.DEBUG)
+    keep: list[Any] = []
+    if raw and raw_funcs.AVAILABLE:
+        memory = raw_funcs.RawMemory()  # one per guest (and so per store)
+        for name, (nparams, with_memory, method) in _table(nn).items():
+            guard = CallGuard(name, method, with_memory, on_cancel, timed, memory.get)
+            keep.append(raw_funcs.define_raw(linker, MODULE, name, nparams, _raw_call(guard)))
+        return keep
+    cache = MemoryCache()
     for name, (nparams, with_memory, method) in _table(nn).items():
-        guard = CallGuard(name, method, with_memory, on_cancel, timed)
+        guard = CallGuard(name, method, with_memory, on_cancel, timed, cache.get)
         ty = wasmtime.FuncType([_I32] * nparams, [_I32])
         linker.define_func(MODULE, name, ty, _host_func(guard), access_caller=True)
+    return keep
+
+
+def _raw_call(guard: CallGuard) -> Callable[[int, tuple[int, ...]], int]:
+    def call(caller: int, args: tuple[int, ...]) -> int:
+        return guard(caller, *args)
+
+    return call
 
 
 def _host_func(guard: CallGuard) -> Callable[..., Any]:

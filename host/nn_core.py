@@ -4,7 +4,11 @@ A :class:`GuestNN` belongs to one guest instance and is used only from that gues
 worker thread. Each method implements one ABI function over a :class:`GuestMemory`
 and the raw (already u32-masked) arguments; it returns normally on success and raises
 a :class:`~wasinn.errors.WasiNNError` leaf otherwise, which the bindings turn into the
-guest's errno. Scheduler objects are reached only through the :class:`Portal`.
+guest's errno. Scheduler objects are reached only through the :class:`Portal`; a
+compute reserves a device slot through it and then runs the backend in the guest's own
+thread (:func:`~wasinn.host.tensor_binding.run_context_in_thread`), unless a compute
+timeout is configured (then the request runs in a device worker thread, so that it can be
+abandoned at the timeout).
 
 Handles are small integers, never reused within a guest, so a handle used after
 ``unload`` / ``finalize_execution_context`` is reported as closed, not confused with a
@@ -57,6 +61,7 @@ from wasinn.host.tensor_binding import (
     OutputBinding,
     check_against_spec,
     run_context,
+    run_context_in_thread,
     spec_at,
     spec_named,
     static_nbytes,
@@ -291,9 +296,16 @@ class GuestNN:
             bound[name] = mem.span(binding.ptr, binding.max_len, f"output buffer for {name!r}")
         entry.results = None
         names = [spec.name for spec in entry.outputs_spec]
+        timeout = self.limits.compute_timeout
         try:
-            entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names,
-                                            self.limits.compute_timeout)
+            if timeout is None:
+                # The backend runs in this (the guest's) thread: one trio round trip.
+                entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
+                                                      names)
+            else:
+                # A running request must be abandonable at the timeout: run it in trio.
+                entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names,
+                                                timeout)
         except BoundTooSmall as exc:
             for name, size in exc.sizes.items():
                 mem.write_u32(entry.bound_outputs[name].written_ptr, size)
@@ -355,7 +367,8 @@ class GuestNN:
             )
         target = mem.span(out_ptr, needed, "output buffer")
         source = tensor.numpy()
-        if source.ctypes.data != target.ctypes.data:  # not already written in place
+        # Not already written in place? (__array_interface__: ndarray.ctypes costs far more.)
+        if source.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
             np.copyto(target, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
 
     # -- end of the guest ---------------------------------------------------------------

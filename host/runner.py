@@ -157,7 +157,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     interrupter.install(store)
     linker = wasmtime.Linker(engine)
     linker.define_wasi()
-    define_nn(linker, nn, interrupter.request)
+    callbacks = define_nn(linker, nn, interrupter.request)  # noqa: F841 - kept alive
     try:
         instance = linker.instantiate(store, module)
     except wasmtime.WasmtimeError as exc:

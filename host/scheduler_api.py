@@ -6,7 +6,11 @@ scheduler package and a fake can stand in where a test checks routing only.
 
 :class:`Portal` is how a guest's worker thread reaches trio: in the runner it is
 ``trio.from_thread.run`` / ``run_sync``. Graph and context objects are not thread-safe,
-so every call on them goes through the portal.
+so every call on them goes through the portal. The exception is a compute: the guest's
+thread binds the inputs of its own context (used by that thread only), takes a device
+slot with ``try_lease`` (thread-safe; no trio when a slot is free and nobody is queued)
+or else ``lease`` through the portal, and then runs the backend itself
+(``CallerRunLike.run``).
 """
 
 from __future__ import annotations
@@ -23,10 +27,19 @@ T = TypeVar("T")
 Builders = Sequence[bytes | bytearray | memoryview]
 
 
+class CallerRunLike(Protocol):
+    """A request holding a device slot, run by the guest's own thread (ContextRun)."""
+
+    def run(self) -> Any: ...
+    def cancel(self) -> None: ...
+
+
 class ContextLike(Protocol):
     def set_input(self, key: str | int, value: Any) -> None: ...
     def set_output(self, key: str | int, buffer: Any) -> None: ...
     async def run(self) -> None: ...
+    async def lease(self) -> CallerRunLike: ...
+    def try_lease(self) -> CallerRunLike | None: ...
     def get_output(self, key: str | int) -> Tensor: ...
     def close(self) -> None: ...
 

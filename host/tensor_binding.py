@@ -2,8 +2,10 @@
 
 An :class:`InputBinding` records where a guest's input tensor lies in its memory; the
 data is read (as a view) only when ``compute`` runs. An :class:`OutputBinding` is a
-guest buffer bound to an output before compute. :func:`run_context` is the one trio
-round trip a compute makes: bind inputs and outputs, run, collect every output.
+guest buffer bound to an output before compute. :func:`run_context_in_thread` binds
+inputs and outputs, takes a device slot (through trio only when it must queue) and runs
+the backend in the guest's own thread; :func:`run_context` (used when a compute timeout
+must be able to abandon a running request) runs it all in trio, one round trip.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from wasinn.errors import (
     WasiNNError,
 )
 from wasinn.host.guest_memory import TensorRecord
-from wasinn.host.scheduler_api import ContextLike
+from wasinn.host.scheduler_api import ContextLike, Portal
 from wasinn.tensor import Tensor
 
 
@@ -69,6 +71,37 @@ async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
             f"compute took longer than this guest's limit of {timeout:g} s "
             "([guests] compute_timeout)"
         ) from None
+    except TooLargeError as exc:
+        if not bound:
+            raise
+        try:  # a dynamic output overflowed its buffer: report the sizes it needed
+            sizes = {name: ctx.get_output(name).nbytes for name in bound}
+        except WasiNNError:
+            raise exc from None
+        raise BoundTooSmall(exc.message, sizes) from None
+    return {name: ctx.get_output(name) for name in names}
+
+
+def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
+                          bound: dict[str, np.ndarray[Any, Any]],
+                          names: list[str]) -> dict[str, Tensor]:
+    """In the guest's thread: bind inputs and outputs (the context is this guest's
+    alone), take a device slot (no trio when one is free and nobody is queued, else one
+    trio round trip through ``portal`` to queue), then run the backend here; the slot is
+    given back without waiting for trio.
+
+    Cancelling the guest's trio task while the request is queued drops it (the portal
+    raises trio.Cancelled here); a running request is not abandoned: it ends first.
+    """
+    for name, tensor in inputs.items():
+        ctx.set_input(name, tensor)
+    for name, buffer in bound.items():
+        ctx.set_output(name, buffer)
+    run = ctx.try_lease()
+    if run is None:
+        run = portal.run(ctx.lease)
+    try:
+        run.run()
     except TooLargeError as exc:
         if not bound:
             raise

@@ -15,16 +15,30 @@ Two ways to run, both from trio:
 * staged (wasi-nn): ``set_input`` / ``set_output`` (bind a host buffer that ``run`` fills
   in place) / ``await run()`` / ``get_output``. Inputs stay set across runs.
 
+A caller that runs in a thread of its own (a guest's ``trio.to_thread`` worker) can have
+the backend run in that thread instead of a device worker thread. ``ctx.try_lease(...)``
+(from that thread, no trio) takes a free device slot when the graph is already compiled
+there and nobody is queued; otherwise ``await ctx.lease(...)`` (in trio, e.g. through
+``trio.from_thread.run``) queues the request like ``compute``. Either returns a
+:class:`ContextRun` once a slot is held; its ``run()``, called in the caller's thread,
+runs the model there and gives the slot back without waiting for trio.
+``compute_in_caller_thread`` / ``run_in_caller_thread`` do it all. That is no trio round
+trip per request on an idle device, and one on a busy one, instead of two plus a thread
+hand-off; the price is that a running request cannot be abandoned (the caller's thread
+is the one running it).
+
 Keys are input/output names or their positions. Contexts are not thread-safe: use them
-from the trio thread (guests' worker threads go through ``trio.from_thread``).
+from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the
+one thread that owns them through the caller-thread methods.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -35,6 +49,9 @@ from wasinn.errors import ClosedResourceError, InvalidArgumentError, TooLargeErr
 from wasinn.tensor import Tensor, as_tensor
 
 from .model import Executable, Inputs
+
+if TYPE_CHECKING:
+    from wasinn.actors.lease import Lease
 
 
 def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: str) -> str:
@@ -140,10 +157,87 @@ class ExecutionContext:
             self.target, inputs, priority=priority, deadline=deadline_after(timeout),
             tenant=tenant, keep_on_device=keep_on_device,
         )
+        self._record(outputs)
+        return outputs
+
+    def _record(self, outputs: dict[str, Tensor]) -> None:
         self._outputs = outputs
         if self._bound:
             self._fill(outputs)
-        return outputs
+
+    # -- in the caller's thread -------------------------------------------------------------
+    async def lease(
+        self,
+        inputs: Inputs | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = "",
+        keep_on_device: bool | None = None,
+    ) -> ContextRun:
+        """Queue a request on ``inputs`` (None = the staged ones) and return once a device
+        slot is held; the returned :class:`ContextRun` runs it in the caller's thread.
+
+        Call it in trio. Raises what :meth:`compute` raises while placing and queueing;
+        cancelled while queued, the request is removed. ``timeout`` bounds the wait and the
+        run: a run that ends past it raises TimeoutError_ (late: it is not interrupted).
+        """
+        self._check_open()
+        if inputs is None:
+            inputs = self._inputs or {}
+        check_inputs(inputs)
+        lease = await self._executable.lease(
+            self.target, inputs, priority=priority, deadline=deadline_after(timeout),
+            tenant=tenant, keep_on_device=keep_on_device,
+        )
+        return ContextRun(self, lease)
+
+    def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
+                  keep_on_device: bool | None = None) -> ContextRun | None:
+        """From the thread that owns this context (no trio): a :class:`ContextRun` holding
+        a device slot, if the graph is compiled on the device it would run on and that
+        device has a free slot and nobody queued (so nobody is overtaken); else None (use
+        :meth:`lease`). Raises ClosedResourceError after ``close``, InvalidArgumentError
+        for inputs that are not a mapping."""
+        self._check_open()
+        if inputs is None:
+            inputs = self._inputs or {}
+        check_inputs(inputs)
+        if timeout is not None and (timeout < 0 or math.isnan(timeout)):
+            raise InvalidArgumentError(
+                f"timeout {timeout} must be a non-negative number of seconds")
+        lease = self._executable.try_lease(self.target, inputs, timeout=timeout,
+                                           keep_on_device=keep_on_device)
+        return None if lease is None else ContextRun(self, lease)
+
+    def compute_in_caller_thread(
+        self,
+        inputs: Inputs,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = "",
+        keep_on_device: bool | None = None,
+    ) -> dict[str, Tensor]:
+        """:meth:`compute` from a thread started by ``trio.to_thread`` (not the trio
+        thread): a free slot is taken here (:meth:`try_lease`), or the request is queued in
+        trio (one ``trio.from_thread.run``); then the backend runs in this thread. Same
+        results and errors as :meth:`compute`, with the ``timeout`` caveat of
+        :meth:`lease`; cancelling the trio task this thread belongs to drops a queued
+        request (``trio.Cancelled`` is raised here)."""
+        run = self.try_lease(inputs, timeout=timeout, keep_on_device=keep_on_device)
+        if run is None:
+            run = trio.from_thread.run(functools.partial(
+                self.lease, inputs, priority=priority, timeout=timeout, tenant=tenant,
+                keep_on_device=keep_on_device))
+        return run.run()
+
+    def run_in_caller_thread(self, *, priority: int = 0, timeout: float | None = None,
+                             tenant: str = "") -> None:
+        """The staged :meth:`run`, from a thread started by ``trio.to_thread`` (see
+        :meth:`compute_in_caller_thread`)."""
+        self.compute_in_caller_thread(self._inputs or {}, priority=priority, timeout=timeout,
+                                      tenant=tenant)
 
     # -- the staged form (wasi-nn) ------------------------------------------------------
     def set_input(self, key: str | int, value: Tensor | Any) -> None:
@@ -224,3 +318,27 @@ class ExecutionContext:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class ContextRun:
+    """A request on an :class:`ExecutionContext` that holds a device slot and is run by
+    the caller's own thread (see :meth:`ExecutionContext.lease`)."""
+
+    __slots__ = ("_ctx", "_lease")
+
+    def __init__(self, ctx: ExecutionContext, lease: Lease[dict[str, Tensor]]) -> None:
+        self._ctx = ctx
+        self._lease = lease
+
+    def run(self) -> dict[str, Tensor]:
+        """Run the model in this thread (never the trio thread: it would block the loop),
+        give the slot back, and record the outputs on the context (``get_output``, bound
+        buffers) as :meth:`ExecutionContext.compute` does. Once only. Raises what
+        ``compute`` raises for a failed run."""
+        outputs = self._lease.run()
+        self._ctx._record(outputs)
+        return outputs
+
+    def cancel(self) -> None:
+        """Give the slot back without running. Idempotent."""
+        self._lease.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import trio
 
+from wasinn.actors.lease import Lease
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import ClosedResourceError
@@ -99,6 +100,37 @@ class Graph:
             )
         finally:
             self._executable.release()
+
+    async def lease(
+        self,
+        inputs: Inputs,
+        *,
+        target: ExecutionTarget | str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = "",
+        keep_on_device: bool | None = None,
+    ) -> Lease[dict[str, Tensor]]:
+        """One-shot :meth:`compute` run by the caller's own thread: queue in trio, return
+        once a device slot is held; ``Lease.run()`` (in a thread that is not trio's) runs
+        it and returns the outputs (see ExecutionContext.lease for the contract)."""
+        self._check_loaded()
+        check_inputs(inputs)
+        kind = self.default_target if target is None else self._scheduler.resolve_target(target)
+        return await self._executable.lease(
+            kind, inputs, priority=priority, deadline=deadline_after(timeout),
+            tenant=tenant, keep_on_device=keep_on_device,
+        )
+
+    def try_lease(self, inputs: Inputs, *, timeout: float | None = None,
+                  keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]] | None:
+        """One-shot run on the graph's default target from the caller's own thread,
+        without trio: a lease if the model is compiled there and a slot is free with
+        nobody queued, else None (use :meth:`lease`). See ExecutionContext.try_lease."""
+        self._check_loaded()
+        check_inputs(inputs)
+        return self._executable.try_lease(self.default_target, inputs, timeout=timeout,
+                                          keep_on_device=keep_on_device)
 
     async def unload(self) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed."""

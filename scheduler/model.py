@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from wasinn.actors.lease import Lease
 from wasinn.backends.base import Backend, LoadOptions, TensorSpec
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.tensor import Tensor
@@ -43,6 +44,15 @@ class Executable(Protocol):
                       deadline: float, tenant: str, keep_on_device: bool | None
                       ) -> dict[str, Tensor]:
         """Run on a device of kind ``target`` (see Scheduler.run_model for the outputs)."""
+
+    async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                    deadline: float, tenant: str, keep_on_device: bool | None
+                    ) -> Lease[dict[str, Tensor]]:
+        """Hold a slot on a device of kind ``target`` for a run by the caller's thread."""
+
+    def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
+                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+        """From any thread: a lease if a slot is free now and no compile is needed."""
 
 
 class LoadedModel:
@@ -97,6 +107,20 @@ class LoadedModel:
                                            deadline=deadline, tenant=tenant,
                                            keep_on_device=keep_on_device)
 
+    async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                    deadline: float, tenant: str, keep_on_device: bool | None
+                    ) -> Lease[dict[str, Tensor]]:
+        assert self.runner is not None, "a model is bound to its scheduler when loaded"
+        return await self.runner.lease_model(self, target, inputs, priority=priority,
+                                             deadline=deadline, tenant=tenant,
+                                             keep_on_device=keep_on_device)
+
+    def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
+                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+        assert self.runner is not None, "a model is bound to its scheduler when loaded"
+        return self.runner.try_lease_model(self, target, inputs, timeout=timeout,
+                                           keep_on_device=keep_on_device)
+
     def __repr__(self) -> str:
         return f"<LoadedModel {self.name} {self.encoding.value} refs={self.refs}>"
 
@@ -108,3 +132,13 @@ class ModelRunner(Protocol):
                         *, priority: int, deadline: float, tenant: str,
                         keep_on_device: bool | None) -> dict[str, Tensor]:
         """Run ``model`` on the least-loaded device of kind ``target``."""
+
+    async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                          *, priority: int, deadline: float, tenant: str,
+                          keep_on_device: bool | None) -> Lease[dict[str, Tensor]]:
+        """Hold a slot for ``model`` on a ``target`` device; the caller's thread runs it."""
+
+    def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                        *, timeout: float | None, keep_on_device: bool | None
+                        ) -> Lease[dict[str, Tensor]] | None:
+        """From any thread: a lease if ``model`` is compiled and a slot is free now."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from wasinn.actors.lease import Lease
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
@@ -110,6 +111,20 @@ class PipelineModel:
         return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
                                               inputs, priority=priority, deadline=deadline,
                                               tenant=tenant, keep_on_device=keep_on_device)
+
+    async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
+                    deadline: float, tenant: str, keep_on_device: bool | None
+                    ) -> Lease[dict[str, Tensor]]:
+        return await self.scheduler.lease_chain(self.name, self.steps, self.links, target,
+                                                inputs, priority=priority, deadline=deadline,
+                                                tenant=tenant, keep_on_device=keep_on_device)
+
+    def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
+                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+        if self.released:
+            return None
+        return self.scheduler.try_lease_chain(self.steps, self.links, target, inputs,
+                                              timeout=timeout, keep_on_device=keep_on_device)
 
 
 class Pipeline(Graph):

@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
 from wasinn.actors.device import DeviceActor
+from wasinn.actors.lease import Lease
 from wasinn.actors.session import Session
 from wasinn.backends.base import Backend, CompiledGraph, Device
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
 from wasinn.enums import ExecutionTarget, GraphEncoding
-from wasinn.errors import ClosedResourceError, InvalidEncodingError, UnsupportedOperationError
+from wasinn.errors import (
+    ClosedResourceError,
+    InvalidEncodingError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
 from wasinn.tensor import Tensor
 
 from .model import Inputs, LoadedModel
@@ -163,6 +169,64 @@ class Scheduler:
         other than the CPU (where host memory *is* the device's, and where OpenVINO would
         otherwise have to retire an infer request per run to hand its outputs out).
         """
+        actor, session, job = await self._model_job(model, target, inputs, keep_on_device)
+        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
+                                   profile=session.profile, nbytes=_input_bytes(inputs))
+
+    async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                          *, priority: int = 0, deadline: float = float("inf"),
+                          tenant: str = "", keep_on_device: bool | None = None
+                          ) -> Lease[dict[str, Tensor]]:
+        """Like :meth:`run_model`, but return once a device slot is held: the caller's own
+        thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`)."""
+        actor, _, job = await self._model_job(model, target, inputs, keep_on_device)
+        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant)
+
+    def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                        *, timeout: float | None = None, keep_on_device: bool | None = None
+                        ) -> Lease[dict[str, Tensor]] | None:
+        """From any thread, without trio: a lease to run ``model`` if it is already compiled
+        on the device it would be placed on and that device has a free slot and no queue;
+        otherwise None (use :meth:`lease_model` through trio, which compiles and queues).
+        Only reads scheduler state; the actor's slots are taken under its lock."""
+        actor = self._placed_here(target, inputs)
+        if actor is None or model.released:
+            return None
+        session = actor.cached_session(model.id)
+        if session is None:
+            return None
+        job = functools.partial(_run, session, inputs, _keep(actor, keep_on_device))
+        return actor.try_lease(job, timeout=timeout)
+
+    def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
+                        target: ExecutionTarget, inputs: Inputs, *,
+                        timeout: float | None = None, keep_on_device: bool | None = None
+                        ) -> Lease[dict[str, Tensor]] | None:
+        """:meth:`try_lease_model` for a pipeline (every step already compiled there)."""
+        actor = self._placed_here(target, inputs)
+        if actor is None:
+            return None
+        sessions = []
+        for model in models:
+            session = actor.cached_session(model.id)
+            if model.released or session is None:
+                return None
+            sessions.append(session)
+        job = functools.partial(_run_chain, sessions, links, inputs,
+                                _keep(actor, keep_on_device))
+        return actor.try_lease(job, timeout=timeout)
+
+    def _placed_here(self, target: ExecutionTarget, inputs: Inputs) -> DeviceActor | None:
+        if target not in self._by_kind:
+            return None
+        try:
+            return self.pick(target, inputs)
+        except WasiNNError:
+            return None
+
+    async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                         keep_on_device: bool | None
+                         ) -> tuple[DeviceActor, Session, Callable[[], dict[str, Tensor]]]:
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         actor = self.pick(target, inputs)
@@ -174,9 +238,7 @@ class Scheduler:
             finally:
                 actor.placed -= 1
         keep = _keep(actor, keep_on_device)
-        return await actor.execute(functools.partial(_run, session, inputs, keep),
-                                   priority=priority, deadline=deadline, tenant=tenant)
-
+        return actor, session, functools.partial(_run, session, inputs, keep)
 
     async def run_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
@@ -185,6 +247,20 @@ class Scheduler:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`."""
+        actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
+        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant)
+
+    async def lease_chain(self, name: str, models: Sequence[LoadedModel],
+                          links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
+                          priority: int = 0, deadline: float = float("inf"), tenant: str = "",
+                          keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]]:
+        """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
+        actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
+        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant)
+
+    async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
+                         target: ExecutionTarget, inputs: Inputs, keep_on_device: bool | None
+                         ) -> tuple[DeviceActor, Callable[[], dict[str, Tensor]]]:
         actor = self.pick(target, inputs)
         sessions = []
         for model in models:
@@ -199,12 +275,22 @@ class Scheduler:
                     actor.placed -= 1
             sessions.append(session)
         keep = _keep(actor, keep_on_device)
-        return await actor.execute(functools.partial(_run_chain, sessions, links, inputs, keep),
-                                   priority=priority, deadline=deadline, tenant=tenant)
+        return actor, functools.partial(_run_chain, sessions, links, inputs, keep)
 
 
 def _load(actor: DeviceActor) -> int:
     return actor.load
+
+
+def _input_bytes(inputs: Inputs) -> int | None:
+    """The inputs' total size, or None when one has no known size (never run inline)."""
+    total = 0
+    for value in inputs.values():
+        nbytes = getattr(value, "nbytes", None)
+        if not isinstance(nbytes, int):
+            return None
+        total += nbytes
+    return total
 
 
 def _keep(actor: DeviceActor, keep_on_device: bool | None) -> bool:

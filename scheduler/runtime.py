@@ -215,7 +215,8 @@ class Runtime:
             if devices:
                 registries[kind] = registry
             actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
-                                   policy=POLICIES[pool.policy]())
+                                   policy=POLICIES[pool.policy](),
+                                   inline_below=pool.inline_below_us * 1e-6)
                        for d in devices]
         return actors, registries
 

@@ -218,3 +218,26 @@ async def test_guest_never_blocks_the_event_loop(
     # wasm, model loading and inference all run off the loop: no gap near the run time
     assert heartbeat.max_gap < elapsed / 4, (heartbeat.max_gap, elapsed)
     await graph.unload()
+
+
+@pytest.mark.parametrize(("timeout", "in_workers"), [(None, 0), (60.0, 4)],
+                         ids=["guest-thread", "worker-thread-for-timeouts"])
+async def test_guest_computes_run_in_the_guest_thread_unless_a_timeout_applies(
+        rt: wasinn.Runtime, guest_models: GuestModels, guest_dir: Path,
+        capfd: pytest.CaptureFixture[str], timeout: float | None, in_workers: int) -> None:
+    # Without a compute timeout the guest's own thread runs the backend once it holds a
+    # device slot (no hand-off to the actor's worker thread); with one, each compute runs
+    # in the worker thread so that it can be abandoned when the timeout passes.
+    wasm = example_guest("classify_named", guest_dir)
+    graph = await rt.load_by_name("mobilenet")  # compiled (in the worker thread) first
+    (cpu,) = rt.actors
+    finished, completed = cpu.threads.finished, cpu.completed
+    code = await run_wasm(rt, wasm, argv=["--repeat", "4", "mobilenet", "/d/input.bin"],
+                          dirs={"/d": str(guest_models.directory)},
+                          limits=GuestLimits(compute_timeout=timeout))
+    assert code == 0
+    assert printed(capfd.readouterr().out, "top-1")[0] == native_top1(guest_models)[0]
+    assert cpu.completed - completed == 4  # four runs, each holding the device's slot
+    assert cpu.threads.finished - finished == in_workers
+    assert cpu.load == 0
+    await graph.unload()

@@ -70,6 +70,15 @@ def wit_type_name(tensor_type: TensorType) -> str:
     return _WIT_TYPE_NAME[tensor_type]
 
 
+def _try_graph_lease(graph: Any, inputs: Mapping[Any, Tensor],
+                     target: ExecutionTarget | None) -> Any:
+    # The no-trio path only runs on the graph's default target (another target name must
+    # be resolved by the scheduler, in trio).
+    if target is not None and target is not graph.default_target:
+        return None
+    return graph.try_lease(inputs, keep_on_device=True)
+
+
 class NNService:
     """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread."""
 
@@ -336,6 +345,21 @@ class NNService:
 
         return self.portal.run(bounded)
 
+    def _compute(self, try_lease: Callable[[], Any], lease: Callable[[], Awaitable[Any]],
+                 compute: Callable[[], Awaitable[Mapping[Any, Tensor]]],
+                 what: str) -> Mapping[Any, Tensor]:
+        # Without a timeout the backend runs in this (the guest's) thread once it holds a
+        # device slot: taken here when one is free and nobody is queued, else queued in
+        # trio (one round trip). With a timeout the request runs in a device worker
+        # thread, so that it can be abandoned when the timeout passes.
+        if self.limits.compute_timeout is None:
+            run = try_lease()
+            if run is None:
+                run = self.portal.run(lease)
+            outputs: Mapping[Any, Tensor] = run.run()
+            return outputs
+        return self._run(compute, what)
+
     def _add_outputs(self, outputs: Mapping[Any, Tensor]) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
         try:
@@ -356,7 +380,9 @@ class NNService:
         """2024-10-28 ``compute(list<named-tensor>)``; the inputs were already taken over."""
         entry = self.tables.contexts.get(ctx_rep)
         inputs = self._inputs(named)
-        outputs = self._run(
+        outputs = self._compute(
+            functools.partial(entry.context.try_lease, inputs, keep_on_device=True),
+            functools.partial(entry.context.lease, inputs, keep_on_device=True),
             functools.partial(entry.context.compute, inputs, keep_on_device=True),
             f"compute on {entry.graph.label}",
         )
@@ -370,7 +396,9 @@ class NNService:
         tgt = None if target is None else ExecutionTarget.coerce(target)
         self._check_target(tgt)
         inputs = self._inputs(named)
-        outputs = self._run(
+        outputs = self._compute(
+            functools.partial(_try_graph_lease, graph.graph, inputs, tgt),
+            functools.partial(graph.graph.lease, inputs, target=tgt, keep_on_device=True),
             functools.partial(graph.graph.compute, inputs, target=tgt, keep_on_device=True),
             f"compute on {graph.label}",
         )
@@ -387,8 +415,11 @@ class NNService:
         entry = self.tables.contexts.get(ctx_rep)
         if not entry.inputs:
             raise InvalidArgumentError("compute called before any set-input on this context")
-        outputs = self._run(
-            functools.partial(entry.context.compute, dict(entry.inputs), keep_on_device=True),
+        staged = dict(entry.inputs)
+        outputs = self._compute(
+            functools.partial(entry.context.try_lease, staged, keep_on_device=True),
+            functools.partial(entry.context.lease, staged, keep_on_device=True),
+            functools.partial(entry.context.compute, staged, keep_on_device=True),
             f"compute on {entry.graph.label}",
         )
         entry.outputs = {str(k): v for k, v in outputs.items()}

@@ -1,0 +1,93 @@
+"""``Lease``: a device's worker slot lent to a thread that is not trio's.
+
+A caller that already sits in a worker thread of its own (a WebAssembly guest, which runs
+in a ``trio.to_thread`` thread and reaches trio with ``trio.from_thread.run``) would
+otherwise cross into trio, have the actor hand the job to a device worker thread, and
+cross back twice more: two trio wake-ups and two thread wake-ups per request. With a
+lease it asks trio only for the slot (the request is queued and ordered like any other,
+and counts against the device's ``workers`` bound), runs the job in its own thread, and
+gives the slot back without waiting: at most one round trip into trio per request, none
+when a slot is free and nobody is queued (:meth:`DeviceActor.try_lease`, see
+:mod:`wasinn.actors.slots`).
+
+A lease cannot be abandoned: its job runs in the caller's own thread, which waits for
+it. Whoever holds one must call :meth:`Lease.run` (or :meth:`Lease.cancel`) exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from wasinn.errors import BackendRuntimeError, InvalidArgumentError, TimeoutError_, WasiNNError
+
+T = TypeVar("T")
+
+
+class Lease(Generic[T]):
+    """One worker slot of ``device`` reserved for ``job``, to be run by the caller's thread.
+
+    ``expires`` is a ``time.perf_counter()`` instant (``math.inf`` = none): a run that
+    ends after it raises TimeoutError_ and its result is dropped, as a request abandoned
+    at its deadline would be (a lease cannot be interrupted, so that happens late).
+    """
+
+    __slots__ = ("_done", "_lock", "_release", "_wrap", "device", "expires", "job")
+
+    def __init__(self, device: str, job: Callable[[], T],
+                 wrap: Callable[[Callable[[], Any]], Callable[[], Any]] | None,
+                 release: Callable[[], None], expires: float) -> None:
+        self.device = device
+        self.job = job
+        self.expires = expires
+        self._wrap = wrap
+        self._release = release
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __repr__(self) -> str:
+        return f"<Lease on {self.device} {'done' if self._done else 'held'}>"
+
+    def run(self) -> T:
+        """Run the job here, in the calling thread, then give the slot back.
+
+        Call it from a thread that is not trio's (in trio it would block the event loop).
+        Raises what the job raises (a WasiNNError as it is, any other exception as
+        BackendRuntimeError), TimeoutError_ when the run ended past ``expires``, and
+        InvalidArgumentError when the lease was already used or cancelled.
+        """
+        self._take()
+        try:
+            work: Callable[[], T] = self.job if self._wrap is None else self._wrap(self.job)
+            result = work()
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise BackendRuntimeError(
+                f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self._give_back()
+        if time.perf_counter() > self.expires:
+            raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
+        return result
+
+    def cancel(self) -> None:
+        """Give the slot back without running the job (from any thread). Idempotent."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._give_back()
+
+    def _take(self) -> None:
+        with self._lock:
+            if self._done:
+                raise InvalidArgumentError(f"{self!r} was already used or cancelled")
+            self._done = True
+
+    def _give_back(self) -> None:
+        # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
+        self._release()

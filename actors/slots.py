@@ -1,0 +1,151 @@
+"""``Slots``: admission to a device's ``workers`` worker slots, in trio and from threads.
+
+A request runs only while it holds one of ``workers`` slots. In trio, a request takes a
+free slot at once when nobody is queued, or waits in the queue (ordered by the
+:class:`~wasinn.actors.queue.QueuePolicy`) until a slot is granted to it. A thread that
+is not trio's (a guest's, running its own backend calls through a
+:class:`~wasinn.actors.lease.Lease`) may also take a free slot directly, without a trip
+through trio, but only when nobody is queued: so it never overtakes a queued request,
+and priorities, deadlines and fairness apply exactly as before. Giving a slot back from
+such a thread wakes trio only when a queued request is waiting for it.
+
+The counts and the queue are guarded by one lock, so that the check "free slot and
+empty queue" and the queueing of a request are atomic with respect to a slot given back
+by another thread (otherwise a request could queue just after the last slot was freed
+and wait for ever). Granting a queued request (setting its trio Event) happens in trio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import trio
+
+from wasinn.errors import ClosedResourceError, TooLargeError
+
+from .queue import QueuePolicy, Request
+
+
+class Slots:
+    """``workers`` slots and the queue of requests waiting for one (see the module)."""
+
+    def __init__(self, name: str, workers: int, queue_limit: int, policy: QueuePolicy) -> None:
+        self.name = name
+        self.workers = workers
+        self.queue_limit = queue_limit
+        self._policy = policy
+        self._lock = threading.Lock()
+        self._running = 0
+        self._closed = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        #: Slots given back (jobs finished, failed or abandoned-and-finished).
+        self.released = 0
+
+    @property
+    def running(self) -> int:
+        """Slots held now."""
+        return self._running
+
+    @property
+    def queued(self) -> int:
+        return len(self._policy)
+
+    def open(self) -> None:
+        """Bind to the current trio run (threads giving slots back reach it through its
+        token)."""
+        self._token = trio.lowlevel.current_trio_token()
+
+    # -- in trio ----------------------------------------------------------------------------
+    async def take(self, priority: int = 0, deadline: float = math.inf, tenant: str = "") -> None:
+        """Hold a slot: at once if one is free and nobody is queued, else after queueing.
+
+        Raises ClosedResourceError when closed (before or while queued), TooLargeError when
+        the queue is full. Cancelled while queued, the request leaves the queue (a slot
+        granted at that very moment is handed on).
+        """
+        if self._closed:
+            raise ClosedResourceError(f"{self.name}: the device actor is closed")
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with self._lock:
+            if self._running < self.workers and not len(self._policy):
+                self._running += 1
+                return
+            if len(self._policy) >= self.queue_limit:
+                raise TooLargeError(
+                    f"{self.name}: the request queue is full ({self.queue_limit} waiting): "
+                    "retry later or raise the pool's queue_limit"
+                )
+            request = Request(priority, deadline, tenant)
+            self._policy.push(request)
+        try:
+            await request.event.wait()
+        except BaseException:
+            if request.granted:  # granted just as we were cancelled: hand it on
+                self.free()
+            else:
+                with self._lock:
+                    self._policy.remove(request)
+            raise
+        if not request.granted:
+            raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
+
+    def free(self) -> None:
+        """Give a slot back (in trio) and grant it to the next queued request."""
+        with self._lock:
+            self._running -= 1
+            self.released += 1
+        self.grant()
+
+    def grant(self) -> None:
+        """Grant free slots to queued requests, in the policy's order (in trio)."""
+        while not self._closed:
+            with self._lock:
+                if self._running >= self.workers:
+                    return
+                request = self._policy.pop()
+                if request is None:
+                    return
+                self._running += 1
+            request.granted = True
+            request.event.set()
+
+    def close(self) -> None:
+        """Refuse new requests; queued ones raise ClosedResourceError (in trio)."""
+        with self._lock:
+            self._closed = True
+            waiting = []
+            while (request := self._policy.pop()) is not None:
+                waiting.append(request)
+        for request in waiting:
+            request.event.set()  # not granted: the waiter raises ClosedResourceError
+
+    # -- from any thread --------------------------------------------------------------------
+    def try_take(self) -> bool:
+        """Hold a slot if one is free and nobody is queued (any thread; never waits)."""
+        with self._lock:
+            if self._closed or self._token is None or self._running >= self.workers \
+                    or len(self._policy):
+                return False
+            self._running += 1
+            return True
+
+    def try_take_idle(self) -> bool:
+        """Hold a slot if none is held and nobody is queued (any thread; never waits)."""
+        with self._lock:
+            if self._closed or self._token is None or self._running or len(self._policy):
+                return False
+            self._running += 1
+            return True
+
+    def free_from_thread(self) -> None:
+        """Give a slot back from any thread; trio is woken only to grant it to a queued
+        request."""
+        with self._lock:
+            self._running -= 1
+            self.released += 1
+            wake = bool(len(self._policy)) and not self._closed
+        if wake and self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody to grant
+                self._token.run_sync_soon(self.grant)

@@ -1,0 +1,130 @@
+"""Requests run by the caller's own thread (what guests do) and inline runs of tiny
+graphs, through the public scheduler API with ONNX Runtime. Where a run happened is told
+by the device actor's counters: its worker threads count every job they finish."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.support import require_backend
+from wasinn.actors.inline import RunProfile
+from wasinn.configs.loader import parse_config
+from wasinn.modelgen import affine_onnx
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+Y = X * 2 + 1
+
+
+def runtime(inline_below_us: float) -> wasinn.Runtime:
+    require_backend("onnxruntime")
+    return wasinn.Runtime(parse_config({"pools": {"cpu": {
+        "kind": "cpu", "devices": ["cpu"], "inline_below_us": inline_below_us}}}, None))
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[wasinn.Runtime]:
+    async with runtime(0) as runtime_:
+        yield runtime_
+
+
+async def wait_for_load(actor: Any, load: int) -> None:
+    # The caller's thread needs a moment to reach trio: wait (bounded) until it queued.
+    with trio.fail_after(30):
+        while actor.load != load:
+            await trio.sleep(0.001)
+
+
+async def test_compute_in_caller_thread_runs_in_that_thread(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    before = cpu.threads.finished
+
+    def guest() -> list[Any]:
+        return [ctx.compute_in_caller_thread({"x": X})["y"].numpy() for _ in range(3)]
+
+    results = await trio.to_thread.run_sync(guest)
+    for y in results:
+        np.testing.assert_array_equal(y, Y)
+    assert cpu.threads.finished == before  # no job reached the worker thread
+    assert ctx.get_output("y").numpy().tolist() == Y.tolist()
+
+
+async def test_run_in_caller_thread_fills_bound_outputs(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    ctx = graph.init_execution_context()
+    out = np.zeros((1, 4), np.float32)
+    ctx.set_input("x", X)
+    ctx.set_output("y", out)
+    await trio.to_thread.run_sync(ctx.run_in_caller_thread)
+    np.testing.assert_array_equal(out, Y)
+
+
+async def test_a_caller_thread_request_queues_when_the_device_is_busy(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    held = await ctx.lease({"x": X})  # the only slot, held by "another guest"
+    assert ctx.try_lease({"x": X}) is None
+    results: list[Any] = []
+
+    async def guest() -> None:
+        out = await trio.to_thread.run_sync(ctx.compute_in_caller_thread, {"x": X})
+        results.append(out["y"].numpy())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guest)
+        await wait_for_load(cpu, 2)  # queued in trio, in the policy's order
+        assert results == []
+        await trio.to_thread.run_sync(held.run)
+    np.testing.assert_array_equal(results[0], Y)
+    assert cpu.load == 0
+
+
+async def test_a_queued_caller_thread_request_is_dropped_on_cancel(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    held = await ctx.lease({"x": X})
+    ran: list[object] = []
+
+    async def guest(scope: trio.CancelScope) -> None:
+        with scope:
+            ran.append(await trio.to_thread.run_sync(ctx.compute_in_caller_thread, {"x": X}))
+
+    scope = trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guest, scope)
+        await wait_for_load(cpu, 2)
+        scope.cancel()
+    assert scope.cancelled_caught and ran == [] and cpu.load == 1
+    held.cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert cpu.load == 0
+
+
+@pytest.mark.parametrize(("inline_below_us", "inline"), [(10_000, True), (0, False)])
+async def test_tiny_graphs_run_inline_only_when_configured(inline_below_us: float,
+                                                           inline: bool) -> None:
+    async with runtime(inline_below_us) as rt:
+        graph = await rt.load([affine_onnx()], "onnx")
+        (cpu,) = rt.actors
+        ctx = graph.init_execution_context()
+        before = cpu.threads.finished
+        for _ in range(RunProfile.WARMUP + 5):
+            np.testing.assert_array_equal((await ctx.compute({"x": X}))["y"].numpy(), Y)
+        in_workers = cpu.threads.finished - before
+        assert in_workers == (RunProfile.WARMUP if inline else RunProfile.WARMUP + 5)
+        # A larger input than any timed one goes to the worker thread again.
+        big = np.ones((64, 4), np.float32)
+        await ctx.compute({"x": big})
+        assert cpu.threads.finished - before == in_workers + 1
