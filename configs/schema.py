@@ -148,6 +148,7 @@ class GuestsConfig(_Strict):
     component guests ``security`` and core-module guests ``unsupported_operation``.
     ``compute_timeout`` bounds one compute in seconds (None = no bound); past it the guest
     gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
+    ``max_scratch_bytes`` bounds a component guest's ``wasinn:nn/scratch`` directory.
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -156,6 +157,7 @@ class GuestsConfig(_Strict):
     max_tensor_bytes: int = Field(default=1024**3, ge=1)
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
+    max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
 
 
 def _default_pools() -> dict[str, PoolConfig]:

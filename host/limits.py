@@ -18,7 +18,9 @@ class GuestLimits:
     raises SecurityError (component guests see ``security``; the legacy ABI has no such
     errno, so core modules see ``invalid_argument``). ``compute_timeout``: seconds one
     compute may take (None = unbounded); past it the request is cancelled and the guest
-    gets ``timeout`` (core modules: ``runtime_error``).
+    gets ``timeout`` (core modules: ``runtime_error``). ``max_scratch_bytes``: what a
+    component guest may keep in its ``wasinn:nn/scratch`` directory; the host checks it
+    while the guest runs and stops a guest that goes over (a trap naming the limit).
     """
 
     max_graphs: int = 64
@@ -27,6 +29,7 @@ class GuestLimits:
     max_tensor_bytes: int = 1024**3
     allowed_targets: frozenset[ExecutionTarget] | None = None
     compute_timeout: float | None = None
+    max_scratch_bytes: int = 2 * 1024**3
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -53,4 +56,5 @@ def limits_of(runtime: object) -> GuestLimits:
         allowed_targets=None if targets is None
         else frozenset(ExecutionTarget.coerce(t) for t in targets),
         compute_timeout=getattr(section, "compute_timeout", None),
+        max_scratch_bytes=section.max_scratch_bytes,
     )

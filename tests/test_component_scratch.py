@@ -370,3 +370,32 @@ async def test_guest_without_the_scratch_import_gets_no_directory(rt: Any) -> No
     guest = await ComponentGuest.start(rt, shim_1028(), program="shim_1028")
     async with guest:
         assert guest.scratch is None
+
+
+async def test_a_guest_over_its_scratch_quota_is_stopped(rt: RecordingRuntime) -> None:
+    import trio
+
+    # Each round of `infer` writes the 602,112-byte image to in.bin: over the 100,000-byte
+    # limit from the first round, so the host's watcher must stop the (otherwise very long)
+    # loop; the test would time out if it did not.
+    guest, g = await start(rt, limits=GuestLimits(max_scratch_bytes=100_000))
+    async with guest:
+        image = sample_image(seed=4)
+        assert await g("fill", image.tobytes()) == image.nbytes
+        assert await g("prepare", "mobilenet") == 0
+        with trio.fail_after(60), pytest.raises(GuestTrap, match=r"over the limit of 100000"):
+            await g("infer", 1_000_000, list(IMAGE_SHAPE))
+    assert guest.scratch is not None and guest.scratch.removed
+    assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
+
+
+def test_usage_counts_files_at_any_depth(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    try:
+        (scratch.path / "a.bin").write_bytes(bytes(10_000))
+        (scratch.path / "sub").mkdir()
+        (scratch.path / "sub" / "b.bin").write_bytes(bytes(20_000))
+        os.symlink("/etc/hostname", scratch.path / "link")  # not followed, not counted
+        assert 30_000 <= scratch.usage() < 40_000
+    finally:
+        scratch.remove()

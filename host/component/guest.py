@@ -199,10 +199,32 @@ class ComponentGuest:
                 if not finished:
                     self.interrupter.request()
 
+        over_quota: list[int] = []
+
+        async def watch_scratch(scratch: ScratchDir) -> None:
+            # WASI has no quota: the guest's file writes go straight to the host's disk
+            # (or /dev/shm), so the host measures and stops a guest that writes too much.
+            limit = self.service.limits.max_scratch_bytes
+            while True:
+                await trio.sleep(SCRATCH_POLL_SECONDS)
+                used = await trio.to_thread.run_sync(scratch.usage)
+                if used > limit:
+                    over_quota.append(used)
+                    self.interrupter.request()
+                    return
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(guest)
             nursery.start_soon(stop_on_cancel)
+            if self.service.scratch is not None:
+                nursery.start_soon(watch_scratch, self.service.scratch)
         assert result is not None
+        if over_quota and isinstance(result, outcome.Error):
+            raise GuestTrap(
+                f"{self.program} was stopped: its scratch directory holds {over_quota[0]} "
+                f"bytes, over the limit of {self.service.limits.max_scratch_bytes} "
+                "([guests] max_scratch_bytes)"
+            )
         if isinstance(result, outcome.Error) and self.interrupter.requested:
             await trio.lowlevel.checkpoint()  # let the cancellation be what the caller sees
         return result.unwrap()
@@ -238,6 +260,9 @@ class ComponentGuest:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+
+#: How often a running guest's scratch directory is measured against its limit.
+SCRATCH_POLL_SECONDS = 0.05
 
 #: The extension interface whose importers get a scratch directory.
 SCRATCH_INTERFACE = "wasinn:nn/scratch@"

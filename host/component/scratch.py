@@ -142,6 +142,25 @@ class ScratchDir:
         """Delete the directory and everything the guest left in it. Idempotent."""
         self._finalizer()
 
+    def usage(self) -> int:
+        """Bytes the files under this directory take (any depth; links are not followed)."""
+        total = 0
+        stack = [str(self.path)]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except OSError:  # removed or replaced meanwhile: nothing of ours to count
+                continue
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    continue
+        return total
+
     def _require_open(self) -> None:
         if self.removed:
             raise NotFoundError("this guest's scratch directory was already removed")
