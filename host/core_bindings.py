@@ -36,7 +36,6 @@ import trio
 import wasmtime
 
 from wasinn.errors import WasiNNError
-from wasinn.host import raw_funcs
 from wasinn.host.abi import MODULE, Errno, MissingMemoryError, errno_of
 from wasinn.host.guest_memory import GuestMemory
 from wasinn.host.nn_core import GuestNN
@@ -132,14 +131,12 @@ class CallGuard:
                  on_cancel: Callable[[], None], timed: bool,
                  memory_of: Callable[[Any], GuestMemory] | None = None) -> None:
         self.name = name
-        #: The guest's memory from what the host call receives as its caller (a
-        #: wasmtime.Caller, or the raw caller address for raw functions).
+        #: The guest's memory from the wasmtime.Caller the host call receives.
         self.memory_of = memory_of if memory_of is not None else MemoryCache().get
         self.method = method
         self.with_memory = with_memory
         self.on_cancel = on_cancel
         self.timed = timed
-        self.last_error: WasiNNError | None = None
 
     def __call__(self, caller: Any, *raw: int) -> int:
         start = time.perf_counter() if self.timed else 0.0
@@ -152,7 +149,6 @@ class CallGuard:
             errno = Errno.SUCCESS
         except WasiNNError as exc:
             errno = errno_of(exc)
-            self.last_error = exc
             log.debug("%s%s -> %s: %s", self.name, tuple(raw), errno.name.lower(), exc.message)
         except trio.Cancelled:
             # The run_wasm call was cancelled while this call waited in trio: stop the
@@ -168,36 +164,19 @@ class CallGuard:
         return int(errno)
 
 
-def define_nn(linker: wasmtime.Linker, nn: GuestNN, on_cancel: Callable[[], None],
-              *, raw: bool = True) -> list[Any]:
+def define_nn(linker: wasmtime.Linker, nn: GuestNN, on_cancel: Callable[[], None]) -> None:
     """Define every ``wasi_ephemeral_nn`` function of :mod:`this module <.>` on ``linker``.
 
-    With ``raw`` (and where this wasmtime-py allows it) they are defined on wasmtime's
-    unchecked C callback (:mod:`wasinn.host.raw_funcs`), which costs a fraction of
-    ``define_func``'s generic trampoline per call. Returns what must stay alive while a
-    store instantiated from ``linker`` runs (the raw callbacks).
+    The guards keep no reference to what a call raised: an exception's traceback reaches
+    the frames that hold the guest's Store, and wasmtime-py keeps host functions alive
+    for the process, so a kept exception would keep every failed guest's memory alive.
     """
     timed = log.isEnabledFor(logging.DEBUG)
-    keep: list[Any] = []
-    if raw and raw_funcs.AVAILABLE:
-        memory = raw_funcs.RawMemory()  # one per guest (and so per store)
-        for name, (nparams, with_memory, method) in _table(nn).items():
-            guard = CallGuard(name, method, with_memory, on_cancel, timed, memory.get)
-            keep.append(raw_funcs.define_raw(linker, MODULE, name, nparams, _raw_call(guard)))
-        return keep
     cache = MemoryCache()
     for name, (nparams, with_memory, method) in _table(nn).items():
         guard = CallGuard(name, method, with_memory, on_cancel, timed, cache.get)
         ty = wasmtime.FuncType([_I32] * nparams, [_I32])
         linker.define_func(MODULE, name, ty, _host_func(guard), access_caller=True)
-    return keep
-
-
-def _raw_call(guard: CallGuard) -> Callable[[int, tuple[int, ...]], int]:
-    def call(caller: int, args: tuple[int, ...]) -> int:
-        return guard(caller, *args)
-
-    return call
 
 
 def _host_func(guard: CallGuard) -> Callable[..., Any]:

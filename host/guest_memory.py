@@ -52,6 +52,10 @@ class TensorRecord:
         return self.data_ptr, self.data_ptr + self.data_len
 
 
+#: The most graph builders one ``load`` may pass.
+MAX_BUILDERS = 16
+
+
 class GuestMemory:
     """The guest's linear memory during one host call (see the module docstring)."""
 
@@ -111,7 +115,16 @@ class GuestMemory:
             ) from None
 
     def builders(self, ptr: int, count: int) -> list[np.ndarray[Any, Any]]:
-        """The ``count`` graph builders (ptr, len pairs) at ``ptr`` as views, each checked."""
+        """The ``count`` graph builders (ptr, len pairs) at ``ptr`` as views, each checked.
+
+        Raises InvalidArgumentError for more than MAX_BUILDERS (no model format has more
+        than three parts; a guest must not make the host build millions of views).
+        """
+        if u32(count) > MAX_BUILDERS:
+            raise InvalidArgumentError(
+                f"{u32(count)} graph builders: expected at most {MAX_BUILDERS} (a model is "
+                "one file, or a few for formats such as OpenVINO IR's xml + weights)"
+            )
         pairs = self.read_u32s(ptr, u32(count) * 2, "graph builder array").reshape(-1, 2)
         return [
             self.span(int(p), int(n), f"graph builder {i}") for i, (p, n) in enumerate(pairs)

@@ -45,6 +45,7 @@ from wasinn.errors import (
     InvalidArgumentError,
     NotFoundError,
     TooLargeError,
+    WasiNNError,
 )
 from wasinn.host.abi import (
     EndOfSequenceError,
@@ -181,6 +182,11 @@ class GuestNN:
             if name in known:  # registered, so it is the model's file that is missing
                 raise ModelNotFoundError(exc.message) from None
             raise
+        try:  # the registry chose its target: the guest may not be allowed there
+            self.limits.check_target(graph.default_target)
+        except WasiNNError:
+            self.portal.run(graph.unload)
+            raise
         handle = self._add_graph(graph, 0)
         log.info("graph %d: %r loaded by name in %.1f ms", handle, name,
                  (time.perf_counter() - start) * 1e3)
@@ -304,8 +310,16 @@ class GuestNN:
                                                       names)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
-                entry.results = self.portal.run(run_context, entry.ctx, inputs, bound, names,
+                # An abandoned run goes on after the guest resumes (and perhaps after its
+                # memory is gone), so it must not hold views of guest memory: inputs are
+                # copied and outputs land in host buffers, copied in once it returns.
+                owned = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
+                staging = {name: np.empty_like(view) for name, view in bound.items()}
+                entry.results = self.portal.run(run_context, entry.ctx, owned, staging, names,
                                                 timeout)
+                for name, view in bound.items():
+                    size = entry.results[name].nbytes
+                    view[:size] = staging[name][:size]
         except BoundTooSmall as exc:
             for name, size in exc.sizes.items():
                 mem.write_u32(entry.bound_outputs[name].written_ptr, size)

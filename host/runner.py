@@ -157,7 +157,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     interrupter.install(store)
     linker = wasmtime.Linker(engine)
     linker.define_wasi()
-    callbacks = define_nn(linker, nn, interrupter.request)  # noqa: F841 - kept alive
+    define_nn(linker, nn, interrupter.request)
     try:
         instance = linker.instantiate(store, module)
     except wasmtime.WasmtimeError as exc:

@@ -158,5 +158,16 @@ def test_builders_array() -> None:
     mem.data[0:8] = np.frombuffer(struct.pack("<2I", 250, 10), np.uint8)
     with pytest.raises(InvalidArgumentError, match="graph builder 0"):
         mem.builders(0, 2)
-    with pytest.raises(InvalidArgumentError, match="graph builder array"):
+    with pytest.raises(InvalidArgumentError, match="expected at most 16"):
         mem.builders(0, 0x40000000)
+
+
+def test_builder_count_is_bounded_before_anything_is_read() -> None:
+    # 4M empty builders fit in 32 MiB of guest memory; the host must refuse them up front
+    # rather than build a view per pair.
+    mem = GuestMemory(np.zeros(8 * 1024, dtype=np.uint8))
+    assert len(mem.builders(0, 16)) == 16
+    with pytest.raises(InvalidArgumentError, match="17 graph builders: expected at most 16"):
+        mem.builders(0, 17)
+    with pytest.raises(InvalidArgumentError, match="4194304 graph builders"):
+        mem.builders(0, 4 * 1024 * 1024)

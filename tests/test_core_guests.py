@@ -55,6 +55,15 @@ async def test_wat_guest_checks(rt: wasinn.Runtime, name: str) -> None:
     assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
 
 
+@pytest.mark.parametrize("name", ["old_types", "extensions"])
+async def test_wat_guest_checks_with_a_compute_timeout(rt: wasinn.Runtime, name: str) -> None:
+    # With a timeout the compute runs abandonably in a device worker, on copies of the
+    # inputs and into host buffers copied to the guest after: same answers, bound outputs
+    # included.
+    code = await run_wasm(rt, WAT_DIR / f"{name}.wat", limits=GuestLimits(compute_timeout=60))
+    assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
+
+
 async def test_guest_without_memory_gets_missing_memory(rt: wasinn.Runtime) -> None:
     assert await rt.run_wasm(WAT_DIR / "no_memory.wat") == 0
 
