@@ -21,6 +21,13 @@ class GuestLimits:
     gets ``timeout`` (core modules: ``runtime_error``). ``max_scratch_bytes``: what a
     component guest may keep in its ``wasinn:nn/scratch`` directory; the host checks it
     while the guest runs and stops a guest that goes over (a trap naming the limit).
+
+    Component guests only: ``max_tensors``/``max_errors``: live ``tensor``/``error``
+    handles; ``max_live_tensor_bytes``: the tensor data a guest holds at once (its live
+    tensor handles plus inputs staged with the older RCs' ``set-input``). A call that
+    can report an error gets too-large naming the limit; where the host cannot hand
+    out the resource a call must return (the tensor constructor past ``max_tensors``,
+    any error past ``max_errors``) it traps the guest with a message naming the limit.
     """
 
     max_graphs: int = 64
@@ -30,6 +37,9 @@ class GuestLimits:
     allowed_targets: frozenset[ExecutionTarget] | None = None
     compute_timeout: float | None = None
     max_scratch_bytes: int = 2 * 1024**3
+    max_tensors: int = 4096
+    max_errors: int = 1024
+    max_live_tensor_bytes: int = 4 * 1024**3
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -57,4 +67,7 @@ def limits_of(runtime: object) -> GuestLimits:
         else frozenset(ExecutionTarget.coerce(t) for t in targets),
         compute_timeout=getattr(section, "compute_timeout", None),
         max_scratch_bytes=section.max_scratch_bytes,
+        max_tensors=section.max_tensors,
+        max_errors=section.max_errors,
+        max_live_tensor_bytes=section.max_live_tensor_bytes,
     )

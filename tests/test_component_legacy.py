@@ -19,6 +19,8 @@ from tests.component_guests import LEGACY_VERSIONS, RecordingRuntime, component_
 from tests.support import require_backend
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.component import ComponentGuest
+from wasinn.host.limits import GuestLimits
+from wasinn.host.runner import GuestTrap
 from wasinn.modelgen import ModelFiles
 
 CODES = ["invalid-argument", "invalid-encoding", "timeout", "runtime-error",
@@ -171,3 +173,45 @@ async def test_error_constructor_of_2024_06_25(legacy: tuple[ComponentGuest, Any
         handle = await guest.call("error-new", index, f"made by the guest: {code}")
         assert await error_of(guest, handle) == (code, f"made by the guest: {code}")
     assert guest.live()["error"] == 0
+
+
+async def test_staged_inputs_count_against_the_live_tensor_budget(nn_config: RuntimeConfig
+                                                                  ) -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(nn_config) as runtime:
+        guest = await ComponentGuest.start(runtime, shim_legacy(LEGACY_VERSIONS[0]),
+                                           limits=GuestLimits(max_live_tensor_bytes=64))
+        async with guest:
+            _graph, ctx = await context(guest)
+            for name in ("x", "y"):  # 2 x 32 bytes staged: the whole budget
+                await ok(guest, "set-input", ctx, name,
+                         await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+            code, message = await err(guest, "set-input", ctx, "z",
+                                      await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+            assert code == "too-large" and "max_live_tensor_bytes" in message
+            # replacing a staged input of the same size fits
+            await ok(guest, "set-input", ctx, "x",
+                     await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes()))
+            code, _ = await err(guest, "compute", ctx)  # the graph has no input "y"
+            assert code in ("invalid-argument", "not-found")
+            await guest.call("ctx-drop", ctx)  # dropping the context frees what it staged
+            for _ in range(2):
+                await guest.call("tensor-new", [2, 4], FP32, X.tobytes())
+            assert guest.service.tables.tensors.nbytes == 64
+            assert guest.live()["tensor"] == 2
+
+
+async def test_the_error_constructor_traps_a_guest_holding_every_error(nn_config: RuntimeConfig
+                                                                        ) -> None:
+    require_backend("onnxruntime")
+    version = LEGACY_VERSIONS[-1]
+    assert version.endswith("06-25")
+    async with wasinn.Runtime(nn_config) as runtime:
+        guest = await ComponentGuest.start(runtime, shim_legacy(version),
+                                           limits=GuestLimits(max_errors=2))
+        async with guest:
+            for i in range(2):
+                await guest.call("error-new", 0, f"kept {i}")
+            with pytest.raises(GuestTrap, match=r"max_errors.*made too many"):
+                await guest.call("error-new", 0, "made too many")
+        assert guest.live()["error"] == 0

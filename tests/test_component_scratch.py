@@ -221,6 +221,24 @@ async def test_a_tensor_over_the_guest_limit_is_too_large(rt: RecordingRuntime) 
         assert code == "too-large"
 
 
+async def test_scratch_tensors_count_against_the_live_tensor_budget(rt: RecordingRuntime
+                                                                    ) -> None:
+    guest, g = await start(rt, limits=GuestLimits(max_live_tensor_bytes=48))
+    async with guest:
+        await g.write("x.bin", X.tobytes())
+        t = await g.from_scratch("x.bin", [2, 4])
+        code, message = await g.err("from-scratch", "x.bin", [2, 4], FP32)
+        assert code == "too-large"
+        assert "max_live_tensor_bytes" in message and "48" in message
+        await g("tensor-drop", t)
+        await g("tensor-drop", await g.from_scratch("x.bin", [2, 4]))  # room again
+        # a rank past 32 is refused before the dimensions are multiplied or the file read
+        code, message = await g.err("from-scratch", "x.bin", [0xFFFF_FFFF] * 5000, FP32)
+        assert code == "invalid-argument"
+        assert "5000 dimensions" in message
+    assert guest.live()["tensor"] == 0
+
+
 async def test_links_and_directories_are_refused(g: Guest, tmp_path: Path) -> None:
     scratch = g.guest.scratch
     assert scratch is not None

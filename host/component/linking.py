@@ -10,6 +10,11 @@ Rules of wasmtime-py this module lives by (see ``shared/notes/wasmtime-py.md``):
   wrapped: a :class:`~wasinn.errors.WasiNNError` becomes an ``error`` resource, anything
   else becomes ``unknown`` with the exception's text; functions whose WIT result has no
   error case log and return a neutral value instead;
+* where the host cannot create the resource a call must return (the guest holds
+  ``max_errors`` errors, or ``max_tensors`` tensors for the tensor constructor:
+  :class:`~wasinn.host.component.tables.ResourceExhausted`), the guest is trapped with
+  a message naming the limit, raised as ``WasmtimeError`` (never a Python exception,
+  which would be recorded in wasmtime-py's process-wide "last exception");
 * every borrowed handle is released (``to_host``) before the function returns;
 * an owned handle passed in is taken over with ``to_host`` and its table entry freed by
   the host (wasmtime will not run the destructor for it);
@@ -36,7 +41,7 @@ from wasmtime.component import Linker, LinkerInstance, ResourceHost, ResourceTyp
 from wasinn.errors import UnknownError, WasiNNError
 from wasinn.host.component import fastlist
 from wasinn.host.component.service import NNService
-from wasinn.host.component.tables import TensorEntry
+from wasinn.host.component.tables import ResourceExhausted, TensorEntry
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 
 log = logging.getLogger("wasinn.host.component")
@@ -83,14 +88,22 @@ class Binder:
             self.interrupter.request()
         return WasmtimeError(INTERRUPTED)
 
+    @staticmethod
+    def _trap(exc: Exception) -> WasmtimeError:
+        """The guest must be stopped: a resource it must be given cannot be created."""
+        log.warning("trapping a guest: %s", exc)
+        return WasmtimeError(str(exc))
+
     def _error_handle(self, exc: BaseException) -> ResourceHost:
+        """An owned ``error`` handle for ``exc``; raises the guest's trap (WasmtimeError)
+        when it already holds every error it may."""
         if not isinstance(exc, WasiNNError):
             log.exception("host error in a wasi-nn call", exc_info=exc)
             exc = UnknownError(f"internal host error: {type(exc).__name__}: {exc}")
         try:
             rep = self.service.error_new(exc)
-        except WasiNNError:  # the error table itself cannot grow: report a fixed error
-            rep = self.service.tables.errors.add(UnknownError("too many live errors"))
+        except ResourceExhausted as full:
+            raise self._trap(full) from None
         return ResourceHost.own(rep, ERROR)
 
     def fallible(self, fn: Callable[..., Any], *, tagged: bool) -> Callable[..., Any]:
@@ -105,6 +118,8 @@ class Binder:
                 ok = fn(store, *args)
             except trio.Cancelled:
                 raise self._abort() from None
+            except ResourceExhausted as exc:
+                raise self._trap(exc) from None
             except Exception as exc:
                 err = self._error_handle(exc)
                 return Variant("err", err) if tagged else err
@@ -121,9 +136,16 @@ class Binder:
                 return fn(store, *args)
             except trio.Cancelled:
                 raise self._abort() from None
+            except ResourceExhausted as exc:
+                raise self._trap(exc) from None
             except Exception:
                 log.exception("host error in a wasi-nn call; returning a neutral value")
+            try:
                 return default() if callable(default) else default
+            except ResourceExhausted as exc:
+                raise self._trap(exc) from None
+            except Exception as exc:  # not even a neutral value: stop the guest cleanly
+                raise self._trap(exc) from None
 
         return call
 
@@ -133,6 +155,8 @@ class Binder:
                 fn(rep)
             except trio.Cancelled:
                 raise self._abort() from None
+            except ResourceExhausted as exc:
+                raise self._trap(exc) from None
             except Exception:
                 log.exception("dropping a wasi-nn resource failed")
 

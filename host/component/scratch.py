@@ -47,7 +47,7 @@ from wasinn.errors import (
     UnknownError,
     WasiNNError,
 )
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, check_dims
 
 #: Where every component guest finds its scratch directory.
 GUEST_PATH = "/.wasinn-scratch"
@@ -220,9 +220,11 @@ class ScratchDir:
                     max_bytes: int) -> Tensor:
         """A tensor of ``dims`` and ``ttype`` whose data is scratch file ``name``.
 
-        TooLargeError when the tensor would exceed ``max_bytes`` (checked before the file
-        is opened); otherwise as :meth:`read`.
+        InvalidArgumentError beyond MAX_RANK dimensions, TooLargeError when the tensor would
+        exceed ``max_bytes`` (both checked before the file is opened); otherwise as
+        :meth:`read`.
         """
+        dims = check_dims(dims)  # the rank before any product of guest numbers
         nbytes = math.prod(dims) * ttype.itemsize
         if nbytes > max_bytes:
             raise TooLargeError(

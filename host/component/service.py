@@ -18,7 +18,14 @@ UnsupportedOperationError.
 Ownership: an owned tensor handed to the host (compute inputs, ``set-input``) leaves
 the guest's table at once, whatever happens next. A graph is unloaded when its last
 holder, the graph handle or a context created from it, is dropped. :meth:`close`
-releases whatever a guest left behind (it trapped, exited or was cancelled).
+releases whatever a guest left behind (it trapped, exited or was cancelled), including
+a graph whose unload was cancelled half-way.
+
+Limits (:class:`~wasinn.host.limits.GuestLimits`): dimensions from the guest are
+checked for rank (at most :data:`~wasinn.tensor.MAX_RANK`) before any arithmetic on
+them; live tensors are bounded in count and bytes, errors in count (see
+:mod:`~wasinn.host.component.tables`); a guest may hold only graphs whose default target
+it is allowed to use, whichever way they were loaded.
 """
 
 from __future__ import annotations
@@ -44,10 +51,16 @@ from wasinn.errors import (
     error_for_code,
 )
 from wasinn.host.component.scratch import ScratchDir
-from wasinn.host.component.tables import ContextEntry, GraphEntry, GuestTables, TensorEntry
+from wasinn.host.component.tables import (
+    ContextEntry,
+    GraphEntry,
+    GuestTables,
+    ResourceExhausted,
+    TensorEntry,
+)
 from wasinn.host.limits import GuestLimits
 from wasinn.host.scheduler_api import Portal
-from wasinn.tensor import Tensor
+from wasinn.tensor import MAX_RANK, Tensor
 
 log = logging.getLogger("wasinn.host.component")
 
@@ -68,6 +81,18 @@ _WIT_TYPE_NAME = {tt: name for name, tt in WIT_TENSOR_TYPES.items()}
 
 def wit_type_name(tensor_type: TensorType) -> str:
     return _WIT_TYPE_NAME[tensor_type]
+
+
+def guest_shape(dims: Sequence[int]) -> tuple[int, ...]:
+    """Dimensions a guest passed, as a shape; InvalidArgumentError beyond MAX_RANK.
+
+    Checked before anything multiplies them: a product of thousands of u32 dimensions is
+    a huge integer that takes seconds to compute while holding the GIL.
+    """
+    if len(dims) > MAX_RANK:
+        raise InvalidArgumentError(
+            f"tensor has {len(dims)} dimensions: expected at most {MAX_RANK}")
+    return tuple(int(d) for d in dims)
 
 
 def _try_graph_lease(graph: Any, inputs: Mapping[Any, Tensor],
@@ -93,20 +118,36 @@ class NNService:
         self.scratch = scratch
         self.portal = portal
         self.limits = limits or GuestLimits()
-        self.tables = GuestTables.create(self.limits.max_graphs, self.limits.max_contexts)
+        self.tables = GuestTables.create(self.limits)
         self._model_bytes = 0
+        #: Graphs the guest let go of whose unload has not run yet (it was cancelled);
+        #: :meth:`close` unloads them.
+        self._unloading: list[GraphEntry] = []
 
     # -- errors -----------------------------------------------------------------------
     def error_new(self, error: WasiNNError) -> int:
-        return self.tables.errors.add(error)
+        """An ``error`` resource for ``error``.
+
+        Raises ResourceExhausted (the guest is trapped) when the guest already holds
+        ``max_errors`` errors: the host cannot answer with an error then, and handing out
+        handles it does not count would let a guest that never drops errors grow
+        wasmtime's handle table without bound. The message keeps the error it could not
+        report.
+        """
+        try:
+            return self.tables.errors.add(error)
+        except TooLargeError as exc:
+            raise ResourceExhausted(
+                f"{exc.message}; the error that could not be reported: "
+                f"{error.code.value}: {error.message}") from None
 
     def error_from_parts(self, code: str, data: str) -> int:
-        """The 2024-06-25 ``error`` constructor."""
+        """The 2024-06-25 ``error`` constructor (ResourceExhausted as :meth:`error_new`)."""
         try:
             cls = error_for_code(ErrorCode(code))
         except ValueError:
             cls = UnknownError
-        return self.tables.errors.add(cls(data))
+        return self.error_new(cls(data))
 
     def error_code(self, rep: int) -> str:
         return self.tables.errors.get(rep).code.value
@@ -121,19 +162,34 @@ class NNService:
     def tensor_new(self, dims: Sequence[int], type_name: str, data: bytes) -> int:
         """The tensor constructor: never raises for bad arguments (WIT gives it no error).
 
-        An inconsistent tensor is stored with its error; compute reports it.
+        An inconsistent tensor is stored with its error (and its dimensions and bytes,
+        charged to the guest's tensor budget); compute reports it. A tensor that does not
+        fit the budget is stored without its data, as a too-large error for compute.
+        Raises ResourceExhausted (the guest is trapped) when the guest already holds
+        ``max_tensors`` tensors: the constructor cannot answer with an error.
         """
-        shape = tuple(int(d) for d in dims)
+        table = self.tables.tensors
+        if table.full:
+            raise ResourceExhausted(
+                f"{table.full_message()}; tensor constructor (which cannot return an error)")
         try:
-            tensor = self._make_tensor(shape, type_name, data)
-            entry = TensorEntry(shape, type_name, tensor)
+            shape = guest_shape(dims)
+            entry = TensorEntry(shape, type_name, self._make_tensor(shape, type_name, data))
         except WasiNNError as exc:
-            entry = TensorEntry(shape, type_name, None, invalid=exc, raw=bytes(data))
-        return self.tables.tensors.add(entry)
+            # Over max_tensor_bytes the bytes are not worth keeping for data().
+            raw = b"" if isinstance(exc, TooLargeError) else bytes(data)
+            entry = TensorEntry(tuple(int(d) for d in dims), type_name, None, invalid=exc,
+                                raw=raw)
+        try:
+            return table.add(entry)
+        except TooLargeError as exc:  # over the byte budget: keep dims and type, no data
+            dims_kept = entry.dims if len(entry.dims) <= MAX_RANK else ()
+            return table.add(TensorEntry(dims_kept, type_name, None, invalid=exc),
+                             placeholder=True)
 
     def tensor_from_words(self, dims: Sequence[int], type_name: str, words: bytes) -> int:
         """``wasinn:nn/bulk.tensor-from-words``: data as little-endian u64 words (padded)."""
-        shape = tuple(int(d) for d in dims)
+        shape = guest_shape(dims)
         ttype = self._tensor_type(type_name)
         size = math.prod(shape) * ttype.itemsize
         need = (size + 7) // 8 * 8
@@ -146,10 +202,16 @@ class NNService:
         return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
 
     def tensor_from_scratch(self, name: str, dims: Sequence[int], type_name: str) -> int:
-        """``wasinn:nn/scratch.tensor-from-scratch``: data copied from a scratch file."""
-        shape = tuple(int(d) for d in dims)
-        tensor = self._scratch().read_tensor(
-            name, shape, self._tensor_type(type_name), self.limits.max_tensor_bytes)
+        """``wasinn:nn/scratch.tensor-from-scratch``: data copied from a scratch file.
+
+        The guest's tensor limits are checked before the file is read.
+        """
+        shape = guest_shape(dims)
+        ttype = self._tensor_type(type_name)
+        nbytes = math.prod(shape) * ttype.itemsize
+        if nbytes <= self.limits.max_tensor_bytes:  # else read_tensor says why
+            self.tables.tensors.check_room(nbytes)
+        tensor = self._scratch().read_tensor(name, shape, ttype, self.limits.max_tensor_bytes)
         return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
 
     def tensor_to_scratch(self, rep: int, name: str) -> int:
@@ -241,6 +303,9 @@ class NNService:
             raise InvalidArgumentError("load-by-name needs a model name; got an empty string")
         self._check_graph_room()
         graph = self.portal.run(self.runtime.load_by_name, name)
+        # The registry chose this graph's default target, not the guest: check it as if
+        # the guest had asked for it (_add_graph), or plain init-execution-context and
+        # one-shot compute would run it on a target the guest may not use.
         return self._add_graph(graph, f"graph {name!r}", 0)
 
     def _check_graph_room(self) -> None:
@@ -259,14 +324,16 @@ class NNService:
             )
 
     def _add_graph(self, graph: Any, label: str, size: int) -> int:
+        """Hand a loaded graph to the guest; unloaded again (and the error raised) when its
+        default target is not allowed (SecurityError) or the table is full."""
         entry = GraphEntry(graph, label, model_bytes=size)
+        self._model_bytes += size
         try:
-            rep = self.tables.graphs.add(entry)
+            self._check_target(getattr(graph, "default_target", None))
+            return self.tables.graphs.add(entry)
         except WasiNNError:
             self._release_graph(entry)
             raise
-        self._model_bytes += size
-        return rep
 
     def graph_drop(self, rep: int) -> None:
         entry = self.tables.graphs.pop(rep)
@@ -275,14 +342,22 @@ class NNService:
 
     def _release_graph(self, entry: GraphEntry) -> None:
         entry.holders -= 1
-        if entry.holders > 0 or entry.unloaded:
+        if entry.holders == 0:
+            self._unloading.append(entry)
+            self._unload(entry)
+
+    def _unload(self, entry: GraphEntry) -> None:
+        """Unload a graph nobody holds. When cancelled (trio.Cancelled propagates), the
+        graph stays in ``_unloading``, still counted against the guest, for :meth:`close`."""
+        if entry.unloaded:
             return
-        entry.unloaded = True
-        self._model_bytes -= entry.model_bytes
         try:
             self.portal.run(entry.graph.unload)
         except Exception:  # the guest has let go; a failed unload must not reach it
             log.exception("unloading %s failed", entry.label)
+        entry.unloaded = True
+        self._model_bytes -= entry.model_bytes
+        self._unloading.remove(entry)
 
     def init_context(self, graph_rep: int, target: str | None = None) -> int:
         graph = self.tables.graphs.get(graph_rep)
@@ -303,17 +378,28 @@ class NNService:
     def context_drop(self, rep: int) -> None:
         entry = self.tables.contexts.pop(rep)
         if entry is not None:
+            self._drop_context(entry)
+
+    def _drop_context(self, entry: ContextEntry) -> None:
+        try:
             self._close_context(entry)
+        finally:  # even when cancelled: the graph then waits in _unloading for close()
             self._release_graph(entry.graph)
 
     def _close_context(self, entry: ContextEntry) -> None:
         if entry.closed:
             return
         entry.closed = True
+        self._unstage(entry)
         try:
             self.portal.run_sync(entry.context.close)
         except Exception:
             log.exception("closing a context of %s failed", entry.graph.label)
+
+    def _unstage(self, entry: ContextEntry) -> None:
+        self.tables.tensors.credit(entry.staged_bytes)
+        entry.staged_bytes = 0
+        entry.inputs.clear()
 
     # -- inference --------------------------------------------------------------------
     def _inputs(self, named: Sequence[tuple[str, TensorEntry]]) -> dict[str | int, Tensor]:
@@ -405,9 +491,20 @@ class NNService:
         return self._add_outputs(outputs)
 
     def set_input(self, ctx_rep: int, name: str, tensor: TensorEntry) -> None:
-        """Older RCs: stage an input by name until ``compute``."""
+        """Older RCs: stage an input by name until ``compute``.
+
+        Staged inputs stay charged to the guest's tensor budget (TooLargeError past
+        ``max_live_tensor_bytes``) until replaced or the context is dropped.
+        """
         entry = self.tables.contexts.get(ctx_rep)
         (key, value), = self._inputs([(name, tensor)]).items()
+        old = entry.inputs.get(key)
+        delta = value.nbytes - (0 if old is None else old.nbytes)
+        if delta > 0:
+            self.tables.tensors.charge(delta)  # TooLargeError: the old input stays staged
+        else:
+            self.tables.tensors.credit(-delta)
+        entry.staged_bytes += delta
         entry.inputs[key] = value
 
     def compute_staged(self, ctx_rep: int) -> None:
@@ -443,11 +540,13 @@ class NNService:
 
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
-        """Release everything the guest still holds (contexts, then graphs). Idempotent."""
+        """Release everything the guest still holds (contexts, then graphs, then any graph
+        whose unload was cancelled earlier). Idempotent."""
         for ctx in self.tables.contexts.drain():
-            self._close_context(ctx)
-            self._release_graph(ctx.graph)
+            self._drop_context(ctx)
         for graph in self.tables.graphs.drain():
             self._release_graph(graph)
+        for graph in list(self._unloading):
+            self._unload(graph)
         self.tables.tensors.drain()
         self.tables.errors.drain()

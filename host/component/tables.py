@@ -5,6 +5,13 @@ chose when it created the resource. These tables map reps to host objects for on
 guest instance. Reps are never reused within an instance, so a stale rep can never
 alias a newer object. When the guest has dropped every handle, every table is empty
 (:meth:`GuestTables.live`), which the tests check.
+
+Every table is bounded (``[guests]`` limits), so a guest that never drops its handles
+cannot grow the host without end: :meth:`HandleTable.add` raises TooLargeError naming
+the limit, and the tensor table also keeps a byte budget (:class:`TensorTable`).
+Where a call has no way to report that error (the tensor constructor, or the error
+resource itself), the service raises :class:`ResourceExhausted` instead, which the
+linker turns into a trap of the guest.
 """
 
 from __future__ import annotations
@@ -14,30 +21,49 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from wasinn.errors import ClosedResourceError, TooLargeError, WasiNNError
+from wasinn.host.limits import GuestLimits
 from wasinn.tensor import Tensor
 
 T = TypeVar("T")
 
 #: Largest rep; wasmtime stores reps as u32.
 _MAX_REP = 0xFFFF_FFFF
+#: Host bytes one stored dimension of an invalid tensor costs (a Python int and its slot).
+DIM_BYTES = 36
+
+
+class ResourceExhausted(Exception):
+    """The host cannot create a resource that a call must return (the tensor constructor,
+    which has no error case, or an ``error`` resource itself). Not a WasiNNError on
+    purpose: the linker traps the guest with this message instead of answering."""
 
 
 class HandleTable(Generic[T]):
-    """rep -> object for one resource kind of one guest."""
+    """rep -> object for one resource kind of one guest.
 
-    def __init__(self, kind: str, limit: int | None = None) -> None:
+    ``setting`` names the ``[guests]`` key that sets ``limit``, for the messages.
+    """
+
+    def __init__(self, kind: str, limit: int | None = None, setting: str = "") -> None:
         self.kind = kind
         self.limit = limit
+        self.setting = setting
         self._items: dict[int, T] = {}
         self._next = 1
 
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and len(self._items) >= self.limit
+
+    def full_message(self) -> str:
+        where = f" ([guests] {self.setting})" if self.setting else ""
+        return (f"this guest already holds {len(self._items)} {self.kind} handles, the most "
+                f"it may hold at once{where}: drop some before creating more")
+
     def add(self, item: T) -> int:
         """Store ``item`` and return its new rep; TooLargeError beyond ``limit`` live items."""
-        if self.limit is not None and len(self._items) >= self.limit:
-            raise TooLargeError(
-                f"this guest already holds {len(self._items)} {self.kind} handles, the most "
-                f"it may hold at once: drop some before creating more"
-            )
+        if self.full:
+            raise TooLargeError(self.full_message())
         if self._next > _MAX_REP:
             raise TooLargeError(f"this guest has used up every {self.kind} handle number")
         rep = self._next
@@ -86,10 +112,83 @@ class TensorEntry:
             raise self.invalid or ClosedResourceError("tensor has no data")
         return self.tensor
 
+    @property
+    def nbytes(self) -> int:
+        """What holding this entry costs the host: the data, or an invalid tensor's bytes
+        and dimensions (which may be many: they were never validated)."""
+        if self.tensor is not None:
+            return self.tensor.nbytes
+        return len(self.raw) + DIM_BYTES * len(self.dims)
 
-@dataclass
+
+class TensorTable(HandleTable[TensorEntry]):
+    """The tensor table: at most ``limit`` handles and ``max_bytes`` bytes of live tensors.
+
+    The byte budget also covers tensors the host keeps for the guest outside this table
+    (inputs staged by the older RCs' ``set-input``): :meth:`charge` / :meth:`credit`.
+    """
+
+    def __init__(self, limit: int, max_bytes: int) -> None:
+        super().__init__("tensor", limit, "max_tensors")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._charged: dict[int, int] = {}
+
+    def check_room(self, nbytes: int) -> None:
+        """TooLargeError when one more tensor of ``nbytes`` would not fit (count or bytes)."""
+        if self.full:
+            raise TooLargeError(self.full_message())
+        self.check_bytes(nbytes)
+
+    def check_bytes(self, nbytes: int) -> None:
+        if self.nbytes + nbytes > self.max_bytes:
+            raise TooLargeError(
+                f"a tensor of {nbytes} bytes would bring this guest's live tensors to "
+                f"{self.nbytes + nbytes} bytes, over its limit of {self.max_bytes} "
+                f"([guests] max_live_tensor_bytes): drop tensors before creating more"
+            )
+
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` held outside the table; TooLargeError when they do not fit."""
+        self.check_bytes(nbytes)
+        self.nbytes += nbytes
+
+    def credit(self, nbytes: int) -> None:
+        self.nbytes -= nbytes
+
+    def add(self, item: TensorEntry, *, placeholder: bool = False) -> int:
+        """Store ``item``; TooLargeError beyond the handle limit or the byte budget.
+
+        A ``placeholder`` (a data-less invalid tensor standing in for one that did not
+        fit) skips the byte check: it costs at most a few dimensions.
+        """
+        nbytes = item.nbytes
+        if placeholder:
+            assert item.tensor is None and not item.raw, "a placeholder holds no data"
+        else:
+            self.check_room(nbytes)
+        rep = super().add(item)
+        self._charged[rep] = nbytes
+        self.nbytes += nbytes
+        return rep
+
+    def pop(self, rep: int) -> TensorEntry | None:
+        self.nbytes -= self._charged.pop(rep, 0)
+        return super().pop(rep)
+
+    def drain(self) -> list[TensorEntry]:
+        self._charged.clear()
+        self.nbytes = 0
+        return super().drain()
+
+
+@dataclass(eq=False)
 class GraphEntry:
-    """A loaded graph and how many guest handles (graph + its contexts) still hold it."""
+    """A loaded graph and how many guest handles (graph + its contexts) still hold it.
+
+    ``unloaded`` is set once ``unload`` has run (or failed for good), never before: a
+    graph whose unload was cancelled is still to be unloaded.
+    """
 
     graph: Any
     label: str
@@ -107,24 +206,28 @@ class ContextEntry:
     inputs: dict[str | int, Tensor] = field(default_factory=dict)
     outputs: dict[str, Tensor] | None = None
     closed: bool = False
+    #: Bytes of ``inputs``, charged to the guest's tensor budget until the context goes.
+    staged_bytes: int = 0
 
 
 @dataclass
 class GuestTables:
     """Every wasi-nn resource table of one guest instance."""
 
-    tensors: HandleTable[TensorEntry]
+    tensors: TensorTable
     graphs: HandleTable[GraphEntry]
     contexts: HandleTable[ContextEntry]
     errors: HandleTable[WasiNNError]
 
     @classmethod
-    def create(cls, max_graphs: int | None = None, max_contexts: int | None = None) -> GuestTables:
+    def create(cls, limits: GuestLimits | None = None) -> GuestTables:
+        limits = limits or GuestLimits()
         return cls(
-            tensors=HandleTable("tensor"),
-            graphs=HandleTable("graph", max_graphs),
-            contexts=HandleTable("graph-execution-context", max_contexts),
-            errors=HandleTable("error"),
+            tensors=TensorTable(limits.max_tensors, limits.max_live_tensor_bytes),
+            graphs=HandleTable("graph", limits.max_graphs, "max_graphs"),
+            contexts=HandleTable("graph-execution-context", limits.max_contexts,
+                                 "max_contexts"),
+            errors=HandleTable("error", limits.max_errors, "max_errors"),
         )
 
     def live(self) -> dict[str, int]:

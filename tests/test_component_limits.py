@@ -1,0 +1,229 @@
+"""What a component guest may hold and make the host do: rank, handle and byte limits,
+graph unloading that survives cancellation, and the targets of graphs loaded by name.
+
+Driven through the shim component of test_component_host (every wasi-nn function over
+handle numbers) and, where no guest is needed, the service itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import wasinn
+from tests.component_guests import RecordingRuntime, component_models
+from tests.support import require_backend
+from tests.test_component_host import CPU, FP32, ONNX, start_shim
+from wasinn.configs import ConfigError
+from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
+from wasinn.errors import InvalidArgumentError
+from wasinn.host.component.scratch import ScratchDir
+from wasinn.host.component.service import NNService
+from wasinn.host.limits import GuestLimits, limits_of
+from wasinn.host.runner import GuestTrap
+from wasinn.modelgen import ModelFiles, affine_onnx
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+#: A rank whose dimension product (thousands of u32s) is far too big to print or to
+#: multiply quickly: it must be refused before any arithmetic.
+HUGE_RANK = 5000
+NOTHING = {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
+
+
+@pytest.fixture(scope="module")
+def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
+              ) -> RuntimeConfig:
+    return component_models(tmp_path_factory.mktemp("limit-models"), small_mobilenet.onnx)
+
+
+@pytest.fixture
+async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(nn_config) as runtime:
+        yield RecordingRuntime(runtime)
+
+
+# -- rank before arithmetic -----------------------------------------------------------------
+def test_the_tensor_constructor_refuses_a_huge_rank_before_multiplying() -> None:
+    svc = NNService(None, None)  # type: ignore[arg-type]
+    rep = svc.tensor_new([0xFFFF_FFFF] * HUGE_RANK, "FP32", b"")
+    entry = svc.tables.tensors.get(rep)
+    assert isinstance(entry.invalid, InvalidArgumentError)
+    assert f"{HUGE_RANK} dimensions" in entry.invalid.message
+    assert "at most 32" in entry.invalid.message
+    assert len(entry.dims) == HUGE_RANK  # what the guest passed, for tensor.dimensions
+
+
+@pytest.mark.parametrize("call", ["tensor_from_words", "tensor_from_scratch"])
+def test_fallible_tensor_calls_refuse_a_huge_rank_before_multiplying(call: str,
+                                                                     tmp_path: Path) -> None:
+    svc = NNService(None, None, scratch=ScratchDir(tmp_path))  # type: ignore[arg-type]
+    dims = [0xFFFF_FFFF] * HUGE_RANK
+    with pytest.raises(InvalidArgumentError, match=f"{HUGE_RANK} dimensions: expected at most 32"):
+        if call == "tensor_from_words":
+            svc.tensor_from_words(dims, "FP32", b"")
+        else:
+            svc.tensor_from_scratch("x.bin", dims, "FP32")
+    assert svc.tables.live()["tensor"] == 0
+
+
+async def test_a_guest_tensor_of_huge_rank_reports_invalid_argument(rt: RecordingRuntime
+                                                                     ) -> None:
+    guest, shim = await start_shim(rt)
+    async with guest:
+        _graph, ctx = await shim.context("affine")
+        t = await shim("tensor-new", [0xFFFF_FFFF] * HUGE_RANK, FP32, b"")
+        assert len(await shim("tensor-dims", t)) == HUGE_RANK
+        code, message = await shim.err("compute", ctx, [("x", t)])
+        assert code == "invalid-argument"
+        assert f"{HUGE_RANK} dimensions" in message
+
+
+# -- handle and byte limits -----------------------------------------------------------------
+async def test_live_tensors_are_capped(rt: RecordingRuntime) -> None:
+    guest, shim = await start_shim(rt, limits=GuestLimits(max_tensors=2))
+    async with guest:
+        first = await shim.tensor(X)
+        await shim.ok("tensor-from-words", [2, 4], FP32, X.tobytes())
+        code, message = await shim.err("tensor-from-words", [2, 4], FP32, X.tobytes())
+        assert code == "too-large"
+        assert "2 tensor handles" in message and "max_tensors" in message
+        await shim("tensor-drop", first)
+        await shim.tensor(X)  # room again after a drop
+        # The constructor cannot report an error: the guest is stopped, saying why.
+        with pytest.raises(GuestTrap, match="max_tensors"):
+            await shim("tensor-new", [2, 4], FP32, X.tobytes())
+    assert guest.live() == NOTHING
+
+
+async def test_live_tensor_bytes_are_capped(rt: RecordingRuntime) -> None:
+    guest, shim = await start_shim(rt, limits=GuestLimits(max_live_tensor_bytes=64))
+    async with guest:
+        _graph, ctx = await shim.context("affine")
+        a = await shim.ok("tensor-from-words", [2, 4], FP32, X.tobytes())
+        await shim.tensor(X)  # 64 of 64 bytes
+        code, message = await shim.err("tensor-from-words", [2, 4], FP32, X.tobytes())
+        assert code == "too-large"
+        assert "max_live_tensor_bytes" in message and "64" in message
+        # Past the budget the constructor keeps dims and type but no data, and the error
+        # comes with the first use.
+        over = await shim.tensor(X)
+        assert await shim("tensor-dims", over) == [2, 4]
+        assert await shim("tensor-data", over) == b""
+        code, message = await shim.err("compute", ctx, [("x", over)])
+        assert code == "too-large" and "max_live_tensor_bytes" in message
+        # Compute outputs count too: the input leaves the table, its output takes its place.
+        ((_, y),) = await shim.ok("compute", ctx, [("x", a)])
+        np.testing.assert_allclose(await shim.data(y), (X * 2 + 1).reshape(-1))
+        await shim("tensor-drop", y)
+        await shim.ok("tensor-from-words", [2, 4], FP32, X.tobytes())  # room again
+    assert guest.live() == NOTHING
+
+
+async def test_live_errors_are_capped_and_the_guest_is_trapped_with_the_lost_error(
+        rt: RecordingRuntime) -> None:
+    guest, shim = await start_shim(rt, limits=GuestLimits(max_errors=2))
+    async with guest:
+        held = [(await shim("load-by-name", f"nope-{i}")).payload for i in range(2)]
+        await shim("error-drop", held.pop())
+        held.append((await shim("load-by-name", "nope-again")).payload)
+        assert guest.live()["error"] == 2
+        with pytest.raises(GuestTrap, match=r"max_errors.*not-found.*nope-lost"):
+            await shim("load-by-name", "nope-lost")
+    assert guest.live() == NOTHING
+
+
+def test_the_guests_table_sets_the_component_limits() -> None:
+    config = parse_config({"guests": {"max_tensors": 3, "max_errors": 2,
+                                      "max_live_tensor_bytes": 100}}, None)
+    limits = limits_of(wasinn.Runtime(config))
+    assert (limits.max_tensors, limits.max_errors, limits.max_live_tensor_bytes) == (3, 2, 100)
+    defaults = GuestLimits()
+    assert (defaults.max_tensors, defaults.max_errors, defaults.max_live_tensor_bytes) == (
+        4096, 1024, 4 * 1024**3)
+    for key in ("max_tensors", "max_errors", "max_live_tensor_bytes"):
+        with pytest.raises(ConfigError, match=f"guests.{key}"):
+            parse_config({"guests": {key: 0}}, None)
+
+
+# -- unloading survives cancellation ---------------------------------------------------------
+class _FirstUnloadHangs:
+    """Routing check: a real graph whose first unload waits at a checkpoint (until it is
+    cancelled) before it reaches the real unload; later unloads go straight through."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.unload_started = trio.Event()
+        self.unload_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+    async def unload(self) -> None:
+        self.unload_calls += 1
+        if self.unload_calls == 1:
+            self.unload_started.set()
+            await trio.sleep_forever()
+        await self.graph.unload()
+
+
+class _HangingUnloads(RecordingRuntime):
+    async def load_by_name(self, name: str) -> Any:
+        graph = _FirstUnloadHangs(await self._rt.load_by_name(name))
+        self.graphs.append(graph)
+        return graph
+
+
+@pytest.mark.parametrize("last_holder", ["graph", "ctx"])
+async def test_a_graph_whose_unload_is_cancelled_is_unloaded_when_the_guest_closes(
+        rt: RecordingRuntime, last_holder: str) -> None:
+    hanging = _HangingUnloads(rt._rt)
+    guest, shim = await start_shim(hanging)
+    async with guest:
+        graph, ctx = await shim.context("affine")
+        first, last = (("ctx-drop", ctx), ("graph-drop", graph))
+        if last_holder == "ctx":
+            first, last = last, first
+        await shim(*first)
+        (held,) = hanging.graphs
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(shim, *last)
+                await held.unload_started.wait()
+                scope.cancel()
+        assert scope.cancelled_caught
+        assert not held.graph.unloaded  # the guest was stopped inside the unload
+    assert held.graph.unloaded
+    assert held.unload_calls == 2
+    assert guest.live() == NOTHING
+
+
+# -- targets of graphs loaded by name --------------------------------------------------------
+async def test_load_by_name_refuses_a_registry_graph_on_a_target_the_guest_may_not_use(
+        rt: RecordingRuntime) -> None:
+    limits = GuestLimits(allowed_targets=frozenset({wasinn.ExecutionTarget.GPU}))
+    guest, shim = await start_shim(rt, limits=limits)
+    async with guest:
+        code, message = await shim.err("load-by-name", "affine")  # the registry says cpu
+        assert code == "security"
+        assert "cpu" in message and "gpu" in message
+        assert guest.live() == NOTHING
+        assert len(rt.graphs) == 1 and rt.graphs[0].unloaded
+        # and no other way in: an explicit cpu load is refused as before
+        code, _ = await shim.err("load", [affine_onnx()], ONNX, CPU)
+        assert code == "security"
+
+
+async def test_load_by_name_on_an_allowed_target_still_works(rt: RecordingRuntime) -> None:
+    limits = GuestLimits(allowed_targets=frozenset({wasinn.ExecutionTarget.CPU}))
+    guest, shim = await start_shim(rt, limits=limits)
+    async with guest:
+        graph = await shim.ok("load-by-name", "affine")
+        ((_, y),) = await shim.ok("graph-compute", graph, [("x", await shim.tensor(X))], None)
+        np.testing.assert_allclose(await shim.data(y), (X * 2 + 1).reshape(-1))
