@@ -23,17 +23,22 @@ A caller that runs in a thread of its own (a WebAssembly guest's) may instead ta
 trio as for any request, and the caller's thread runs the job itself (one trio round trip
 instead of two plus a thread hand-off).
 
-Inline runs (``inline_below``, a pool's ``inline_below_us``; 0 = off): a graph whose runs
-here are timed below that bound (see :mod:`wasinn.actors.inline`) runs on the trio thread
-itself when the device is idle, because two thread hand-offs would cost several times
-the run. The trade-off, plainly: the event loop is held for that run (bounded by the
-rule, not by force: a usually-tiny run that suddenly takes long holds the loop once for
-that long, and then the graph goes back to the worker threads).
+Inline runs (``inline_below``, a pool's ``inline_below_us``; 0 = off, the default): an
+opt-in. A graph whose runs here are timed below that bound (see
+:mod:`wasinn.actors.inline`) runs on the trio thread itself when the device is idle and
+the request has no deadline, because two thread hand-offs would cost several times the
+run. The risk, plainly: the event loop is held for that run and nothing can interrupt
+it. The bound is a prediction from past runs, not a limit: a run whose time depends on
+its input values (an ONNX Loop's trip count, a dynamic-shape graph fed a larger tensor of
+the same byte size...) can hold the loop for seconds, during which no other request,
+timeout or cancellation is served. Requests with a deadline are therefore never run
+inline. Enable it only for graphs whose run time is bounded whatever their inputs.
 
 Cancellation: a caller cancelled while queued is removed from the queue and never runs;
 cancelled while running, its job is abandoned (the worker thread runs it to completion
 and keeps its slot until then, so a device never runs more than ``workers`` jobs) and the
-result is dropped. A job's exception fails that request only.
+result is dropped. Closing the actor waits for abandoned jobs too, before it closes the
+graphs they run. A job's exception fails that request only.
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class DeviceActor:
         self._context: DeviceContext | None = None
         self._wrap: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None
         self._ready = False
+        self._serving = False  # worker threads started and not yet waited for
         self._closed = False
         self._compiles = 0
 
@@ -119,9 +125,10 @@ class DeviceActor:
         cancelled.
 
         Raises UnsupportedOperationError (before reporting ready) when the device cannot be
-        opened. On exit, queued callers get ClosedResourceError, cached graphs are freed
-        (a graph still running in an abandoned thread is freed when that run ends) and the
-        worker threads are stopped and waited for (see :meth:`close`).
+        opened. On exit (shielded from cancellation), queued callers get
+        ClosedResourceError, the worker threads finish the jobs they hold (abandoned ones
+        included) and are joined, and only then are the cached graphs and the device
+        context closed (see :meth:`close`).
         """
         try:
             # In a worker thread: finding out what the device needs may import torch.
@@ -134,6 +141,7 @@ class DeviceActor:
         self._context = context
         if type(context) is not DeviceContext:
             self._wrap = context.wrap
+        self._serving = True
         self._threads.start()
         self._slots.open()
         self._ready = True
@@ -144,8 +152,13 @@ class DeviceActor:
             self.close()
             with trio.CancelScope(shield=True):
                 # Threads finish the jobs already handed to them, then exit; one still
-                # running an abandoned job exits when that backend call returns.
+                # running an abandoned job exits when that backend call returns (a
+                # backend call always ends). Only then are the graphs and the device
+                # context closed: never under a running job, and never left to a thread
+                # the interpreter would kill inside native code at exit.
                 await self._threads.wait_stopped()
+            self._serving = False
+            self._release_all()
 
     def _open_context(self) -> DeviceContext:
         context = context_for(self.device)
@@ -153,17 +166,31 @@ class DeviceActor:
         return context
 
     def close(self) -> None:
-        """Stop serving: fail queued requests, free every cached graph, tell the worker
-        threads to exit once the jobs already handed to them are done. Idempotent."""
+        """Stop serving: fail queued requests and refuse new ones, tell the worker threads
+        to exit once the jobs already handed to them are done. Idempotent.
+
+        The cached graphs and the device context are freed once no job can be running
+        on them: here when the actor is not serving, otherwise when :meth:`serve` exits,
+        after it has waited for every worker thread (abandoned jobs included) and joined
+        it. A graph a caller's own thread still runs (a lease) is closed when that run
+        ends (see :class:`~wasinn.actors.session.Session`).
+        """
         if self._closed:
             return
         self._closed = True
         self._threads.stop()
         self._slots.close()
+        if not self._serving:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        # Evict every cached graph and close the device context: only once no worker
+        # thread can be running a job (see close).
         for key in list(self._sessions):
             self.evict(key)
         if self._context is not None:
             self._context.close()
+            self._context = None
 
     @property
     def ready(self) -> bool:
@@ -274,7 +301,10 @@ class DeviceActor:
 
         ``profile`` (the run timings of the graph ``job`` runs) and ``nbytes`` (its input
         size) let a tiny job run inline on the trio thread instead, when the actor's
-        ``inline_below`` allows it and the device is idle (see :mod:`wasinn.actors.inline`).
+        ``inline_below`` allows it (off by default), the device is idle and the request
+        has no deadline: neither ``deadline`` nor one of the caller's cancel scopes (an
+        inline run cannot be interrupted, so it could not time out; see
+        :mod:`wasinn.actors.inline`).
 
         Waits in the queue while every slot is busy. Raises ClosedResourceError when the
         actor is closed, TooLargeError when the queue is full, TimeoutError_ when
@@ -283,8 +313,12 @@ class DeviceActor:
         (those propagate as they are). Cancellation: see the module docstring.
         """
         if profile is not None and self.inline_below and nbytes is not None:
+            # A run's time can depend on its input values (an ONNX Loop's trip count),
+            # not only on their size: a request that must end by a deadline always goes
+            # to a worker thread, where it can be abandoned when the deadline passes.
             if (profile.qualifies(nbytes, self.inline_below) and not self._threads.busy
-                    and (deadline == math.inf or trio.current_time() < deadline)
+                    and deadline == math.inf
+                    and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
                 return await self._run_inline(job, profile, nbytes)
             job = self._timed(job, profile, nbytes)

@@ -7,8 +7,8 @@ can take 50 us or more, several times what a tiny model's run itself takes (an O
 the trio thread, when that cannot be noticed: the trade-off is that the event loop is
 held for the run's duration (bounded below), in exchange for no thread hand-off at all.
 
-The rule, per compiled graph on one device (a pool's ``inline_below_us`` is the bound;
-0 turns inline runs off):
+Inline runs are opt-in: a pool's ``inline_below_us`` is the bound, and its default, 0,
+turns them off. The rule, per compiled graph on one device:
 
 * every run in a worker thread is timed, and so is every inline run;
 * a graph qualifies after ``WARMUP`` runs in a row whose exponential moving average
@@ -17,12 +17,18 @@ The rule, per compiled graph on one device (a pool's ``inline_below_us`` is the 
 * any run longer than ``MULTIPLE`` times the bound disqualifies it: its next runs go to
   the worker threads again until it qualifies anew;
 * the actor runs a qualified job inline only when the device is idle (no job in its
-  worker threads, no request queued), and yields to the other trio tasks right after,
-  so a stream of tiny requests cannot starve them.
+  worker threads, no request queued) and the request has no deadline (an inline run
+  cannot be interrupted, so it could not time out), and yields to the other trio tasks
+  right after, so a stream of tiny requests cannot starve them.
 
-A run that is usually tiny but sometimes long (a first run after a shape change, an
-allocator growing its arena) will hold the loop once for that long before it is
-disqualified: keep ``inline_below_us`` small, or 0 where that matters.
+The risk, plainly: qualifying is a prediction from past runs, not a limit. A graph's run
+time can depend on its input values, not only on their size (an ONNX ``Loop`` whose trip
+count is an input: timed at 1 iteration, then asked for millions), and a run that is
+usually tiny can be long once (a first run after a shape change, an allocator growing
+its arena). Such a run holds the event loop for its whole duration, seconds if need be:
+no other request, timeout or cancellation is served meanwhile. Only then is the graph
+disqualified. Enable inline runs only for graphs whose run time is bounded whatever
+their inputs.
 """
 
 from __future__ import annotations

@@ -19,9 +19,13 @@ the thread has really finished the job, abandoned or not: the actor frees the jo
 worker slot there, so a device never runs more than ``count`` jobs at once.
 
 Shutdown: :meth:`stop` lets every thread finish the jobs already queued, then exit;
-:meth:`wait_stopped` waits for that, except for threads still running an abandoned job
-(a backend call cannot be interrupted: those exit when it returns). Threads are daemons,
-so a hung backend call cannot keep the interpreter alive.
+:meth:`wait_stopped` waits for every thread, those still running an abandoned job
+included, and joins them. It must: a backend call cannot be interrupted, and a thread
+left inside native code (ONNX Runtime, OpenVINO, torch) when the interpreter exits is
+killed there, which aborts the process ("terminate called without an active exception").
+So an abandoned job delays the actor's close until its backend call returns, and only
+then may the actor close the graphs the job ran on. The threads are still daemons, as a
+last resort for a process that never closes its runtime.
 """
 
 from __future__ import annotations
@@ -97,10 +101,14 @@ class WorkerThreads:
         self.finished = 0
         self._abandoned = 0
         self._quiet: trio.Event | None = None
-        self._gone: list[threading.Thread] = []  # threads that announced their exit
 
     def __repr__(self) -> str:
         return f"<WorkerThreads {self.name} alive={self._alive} busy={self.busy}>"
+
+    @property
+    def abandoned(self) -> int:
+        """Jobs whose caller gave up on them and that are still running."""
+        return self._abandoned
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -114,10 +122,10 @@ class WorkerThreads:
         self._token = trio.lowlevel.current_trio_token()
         for i in range(self.count):
             worker = _Worker(f"wasinn {self.name} worker {i}", self._work)
+            worker.thread.start()  # counted only once started: wait_stopped joins these
             self._workers.append(worker)
             self._idle.append(worker)
             self._alive += 1
-            worker.thread.start()
 
     async def run(self, fn: Callable[[], T], *, abandon_on_cancel: bool,
                   on_done: Callable[[], None] | None = None) -> T:
@@ -210,12 +218,11 @@ class WorkerThreads:
         self._check_quiet()
 
     def _exited(self, worker: _Worker) -> None:
-        self._gone.append(worker.thread)
         self._alive -= 1
         self._check_quiet()
 
     def _check_quiet(self) -> None:
-        if self._quiet is not None and self._alive <= self._abandoned:
+        if self._quiet is not None and self._alive == 0:
             self._quiet.set()
 
     def stop(self) -> None:
@@ -231,14 +238,18 @@ class WorkerThreads:
         self._free.unpark_all()
 
     async def wait_stopped(self) -> None:
-        """Wait (after :meth:`stop`) until every thread has exited, except those still
-        running an abandoned job."""
-        if self._alive <= self._abandoned:
-            await trio.lowlevel.checkpoint()
-        else:
+        """Wait (after :meth:`stop`) until every thread has exited, those running an
+        abandoned job included (each exits when its backend call returns), and join them.
+
+        Call it shielded from cancellation: returning early would leave threads inside
+        backend calls whose graphs the caller is about to close.
+        """
+        if self._alive:
             self._quiet = trio.Event()
             await self._quiet.wait()
-        # Each has said it is exiting and only has to return: join them (microseconds),
-        # so that "stopped" means gone.
-        for thread in self._gone:
-            thread.join(timeout=1.0)
+        else:
+            await trio.lowlevel.checkpoint()
+        # Each thread has said it is exiting and only has to return: join them
+        # (microseconds), so that "stopped" means gone.
+        for worker in self._workers:
+            worker.thread.join()

@@ -90,12 +90,17 @@ class PoolConfig(_Strict):
     #: Which waiting request runs next: "priority" (priority, then deadline, then
     #: arrival) or "fair" (tenants in turn, priority order within each tenant).
     policy: Literal["priority", "fair"] = "priority"
-    #: Graphs whose runs on this pool's devices take less than this many microseconds
-    #: (moving average, after a few timed runs, for inputs no larger than those timed)
-    #: run inline on the event loop when the device is idle, instead of through a worker
-    #: thread: no thread hand-off, at the price of holding the loop for that long. A run
-    #: over 4x the bound sends the graph back to the worker threads. 0 = never inline.
-    inline_below_us: float = Field(default=100.0, ge=0, le=10_000)
+    #: Opt-in (0, the default, = never inline). Graphs whose runs on this pool's devices
+    #: took less than this many microseconds (moving average, after a few timed runs,
+    #: for inputs no larger than those timed) run inline on the event loop when the
+    #: device is idle and the request has no deadline, instead of through a worker
+    #: thread: no thread hand-off, at the price of holding the loop for the whole run.
+    #: The bound predicts from past runs, it does not limit: a run whose time depends on
+    #: its input values (an ONNX Loop's trip count) can block the loop, and every other
+    #: request, timeout and cancellation, for seconds. A run over 4x the bound sends the
+    #: graph back to the worker threads. Enable only for graphs whose run time is
+    #: bounded whatever their inputs.
+    inline_below_us: float = Field(default=0.0, ge=0, le=10_000)
 
     @model_validator(mode="after")
     def _devices_of_kind(self) -> PoolConfig:
@@ -145,10 +150,13 @@ class GuestsConfig(_Strict):
 
     Beyond a size limit the guest gets too-large. ``allowed_targets`` restricts the
     execution targets guests may ask for (None = every target); another target gives
-    component guests ``security`` and core-module guests ``unsupported_operation``.
+    component guests ``security`` and core-module guests ``invalid_argument`` (the legacy
+    ABI has no security errno); it applies to graphs loaded by name too.
     ``compute_timeout`` bounds one compute in seconds (None = no bound); past it the guest
     gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
-    ``max_scratch_bytes`` bounds a component guest's ``wasinn:nn/scratch`` directory.
+    ``max_scratch_bytes`` bounds a component guest's ``wasinn:nn/scratch`` directory;
+    ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
+    ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -158,6 +166,9 @@ class GuestsConfig(_Strict):
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
     max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
+    max_tensors: int = Field(default=4096, ge=1)
+    max_errors: int = Field(default=1024, ge=1)
+    max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
 
 
 def _default_pools() -> dict[str, PoolConfig]:
@@ -199,6 +210,13 @@ class RuntimeConfig(_Strict):
                     "expected one pool per device kind"
                 )
             kinds[pool.kind] = name
+        fallback = self.runtime.fallback
+        if fallback is not None and fallback not in kinds:
+            present = ", ".join(f"{n} ({k})" for k, n in kinds.items()) or "none"
+            raise ValueError(
+                f"runtime.fallback = {fallback!r} names a device kind no pool serves "
+                f"(pools: {present}): expected the kind of one of the pools, or no fallback"
+            )
         for name, pipeline in self.pipelines.items():
             if name in self.models:
                 raise ValueError(f"{name!r} names both a model and a pipeline: expected one")

@@ -133,9 +133,13 @@ class Graph:
                                           keep_on_device=keep_on_device)
 
     async def unload(self) -> None:
-        """End this handle; idempotent. Contexts already made keep working until closed."""
+        """End this handle; idempotent. Contexts already made keep working until closed.
+
+        Cancellation: the handle is ended and its reference released before the first
+        checkpoint, so a cancelled unload has still unloaded (a model no other handle or
+        context uses is freed on every device); the cancellation is raised after.
+        """
+        if not self._unloaded:
+            self._unloaded = True
+            self._executable.release()
         await trio.lowlevel.checkpoint()
-        if self._unloaded:
-            return
-        self._unloaded = True
-        self._executable.release()

@@ -11,7 +11,10 @@ Entering the runtime probes the devices its pools name (in a worker thread: prob
 import backend libraries), starts one :class:`~wasinn.actors.device.DeviceActor` per
 device with ``nursery.start`` (each reports ready only once its device is usable), and
 leaves them serving until the runtime is closed. Closing fails queued requests with
-ClosedResourceError and frees every compiled graph.
+ClosedResourceError, waits for the jobs already running in the actors' worker threads
+(abandoned ones included: a caller that timed out does not stop its backend call), joins
+those threads, then frees every compiled graph. A pool that finds no device is logged as
+a warning (logger ``wasinn.scheduler``).
 """
 
 from __future__ import annotations
@@ -182,8 +185,11 @@ class Runtime:
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
 
     async def aclose(self) -> None:
-        """Stop every actor: queued requests fail with ClosedResourceError, compiled graphs
-        are freed. Idempotent."""
+        """Stop every actor: queued requests fail with ClosedResourceError; returns once
+        every job running in a worker thread has finished (abandoned ones included: a
+        backend call cannot be interrupted, and a thread left in one at interpreter exit
+        would abort the process), the threads are joined and the compiled graphs freed.
+        That wait is shielded: cancelling the caller does not cut it short. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -214,10 +220,24 @@ class Runtime:
             devices = self._pool_devices(pool_name, pool, kind, registry)
             if devices:
                 registries[kind] = registry
+            else:
+                # Not an error (a config may list pools for hardware some hosts lack),
+                # but a runtime whose only pool found nothing cannot run anything: say so.
+                asked = ", ".join(n for n in (pool.backends or registry.installed())
+                                  if registry.is_installed(n)) or "none installed"
+                fallback = config.runtime.fallback
+                then = (f"{kind.value} targets fall back to {fallback}"
+                        if fallback and fallback != kind.value
+                        else f"{kind.value} targets get unsupported-operation")
+                log.warning("pool %s (kind %s): no device found (backends asked: %s); "
+                            "the pool has no actor, %s", pool_name, kind.value, asked, then)
             actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
                                    policy=POLICIES[pool.policy](),
                                    inline_below=pool.inline_below_us * 1e-6)
                        for d in devices]
+        if not actors:
+            log.warning("no pool found a device: this runtime can run no model (pools: %s)",
+                        ", ".join(config.pools) or "none")
         return actors, registries
 
     def _pool_devices(self, pool_name: str, pool: PoolConfig, kind: ExecutionTarget,

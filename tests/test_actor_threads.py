@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
+from tests.fake_backend import FakeBackend, FakeGraph
 from wasinn import BackendRuntimeError, ClosedResourceError, TimeoutError_
 from wasinn.actors import DeviceActor
 from wasinn.actors.inline import RunProfile
-from wasinn.backends.base import Device
-from wasinn.enums import ExecutionTarget
+from wasinn.backends.base import Builders, Device, LoadOptions
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.tensor import Tensor
 
 CPU = Device(ExecutionTarget.CPU)
 
@@ -81,27 +84,105 @@ async def test_closing_the_runtime_stops_the_worker_threads() -> None:
     assert not any(t.is_alive() for t in threads)
 
 
-async def test_close_does_not_wait_for_an_abandoned_job_whose_thread_exits_later() -> None:
+class RecordingGraph(FakeGraph):
+    """A fake compiled graph that logs when a run ends and when it is closed, and notes
+    a close that happens while a run is still going on."""
+
+    def __init__(self, backend: RecordingBackend, device: Device, add: float,
+                 gated: bool) -> None:
+        super().__init__(backend, device, add, gated)
+        self.log = backend.log
+        self.running = 0
+        self.started = backend.started
+
+    def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
+            keep_on_device: bool = False) -> dict[str, Tensor]:
+        self.running += 1
+        self.started.set()
+        try:
+            return super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
+        finally:
+            self.running -= 1
+            self.log.append("run ended")
+
+    def close(self) -> None:
+        self.log.append("closed while running" if self.running else "closed")
+        super().close()
+
+
+class RecordingBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__(devices=("cpu",))
+        self.log: list[str] = []
+        self.started = threading.Event()
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> RecordingGraph:
+        graph = super().load(builders, encoding, device, options)
+        return RecordingGraph(self, device, graph.add, graph.gated)
+
+
+async def _open_gate_once_all_wait(backend: RecordingBackend) -> None:
+    # Runs when every task is blocked, i.e. while the runtime's close waits for the
+    # abandoned run; logs first, so the log shows the close had not finished before.
+    await trio.testing.wait_all_tasks_blocked()
+    backend.log.append("gate opened")
+    backend.gate.set()
+
+
+async def test_closing_the_runtime_waits_for_an_abandoned_run_then_closes_its_graph() -> None:
+    import wasinn
+    from wasinn.configs.loader import parse_config
+
+    backend = RecordingBackend()
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["fake"]}}}, None)
+    async with trio.open_nursery() as nursery:
+        async with wasinn.Runtime(config, backends=[backend]) as rt:
+            (actor,) = rt.actors
+            threads = actor.threads.threads
+            graph = await rt.load([b"fake:add=1:gate"], "ggml", "cpu")
+            with trio.CancelScope() as scope:
+                nursery.start_soon(_cancel_when, backend.started, scope)
+                await graph.compute({"x": np.zeros((1, 4), np.float32)})
+            assert scope.cancelled_caught  # the caller gave up: the run is abandoned
+            assert actor.busy == 1 and backend.log == []  # still running
+            nursery.start_soon(_open_gate_once_all_wait, backend)
+        # The close returned only after the abandoned run ended, and closed the graph
+        # after that, never under it.
+        assert backend.log == ["gate opened", "run ended", "closed"]
+        assert actor.busy == 0 and actor.threads.abandoned == 0
+        assert threads and not any(t.is_alive() for t in threads)  # joined
+
+
+async def test_closing_an_actor_waits_for_an_abandoned_job_and_joins_its_thread() -> None:
     actor = DeviceActor(CPU, workers=1)
     gate, started = threading.Event(), threading.Event()
+    log: list[str] = []
 
     def stuck() -> str:
         started.set()
         gate.wait(timeout=30)
+        log.append("job ended")
         return "late"
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.serve)
-        (thread,) = actor.threads.threads
-        with trio.CancelScope() as scope:
-            nursery.start_soon(_cancel_when, started, scope)
-            await actor.execute(stuck)
-        assert scope.cancelled_caught and actor.busy == 1
-        nursery.cancel_scope.cancel()  # serve exits although the job still runs
-    assert thread.is_alive()
-    gate.set()
-    await trio.to_thread.run_sync(thread.join, 10)
-    assert not thread.is_alive()
+    async def open_gate() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        log.append("gate opened")
+        gate.set()
+
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            (thread,) = actor.threads.threads
+            with trio.CancelScope() as scope:
+                nursery.start_soon(_cancel_when, started, scope)
+                await actor.execute(stuck)
+            assert scope.cancelled_caught and actor.busy == 1
+            outer.start_soon(open_gate)
+            nursery.cancel_scope.cancel()  # serve exits only once the job has ended
+        assert log == ["gate opened", "job ended"]
+        assert not thread.is_alive() and actor.busy == 0
 
 
 async def _cancel_when(event: threading.Event, scope: trio.CancelScope) -> None:
@@ -285,6 +366,29 @@ async def test_no_inline_run_while_the_device_is_busy(inline_actor: DeviceActor)
         assert places == [] and inline_actor.load == 2  # queued, not run on the loop
         gate.set()
     assert places == ["worker"]
+
+
+async def test_a_request_with_a_deadline_is_never_run_inline(inline_actor: DeviceActor
+                                                             ) -> None:
+    # Qualifying is a prediction from past runs: a run whose time depends on its input
+    # values could hold the loop past any deadline, so such requests go to a thread.
+    profile = RunProfile()
+    for _ in range(RunProfile.WARMUP):
+        await run_where(inline_actor, profile)
+    assert profile.qualifies(16, BOUND)
+
+    async def with_deadline() -> str:
+        def record() -> int:
+            return threading.get_ident()
+
+        ident = await inline_actor.execute(record, profile=profile, nbytes=16,
+                                           deadline=trio.current_time() + 3600)
+        return "inline" if ident == threading.get_ident() else "worker"
+
+    assert await with_deadline() == "worker"
+    with trio.move_on_after(3600):  # a caller's own cancel scope with a deadline
+        assert await run_where(inline_actor, profile) == "worker"
+    assert await run_where(inline_actor, profile) == "inline"  # still qualifies
 
 
 async def test_inline_off_never_runs_on_the_loop(actor: DeviceActor) -> None:

@@ -13,9 +13,11 @@ import trio
 import trio.testing
 
 import wasinn
+from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
 from tests.support import require_backend
 from wasinn.actors.inline import RunProfile
-from wasinn.configs.loader import parse_config
+from wasinn.configs.loader import packaged_config, parse_config
+from wasinn.configs.schema import PoolConfig
 from wasinn.modelgen import affine_onnx
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
@@ -128,3 +130,35 @@ async def test_tiny_graphs_run_inline_only_when_configured(inline_below_us: floa
         big = np.ones((64, 4), np.float32)
         await ctx.compute({"x": big})
         assert cpu.threads.finished - before == in_workers + 1
+
+
+async def test_inline_runs_are_off_by_default() -> None:
+    require_backend("onnxruntime")
+    assert PoolConfig(kind="cpu").inline_below_us == 0
+    assert packaged_config().pools["cpu"].inline_below_us == 0
+    async with wasinn.Runtime() as rt:  # the embedded default config
+        (cpu,) = rt.actors
+        assert cpu.inline_below == 0
+        graph = await rt.load([affine_onnx()], "onnx")
+        before = cpu.threads.finished
+        for _ in range(RunProfile.WARMUP + 5):
+            await graph.compute({"x": X})
+        assert cpu.threads.finished - before == RunProfile.WARMUP + 5  # all in the thread
+
+
+async def test_a_qualified_graph_still_times_out_when_its_inputs_make_it_slow() -> None:
+    # The graph qualifies for inline runs by its input SIZE, but an ONNX Loop's run time
+    # depends on the VALUE of its trip count: a request with a timeout must not be run on
+    # the event loop, where it could neither be abandoned nor time out.
+    async with runtime(10_000) as rt:
+        (cpu,) = rt.actors
+        graph = await rt.load([loop_onnx()], "onnx")
+        for _ in range(RunProfile.WARMUP + 5):
+            out = await graph.compute(loop_inputs(1))
+        before = cpu.threads.finished
+        await graph.compute(loop_inputs(1))
+        assert cpu.threads.finished == before  # qualified: this one ran inline
+        with pytest.raises(wasinn.TimeoutError_):
+            await graph.compute(loop_inputs(LONG_LOOP), timeout=0.05)
+        assert cpu.threads.abandoned == 1  # it went to the worker thread, abandoned there
+    assert out["y"].numpy().tolist() == [[1.0] * 4]

@@ -3,9 +3,11 @@ unload, native tensors between computes, the loop never blocked, cancellation.""
 
 from __future__ import annotations
 
+import sys
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ import trio.testing
 
 import wasinn
 from tests.backend_models import affine
+from tests.loop_model import LONG_LOOP, loop_onnx
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
 from tests.support import require_backend, require_gpu
 from wasinn import (
@@ -349,6 +352,87 @@ async def test_cancelling_callers_with_a_real_backend(mobilenet: ModelFiles) -> 
 async def _cancel_after_blocked(scope: trio.CancelScope) -> None:
     await trio.testing.wait_all_tasks_blocked()
     scope.cancel()
+
+
+async def test_a_cancelled_unload_still_frees_the_model(rt: wasinn.Runtime) -> None:
+    (actor,) = rt.actors
+    graph = await rt.load([affine_onnx_bytes()], "onnx")
+    key = actor.session_keys()[-1]
+    session = actor.cached_session(key)
+    assert session is not None
+    with trio.CancelScope() as scope:
+        scope.cancel()  # e.g. a guest's timeout expiring while it unloads
+        await graph.unload()
+    assert scope.cancelled_caught
+    assert graph.unloaded and not actor.cached(key) and session.evicted
+    await graph.unload()  # idempotent
+
+
+async def test_a_cancelled_unload_still_frees_a_pipelines_steps(tmp_path: Path) -> None:
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx_bytes())
+    config = parse_config({
+        "models": {"a": {"files": ["affine.onnx"]}, "b": {"files": ["affine.onnx"]}},
+        "pipelines": {"twice": {"steps": [{"model": "a"}, {"model": "b"}]}},
+    }, tmp_path / "wasinn.toml")
+    async with wasinn.Runtime(config) as rt:
+        (actor,) = rt.actors
+        pipeline = await rt.load_by_name("twice")
+        assert isinstance(pipeline, wasinn.Pipeline) and len(actor.session_keys()) == 2
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await pipeline.unload()
+        assert scope.cancelled_caught
+        assert pipeline.unloaded and actor.session_keys() == []
+
+
+#: Run by a subprocess: a compute times out while ONNX Runtime is deep in a long Loop, so
+#: the run is abandoned and still going when the runtime closes and the process exits.
+ABANDON_AND_EXIT = """
+import sys
+
+import numpy as np
+import trio
+
+import wasinn
+
+
+async def main(path: str, m: int) -> None:
+    async with wasinn.Runtime() as rt:
+        (actor,) = rt.actors
+        threads = actor.threads.threads
+        graph = await rt.load([open(path, "rb").read()], "onnx")
+        inputs = {"m": np.array([m], np.int64), "x": np.zeros((1, 4), np.float32)}
+        try:
+            await graph.compute(inputs, timeout=0.05)
+            sys.exit("the run ended before its timeout: the loop is too short")
+        except wasinn.TimeoutError_:
+            pass
+        assert actor.busy == 1, "the run is not running any more"
+    assert actor.busy == 0, "the close did not wait"
+    assert not any(t.is_alive() for t in threads), "the worker threads were not joined"
+    print("closed cleanly")
+
+
+trio.run(main, sys.argv[1], int(sys.argv[2]))
+"""
+
+
+async def test_closing_with_an_abandoned_real_run_does_not_abort_the_process(
+        tmp_path: Path) -> None:
+    # Before the close waited for abandoned runs, the interpreter exited with a worker
+    # thread inside ONNX Runtime: "terminate called without an active exception", 134.
+    require_backend("onnxruntime")
+    model = tmp_path / "loop.onnx"
+    model.write_bytes(loop_onnx())
+    script = tmp_path / "abandon.py"
+    script.write_text(ABANDON_AND_EXIT)
+    done = await trio.run_process(
+        [sys.executable, str(script), str(model), str(LONG_LOOP)],
+        capture_stdout=True, capture_stderr=True, check=False)
+    stderr = done.stderr.decode(errors="replace")
+    assert "terminate called" not in stderr
+    assert done.returncode == 0, stderr
+    assert done.stdout.decode().strip() == "closed cleanly"
 
 
 async def test_runtime_must_be_entered_and_closes_cleanly() -> None:

@@ -4,6 +4,7 @@ inputs kept on their device, unload on every device, deadlines through the API."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -202,3 +203,24 @@ async def test_a_device_that_cannot_be_opened_fails_the_start(
     with pytest.raises(UnsupportedOperationError, match="gpu:1: cannot open the device: driver"):
         async with wasinn.Runtime(fake_config(), backends=[fake]):
             pass
+
+
+async def test_a_pool_that_finds_no_device_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # A CPU-only host with a gpu pool (devices = "auto"): not an error, but said loudly.
+    cpu_only = FakeBackend(devices=("cpu",))
+    with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+        async with wasinn.Runtime(fake_config(), backends=[cpu_only]) as rt:
+            assert [d.name for d in rt.devices] == ["cpu"]
+    (record,) = [r for r in caplog.records if r.name == "wasinn.scheduler"]
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert "pool gpu (kind gpu): no device found (backends asked: fake)" in message
+    assert "gpu targets get unsupported-operation" in message
+
+
+async def test_a_pool_that_finds_devices_logs_nothing(caplog: pytest.LogCaptureFixture,
+                                                     fake: FakeBackend) -> None:
+    with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+        async with wasinn.Runtime(fake_config(), backends=[fake]):
+            pass
+    assert not [r for r in caplog.records if r.name == "wasinn.scheduler"]
