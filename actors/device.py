@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import trio
 
@@ -61,6 +61,7 @@ from wasinn.errors import (
 
 from .devicectx import DeviceContext, context_for
 from .inline import RunProfile
+from .jobs import Wrap, backend_failure, in_context
 from .lease import Lease
 from .queue import PriorityDeadlinePolicy, QueuePolicy
 from .session import Session
@@ -109,7 +110,7 @@ class DeviceActor:
         self._sessions: dict[Hashable, Session] = {}
         self._compiling: dict[Hashable, _Compiling] = {}
         self._context: DeviceContext | None = None
-        self._wrap: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None
+        self._wrap: Wrap | None = None
         self._ready = False
         self._serving = False  # worker threads started and not yet waited for
         self._closed = False
@@ -256,7 +257,7 @@ class DeviceActor:
         # A compile takes one of the device's worker threads but no request slot, so it is
         # not counted as load twice. It is not abandoned on cancellation (the thread would
         # go on loading weights anyway): the result is cached for the next caller.
-        work = compile_graph if self._wrap is None else self._wrap(compile_graph)
+        work = in_context(compile_graph, self._wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             compiled: CompiledGraph = await self._threads.run(work, abandon_on_cancel=False)
@@ -334,16 +335,14 @@ class DeviceActor:
         await self._take_slot(priority, deadline, tenant)
         # From here the slot is freed when the worker thread has finished the job
         # (abandoned or not).
-        work: Callable[[], T] = job if self._wrap is None else self._wrap(job)
+        work = in_context(job, self._wrap)
         try:
             return await self._threads.run(work, abandon_on_cancel=True,
                                            on_done=self._slots.free)
         except WasiNNError:
             raise
         except Exception as exc:
-            raise BackendRuntimeError(
-                f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise backend_failure(self.device, exc) from exc
 
     def _timed(self, job: Callable[[], T], profile: RunProfile, nbytes: int
                 ) -> Callable[[], T]:
@@ -367,16 +366,14 @@ class DeviceActor:
     async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int) -> T:
         # On the trio thread, holding an idle slot: run, time it, free the slot, then
         # yield to the other tasks so that a stream of tiny requests cannot starve them.
-        work: Callable[[], T] = job if self._wrap is None else self._wrap(job)
+        work = in_context(job, self._wrap)
         start = time.perf_counter()
         try:
             result = work()
         except WasiNNError:
             raise
         except Exception as exc:
-            raise BackendRuntimeError(
-                f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise backend_failure(self.device, exc) from exc
         finally:
             profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
             self._slots.free()

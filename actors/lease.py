@@ -19,9 +19,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-from wasinn.errors import BackendRuntimeError, InvalidArgumentError, TimeoutError_, WasiNNError
+from wasinn.errors import InvalidArgumentError, TimeoutError_, WasiNNError
+
+from .jobs import Wrap, backend_failure, in_context
 
 T = TypeVar("T")
 
@@ -37,7 +39,7 @@ class Lease(Generic[T]):
     __slots__ = ("_done", "_lock", "_release", "_wrap", "device", "expires", "job")
 
     def __init__(self, device: str, job: Callable[[], T],
-                 wrap: Callable[[Callable[[], Any]], Callable[[], Any]] | None,
+                 wrap: Wrap | None,
                  release: Callable[[], None], expires: float) -> None:
         self.device = device
         self.job = job
@@ -60,14 +62,12 @@ class Lease(Generic[T]):
         """
         self._take()
         try:
-            work: Callable[[], T] = self.job if self._wrap is None else self._wrap(self.job)
+            work = in_context(self.job, self._wrap)
             result = work()
         except WasiNNError:
             raise
         except Exception as exc:
-            raise BackendRuntimeError(
-                f"{self.device}: the backend failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise backend_failure(self.device, exc) from exc
         finally:
             self._give_back()
         if time.perf_counter() > self.expires:

@@ -72,14 +72,21 @@ async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
             "([guests] compute_timeout)"
         ) from None
     except TooLargeError as exc:
-        if not bound:
-            raise
-        try:  # a dynamic output overflowed its buffer: report the sizes it needed
-            sizes = {name: ctx.get_output(name).nbytes for name in bound}
-        except WasiNNError:
-            raise exc from None
-        raise BoundTooSmall(exc.message, sizes) from None
+        raise _overflowed(exc, ctx, bound) from None
     return {name: ctx.get_output(name) for name in names}
+
+
+def _overflowed(exc: TooLargeError, ctx: ContextLike,
+                bound: dict[str, np.ndarray[Any, Any]]) -> WasiNNError:
+    """What to raise when a run reported too-large: with bound buffers, a dynamic output
+    overflowed one, so report the sizes each needed (BoundTooSmall); else ``exc``."""
+    if not bound:
+        return exc
+    try:
+        sizes = {name: ctx.get_output(name).nbytes for name in bound}
+    except WasiNNError:
+        return exc
+    return BoundTooSmall(exc.message, sizes)
 
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
@@ -103,13 +110,7 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     try:
         run.run()
     except TooLargeError as exc:
-        if not bound:
-            raise
-        try:  # a dynamic output overflowed its buffer: report the sizes it needed
-            sizes = {name: ctx.get_output(name).nbytes for name in bound}
-        except WasiNNError:
-            raise exc from None
-        raise BoundTooSmall(exc.message, sizes) from None
+        raise _overflowed(exc, ctx, bound) from None
     return {name: ctx.get_output(name) for name in names}
 
 
