@@ -154,7 +154,8 @@ class GuestsConfig(_Strict):
     ABI has no security errno); it applies to graphs loaded by name too.
     ``compute_timeout`` bounds one compute in seconds (None = no bound); past it the guest
     gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
-    ``max_scratch_bytes`` bounds a component guest's ``wasinn:nn/scratch`` directory;
+    ``max_scratch_bytes``/``max_scratch_files`` bound a component guest's
+    ``wasinn:nn/scratch`` directory (bytes, entries);
     ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
     ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
     """
@@ -166,6 +167,7 @@ class GuestsConfig(_Strict):
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
     max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
+    max_scratch_files: int = Field(default=10_000, ge=1)
     max_tensors: int = Field(default=4096, ge=1)
     max_errors: int = Field(default=1024, ge=1)
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)

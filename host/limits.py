@@ -19,8 +19,9 @@ class GuestLimits:
     errno, so core modules see ``invalid_argument``). ``compute_timeout``: seconds one
     compute may take (None = unbounded); past it the request is cancelled and the guest
     gets ``timeout`` (core modules: ``runtime_error``). ``max_scratch_bytes``: what a
-    component guest may keep in its ``wasinn:nn/scratch`` directory; the host checks it
-    while the guest runs and stops a guest that goes over (a trap naming the limit).
+    component guest may keep in its ``wasinn:nn/scratch`` directory (all entries' allocated
+    blocks), ``max_scratch_files`` how many entries; the host checks both while the guest
+    runs and after each call, and stops a guest that goes over (a trap naming the limit).
 
     Component guests only: ``max_tensors``/``max_errors``: live ``tensor``/``error``
     handles; ``max_live_tensor_bytes``: the tensor data a guest holds at once (its live
@@ -37,6 +38,7 @@ class GuestLimits:
     allowed_targets: frozenset[ExecutionTarget] | None = None
     compute_timeout: float | None = None
     max_scratch_bytes: int = 2 * 1024**3
+    max_scratch_files: int = 10_000
     max_tensors: int = 4096
     max_errors: int = 1024
     max_live_tensor_bytes: int = 4 * 1024**3
@@ -67,6 +69,7 @@ def limits_of(runtime: object) -> GuestLimits:
         else frozenset(ExecutionTarget.coerce(t) for t in targets),
         compute_timeout=getattr(section, "compute_timeout", None),
         max_scratch_bytes=section.max_scratch_bytes,
+        max_scratch_files=section.max_scratch_files,
         max_tensors=section.max_tensors,
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,

@@ -407,13 +407,54 @@ async def test_a_guest_over_its_scratch_quota_is_stopped(rt: RecordingRuntime) -
     assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
 
 
-def test_usage_counts_files_at_any_depth(tmp_path: Path) -> None:
+def test_usage_counts_every_entry_at_any_depth(tmp_path: Path) -> None:
     scratch = ScratchDir(tmp_path)
     try:
         (scratch.path / "a.bin").write_bytes(bytes(10_000))
         (scratch.path / "sub").mkdir()
         (scratch.path / "sub" / "b.bin").write_bytes(bytes(20_000))
-        os.symlink("/etc/hostname", scratch.path / "link")  # not followed, not counted
-        assert 30_000 <= scratch.usage() < 40_000
+        os.symlink("/etc/hostname", scratch.path / "link")  # counted, not followed
+        usage = scratch.usage()
+        assert usage.entries == 4
+        assert 30_000 <= usage.nbytes < 60_000
+        # The scan stops early past a bound, so measuring cannot be made slow.
+        assert scratch.usage(max_entries=2).entries == 3
     finally:
         scratch.remove()
+
+
+async def test_short_calls_over_the_quota_are_caught_when_they_return(
+        rt: RecordingRuntime) -> None:
+    # Each write-file call is shorter than the watcher's poll interval: the check at the
+    # end of every call must catch the first one that goes over.
+    guest, g = await start(rt, limits=GuestLimits(max_scratch_bytes=200_000))
+    async with guest:
+        await g.write("a.bin", bytes(90_000))
+        await g.write("b.bin", bytes(90_000))
+        with pytest.raises(GuestTrap, match=r"over the limit of 200000"):
+            await g.write("c.bin", bytes(90_000))
+        # The guest stays stopped, and says why, on every later call.
+        with pytest.raises(GuestTrap, match=r"max_scratch_bytes"):
+            await g.write("d.bin", b"x")
+
+
+async def test_many_small_files_hit_the_entry_limit(rt: RecordingRuntime) -> None:
+    guest, g = await start(rt, limits=GuestLimits(max_scratch_files=3))
+    async with guest:
+        for name in ("a", "b", "c"):
+            await g.write(name, b"x")
+        with pytest.raises(GuestTrap, match=r"more than 3 entries"):
+            await g.write("d", b"x")
+
+
+async def test_tensor_to_scratch_refuses_to_grow_past_the_quota(rt: RecordingRuntime) -> None:
+    image = sample_image(seed=5)  # 602,112 bytes: a whole number of 4 KiB blocks
+    guest, g = await start(rt, limits=GuestLimits(max_scratch_bytes=1_000_000))
+    async with guest:
+        await g.write("in.bin", image.tobytes())
+        t = await g.from_scratch("in.bin", list(IMAGE_SHAPE))
+        # A second copy would bring the directory to 1,204,224 bytes: refused up front.
+        code, message = await g.err("to-scratch", t, "copy.bin")
+        assert code == "too-large" and "max_scratch_bytes" in message
+        assert not (guest.scratch.path / "copy.bin").exists()  # type: ignore[union-attr]
+        await g("tensor-drop", t)

@@ -30,7 +30,7 @@ import wasmtime.component as wc
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component import fastlist
 from wasinn.host.component.linking import nn_linker
-from wasinn.host.component.scratch import GUEST_PATH, ScratchDir
+from wasinn.host.component.scratch import GUEST_PATH, ScratchDir, quota_exceeded
 from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
@@ -80,6 +80,8 @@ class ComponentGuest:
         self.instance: wc.Instance | None = None
         self._closed = False
         self._busy = False
+        #: Why the host stopped this guest for good (its scratch quota), if it did.
+        self._stopped: str | None = None
 
     @classmethod
     async def start(
@@ -166,6 +168,8 @@ class ComponentGuest:
         when the guest traps (the instance cannot be entered again afterwards).
         Cancellation interrupts the guest; it is dead afterwards.
         """
+        if self._stopped is not None:
+            raise GuestTrap(self._stopped)
         if self._closed or self.store is None:
             raise InvalidArgumentError(f"{self.program} is closed")
         if self._busy:
@@ -199,35 +203,44 @@ class ComponentGuest:
                 if not finished:
                     self.interrupter.request()
 
-        over_quota: list[int] = []
+        over_quota: list[str] = []
+        scratch = self.service.scratch
 
         async def watch_scratch(scratch: ScratchDir) -> None:
             # WASI has no quota: the guest's file writes go straight to the host's disk
-            # (or /dev/shm), so the host measures and stops a guest that writes too much.
-            limit = self.service.limits.max_scratch_bytes
+            # (or /dev/shm), so the host measures while the guest runs and stops it.
             while True:
-                await trio.sleep(SCRATCH_POLL_SECONDS)
-                used = await trio.to_thread.run_sync(scratch.usage)
-                if used > limit:
-                    over_quota.append(used)
+                reason = await self._scratch_over_quota(scratch)
+                if reason is not None:
+                    over_quota.append(reason)
                     self.interrupter.request()
                     return
+                await trio.sleep(SCRATCH_POLL_SECONDS)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(guest)
             nursery.start_soon(stop_on_cancel)
-            if self.service.scratch is not None:
-                nursery.start_soon(watch_scratch, self.service.scratch)
+            if scratch is not None:
+                nursery.start_soon(watch_scratch, scratch)
         assert result is not None
-        if over_quota and isinstance(result, outcome.Error):
-            raise GuestTrap(
-                f"{self.program} was stopped: its scratch directory holds {over_quota[0]} "
-                f"bytes, over the limit of {self.service.limits.max_scratch_bytes} "
-                "([guests] max_scratch_bytes)"
-            )
+        if scratch is not None and not over_quota:
+            # A call shorter than the poll interval is measured here, once it returned.
+            reason = await self._scratch_over_quota(scratch)
+            if reason is not None:
+                over_quota.append(reason)
+        if over_quota:
+            # The guest is stopped for good: this and every later call say why.
+            self._stopped = f"{self.program} was stopped: {over_quota[0]}"
+            self.interrupter.request()
+            raise GuestTrap(self._stopped)
         if isinstance(result, outcome.Error) and self.interrupter.requested:
             await trio.lowlevel.checkpoint()  # let the cancellation be what the caller sees
         return result.unwrap()
+
+    async def _scratch_over_quota(self, scratch: ScratchDir) -> str | None:
+        limits = self.service.limits
+        usage = await trio.to_thread.run_sync(scratch.usage, limits.max_scratch_files)
+        return quota_exceeded(usage, limits.max_scratch_bytes, limits.max_scratch_files)
 
     @property
     def scratch(self) -> ScratchDir | None:

@@ -34,6 +34,7 @@ import shutil
 import stat
 import tempfile
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,25 @@ def _cleanup(path: str, fd: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Usage:
+    """What a scratch directory holds: allocated bytes and entries (files, directories)."""
+
+    nbytes: int
+    entries: int
+
+
+def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int) -> str | None:
+    """Why ``usage`` is over the guest's scratch limits, or None when it is within them."""
+    if usage.entries > max_entries:
+        return (f"its scratch directory holds more than {max_entries} entries "
+                "([guests] max_scratch_files)")
+    if usage.nbytes > max_bytes:
+        return (f"its scratch directory holds {usage.nbytes} bytes, over the limit of "
+                f"{max_bytes} ([guests] max_scratch_bytes)")
+    return None
+
+
 class ScratchDir:
     """One guest's scratch directory on the host. Not thread-safe: one guest thread."""
 
@@ -142,24 +162,29 @@ class ScratchDir:
         """Delete the directory and everything the guest left in it. Idempotent."""
         self._finalizer()
 
-    def usage(self) -> int:
-        """Bytes the files under this directory take (any depth; links are not followed)."""
-        total = 0
+    def usage(self, max_entries: int | None = None) -> Usage:
+        """What the guest keeps here: bytes of every entry (files, directories, links,
+        counted in allocated blocks) and the number of entries, at any depth, links not
+        followed. With ``max_entries`` the scan stops once more than that many are seen
+        (so a guest cannot make the host's measurement itself slow)."""
+        nbytes = entries = 0
         stack = [str(self.path)]
         while stack:
             try:
-                entries = list(os.scandir(stack.pop()))
+                found = list(os.scandir(stack.pop()))
             except OSError:  # removed or replaced meanwhile: nothing of ours to count
                 continue
-            for entry in entries:
+            for entry in found:
+                entries += 1
+                if max_entries is not None and entries > max_entries:
+                    return Usage(nbytes, entries)
                 try:
+                    nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
-                    elif entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
                 except OSError:
                     continue
-        return total
+        return Usage(nbytes, entries)
 
     def _require_open(self) -> None:
         if self.removed:

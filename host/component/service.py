@@ -50,7 +50,7 @@ from wasinn.errors import (
     WasiNNError,
     error_for_code,
 )
-from wasinn.host.component.scratch import ScratchDir
+from wasinn.host.component.scratch import ScratchDir, Usage, quota_exceeded
 from wasinn.host.component.tables import (
     ContextEntry,
     GraphEntry,
@@ -217,7 +217,14 @@ class NNService:
     def tensor_to_scratch(self, rep: int, name: str) -> int:
         """``wasinn:nn/scratch.tensor-to-scratch``: the tensor's bytes into a scratch file."""
         data = self.tensor_bytes(rep)
-        return self._scratch().write_tensor(name, data, self.limits.max_tensor_bytes)
+        scratch = self._scratch()
+        limits = self.limits
+        usage = scratch.usage(limits.max_scratch_files)
+        grown = Usage(usage.nbytes + len(data), usage.entries + 1)
+        reason = quota_exceeded(grown, limits.max_scratch_bytes, limits.max_scratch_files)
+        if reason is not None:
+            raise TooLargeError(f"writing {len(data)} bytes to {name!r}: {reason}")
+        return scratch.write_tensor(name, data, limits.max_tensor_bytes)
 
     def _scratch(self) -> ScratchDir:
         if self.scratch is None:
