@@ -21,7 +21,8 @@ CFLAGS = ("--target=wasm32-wasi", "-O2", "-Wall", "-Wextra")
 
 
 def examples_dir() -> Path | None:
-    """The ``examples/`` folder of a source checkout, or None in an installed wheel."""
+    """The example C guests: ``examples/`` of a source checkout, or the copy an installed
+    wheel ships as ``wasinn/examples`` (None if neither is there)."""
     here = Path(__file__).resolve().parent.parent / "examples"
     return here if (here / "wasi_nn.h").is_file() else None
 

@@ -83,5 +83,6 @@ def test_wheel_installs_only_the_wasinn_namespace(tmp_path: Path) -> None:
     assert "wasinn/py.typed" in names
     assert "wasinn/configs/default.toml" in names
     assert any(n.startswith("wasinn/wit/") and n.endswith((".wit", ".witx")) for n in names)
+    assert "wasinn/examples/classify.c" in names and "wasinn/examples/wasi_nn.h" in names
     for sub in ("backends", "actors", "scheduler", "host"):
         assert f"wasinn/{sub}/__init__.py" in names
