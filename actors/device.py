@@ -35,22 +35,32 @@ timeout or cancellation is served. Requests with a deadline are therefore never 
 inline. Enable it only for graphs whose run time is bounded whatever their inputs.
 
 Cancellation: a caller cancelled while queued is removed from the queue and never runs;
-cancelled while running, its job is abandoned (the worker thread runs it to completion
-and keeps its slot until then, so a device never runs more than ``workers`` jobs) and the
-result is dropped. Closing the actor waits for abandoned jobs too, before it closes the
-graphs they run. A job's exception fails that request only.
+cancelled while running (or past its deadline), its job is abandoned: the job's
+:class:`~wasinn.backends.base.Cancellation` is cancelled, which ends an ONNX Runtime or
+OpenVINO run within milliseconds (a torch run goes on to its end), the result is dropped,
+and the worker thread keeps the job's slot until the backend call has returned, so a
+device never runs more than ``workers`` jobs. A job's exception fails that request only.
+
+Closing cancels every running job (worker threads' and leases'; their callers get
+ClosedResourceError) and waits for them at most ``close_timeout`` seconds. Past it (a
+backend call that ignores cancellation), an error is logged naming the device and the
+jobs still running, and the actor returns anyway: the graphs those jobs run on are closed
+only when each job ends (by its daemon thread), and the device context is left open.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 import trio
 
-from wasinn.backends.base import CompiledGraph, Device
+from wasinn.backends.base import Cancellation, CompiledGraph, Device
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -69,6 +79,8 @@ from .slots import Slots
 from .workers import WorkerThreads
 
 T = TypeVar("T")
+
+log = logging.getLogger("wasinn.actors")
 
 
 class _Compiling:
@@ -92,9 +104,14 @@ class DeviceActor:
         queue_limit: int = 1024,
         policy: QueuePolicy | None = None,
         inline_below: float = 0.0,
+        close_timeout: float = 10.0,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        if not close_timeout >= 0:
+            raise ValueError("close_timeout must be >= 0 seconds")
+        #: How long closing waits for cancelled jobs to end (seconds) before giving up.
+        self.close_timeout = close_timeout
         if not inline_below >= 0:
             raise ValueError("inline_below must be >= 0 seconds")
         #: Jobs of graphs whose runs take less (seconds) may run inline (0 = never).
@@ -115,6 +132,8 @@ class DeviceActor:
         self._serving = False  # worker threads started and not yet waited for
         self._closed = False
         self._compiles = 0
+        self._leases_lock = threading.Lock()
+        self._leases: set[Cancellation] = set()  # runs of leases in progress
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -126,10 +145,11 @@ class DeviceActor:
         cancelled.
 
         Raises UnsupportedOperationError (before reporting ready) when the device cannot be
-        opened. On exit (shielded from cancellation), queued callers get
-        ClosedResourceError, the worker threads finish the jobs they hold (abandoned ones
-        included) and are joined, and only then are the cached graphs and the device
-        context closed (see :meth:`close`).
+        opened. On exit (shielded from cancellation, bounded by ``close_timeout``): queued
+        callers get ClosedResourceError, running jobs are cancelled, the worker threads
+        finish them and are joined, and only then are the cached graphs and the device
+        context closed (see :meth:`close` and the module docstring for jobs that outlive
+        ``close_timeout``).
         """
         try:
             # In a worker thread: finding out what the device needs may import torch.
@@ -152,14 +172,21 @@ class DeviceActor:
         finally:
             self.close()
             with trio.CancelScope(shield=True):
-                # Threads finish the jobs already handed to them, then exit; one still
-                # running an abandoned job exits when that backend call returns (a
-                # backend call always ends). Only then are the graphs and the device
-                # context closed: never under a running job, and never left to a thread
-                # the interpreter would kill inside native code at exit.
-                await self._threads.wait_stopped()
+                # Threads finish the (cancelled) jobs handed to them, then exit. Only then
+                # are the graphs and the device context closed: never under a running
+                # job, and never left to a thread the interpreter would kill inside
+                # native code at exit. A call that ignores cancellation may never end,
+                # so the wait is bounded.
+                stragglers = await self._threads.wait_stopped(self.close_timeout)
             self._serving = False
-            self._release_all()
+            if stragglers:
+                log.error(
+                    "%s: %d job(s) still running %g s after the device closed and "
+                    "cancelled them (the backend ignores cancellation): %s; their threads "
+                    "are left running, the graphs they use are closed when they end, the "
+                    "device context is left open", self.device, len(stragglers),
+                    self.close_timeout, "; ".join(stragglers))
+            self._release_all(close_context=not stragglers)
 
     def _open_context(self) -> DeviceContext:
         context = context_for(self.device)
@@ -179,17 +206,22 @@ class DeviceActor:
         if self._closed:
             return
         self._closed = True
-        self._threads.stop()
+        self._threads.stop()  # cancels the jobs running in the worker threads
+        with self._leases_lock:
+            leases = list(self._leases)
+        for cancellation in leases:
+            cancellation.cancel()
         self._slots.close()
         if not self._serving:
             self._release_all()
 
-    def _release_all(self) -> None:
-        # Evict every cached graph and close the device context: only once no worker
-        # thread can be running a job (see close).
+    def _release_all(self, *, close_context: bool = True) -> None:
+        # Evict every cached graph (a session still used by a job that outlived the close
+        # is closed by that job's thread when it ends) and close the device context: only
+        # once no worker thread runs a job on it (see close).
         for key in list(self._sessions):
             self.evict(key)
-        if self._context is not None:
+        if self._context is not None and close_context:
             self._context.close()
             self._context = None
 
@@ -260,7 +292,8 @@ class DeviceActor:
         work = in_context(compile_graph, self._wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            compiled: CompiledGraph = await self._threads.run(work, abandon_on_cancel=False)
+            compiled: CompiledGraph = await self._threads.run(work, abandon_on_cancel=False,
+                                                              label="compile")
         except WasiNNError:
             raise
         except Exception as exc:
@@ -297,6 +330,7 @@ class DeviceActor:
         tenant: str = "",
         profile: RunProfile | None = None,
         nbytes: int | None = None,
+        label: str = "run",
     ) -> T:
         """Run ``job`` in one of this device's worker threads and return its result.
 
@@ -311,7 +345,8 @@ class DeviceActor:
         actor is closed, TooLargeError when the queue is full, TimeoutError_ when
         ``deadline`` (trio time) passes first (queued requests are dropped, a running one
         is abandoned), and BackendRuntimeError for an exception that is not a WasiNNError
-        (those propagate as they are). Cancellation: see the module docstring.
+        (those propagate as they are). Cancellation: see the module docstring. ``label``
+        names the job in diagnostics (the close-timeout error).
         """
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
@@ -324,21 +359,21 @@ class DeviceActor:
                 return await self._run_inline(job, profile, nbytes)
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:
-            return await self._execute(job, priority, deadline, tenant)
+            return await self._execute(job, priority, deadline, tenant, label)
         with trio.move_on_at(deadline) as scope:
-            return await self._execute(job, priority, deadline, tenant)
+            return await self._execute(job, priority, deadline, tenant, label)
         assert scope.cancelled_caught
         raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
-                       tenant: str) -> T:
+                       tenant: str, label: str) -> T:
         await self._take_slot(priority, deadline, tenant)
         # From here the slot is freed when the worker thread has finished the job
         # (abandoned or not).
         work = in_context(job, self._wrap)
         try:
             return await self._threads.run(work, abandon_on_cancel=True,
-                                           on_done=self._slots.free)
+                                           on_done=self._slots.free, label=label)
         except WasiNNError:
             raise
         except Exception as exc:
@@ -406,7 +441,7 @@ class DeviceActor:
                 raise TimeoutError_(
                     f"{self.device}: the request's deadline passed before it started")
             expires = time.perf_counter() + (deadline - trio.current_time())
-        return Lease(str(self.device), job, self._wrap, self._slots.free_from_thread, expires)
+        return self._new_lease(job, expires)
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None
                   ) -> Lease[T] | None:
@@ -419,7 +454,24 @@ class DeviceActor:
         if not self._slots.try_take():
             return None
         expires = math.inf if timeout is None else time.perf_counter() + timeout
-        return Lease(str(self.device), job, self._wrap, self._slots.free_from_thread, expires)
+        return self._new_lease(job, expires)
+
+    def _new_lease(self, job: Callable[[], T], expires: float) -> Lease[T]:
+        # A lease's run is cancelled if the actor closes meanwhile (see close).
+        cancellation = Cancellation()
+        with self._leases_lock:
+            self._leases.add(cancellation)
+            closed = self._closed
+        if closed:  # closed between the slot and now: the run fails at once
+            cancellation.cancel()
+        return Lease(str(self.device), job, self._wrap,
+                     functools.partial(self._lease_done, cancellation), expires, cancellation)
+
+    def _lease_done(self, cancellation: Cancellation) -> None:
+        # From the lease holder's thread: forget the run, give its slot back.
+        with self._leases_lock:
+            self._leases.discard(cancellation)
+        self._slots.free_from_thread()
 
     async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
         await self._slots.take(priority, deadline, tenant)

@@ -11,7 +11,9 @@ when a slot is free and nobody is queued (:meth:`DeviceActor.try_lease`, see
 :mod:`wasinn.actors.slots`).
 
 A lease cannot be abandoned: its job runs in the caller's own thread, which waits for
-it. Whoever holds one must call :meth:`Lease.run` (or :meth:`Lease.cancel`) exactly once.
+it. Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`) only when the
+device actor closes; it then raises ClosedResourceError. Whoever holds one must call
+:meth:`Lease.run` (or :meth:`Lease.cancel`) exactly once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from wasinn.errors import InvalidArgumentError, TimeoutError_, WasiNNError
+from wasinn.backends.base import Cancellation, running_under
+from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_, WasiNNError
 
 from .jobs import Wrap, backend_failure, in_context
 
@@ -36,11 +39,15 @@ class Lease(Generic[T]):
     at its deadline would be (a lease cannot be interrupted, so that happens late).
     """
 
-    __slots__ = ("_done", "_lock", "_release", "_wrap", "device", "expires", "job")
+    __slots__ = ("_done", "_lock", "_release", "_wrap", "cancellation", "device", "expires",
+                 "job")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
-                 release: Callable[[], None], expires: float) -> None:
+                 release: Callable[[], None], expires: float,
+                 cancellation: Cancellation | None = None) -> None:
+        #: Cancelled when the device closes during the run (None: never).
+        self.cancellation = cancellation
         self.device = device
         self.job = job
         self.expires = expires
@@ -57,16 +64,22 @@ class Lease(Generic[T]):
 
         Call it from a thread that is not trio's (in trio it would block the event loop).
         Raises what the job raises (a WasiNNError as it is, any other exception as
-        BackendRuntimeError), TimeoutError_ when the run ended past ``expires``, and
+        BackendRuntimeError), TimeoutError_ when the run ended past ``expires``,
+        ClosedResourceError when the device closed and cancelled the run, and
         InvalidArgumentError when the lease was already used or cancelled.
         """
         self._take()
+        cancellation = self.cancellation
         try:
             work = in_context(self.job, self._wrap)
-            result = work()
-        except WasiNNError:
-            raise
+            with running_under(cancellation):
+                result = work()
         except Exception as exc:
+            if cancellation is not None and cancellation.cancelled:
+                raise ClosedResourceError(
+                    f"{self.device}: the device closed while the request ran") from exc
+            if isinstance(exc, WasiNNError):
+                raise
             raise backend_failure(self.device, exc) from exc
         finally:
             self._give_back()

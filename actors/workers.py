@@ -10,47 +10,62 @@ caller sits with ``trio.lowlevel.wait_readable``: the caller resumes in trio's n
 batch, without the extra task hop of ``TrioToken.run_sync_soon`` (measured: ~25 % less
 per round trip than run_sync_soon + reschedule, ~40 % less than ``to_thread``).
 
-Cancellation: a waiting caller either abandons the job (the thread runs it to the end
-and the outcome is dropped; a trio system task waits for the thread to become free) or,
-for jobs that must not be abandoned (compiles), keeps waiting, returns the result and
-sees the cancellation at its next checkpoint, as ``to_thread.run_sync`` without
-``abandon_on_cancel`` does. ``on_done`` runs in trio when
-the thread has really finished the job, abandoned or not: the actor frees the job's
-worker slot there, so a device never runs more than ``count`` jobs at once.
+Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
+(the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
+into their library's own interruption (ONNX Runtime's terminate flag, OpenVINO's
+``InferRequest.cancel``). A waiting caller either abandons the job: the job is cancelled
+(an interruptible backend call ends within milliseconds, torch's runs to its end), the
+outcome is dropped, and a trio system task waits for the thread to become free; or, for
+jobs that must not be abandoned (compiles), keeps waiting, returns the result and sees
+the cancellation at its next checkpoint, as ``to_thread.run_sync`` without
+``abandon_on_cancel`` does. ``on_done`` runs in trio when the thread has really finished
+the job, abandoned or not: the actor frees the job's worker slot there, so a device never
+runs more than ``count`` jobs at once.
 
-Shutdown: :meth:`stop` lets every thread finish the jobs already queued, then exit;
-:meth:`wait_stopped` waits for every thread, those still running an abandoned job
-included, and joins them. It must: a backend call cannot be interrupted, and a thread
-left inside native code (ONNX Runtime, OpenVINO, torch) when the interpreter exits is
-killed there, which aborts the process ("terminate called without an active exception").
-So an abandoned job delays the actor's close until its backend call returns, and only
-then may the actor close the graphs the job ran on. The threads are still daemons, as a
-last resort for a process that never closes its runtime.
+Shutdown: :meth:`stop` cancels every job handed to a thread and tells each thread to exit
+after it; :meth:`wait_stopped` waits, for at most a given time, for every thread, and
+joins those that exited. Waiting matters: a thread left inside native code (ONNX
+Runtime, OpenVINO, torch) when the interpreter exits is killed there, which aborts the
+process ("terminate called without an active exception"), and the graphs a job runs on
+must not be closed under it. But a call that ignores cancellation (torch, an OpenVINO
+Loop node) may run for ever, so the wait is bounded: past it, the jobs still running are
+reported and their threads left behind as daemons.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import outcome
 import trio
 
+from wasinn.backends.base import Cancellation, running_under
 from wasinn.errors import ClosedResourceError
 
 T = TypeVar("T")
 
 
 class _Job:
-    __slots__ = ("fn", "result")
+    __slots__ = ("abandoned", "cancellation", "fn", "label", "result", "started")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], label: str) -> None:
         self.fn: Callable[[], Any] | None = fn
         self.result: outcome.Outcome[Any] | None = None
+        self.cancellation = Cancellation()
+        self.label = label
+        self.started = math.nan  # when handed to a thread
+        self.abandoned = False
+
+    def describe(self) -> str:
+        state = ", abandoned" if self.abandoned else ""
+        return f"{self.label} (for {time.monotonic() - self.started:.1f} s{state})"
 
 
 class _Worker:
@@ -101,6 +116,8 @@ class WorkerThreads:
         self.finished = 0
         self._abandoned = 0
         self._quiet: trio.Event | None = None
+        self._running: dict[_Worker, _Job] = {}  # jobs handed to a thread, not finished
+        self._exited_workers: set[_Worker] = set()
 
     def __repr__(self) -> str:
         return f"<WorkerThreads {self.name} alive={self._alive} busy={self.busy}>"
@@ -127,18 +144,25 @@ class WorkerThreads:
             self._idle.append(worker)
             self._alive += 1
 
+    def running_jobs(self) -> list[str]:
+        """The jobs handed to a thread and not finished yet, described (label, age,
+        abandoned or not), for diagnostics."""
+        return [job.describe() for job in self._running.values()]
+
     async def run(self, fn: Callable[[], T], *, abandon_on_cancel: bool,
-                  on_done: Callable[[], None] | None = None) -> T:
+                  on_done: Callable[[], None] | None = None, label: str = "job") -> T:
         """Run ``fn`` in one of the threads; its result, or the exception it raised.
 
-        Raises ClosedResourceError once stopped (or before ``start``). Cancellation: see
-        the module docstring; ``on_done`` runs in trio once the job is over: finished by
-        its thread (abandoned or not), or never started (cancelled or stopped while
-        waiting for a free thread). A job handed to a thread always runs: callers check
-        for cancellation before they commit to a job.
+        Raises ClosedResourceError once stopped (or before ``start``), and when the job
+        failed because :meth:`stop` cancelled it. Cancellation: see the module
+        docstring; ``on_done`` runs in trio once the job is over: finished by its thread
+        (abandoned or not), or never started (cancelled or stopped while waiting for a
+        free thread). A job handed to a thread always starts (under a cancellation that
+        is already set if it was abandoned meanwhile): callers check for cancellation
+        before they commit to a job. ``label`` names the job in diagnostics.
         """
         self._check_running()
-        job = _Job(fn)
+        job = _Job(fn, label)
         self.busy += 1
         try:
             while not self._idle:  # every thread busy (compiles, abandoned jobs)
@@ -150,11 +174,16 @@ class WorkerThreads:
                 on_done()
             raise
         worker = self._idle.pop()
+        job.started = time.monotonic()
+        self._running[worker] = job
         worker.inbox.put(job)
         try:
             await trio.lowlevel.wait_readable(worker.reader)
         except BaseException:
             if abandon_on_cancel:
+                # Nobody wants the result: interrupt the backend call where it can be.
+                job.abandoned = True
+                job.cancellation.cancel()
                 self._abandoned += 1
                 trio.lowlevel.spawn_system_task(self._reap, worker, on_done,
                                                 name=f"{self.name} abandoned job")
@@ -166,6 +195,10 @@ class WorkerThreads:
         self._finish(worker, on_done)
         result, job.result = job.result, None
         assert result is not None
+        if isinstance(result, outcome.Error) and job.cancellation.cancelled and self._stopped:
+            raise ClosedResourceError(
+                f"{self.name}: the device closed while the job ran (it was cancelled)"
+            ) from result.error
         value: T = result.unwrap()
         return value
 
@@ -179,7 +212,8 @@ class WorkerThreads:
             while (job := worker.inbox.get()) is not None:
                 fn, job.fn = job.fn, None  # drop the job's references (inputs) once run
                 assert fn is not None
-                job.result = outcome.capture(fn)
+                with running_under(job.cancellation):
+                    job.result = outcome.capture(fn)
                 try:
                     worker.writer.send(b"\0")
                 except OSError:
@@ -195,6 +229,7 @@ class WorkerThreads:
         # In trio, once the worker signalled: consume the byte, make the thread idle.
         with contextlib.suppress(BlockingIOError):
             worker.reader.recv(16)
+        self._running.pop(worker, None)
         self.busy -= 1
         self.finished += 1
         if self._stopped:
@@ -218,6 +253,7 @@ class WorkerThreads:
         self._check_quiet()
 
     def _exited(self, worker: _Worker) -> None:
+        self._exited_workers.add(worker)
         self._alive -= 1
         self._check_quiet()
 
@@ -226,10 +262,13 @@ class WorkerThreads:
             self._quiet.set()
 
     def stop(self) -> None:
-        """No new jobs; every thread exits after its current job. Idempotent."""
+        """No new jobs; every job handed to a thread is cancelled (see the module
+        docstring); every thread exits after its current job. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
+        for job in list(self._running.values()):
+            job.cancellation.cancel()
         for worker in self._workers:
             worker.inbox.put(None)
         for worker in self._idle:
@@ -237,19 +276,27 @@ class WorkerThreads:
         self._idle.clear()
         self._free.unpark_all()
 
-    async def wait_stopped(self) -> None:
-        """Wait (after :meth:`stop`) until every thread has exited, those running an
-        abandoned job included (each exits when its backend call returns), and join them.
+    async def wait_stopped(self, timeout: float = math.inf) -> list[str]:
+        """Wait (after :meth:`stop`) until every thread has exited, for at most
+        ``timeout`` seconds, and join those that did. Returns the jobs still running
+        (described, see :meth:`running_jobs`): empty when every thread is gone.
 
         Call it shielded from cancellation: returning early would leave threads inside
-        backend calls whose graphs the caller is about to close.
+        backend calls whose graphs the caller is about to close. A job still running
+        past ``timeout`` (a backend call that ignores cancellation) keeps its thread, a
+        daemon; its slot and its graph are released when it returns, if trio still runs.
         """
         if self._alive:
             self._quiet = trio.Event()
-            await self._quiet.wait()
+            with trio.move_on_after(timeout):
+                await self._quiet.wait()
         else:
             await trio.lowlevel.checkpoint()
-        # Each thread has said it is exiting and only has to return: join them
+        # Each thread that said it is exiting only has to return: join them
         # (microseconds), so that "stopped" means gone.
         for worker in self._workers:
-            worker.thread.join()
+            if worker in self._exited_workers:
+                worker.thread.join()
+        if not self._alive:
+            return []
+        return self.running_jobs() or [f"{self._alive} worker thread(s) still exiting"]

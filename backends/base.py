@@ -15,8 +15,11 @@ leaf (never the library's own exception type), with a message that names the bac
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +28,8 @@ from wasinn.tensor import Tensor
 
 #: Model bytes as the guest handed them over: one buffer per builder.
 Builders = Sequence[bytes | bytearray | memoryview]
+
+log = logging.getLogger("wasinn.backends")
 
 
 @functools.total_ordering
@@ -150,3 +155,100 @@ class Backend(abc.ABC):
         Raises InvalidEncodingError (naming this backend and the reason) for bytes it
         cannot read, UnsupportedOperationError for a device it does not have.
         """
+
+
+class Cancellation:
+    """A request to stop one run early, and the hooks that carry it into a library.
+
+    The owner of a job (a device actor) creates one per job and calls :meth:`cancel`
+    from any thread when nobody wants the result any more (the caller timed out or was
+    cancelled, or the device is closing). A backend running under it
+    (:func:`current_cancellation`) registers with :meth:`on_cancel` whatever interrupts
+    its library (ONNX Runtime's ``RunOptions.terminate``, OpenVINO's
+    ``InferRequest.cancel``); a run so interrupted raises BackendRuntimeError, and its
+    result is dropped anyway. Thread-safe; every callback runs at most once, and an
+    exception it raises is logged (logger ``wasinn.backends``), never propagated.
+    """
+
+    __slots__ = ("_callbacks", "_cancelled", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._callbacks: list[Callable[[], object]] = []
+
+    def __repr__(self) -> str:
+        return f"<Cancellation {'cancelled' if self._cancelled else 'pending'}>"
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Cancel (idempotent): run every registered callback, in this thread."""
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            _call(callback)
+
+    def on_cancel(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` on :meth:`cancel` (at once, here, if already cancelled).
+
+        Returns a function that unregisters it (a no-op once it has run): call it when
+        what the callback interrupts is no longer this run's, e.g. an infer request
+        going back to a pool. After unregistering, :attr:`cancelled` tells whether the
+        callback ran or may still be running.
+        """
+        with self._lock:
+            if not self._cancelled:
+                self._callbacks.append(callback)
+                return functools.partial(self._forget, callback)
+        _call(callback)
+        return _nothing
+
+    def _forget(self, callback: Callable[[], object]) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+
+def _call(callback: Callable[[], object]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("a cancellation callback (%r) failed", callback)
+
+
+def _nothing() -> None:
+    pass
+
+
+_current = threading.local()
+
+
+def current_cancellation() -> Cancellation | None:
+    """The cancellation the current thread's job runs under, or None (a run that cannot
+    be cancelled)."""
+    cancellation: Cancellation | None = getattr(_current, "cancellation", None)
+    return cancellation
+
+
+class running_under:  # lower case: used like a function, ``with running_under(c):``
+    """Make ``cancellation`` this thread's current one for the block (then restore the
+    previous one). A class, not a generator: it wraps every run of a worker thread."""
+
+    __slots__ = ("_cancellation", "_previous")
+
+    def __init__(self, cancellation: Cancellation | None) -> None:
+        self._cancellation = cancellation
+        self._previous: Cancellation | None = None
+
+    def __enter__(self) -> Cancellation | None:
+        self._previous = getattr(_current, "cancellation", None)
+        _current.cancellation = self._cancellation
+        return self._cancellation
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current.cancellation = self._previous

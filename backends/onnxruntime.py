@@ -11,6 +11,11 @@ A run of host tensors calls ``InferenceSession.run`` directly, so the layer adds
 input checks; native inputs, bf16 and ``keep_on_device`` go through a per-run
 ``IOBinding`` so that ``OrtValue`` s are bound as they are, without a copy.
 
+Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` (see
+:func:`~wasinn.backends.base.current_cancellation`) gets its own ``RunOptions``, whose
+``terminate`` flag the cancellation sets: ONNX Runtime checks it between nodes and
+between a Loop's iterations, and the run raises BackendRuntimeError.
+
 ``LoadOptions.precision`` is not applied: ONNX Runtime computes in the model's own types.
 """
 
@@ -36,7 +41,15 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import InputChecker, OutputSelector, expect_builders
-from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from .base import (
+    Backend,
+    Builders,
+    CompiledGraph,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    current_cancellation,
+)
 
 NAME = "onnxruntime"
 
@@ -131,18 +144,36 @@ class OrtGraph(CompiledGraph):
         picked = self._selector.select(outputs)
         if not picked:
             return {}  # ORT refuses to run for no outputs (and reads [] as "all")
+        cancellation = current_cancellation()
+        if cancellation is None:
+            return self._dispatch(session, ordered, picked, keep_on_device, None)
+        options = ort.RunOptions()
+        # A terminated run is expected here: keep ORT's own error log off stderr.
+        options.log_severity_level = 4
+        forget = cancellation.on_cancel(functools.partial(_terminate, options))
+        try:
+            return self._dispatch(session, ordered, picked, keep_on_device, options)
+        except BackendRuntimeError as exc:
+            if cancellation.cancelled:
+                raise BackendRuntimeError(f"{NAME}: run cancelled ({exc.message})") from exc
+            raise
+        finally:
+            forget()
+
+    def _dispatch(self, session: Any, ordered: list[Tensor], picked: tuple[int, ...],
+                  keep_on_device: bool, options: Any) -> dict[str, Tensor]:
         if not keep_on_device and not self._has_bf16 and all(t.is_host for t in ordered):
-            return self._run_host(session, ordered, picked)
-        return self._run_bound(session, ordered, picked, keep_on_device)
+            return self._run_host(session, ordered, picked, options)
+        return self._run_bound(session, ordered, picked, keep_on_device, options)
 
     def _run_host(
-        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...]
+        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], options: Any
     ) -> dict[str, Tensor]:
         names = self._output_names
         wanted = self._all_names if picked is self._all else [names[i] for i in picked]
         feed = {name: t.numpy() for name, t in zip(self._input_names, ordered, strict=True)}
         try:
-            results = session.run(wanted, feed)
+            results = session.run(wanted, feed, options)
         except Exception as exc:
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
         specs = self.outputs
@@ -152,7 +183,8 @@ class OrtGraph(CompiledGraph):
         }
 
     def _run_bound(
-        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep: bool
+        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep: bool,
+        options: Any,
     ) -> dict[str, Tensor]:
         try:
             binding = session.io_binding()
@@ -163,7 +195,7 @@ class OrtGraph(CompiledGraph):
                 # ORT cannot hand bf16 back from a CUDA buffer: bf16 outputs land on the CPU.
                 where = "cpu" if not keep or spec.type is TensorType.BF16 else self._ort_device[0]
                 binding.bind_output(spec.name, where, self._ort_device[1] if where != "cpu" else 0)
-            session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding, options)
             values = binding.get_outputs()
         except WasiNNError:
             raise
@@ -185,6 +217,11 @@ class OrtGraph(CompiledGraph):
 
     def close(self) -> None:
         self._session = None
+
+
+def _terminate(options: Any) -> None:
+    # Called from the cancelling thread: ORT reads the flag from its own threads.
+    options.terminate = True
 
 
 class OnnxRuntimeBackend(Backend):

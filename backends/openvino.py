@@ -11,6 +11,11 @@ wrapped as ``ov.Tensor`` s over the caller's memory (no copy). With ``keep_on_de
 the run's request is not returned to the pool: its output ``ov.Tensor`` s are handed out
 as native tensors and can be set as inputs of another request without a copy.
 
+Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` registers its
+infer request's ``cancel``; OpenVINO stops at the next node boundary (a Loop/TensorIterator
+node's own iterations are not interrupted) and the run raises BackendRuntimeError. A
+request that may have been cancelled is retired, never pooled again.
+
 Element types: all seven wasi-nn types load, but the CPU and GPU plugins compute i64 as
 i32. Rather than truncate silently, a run refuses i64 input values outside the i32 range
 with InvalidArgumentError.
@@ -40,7 +45,15 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import InputChecker, OutputSelector
 from ._ovread import NAME, read_model
-from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from .base import (
+    Backend,
+    Builders,
+    CompiledGraph,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    current_cancellation,
+)
 
 _TYPES: dict[str, TensorType] = {
     "f16": TensorType.F16, "f32": TensorType.F32, "f64": TensorType.F64,
@@ -153,15 +166,30 @@ class OvGraph(CompiledGraph):
         ordered = self._checker.check(inputs)
         picked = self._selector.select(outputs)
         ov_inputs = [_ov_tensor(t) for t in ordered]
+        cancellation = current_cancellation()
+        if cancellation is not None and cancellation.cancelled:
+            raise BackendRuntimeError(f"{NAME}: run cancelled before it started")
+        forget = None
+        reusable = True
         try:
             request = self._request()
             for i, value in enumerate(ov_inputs):
                 request.set_input_tensor(i, value)
-            request.infer()
+            if cancellation is not None:
+                forget = cancellation.on_cancel(request.cancel)
+            try:
+                request.infer()
+            finally:
+                if forget is not None and cancellation is not None:
+                    forget()
+                    # Cancelled, or cancel() may still be running on it: never reuse it.
+                    reusable = not cancellation.cancelled
             values = [request.get_output_tensor(i) for i in picked]
         except WasiNNError:
             raise
         except Exception as exc:
+            if cancellation is not None and cancellation.cancelled:
+                raise BackendRuntimeError(f"{NAME}: run cancelled ({exc})") from exc
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
         specs = self.outputs
         if keep_on_device:
@@ -177,7 +205,8 @@ class OvGraph(CompiledGraph):
         for i, value in zip(picked, values, strict=True):
             array = _host_array(value, specs[i].type)
             result[specs[i].name] = Tensor(array.shape, specs[i].type, array=array)
-        self._idle.put(request)
+        if reusable:
+            self._idle.put(request)
         return result
 
     def close(self) -> None:

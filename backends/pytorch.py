@@ -17,6 +17,11 @@ CPU TorchScript modules are frozen and passed through ``torch.jit.optimize_for_i
 (``LoadOptions.extra["optimize"] = False`` turns it off). Runs happen under
 ``torch.inference_mode()``; ``keep_on_device`` returns ``torch.Tensor`` natives.
 ``LoadOptions.threads`` is not applied: torch's thread count is process-wide.
+
+Cancellation: torch offers no way to interrupt a running forward pass, so a run ignores
+:func:`~wasinn.backends.base.current_cancellation`: an abandoned torch run goes on until
+it returns (its result is dropped). A pipeline stops between steps once cancelled, and a
+device actor's close waits for such a run only up to its pool's ``close_timeout``.
 """
 
 from __future__ import annotations

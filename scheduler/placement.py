@@ -20,11 +20,12 @@ import trio
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.lease import Lease
 from wasinn.actors.session import Session
-from wasinn.backends.base import Backend, CompiledGraph, Device
+from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
+    BackendRuntimeError,
     ClosedResourceError,
     InvalidEncodingError,
     UnsupportedOperationError,
@@ -171,7 +172,8 @@ class Scheduler:
         """
         actor, session, job = await self._model_job(model, target, inputs, keep_on_device)
         return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
-                                   profile=session.profile, nbytes=_input_bytes(inputs))
+                                   profile=session.profile, nbytes=_input_bytes(inputs),
+                                   label=f"run of {model.name} ({session.backend})")
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -248,7 +250,8 @@ class Scheduler:
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`."""
         actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
-        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant)
+        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
+                                   label=f"run of pipeline {name!r}")
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
@@ -311,6 +314,9 @@ def _run(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
 def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
                keep: bool) -> dict[str, Tensor]:
     # Runs in the actor's worker thread: every step on this device, natives passed along.
+    # A cancelled job (abandoned, or its device closing) stops between steps, whatever
+    # its backends can interrupt (torch cannot).
+    cancellation = current_cancellation()
     compiled: list[CompiledGraph] = []
     try:
         for session in sessions:
@@ -318,6 +324,9 @@ def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Input
         last = len(compiled) - 1
         current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]
         for step, (graph, link) in enumerate(zip(compiled[1:], links, strict=True), 1):
+            if cancellation is not None and cancellation.cancelled:
+                raise BackendRuntimeError(
+                    f"pipeline cancelled after step {step} of {len(compiled)}")
             current = graph.run({inp: current[out] for out, inp in link},
                                 keep_on_device=keep or step < last)
         return current

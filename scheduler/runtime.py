@@ -11,10 +11,11 @@ Entering the runtime probes the devices its pools name (in a worker thread: prob
 import backend libraries), starts one :class:`~wasinn.actors.device.DeviceActor` per
 device with ``nursery.start`` (each reports ready only once its device is usable), and
 leaves them serving until the runtime is closed. Closing fails queued requests with
-ClosedResourceError, waits for the jobs already running in the actors' worker threads
-(abandoned ones included: a caller that timed out does not stop its backend call), joins
-those threads, then frees every compiled graph. A pool that finds no device is logged as
-a warning (logger ``wasinn.scheduler``).
+ClosedResourceError, cancels the jobs running in the actors' worker threads (abandoned
+ones included) and waits for them, at most each pool's ``close_timeout`` seconds, joins
+those threads, then frees every compiled graph (one still used by a job that outlived
+the timeout is freed when that job ends; see :mod:`wasinn.actors.device`). A pool that
+finds no device is logged as a warning (logger ``wasinn.scheduler``).
 """
 
 from __future__ import annotations
@@ -185,11 +186,15 @@ class Runtime:
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
 
     async def aclose(self) -> None:
-        """Stop every actor: queued requests fail with ClosedResourceError; returns once
-        every job running in a worker thread has finished (abandoned ones included: a
-        backend call cannot be interrupted, and a thread left in one at interpreter exit
-        would abort the process), the threads are joined and the compiled graphs freed.
-        That wait is shielded: cancelling the caller does not cut it short. Idempotent."""
+        """Stop every actor: queued requests fail with ClosedResourceError, running jobs
+        are cancelled (their callers get ClosedResourceError; ONNX Runtime and OpenVINO
+        runs stop within milliseconds); returns once every job running in a worker
+        thread has finished (a thread left in native code at interpreter exit would
+        abort the process), the threads are joined and the compiled graphs freed, or
+        once a pool's ``close_timeout`` has passed for a job that ignores cancellation
+        (an error is logged naming the device and the job). That wait is shielded:
+        cancelling the caller does not cut it short, but it never lasts longer than the
+        largest ``close_timeout``. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -233,7 +238,8 @@ class Runtime:
                             "the pool has no actor, %s", pool_name, kind.value, asked, then)
             actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
                                    policy=POLICIES[pool.policy](),
-                                   inline_below=pool.inline_below_us * 1e-6)
+                                   inline_below=pool.inline_below_us * 1e-6,
+                                   close_timeout=pool.close_timeout)
                        for d in devices]
         if not actors:
             log.warning("no pool found a device: this runtime can run no model (pools: %s)",

@@ -336,3 +336,120 @@ async def test_evict_defers_close_until_the_running_job_ends(actor: DeviceActor)
             session.acquire()
         gate.set()
     assert graph.closed
+
+
+# -- cancellation of running jobs -----------------------------------------------------------
+def cooperative_job(started: threading.Event, log: list[str]) -> Callable[[], str]:
+    """A job that runs until its cancellation is cancelled (as an ORT run would)."""
+    from wasinn.backends.base import current_cancellation
+
+    def job() -> str:
+        cancellation = current_cancellation()
+        assert cancellation is not None, "a worker thread's job runs under a cancellation"
+        stop = threading.Event()
+        cancellation.on_cancel(stop.set)
+        started.set()
+        log.append("stopped" if stop.wait(timeout=30) else "ran out")
+        raise RuntimeError("interrupted")
+
+    return job
+
+
+async def test_an_abandoned_job_is_cancelled_and_frees_its_slot(actor: DeviceActor) -> None:
+    started, log = threading.Event(), []
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            async def cancel_when_started() -> None:
+                await trio.to_thread.run_sync(started.wait, 10)
+                scope.cancel()
+            nursery.start_soon(cancel_when_started)
+            await actor.execute(cooperative_job(started, log))
+    assert scope.cancelled_caught
+    with trio.fail_after(10):  # the job would otherwise hold the only slot for 30 s
+        assert await actor.execute(lambda: "next") == "next"
+    assert log == ["stopped"] and actor.threads.abandoned == 0
+
+
+async def test_a_deadline_cancels_the_running_job() -> None:
+    started, log = threading.Event(), []
+    actor = DeviceActor(CPU, workers=1)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            with pytest.raises(TimeoutError_):
+                await actor.execute(cooperative_job(started, log),
+                                    deadline=trio.current_time() + 0.1)
+            assert await actor.execute(lambda: "next") == "next"
+            nursery.cancel_scope.cancel()
+    assert log == ["stopped"]
+
+
+async def test_closing_cancels_running_jobs_and_their_callers_see_closed() -> None:
+    started, log = threading.Event(), []
+    actor = DeviceActor(CPU, workers=1)
+    errors: list[BaseException] = []
+
+    async def caller() -> None:
+        try:
+            await actor.execute(cooperative_job(started, log))
+        except ClosedResourceError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            outer.start_soon(caller)
+            await trio.to_thread.run_sync(started.wait, 10)
+            nursery.cancel_scope.cancel()  # closes the actor
+    assert log == ["stopped"] and len(errors) == 1
+    assert not any(t.is_alive() for t in actor.threads.threads)
+
+
+async def test_closing_cancels_a_running_lease() -> None:
+    started, log = threading.Event(), []
+    actor = DeviceActor(CPU, workers=1)
+    errors: list[BaseException] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            lease = await actor.lease(cooperative_job(started, log))
+
+            def hold() -> None:
+                try:
+                    lease.run()
+                except ClosedResourceError as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=hold, daemon=True)
+            thread.start()
+            await trio.to_thread.run_sync(started.wait, 10)
+            actor.close()
+            await trio.to_thread.run_sync(thread.join, 10)
+            nursery.cancel_scope.cancel()
+    assert log == ["stopped"] and len(errors) == 1 and "closed" in str(errors[0])
+    assert actor.load == 0  # the lease's slot was given back
+
+
+async def test_close_timeout_bounds_the_wait_for_a_job_that_ignores_cancellation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    gate, started = threading.Event(), threading.Event()
+    actor = DeviceActor(CPU, workers=1, close_timeout=0.2)
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(actor.serve)
+                with trio.move_on_after(0.1):
+                    await actor.execute(gate_job(gate, started), label="stubborn job")
+                assert started.is_set() and actor.busy == 1
+                nursery.cancel_scope.cancel()
+        (thread,) = actor.threads.threads
+        assert thread.is_alive()  # left behind, a daemon
+        (record,) = [r for r in caplog.records if r.name == "wasinn.actors"]
+        assert "cpu" in record.message and "stubborn job" in record.message
+    finally:
+        gate.set()
+
+
+def test_close_timeout_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="close_timeout"):
+        DeviceActor(CPU, close_timeout=-1)

@@ -98,3 +98,64 @@ def test_cuda_provider_runs_and_keeps_outputs_on_the_gpu(backend: Any) -> None:
     assert mid.device == "gpu:0" and mid.native.device_name().lower() == "cuda"
     (out,) = second.run({"y": mid}).values()
     np.testing.assert_allclose(out.numpy(), (x * 2 + 1) * 3)
+
+
+# -- cancellation -------------------------------------------------------------------------
+def _run_in_thread(fn: Any) -> tuple[Any, list[BaseException]]:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+@pytest.mark.parametrize("keep_on_device", [False, True], ids=["run", "iobinding"])
+def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any, keep_on_device: bool) -> None:
+    import time
+
+    from tests.loop_model import loop_inputs, loop_onnx
+    from wasinn import BackendRuntimeError
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([loop_onnx()], GraphEncoding.ONNX, CPU)
+    # ~30 s of work here: long enough to fail (not hang) if the cancel were ignored.
+    inputs = {k: Tensor.from_numpy(v) for k, v in loop_inputs(50_000_000).items()}
+    cancellation = Cancellation()
+
+    def run() -> None:
+        with running_under(cancellation):
+            graph.run(inputs, keep_on_device=keep_on_device)
+
+    thread, errors = _run_in_thread(run)
+    time.sleep(0.2)  # let the Loop start
+    cancellation.cancel()
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the terminate flag did not stop the run"
+    (error,) = errors
+    assert isinstance(error, BackendRuntimeError) and "cancelled" in error.message
+    # The graph is still usable, with or without a cancellation.
+    small = {k: Tensor.from_numpy(v) for k, v in loop_inputs(3).items()}
+    assert graph.run(small)["y"].numpy().tolist() == [[3.0] * 4]
+    with running_under(Cancellation()):
+        assert graph.run(small)["y"].numpy().tolist() == [[3.0] * 4]
+
+
+def test_a_run_under_an_already_cancelled_cancellation_does_not_run(backend: Any) -> None:
+    from tests.loop_model import loop_inputs, loop_onnx
+    from wasinn import BackendRuntimeError
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([loop_onnx()], GraphEncoding.ONNX, CPU)
+    cancellation = Cancellation()
+    cancellation.cancel()
+    inputs = {k: Tensor.from_numpy(v) for k, v in loop_inputs(10_000_000).items()}
+    with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
+        graph.run(inputs)  # seconds of work if the flag were not read at the start

@@ -162,3 +162,51 @@ def test_extra_options_pass_through_when_openvino_knows_them(backend: Any) -> No
     options = LoadOptions(extra={"PERFORMANCE_HINT": "THROUGHPUT", "optimize": False})
     graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
     assert str(graph.compiled_model.get_property("PERFORMANCE_HINT")).endswith("THROUGHPUT")
+
+
+# -- cancellation -------------------------------------------------------------------------
+def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
+    import threading
+    import time
+
+    from tests.test_cancel_runs import OV_SIZE, OV_STEPS, matmul_chain_onnx
+    from wasinn import BackendRuntimeError
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], GraphEncoding.ONNX, CPU)
+    big = {"x": Tensor.from_numpy(np.ones((OV_SIZE, OV_SIZE), np.float32))}
+    cancellation = Cancellation()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with running_under(cancellation):
+                graph.run(big)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # well into the chain (tens of seconds of work)
+    cancellation.cancel()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "InferRequest.cancel did not stop the run"
+    (error,) = errors
+    assert isinstance(error, BackendRuntimeError) and "cancelled" in error.message
+    # The cancelled request is retired: later runs (one row: quick) are unaffected.
+    one = np.ones((1, OV_SIZE), np.float32)
+    for _ in range(2):
+        with running_under(Cancellation()):
+            (y,) = graph.run({"x": Tensor.from_numpy(one)}).values()
+            np.testing.assert_array_equal(y.numpy(), one)
+
+
+def test_a_run_under_an_already_cancelled_cancellation_does_not_run(backend: Any) -> None:
+    from wasinn import BackendRuntimeError
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([identity_onnx(TensorType.F32)], GraphEncoding.ONNX, CPU)
+    cancellation = Cancellation()
+    cancellation.cancel()
+    with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
+        graph.run({"x": Tensor.from_numpy(X)})

@@ -1,0 +1,327 @@
+"""Abandoned runs are really stopped, and closing a runtime never hangs on a run.
+
+Real ONNX Runtime and OpenVINO runs that would last far longer than the test (an ONNX
+Loop with a huge trip count; a long chain of large MatMuls) are abandoned by a timeout:
+the device's only worker slot must be free again at once (a second request completes),
+and the runtime must close promptly. A fake backend that ignores cancellation stands for
+a run nothing can interrupt (torch): the close gives up after ``close_timeout``, logs
+the device and the job, and leaves the graph open under it.
+
+Trip counts are finite (tens of seconds of work here), so that without cancellation the
+``trio.fail_after`` guards fail the test instead of hanging it for days (the close's
+wait is shielded from them).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.fake_backend import FakeBackend, FakeGraph
+from tests.loop_model import loop_inputs, loop_onnx
+from tests.support import require_backend
+from wasinn.backends.base import Builders, Device, LoadOptions
+from wasinn.configs.loader import parse_config
+from wasinn.enums import GraphEncoding
+from wasinn.errors import ClosedResourceError, TimeoutError_
+from wasinn.host.abi import Errno
+
+#: Loop iterations: ~30 s of ONNX Runtime work on this machine (0.66 us each).
+HUGE_LOOP = 50_000_000
+#: Far less than the abandoned run would take, far more than a cancelled one needs.
+GUARD_S = 10.0
+
+
+def _cpu_config(**pool: Any) -> Any:
+    return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
+
+
+# -- ONNX Runtime ------------------------------------------------------------------------
+async def test_an_abandoned_onnxruntime_loop_stops_and_frees_its_worker_slot() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(_cpu_config(workers=1, backends=["onnxruntime"])) as rt:
+        graph = await rt.load([loop_onnx()], "onnx", "cpu")
+        assert graph.backend == "onnxruntime"
+        with pytest.raises(TimeoutError_):
+            await graph.compute(loop_inputs(HUGE_LOOP), timeout=0.2)
+        with trio.fail_after(GUARD_S):
+            # The only worker slot was the abandoned run's: this runs only once it ended.
+            out = await graph.compute(loop_inputs(3))
+            assert out["y"].numpy().tolist() == [[3.0] * 4]
+            (actor,) = rt.actors
+            assert actor.threads.abandoned == 0 and actor.busy == 0
+    # (closing is immediate; the wait is checked by the tests below)
+
+
+async def test_closing_the_runtime_cancels_a_running_onnxruntime_loop() -> None:
+    require_backend("onnxruntime")
+    failures: list[BaseException] = []
+
+    async def compute(graph: Any) -> None:
+        try:
+            await graph.compute(loop_inputs(HUGE_LOOP))
+        except ClosedResourceError as exc:
+            failures.append(exc)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            rt = wasinn.Runtime(_cpu_config(backends=["onnxruntime"]))
+            async with rt:
+                graph = await rt.load([loop_onnx()], "onnx", "cpu")
+                await graph.compute(loop_inputs(1))  # compiled
+                nursery.start_soon(compute, graph)
+                (actor,) = rt.actors
+                while not actor.busy:
+                    await trio.sleep(0.01)
+            # Closed: the caller of the running request was told so, not left waiting.
+    assert len(failures) == 1 and "closed" in str(failures[0])
+
+
+# -- OpenVINO ----------------------------------------------------------------------------
+def matmul_chain_onnx(steps: int, size: int) -> bytes:
+    """``y = x @ I @ I ...`` (``steps`` MatMuls by a ``size`` x ``size`` identity;
+    ``x: f32[rows, size]``, rows dynamic): many nodes, so OpenVINO can stop between them
+    (it does not interrupt a Loop node's iterations); a run's time grows with ``rows``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, previous = [], "x"
+    for i in range(steps):
+        nodes.append(helper.make_node("MatMul", [previous, "w"], [f"v{i}"]))
+        previous = f"v{i}"
+    nodes.append(helper.make_node("Identity", [previous], ["y"]))
+    graph = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", size])],
+        [numpy_helper.from_array(np.eye(size, dtype=np.float32), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+#: With ``OV_SIZE`` rows, ~6 ms a step here: ~25 s for the whole chain.
+OV_STEPS, OV_SIZE = 4000, 1024
+
+
+async def test_an_abandoned_openvino_run_stops_and_frees_its_worker_slot() -> None:
+    require_backend("openvino")
+    async with wasinn.Runtime(_cpu_config(workers=1, backends=["openvino"])) as rt:
+        graph = await rt.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], "onnx", "cpu")
+        assert graph.backend == "openvino"
+        x = np.ones((OV_SIZE, OV_SIZE), np.float32)
+        with pytest.raises(TimeoutError_):
+            await graph.compute({"x": x}, timeout=0.3)
+        (actor,) = rt.actors
+        with trio.fail_after(GUARD_S):
+            while actor.busy:  # the abandoned run is cancelled at its next node
+                await trio.sleep(0.01)
+        assert actor.threads.abandoned == 0
+
+
+# -- a run nothing can interrupt ----------------------------------------------------------
+class UncancellableGraph(FakeGraph):
+    """Blocks each run on ``backend.gate`` whatever the cancellation (like torch)."""
+
+    def __init__(self, backend: UncancellableBackend, device: Device) -> None:
+        super().__init__(backend, device, 1.0, gated=True)
+        self.started = backend.started
+        self.running = 0
+        self.closed_while_running = False
+
+    def run(self, inputs: Any, *, outputs: Any = None, keep_on_device: bool = False
+            ) -> dict[str, Any]:
+        self.running += 1
+        self.started.set()
+        try:
+            return super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
+        finally:
+            self.running -= 1
+
+    def close(self) -> None:
+        self.closed_while_running = self.closed_while_running or self.running > 0
+        super().close()
+
+
+class UncancellableBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__(devices=("cpu",))
+        self.started = threading.Event()
+        self.graphs: list[UncancellableGraph] = []
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> UncancellableGraph:
+        super().load(builders, encoding, device, options)
+        graph = UncancellableGraph(self, device)
+        self.graphs.append(graph)
+        return graph
+
+
+async def test_close_gives_up_on_an_uncancellable_run_after_close_timeout(
+        caplog: pytest.LogCaptureFixture) -> None:
+    backend = UncancellableBackend()
+    config = _cpu_config(backends=["fake"], close_timeout=0.3)
+    caplog.set_level(logging.ERROR, logger="wasinn.actors")
+    try:
+        with trio.fail_after(GUARD_S):
+            async with wasinn.Runtime(config, backends=[backend]) as rt:
+                graph = await rt.load([b"fake:add=1:gate"], "ggml", "cpu")
+                with pytest.raises(TimeoutError_):
+                    await graph.compute({"x": np.zeros((1, 4), np.float32)}, timeout=0.1)
+                (actor,) = rt.actors
+                (thread,) = actor.threads.threads
+                assert actor.busy == 1  # the abandoned run ignores its cancellation
+        # The close returned although the run still goes on: it said so, and left the
+        # graph open under the run.
+        (compiled,) = backend.graphs
+        assert thread.is_alive() and compiled.running == 1 and not compiled.closed
+        (record,) = [r for r in caplog.records if r.name == "wasinn.actors"]
+        assert record.levelno == logging.ERROR
+        assert "cpu" in record.message and "run of" in record.message
+        assert "abandoned" in record.message
+    finally:
+        backend.gate.set()
+    # Once the run ends, its thread closes the graph it used (the runtime evicted it).
+    with trio.fail_after(GUARD_S):
+        await trio.to_thread.run_sync(thread.join, GUARD_S)
+    assert not thread.is_alive() and compiled.closed and not compiled.closed_while_running
+
+
+async def test_close_timeout_is_a_pool_setting_with_a_default() -> None:
+    assert _cpu_config().pools["cpu"].close_timeout == 10.0
+    with pytest.raises(wasinn.ConfigError):
+        _cpu_config(close_timeout=-1)
+
+
+# -- a core guest (end to end) ----------------------------------------------------------
+def _hang_guest_wat(model: bytes, trip: int) -> str:
+    """A guest that loads ``model`` (the Loop), sets ``m = trip`` and ``x``, computes
+    once, and exits with compute's error code."""
+    esc = "".join(f"\\{b:02x}" for b in model)
+    mem = bytearray(512)
+    struct.pack_into("<2I", mem, 0, 4096, len(model))          # graph builder
+    struct.pack_into("<2IB3xII", mem, 128, 256, 1, 5, 272, 8)   # m: i64[1]
+    struct.pack_into("<2IB3xII", mem, 160, 264, 2, 1, 288, 16)  # x: f32[1, 4]
+    struct.pack_into("<I", mem, 256, 1)
+    struct.pack_into("<2I", mem, 264, 1, 4)
+    struct.pack_into("<q", mem, 272, trip)
+    data = "".join(f"\\{b:02x}" for b in mem)
+    return f'''(module
+  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "init_execution_context"
+    (func $init (param i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "set_input" (func $set (param i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 0) "{data}")
+  (data (i32.const 4096) "{esc}")
+  (func (export "_start") (local $e i32)
+    (local.set $e (call $load (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 0)
+                              (i32.const 64)))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 100) (local.get $e)))))
+    (local.set $e (call $init (i32.load (i32.const 64)) (i32.const 68)))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 200) (local.get $e)))))
+    (drop (call $set (i32.load (i32.const 68)) (i32.const 0) (i32.const 128)))
+    (drop (call $set (i32.load (i32.const 68)) (i32.const 1) (i32.const 160)))
+    (call $exit (call $compute (i32.load (i32.const 68))))))'''
+
+
+async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
+        tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    guest = tmp_path / "hang.wat"
+    guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
+    config = parse_config({"guests": {"compute_timeout": 0.2},
+                           "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["onnxruntime"]}}}, None)
+    with trio.fail_after(GUARD_S):
+        async with wasinn.Runtime(config) as rt:
+            code = await rt.run_wasm(guest)
+            assert code == Errno.RUNTIME_ERROR  # compute timed out (no timeout errno here)
+            # The guest's abandoned run no longer holds the CPU's only worker slot.
+            graph = await rt.load([loop_onnx()], "onnx", "cpu")
+            out = await graph.compute(loop_inputs(2))
+            assert out["y"].numpy().tolist() == [[2.0] * 4]
+
+
+# -- the Cancellation itself ---------------------------------------------------------------
+def test_a_cancellation_runs_each_callback_once_and_late_ones_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from wasinn.backends.base import Cancellation
+
+    calls: list[str] = []
+    cancellation = Cancellation()
+    cancellation.on_cancel(lambda: calls.append("early"))
+    forget = cancellation.on_cancel(lambda: calls.append("forgotten"))
+    forget()
+
+    def explode() -> None:
+        raise RuntimeError("boom")
+
+    cancellation.on_cancel(explode)
+    assert not cancellation.cancelled and calls == []
+    cancellation.cancel()
+    cancellation.cancel()
+    assert cancellation.cancelled and calls == ["early"]
+    assert any("boom" in (r.exc_text or "") or r.exc_info for r in caplog.records
+               if r.name == "wasinn.backends")  # logged, not raised
+    cancellation.on_cancel(lambda: calls.append("late"))
+    assert calls == ["early", "late"]
+
+
+def test_running_under_is_per_thread_and_nests() -> None:
+    from wasinn.backends.base import Cancellation, current_cancellation, running_under
+
+    outer, inner = Cancellation(), Cancellation()
+    seen: list[object] = []
+    assert current_cancellation() is None
+    with running_under(outer):
+        with running_under(inner):
+            assert current_cancellation() is inner
+            thread = threading.Thread(target=lambda: seen.append(current_cancellation()))
+            thread.start()
+            thread.join()
+        assert current_cancellation() is outer
+    assert current_cancellation() is None and seen == [None]
+
+
+def test_a_cancelled_pipeline_stops_between_steps() -> None:
+    from wasinn.actors.session import Session
+    from wasinn.backends.base import Cancellation, current_cancellation, running_under
+    from wasinn.errors import BackendRuntimeError
+    from wasinn.scheduler.placement import _run_chain
+    from wasinn.tensor import Tensor
+
+    backend = FakeBackend(devices=("cpu",))
+    cpu = Device.parse("cpu")
+
+    class CancellingGraph(FakeGraph):
+        def run(self, inputs: Any, *, outputs: Any = None, keep_on_device: bool = False
+                ) -> dict[str, Any]:
+            result = super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
+            cancellation = current_cancellation()
+            assert cancellation is not None
+            cancellation.cancel()  # as if the caller gave up during this step
+            return result
+
+    first = Session(CancellingGraph(backend, cpu, 1.0, gated=False), "fake")
+    second = Session(FakeGraph(backend, cpu, 10.0, gated=False), "fake")
+    x = {"x": Tensor.from_numpy(np.zeros((1, 4), np.float32))}
+    with running_under(Cancellation()), pytest.raises(BackendRuntimeError, match="cancelled"):
+        _run_chain([first, second], [(("y", "x"),)], x, False)
+    assert backend.runs == [("cpu", 0.0)]  # the second step never ran
+    # Not cancelled, both steps run.
+    plain = Session(FakeGraph(backend, cpu, 1.0, gated=False), "fake")
+    with running_under(Cancellation()):
+        out = _run_chain([plain, second], [(("y", "x"),)], x, False)
+    assert out["y"].numpy().tolist() == [[11.0] * 4]
