@@ -8,6 +8,10 @@ import pytest
 
 from wasinn.modelgen import ModelFiles, export_mobilenet
 
+# `nn_config` and `rt` for the component-guest tests (a module's own fixtures of the same
+# name take precedence).
+pytest_plugins = ["tests.component_fixtures"]
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

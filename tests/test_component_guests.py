@@ -4,7 +4,6 @@ Python classifier example (componentize-py) run as a WASI 0.2 command, and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -15,26 +14,10 @@ from tests.component_guests import (
     RecordingRuntime,
     build_chain,
     build_classifier,
-    component_models,
     pooling_classifier_onnx,
 )
-from tests.support import require_backend
-from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.component import ComponentGuest, run_component
 from wasinn.modelgen import ModelFiles, sample_image
-
-
-@pytest.fixture(scope="module")
-def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
-              ) -> RuntimeConfig:
-    return component_models(tmp_path_factory.mktemp("guest-models"), small_mobilenet.onnx)
-
-
-@pytest.fixture
-async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
-    require_backend("onnxruntime")
-    async with wasinn.Runtime(nn_config) as runtime:
-        yield RecordingRuntime(runtime)
 
 
 @pytest.fixture(scope="module")

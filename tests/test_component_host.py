@@ -17,9 +17,7 @@ import trio
 from wasmtime.component import Variant
 
 import wasinn
-from tests.component_guests import RecordingRuntime, component_models, shim_1028
-from tests.support import require_backend
-from wasinn.configs.schema import RuntimeConfig
+from tests.component_guests import RecordingRuntime, shim_1028
 from wasinn.host.component import ComponentGuest
 from wasinn.host.limits import GuestLimits
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
@@ -30,19 +28,6 @@ TARGETS = ["cpu", "gpu", "tpu"]
 CODES = ["invalid-argument", "invalid-encoding", "timeout", "runtime-error",
          "unsupported-operation", "too-large", "not-found", "security", "unknown"]
 FP32, ONNX, CPU = TYPES.index("FP32"), ENCODINGS.index("onnx"), TARGETS.index("cpu")
-
-
-@pytest.fixture(scope="session")
-def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
-              ) -> RuntimeConfig:
-    return component_models(tmp_path_factory.mktemp("component-models"), small_mobilenet.onnx)
-
-
-@pytest.fixture
-async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
-    require_backend("onnxruntime")
-    async with wasinn.Runtime(nn_config) as runtime:
-        yield RecordingRuntime(runtime)
 
 
 class Shim:

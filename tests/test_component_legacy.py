@@ -15,24 +15,17 @@ import pytest
 from wasmtime.component import Variant
 
 import wasinn
-from tests.component_guests import LEGACY_VERSIONS, RecordingRuntime, component_models, shim_legacy
+from tests.component_guests import LEGACY_VERSIONS, RecordingRuntime, shim_legacy
 from tests.support import require_backend
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.component import ComponentGuest
 from wasinn.host.limits import GuestLimits
 from wasinn.host.runner import GuestTrap
-from wasinn.modelgen import ModelFiles
 
 CODES = ["invalid-argument", "invalid-encoding", "timeout", "runtime-error",
          "unsupported-operation", "too-large", "not-found", "security", "unknown"]
 FP32 = 1
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
-
-
-@pytest.fixture(scope="module")
-def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
-              ) -> RuntimeConfig:
-    return component_models(tmp_path_factory.mktemp("legacy-models"), small_mobilenet.onnx)
 
 
 @pytest.fixture(params=LEGACY_VERSIONS)

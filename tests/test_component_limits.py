@@ -7,7 +7,6 @@ handle numbers) and, where no guest is needed, the service itself.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,37 +15,22 @@ import pytest
 import trio
 
 import wasinn
-from tests.component_guests import RecordingRuntime, component_models
-from tests.support import require_backend
+from tests.component_guests import RecordingRuntime
 from tests.test_component_host import CPU, FP32, ONNX, start_shim
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
-from wasinn.configs.schema import RuntimeConfig
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.service import NNService
 from wasinn.host.limits import GuestLimits, limits_of
 from wasinn.host.runner import GuestTrap
-from wasinn.modelgen import ModelFiles, affine_onnx
+from wasinn.modelgen import affine_onnx
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 #: A rank whose dimension product (thousands of u32s) is far too big to print or to
 #: multiply quickly: it must be refused before any arithmetic.
 HUGE_RANK = 5000
 NOTHING = {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
-
-
-@pytest.fixture(scope="module")
-def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
-              ) -> RuntimeConfig:
-    return component_models(tmp_path_factory.mktemp("limit-models"), small_mobilenet.onnx)
-
-
-@pytest.fixture
-async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
-    require_backend("onnxruntime")
-    async with wasinn.Runtime(nn_config) as runtime:
-        yield RecordingRuntime(runtime)
 
 
 # -- rank before arithmetic -----------------------------------------------------------------

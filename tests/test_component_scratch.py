@@ -17,10 +17,7 @@ import numpy as np
 import pytest
 from wasmtime.component import Variant
 
-import wasinn
-from tests.component_guests import COMPONENTS, RecordingRuntime, component_models
-from tests.support import require_backend
-from wasinn.configs.schema import RuntimeConfig
+from tests.component_guests import COMPONENTS, RecordingRuntime
 from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError
 from wasinn.host.component import ComponentGuest
 from wasinn.host.component import guest as guest_module
@@ -38,19 +35,6 @@ X = np.arange(8, dtype=np.float32).reshape(2, 4)
 
 def scratch_loop() -> str:
     return (COMPONENTS / "scratch_loop.wat").read_text()
-
-
-@pytest.fixture(scope="module")
-def nn_config(tmp_path_factory: pytest.TempPathFactory, small_mobilenet: ModelFiles
-              ) -> RuntimeConfig:
-    return component_models(tmp_path_factory.mktemp("scratch-models"), small_mobilenet.onnx)
-
-
-@pytest.fixture
-async def rt(nn_config: RuntimeConfig) -> AsyncIterator[RecordingRuntime]:
-    require_backend("onnxruntime")
-    async with wasinn.Runtime(nn_config) as runtime:
-        yield RecordingRuntime(runtime)
 
 
 class Guest:
