@@ -15,6 +15,10 @@ from wasinn.errors import InvalidArgumentError
 
 
 class _NamedEnum(enum.Enum):
+    # Members are singletons compared by identity: hash them by identity too, in C. (Enum's
+    # own __hash__ is Python code, and members key dicts on every inference's hot path.)
+    __hash__ = object.__hash__
+
     @classmethod
     def coerce(cls, value: Self | str) -> Self:
         """Return ``value`` as a member, accepting a member or its name (any case, ``-``/``_``)."""

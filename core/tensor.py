@@ -173,6 +173,9 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
+        array = self._array
+        if array is not None:
+            return int(array.nbytes)
         return math.prod(self.dims) * self.type.itemsize
 
     def numpy(self) -> np.ndarray[Any, Any]:

@@ -24,6 +24,7 @@ from wasinn.tensor import MAX_RANK
 
 _U32 = np.dtype("<u4")
 _RECORD = struct.Struct("<5I")
+_DIMS = struct.Struct("<2I")  # the record's dims_ptr, dims_len
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
 #: Size of the WITX tensor record: dims_ptr, dims_len, type (+3 bytes padding), data_ptr,
@@ -59,10 +60,12 @@ MAX_BUILDERS = 16
 class GuestMemory:
     """The guest's linear memory during one host call (see the module docstring)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "size")
 
     def __init__(self, data: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
         self.data = data
+        #: The memory's size in bytes.
+        self.size = int(data.shape[0])
 
     @classmethod
     def at(cls, address: int, size: int) -> GuestMemory:
@@ -72,13 +75,10 @@ class GuestMemory:
         buf = (ctypes.c_uint8 * size).from_address(address)
         return cls(np.frombuffer(memoryview(buf), dtype=np.uint8))
 
-    @property
-    def size(self) -> int:
-        return int(self.data.shape[0])
-
     def span(self, ptr: int, length: int, what: str = "buffer") -> np.ndarray[Any, Any]:
         """The ``length`` bytes at ``ptr`` as a writable uint8 view (InvalidArgumentError)."""
-        ptr, length = u32(ptr), u32(length)
+        ptr &= 0xFFFFFFFF  # u32, inline: this runs several times per inference
+        length &= 0xFFFFFFFF
         end = ptr + length
         if end > self.size:
             raise InvalidArgumentError(
@@ -129,6 +129,18 @@ class GuestMemory:
         return [
             self.span(int(p), int(n), f"graph builder {i}") for i, (p, n) in enumerate(pairs)
         ]
+
+    def tensor_key(self, ptr: int) -> bytes:
+        """The 20-byte tensor record at ``ptr`` followed by the dimensions it points to,
+        as bytes (InvalidArgumentError for either outside memory): equal keys describe
+        the same tensor (type, dimensions, data span)."""
+        record = self.span(ptr, TENSOR_RECORD_SIZE, "tensor record").tobytes()
+        dims_ptr, dims_len = _DIMS.unpack_from(record)
+        if dims_len > MAX_RANK:
+            raise InvalidArgumentError(
+                f"tensor rank {dims_len} is too large: expected <= {MAX_RANK}"
+            )
+        return record + self.span(dims_ptr, dims_len * 4, "tensor dimensions").tobytes()
 
     def tensor(self, ptr: int) -> TensorRecord:
         """Decode the 20-byte tensor record at ``ptr`` and check that its data is in bounds.

@@ -67,7 +67,7 @@ from wasinn.host.tensor_binding import (
     spec_named,
     static_nbytes,
 )
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, numpy_dtype
 
 log = logging.getLogger("wasinn.host.nn")
 
@@ -252,6 +252,14 @@ class GuestNN:
 
     def _bind_input(self, mem: GuestMemory, entry: _GuestContext, spec: TensorSpec,
                     tensor_ptr: int) -> None:
+        key = mem.tensor_key(tensor_ptr)
+        current = entry.inputs.get(spec.name)
+        if current is not None and current.snapshot is None and current.key == key:
+            # The tensor bound last time, again (a guest's inference loop): it was checked
+            # then, and live bindings never overlap (each new one snapshots those it
+            # overlaps), so there is nothing to redo.
+            entry.stream_done = False
+            return
         record = mem.tensor(tensor_ptr)
         if record.data_len > self.limits.max_tensor_bytes:
             raise TooLargeError(
@@ -266,7 +274,7 @@ class GuestNN:
             o_start, o_end = other.record.span
             if start < o_end and o_start < end:
                 other.snapshot = mem.span(o_start, o_end - o_start).copy()
-        entry.inputs[spec.name] = InputBinding(record)
+        entry.inputs[spec.name] = InputBinding(record, key)
         entry.stream_done = False
 
     # -- outputs bound before compute -------------------------------------------------
@@ -283,13 +291,16 @@ class GuestNN:
     # -- compute ------------------------------------------------------------------
     def compute(self, mem: GuestMemory, ctx_handle: int) -> None:
         entry = self._context(ctx_handle)
-        inputs = {
-            name: Tensor.from_bytes(
-                b.record.dims, b.record.type,
-                b.snapshot if b.snapshot is not None
-                else mem.span(b.record.data_ptr, b.record.data_len))
-            for name, b in entry.inputs.items()
-        }
+        # Views over guest memory, made now (the guest cannot run, so cannot move its
+        # memory, until this call returns). set_input checked each record against the
+        # graph and its byte length against its dimensions: no need to check again.
+        inputs = {}
+        for name, b in entry.inputs.items():
+            record = b.record
+            raw = b.snapshot if b.snapshot is not None \
+                else mem.span(record.data_ptr, record.data_len)
+            inputs[name] = Tensor(record.dims, record.type,
+                                  array=raw.view(numpy_dtype(record.type)).reshape(record.dims))
         bound: dict[str, np.ndarray[Any, Any]] = {}
         for name, binding in entry.bound_outputs.items():
             needed = static_nbytes(spec_named(entry.outputs_spec, name, "output"))
@@ -301,13 +312,11 @@ class GuestNN:
                 )
             bound[name] = mem.span(binding.ptr, binding.max_len, f"output buffer for {name!r}")
         entry.results = None
-        names = [spec.name for spec in entry.outputs_spec]
         timeout = self.limits.compute_timeout
         try:
             if timeout is None:
                 # The backend runs in this (the guest's) thread: one trio round trip.
-                entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
-                                                      names)
+                entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
                 # An abandoned run goes on after the guest resumes (and perhaps after its
@@ -315,6 +324,7 @@ class GuestNN:
                 # copied and outputs land in host buffers, copied in once it returns.
                 owned = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
                 staging = {name: np.empty_like(view) for name, view in bound.items()}
+                names = [spec.name for spec in entry.outputs_spec]
                 entry.results = self.portal.run(run_context, entry.ctx, owned, staging, names,
                                                 timeout)
                 for name, view in bound.items():
@@ -356,34 +366,36 @@ class GuestNN:
         self._copy_result(mem, entry, spec.name, out_ptr, out_max_len, written_ptr)
 
     def _copy_result(self, mem: GuestMemory, entry: _GuestContext, name: str, out_ptr: int,
-                     out_max_len: int, written_ptr: int) -> None:
-        mem.span(out_ptr, out_max_len, "output buffer")
+                     max_len: int, written_ptr: int) -> None:
+        # Once per inference: one function, each check once (cold caches after a run make
+        # every Python call here cost several times its warm price).
+        buffer = mem.span(out_ptr, max_len, "output buffer")
         mem.check_writable_u32(written_ptr, "bytes-written result")
-        if entry.results is None:
+        results = entry.results
+        if results is None:
             raise InvalidArgumentError("no outputs yet: call compute before get_output")
-        tensor = entry.results.get(name)
+        tensor = results.get(name)
         if tensor is None:
             raise NotFoundError(f"output {name!r} was not produced by the last compute")
-        self._write_output(mem, tensor, name, out_ptr, u32(out_max_len), written_ptr)
-
-    def _write_output(self, mem: GuestMemory, tensor: Tensor, name: str, out_ptr: int,
-                      max_len: int, written_ptr: int) -> None:
-        needed = tensor.nbytes
+        source = tensor.numpy()
+        needed = int(source.nbytes)
         if needed > self.limits.max_tensor_bytes:
             raise TooLargeError(
                 f"output {name!r} is {needed} bytes: the limit is {self.limits.max_tensor_bytes}"
             )
         mem.write_u32(written_ptr, needed)
-        if needed > max_len:
+        if needed > buffer.shape[0]:
             raise TooLargeError(
-                f"output {name!r} needs {needed} bytes but the guest buffer holds {max_len} "
-                f"(the needed size was written to bytes_written)"
+                f"output {name!r} needs {needed} bytes but the guest buffer holds "
+                f"{buffer.shape[0]} (the needed size was written to bytes_written)"
             )
-        target = mem.span(out_ptr, needed, "output buffer")
-        source = tensor.numpy()
-        # Not already written in place? (__array_interface__: ndarray.ctypes costs far more.)
-        if source.__array_interface__["data"][0] != target.__array_interface__["data"][0]:
-            np.copyto(target, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+        target = buffer[:needed]
+        # A bound output may already lie in this very buffer (__array_interface__: cheaper
+        # than ndarray.ctypes; only asked for bound outputs).
+        if name in entry.bound_outputs and source.__array_interface__["data"][0] == \
+                target.__array_interface__["data"][0]:
+            return
+        np.copyto(target, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
 
     # -- end of the guest ---------------------------------------------------------------
     async def release(self) -> None:

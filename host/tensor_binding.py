@@ -10,6 +10,7 @@ must be able to abandon a running request) runs it all in trio, one round trip.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,9 @@ from wasinn.tensor import Tensor
 @dataclass
 class InputBinding:
     record: TensorRecord
+    #: The record's bytes and its dimensions' (GuestMemory.tensor_key): the same key at
+    #: the next set_input means the same tensor, already checked.
+    key: bytes = b""
     snapshot: np.ndarray[Any, Any] | None = None  # set when the guest bytes may change
 
 
@@ -90,8 +94,7 @@ def _overflowed(exc: TooLargeError, ctx: ContextLike,
 
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
-                          bound: dict[str, np.ndarray[Any, Any]],
-                          names: list[str]) -> dict[str, Tensor]:
+                          bound: dict[str, np.ndarray[Any, Any]]) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a device slot (no trio when one is free and nobody is queued, else one
     trio round trip through ``portal`` to queue), then run the backend here; the slot is
@@ -100,18 +103,15 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     Cancelling the guest's trio task while the request is queued drops it (the portal
     raises trio.Cancelled here); a running request is not abandoned: it ends first.
     """
-    for name, tensor in inputs.items():
-        ctx.set_input(name, tensor)
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
-    run = ctx.try_lease()
+    run = ctx.try_lease(inputs)
     if run is None:
-        run = portal.run(ctx.lease)
+        run = portal.run(functools.partial(ctx.lease, inputs))
     try:
-        run.run()
+        return run.run()
     except TooLargeError as exc:
         raise _overflowed(exc, ctx, bound) from None
-    return {name: ctx.get_output(name) for name in names}
 
 
 def static_nbytes(spec: TensorSpec) -> int | None:
