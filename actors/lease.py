@@ -24,7 +24,13 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from wasinn.backends.base import Cancellation, running_under
-from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_, WasiNNError
+from wasinn.errors import (
+    BackendRuntimeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    TimeoutError_,
+    WasiNNError,
+)
 
 from .jobs import Wrap, backend_failure, in_context
 
@@ -39,8 +45,8 @@ class Lease(Generic[T]):
     at its deadline would be (a lease cannot be interrupted, so that happens late).
     """
 
-    __slots__ = ("_done", "_lock", "_release", "_wrap", "cancellation", "device", "expires",
-                 "job")
+    __slots__ = ("_done", "_interrupted", "_lock", "_release", "_wrap", "cancellation",
+                 "device", "expires", "job")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
@@ -55,6 +61,7 @@ class Lease(Generic[T]):
         self._release = release
         self._lock = threading.Lock()
         self._done = False
+        self._interrupted = False
 
     def __repr__(self) -> str:
         return f"<Lease on {self.device} {'done' if self._done else 'held'}>"
@@ -76,6 +83,9 @@ class Lease(Generic[T]):
                 result = work()
         except Exception as exc:
             if cancellation is not None and cancellation.cancelled:
+                if self._interrupted:
+                    raise BackendRuntimeError(
+                        f"{self.device}: the request was interrupted while it ran") from exc
                 raise ClosedResourceError(
                     f"{self.device}: the device closed while the request ran") from exc
             if isinstance(exc, WasiNNError):
@@ -86,6 +96,14 @@ class Lease(Generic[T]):
         if time.perf_counter() > self.expires:
             raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
         return result
+
+    def interrupt(self) -> None:
+        """Stop the run in progress (or the one about to start) where its backend can
+        (ONNX Runtime, OpenVINO; torch runs to its end): :meth:`run` then raises
+        BackendRuntimeError. From any thread; idempotent."""
+        self._interrupted = True
+        if self.cancellation is not None:
+            self.cancellation.cancel()
 
     def cancel(self) -> None:
         """Give the slot back without running the job (from any thread). Idempotent."""

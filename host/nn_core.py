@@ -58,6 +58,7 @@ from wasinn.host.limits import GuestLimits
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
 from wasinn.host.tensor_binding import (
     BoundTooSmall,
+    InFlight,
     InputBinding,
     OutputBinding,
     check_against_spec,
@@ -108,6 +109,14 @@ class GuestNN:
         self._next_graph = 0
         self._next_context = 0
         self.model_bytes = 0
+        #: The request this guest's thread is running (see :meth:`interrupt`).
+        self.in_flight = InFlight()
+
+    def interrupt(self) -> None:
+        """Stop the inference this guest is running, from another thread, where the
+        backend can; later ones stop as they start. For a guest being stopped: it then
+        need not wait for a long inference to end."""
+        self.in_flight.interrupt()
 
     # -- handles ------------------------------------------------------------------
     def _graph(self, handle: int) -> _GuestGraph:
@@ -316,7 +325,8 @@ class GuestNN:
         try:
             if timeout is None:
                 # The backend runs in this (the guest's) thread: one trio round trip.
-                entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound)
+                entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
+                                                      self.in_flight)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
                 # An abandoned run goes on after the guest resumes (and perhaps after its

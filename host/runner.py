@@ -131,6 +131,7 @@ async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, 
             await trio.sleep_forever()
         finally:
             interrupter.request()  # a no-op once the guest has finished
+            nn.interrupt()  # and an inference it is running stops now, not when done
 
     try:
         async with trio.open_nursery() as nursery:

@@ -27,7 +27,7 @@ from wasinn.errors import (
     WasiNNError,
 )
 from wasinn.host.guest_memory import TensorRecord
-from wasinn.host.scheduler_api import ContextLike, Portal
+from wasinn.host.scheduler_api import CallerRunLike, ContextLike, Portal
 from wasinn.tensor import Tensor
 
 
@@ -93,25 +93,63 @@ def _overflowed(exc: TooLargeError, ctx: ContextLike,
     return BoundTooSmall(exc.message, sizes)
 
 
+class InFlight:
+    """The request a guest's thread is running, so that another thread (the one stopping
+    the guest) can interrupt it instead of waiting for a long inference to end.
+
+    Once interrupted, every later request of the guest is interrupted as it starts: the
+    guest is being stopped. Either order of :meth:`start` and :meth:`interrupt` from the
+    two threads ends with the run interrupted (each writes its field, then reads the
+    other's).
+    """
+
+    __slots__ = ("_interrupted", "_run")
+
+    def __init__(self) -> None:
+        self._run: CallerRunLike | None = None
+        self._interrupted = False
+
+    def start(self, run: CallerRunLike) -> None:
+        self._run = run
+        if self._interrupted:
+            run.interrupt()
+
+    def finish(self) -> None:
+        self._run = None
+
+    def interrupt(self) -> None:
+        self._interrupted = True
+        run = self._run
+        if run is not None:
+            run.interrupt()
+
+
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
-                          bound: dict[str, np.ndarray[Any, Any]]) -> dict[str, Tensor]:
+                          bound: dict[str, np.ndarray[Any, Any]],
+                          in_flight: InFlight | None = None) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a device slot (no trio when one is free and nobody is queued, else one
     trio round trip through ``portal`` to queue), then run the backend here; the slot is
     given back without waiting for trio.
 
     Cancelling the guest's trio task while the request is queued drops it (the portal
-    raises trio.Cancelled here); a running request is not abandoned: it ends first.
+    raises trio.Cancelled here); a running request is registered with ``in_flight``, whose
+    ``interrupt`` stops it where the backend can (ONNX Runtime, OpenVINO).
     """
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
     run = ctx.try_lease(inputs)
     if run is None:
         run = portal.run(functools.partial(ctx.lease, inputs))
+    if in_flight is not None:
+        in_flight.start(run)
     try:
         return run.run()
     except TooLargeError as exc:
         raise _overflowed(exc, ctx, bound) from None
+    finally:
+        if in_flight is not None:
+            in_flight.finish()
 
 
 def static_nbytes(spec: TensorSpec) -> int | None:

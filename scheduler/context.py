@@ -342,3 +342,8 @@ class ContextRun:
     def cancel(self) -> None:
         """Give the slot back without running. Idempotent."""
         self._lease.cancel()
+
+    def interrupt(self) -> None:
+        """Stop the run while it runs (from any other thread) where the backend can:
+        :meth:`run` then raises BackendRuntimeError. Idempotent."""
+        self._lease.interrupt()

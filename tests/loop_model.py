@@ -42,3 +42,7 @@ def loop_inputs(m: int) -> dict[str, np.ndarray[Any, Any]]:
 
 #: Loop iterations that keep ONNX Runtime busy for about half a second or more.
 LONG_LOOP = 1_000_000
+#: Loop iterations: ~30 s of ONNX Runtime work on a 2-core VM (0.66 us each).
+HUGE_LOOP = 50_000_000
+#: Far less than such a run would take, far more than a cancelled one needs.
+GUARD_S = 10.0

@@ -27,18 +27,13 @@ import trio.testing
 
 import wasinn
 from tests.fake_backend import FakeBackend, FakeGraph
-from tests.loop_model import loop_inputs, loop_onnx
+from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
 from tests.support import require_backend
 from wasinn.backends.base import Builders, Device, LoadOptions
 from wasinn.configs.loader import parse_config
 from wasinn.enums import GraphEncoding
 from wasinn.errors import ClosedResourceError, TimeoutError_
 from wasinn.host.abi import Errno
-
-#: Loop iterations: ~30 s of ONNX Runtime work on this machine (0.66 us each).
-HUGE_LOOP = 50_000_000
-#: Far less than the abandoned run would take, far more than a cancelled one needs.
-GUARD_S = 10.0
 
 
 def _cpu_config(**pool: Any) -> Any:
@@ -249,6 +244,24 @@ async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
             code = await rt.run_wasm(guest)
             assert code == Errno.RUNTIME_ERROR  # compute timed out (no timeout errno here)
             # The guest's abandoned run no longer holds the CPU's only worker slot.
+            graph = await rt.load([loop_onnx()], "onnx", "cpu")
+            out = await graph.compute(loop_inputs(2))
+            assert out["y"].numpy().tolist() == [[2.0] * 4]
+
+
+async def test_cancelling_a_core_guest_interrupts_its_running_inference(
+        tmp_path: Path) -> None:
+    # No compute timeout: the guest's thread runs the ONNX Runtime Loop itself (a lease).
+    # Cancelling run_wasm must stop that run, not wait the ~30 s it would take.
+    require_backend("onnxruntime")
+    guest = tmp_path / "hang.wat"
+    guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
+    with trio.fail_after(GUARD_S):
+        async with wasinn.Runtime(_cpu_config(workers=1, backends=["onnxruntime"])) as rt:
+            with trio.move_on_after(0.5) as scope:
+                await rt.run_wasm(guest)
+            assert scope.cancelled_caught
+            # The device's only worker slot was the interrupted run's: this needs it back.
             graph = await rt.load([loop_onnx()], "onnx", "cpu")
             out = await graph.compute(loop_inputs(2))
             assert out["y"].numpy().tolist() == [[2.0] * 4]

@@ -202,6 +202,7 @@ class ComponentGuest:
             finally:
                 if not finished:
                     self.interrupter.request()
+                    self.service.interrupt()  # an inference it runs stops now
 
         over_quota: list[str] = []
         scratch = self.service.scratch
@@ -214,6 +215,7 @@ class ComponentGuest:
                 if reason is not None:
                     over_quota.append(reason)
                     self.interrupter.request()
+                    self.service.interrupt()
                     return
                 await trio.sleep(SCRATCH_POLL_SECONDS)
 

@@ -60,6 +60,7 @@ from wasinn.host.component.tables import (
 )
 from wasinn.host.limits import GuestLimits
 from wasinn.host.scheduler_api import Portal
+from wasinn.host.tensor_binding import InFlight
 from wasinn.tensor import MAX_RANK, Tensor
 
 log = logging.getLogger("wasinn.host.component")
@@ -123,6 +124,13 @@ class NNService:
         #: Graphs the guest let go of whose unload has not run yet (it was cancelled);
         #: :meth:`close` unloads them.
         self._unloading: list[GraphEntry] = []
+        #: The request this guest's thread is running (see :meth:`interrupt`).
+        self.in_flight = InFlight()
+
+    def interrupt(self) -> None:
+        """Stop the inference this guest is running, from another thread, where the
+        backend can; later ones stop as they start (the guest is being stopped)."""
+        self.in_flight.interrupt()
 
     # -- errors -----------------------------------------------------------------------
     def error_new(self, error: WasiNNError) -> int:
@@ -449,7 +457,11 @@ class NNService:
             run = try_lease()
             if run is None:
                 run = self.portal.run(lease)
-            outputs: Mapping[Any, Tensor] = run.run()
+            self.in_flight.start(run)
+            try:
+                outputs: Mapping[Any, Tensor] = run.run()
+            finally:
+                self.in_flight.finish()
             return outputs
         return self._run(compute, what)
 
