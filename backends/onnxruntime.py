@@ -12,9 +12,11 @@ input checks; native inputs, bf16 and ``keep_on_device`` go through a per-run
 ``IOBinding`` so that ``OrtValue`` s are bound as they are, without a copy.
 
 Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` (see
-:func:`~wasinn.backends.base.current_cancellation`) gets its own ``RunOptions``, whose
-``terminate`` flag the cancellation sets: ONNX Runtime checks it between nodes and
-between a Loop's iterations, and the run raises BackendRuntimeError.
+:func:`~wasinn.backends.base.current_cancellation`) runs with a ``RunOptions`` of its
+thread's own, whose ``terminate`` flag the cancellation sets: ONNX Runtime checks it
+between nodes and between a Loop's iterations, and the run raises BackendRuntimeError.
+A thread reuses its ``RunOptions`` for its next run unless a cancellation reached it (a
+late one could otherwise stop a later run): one object less to build per inference.
 
 ``LoadOptions.precision`` is not applied: ONNX Runtime computes in the model's own types.
 """
@@ -147,9 +149,7 @@ class OrtGraph(CompiledGraph):
         cancellation = current_cancellation()
         if cancellation is None:
             return self._dispatch(session, ordered, picked, keep_on_device, None)
-        options = ort.RunOptions()
-        # A terminated run is expected here: keep ORT's own error log off stderr.
-        options.log_severity_level = 4
+        options = _run_options()
         forget = cancellation.on_cancel(functools.partial(_terminate, options))
         try:
             return self._dispatch(session, ordered, picked, keep_on_device, options)
@@ -159,6 +159,8 @@ class OrtGraph(CompiledGraph):
             raise
         finally:
             forget()
+            if cancellation.cancelled:  # its terminate may be set, now or later: not reused
+                _spare.options = None
 
     def _dispatch(self, session: Any, ordered: list[Tensor], picked: tuple[int, ...],
                   keep_on_device: bool, options: Any) -> dict[str, Tensor]:
@@ -217,6 +219,20 @@ class OrtGraph(CompiledGraph):
 
     def close(self) -> None:
         self._session = None
+
+
+_spare = threading.local()
+
+
+def _run_options() -> Any:
+    """This thread's ``RunOptions`` for a cancellable run (see the module docstring)."""
+    options = getattr(_spare, "options", None)
+    if options is None:
+        options = ort.RunOptions()
+        # A terminated run is expected here: keep ORT's own error log off stderr.
+        options.log_severity_level = 4
+        _spare.options = options
+    return options
 
 
 def _terminate(options: Any) -> None:

@@ -88,8 +88,8 @@ class MemoryCache:
 
     A wasi-nn call would otherwise spend several microseconds finding and viewing the
     memory; a guest makes three or more per inference. The view is only ever used during
-    a host call, after checking that base and size are unchanged (a grown memory may have
-    moved).
+    a host call, after checking that the size is unchanged: a memory moves only when it
+    grows, so an unchanged size means an unchanged base.
     """
 
     __slots__ = ("_address", "_extern", "_memory", "_size", "_view")
@@ -110,10 +110,10 @@ class MemoryCache:
                 raise MissingMemoryError("the guest exports no linear memory named 'memory'")
             memory = self._memory = ctypes.pointer(self._extern.of.memory)
         context = _caller_context(caller)
-        address = _memory_data(context, memory) or 0
         size = _memory_data_size(context, memory)
         view = self._view
-        if view is None or address != self._address or size != self._size:
+        if view is None or size != self._size:
+            address = _memory_data(context, memory) or 0
             view = self._view = GuestMemory.at(address, size)
             self._address, self._size = address, size
         return view

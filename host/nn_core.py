@@ -295,7 +295,8 @@ class GuestNN:
         spec = spec_named(entry.outputs_spec, name, "output")
         mem.span(out_ptr, out_max_len, f"output buffer for {name!r}")
         mem.check_writable_u32(written_ptr, "bytes-written result")
-        entry.bound_outputs[spec.name] = OutputBinding(out_ptr, u32(out_max_len), written_ptr)
+        entry.bound_outputs[spec.name] = OutputBinding(out_ptr, u32(out_max_len), written_ptr,
+                                                       static_nbytes(spec))
 
     # -- compute ------------------------------------------------------------------
     def compute(self, mem: GuestMemory, ctx_handle: int) -> None:
@@ -312,7 +313,7 @@ class GuestNN:
                                   array=raw.view(numpy_dtype(record.type)).reshape(record.dims))
         bound: dict[str, np.ndarray[Any, Any]] = {}
         for name, binding in entry.bound_outputs.items():
-            needed = static_nbytes(spec_named(entry.outputs_spec, name, "output"))
+            needed = binding.needed
             if needed is not None and needed > binding.max_len:
                 mem.write_u32(binding.written_ptr, needed)
                 raise TooLargeError(

@@ -45,6 +45,8 @@ class OutputBinding:
     ptr: int
     max_len: int
     written_ptr: int
+    #: The output's size when its shape is fully known before running (static_nbytes).
+    needed: int | None = None
 
 
 

@@ -49,7 +49,7 @@ def printed(out: str, label: str) -> tuple[int, float]:
     return int(match[1]), float(match[2])
 
 
-@pytest.mark.parametrize("name", ["bad_inputs", "old_types", "extensions", "rebind"])
+@pytest.mark.parametrize("name", ["bad_inputs", "old_types", "extensions", "rebind", "grow"])
 async def test_wat_guest_checks(rt: wasinn.Runtime, name: str) -> None:
     code = await rt.run_wasm(WAT_DIR / f"{name}.wat")
     assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
