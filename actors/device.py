@@ -50,13 +50,14 @@ only when each job ends (by its daemon thread), and the device context is left o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -134,6 +135,9 @@ class DeviceActor:
         self._compiles = 0
         self._leases_lock = threading.Lock()
         self._leases: set[Cancellation] = set()  # runs of leases in progress
+        # Stops leases whose deadline passes while they run (see _watch); open while serving.
+        self._watchers: trio.Nursery | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -166,10 +170,13 @@ class DeviceActor:
         self._threads.start()
         self._slots.open()
         self._ready = True
-        task_status.started(self)
+        self._token = trio.lowlevel.current_trio_token()
         try:
-            await trio.sleep_forever()
+            async with trio.open_nursery() as self._watchers:
+                task_status.started(self)
+                await trio.sleep_forever()
         finally:
+            self._watchers = None
             self.close()
             with trio.CancelScope(shield=True):
                 # Threads finish the (cancelled) jobs handed to them, then exit. Only then
@@ -429,7 +436,8 @@ class DeviceActor:
         TooLargeError, TimeoutError_ when ``deadline`` passes first); returns once the slot
         is held. Cancelled while queued, the request is removed. The holder must call
         :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
-        that ends past ``deadline`` raises TimeoutError_ there.
+        still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
+        raises TimeoutError_ there.
         """
         if deadline == math.inf:
             await self._take_slot(priority, deadline, tenant)
@@ -441,7 +449,10 @@ class DeviceActor:
                 raise TimeoutError_(
                     f"{self.device}: the request's deadline passed before it started")
             expires = time.perf_counter() + (deadline - trio.current_time())
-        return self._new_lease(job, expires)
+        lease = self._new_lease(job, expires)
+        if deadline != math.inf:
+            self._watch(lease, deadline)
+        return lease
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None
                   ) -> Lease[T] | None:
@@ -453,8 +464,29 @@ class DeviceActor:
         """
         if not self._slots.try_take():
             return None
-        expires = math.inf if timeout is None else time.perf_counter() + timeout
-        return self._new_lease(job, expires)
+        if timeout is None:
+            return self._new_lease(job, math.inf)
+        lease = self._new_lease(job, time.perf_counter() + timeout)
+        token = self._token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody closes it
+                token.run_sync_soon(self._watch, lease, None)
+        return lease
+
+    def _watch(self, lease: Lease[Any], deadline: float | None) -> None:
+        # In trio: stop the lease's run when its deadline (trio time; None: from its
+        # perf_counter expiry) passes first.
+        watchers = self._watchers
+        if watchers is None or lease.over:
+            return
+        if deadline is None:
+            deadline = trio.current_time() + (lease.expires - time.perf_counter())
+        watchers.start_soon(self._expire, lease, deadline)
+
+    @staticmethod
+    async def _expire(lease: Lease[Any], deadline: float) -> None:
+        await trio.sleep_until(deadline)
+        lease.interrupt(deadline=True)  # a no-op once it is over
 
     def _new_lease(self, job: Callable[[], T], expires: float) -> Lease[T]:
         # A lease's run is cancelled if the actor closes meanwhile (see close).

@@ -11,9 +11,12 @@ when a slot is free and nobody is queued (:meth:`DeviceActor.try_lease`, see
 :mod:`wasinn.actors.slots`).
 
 A lease cannot be abandoned: its job runs in the caller's own thread, which waits for
-it. Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`) only when the
-device actor closes; it then raises ClosedResourceError. Whoever holds one must call
-:meth:`Lease.run` (or :meth:`Lease.cancel`) exactly once.
+it. Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`; ONNX Runtime
+and OpenVINO stop within milliseconds, torch runs to its end) when its deadline passes
+(TimeoutError_: the device actor watches leases that have one), when another thread
+interrupts it (:meth:`Lease.interrupt`: BackendRuntimeError), or when the device actor
+closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
+:meth:`Lease.cancel`) exactly once.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ class Lease(Generic[T]):
     at its deadline would be (a lease cannot be interrupted, so that happens late).
     """
 
-    __slots__ = ("_done", "_interrupted", "_lock", "_release", "_wrap", "cancellation",
-                 "device", "expires", "job")
+    __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_wrap",
+                 "cancellation", "device", "expires", "job")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
@@ -60,8 +63,9 @@ class Lease(Generic[T]):
         self._wrap = wrap
         self._release = release
         self._lock = threading.Lock()
-        self._done = False
-        self._interrupted = False
+        self._done = False  # taken: run or cancelled
+        self._over = False  # run and given back, or cancelled
+        self._interrupted = ""  # why interrupt() stopped the run: "deadline" or "interrupt"
 
     def __repr__(self) -> str:
         return f"<Lease on {self.device} {'done' if self._done else 'held'}>"
@@ -83,6 +87,10 @@ class Lease(Generic[T]):
                 result = work()
         except Exception as exc:
             if cancellation is not None and cancellation.cancelled:
+                if self._interrupted == "deadline":
+                    raise TimeoutError_(
+                        f"{self.device}: the request's deadline passed while it ran; the "
+                        "run was stopped") from exc
                 if self._interrupted:
                     raise BackendRuntimeError(
                         f"{self.device}: the request was interrupted while it ran") from exc
@@ -97,11 +105,20 @@ class Lease(Generic[T]):
             raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
         return result
 
-    def interrupt(self) -> None:
+    @property
+    def over(self) -> bool:
+        """The job has run (or the lease was cancelled) and the slot is given back."""
+        return self._over
+
+    def interrupt(self, *, deadline: bool = False) -> None:
         """Stop the run in progress (or the one about to start) where its backend can
         (ONNX Runtime, OpenVINO; torch runs to its end): :meth:`run` then raises
-        BackendRuntimeError. From any thread; idempotent."""
-        self._interrupted = True
+        BackendRuntimeError, or TimeoutError_ when ``deadline`` (its deadline passed).
+        From any thread; a no-op once the lease is over; the first reason given stays."""
+        if self._over:
+            return
+        if not self._interrupted:
+            self._interrupted = "deadline" if deadline else "interrupt"
         if self.cancellation is not None:
             self.cancellation.cancel()
 
@@ -121,4 +138,5 @@ class Lease(Generic[T]):
 
     def _give_back(self) -> None:
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
+        self._over = True
         self._release()

@@ -25,7 +25,9 @@ runs the model there and gives the slot back without waiting for trio.
 ``compute_in_caller_thread`` / ``run_in_caller_thread`` do it all. That is no trio round
 trip per request on an idle device, and one on a busy one, instead of two plus a thread
 hand-off; the price is that a running request cannot be abandoned (the caller's thread
-is the one running it).
+is the one running it): when its timeout passes, or another thread calls
+``ContextRun.interrupt``, the run is stopped where the backend can stop it (ONNX Runtime,
+OpenVINO; torch runs to its end).
 
 Keys are input/output names or their positions. Contexts are not thread-safe: use them
 from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the
@@ -180,7 +182,8 @@ class ExecutionContext:
 
         Call it in trio. Raises what :meth:`compute` raises while placing and queueing;
         cancelled while queued, the request is removed. ``timeout`` bounds the wait and the
-        run: a run that ends past it raises TimeoutError_ (late: it is not interrupted).
+        run: a run still going when it passes is stopped where the backend can (ONNX Runtime,
+        OpenVINO; torch runs to its end) and raises TimeoutError_.
         """
         self._check_open()
         if inputs is None:

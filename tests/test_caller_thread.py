@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
+from tests.loop_model import GUARD_S, HUGE_LOOP, LONG_LOOP, loop_inputs, loop_onnx
 from tests.support import require_backend
 from wasinn.actors.inline import RunProfile
 from wasinn.configs.loader import packaged_config, parse_config
@@ -162,3 +162,26 @@ async def test_a_qualified_graph_still_times_out_when_its_inputs_make_it_slow() 
             await graph.compute(loop_inputs(LONG_LOOP), timeout=0.05)
         assert cpu.threads.abandoned == 1  # it went to the worker thread, abandoned there
     assert out["y"].numpy().tolist() == [[1.0] * 4]
+
+
+@pytest.mark.parametrize("path", ["queued through trio", "free slot taken in the thread"])
+async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str) -> None:
+    # The run happens in the caller's thread, so it cannot be abandoned: the device must
+    # stop it (ONNX Runtime's terminate flag) once the timeout passes, and free the slot.
+    require_backend("onnxruntime")
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1,
+                                             "backends": ["onnxruntime"]}}}, None)
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load([loop_onnx()], "onnx", "cpu")
+        ctx = graph.init_execution_context()
+        if path == "free slot taken in the thread":  # compiled: try_lease takes the slot
+            await ctx.compute(loop_inputs(1))
+        with trio.fail_after(GUARD_S):
+            with pytest.raises(wasinn.errors.TimeoutError_, match="deadline passed while it ran"):
+                await trio.to_thread.run_sync(
+                    lambda: ctx.compute_in_caller_thread(loop_inputs(HUGE_LOOP), timeout=0.2))
+            # The device's only slot is free again, and the thread's next run is not stopped.
+            out = await trio.to_thread.run_sync(
+                lambda: ctx.compute_in_caller_thread(loop_inputs(2), timeout=GUARD_S))
+        assert out["y"].numpy().tolist() == [[2.0] * 4]
+        ctx.close()
