@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import itertools
 import logging
-import struct
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -58,7 +57,6 @@ _VAL_RAW_SIZE = ctypes.sizeof(ffi.wasmtime_val_raw_t)
 if _VAL_RAW_SIZE % 4 or _VAL_RAW_SIZE < 8:  # pragma: no cover - a changed C API
     raise ImportError(f"wasmtime_val_raw_t is {_VAL_RAW_SIZE} bytes: wasinn expects 16")
 _SLOT_U32S = _VAL_RAW_SIZE // 4
-_U32P = ctypes.POINTER(ctypes.c_uint32)
 _EXTERN_MEMORY = int(getattr(ffi.WASMTIME_EXTERN_MEMORY, "value", ffi.WASMTIME_EXTERN_MEMORY))
 _MEMORY_P = ctypes.POINTER(ffi.wasmtime_memory_t)
 # Own prototypes (not wasmtime-py's function objects, whose restype must stay theirs):
@@ -92,11 +90,14 @@ class MemoryCache:
     grows, so an unchanged size means an unchanged base.
     """
 
-    __slots__ = ("_address", "_extern", "_memory", "_size", "_view")
+    __slots__ = ("_address", "_context", "_extern", "_memory", "_size", "_view")
 
     def __init__(self) -> None:
         self._extern = ffi.wasmtime_extern_t()
         self._memory: Any = None  # a pointer to the extern's wasmtime_memory_t, once found
+        # The store's wasmtime_context_t *: one guest, one store, whose context lives (at
+        # one address) as long as the store does.
+        self._context: int | None = None
         self._view: GuestMemory | None = None
         self._address = -1
         self._size = -1
@@ -109,7 +110,8 @@ class MemoryCache:
             if not found or cast(int, self._extern.kind) != _EXTERN_MEMORY:
                 raise MissingMemoryError("the guest exports no linear memory named 'memory'")
             memory = self._memory = ctypes.pointer(self._extern.of.memory)
-        context = _caller_context(caller)
+            self._context = _caller_context(caller)
+        context = self._context
         size = _memory_data_size(context, memory)
         view = self._view
         if view is None or size != self._size:
@@ -162,7 +164,7 @@ FUNCTIONS: dict[str, int] = {
 class CallGuard:
     """Turns one ABI method into a host function that always returns an errno."""
 
-    __slots__ = ("_args", "memory_of", "method", "name", "nparams", "on_cancel", "timed",
+    __slots__ = ("_slots", "memory_of", "method", "name", "nparams", "on_cancel", "timed",
                  "with_memory")
 
     def __init__(self, name: str, method: Callable[..., None], with_memory: bool,
@@ -176,15 +178,18 @@ class CallGuard:
         self.on_cancel = on_cancel
         self.timed = timed
         self.nparams = nparams
-        # The i32 parameters, read as u32 (what the guest meant; wasmtime's are signed)
-        # from the raw value slots in one call.
-        self._args = struct.Struct("<" + f"I{_VAL_RAW_SIZE - 4}x" * nparams)
+        # The raw value slots as u32 words: each i32 parameter is the first word of its
+        # slot, read as the u32 the guest meant (wasmtime's are signed); the i32 result
+        # goes to the first slot.
+        self._slots = ctypes.c_uint32 * (_SLOT_U32S * max(nparams, 1))
 
-    def __call__(self, caller: int, values: int) -> int:
-        """Run the method for the raw call (``values``: the argument slots); the errno."""
+    def __call__(self, caller: int, values: int) -> None:
+        """Run the method for the raw call (``values``: the argument slots) and write its
+        errno into the result slot."""
         start = time.perf_counter() if self.timed else 0.0
+        slots = self._slots.from_address(values)
+        args = slots[::_SLOT_U32S]
         try:
-            args = self._args.unpack(ctypes.string_at(values, self._args.size))
             if self.with_memory:
                 self.method(self.memory_of(caller), *args)
             else:
@@ -192,7 +197,7 @@ class CallGuard:
             errno = Errno.SUCCESS
         except WasiNNError as exc:
             errno = errno_of(exc)
-            log.debug("%s%s -> %s: %s", self.name, self._args_of(values), errno.name.lower(),
+            log.debug("%s%s -> %s: %s", self.name, tuple(args), errno.name.lower(),
                       exc.message)
         except trio.Cancelled:
             # The run_wasm call was cancelled while this call waited in trio: stop the
@@ -205,10 +210,7 @@ class CallGuard:
             errno = Errno.RUNTIME_ERROR
         if self.timed:
             log.debug("%s took %.3f ms", self.name, (time.perf_counter() - start) * 1e3)
-        return int(errno)
-
-    def _args_of(self, values: int) -> tuple[int, ...]:
-        return tuple(self._args.unpack(ctypes.string_at(values, self._args.size)))
+        slots[0] = errno
 
 
 #: The guards of every defined host function, by the id Wasmtime hands back as ``env``.
@@ -219,14 +221,17 @@ _next_id = itertools.count(1)
 def _host_call(env: int | None, caller: int | None, values: int | None, count: int) -> int:
     # Entered from wasm with the GIL taken by ctypes. Nothing may raise out of here: a
     # ctypes callback's exception is printed and its result slot left as it was.
-    with contextlib.suppress(BaseException):  # only while the interpreter shuts down
-        try:
-            errno = _GUARDS[env or 0](caller or 0, values or 0)
-        except BaseException:  # only if the guard itself is broken
-            log.exception("wasi-nn host call failed before reaching its guard")
-            errno = int(Errno.RUNTIME_ERROR)
-        ctypes.cast(values or 0, _U32P)[0] = errno
+    try:
+        _GUARDS[env or 0](caller or 0, values or 0)
+    except BaseException:  # only if the guard itself is broken
+        _broken(values or 0)
     return 0  # no trap: a cancelled guest is stopped by its epoch deadline
+
+
+def _broken(values: int) -> None:
+    with contextlib.suppress(BaseException):  # only while the interpreter shuts down
+        log.exception("wasi-nn host call failed before reaching its guard")
+        ctypes.c_uint32.from_address(values).value = int(Errno.RUNTIME_ERROR)
 
 
 def _forget_guard(env: int | None) -> None:
