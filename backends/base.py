@@ -15,7 +15,6 @@ leaf (never the library's own exception type), with a message that names the bac
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 import logging
 import threading
@@ -210,8 +209,11 @@ class Cancellation:
         return _nothing
 
     def _forget(self, callback: Callable[[], object]) -> None:
-        with self._lock, contextlib.suppress(ValueError):
-            self._callbacks.remove(callback)
+        # Once per cancellable run: no contextlib.suppress (three Python calls more).
+        with self._lock:
+            callbacks = self._callbacks
+            if callback in callbacks:  # else already run (cancelled) and cleared
+                callbacks.remove(callback)
 
 
 def _call(callback: Callable[[], object]) -> None:
