@@ -25,6 +25,7 @@ from wasinn.tensor import MAX_RANK
 _U32 = np.dtype("<u4")
 _RECORD = struct.Struct("<5I")
 _DIMS = struct.Struct("<2I")  # the record's dims_ptr, dims_len
+_U32_LE = struct.Struct("<I")
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
 #: Size of the WITX tensor record: dims_ptr, dims_len, type (+3 bytes padding), data_ptr,
@@ -91,7 +92,9 @@ class GuestMemory:
         return int(self.span(ptr, 4, what).view(_U32)[0])
 
     def write_u32(self, ptr: int, value: int, what: str = "result") -> None:
-        self.span(ptr, 4, what).view(_U32)[0] = value
+        self.span(ptr, 4, what)  # the bounds check
+        data: Any = self.data  # (numpy declares the buffer protocol only for Python 3.12+)
+        _U32_LE.pack_into(data, ptr & 0xFFFFFFFF, value)  # one C call, no view
 
     def check_writable_u32(self, ptr: int, what: str = "result") -> None:
         """Fail now, before any work is done, if a result pointer is out of bounds."""

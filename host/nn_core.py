@@ -62,6 +62,7 @@ from wasinn.host.tensor_binding import (
     InputBinding,
     OutputBinding,
     check_against_spec,
+    copy_bytes,
     run_context,
     run_context_in_thread,
     spec_at,
@@ -406,7 +407,7 @@ class GuestNN:
         if name in entry.bound_outputs and source.__array_interface__["data"][0] == \
                 target.__array_interface__["data"][0]:
             return
-        np.copyto(target, np.ascontiguousarray(source).reshape(-1).view(np.uint8))
+        copy_bytes(target, source)
 
     # -- end of the guest ---------------------------------------------------------------
     async def release(self) -> None:

@@ -154,6 +154,17 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
             in_flight.finish()
 
 
+def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
+    """Copy ``source``'s bytes (any dtype, any shape, C order) into the uint8 array
+    ``target`` of exactly that many bytes."""
+    src: Any = np.ascontiguousarray(source)
+    dst: Any = target  # (numpy declares the buffer protocol only for Python 3.12+)
+    try:  # one memcpy through the buffer protocol: the cheapest copy from Python
+        memoryview(dst)[:] = memoryview(src).cast("B")
+    except (TypeError, ValueError):  # a dtype with no buffer format (bf16)
+        np.copyto(target, src.reshape(-1).view(np.uint8))
+
+
 def static_nbytes(spec: TensorSpec) -> int | None:
     """The byte size of an output whose shape is fully known before running, else None."""
     if any(d is None for d in spec.shape):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -26,6 +28,7 @@ from wasinn.host.abi import (
     errno_of,
 )
 from wasinn.host.guest_memory import GuestMemory, u32
+from wasinn.host.tensor_binding import copy_bytes
 
 
 def test_witx_encoding_numbers_differ_from_wit() -> None:
@@ -171,3 +174,15 @@ def test_builder_count_is_bounded_before_anything_is_read() -> None:
         mem.builders(0, 17)
     with pytest.raises(InvalidArgumentError, match="4194304 graph builders"):
         mem.builders(0, 4 * 1024 * 1024)
+
+
+@pytest.mark.parametrize("source", [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+    np.array(1.5, dtype=np.float64),
+    np.arange(10, dtype=np.int64)[::2],  # not contiguous
+], ids=["f32", "bf16", "rank-0", "strided"])
+def test_copy_bytes_writes_any_output_into_guest_bytes(source: np.ndarray[Any, Any]) -> None:
+    target = np.full(np.ascontiguousarray(source).nbytes, 0xAA, dtype=np.uint8)
+    copy_bytes(target, source)
+    assert target.tobytes() == np.ascontiguousarray(source).tobytes()
