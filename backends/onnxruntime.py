@@ -164,8 +164,12 @@ class OrtGraph(CompiledGraph):
 
     def _dispatch(self, session: Any, ordered: list[Tensor], picked: tuple[int, ...],
                   keep_on_device: bool, options: Any) -> dict[str, Tensor]:
-        if not keep_on_device and not self._has_bf16 and all(t.is_host for t in ordered):
-            return self._run_host(session, ordered, picked, options)
+        if not keep_on_device and not self._has_bf16:
+            for tensor in ordered:  # (a loop, not all(genexpr): this runs on every request)
+                if not tensor.is_host:
+                    break
+            else:
+                return self._run_host(session, ordered, picked, options)
         return self._run_bound(session, ordered, picked, keep_on_device, options)
 
     def _run_host(
