@@ -6,7 +6,9 @@
    them); native ONNX Runtime runs the same model, with the session options wasinn uses,
    on the same input. Goal: ratio <= 1.03. Both the legacy calls (set_input / compute /
    get_output by index) and wasinn's extensions (input by name, output buffer bound before
-   compute) are measured.
+   compute) are measured. Each round gives two ratios, guest over native: of the mean
+   times per inference, and of the median times (the median is less moved by the odd
+   inference a busy host slows down); each is summarized by its median over the rounds.
 2. Transfer: the ``transfer`` guest sends one big f32 tensor through an identity model
    and reads it back; MB/s counts the bytes moved in and out of the guest, against native
    ONNX Runtime running the same identity model on the same array.
@@ -44,15 +46,33 @@ from wasinn.scheduler import Runtime
 
 
 def native_ms(session: Any, feed: dict[str, np.ndarray[Any, Any]], n: int) -> float:
+    """Mean ms per inference (the transfer figures)."""
+    return native_times(session, feed, n)[0]
+
+
+def native_times(session: Any, feed: dict[str, np.ndarray[Any, Any]], n: int
+                 ) -> tuple[float, float]:
+    """Mean and median ms per inference, each inference timed as the guest times its."""
     session.run(None, feed)  # warm-up
+    times = []
     start = time.perf_counter()
     for _ in range(n):
+        begin = time.perf_counter()
         session.run(None, feed)
-    return (time.perf_counter() - start) * 1e3 / n
+        times.append(time.perf_counter() - begin)
+    mean = (time.perf_counter() - start) * 1e3 / n
+    return mean, statistics.median(times) * 1e3
 
 
 async def guest_ms(rt: Runtime, wasm: Path, argv: list[str], workdir: Path) -> float:
-    """Run a guest with stdout captured to a file; the per-iteration ms it printed."""
+    """Run a guest with stdout captured to a file; the mean ms per iteration it printed."""
+    return (await guest_times(rt, wasm, argv, workdir))[0]
+
+
+async def guest_times(rt: Runtime, wasm: Path, argv: list[str], workdir: Path
+                      ) -> tuple[float, float]:
+    """Run a guest with stdout captured to a file; the mean ms per iteration it printed,
+    and the median when it printed one (else the mean again)."""
     import os
 
     out = workdir / "guest-stdout.txt"
@@ -71,7 +91,8 @@ async def guest_ms(rt: Runtime, wasm: Path, argv: list[str], workdir: Path) -> f
     match = re.search(r"([\d.]+) ms each", text)
     if not match:
         raise SystemExit(f"{wasm.name} printed no timing: {text!r}")
-    return float(match[1])
+    median = re.search(r"median ([\d.]+) ms", text)
+    return float(match[1]), float(median[1]) if median else float(match[1])
 
 
 def best_of(rounds: int, measure: Callable[[], float]) -> float:
@@ -114,15 +135,18 @@ async def main() -> None:
         for label, flags in (("guest legacy ABI", ["--legacy"]), ("guest wasinn ext", [])):
             wasinn_runs, native_runs = [], []
             for _ in range(args.rounds):  # interleaved, so drift hits both alike
-                native_runs.append(native_ms(native, {"input": image}, args.n))
-                wasinn_runs.append(await guest_ms(
+                native_runs.append(native_times(native, {"input": image}, args.n))
+                wasinn_runs.append(await guest_times(
                     rt, classify, [*flags, "--repeat", str(args.n), "mobilenet",
                                    "/d/input.bin"], workdir))
-            per_round = [w / n for w, n in zip(wasinn_runs, native_runs, strict=True)]
-            rows.append((label, min(wasinn_runs), min(native_runs), statistics.median(per_round)))
-        for label, w, n, median in rows:
+            of_means = [w[0] / n[0] for w, n in zip(wasinn_runs, native_runs, strict=True)]
+            of_medians = [w[1] / n[1] for w, n in zip(wasinn_runs, native_runs, strict=True)]
+            rows.append((label, min(w[0] for w in wasinn_runs), min(n[0] for n in native_runs),
+                         statistics.median(of_means), statistics.median(of_medians)))
+        for label, w, n, means, medians in rows:
             print(f"  {label:18s} {w:8.3f} ms/inference   native ORT {n:8.3f} ms   "
-                  f"ratio {w / n:.3f} (best vs best; median of per-round ratios {median:.3f})")
+                  f"ratio {w / n:.3f} best vs best; median over rounds of the ratio of "
+                  f"means {means:.3f}, of medians {medians:.3f}")
         reps = max(3, args.n // 20)
         moved = 2 * big.nbytes
         t_guest = min([await guest_ms(rt, transfer, ["identity", str(count), str(reps)],
