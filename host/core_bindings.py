@@ -218,6 +218,12 @@ _GUARDS: dict[int, CallGuard] = {}
 _next_id = itertools.count(1)
 
 
+def live_host_functions() -> int:
+    """Host functions defined and not yet dropped by Wasmtime, every guest's (16 each):
+    for leak checks."""
+    return len(_GUARDS)
+
+
 def _host_call(env: int | None, caller: int | None, values: int | None, count: int) -> int:
     # Entered from wasm with the GIL taken by ctypes. Nothing may raise out of here: a
     # ctypes callback's exception is printed and its result slot left as it was.

@@ -9,6 +9,7 @@ import pytest
 import wasmtime
 
 import wasinn
+from wasinn.host.core_bindings import live_host_functions
 from wasinn.host.runner import run_wasm
 
 # Touches 10 MB of its memory, then makes a call that fails (an unknown model name).
@@ -36,8 +37,12 @@ async def test_guests_whose_calls_fail_free_their_store(tmp_path: Path, rounds: 
     async with wasinn.Runtime() as rt:
         assert await run_wasm(rt, guest) == 0
         after_one = _live_stores()  # whatever earlier tests left has been collected here
+        functions_after_one = live_host_functions()
         for _ in range(rounds):
             assert await run_wasm(rt, guest) == 0
         # An errno must not keep the guest's Store (and its linear memory) alive: more
         # guests must not mean more live Stores.
         assert _live_stores() <= after_one
+        # Nor its host functions: Wasmtime drops them with the guest's linker, and each
+        # one's guard (GuestNN and all) is forgotten then.
+        assert live_host_functions() <= functions_after_one
