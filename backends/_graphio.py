@@ -98,7 +98,13 @@ class InputChecker:
                 )
             rank, fixed = self._fixed[index]
             dims = tensor.dims
-            if rank >= 0 and (len(dims) != rank or any(dims[a] != d for a, d in fixed)):
+            wrong = rank >= 0 and len(dims) != rank
+            if rank >= 0 and not wrong:
+                for axis, size in fixed:  # a loop, not any(genexpr): once per input per run
+                    if dims[axis] != size:
+                        wrong = True
+                        break
+            if wrong:
                 raise InvalidArgumentError(
                     f"{self._backend}: input {spec.name!r} has shape {list(dims)} but the "
                     f"model expects {spec.describe()}"

@@ -175,18 +175,22 @@ class OrtGraph(CompiledGraph):
     def _run_host(
         self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], options: Any
     ) -> dict[str, Tensor]:
+        # Plain loops, not comprehensions: each comprehension is one more frame (3.11), and
+        # this runs on every request, with caches cold from the inference before it.
         names = self._output_names
         wanted = self._all_names if picked is self._all else [names[i] for i in picked]
-        feed = {name: t.numpy() for name, t in zip(self._input_names, ordered, strict=True)}
+        feed = {}
+        for name, tensor in zip(self._input_names, ordered, strict=True):
+            feed[name] = tensor.numpy()
         try:
             results = session.run(wanted, feed, options)
         except Exception as exc:
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
         specs = self.outputs
-        return {
-            names[i]: Tensor(arr.shape, specs[i].type, array=arr)
-            for i, arr in zip(picked, results, strict=True)
-        }
+        out: dict[str, Tensor] = {}
+        for i, arr in zip(picked, results, strict=True):
+            out[names[i]] = Tensor(arr.shape, specs[i].type, array=arr)
+        return out
 
     def _run_bound(
         self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep: bool,
