@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -80,6 +82,9 @@ from .slots import Slots
 from .workers import WorkerThreads
 
 T = TypeVar("T")
+
+#: Deadline heap size from which finished leases are dropped when they are most of it.
+_COMPACT_AT = 64
 
 log = logging.getLogger("wasinn.actors")
 
@@ -135,8 +140,11 @@ class DeviceActor:
         self._compiles = 0
         self._leases_lock = threading.Lock()
         self._leases: set[Cancellation] = set()  # runs of leases in progress
-        # Stops leases whose deadline passes while they run (see _watch); open while serving.
-        self._watchers: trio.Nursery | None = None
+        # Leases with a deadline, as a heap of (deadline in trio time, tie-break, lease):
+        # one task stops those still running when theirs passes (see _watch_deadlines).
+        self._deadlines: list[tuple[float, int, Lease[Any]]] = []
+        self._deadline_ids = itertools.count()
+        self._earlier_deadline: trio.Event | None = None  # set: the heap's head changed
         self._token: trio.lowlevel.TrioToken | None = None
 
     def __repr__(self) -> str:
@@ -172,11 +180,10 @@ class DeviceActor:
         self._ready = True
         self._token = trio.lowlevel.current_trio_token()
         try:
-            async with trio.open_nursery() as self._watchers:
-                task_status.started(self)
-                await trio.sleep_forever()
+            await self._watch_deadlines(task_status)
         finally:
-            self._watchers = None
+            self._earlier_deadline = None
+            self._deadlines.clear()
             self.close()
             with trio.CancelScope(shield=True):
                 # Threads finish the (cancelled) jobs handed to them, then exit. Only then
@@ -473,20 +480,42 @@ class DeviceActor:
                 token.run_sync_soon(self._watch, lease, None)
         return lease
 
+    @property
+    def watched_leases(self) -> int:
+        """Leases whose deadline is being watched, finished ones not yet dropped included:
+        fewer than 64, or about twice the running ones once there are more."""
+        return len(self._deadlines)
+
     def _watch(self, lease: Lease[Any], deadline: float | None) -> None:
-        # In trio: stop the lease's run when its deadline (trio time; None: from its
-        # perf_counter expiry) passes first.
-        watchers = self._watchers
-        if watchers is None or lease.over:
+        # In trio: have _watch_deadlines stop the lease's run when its deadline (trio
+        # time; None: from its perf_counter expiry) passes first.
+        wake = self._earlier_deadline
+        if wake is None or lease.over:
             return
         if deadline is None:
             deadline = trio.current_time() + (lease.expires - time.perf_counter())
-        watchers.start_soon(self._expire, lease, deadline)
+        heap = self._deadlines
+        if len(heap) >= _COMPACT_AT and 2 * sum(not e[2].over for e in heap) < len(heap):
+            # Mostly finished leases waiting for their deadline: drop them.
+            heap[:] = [entry for entry in heap if not entry[2].over]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, next(self._deadline_ids), lease))
+        if heap[0][2] is lease:
+            wake.set()
 
-    @staticmethod
-    async def _expire(lease: Lease[Any], deadline: float) -> None:
-        await trio.sleep_until(deadline)
-        lease.interrupt(deadline=True)  # a no-op once it is over
+    async def _watch_deadlines(self, task_status: trio.TaskStatus[DeviceActor]) -> None:
+        # Runs while the actor serves: sleeps until the earliest deadline (or until an
+        # earlier one is added), then stops every lease whose deadline has passed.
+        heap = self._deadlines
+        self._earlier_deadline = trio.Event()
+        task_status.started(self)
+        while True:
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self._earlier_deadline.wait()
+            self._earlier_deadline = trio.Event()
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                heapq.heappop(heap)[2].interrupt(deadline=True)  # a no-op once over
 
     def _new_lease(self, job: Callable[[], T], expires: float) -> Lease[T]:
         # A lease's run is cancelled if the actor closes meanwhile (see close).

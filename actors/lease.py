@@ -43,9 +43,10 @@ T = TypeVar("T")
 class Lease(Generic[T]):
     """One worker slot of ``device`` reserved for ``job``, to be run by the caller's thread.
 
-    ``expires`` is a ``time.perf_counter()`` instant (``math.inf`` = none): a run that
-    ends after it raises TimeoutError_ and its result is dropped, as a request abandoned
-    at its deadline would be (a lease cannot be interrupted, so that happens late).
+    ``expires`` is a ``time.perf_counter()`` instant (``math.inf`` = none): a run still
+    going then is stopped where its backend can (:meth:`interrupt`, called by the device
+    actor's deadline watcher), and a run that ends after it raises TimeoutError_ and its
+    result is dropped, as a request abandoned at its deadline would be.
     """
 
     __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_wrap",
@@ -58,7 +59,9 @@ class Lease(Generic[T]):
         #: Cancelled when the device closes during the run (None: never).
         self.cancellation = cancellation
         self.device = device
-        self.job = job
+        #: The job, until it is taken (run or cancelled): then dropped, with the inputs it
+        #: holds, though the lease itself may be kept a while (a deadline watcher).
+        self.job: Callable[[], T] | None = job
         self.expires = expires
         self._wrap = wrap
         self._release = release
@@ -79,10 +82,10 @@ class Lease(Generic[T]):
         ClosedResourceError when the device closed and cancelled the run, and
         InvalidArgumentError when the lease was already used or cancelled.
         """
-        self._take()
+        job = self._take()
         cancellation = self.cancellation
         try:
-            work = in_context(self.job, self._wrap)
+            work = in_context(job, self._wrap)
             with running_under(cancellation):
                 result = work()
         except Exception as exc:
@@ -128,13 +131,17 @@ class Lease(Generic[T]):
             if self._done:
                 return
             self._done = True
+            self.job = None
         self._give_back()
 
-    def _take(self) -> None:
+    def _take(self) -> Callable[[], T]:
         with self._lock:
-            if self._done:
+            job = self.job
+            if self._done or job is None:
                 raise InvalidArgumentError(f"{self!r} was already used or cancelled")
             self._done = True
+            self.job = None
+            return job
 
     def _give_back(self) -> None:
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.

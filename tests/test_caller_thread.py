@@ -4,6 +4,8 @@ by the device actor's counters: its worker threads count every job they finish."
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +23,8 @@ from wasinn.configs.schema import PoolConfig
 from wasinn.modelgen import affine_onnx
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
+#: Loop iterations for a run of about 10 ms.
+SHORT_LOOP = 15_000
 Y = X * 2 + 1
 
 
@@ -164,14 +168,17 @@ async def test_a_qualified_graph_still_times_out_when_its_inputs_make_it_slow() 
     assert out["y"].numpy().tolist() == [[1.0] * 4]
 
 
+def _one_worker_onnxruntime() -> Any:
+    return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1,
+                                           "backends": ["onnxruntime"]}}}, None)
+
+
 @pytest.mark.parametrize("path", ["queued through trio", "free slot taken in the thread"])
 async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str) -> None:
     # The run happens in the caller's thread, so it cannot be abandoned: the device must
     # stop it (ONNX Runtime's terminate flag) once the timeout passes, and free the slot.
     require_backend("onnxruntime")
-    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1,
-                                             "backends": ["onnxruntime"]}}}, None)
-    async with wasinn.Runtime(config) as rt:
+    async with wasinn.Runtime(_one_worker_onnxruntime()) as rt:
         graph = await rt.load([loop_onnx()], "onnx", "cpu")
         ctx = graph.init_execution_context()
         if path == "free slot taken in the thread":  # compiled: try_lease takes the slot
@@ -184,4 +191,31 @@ async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str)
             out = await trio.to_thread.run_sync(
                 lambda: ctx.compute_in_caller_thread(loop_inputs(2), timeout=GUARD_S))
         assert out["y"].numpy().tolist() == [[2.0] * 4]
+        ctx.close()
+
+
+async def test_finished_caller_thread_runs_with_a_timeout_leave_nothing_behind() -> None:
+    # A run's deadline is watched until it passes, but neither its inputs nor an entry
+    # per finished run are kept that long. Runs of about 10 ms: each is still
+    # going when the device actor starts watching it.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(_one_worker_onnxruntime()) as rt:
+        graph = await rt.load([loop_onnx()], "onnx", "cpu")
+        ctx = graph.init_execution_context()
+        await ctx.compute(loop_inputs(1))  # compiled: the runs below take the free slot
+        (actor,) = rt.actors
+
+        def run(inputs: dict[str, np.ndarray[Any, Any]]) -> None:
+            ctx.compute_in_caller_thread(inputs, timeout=3600)
+
+        inputs = loop_inputs(SHORT_LOOP)
+        alive = weakref.ref(inputs["x"])
+        await trio.to_thread.run_sync(run, inputs)
+        assert actor.watched_leases == 1  # watched, and kept until its deadline
+        del inputs
+        gc.collect()
+        assert alive() is None  # ... but without the job and its inputs
+        for _ in range(150):
+            await trio.to_thread.run_sync(run, loop_inputs(SHORT_LOOP))
+        assert 0 < actor.watched_leases <= 64  # finished ones were dropped along the way
         ctx.close()
