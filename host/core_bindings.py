@@ -90,7 +90,7 @@ class MemoryCache:
     grows, so an unchanged size means an unchanged base.
     """
 
-    __slots__ = ("_address", "_context", "_extern", "_memory", "_size", "_view")
+    __slots__ = ("_context", "_extern", "_memory", "_size", "_view")
 
     def __init__(self) -> None:
         self._extern = ffi.wasmtime_extern_t()
@@ -99,7 +99,6 @@ class MemoryCache:
         # one address) as long as the store does.
         self._context: int | None = None
         self._view: GuestMemory | None = None
-        self._address = -1
         self._size = -1
 
     def get(self, caller: int) -> GuestMemory:
@@ -117,7 +116,7 @@ class MemoryCache:
         if view is None or size != self._size:
             address = _memory_data(context, memory) or 0
             view = self._view = GuestMemory.at(address, size)
-            self._address, self._size = address, size
+            self._size = size
         return view
 
 
@@ -164,8 +163,7 @@ FUNCTIONS: dict[str, int] = {
 class CallGuard:
     """Turns one ABI method into a host function that always returns an errno."""
 
-    __slots__ = ("_slots", "memory_of", "method", "name", "nparams", "on_cancel", "timed",
-                 "with_memory")
+    __slots__ = ("_slots", "memory_of", "method", "name", "on_cancel", "timed", "with_memory")
 
     def __init__(self, name: str, method: Callable[..., None], with_memory: bool,
                  on_cancel: Callable[[], None], timed: bool, nparams: int,
@@ -177,7 +175,6 @@ class CallGuard:
         self.with_memory = with_memory
         self.on_cancel = on_cancel
         self.timed = timed
-        self.nparams = nparams
         # The raw value slots as u32 words: each i32 parameter is the first word of its
         # slot, read as the u32 the guest meant (wasmtime's are signed); the i32 result
         # goes to the first slot.

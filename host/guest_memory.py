@@ -133,17 +133,20 @@ class GuestMemory:
             self.span(int(p), int(n), f"graph builder {i}") for i, (p, n) in enumerate(pairs)
         ]
 
+    def _dims(self, dims_ptr: int, dims_len: int) -> np.ndarray[Any, Any]:
+        """A tensor record's dimension array (its rank checked first, then its span)."""
+        if dims_len > MAX_RANK:
+            raise InvalidArgumentError(
+                f"tensor rank {dims_len} is too large: expected <= {MAX_RANK}"
+            )
+        return self.span(dims_ptr, dims_len * 4, "tensor dimensions")
+
     def tensor_key(self, ptr: int) -> bytes:
         """The 20-byte tensor record at ``ptr`` followed by the dimensions it points to,
         as bytes (InvalidArgumentError for either outside memory): equal keys describe
         the same tensor (type, dimensions, data span)."""
         record = self.span(ptr, TENSOR_RECORD_SIZE, "tensor record").tobytes()
-        dims_ptr, dims_len = _DIMS.unpack_from(record)
-        if dims_len > MAX_RANK:
-            raise InvalidArgumentError(
-                f"tensor rank {dims_len} is too large: expected <= {MAX_RANK}"
-            )
-        return record + self.span(dims_ptr, dims_len * 4, "tensor dimensions").tobytes()
+        return record + self._dims(*_DIMS.unpack_from(record)).tobytes()
 
     def tensor(self, ptr: int) -> TensorRecord:
         """Decode the 20-byte tensor record at ``ptr`` and check that its data is in bounds.
@@ -156,11 +159,7 @@ class GuestMemory:
         # numpy scalar operations would cost several times more.
         record = self.span(ptr, TENSOR_RECORD_SIZE, "tensor record")
         dims_ptr, dims_len, type_field, data_ptr, data_len = _RECORD.unpack_from(record.data)
-        if dims_len > MAX_RANK:
-            raise InvalidArgumentError(
-                f"tensor rank {dims_len} is too large: expected <= {MAX_RANK}"
-            )
-        dims_raw = self.span(dims_ptr, dims_len * 4, "tensor dimensions")
+        dims_raw = self._dims(dims_ptr, dims_len)
         dims: tuple[int, ...] = struct.unpack_from(f"<{dims_len}I", dims_raw.data)
         self.span(data_ptr, data_len, "tensor data")
         ttype = decode_tensor_type(type_field, dims, data_len)

@@ -100,7 +100,7 @@ class InFlight:
     the guest) can interrupt it instead of waiting for a long inference to end.
 
     Once interrupted, every later request of the guest is interrupted as it starts: the
-    guest is being stopped. Either order of :meth:`start` and :meth:`interrupt` from the
+    guest is being stopped. Either order of :meth:`run` and :meth:`interrupt` from the
     two threads ends with the run interrupted (each writes its field, then reads the
     other's).
     """
@@ -111,13 +111,15 @@ class InFlight:
         self._run: CallerRunLike | None = None
         self._interrupted = False
 
-    def start(self, run: CallerRunLike) -> None:
+    def run(self, run: CallerRunLike) -> dict[str, Tensor]:
+        """``run.run()`` in this (the guest's) thread, interruptible meanwhile."""
         self._run = run
         if self._interrupted:
             run.interrupt()
-
-    def finish(self) -> None:
-        self._run = None
+        try:
+            return run.run()
+        finally:
+            self._run = None
 
     def interrupt(self) -> None:
         self._interrupted = True
@@ -128,7 +130,7 @@ class InFlight:
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
                           bound: dict[str, np.ndarray[Any, Any]],
-                          in_flight: InFlight | None = None) -> dict[str, Tensor]:
+                          in_flight: InFlight) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a device slot (no trio when one is free and nobody is queued, else one
     trio round trip through ``portal`` to queue), then run the backend here; the slot is
@@ -143,15 +145,10 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     run = ctx.try_lease(inputs)
     if run is None:
         run = portal.run(functools.partial(ctx.lease, inputs))
-    if in_flight is not None:
-        in_flight.start(run)
     try:
-        return run.run()
+        return in_flight.run(run)
     except TooLargeError as exc:
         raise _overflowed(exc, ctx, bound) from None
-    finally:
-        if in_flight is not None:
-            in_flight.finish()
 
 
 def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:

@@ -457,11 +457,7 @@ class NNService:
             run = try_lease()
             if run is None:
                 run = self.portal.run(lease)
-            self.in_flight.start(run)
-            try:
-                outputs: Mapping[Any, Tensor] = run.run()
-            finally:
-                self.in_flight.finish()
+            outputs: Mapping[Any, Tensor] = self.in_flight.run(run)
             return outputs
         return self._run(compute, what)
 
