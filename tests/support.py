@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
+
+from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
 
 
 def required() -> set[str]:
@@ -43,3 +47,8 @@ def require_backend(library: str) -> None:
 
 def require_gpu() -> None:
     skip_unless("gpu", has_cuda(), "no CUDA GPU on this machine")
+
+
+def cpu_pool(**pool: Any) -> RuntimeConfig:
+    """A config with one pool: the CPU device, with ``pool``'s settings (workers, ...)."""
+    return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)

@@ -16,9 +16,9 @@ import trio.testing
 
 import wasinn
 from tests.loop_model import GUARD_S, HUGE_LOOP, LONG_LOOP, loop_inputs, loop_onnx
-from tests.support import require_backend
+from tests.support import cpu_pool, require_backend
 from wasinn.actors.inline import RunProfile
-from wasinn.configs.loader import packaged_config, parse_config
+from wasinn.configs.loader import packaged_config
 from wasinn.configs.schema import PoolConfig
 from wasinn.modelgen import affine_onnx
 
@@ -30,8 +30,7 @@ Y = X * 2 + 1
 
 def runtime(inline_below_us: float) -> wasinn.Runtime:
     require_backend("onnxruntime")
-    return wasinn.Runtime(parse_config({"pools": {"cpu": {
-        "kind": "cpu", "devices": ["cpu"], "inline_below_us": inline_below_us}}}, None))
+    return wasinn.Runtime(cpu_pool(inline_below_us=inline_below_us))
 
 
 @pytest.fixture
@@ -168,17 +167,12 @@ async def test_a_qualified_graph_still_times_out_when_its_inputs_make_it_slow() 
     assert out["y"].numpy().tolist() == [[1.0] * 4]
 
 
-def _one_worker_onnxruntime() -> Any:
-    return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1,
-                                           "backends": ["onnxruntime"]}}}, None)
-
-
 @pytest.mark.parametrize("path", ["queued through trio", "free slot taken in the thread"])
 async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str) -> None:
     # The run happens in the caller's thread, so it cannot be abandoned: the device must
     # stop it (ONNX Runtime's terminate flag) once the timeout passes, and free the slot.
     require_backend("onnxruntime")
-    async with wasinn.Runtime(_one_worker_onnxruntime()) as rt:
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
         graph = await rt.load([loop_onnx()], "onnx", "cpu")
         ctx = graph.init_execution_context()
         if path == "free slot taken in the thread":  # compiled: try_lease takes the slot
@@ -199,7 +193,7 @@ async def test_finished_caller_thread_runs_with_a_timeout_leave_nothing_behind()
     # per finished run are kept that long. Runs of about 10 ms: each is still
     # going when the device actor starts watching it.
     require_backend("onnxruntime")
-    async with wasinn.Runtime(_one_worker_onnxruntime()) as rt:
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
         graph = await rt.load([loop_onnx()], "onnx", "cpu")
         ctx = graph.init_execution_context()
         await ctx.compute(loop_inputs(1))  # compiled: the runs below take the free slot

@@ -28,7 +28,7 @@ import trio.testing
 import wasinn
 from tests.fake_backend import FakeBackend, FakeGraph
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
-from tests.support import require_backend
+from tests.support import cpu_pool, require_backend
 from wasinn.backends.base import Builders, Device, LoadOptions
 from wasinn.configs.loader import parse_config
 from wasinn.enums import GraphEncoding
@@ -36,14 +36,10 @@ from wasinn.errors import ClosedResourceError, TimeoutError_
 from wasinn.host.abi import Errno
 
 
-def _cpu_config(**pool: Any) -> Any:
-    return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
-
-
 # -- ONNX Runtime ------------------------------------------------------------------------
 async def test_an_abandoned_onnxruntime_loop_stops_and_frees_its_worker_slot() -> None:
     require_backend("onnxruntime")
-    async with wasinn.Runtime(_cpu_config(workers=1, backends=["onnxruntime"])) as rt:
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
         graph = await rt.load([loop_onnx()], "onnx", "cpu")
         assert graph.backend == "onnxruntime"
         with pytest.raises(TimeoutError_):
@@ -69,7 +65,7 @@ async def test_closing_the_runtime_cancels_a_running_onnxruntime_loop() -> None:
 
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
-            rt = wasinn.Runtime(_cpu_config(backends=["onnxruntime"]))
+            rt = wasinn.Runtime(cpu_pool(backends=["onnxruntime"]))
             async with rt:
                 graph = await rt.load([loop_onnx()], "onnx", "cpu")
                 await graph.compute(loop_inputs(1))  # compiled
@@ -110,7 +106,7 @@ OV_STEPS, OV_SIZE = 4000, 1024
 
 async def test_an_abandoned_openvino_run_stops_and_frees_its_worker_slot() -> None:
     require_backend("openvino")
-    async with wasinn.Runtime(_cpu_config(workers=1, backends=["openvino"])) as rt:
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["openvino"])) as rt:
         graph = await rt.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], "onnx", "cpu")
         assert graph.backend == "openvino"
         x = np.ones((OV_SIZE, OV_SIZE), np.float32)
@@ -164,7 +160,7 @@ class UncancellableBackend(FakeBackend):
 async def test_close_gives_up_on_an_uncancellable_run_after_close_timeout(
         caplog: pytest.LogCaptureFixture) -> None:
     backend = UncancellableBackend()
-    config = _cpu_config(backends=["fake"], close_timeout=0.3)
+    config = cpu_pool(backends=["fake"], close_timeout=0.3)
     caplog.set_level(logging.ERROR, logger="wasinn.actors")
     try:
         with trio.fail_after(GUARD_S):
@@ -192,9 +188,9 @@ async def test_close_gives_up_on_an_uncancellable_run_after_close_timeout(
 
 
 async def test_close_timeout_is_a_pool_setting_with_a_default() -> None:
-    assert _cpu_config().pools["cpu"].close_timeout == 10.0
+    assert cpu_pool().pools["cpu"].close_timeout == 10.0
     with pytest.raises(wasinn.ConfigError):
-        _cpu_config(close_timeout=-1)
+        cpu_pool(close_timeout=-1)
 
 
 # -- a core guest (end to end) ----------------------------------------------------------
@@ -257,7 +253,7 @@ async def test_cancelling_a_core_guest_interrupts_its_running_inference(
     guest = tmp_path / "hang.wat"
     guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
     with trio.fail_after(GUARD_S):
-        async with wasinn.Runtime(_cpu_config(workers=1, backends=["onnxruntime"])) as rt:
+        async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
             with trio.move_on_after(0.5) as scope:
                 await rt.run_wasm(guest)
             assert scope.cancelled_caught
