@@ -29,11 +29,17 @@ guest whose kernel does not poll before halting an idle vCPU (cpuidle-haltpoll's
 ``guest_halt_poll_ns`` = 0, printed when present) pays a halt and a wake-up IPI on every
 hand-off: measured on such a VM, 59 us per ping-pong with 0 against 5.9 us with the
 kernel's default of 200000 ns.
+
+The worker-thread figures are split in two, measured in the same alternating blocks: the
+thread hand-off itself (the same direct call given as a job to the device's own worker
+thread and its result handed back to trio, as any design that keeps inference off the
+event loop must) and what the scheduler, the queue, the slots and the context add on top.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import queue
 import statistics
 import tempfile
@@ -41,7 +47,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
@@ -62,17 +68,35 @@ def compiled_of(rt: wasinn.Runtime) -> Session:
     return session
 
 
+class Trip(NamedTuple):
+    """Medians (seconds) of one round-trip measurement."""
+
+    direct: float  #: the compiled graph called directly, in the event loop's thread
+    scheduled: float  #: ``await ctx.compute(...)``
+    handed_off: float  #: the same direct call as a job of the device's worker thread
+
+
 async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],
-                     iters: int, backend: str = "onnxruntime") -> tuple[float, float]:
-    """Medians (seconds) of the direct call and of ctx.compute, in alternating blocks."""
+                     iters: int, backend: str = "onnxruntime") -> Trip:
+    """Direct call, ctx.compute and the direct call handed off, in alternating blocks.
+
+    The hand-off is what any design that keeps inference off the event loop pays: the
+    direct call given as a job to the device's own worker thread (the thread
+    ``ctx.compute`` uses) and its result handed back to trio, without the scheduler, the
+    actor's queue and slots or the context. ``scheduled - handed_off`` is what those add.
+    """
     graph = await rt.load(builders, "onnx", backend=backend)
     compiled = compiled_of(rt).compiled
+    (actor,) = rt.actors
+    threads = actor.threads
     ctx = graph.init_execution_context()
     tensors = {k: wasinn.Tensor.from_numpy(v) for k, v in inputs.items()}
+    run_direct = functools.partial(compiled.run, tensors)
     for _ in range(max(20, iters // 10)):
         compiled.run(tensors)
         await ctx.compute(inputs)
-    direct, scheduled = [], []
+        await threads.run(run_direct, abandon_on_cancel=False)
+    direct, scheduled, handed_off = [], [], []
     block = max(1, min(20, iters // 10))
     for _ in range(max(1, iters // block)):
         for _ in range(block):
@@ -83,9 +107,14 @@ async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str
             t0 = time.perf_counter()
             await ctx.compute(inputs)
             scheduled.append(time.perf_counter() - t0)
+        for _ in range(block):
+            t0 = time.perf_counter()
+            await threads.run(run_direct, abandon_on_cancel=False)
+            handed_off.append(time.perf_counter() - t0)
     ctx.close()
     await graph.unload()
-    return statistics.median(direct), statistics.median(scheduled)
+    return Trip(statistics.median(direct), statistics.median(scheduled),
+                statistics.median(handed_off))
 
 
 def caller_thread_round_trip(compiled: Any, ctx: Any, tensors: dict[str, wasinn.Tensor],
@@ -111,8 +140,8 @@ def caller_thread_round_trip(compiled: Any, ctx: Any, tensors: dict[str, wasinn.
 
 async def both_round_trips(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],
                            iters: int, backend: str = "onnxruntime"
-                           ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """(direct, ctx.compute) and (direct, compute_in_caller_thread) medians."""
+                           ) -> tuple[Trip, tuple[float, float]]:
+    """The worker-thread :class:`Trip` and (direct, compute_in_caller_thread) medians."""
     trip = await round_trip(rt, builders, inputs, iters, backend)
     graph = await rt.load(builders, "onnx", backend=backend)
     compiled = compiled_of(rt).compiled
@@ -224,6 +253,15 @@ def report_tiny(path: str, direct: float, sched: float) -> None:
           f"{sched * 1e6:.1f} us, overhead {(sched - direct) * 1e6:.1f} us (goal <= 60 us)")
 
 
+def report_handoff(trip: Trip) -> None:
+    """The worker-thread overhead split into the bare hand-off and what wasinn adds."""
+    handoff = trip.handed_off - trip.direct
+    above = trip.scheduled - trip.handed_off
+    print(f"  of which the thread hand-off itself (the direct call run by the same worker "
+          f"thread): {handoff * 1e6:.1f} us; scheduler, queue and context on top: "
+          f"{above * 1e6:.1f} us ({above / trip.direct * 100:+.1f} % of the direct call)")
+
+
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = export_mobilenet(Path(tmp), width=args.width, seed=0)
@@ -236,23 +274,23 @@ async def main(args: argparse.Namespace) -> None:
         print(f"this machine's cross-thread wake-up: two-thread queue ping-pong "
               f"{wakeup_latency() * 1e6:.1f} us per round trip{halt_polling()}")
         tiny = {"x": np.ones((1, 4), np.float32)}
-        (direct, sched), caller = await both_round_trips(rt, [affine_onnx()], tiny,
-                                                         args.iters * 10)
-        report_tiny("default config: worker thread", direct, sched)
+        trip, caller = await both_round_trips(rt, [affine_onnx()], tiny, args.iters * 10)
+        report_tiny("default config: worker thread", trip.direct, trip.scheduled)
+        report_handoff(trip)
         report_tiny("caller's thread", *caller)
         # Inline runs are opt-in (off in the default config): enable them explicitly.
         inline = parse_config({"pools": {"cpu": {
             "kind": "cpu", "devices": ["cpu"], "workers": workers,
             "inline_below_us": INLINE_BELOW_US}}}, None)
         async with wasinn.Runtime(inline) as rt_inline:
-            direct, sched = await round_trip(rt_inline, [affine_onnx()], tiny,
-                                             args.iters * 10)
+            direct, sched, _ = await round_trip(rt_inline, [affine_onnx()], tiny,
+                                                args.iters * 10)
         report_tiny(f"opt-in inline, inline_below_us={INLINE_BELOW_US:g}: on the event "
                     "loop once timed", direct, sched)
 
-        (direct, sched), caller = await both_round_trips(rt, mobilenet, {"input": image},
-                                                         args.iters)
-        report_round_trip("onnxruntime", args.width, direct, sched)
+        trip, caller = await both_round_trips(rt, mobilenet, {"input": image}, args.iters)
+        report_round_trip("onnxruntime", args.width, trip.direct, trip.scheduled)
+        report_handoff(trip)
         report_round_trip("onnxruntime", args.width, *caller, path="caller's thread")
 
         graph = await rt.load(mobilenet, "onnx")
@@ -287,9 +325,10 @@ async def main(args: argparse.Namespace) -> None:
         # slow the ONNX Runtime figures measured after it on a 2-core machine.
         for backend in args.backends.split(","):
             if backend and backend != "onnxruntime":
-                (direct, sched), caller = await both_round_trips(
+                trip, caller = await both_round_trips(
                     rt, mobilenet, {"input": image}, args.iters, backend)
-                report_round_trip(backend, args.width, direct, sched)
+                report_round_trip(backend, args.width, trip.direct, trip.scheduled)
+                report_handoff(trip)
                 report_round_trip(backend, args.width, *caller, path="caller's thread")
 
 

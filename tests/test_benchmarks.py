@@ -1,0 +1,57 @@
+"""Every script in ``benchmarks/`` still runs, on small settings, and prints its figures.
+
+The figures themselves are not asserted on (wall time on a shared machine is noise; the
+scripts print ratios for people to read): this only keeps the scripts from rotting as the
+code they measure changes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.component_guests import require_tool
+from tests.support import skip_unless
+from wasinn.host.guests import compiler
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+#: script -> (small settings, a line every complete run prints)
+RUNS: dict[str, tuple[list[str], str]] = {
+    "backend_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25"],
+                            r"^onnxruntime\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+$"),
+    "pipeline.py": (["--iters", "5", "--width", "0.25"],
+                    r"pipeline through the scheduler: .* ratio [\d.]+ .* host copies in 5 runs: 0"),
+    "scheduler_overhead.py": (
+        ["--iters", "20", "--width", "0.25", "--seconds", "0.05", "--rounds", "1"],
+        r"scheduler, queue and context on top: -?[\d.]+ us"),
+    "guest_core.py": (["--n", "3", "--rounds", "1", "--mb", "1"],
+                      r"native\s+[\d.]+ ms/round"),
+    "guest_component.py": (["--n", "2", "--rounds", "1"],
+                           r"guest -> host: stock\s+[\d.]+ ms"),
+}
+
+
+def test_every_benchmark_is_covered() -> None:
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(RUNS)
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_benchmark_runs(script: str, tmp_path: Path) -> None:
+    if script.startswith("guest_"):
+        skip_unless("wasm", compiler() is not None, "no C compiler for wasm32-wasi")
+    if script == "guest_component.py":
+        require_tool("componentize-py")
+        require_tool("wasm-tools")
+    args, expected = RUNS[script]
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          check=False)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
+    assert re.search(expected, done.stdout, re.MULTILINE), (
+        f"{script} did not print a line matching {expected!r}:\n{done.stdout}"
+    )
