@@ -2,9 +2,12 @@
 
 from .device import DeviceActor
 from .queue import PriorityDeadlinePolicy, QueuePolicy, Request, TenantRoundRobinPolicy
+from .stats import DeviceStats, Outcome
 
 __all__ = [
     "DeviceActor",
+    "DeviceStats",
+    "Outcome",
     "PriorityDeadlinePolicy",
     "QueuePolicy",
     "Request",

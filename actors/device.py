@@ -34,6 +34,9 @@ the same byte size...) can hold the loop for seconds, during which no other requ
 timeout or cancellation is served. Requests with a deadline are therefore never run
 inline. Enable it only for graphs whose run time is bounded whatever their inputs.
 
+Every request the actor admits is counted by how it ended, with its latency (see
+:mod:`wasinn.actors.stats`; :meth:`DeviceActor.stats` reads it).
+
 Cancellation: a caller cancelled while queued is removed from the queue and never runs;
 cancelled while running (or past its deadline), its job is abandoned: the job's
 :class:`~wasinn.backends.base.Cancellation` is cancelled, which ends an ONNX Runtime or
@@ -79,6 +82,7 @@ from .lease import Lease
 from .queue import PriorityDeadlinePolicy, QueuePolicy
 from .session import Session
 from .slots import Slots
+from .stats import DeviceStats, Outcome, RequestStats, outcome_of, percentile
 from .workers import WorkerThreads
 
 T = TypeVar("T")
@@ -146,6 +150,7 @@ class DeviceActor:
         self._deadline_ids = itertools.count()
         self._earlier_deadline: trio.Event | None = None  # set: the heap's head changed
         self._token: trio.lowlevel.TrioToken | None = None
+        self._stats = RequestStats()
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -260,6 +265,21 @@ class DeviceActor:
         compares."""
         return self._slots.running + self._slots.queued + self.placed
 
+    def stats(self) -> DeviceStats:
+        """What this actor holds and has done so far (see :mod:`wasinn.actors.stats`)."""
+        counts, leased, latencies = self._stats.snapshot()
+        return DeviceStats(
+            device=str(self.device), workers=self.workers, running=self._slots.running,
+            queued=self._slots.queued, queue_limit=self.queue_limit,
+            graphs=len(self._sessions), compiles=self._compiles,
+            completed=counts[Outcome.COMPLETED], failed=counts[Outcome.FAILED],
+            timed_out=counts[Outcome.TIMED_OUT], cancelled=counts[Outcome.CANCELLED],
+            rejected=counts[Outcome.REJECTED], in_caller_thread=leased,
+            abandoned_running=self._threads.abandoned,
+            latency_p50=percentile(latencies, 0.5), latency_p99=percentile(latencies, 0.99),
+            latency_window=len(latencies),
+        )
+
     @property
     def completed(self) -> int:
         """Finished jobs (compiles and runs, failed or not), for tests and metrics."""
@@ -362,6 +382,19 @@ class DeviceActor:
         (those propagate as they are). Cancellation: see the module docstring. ``label``
         names the job in diagnostics (the close-timeout error).
         """
+        start = time.perf_counter()
+        try:
+            result = await self._request(job, priority, deadline, tenant, profile, nbytes,
+                                         label)
+        except BaseException as exc:
+            self._stats.record(outcome_of(exc), time.perf_counter() - start)
+            raise
+        self._stats.record(Outcome.COMPLETED, time.perf_counter() - start)
+        return result
+
+    async def _request(self, job: Callable[[], T], priority: int, deadline: float,
+                       tenant: str, profile: RunProfile | None, nbytes: int | None,
+                       label: str) -> T:
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
             # not only on their size: a request that must end by a deadline always goes
@@ -446,20 +479,27 @@ class DeviceActor:
         still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
         raises TimeoutError_ there.
         """
-        if deadline == math.inf:
-            await self._take_slot(priority, deadline, tenant)
-            expires = math.inf
-        else:
-            with trio.move_on_at(deadline) as scope:
-                await self._take_slot(priority, deadline, tenant)
-            if scope.cancelled_caught:
-                raise TimeoutError_(
-                    f"{self.device}: the request's deadline passed before it started")
-            expires = time.perf_counter() + (deadline - trio.current_time())
-        lease = self._new_lease(job, expires)
+        start = time.perf_counter()
+        try:
+            expires = await self._lease_slot(priority, deadline, tenant)
+        except BaseException as exc:
+            self._stats.record(outcome_of(exc), time.perf_counter() - start, leased=True)
+            raise
+        lease = self._new_lease(job, expires, start)
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease
+
+    async def _lease_slot(self, priority: int, deadline: float, tenant: str) -> float:
+        # A slot for a lease; returns when its run expires (perf_counter; inf: never).
+        if deadline == math.inf:
+            await self._take_slot(priority, deadline, tenant)
+            return math.inf
+        with trio.move_on_at(deadline) as scope:
+            await self._take_slot(priority, deadline, tenant)
+        if scope.cancelled_caught:
+            raise TimeoutError_(f"{self.device}: the request's deadline passed before it started")
+        return time.perf_counter() + (deadline - trio.current_time())
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None
                   ) -> Lease[T] | None:
@@ -471,9 +511,10 @@ class DeviceActor:
         """
         if not self._slots.try_take():
             return None
+        start = time.perf_counter()
         if timeout is None:
-            return self._new_lease(job, math.inf)
-        lease = self._new_lease(job, time.perf_counter() + timeout)
+            return self._new_lease(job, math.inf, start)
+        lease = self._new_lease(job, start + timeout, start)
         token = self._token
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody closes it
@@ -517,8 +558,9 @@ class DeviceActor:
             while heap and heap[0][0] <= now:
                 heapq.heappop(heap)[2].interrupt(deadline=True)  # a no-op once over
 
-    def _new_lease(self, job: Callable[[], T], expires: float) -> Lease[T]:
-        # A lease's run is cancelled if the actor closes meanwhile (see close).
+    def _new_lease(self, job: Callable[[], T], expires: float, start: float) -> Lease[T]:
+        # A lease's run is cancelled if the actor closes meanwhile (see close). ``start``:
+        # when the request reached the actor (perf_counter), for its latency.
         cancellation = Cancellation()
         with self._leases_lock:
             self._leases.add(cancellation)
@@ -526,13 +568,15 @@ class DeviceActor:
         if closed:  # closed between the slot and now: the run fails at once
             cancellation.cancel()
         return Lease(str(self.device), job, self._wrap,
-                     functools.partial(self._lease_done, cancellation), expires, cancellation)
+                     functools.partial(self._lease_done, cancellation, start), expires,
+                     cancellation)
 
-    def _lease_done(self, cancellation: Cancellation) -> None:
-        # From the lease holder's thread: forget the run, give its slot back.
+    def _lease_done(self, cancellation: Cancellation, start: float, outcome: Outcome) -> None:
+        # From the lease holder's thread: forget the run, give its slot back, count it.
         with self._leases_lock:
             self._leases.discard(cancellation)
         self._slots.free_from_thread()
+        self._stats.record(outcome, time.perf_counter() - start, leased=True)
 
     async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
         await self._slots.take(priority, deadline, tenant)

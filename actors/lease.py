@@ -36,12 +36,16 @@ from wasinn.errors import (
 )
 
 from .jobs import Wrap, backend_failure, in_context
+from .stats import Outcome
 
 T = TypeVar("T")
 
 
 class Lease(Generic[T]):
     """One worker slot of ``device`` reserved for ``job``, to be run by the caller's thread.
+
+    ``release`` gives the slot back, told how the request ended (see
+    :class:`~wasinn.actors.stats.Outcome`).
 
     ``expires`` is a ``time.perf_counter()`` instant (``math.inf`` = none): a run still
     going then is stopped where its backend can (:meth:`interrupt`, called by the device
@@ -54,7 +58,7 @@ class Lease(Generic[T]):
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
-                 release: Callable[[], None], expires: float,
+                 release: Callable[[Outcome], None], expires: float,
                  cancellation: Cancellation | None = None) -> None:
         #: Cancelled when the device closes during the run (None: never).
         self.cancellation = cancellation
@@ -84,13 +88,19 @@ class Lease(Generic[T]):
         """
         job = self._take()
         cancellation = self.cancellation
+        outcome = Outcome.FAILED
         try:
             work = in_context(job, self._wrap)
             with running_under(cancellation):
                 result = work()
+            if time.perf_counter() <= self.expires:
+                outcome = Outcome.COMPLETED
+            else:
+                outcome = Outcome.TIMED_OUT
         except Exception as exc:
             if cancellation is not None and cancellation.cancelled:
                 if self._interrupted == "deadline":
+                    outcome = Outcome.TIMED_OUT
                     raise TimeoutError_(
                         f"{self.device}: the request's deadline passed while it ran; the "
                         "run was stopped") from exc
@@ -103,8 +113,8 @@ class Lease(Generic[T]):
                 raise
             raise backend_failure(self.device, exc) from exc
         finally:
-            self._give_back()
-        if time.perf_counter() > self.expires:
+            self._give_back(outcome)
+        if outcome is Outcome.TIMED_OUT:
             raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
         return result
 
@@ -132,7 +142,7 @@ class Lease(Generic[T]):
                 return
             self._done = True
             self.job = None
-        self._give_back()
+        self._give_back(Outcome.CANCELLED)
 
     def _take(self) -> Callable[[], T]:
         with self._lock:
@@ -143,7 +153,7 @@ class Lease(Generic[T]):
             self.job = None
             return job
 
-    def _give_back(self) -> None:
+    def _give_back(self, outcome: Outcome) -> None:
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
         self._over = True
-        self._release()
+        self._release(outcome)

@@ -28,6 +28,10 @@ from wasinn.errors import ClosedResourceError, TooLargeError
 from .queue import QueuePolicy, Request
 
 
+class QueueFullError(TooLargeError):
+    """A request refused because the device's queue holds ``queue_limit`` requests."""
+
+
 class Slots:
     """``workers`` slots and the queue of requests waiting for one (see the module)."""
 
@@ -73,7 +77,7 @@ class Slots:
                 self._running += 1
                 return
             if len(self._policy) >= self.queue_limit:
-                raise TooLargeError(
+                raise QueueFullError(
                     f"{self.name}: the request queue is full ({self.queue_limit} waiting): "
                     "retry later or raise the pool's queue_limit"
                 )

@@ -9,7 +9,8 @@
     wasinn models [--config FILE]      the model registry
     wasinn demo                        generate a model, build the C classifier, run it
 
-``-v`` logs progress and timing (model load, guest compile and run times), ``-vv``
+``-v`` logs progress and timing (model load, guest compile and run times, and at the
+end each device's requests by outcome and their latency percentiles), ``-vv``
 every wasi-nn call with its time. ``run`` exits with the guest's exit code; a guest
 trap prints its message and exits with 134; an error before the guest starts prints
 ``wasinn: error: ...`` and exits with 1 (2 for a malformed command line).
@@ -30,6 +31,8 @@ from wasinn.errors import WasiNNError
 if TYPE_CHECKING:
     from wasinn.configs.schema import RuntimeConfig
     from wasinn.host.preload import Preload
+
+log = logging.getLogger("wasinn.cli")
 
 #: Exit status when wasinn itself fails before or around the guest.
 EXIT_ERROR = 1
@@ -154,6 +157,9 @@ async def _run(args: argparse.Namespace) -> int:
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)
             return TRAP_EXIT_STATUS
+        finally:
+            for stats in rt.stats():  # -v: what each device did for the guest
+                log.info("%s", stats.describe())
 
 
 async def _devices(args: argparse.Namespace) -> int:

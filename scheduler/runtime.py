@@ -31,6 +31,7 @@ import trio
 
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import POLICIES
+from wasinn.actors.stats import DeviceStats
 from wasinn.backends.base import Backend, Device, LoadOptions
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -293,6 +294,11 @@ class Runtime:
     def actors(self) -> list[DeviceActor]:
         """The device actors (for diagnostics and tests)."""
         return list(self._sched.actors)
+
+    def stats(self) -> list[DeviceStats]:
+        """Each device's queue, slots, graphs and request outcomes and latencies so far,
+        one snapshot per device actor (see :class:`wasinn.actors.DeviceStats`)."""
+        return [actor.stats() for actor in self._sched.actors]
 
     def model_names(self) -> list[str]:
         """The registry's model and pipeline names, as ``load_by_name`` accepts them."""

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+import trio
 
+from wasinn.actors import DeviceActor
+from wasinn.backends.base import Device
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
+from wasinn.enums import ExecutionTarget
 
 
 def required() -> set[str]:
@@ -52,3 +58,12 @@ def require_gpu() -> None:
 def cpu_pool(**pool: Any) -> RuntimeConfig:
     """A config with one pool: the CPU device, with ``pool``'s settings (workers, ...)."""
     return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
+
+
+@asynccontextmanager
+async def serving_actor(**settings: Any) -> AsyncIterator[DeviceActor]:
+    """A CPU :class:`DeviceActor` (``settings``: workers, queue_limit...), serving until
+    the block ends."""
+    async with trio.open_nursery() as nursery:
+        yield await nursery.start(DeviceActor(Device(ExecutionTarget.CPU), **settings).serve)
+        nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from tests.fake_backend import FakeBackend, FakeGraph
+from tests.support import serving_actor
 from wasinn import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -30,10 +31,8 @@ CPU = Device(ExecutionTarget.CPU)
 
 @pytest.fixture
 async def actor() -> AsyncIterator[DeviceActor]:
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(DeviceActor(CPU, workers=1, queue_limit=8).serve)
+    async with serving_actor(workers=1, queue_limit=8) as started:
         yield started
-        nursery.cancel_scope.cancel()
 
 
 def gate_job(gate: threading.Event, started: threading.Event | None = None,

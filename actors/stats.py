@@ -1,0 +1,123 @@
+"""What a device actor has done: request outcomes and recent latencies.
+
+Every request an actor admits ends in exactly one :class:`Outcome`, counted by
+:class:`RequestStats`, whichever path ran it (a worker thread, inline on the event loop,
+or a lease holder's own thread). Latency is end to end as the caller sees it: from the
+request reaching the actor (before any queueing) to its result, for completed requests,
+over a window of the most recent ones. :meth:`DeviceActor.stats` reads it all, with the
+actor's current queue and slots, as one :class:`DeviceStats` snapshot.
+
+Recording is thread-safe (lease holders record from their own threads) and costs one
+uncontended lock per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import trio
+
+from wasinn.errors import TimeoutError_
+
+from .slots import QueueFullError
+
+
+class Outcome(enum.Enum):
+    """How one request ended."""
+
+    COMPLETED = "completed"  #: returned its outputs
+    FAILED = "failed"  #: raised an error (backend failure, bad input, device closed...)
+    TIMED_OUT = "timed_out"  #: its deadline passed, queued or running
+    CANCELLED = "cancelled"  #: its caller gave up: dropped from the queue, or abandoned
+    REJECTED = "rejected"  #: the queue was full (TooLargeError)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    """One device actor at one moment (see :meth:`DeviceActor.stats`)."""
+
+    device: str
+    workers: int  #: requests that may run at once
+    running: int  #: slots held now
+    queued: int  #: requests waiting for a slot now
+    queue_limit: int
+    graphs: int  #: compiled graphs held on the device
+    compiles: int  #: graphs compiled since the actor started
+    completed: int
+    failed: int
+    timed_out: int
+    cancelled: int
+    rejected: int
+    in_caller_thread: int  #: requests (any outcome) a lease holder's thread ran
+    abandoned_running: int  #: abandoned runs still in a worker thread
+    latency_p50: float | None  #: seconds, over the last completed requests (None: none)
+    latency_p99: float | None
+    latency_window: int  #: completed requests the percentiles are taken over
+
+    @property
+    def finished(self) -> int:
+        """Requests that have ended, whatever the outcome."""
+        return self.completed + self.failed + self.timed_out + self.cancelled + self.rejected
+
+    def describe(self) -> str:
+        """One line for people: the outcomes, the latencies and what the device holds."""
+        latency = ""
+        if self.latency_p50 is not None and self.latency_p99 is not None:
+            latency = (f", latency p50 {self.latency_p50 * 1e3:.2f} ms p99 "
+                       f"{self.latency_p99 * 1e3:.2f} ms (last {self.latency_window})")
+        return (f"{self.device}: {self.completed} completed, {self.failed} failed, "
+                f"{self.timed_out} timed out, {self.cancelled} cancelled, {self.rejected} "
+                f"rejected ({self.in_caller_thread} in the caller's thread){latency}; "
+                f"{self.running}/{self.workers} running, {self.queued} queued, "
+                f"{self.graphs} graph(s) held, {self.compiles} compiled")
+
+
+class RequestStats:
+    """Outcome counters and a window of recent latencies (see the module docstring)."""
+
+    def __init__(self, window: int = 1024) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(Outcome, 0)
+        self._leased = 0
+        self._latencies: deque[float] = deque(maxlen=window)
+
+    def record(self, outcome: Outcome, seconds: float, *, leased: bool = False) -> None:
+        """One request ended with ``outcome``, ``seconds`` after it reached the actor."""
+        with self._lock:
+            self._counts[outcome] += 1
+            if leased:
+                self._leased += 1
+            if outcome is Outcome.COMPLETED:
+                self._latencies.append(seconds)
+
+    def snapshot(self) -> tuple[dict[Outcome, int], int, list[float]]:
+        """(counts per outcome, lease runs, the window's latencies sorted)."""
+        with self._lock:
+            counts, leased, latencies = dict(self._counts), self._leased, list(self._latencies)
+        latencies.sort()
+        return counts, leased, latencies
+
+
+def outcome_of(exc: BaseException) -> Outcome:
+    """The outcome of a request that raised ``exc`` (in trio: cancelled is the caller's)."""
+    if isinstance(exc, QueueFullError):
+        return Outcome.REJECTED
+    if isinstance(exc, TimeoutError_):
+        return Outcome.TIMED_OUT
+    if isinstance(exc, trio.Cancelled):
+        return Outcome.CANCELLED
+    return Outcome.FAILED
+
+
+def percentile(ordered: list[float], fraction: float) -> float | None:
+    """The nearest-rank percentile (``fraction`` in (0, 1]) of sorted values, or None."""
+    if not ordered:
+        return None
+    rank = math.ceil(round(fraction * len(ordered), 9))
+    return ordered[min(max(rank, 1), len(ordered)) - 1]

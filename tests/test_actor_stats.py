@@ -1,0 +1,152 @@
+"""DeviceActor.stats() and Runtime.stats(): every request counted once, by how it ended,
+whichever path ran it; latencies end to end, queueing included."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from tests.support import cpu_pool, require_backend, serving_actor
+from wasinn import BackendRuntimeError, InvalidArgumentError, TimeoutError_, TooLargeError
+from wasinn.actors import DeviceActor, DeviceStats
+from wasinn.actors.stats import percentile
+from wasinn.backends.base import Device
+from wasinn.enums import ExecutionTarget
+from wasinn.modelgen import affine_onnx
+from wasinn.scheduler import Runtime
+
+CPU = Device(ExecutionTarget.CPU)
+
+
+@pytest.fixture
+async def actor() -> AsyncIterator[DeviceActor]:
+    async with serving_actor(workers=1, queue_limit=1) as started:
+        yield started
+
+
+def counts(stats: DeviceStats) -> dict[str, int]:
+    return {"completed": stats.completed, "failed": stats.failed,
+            "timed_out": stats.timed_out, "cancelled": stats.cancelled,
+            "rejected": stats.rejected}
+
+
+def boom() -> None:
+    raise RuntimeError("library exploded")
+
+
+async def test_a_fresh_actor_has_done_nothing(actor: DeviceActor) -> None:
+    stats = actor.stats()
+    assert stats.device == "cpu" and stats.workers == 1 and stats.queue_limit == 1
+    assert (stats.running, stats.queued, stats.graphs, stats.compiles) == (0, 0, 0, 0)
+    assert stats.finished == 0 and stats.latency_window == 0
+    assert stats.latency_p50 is None and stats.latency_p99 is None
+
+
+async def test_every_outcome_of_a_worker_thread_request_is_counted(
+        actor: DeviceActor) -> None:
+    for value in range(3):
+        assert await actor.execute(lambda v=value: v) == value  # type: ignore[misc]
+    with pytest.raises(BackendRuntimeError):
+        await actor.execute(boom)
+
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, lambda: gate.wait(30))  # holds the only slot
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as queued:  # waits in the queue, then its caller gives up
+            nursery.start_soon(_cancel_when_blocked, queued)
+            await actor.execute(lambda: None)
+        assert queued.cancelled_caught
+        with pytest.raises(TimeoutError_):  # waits in the queue past its deadline
+            await actor.execute(lambda: None, deadline=trio.current_time() + 0.05)
+        nursery.start_soon(actor.execute, lambda: None)  # fills the queue (limit 1)
+        await trio.testing.wait_all_tasks_blocked()
+        now = actor.stats()
+        assert (now.running, now.queued) == (1, 1)
+        with pytest.raises(TooLargeError, match="queue is full"):
+            await actor.execute(lambda: None)
+        await trio.sleep(0.05)  # the queued request waits at least this long
+        gate.set()
+
+    stats = actor.stats()
+    assert counts(stats) == {"completed": 5, "failed": 1, "timed_out": 1, "cancelled": 1,
+                             "rejected": 1}
+    assert stats.finished == 9 and stats.in_caller_thread == 0
+    assert (stats.running, stats.queued) == (0, 0)
+    # Latencies of the 5 completed requests: the gated one and the one queued behind it
+    # took longer than the 0.05 s they were held.
+    assert stats.latency_window == 5
+    assert stats.latency_p50 is not None and stats.latency_p99 is not None
+    assert 0 < stats.latency_p50 <= stats.latency_p99
+    assert stats.latency_p99 >= 0.05
+
+
+async def _cancel_when_blocked(scope: trio.CancelScope) -> None:
+    await trio.testing.wait_all_tasks_blocked()
+    scope.cancel()
+
+
+async def test_requests_run_by_a_lease_holder_are_counted_too(actor: DeviceActor) -> None:
+    def in_thread() -> None:
+        done = actor.try_lease(lambda: "ran")
+        assert done is not None and done.run() == "ran"
+        failing = actor.try_lease(boom)
+        assert failing is not None
+        with pytest.raises(BackendRuntimeError, match="library exploded"):
+            failing.run()
+        unused = actor.try_lease(lambda: "never")
+        assert unused is not None
+        unused.cancel()
+
+    await trio.to_thread.run_sync(in_thread)
+    held = await actor.lease(lambda: "through trio")
+    assert await trio.to_thread.run_sync(held.run) == "through trio"
+
+    stats = actor.stats()
+    assert counts(stats) == {"completed": 2, "failed": 1, "timed_out": 0, "cancelled": 1,
+                             "rejected": 0}
+    assert stats.in_caller_thread == 4 and stats.latency_window == 2
+    assert stats.running == 0
+
+
+async def test_a_lease_whose_deadline_passes_in_the_queue_is_timed_out(
+        actor: DeviceActor) -> None:
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, lambda: gate.wait(30))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(TimeoutError_):
+            await actor.lease(lambda: None, deadline=trio.current_time() + 0.05)
+        gate.set()
+    stats = actor.stats()
+    assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 1, 1)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    ordered = [float(v) for v in range(1, 101)]
+    assert percentile(ordered, 0.5) == 50.0
+    assert percentile(ordered, 0.99) == 99.0
+    assert percentile(ordered, 1.0) == 100.0
+    assert percentile([0.25], 0.99) == 0.25
+    assert percentile([1.0, 2.0, 3.0], 0.5) == 2.0
+    assert percentile([], 0.5) is None
+
+
+async def test_runtime_stats_cover_each_device_and_its_graphs() -> None:
+    require_backend("onnxruntime")
+    async with Runtime(cpu_pool(workers=2)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", backend="onnxruntime")
+        ctx = graph.init_execution_context()
+        for _ in range(5):
+            await ctx.compute({"x": np.ones((1, 4), np.float32)})
+        with pytest.raises(InvalidArgumentError, match="the model expects"):
+            await ctx.compute({"x": np.ones((1, 5), np.float32)})
+        (stats,) = rt.stats()
+    assert stats.device == "cpu" and stats.workers == 2
+    assert (stats.graphs, stats.compiles) == (1, 1)
+    assert (stats.completed, stats.failed) == (5, 1)
