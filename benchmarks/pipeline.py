@@ -8,7 +8,9 @@ directory. It runs as one job on the CPU actor with the intermediate kept as an 
 Native: the two ``InferenceSession.run`` calls of the same compiled sessions, timed
 separately; their medians are summed. Native and pipelined runs alternate in blocks of 10
 so that noise from other processes hits both alike. Also printed: host copies made by the
-pipeline (expected 0).
+pipeline (expected 0), and the same two steps run natively on sessions made with ONNX
+Runtime's stock options, whose intra-op threads go on spinning after each run and slow
+the next model's run (wasinn's sessions stop them: ``session.force_spinning_stop``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 import trio
 
 import wasinn
@@ -99,12 +102,36 @@ async def main(args: argparse.Namespace) -> None:
                     await ctx.compute({"x": image})
                     piped.append(time.perf_counter() - t0)
             copies = wasinn.host_copies() - copies
+        stock = stock_sessions(directory, image, args.iters)
     native = statistics.median(first) + statistics.median(second)
     through = statistics.median(piped)
     print(f"native: scale {statistics.median(first) * 1e3:.3f} ms + net "
           f"{statistics.median(second) * 1e3:.2f} ms = {native * 1e3:.2f} ms")
     print(f"pipeline through the scheduler: {through * 1e3:.2f} ms, ratio {through / native:.3f}"
           f" ({(through / native - 1) * 100:+.1f} %); host copies in {args.iters} runs: {copies}")
+    print(f"the same steps natively with ONNX Runtime's stock session options (threads left "
+          f"spinning): scale {stock[0] * 1e3:.3f} ms + net {stock[1] * 1e3:.2f} ms; the net "
+          f"step {stock[1] / statistics.median(second):.2f}x as long as on wasinn's sessions")
+
+
+def stock_sessions(directory: Path, image: np.ndarray[Any, Any], iters: int
+                   ) -> tuple[float, float]:
+    """Medians (seconds) of the two steps run natively on stock-option sessions."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    scale, net = (ort.InferenceSession(str(directory / name), so,
+                                       providers=["CPUExecutionProvider"])
+                  for name in ("scale.onnx", "net.onnx"))
+    first, second = [], []
+    for i in range(iters + 10):
+        t0 = time.perf_counter()
+        (scaled,) = scale.run(["y"], {"x": image})
+        t1 = time.perf_counter()
+        net.run(["output"], {"input": scaled})
+        if i >= 10:
+            first.append(t1 - t0)
+            second.append(time.perf_counter() - t1)
+    return statistics.median(first), statistics.median(second)
 
 
 if __name__ == "__main__":

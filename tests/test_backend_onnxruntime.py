@@ -73,8 +73,20 @@ def test_a_type_outside_wasi_nn_is_unsupported(backend: Any) -> None:
 def test_options_reach_the_session(backend: Any) -> None:
     options = LoadOptions(threads=1, extra={"session.intra_op.allow_spinning": "0"})
     graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
-    assert graph.session.get_session_options().intra_op_num_threads == 1
+    so = graph.session.get_session_options()
+    assert so.intra_op_num_threads == 1
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert graph.session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_intra_op_threads_stop_spinning_when_a_run_returns_unless_told_otherwise(
+        backend: Any) -> None:
+    # Spinning threads left behind by one session slow the next model's run (module doc).
+    key = "session.force_spinning_stop"
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    assert graph.session.get_session_options().get_session_config_entry(key) == "1"
+    kept = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(extra={key: "0"}))
+    assert kept.session.get_session_options().get_session_config_entry(key) == "0"
 
 
 def test_a_missing_device_is_unsupported(backend: Any) -> None:
