@@ -14,7 +14,7 @@ import trio.testing
 from tests.support import cpu_pool, require_backend, serving_actor
 from wasinn import BackendRuntimeError, InvalidArgumentError, TimeoutError_, TooLargeError
 from wasinn.actors import DeviceActor, DeviceStats
-from wasinn.actors.stats import percentile
+from wasinn.actors.stats import RequestStats, percentile
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget
 from wasinn.modelgen import affine_onnx
@@ -125,6 +125,11 @@ async def test_a_lease_whose_deadline_passes_in_the_queue_is_timed_out(
         gate.set()
     stats = actor.stats()
     assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 1, 1)
+
+
+def test_a_latency_window_must_hold_something() -> None:
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RequestStats(window=0)
 
 
 def test_percentile_is_nearest_rank() -> None:
