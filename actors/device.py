@@ -142,6 +142,7 @@ class DeviceActor:
         self._serving = False  # worker threads started and not yet waited for
         self._closed = False
         self._compiles = 0
+        self._warm_ups = 0
         self._leases_lock = threading.Lock()
         self._leases: set[Cancellation] = set()  # runs of leases in progress
         # Leases with a deadline, as a heap of (deadline in trio time, tie-break, lease):
@@ -271,7 +272,7 @@ class DeviceActor:
         return DeviceStats(
             device=str(self.device), workers=self.workers, running=self._slots.running,
             queued=self._slots.queued, queue_limit=self.queue_limit,
-            graphs=len(self._sessions), compiles=self._compiles,
+            graphs=len(self._sessions), compiles=self._compiles, warm_ups=self._warm_ups,
             completed=counts[Outcome.COMPLETED], failed=counts[Outcome.FAILED],
             timed_out=counts[Outcome.TIMED_OUT], cancelled=counts[Outcome.CANCELLED],
             rejected=counts[Outcome.REJECTED], in_caller_thread=leased,
@@ -323,19 +324,39 @@ class DeviceActor:
         # A compile takes one of the device's worker threads but no request slot, so it is
         # not counted as load twice. It is not abandoned on cancellation (the thread would
         # go on loading weights anyway): the result is cached for the next caller.
-        work = in_context(compile_graph, self._wrap)
+        compiled = await self._unslotted(compile_graph, abandon_on_cancel=False,
+                                         label="compile", failure="compiling failed")
+        self._compiles += 1
+        return compiled
+
+    async def warm_up(self, job: Callable[[], object], *, label: str = "warm-up") -> None:
+        """Run ``job`` once in a worker thread, outside the request accounting: it takes
+        no slot and is not a request in :meth:`stats` (only ``warm_ups`` counts it).
+
+        For start-up work done before requests are served (see
+        :mod:`wasinn.scheduler.warmup`): like a compile, it takes one of the worker
+        threads, so the device still never runs more than ``workers`` jobs at once.
+        Raises ClosedResourceError once the actor is closed, BackendRuntimeError for a
+        backend's own exception; cancelled, the run is abandoned.
+        """
+        await self._unslotted(job, abandon_on_cancel=True, label=label,
+                              failure="the backend failed")
+        self._warm_ups += 1
+
+    async def _unslotted(self, job: Callable[[], T], *, abandon_on_cancel: bool, label: str,
+                         failure: str) -> T:
+        # A job in one of the worker threads that holds no request slot.
+        work = in_context(job, self._wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            compiled: CompiledGraph = await self._threads.run(work, abandon_on_cancel=False,
-                                                              label="compile")
+            return await self._threads.run(work, abandon_on_cancel=abandon_on_cancel,
+                                           label=label)
         except WasiNNError:
             raise
         except Exception as exc:
             raise BackendRuntimeError(
-                f"{self.device}: compiling failed: {type(exc).__name__}: {exc}"
+                f"{self.device}: {failure}: {type(exc).__name__}: {exc}"
             ) from exc
-        self._compiles += 1
-        return compiled
 
     def cached(self, key: Hashable) -> bool:
         """Whether a compiled graph is cached under ``key``."""

@@ -47,6 +47,7 @@ class DeviceStats:
     queue_limit: int
     graphs: int  #: compiled graphs held on the device
     compiles: int  #: graphs compiled since the actor started
+    warm_ups: int  #: warm-up runs at the runtime's start (not requests: counted only here)
     completed: int
     failed: int
     timed_out: int
@@ -73,7 +74,8 @@ class DeviceStats:
                 f"{self.timed_out} timed out, {self.cancelled} cancelled, {self.rejected} "
                 f"rejected ({self.in_caller_thread} in the caller's thread){latency}; "
                 f"{self.running}/{self.workers} running, {self.queued} queued, "
-                f"{self.graphs} graph(s) held, {self.compiles} compiled")
+                f"{self.graphs} graph(s) held, {self.compiles} compiled"
+                + (f", {self.warm_ups} warm-up run(s)" if self.warm_ups else ""))
 
 
 class RequestStats:

@@ -7,8 +7,10 @@ A config has five tables::
                                    # queue_limit, backends (this pool's preference order),
                                    # policy, inline_below_us
     [models.NAME]                  # files (relative to the config file), encoding, target,
-                                   # backend, precision, threads, options, resident
-    [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...]
+                                   # backend, precision, threads, options, resident,
+                                   # preload, warmup, warmup_inputs
+    [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...],
+                                   # target, preload, warmup, warmup_inputs
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
                                    # compute_timeout
@@ -117,7 +119,28 @@ class PoolConfig(_Strict):
         return self
 
 
-class ModelConfig(_Strict):
+class _Startup(_Strict):
+    """What models and pipelines share: whether the runtime readies them as it starts
+    (see :mod:`wasinn.scheduler.warmup`)."""
+
+    #: Load it when the runtime starts, compiled on every device of its target, and keep
+    #: it loaded (as ``resident``): a bad file fails the start, not the first request.
+    preload: bool = False
+    #: Runs on zero-filled inputs (dynamic dimensions as 1) on each of those devices at
+    #: start, so the first request finds the backend's first-run work done. Implies
+    #: ``preload``.
+    warmup: int = Field(default=0, ge=0, le=100)
+    #: Shapes of the warm-up inputs by input name: needed for inputs whose shape the
+    #: model does not declare (TorchScript declares none), or to warm up a given size.
+    warmup_inputs: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+
+    @property
+    def at_start(self) -> bool:
+        """Whether the runtime loads it as it starts."""
+        return self.preload or self.warmup > 0
+
+
+class ModelConfig(_Startup):
     """``[models.NAME]``: a model ``load_by_name`` can load."""
 
     #: Model files, one per builder (IR: xml then bin), relative to the config file.
@@ -144,7 +167,7 @@ class StepConfig(_Strict):
     wire: dict[str, str] = Field(default_factory=dict)
 
 
-class PipelineConfig(_Strict):
+class PipelineConfig(_Startup):
     """``[pipelines.NAME]``: models chained on one device."""
 
     steps: list[StepConfig] = Field(min_length=1)

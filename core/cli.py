@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from wasinn.errors import WasiNNError
 
 if TYPE_CHECKING:
-    from wasinn.configs.schema import RuntimeConfig
+    from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
     from wasinn.host.preload import Preload
 
 log = logging.getLogger("wasinn.cli")
@@ -196,11 +196,12 @@ async def _devices(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     rows: list[tuple[str, ...]] = [
-        (name, "model", m.encoding, m.target, ", ".join(m.files))
+        (name, "model", m.encoding, m.target, _loaded(m, m.resident), ", ".join(m.files))
         for name, m in config.models.items()
     ]
     rows += [
-        (name, "pipeline", "-", p.target, " -> ".join(s.model for s in p.steps))
+        (name, "pipeline", "-", p.target, _loaded(p, False),
+         " -> ".join(s.model for s in p.steps))
         for name, p in config.pipelines.items()
     ]
     if not rows:
@@ -208,8 +209,17 @@ def _models(args: argparse.Namespace) -> int:
         print(f"no models registered in {where}: add a [models] table, or use "
               "--nn-preload / --wasi nn-graph with `wasinn run`")
         return 0
-    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "FILES / STEPS"), rows))
+    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "LOADED", "FILES / STEPS"), rows))
     return 0
+
+
+def _loaded(entry: ModelConfig | PipelineConfig, resident: bool) -> str:
+    """When the runtime loads a registry entry, and for how long."""
+    if entry.warmup:
+        return f"at start, {entry.warmup} warm-up run(s)"
+    if entry.preload:
+        return "at start"
+    return "first use, kept" if resident else "first use"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -153,6 +153,15 @@ class Scheduler:
         session = await self.session(self.pick(kind, {}), model)
         return session.compiled
 
+    async def chain_on(self, actor: DeviceActor, models: Sequence[LoadedModel],
+                       links: Sequence[Link], inputs: Inputs
+                       ) -> Callable[[], dict[str, Tensor]]:
+        """``models`` (a model, or a pipeline's steps wired by ``links``) compiled on
+        ``actor`` now, and a job that runs them there on ``inputs`` (host outputs), for
+        work the scheduler does itself, such as warm-ups."""
+        sessions = [await self.session(actor, model) for model in models]
+        return functools.partial(_run_chain, sessions, links, inputs, False)
+
     def release(self, model: LoadedModel) -> None:
         """Free ``model``'s compiled graphs on every device (now or after running jobs)."""
         for actor in self.actors:

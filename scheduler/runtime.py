@@ -49,6 +49,7 @@ from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
 from .pipeline import Pipeline, PipelineModel
 from .placement import Scheduler
+from .warmup import WarmUp, preload
 
 if TYPE_CHECKING:
     from wasinn.configs.schema import PoolConfig, RuntimeConfig
@@ -137,7 +138,8 @@ class Runtime:
         self._closed = False
         self._names = NameRegistry(
             [*config.models, *config.pipelines], self._load_named,
-            resident=[n for n, m in config.models.items() if m.resident],
+            resident=[*(n for n, m in config.models.items() if m.resident or m.at_start),
+                      *(n for n, p in config.pipelines.items() if p.at_start)],
         )
 
     @classmethod
@@ -159,8 +161,13 @@ class Runtime:
     async def start(self) -> None:
         """Probe devices and start one actor per device; ready when this returns.
 
+        Models and pipelines the config marks ``preload`` or ``warmup`` are loaded,
+        compiled and warmed up before this returns (see :mod:`wasinn.scheduler.warmup`).
+
         Raises UnsupportedOperationError for a configured device that is missing or
-        cannot be opened, ConfigError for an unknown backend name in the config.
+        cannot be opened, ConfigError for an unknown backend name in the config, and
+        what loading a preloaded model raises (NotFoundError for a missing file...),
+        its name in the message; the runtime is closed again then.
         """
         if self._stack is not None or self._closed:
             raise InvalidArgumentError("a Runtime can be started once")
@@ -185,6 +192,30 @@ class Runtime:
         self._nursery = nursery
         self._scheduler = scheduler
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
+        await self._preload()
+
+    async def _preload(self) -> None:
+        # The config's preload/warmup entries, readied before start returns; a failure
+        # stops the runtime again (see wasinn.scheduler.warmup).
+        config = self._config
+        plan = {name: WarmUp(entry.warmup,
+                             {k: tuple(dims) for k, dims in entry.warmup_inputs.items()})
+                for name, entry in [*config.models.items(), *config.pipelines.items()]
+                if entry.at_start}
+        if not plan:
+            return
+        began = trio.current_time()
+        try:
+            await preload(self._names, self._sched, plan)
+        except BaseException:
+            # Not under a cancel scope of its own: closing exits the actors' nursery,
+            # which start entered (the actors shield their own shutdown).
+            await self.aclose()
+            raise
+        log.info("preloaded %s in %.2f s", ", ".join(
+            f"{name} ({warm.runs} warm-up run(s))" if warm.runs else name
+            for name, warm in plan.items()
+        ), trio.current_time() - began)
 
     async def aclose(self) -> None:
         """Stop every actor: queued requests fail with ClosedResourceError, running jobs

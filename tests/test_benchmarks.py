@@ -24,6 +24,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RUNS: dict[str, tuple[list[str], str]] = {
     "backend_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25"],
                             r"^onnxruntime\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+$"),
+    "first_request.py": (["--rounds", "1", "--iters", "2", "--width", "0.25", "--warmup", "1"],
+                         r"with warmup = 1: [\d.]+ ms \([\d.]+x\); then [\d.]+ ms"),
     "pipeline.py": (["--iters", "5", "--width", "0.25"],
                     r"pipeline through the scheduler: .* ratio [\d.]+ .* host copies in 5 runs: 0"),
     "scheduler_overhead.py": (

@@ -78,6 +78,13 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = []\n', r"models\.m\.files: .*at least 1"),
     ('[models."a/b"]\nfiles = ["m.onnx"]\n', r"models\.a/b.*pattern"),
     ('[pipelines.p]\nsteps = [{ model = "nope" }]\n', r"step 0 uses model 'nope'"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = -1\n',
+     r"models\.m\.warmup: .*greater than or equal to 0"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1000\n',
+     r"models\.m\.warmup: .*less than or equal to 100"),
+    ('[models.m]\nfiles = ["m.onnx"]\npreload = 2\n', r"models\.m\.preload: .*boolean"),
+    ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.p]\nsteps = [{ model = "m" }]\n'
+     'warmup = 1.5\n', r"pipelines\.p\.warmup: .*integer"),
     ('[runtime]\nfallback = "gpu:0:1"\n', r"runtime\.fallback"),
     ('[runtime]\nfallback = "cpu"\n[pools.gpu]\nkind = "gpu"\n',
      r"runtime\.fallback = 'cpu' names a device kind no pool serves \(pools: gpu \(gpu\)\)"),

@@ -124,7 +124,7 @@ async def test_unloading_a_pipeline_frees_its_steps(tmp_path: Path,
         await pipeline.unload()
         await ctx.compute({"x": sample_image(0)})
         ctx.close()
-        # mobilenet is resident in pipeline.toml; the scale step is freed.
+        # mobilenet is preloaded (so kept loaded) in pipeline.toml; the scale step is freed.
         assert len(actor.session_keys()) == 1
         again = await rt.load_by_name("classify")
         assert (await again.compute({"x": sample_image(0)}))["output"].dims == (1, 1000)

@@ -1,0 +1,128 @@
+"""Preloading and warming up registered models and pipelines when a runtime starts.
+
+``preload = true`` on a ``[models.NAME]`` or ``[pipelines.NAME]`` table loads it while the
+runtime starts instead of on the first ``load_by_name``, compiles it on every device of
+its target (a pipeline: every step), and keeps it loaded for the runtime's lifetime, as
+``resident`` does. A missing or unreadable file then fails the start, naming the model,
+instead of the first request that asks for it.
+
+``warmup = N`` (implies ``preload``) then runs it N times on each of those devices on
+zero-filled inputs, so that the first real request does not pay for what a backend does
+on its first run (allocating its memory arena, choosing kernels; TorchScript profiles and
+optimises the graph on its first calls). An input's shape is the model's, dynamic
+dimensions as 1, or the one ``warmup_inputs`` gives: it must give every input whose
+shape the model does not declare (a TorchScript module declares none). Warm-ups take a
+worker thread but no request slot, and they are not requests: a device's stats count
+them only in ``warm_ups``, so they do not skew its latency percentiles.
+
+Everything is preloaded concurrently; when something fails, the start fails with the
+first failure in config order (the others are logged), raised as the same error type
+with the name in front of its message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import trio
+
+from wasinn.backends.base import TensorSpec
+from wasinn.errors import InvalidArgumentError, WasiNNError
+from wasinn.tensor import Tensor, numpy_dtype
+
+from .model import LoadedModel
+from .names import NameRegistry
+from .pipeline import PipelineModel
+from .placement import Link, Scheduler
+
+log = logging.getLogger("wasinn.scheduler")
+
+
+class WarmUp(NamedTuple):
+    """What to do at start for one name: ``runs`` warm-up runs per device (0: only
+    preload), on inputs of these ``shapes`` where given."""
+
+    runs: int = 0
+    shapes: Mapping[str, tuple[int, ...]] = {}
+
+
+def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]]
+                ) -> dict[str, Tensor]:
+    """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives,
+    else of the input's own, dynamic dimensions as 1.
+
+    Raises InvalidArgumentError for a name in ``shapes`` that is no input, and for an
+    input whose shape is not declared (no dimensions) and not given.
+    """
+    names = [spec.name for spec in specs]
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise InvalidArgumentError(
+            f"warmup_inputs names {', '.join(map(repr, unknown))}, which is not an "
+            f"input: expected one of {', '.join(map(repr, names)) or 'none'}")
+    inputs = {}
+    for spec in specs:
+        shape = shapes.get(spec.name)
+        if shape is None:
+            if not spec.shape:
+                raise InvalidArgumentError(
+                    f"input {spec.name!r} declares no shape, so a warm-up cannot "
+                    f"make one up: give it in warmup_inputs (e.g. {spec.name} = [1, 3, 224, "
+                    "224])")
+            shape = tuple(1 if d is None else d for d in spec.shape)
+        inputs[spec.name] = Tensor.from_numpy(np.zeros(shape, numpy_dtype(spec.type)))
+    return inputs
+
+
+async def preload(registry: NameRegistry, scheduler: Scheduler,
+                  plan: Mapping[str, WarmUp]) -> None:
+    """Load every name in ``plan`` through ``registry``,
+    compile it on every device of its target and warm it up there (see the module).
+
+    Raises the first failure in ``plan``'s order, retyped with the name in its message.
+    """
+    failures: dict[str, WasiNNError] = {}
+
+    async def prepare(name: str, warm: WarmUp) -> None:
+        try:
+            await _prepare(registry, scheduler, name, warm)
+        except WasiNNError as exc:
+            failures[name] = exc
+
+    async with trio.open_nursery() as nursery:
+        for name, warm in plan.items():
+            nursery.start_soon(prepare, name, warm)
+    failed = [(name, failures[name]) for name in plan if name in failures]
+    if not failed:
+        return
+    for name, exc in failed[1:]:
+        log.error("preloading %r failed too: %s", name, exc.message)
+    name, exc = failed[0]
+    raise type(exc)(f"preloading {name!r}: {exc.message}") from exc
+
+
+async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
+                   warm: WarmUp) -> None:
+    executable, kind = await registry.get(name)
+    models: Sequence[LoadedModel]
+    links: Sequence[Link]
+    if isinstance(executable, PipelineModel):
+        models, links = executable.steps, executable.links
+    else:
+        assert isinstance(executable, LoadedModel)
+        models, links = (executable,), ()
+    inputs = zero_inputs(executable.inputs, warm.shapes) if warm.runs else {}
+    for actor in scheduler.actors_of(kind):
+        job = await scheduler.chain_on(actor, models, links, inputs)
+        for _ in range(warm.runs):
+            try:
+                await actor.warm_up(job, label=f"warm-up of {name}")
+            except WasiNNError as exc:
+                given = ", ".join(f"{k}: {v.type.value}{list(v.dims)}" for k, v in inputs.items())
+                raise type(exc)(
+                    f"{actor.device}: the warm-up run on zero-filled inputs ({given}; dynamic "
+                    f"dimensions as 1 unless warmup_inputs gives them) failed: {exc.message}"
+                ) from exc

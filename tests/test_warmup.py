@@ -1,0 +1,190 @@
+"""Preloading and warm-up at the runtime's start: registered models and pipelines marked
+``preload``/``warmup`` are compiled on every device of their target and run on zero-filled
+inputs before ``start`` returns; a failure fails the start, naming the model."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import wasinn
+from tests.fake_backend import FakeBackend
+from tests.support import require_backend
+from wasinn import BackendRuntimeError, InvalidArgumentError, NotFoundError
+from wasinn.configs.loader import load_config
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+
+X = np.ones((1, 4), np.float32)
+
+
+def write_config(directory: Path, text: str) -> Path:
+    models = directory / "models"
+    models.mkdir(exist_ok=True)
+    (models / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (models / "then.onnx").write_bytes(affine_onnx(10.0, 0.0, in_name="y", out_name="z"))
+    path = directory / "wasinn.toml"
+    path.write_text(text)
+    return path
+
+
+def worker_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("wasinn ")]
+
+
+async def test_a_preloaded_model_is_compiled_before_start_returns(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[models.affine]\nfiles = ["models/affine.onnx"]\n'
+                                  'preload = true\n')
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        assert rt.name_registry.loads == {"affine": 1}
+        assert (actor.stats().graphs, actor.stats().compiles) == (1, 1)
+        graph = await rt.load_by_name("affine")
+        assert (await graph.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
+        await graph.unload()
+        # Preloaded means resident: nothing is loaded or compiled again.
+        again = await rt.load_by_name("affine")
+        assert rt.name_registry.loads == {"affine": 1}
+        assert actor.stats().compiles == 1
+        await again.unload()
+        assert actor.stats().graphs == 1
+
+
+async def test_warm_up_runs_are_done_at_start_and_are_not_requests(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[models.affine]\nfiles = ["models/affine.onnx"]\n'
+                                  'warmup = 3\n')  # implies preload
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        stats = actor.stats()
+        assert (stats.warm_ups, stats.compiles) == (3, 1)
+        assert (stats.finished, stats.latency_window) == (0, 0)  # no request yet
+        assert actor.threads.finished == 4  # the compile and the three runs, in its threads
+        assert "3 warm-up run(s)" in stats.describe()
+        graph = await rt.load_by_name("affine")
+        assert (await graph.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
+        assert (actor.stats().completed, actor.stats().warm_ups) == (1, 3)
+
+
+async def test_every_device_of_the_target_is_compiled_and_warmed(tmp_path: Path) -> None:
+    # Routing on GPUs this machine lacks: the fake backend records what ran where.
+    (tmp_path / "fake.bin").write_bytes(b"fake:add=1")
+    path = tmp_path / "wasinn.toml"
+    path.write_text('''
+[pools.cpu]
+kind = "cpu"
+backends = ["fake"]
+[pools.gpu]
+kind = "gpu"
+devices = "auto"
+backends = ["fake"]
+[models.plus]
+files = ["fake.bin"]
+encoding = "ggml"
+target = "gpu"
+warmup = 2
+''')
+    fake = FakeBackend()
+    async with wasinn.Runtime(load_config(path), backends=[fake]) as rt:
+        assert sorted(fake.loads) == ["gpu:0", "gpu:1"]
+        assert sorted(fake.runs) == [("gpu:0", 0.0)] * 2 + [("gpu:1", 0.0)] * 2
+        warmed = {s.device: (s.warm_ups, s.compiles, s.finished) for s in rt.stats()}
+        assert warmed == {"cpu": (0, 0, 0), "gpu:0": (2, 1, 0), "gpu:1": (2, 1, 0)}
+
+
+async def test_a_preloaded_pipeline_compiles_its_steps_and_warms_the_chain(
+        tmp_path: Path) -> None:
+    path = write_config(tmp_path, '''
+[models.affine]
+files = ["models/affine.onnx"]
+[models.then]
+files = ["models/then.onnx"]
+[pipelines.chain]
+steps = [{ model = "affine" }, { model = "then" }]
+warmup = 1
+''')
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        assert rt.name_registry.loads == {"affine": 1, "then": 1, "chain": 1}
+        stats = actor.stats()
+        assert (stats.graphs, stats.compiles, stats.warm_ups, stats.finished) == (2, 2, 1, 0)
+        chain = await rt.load_by_name("chain")
+        assert (await chain.compute({"x": X}))["z"].numpy().tolist() == [[30.0] * 4]
+        await chain.unload()
+        assert actor.stats().graphs == 2  # kept for the runtime's lifetime
+
+
+async def test_a_missing_preloaded_file_fails_the_start_naming_the_model(
+        tmp_path: Path) -> None:
+    path = write_config(tmp_path, '''
+[models.affine]
+files = ["models/affine.onnx"]
+preload = true
+[models.absent]
+files = ["models/absent.onnx"]
+preload = true
+''')
+    with pytest.raises(NotFoundError, match=r"preloading 'absent': .*absent\.onnx"):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started without its preloaded model")
+    assert worker_threads() == []  # the runtime was closed again
+
+
+def reshape_to_three_rows() -> bytes:
+    """``x: f32[n, 4]`` reshaped to ``[3, 4]``: valid for n = 3 only, so the warm-up's
+    zero input (dynamic dimensions as 1) makes ONNX Runtime fail."""
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [3, 4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])],
+                              "three_rows", [x], [y], initializer=[shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+async def test_a_failing_warm_up_fails_the_start_with_the_backend_message(
+        tmp_path: Path) -> None:
+    (tmp_path / "three.onnx").write_bytes(reshape_to_three_rows())
+    path = tmp_path / "wasinn.toml"
+    model = '[models.three]\nfiles = ["three.onnx"]\nwarmup = 1\n'
+    path.write_text(model)
+    with pytest.raises(BackendRuntimeError,
+                       match=r"preloading 'three': cpu: the warm-up run on zero-filled inputs "
+                             r"\(x: f32\[1, 4\]; dynamic dimensions as 1 unless warmup_inputs "
+                             r"gives them\) failed: .*[Rr]eshape"):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started although the warm-up failed")
+    assert worker_threads() == []
+    # The shape the model needs, given in the config:
+    path.write_text(model + "warmup_inputs = { x = [3, 4] }\n")
+    async with wasinn.Runtime.from_config(path) as rt:
+        assert rt.stats()[0].warm_ups == 1
+
+
+async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
+        tmp_path: Path, small_mobilenet: ModelFiles) -> None:
+    require_backend("torch")
+    shutil.copy(small_mobilenet.torchscript, tmp_path / "net.pt")
+    path = tmp_path / "wasinn.toml"
+    model = '[models.net]\nfiles = ["net.pt"]\nencoding = "pytorch"\nwarmup = 1\n'
+    path.write_text(model)  # TorchScript declares no input shapes
+    with pytest.raises(InvalidArgumentError,
+                       match=r"preloading 'net': input 'x' declares no shape, .*warmup_inputs"):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started although the warm-up had no shape")
+    path.write_text(model + "warmup_inputs = { image = [1, 3, 224, 224] }\n")
+    with pytest.raises(InvalidArgumentError, match=r"preloading 'net': warmup_inputs names "
+                                                   r"'image', which is not an input: .*'x'"):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started with a warm-up input the model lacks")
+    path.write_text(model + "warmup_inputs = { x = [2, 3, 224, 224] }\n")
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        assert actor.stats().warm_ups == 1
+        graph = await rt.load_by_name("net")
+        out = await graph.compute({"x": sample_image(0)})
+        assert out[graph.outputs[0].name].dims == (1, 1000)
