@@ -139,6 +139,11 @@ class _Startup(_Strict):
         """Whether the runtime loads it as it starts."""
         return self.preload or self.warmup > 0
 
+    @property
+    def kept(self) -> bool:
+        """Whether, once loaded, it stays loaded for the runtime's lifetime."""
+        return self.at_start
+
 
 class ModelConfig(_Startup):
     """``[models.NAME]``: a model ``load_by_name`` can load."""
@@ -156,6 +161,10 @@ class ModelConfig(_Startup):
     options: dict[str, Any] = Field(default_factory=dict)
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
     resident: bool = False
+
+    @property
+    def kept(self) -> bool:
+        return self.resident or self.at_start
 
 
 class StepConfig(_Strict):

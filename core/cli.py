@@ -196,11 +196,11 @@ async def _devices(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     rows: list[tuple[str, ...]] = [
-        (name, "model", m.encoding, m.target, _loaded(m, m.resident), ", ".join(m.files))
+        (name, "model", m.encoding, m.target, _loaded(m), ", ".join(m.files))
         for name, m in config.models.items()
     ]
     rows += [
-        (name, "pipeline", "-", p.target, _loaded(p, False),
+        (name, "pipeline", "-", p.target, _loaded(p),
          " -> ".join(s.model for s in p.steps))
         for name, p in config.pipelines.items()
     ]
@@ -213,13 +213,13 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _loaded(entry: ModelConfig | PipelineConfig, resident: bool) -> str:
+def _loaded(entry: ModelConfig | PipelineConfig) -> str:
     """When the runtime loads a registry entry, and for how long."""
     if entry.warmup:
         return f"at start, {entry.warmup} warm-up run(s)"
     if entry.preload:
         return "at start"
-    return "first use, kept" if resident else "first use"
+    return "first use, kept" if entry.kept else "first use"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

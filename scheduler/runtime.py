@@ -138,8 +138,8 @@ class Runtime:
         self._closed = False
         self._names = NameRegistry(
             [*config.models, *config.pipelines], self._load_named,
-            resident=[*(n for n, m in config.models.items() if m.resident or m.at_start),
-                      *(n for n, p in config.pipelines.items() if p.at_start)],
+            resident=[name for name, entry in [*config.models.items(),
+                                               *config.pipelines.items()] if entry.kept],
         )
 
     @classmethod

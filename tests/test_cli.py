@@ -131,12 +131,14 @@ def test_models_table(models: GuestModels, tmp_path: Path,
     model = models.directory / "model.onnx"
     config.write_text(f'[models.net]\nfiles = ["{model}"]\nencoding = "onnx"\n'
                       f'[models.warm]\nfiles = ["{model}"]\nwarmup = 2\n'
+                      f'[models.kept]\nfiles = ["{model}"]\nresident = true\n'
                       '[pipelines.both]\nsteps = [{ model = "net" }]\npreload = true\n')
     assert main(["models", "--config", str(config)]) == 0
     out = capfd.readouterr().out
     assert re.search(r"^net\s+model\s+onnx\s+cpu\s+first use\s+/", out, re.M)
     assert re.search(r"^warm\s+model\s+autodetect\s+cpu\s+at start, 2 warm-up run\(s\)\s+/",
                      out, re.M)
+    assert re.search(r"^kept\s+model\s+autodetect\s+cpu\s+first use, kept\s+/", out, re.M)
     assert re.search(r"^both\s+pipeline\s+-\s+cpu\s+at start\s+net$", out, re.M)
     assert main(["models"]) == 0
     assert "no models registered" in capfd.readouterr().out
