@@ -269,6 +269,7 @@ class DeviceActor:
     def stats(self) -> DeviceStats:
         """What this actor holds and has done so far (see :mod:`wasinn.actors.stats`)."""
         counts, leased, latencies = self._stats.snapshot()
+        total, queued, running = latencies
         return DeviceStats(
             device=str(self.device), workers=self.workers, running=self._slots.running,
             queued=self._slots.queued, queue_limit=self.queue_limit,
@@ -277,8 +278,10 @@ class DeviceActor:
             timed_out=counts[Outcome.TIMED_OUT], cancelled=counts[Outcome.CANCELLED],
             rejected=counts[Outcome.REJECTED], in_caller_thread=leased,
             abandoned_running=self._threads.abandoned,
-            latency_p50=percentile(latencies, 0.5), latency_p99=percentile(latencies, 0.99),
-            latency_window=len(latencies),
+            latency_p50=percentile(total, 0.5), latency_p99=percentile(total, 0.99),
+            latency_window=len(total),
+            queued_p50=percentile(queued, 0.5), queued_p99=percentile(queued, 0.99),
+            running_p50=percentile(running, 0.5), running_p99=percentile(running, 0.99),
         )
 
     @property
@@ -405,17 +408,19 @@ class DeviceActor:
         """
         start = time.perf_counter()
         try:
-            result = await self._request(job, priority, deadline, tenant, profile, nbytes,
-                                         label)
+            result, granted = await self._request(job, priority, deadline, tenant, profile,
+                                                  nbytes, label)
         except BaseException as exc:
             self._stats.record(outcome_of(exc), time.perf_counter() - start)
             raise
-        self._stats.record(Outcome.COMPLETED, time.perf_counter() - start)
+        self._stats.record(Outcome.COMPLETED, time.perf_counter() - start,
+                           queued=granted - start)
         return result
 
     async def _request(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, profile: RunProfile | None, nbytes: int | None,
-                       label: str) -> T:
+                       label: str) -> tuple[T, float]:
+        # The job's result, and when (perf_counter) it was granted a slot.
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
             # not only on their size: a request that must end by a deadline always goes
@@ -424,7 +429,8 @@ class DeviceActor:
                     and deadline == math.inf
                     and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
-                return await self._run_inline(job, profile, nbytes)
+                granted = time.perf_counter()
+                return await self._run_inline(job, profile, nbytes), granted
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:
             return await self._execute(job, priority, deadline, tenant, label)
@@ -434,14 +440,15 @@ class DeviceActor:
         raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
-                       tenant: str, label: str) -> T:
+                       tenant: str, label: str) -> tuple[T, float]:
         await self._take_slot(priority, deadline, tenant)
+        granted = time.perf_counter()
         # From here the slot is freed when the worker thread has finished the job
         # (abandoned or not).
         work = in_context(job, self._wrap)
         try:
             return await self._threads.run(work, abandon_on_cancel=True,
-                                           on_done=self._slots.free, label=label)
+                                           on_done=self._slots.free, label=label), granted
         except WasiNNError:
             raise
         except Exception as exc:
@@ -506,7 +513,7 @@ class DeviceActor:
         except BaseException as exc:
             self._stats.record(outcome_of(exc), time.perf_counter() - start, leased=True)
             raise
-        lease = self._new_lease(job, expires, start)
+        lease = self._new_lease(job, expires, start, time.perf_counter())
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease
@@ -534,8 +541,8 @@ class DeviceActor:
             return None
         start = time.perf_counter()
         if timeout is None:
-            return self._new_lease(job, math.inf, start)
-        lease = self._new_lease(job, start + timeout, start)
+            return self._new_lease(job, math.inf, start, start)
+        lease = self._new_lease(job, start + timeout, start, start)
         token = self._token
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody closes it
@@ -579,9 +586,11 @@ class DeviceActor:
             while heap and heap[0][0] <= now:
                 heapq.heappop(heap)[2].interrupt(deadline=True)  # a no-op once over
 
-    def _new_lease(self, job: Callable[[], T], expires: float, start: float) -> Lease[T]:
-        # A lease's run is cancelled if the actor closes meanwhile (see close). ``start``:
-        # when the request reached the actor (perf_counter), for its latency.
+    def _new_lease(self, job: Callable[[], T], expires: float, start: float, granted: float
+                   ) -> Lease[T]:
+        # A lease's run is cancelled if the actor closes meanwhile (see close). ``start``
+        # and ``granted``: when the request reached the actor and when it got its slot
+        # (perf_counter), for its latency.
         cancellation = Cancellation()
         with self._leases_lock:
             self._leases.add(cancellation)
@@ -589,15 +598,17 @@ class DeviceActor:
         if closed:  # closed between the slot and now: the run fails at once
             cancellation.cancel()
         return Lease(str(self.device), job, self._wrap,
-                     functools.partial(self._lease_done, cancellation, start), expires,
+                     functools.partial(self._lease_done, cancellation, start, granted - start),
+                     expires,
                      cancellation)
 
-    def _lease_done(self, cancellation: Cancellation, start: float, outcome: Outcome) -> None:
+    def _lease_done(self, cancellation: Cancellation, start: float, queued: float,
+                    outcome: Outcome) -> None:
         # From the lease holder's thread: forget the run, give its slot back, count it.
         with self._leases_lock:
             self._leases.discard(cancellation)
         self._slots.free_from_thread()
-        self._stats.record(outcome, time.perf_counter() - start, leased=True)
+        self._stats.record(outcome, time.perf_counter() - start, queued=queued, leased=True)
 
     async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
         await self._slots.take(priority, deadline, tenant)

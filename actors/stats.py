@@ -4,8 +4,12 @@ Every request an actor admits ends in exactly one :class:`Outcome`, counted by
 :class:`RequestStats`, whichever path ran it (a worker thread, inline on the event loop,
 or a lease holder's own thread). Latency is end to end as the caller sees it: from the
 request reaching the actor (before any queueing) to its result, for completed requests,
-over a window of the most recent ones. :meth:`DeviceActor.stats` reads it all, with the
-actor's current queue and slots, as one :class:`DeviceStats` snapshot.
+over a window of the most recent ones. It is split, as an inference server's metrics
+are, into the time queued (until a worker slot was granted) and the time running (from
+the grant to the result, the hand-off to a worker thread and back included), so that a
+saturated device (queue time grows) can be told from a slow model (run time grows).
+:meth:`DeviceActor.stats` reads it all, with the actor's current queue and slots, as one
+:class:`DeviceStats` snapshot.
 
 Recording is thread-safe (lease holders record from their own threads) and costs one
 uncontended lock per request.
@@ -18,6 +22,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -58,6 +63,10 @@ class DeviceStats:
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
+    queued_p50: float | None  #: of those latencies, seconds waiting for a worker slot
+    queued_p99: float | None
+    running_p50: float | None  #: and seconds from the slot's grant to the result
+    running_p99: float | None
 
     @property
     def finished(self) -> int:
@@ -67,15 +76,29 @@ class DeviceStats:
     def describe(self) -> str:
         """One line for people: the outcomes, the latencies and what the device holds."""
         latency = ""
-        if self.latency_p50 is not None and self.latency_p99 is not None:
-            latency = (f", latency p50 {self.latency_p50 * 1e3:.2f} ms p99 "
-                       f"{self.latency_p99 * 1e3:.2f} ms (last {self.latency_window})")
+        if self.latency_window:
+            latency = (f", latency {_ms(self.latency_p50, self.latency_p99)}: queued "
+                       f"{_ms(self.queued_p50, self.queued_p99)}, running "
+                       f"{_ms(self.running_p50, self.running_p99)} (last "
+                       f"{self.latency_window})")
         return (f"{self.device}: {self.completed} completed, {self.failed} failed, "
                 f"{self.timed_out} timed out, {self.cancelled} cancelled, {self.rejected} "
                 f"rejected ({self.in_caller_thread} in the caller's thread){latency}; "
                 f"{self.running}/{self.workers} running, {self.queued} queued, "
                 f"{self.graphs} graph(s) held, {self.compiles} compiled"
                 + (f", {self.warm_ups} warm-up run(s)" if self.warm_ups else ""))
+
+
+def _ms(p50: float | None, p99: float | None) -> str:
+    return f"p50 {(p50 or 0.0) * 1e3:.2f} ms p99 {(p99 or 0.0) * 1e3:.2f} ms"
+
+
+class Latencies(NamedTuple):
+    """The completed requests of a window, each list sorted (seconds)."""
+
+    total: list[float]  #: end to end
+    queued: list[float]  #: waiting for a worker slot
+    running: list[float]  #: from the slot's grant to the result
 
 
 class RequestStats:
@@ -87,23 +110,26 @@ class RequestStats:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(Outcome, 0)
         self._leased = 0
-        self._latencies: deque[float] = deque(maxlen=window)
+        self._latencies: deque[tuple[float, float]] = deque(maxlen=window)
 
-    def record(self, outcome: Outcome, seconds: float, *, leased: bool = False) -> None:
-        """One request ended with ``outcome``, ``seconds`` after it reached the actor."""
+    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
+               leased: bool = False) -> None:
+        """One request ended with ``outcome``, ``seconds`` after it reached the actor, of
+        which it spent ``queued`` waiting for a worker slot."""
         with self._lock:
             self._counts[outcome] += 1
             if leased:
                 self._leased += 1
             if outcome is Outcome.COMPLETED:
-                self._latencies.append(seconds)
+                self._latencies.append((seconds, queued))
 
-    def snapshot(self) -> tuple[dict[Outcome, int], int, list[float]]:
-        """(counts per outcome, lease runs, the window's latencies sorted)."""
+    def snapshot(self) -> tuple[dict[Outcome, int], int, Latencies]:
+        """(counts per outcome, lease runs, the window's latencies)."""
         with self._lock:
-            counts, leased, latencies = dict(self._counts), self._leased, list(self._latencies)
-        latencies.sort()
-        return counts, leased, latencies
+            counts, leased, window = dict(self._counts), self._leased, list(self._latencies)
+        return counts, leased, Latencies(sorted(total for total, _ in window),
+                                         sorted(queued for _, queued in window),
+                                         sorted(total - queued for total, queued in window))
 
 
 def outcome_of(exc: BaseException) -> Outcome:

@@ -1,8 +1,10 @@
 """DeviceActor.stats() and Runtime.stats(): every request counted once, by how it ended,
-whichever path ran it; latencies end to end, queueing included."""
+whichever path ran it; latencies end to end, queueing included, and split into the time
+queued for a worker slot and the time running."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 
@@ -29,6 +31,20 @@ async def actor() -> AsyncIterator[DeviceActor]:
         yield started
 
 
+@contextlib.asynccontextmanager
+async def slot_held(actor: DeviceActor) -> AsyncIterator[tuple[trio.Nursery, threading.Event]]:
+    """A request holding the actor's only slot until the gate is set (on exit at the
+    latest), and the nursery it runs in."""
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, lambda: gate.wait(30))
+        await trio.testing.wait_all_tasks_blocked()
+        try:
+            yield nursery, gate
+        finally:
+            gate.set()
+
+
 def counts(stats: DeviceStats) -> dict[str, int]:
     return {"completed": stats.completed, "failed": stats.failed,
             "timed_out": stats.timed_out, "cancelled": stats.cancelled,
@@ -45,6 +61,8 @@ async def test_a_fresh_actor_has_done_nothing(actor: DeviceActor) -> None:
     assert (stats.running, stats.queued, stats.graphs, stats.compiles) == (0, 0, 0, 0)
     assert stats.finished == 0 and stats.latency_window == 0
     assert stats.latency_p50 is None and stats.latency_p99 is None
+    assert (stats.queued_p50, stats.running_p99) == (None, None)
+    assert "latency" not in stats.describe()
 
 
 async def test_every_outcome_of_a_worker_thread_request_is_counted(
@@ -54,10 +72,7 @@ async def test_every_outcome_of_a_worker_thread_request_is_counted(
     with pytest.raises(BackendRuntimeError):
         await actor.execute(boom)
 
-    gate = threading.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, lambda: gate.wait(30))  # holds the only slot
-        await trio.testing.wait_all_tasks_blocked()
+    async with slot_held(actor) as (nursery, gate):
         with trio.CancelScope() as queued:  # waits in the queue, then its caller gives up
             nursery.start_soon(_cancel_when_blocked, queued)
             await actor.execute(lambda: None)
@@ -84,6 +99,12 @@ async def test_every_outcome_of_a_worker_thread_request_is_counted(
     assert stats.latency_p50 is not None and stats.latency_p99 is not None
     assert 0 < stats.latency_p50 <= stats.latency_p99
     assert stats.latency_p99 >= 0.05
+    # Split: the gated request ran for the 0.05 s, the one behind it queued for them.
+    assert stats.queued_p99 is not None and stats.running_p99 is not None
+    assert stats.queued_p99 >= 0.05 and stats.running_p99 >= 0.05
+    assert stats.queued_p50 is not None and stats.running_p50 is not None
+    assert stats.queued_p50 < 0.05 and stats.running_p50 < 0.05
+    assert "queued p50" in stats.describe() and "running p50" in stats.describe()
 
 
 async def _cancel_when_blocked(scope: trio.CancelScope) -> None:
@@ -114,15 +135,30 @@ async def test_requests_run_by_a_lease_holder_are_counted_too(actor: DeviceActor
     assert stats.running == 0
 
 
+async def test_a_lease_that_waited_for_its_slot_is_counted_as_queued(
+        actor: DeviceActor) -> None:
+    async with slot_held(actor) as (nursery, gate):
+        nursery.start_soon(_open_gate_after, gate, 0.05)
+        held = await actor.lease(lambda: "after the gate")  # queued until the gate opens
+        assert await trio.to_thread.run_sync(held.run) == "after the gate"
+    stats = actor.stats()
+    assert (stats.completed, stats.in_caller_thread) == (2, 1)
+    # The lease queued >= 0.05 s and ran briefly; the gated request the other way round.
+    assert stats.queued_p99 is not None and stats.queued_p99 >= 0.05
+    assert stats.running_p99 is not None and stats.running_p99 >= 0.05
+    assert stats.queued_p50 is not None and stats.queued_p50 < 0.05
+
+
+async def _open_gate_after(gate: threading.Event, seconds: float) -> None:
+    await trio.sleep(seconds)
+    gate.set()
+
+
 async def test_a_lease_whose_deadline_passes_in_the_queue_is_timed_out(
         actor: DeviceActor) -> None:
-    gate = threading.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, lambda: gate.wait(30))
-        await trio.testing.wait_all_tasks_blocked()
+    async with slot_held(actor):
         with pytest.raises(TimeoutError_):
             await actor.lease(lambda: None, deadline=trio.current_time() + 0.05)
-        gate.set()
     stats = actor.stats()
     assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 1, 1)
 
