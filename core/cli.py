@@ -5,6 +5,9 @@
     wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]...
                [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
+    wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
+                 [--requests N] [--concurrency C] [--save FILE.npz] ...
+                                       run a registered model or pipeline (wasinn.infer)
     wasinn devices [--config FILE]     the devices and backends found, as a table
     wasinn models [--config FILE]      the model registry
     wasinn demo                        generate a model, build the C classifier, run it
@@ -88,26 +91,51 @@ def _parser() -> argparse.ArgumentParser:
                         help="progress and timing (-vv: every wasi-nn call)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", parents=[common, config], help="run a guest (.wasm or .wat)",
+    registry = argparse.ArgumentParser(add_help=False, parents=[config])
+    registry.add_argument("--nn-preload", action="append", default=[],
+                          metavar="NAME:ENCODING:TARGET:PATH[:PATH...]",
+                          help="register a model for load_by_name (WasmEdge syntax)")
+    registry.add_argument("-S", "--wasi", action="append", default=[],
+                          metavar="nn-graph=ENCODING::DIR",
+                          help="register DIR's model under DIR's name (Wasmtime syntax; "
+                               "-S nn is accepted: wasi-nn is always on)")
+
+    run = sub.add_parser("run", parents=[common, registry], help="run a guest (.wasm or .wat)",
                          description="Run a core-module or component guest to completion.")
     run.add_argument("--dir", action="append", default=[], metavar="HOST[::GUEST]",
                      help="preopen a host directory (GUEST:HOST also accepted)")
     run.add_argument("--env", action="append", default=[], metavar="K[=V]",
                      help="set a guest environment variable")
-    run.add_argument("--nn-preload", action="append", default=[],
-                     metavar="NAME:ENCODING:TARGET:PATH[:PATH...]",
-                     help="register a model for load_by_name (WasmEdge syntax)")
-    run.add_argument("-S", "--wasi", action="append", default=[],
-                     metavar="nn-graph=ENCODING::DIR",
-                     help="register DIR's model under DIR's name (Wasmtime syntax; "
-                          "-S nn is accepted: wasi-nn is always on)")
     run.add_argument("guest", metavar="GUEST.wasm")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                      help="arguments passed to the guest")
 
+    infer = sub.add_parser(
+        "infer", parents=[common, registry], help="run a registered model or pipeline",
+        description="Run a model or pipeline of the registry on inputs from numpy files "
+                    "(no guest); with --requests, as a load test.")
+    infer.add_argument("name", metavar="NAME",
+                       help="a [models] or [pipelines] entry, or a model registered here")
+    infer.add_argument("--input", action="append", default=[],
+                       metavar="NAME=FILE.npy|FILE.npz",
+                       help="an input from a .npy file, or every input of a .npz archive")
+    infer.add_argument("--zeros", action="store_true",
+                       help="fill the inputs not given with zeros of the model's shapes")
+    infer.add_argument("--shape", action="append", default=[], metavar="NAME=D,D,...",
+                       help="the shape of a zero-filled input (where the model has none)")
+    infer.add_argument("--target", help="cpu, gpu or tpu (default: the entry's target)")
+    infer.add_argument("--requests", type=int, default=1, metavar="N",
+                       help="requests to send (default 1)")
+    infer.add_argument("--concurrency", type=int, default=1, metavar="C",
+                       help="callers sending them at once, a context each (default 1)")
+    infer.add_argument("--timeout", type=float, metavar="SECONDS",
+                       help="each request's timeout (default: none)")
+    infer.add_argument("--save", metavar="FILE.npz",
+                       help="write the last request's outputs to a numpy archive")
+
     sub.add_parser("devices", parents=[common, config],
                    help="list the devices and backends found")
-    sub.add_parser("models", parents=[common, config], help="list the model registry")
+    sub.add_parser("models", parents=[common, registry], help="list the model registry")
     demo = sub.add_parser("demo", parents=[common],
                           help="classify a generated image with the C example guest")
     demo.add_argument("--width", type=float, default=0.35,
@@ -132,6 +160,13 @@ def _load_config(path: str | None) -> RuntimeConfig:
     return load_config(path) if path else packaged_config()
 
 
+def _registry_config(args: argparse.Namespace) -> RuntimeConfig:
+    """``--config``'s registry, with the models ``--nn-preload`` and ``--wasi`` add."""
+    from wasinn.host.preload import with_preloads
+
+    return with_preloads(_load_config(args.config), _preloads(args))
+
+
 def _preloads(args: argparse.Namespace) -> list[Preload]:
     from wasinn.host.preload import parse_nn_graph, parse_nn_preload
 
@@ -144,14 +179,12 @@ def _preloads(args: argparse.Namespace) -> list[Preload]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from wasinn.host.preload import with_preloads
     from wasinn.host.runner import TRAP_EXIT_STATUS, GuestTrap
     from wasinn.scheduler import Runtime
 
     dirs = dict(parse_dir(d) for d in args.dir)
     env = dict(parse_env(e) for e in args.env)
-    config = with_preloads(_load_config(args.config), _preloads(args))
-    async with Runtime(config) as rt:
+    async with Runtime(_registry_config(args)) as rt:
         try:
             return await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
         except GuestTrap as trap:
@@ -160,6 +193,30 @@ async def _run(args: argparse.Namespace) -> int:
         finally:
             for stats in rt.stats():  # -v: what each device did for the guest
                 log.info("%s", stats.describe())
+
+
+async def _infer(args: argparse.Namespace) -> int:
+    from wasinn.infer import Load, describe_output, infer, parse_shape, read_inputs, save_outputs
+    from wasinn.scheduler import Runtime
+
+    load = Load(args.requests, args.concurrency, args.timeout)
+    shapes = dict(parse_shape(spec) for spec in args.shape)
+    given = read_inputs(args.input)
+    async with Runtime(_registry_config(args)) as rt:
+        report = await infer(rt, args.name, given, zeros=args.zeros, shapes=shapes,
+                             target=args.target, load=load)
+        stats = rt.stats()
+    for name, tensor in report.outputs.items():
+        print(describe_output(name, tensor))
+    if load.requests > 1:
+        print(report.describe_load())
+        for device in stats:
+            if device.finished:
+                print(device.describe())
+    if args.save:
+        save_outputs(Path(args.save), report.outputs)
+        print(f"outputs written to {args.save}")
+    return 0
 
 
 async def _devices(args: argparse.Namespace) -> int:
@@ -194,7 +251,7 @@ async def _devices(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    config = _load_config(args.config)
+    config = _registry_config(args)
     rows: list[tuple[str, ...]] = [
         (name, "model", m.encoding, m.target, _loaded(m), ", ".join(m.files))
         for name, m in config.models.items()
@@ -246,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return int(trio.run(_run, args))
+        if args.command == "infer":
+            return int(trio.run(_infer, args))
         if args.command == "devices":
             return int(trio.run(_devices, args))
         if args.command == "models":

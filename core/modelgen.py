@@ -23,6 +23,8 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 NUM_CLASSES = 1000
 IMAGE_SHAPE = (1, 3, 224, 224)
+#: Which weights :func:`mobilenet_v2` makes (part of the exported files' names).
+GENERATION = "g2"
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,26 @@ def mobilenet_v2(width: float = 1.0, seed: int = 0, num_classes: int = NUM_CLASS
 
     torch.manual_seed(seed)
     model = MobileNetV2()
-    # Non-trivial batch-norm statistics so that eval mode is not an identity.
     gen = torch.Generator().manual_seed(seed + 1)
-    for mod in model.modules():
-        if isinstance(mod, nn.BatchNorm2d):
-            assert mod.running_mean is not None and mod.running_var is not None
-            mod.running_mean.copy_(torch.randn(mod.num_features, generator=gen) * 0.1)
-            mod.running_var.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Conv2d):
+                # He-normal over each filter's fan-in (a depthwise filter's is 9): with
+                # torch's default initialisation the input's part of the signal shrinks
+                # about 10x per stage while the batch-norm offsets stay, and the outputs
+                # come out the same whatever the image (to 1e-7), so a test comparing
+                # them could not tell a right input from a wrong one.
+                fan_in = mod.weight[0].numel()
+                mod.weight.normal_(0.0, (2.0 / fan_in) ** 0.5, generator=gen)
+            elif isinstance(mod, nn.Linear):
+                mod.weight.normal_(0.0, mod.in_features ** -0.5, generator=gen)
+                assert mod.bias is not None
+                mod.bias.zero_()
+            elif isinstance(mod, nn.BatchNorm2d):
+                # Non-trivial statistics so that eval mode is not an identity.
+                assert mod.running_mean is not None and mod.running_var is not None
+                mod.running_mean.copy_(torch.randn(mod.num_features, generator=gen) * 0.1)
+                mod.running_var.copy_(torch.rand(mod.num_features, generator=gen) + 0.5)
     return model.eval()
 
 
@@ -112,7 +127,9 @@ def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"mobilenet_w{width:g}_s{seed}"
+    # The generation tag changes whenever the network's weights do: cached files of an
+    # older generation are not reused.
+    stem = f"mobilenet_{GENERATION}_w{width:g}_s{seed}"
     files = ModelFiles(directory / f"{stem}.onnx", directory / f"{stem}.pt",
                        directory / f"{stem}.xml", directory / f"{stem}.bin")
     if all(p.exists() for p in (files.onnx, files.torchscript, files.ir_xml, files.ir_bin)):

@@ -49,19 +49,25 @@ class WarmUp(NamedTuple):
     shapes: Mapping[str, tuple[int, ...]] = {}
 
 
-def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]]
+#: How a config gives the shape of an input that declares none (``{name}``: the input).
+WARMUP_SHAPE_HINT = "give it in warmup_inputs (e.g. {name} = [1, 3, 224, 224])"
+
+
+def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]],
+                *, shape_hint: str = WARMUP_SHAPE_HINT, shapes_from: str = "warmup_inputs"
                 ) -> dict[str, Tensor]:
     """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives,
     else of the input's own, dynamic dimensions as 1.
 
-    Raises InvalidArgumentError for a name in ``shapes`` that is no input, and for an
-    input whose shape is not declared (no dimensions) and not given.
+    Raises InvalidArgumentError for a name in ``shapes`` that is no input (``shapes_from``
+    says where that name was given), and for an input whose shape is not declared (no
+    dimensions) and not given (``shape_hint`` says how to give it).
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(shapes) - set(names))
     if unknown:
         raise InvalidArgumentError(
-            f"warmup_inputs names {', '.join(map(repr, unknown))}, which is not an "
+            f"{shapes_from} names {', '.join(map(repr, unknown))}, which is not an "
             f"input: expected one of {', '.join(map(repr, names)) or 'none'}")
     inputs = {}
     for spec in specs:
@@ -69,9 +75,8 @@ def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...
         if shape is None:
             if not spec.shape:
                 raise InvalidArgumentError(
-                    f"input {spec.name!r} declares no shape, so a warm-up cannot "
-                    f"make one up: give it in warmup_inputs (e.g. {spec.name} = [1, 3, 224, "
-                    "224])")
+                    f"input {spec.name!r} declares no shape, so no zero-filled value can be "
+                    f"made for it: {shape_hint.format(name=spec.name)}")
             shape = tuple(1 if d is None else d for d in spec.shape)
         inputs[spec.name] = Tensor.from_numpy(np.zeros(shape, numpy_dtype(spec.type)))
     return inputs

@@ -82,7 +82,8 @@ def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
     assert re.search(r"classify_named.wasm ran for [\d.]+ ms", caplog.text)
     # ... and at the end what the device did (the guest released its graph at exit)
     assert re.search(r"cpu: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
-                     r"latency p50 [\d.]+ ms p99 [\d.]+ ms \(last 1\); 0/\d+ running, "
+                     r"latency p50 [\d.]+ ms p99 [\d.]+ ms: queued p50 [\d.]+ ms p99 [\d.]+ "
+                     r"ms, running p50 [\d.]+ ms p99 [\d.]+ ms \(last 1\); 0/\d+ running, "
                      r"0 queued, 0 graph\(s\) held, 1 compiled", caplog.text)
 
 

@@ -1,0 +1,245 @@
+"""``wasinn infer``: run a registered model or pipeline from the command line, no guest.
+
+::
+
+    wasinn infer [--config FILE] [--nn-preload ...] [--wasi nn-graph=...] NAME
+                 [--input NAME=FILE.npy | --input FILE.npz]... [--zeros] [--shape NAME=D,D,...]...
+                 [--target cpu|gpu|tpu] [--requests N] [--concurrency C] [--timeout S]
+                 [--save FILE.npz]
+
+``NAME`` is an entry of the config's registry (``[models.NAME]`` or ``[pipelines.NAME]``)
+or a model registered on the command line as for ``wasinn run``. Inputs come from numpy
+files: ``--input x=x.npy`` for one, ``--input inputs.npz`` for every array of the archive
+by name (an input's position works as its name). ``--zeros`` fills the inputs not given
+with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` gives).
+
+``--requests N`` runs N requests from ``--concurrency C`` callers, each with an execution
+context of its own, as a load test would: the command then prints the requests per
+second, the latency percentiles as the callers saw them, and each device's stats (time
+queued and time running). The outputs of the last request are printed (type, shape,
+range and, along the last axis, the five largest values) and, with ``--save``, written to
+a numpy archive.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from wasinn.errors import InvalidArgumentError, WasiNNError
+from wasinn.tensor import Tensor
+
+if TYPE_CHECKING:
+    from wasinn.backends.base import TensorSpec
+    from wasinn.scheduler import ExecutionContext, Graph, Runtime
+
+
+class Load:
+    """How many requests to send, from how many callers at once, and their timeout."""
+
+    __slots__ = ("concurrency", "requests", "timeout")
+
+    def __init__(self, requests: int = 1, concurrency: int = 1,
+                 timeout: float | None = None) -> None:
+        if requests < 1:
+            raise InvalidArgumentError(f"--requests {requests}: expected at least 1")
+        if concurrency < 1:
+            raise InvalidArgumentError(f"--concurrency {concurrency}: expected at least 1")
+        if timeout is not None and not timeout > 0:
+            raise InvalidArgumentError(f"--timeout {timeout}: expected seconds > 0")
+        self.requests = requests
+        self.concurrency = min(concurrency, requests)
+        self.timeout = timeout
+
+
+def parse_shape(spec: str) -> tuple[str, tuple[int, ...]]:
+    """``--shape NAME=D,D,...`` as (name, dimensions)."""
+    name, sep, dims = spec.partition("=")
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        shape = ()
+    if not name or not sep or not shape or min(shape) < 1:
+        raise InvalidArgumentError(
+            f"--shape {spec!r}: expected NAME=D,D,... with dimensions >= 1 "
+            "(e.g. input=1,3,224,224)")
+    return name, shape
+
+
+def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
+    """The arrays ``--input`` names: ``NAME=FILE.npy`` or a whole ``FILE.npz``.
+
+    Raises InvalidArgumentError for a malformed spec, a file of the other kind or one that
+    is not numpy's, OSError (with the path) for a file that cannot be read.
+    """
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep and (not name or not path):
+            raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
+        file = Path(path if sep else spec)
+        try:
+            loaded = np.load(file, allow_pickle=False)
+        except ValueError as exc:  # not numpy's format (or an object array)
+            raise InvalidArgumentError(
+                f"--input {spec}: {file} is not a .npy or .npz file of plain arrays: {exc}"
+            ) from exc
+        if isinstance(loaded, np.ndarray):
+            if not sep:
+                raise InvalidArgumentError(
+                    f"--input {spec}: a single array: give it as --input NAME={spec}")
+            arrays[name] = loaded
+            continue
+        with loaded:
+            if sep:
+                raise InvalidArgumentError(
+                    f"--input {spec}: {path} is a .npz archive: give it as --input {path} "
+                    "(every array by its input's name), or NAME=FILE.npy")
+            arrays.update({key: loaded[key] for key in loaded.files})
+    return arrays
+
+
+def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[Any, Any]],
+                    *, zeros: bool, shapes: Mapping[str, tuple[int, ...]]
+                    ) -> dict[str, Tensor]:
+    """``given`` by input name (a position counts as a name), the rest zero-filled when
+    ``zeros``. Raises InvalidArgumentError naming the model's inputs for a name that is no
+    input, and for inputs left without a value."""
+    from wasinn.scheduler.warmup import zero_inputs
+
+    names = [spec.name for spec in specs]
+    inputs: dict[str, Tensor] = {}
+    for key, array in given.items():
+        name = names[int(key)] if key.isdigit() and int(key) < len(names) else key
+        if name not in names:
+            raise InvalidArgumentError(
+                f"--input {key}: the model has no such input: expected one of "
+                f"{_described(specs)}")
+        inputs[name] = Tensor.from_numpy(array)
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise InvalidArgumentError(f"--shape {unknown[0]}: the model has no such input: "
+                                   f"expected one of {_described(specs)}")
+    missing = [spec for spec in specs if spec.name not in inputs]
+    if missing and not zeros:
+        raise InvalidArgumentError(
+            f"no value for {_described(missing)}: give --input NAME=FILE.npy, or --zeros")
+    if missing:
+        inputs.update(zero_inputs(
+            missing, {k: v for k, v in shapes.items() if k in {s.name for s in missing}},
+            shape_hint="give it with --shape {name}=D,D,...", shapes_from="--shape"))
+    return inputs
+
+
+def _described(specs: Sequence[TensorSpec]) -> str:
+    return ", ".join(spec.describe() for spec in specs) or "none"
+
+
+async def infer(rt: Runtime, name: str, given: Mapping[str, np.ndarray[Any, Any]], *,
+                zeros: bool = False, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                target: str | None = None, load: Load | None = None) -> InferReport:
+    """Run ``name`` as the module docstring says; the outputs of the last request and
+    the callers' latencies."""
+    load = load or Load()
+    graph = await rt.load_by_name(name)
+    try:
+        inputs = complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
+        return await _drive(graph, inputs, target, load)
+    finally:
+        await graph.unload()
+
+
+class InferReport:
+    """What ``infer`` measured: the last outputs and every request's latency."""
+
+    __slots__ = ("concurrency", "latencies", "outputs", "seconds")
+
+    def __init__(self, outputs: dict[str, Tensor], latencies: list[float], seconds: float,
+                 concurrency: int) -> None:
+        self.outputs = outputs
+        self.latencies = sorted(latencies)
+        self.seconds = seconds
+        self.concurrency = concurrency
+
+    @property
+    def rate(self) -> float:
+        """Requests per second over the whole run."""
+        return len(self.latencies) / self.seconds if self.seconds > 0 else math.inf
+
+    def describe_load(self) -> str:
+        from wasinn.actors.stats import percentile
+
+        ms = [1e3 * (percentile(self.latencies, f) or 0.0) for f in (0.5, 0.99)]
+        return (f"{len(self.latencies)} requests from {self.concurrency} concurrent "
+                f"caller(s) in {self.seconds:.2f} s: {self.rate:.1f} requests/s, latency "
+                f"p50 {ms[0]:.2f} ms p99 {ms[1]:.2f} ms, mean "
+                f"{1e3 * statistics.fmean(self.latencies):.2f} ms")
+
+
+async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
+                 load: Load) -> InferReport:
+    # Every caller's context is made first: a target no device provides fails here.
+    contexts = [graph.init_execution_context(target) for _ in range(load.concurrency)]
+    latencies: list[float] = []
+    last: dict[str, Tensor] = {}
+    remaining = load.requests
+    failure: WasiNNError | None = None
+
+    async def caller(ctx: ExecutionContext, scope: trio.CancelScope) -> None:
+        nonlocal remaining, last, failure
+        while remaining > 0:
+            remaining -= 1
+            began = time.perf_counter()
+            try:
+                outputs = await ctx.compute(inputs, timeout=load.timeout)
+            except WasiNNError as exc:  # the first one ends the run, raised as it is
+                failure = failure or exc
+                scope.cancel()
+                return
+            latencies.append(time.perf_counter() - began)
+            last = outputs
+
+    began = time.perf_counter()
+    try:
+        async with trio.open_nursery() as nursery:
+            for ctx in contexts:
+                nursery.start_soon(caller, ctx, nursery.cancel_scope)
+    finally:
+        for ctx in contexts:
+            ctx.close()
+    if failure is not None:
+        raise failure
+    return InferReport(last, latencies, time.perf_counter() - began, load.concurrency)
+
+
+def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
+    """One line: type, shape, range and the ``top`` largest values along the last axis
+    (of its first row)."""
+    array = tensor.numpy()
+    dims = ", ".join(map(str, tensor.dims))
+    line = f"{name}: {tensor.type.value}[{dims}]"
+    if array.size == 0:
+        return line + " (empty)"
+    values = array.astype(np.float64)
+    line += (f" min {values.min():.6g} max {values.max():.6g} "
+             f"mean {values.mean():.6g}")
+    row = values.reshape(-1, values.shape[-1])[0] if values.ndim else values.reshape(1)
+    if row.size > 1:
+        best = np.argsort(row, kind="stable")[::-1][:top]
+        line += "; largest along the last axis: " + ", ".join(
+            f"[{i}] {row[i]:.6g}" for i in best)
+    return line
+
+
+def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    """The outputs as a numpy archive, one array per output name."""
+    arrays: dict[str, Any] = {name: tensor.numpy() for name, tensor in outputs.items()}
+    with path.open("wb") as file:
+        np.savez(file, **arrays)

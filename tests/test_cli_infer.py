@@ -1,0 +1,150 @@
+"""``wasinn infer``: a registered model or pipeline run from the command line, no guest,
+with real ONNX Runtime models; inputs from numpy files or zeros, a load of concurrent
+callers, outputs printed and saved; every bad input an error that says what to give."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.example_configs import example_config
+from tests.support import require_backend
+from tests.test_pipeline import native_reference
+from wasinn.backends.base import TensorSpec
+from wasinn.cli import main
+from wasinn.enums import TensorType
+from wasinn.errors import InvalidArgumentError
+from wasinn.infer import Load, complete_inputs, describe_output, parse_shape
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+from wasinn.tensor import Tensor
+
+
+@pytest.fixture
+def affine(tmp_path: Path) -> list[str]:
+    """``--nn-preload`` of ``y = 2x + 1`` (x: f32[n, 4]) as model ``a``."""
+    require_backend("onnxruntime")
+    path = tmp_path / "affine.onnx"
+    path.write_bytes(affine_onnx())
+    return ["--nn-preload", f"a:onnx:cpu:{path}"]
+
+
+def test_a_model_runs_on_an_input_file(affine: list[str], tmp_path: Path,
+                                       capfd: pytest.CaptureFixture[str]) -> None:
+    np.save(tmp_path / "x.npy", np.array([[0, 1, 2, 3]], np.float32))
+    saved = tmp_path / "out.npz"
+    code = main(["infer", *affine, "a", "--input", f"x={tmp_path / 'x.npy'}",
+                 "--save", str(saved)])
+    out = capfd.readouterr().out
+    assert code == 0
+    assert ("y: f32[1, 4] min 1 max 7 mean 4; largest along the last axis: [3] 7, [2] 5, "
+            "[1] 3, [0] 1") in out
+    with np.load(saved) as archive:
+        assert archive.files == ["y"]
+        np.testing.assert_array_equal(archive["y"], [[1, 3, 5, 7]])
+
+
+def test_a_load_of_concurrent_callers_reports_throughput_and_device_stats(
+        affine: list[str], capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["infer", *affine, "a", "--zeros", "--shape", "x=3,4", "--requests", "40",
+                 "--concurrency", "4", "--timeout", "30"])
+    out = capfd.readouterr().out
+    assert code == 0
+    assert "y: f32[3, 4] min 1 max 1 mean 1" in out  # 2 * 0 + 1, of the shape given
+    assert "40 requests from 4 concurrent caller(s) in " in out
+    assert "cpu: 40 completed, 0 failed" in out and "queued p50" in out
+
+
+def test_a_pipeline_runs_on_an_archive_of_inputs(tmp_path: Path, small_mobilenet: ModelFiles,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    require_backend("onnxruntime")
+    config = example_config("pipeline.toml", tmp_path, small_mobilenet)
+    image = sample_image(3)
+    np.savez(tmp_path / "inputs.npz", x=image)
+    saved = tmp_path / "logits.npz"
+    code = main(["infer", "--config", str(config), "classify",
+                 "--input", str(tmp_path / "inputs.npz"), "--save", str(saved)])
+    out = capfd.readouterr().out
+    assert code == 0
+    assert "output: f32[1, 1000]" in out
+    with np.load(saved) as archive:
+        np.testing.assert_allclose(archive["output"], native_reference(image, small_mobilenet),
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "no value for x: f32[?, 4]: give --input NAME=FILE.npy, or --zeros"),
+    (["--input", "y={x}"], "--input y: the model has no such input: expected one of x: f32[?, 4]"),
+    (["--input", "x={wide}"], "input 'x' has shape [1, 5] but the model expects x: f32[?, 4]"),
+    (["--input", "x={missing}"], "No such file or directory"),
+    (["--input", "x={notnumpy}"], "is not a .npy or .npz file of plain arrays"),
+    (["--input", "x={archive}"], "is a .npz archive: give it as --input"),
+    (["--input", "{x}"], "a single array: give it as --input NAME="),
+    (["--zeros", "--shape", "z=1,4"], "--shape z: the model has no such input"),
+    (["--zeros", "--requests", "0"], "--requests 0: expected at least 1"),
+    (["--zeros", "--target", "gpu"], "no gpu device in this runtime"),
+])
+def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
+                                          capfd: pytest.CaptureFixture[str],
+                                          args: list[str], message: str) -> None:
+    files = {"x": tmp_path / "x.npy", "wide": tmp_path / "wide.npy",
+             "missing": tmp_path / "missing.npy", "notnumpy": tmp_path / "model.txt",
+             "archive": tmp_path / "inputs.npz"}
+    np.save(files["x"], np.zeros((1, 4), np.float32))
+    np.save(files["wide"], np.zeros((1, 5), np.float32))
+    files["notnumpy"].write_text("not numpy")
+    np.savez(files["archive"], x=np.zeros((1, 4), np.float32))
+    argv = [arg.format(**files) for arg in args]
+    code = main(["infer", *affine, "a", *argv])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err.startswith("wasinn: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_an_unregistered_name_lists_the_registered_ones(
+        affine: list[str], capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["infer", *affine, "b", "--zeros"]) == 1
+    assert "no model or pipeline named 'b': registered: a" in capfd.readouterr().err
+
+
+def test_inputs_by_position_and_zero_filled_shapes() -> None:
+    specs = [TensorSpec("image", TensorType.F32, (None, 3)),
+             TensorSpec("tokens", TensorType.I64, ())]
+    given = {"0": np.ones((2, 3), np.float32)}
+    inputs = complete_inputs(specs, given, zeros=True, shapes={"tokens": (5,)})
+    assert inputs["image"].dims == (2, 3)
+    assert (inputs["tokens"].type, inputs["tokens"].dims) == (TensorType.I64, (5,))
+    assert not inputs["tokens"].numpy().any()
+    with pytest.raises(InvalidArgumentError,
+                       match=r"input 'tokens' declares no shape.*--shape tokens=D,D"):
+        complete_inputs(specs, given, zeros=True, shapes={})
+
+
+def test_shapes_and_loads_are_checked() -> None:
+    assert parse_shape("input=1,3,224,224") == ("input", (1, 3, 224, 224))
+    for bad in ("input", "input=", "=1,2", "input=1,x", "input=0,3"):
+        with pytest.raises(InvalidArgumentError, match="expected NAME=D,D,"):
+            parse_shape(bad)
+    assert Load(requests=2, concurrency=8).concurrency == 2  # no idle callers
+    with pytest.raises(InvalidArgumentError, match="--concurrency 0"):
+        Load(concurrency=0)
+    with pytest.raises(InvalidArgumentError, match="--timeout 0"):
+        Load(timeout=0)
+
+
+def test_an_output_line_tells_type_shape_range_and_largest_values() -> None:
+    line = describe_output("p", Tensor.from_numpy(np.array([[0.5, 2.0, -1.0]], np.float32)))
+    assert line == ("p: f32[1, 3] min -1 max 2 mean 0.5; largest along the last axis: "
+                    "[1] 2, [0] 0.5, [2] -1")
+    assert describe_output("e", Tensor.from_numpy(np.zeros((0, 3), np.float32))) == (
+        "e: f32[0, 3] (empty)")
+
+
+def test_models_lists_what_the_command_line_registers(
+        affine: list[str], capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", *affine]) == 0
+    rows = capfd.readouterr().out.splitlines()
+    assert rows[0].split()[:4] == ["NAME", "KIND", "ENCODING", "TARGET"]
+    assert rows[1].split()[:4] == ["a", "model", "onnx", "cpu"]
