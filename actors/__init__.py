@@ -2,14 +2,16 @@
 
 from .device import DeviceActor
 from .queue import PriorityDeadlinePolicy, QueuePolicy, Request, TenantRoundRobinPolicy
-from .stats import DeviceStats, Outcome
+from .stats import DeviceStats, ModelStats, Outcome, RequestFigures
 
 __all__ = [
     "DeviceActor",
     "DeviceStats",
+    "ModelStats",
     "Outcome",
     "PriorityDeadlinePolicy",
     "QueuePolicy",
     "Request",
+    "RequestFigures",
     "TenantRoundRobinPolicy",
 ]

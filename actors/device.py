@@ -82,7 +82,7 @@ from .lease import Lease
 from .queue import PriorityDeadlinePolicy, QueuePolicy
 from .session import Session
 from .slots import Slots
-from .stats import DeviceStats, Outcome, RequestStats, outcome_of, percentile
+from .stats import DeviceStats, Outcome, RequestStats, outcome_of
 from .workers import WorkerThreads
 
 T = TypeVar("T")
@@ -268,20 +268,12 @@ class DeviceActor:
 
     def stats(self) -> DeviceStats:
         """What this actor holds and has done so far (see :mod:`wasinn.actors.stats`)."""
-        counts, leased, latencies = self._stats.snapshot()
-        total, queued, running = latencies
         return DeviceStats(
+            **self._stats.figures(),
             device=str(self.device), workers=self.workers, running=self._slots.running,
             queued=self._slots.queued, queue_limit=self.queue_limit,
             graphs=len(self._sessions), compiles=self._compiles, warm_ups=self._warm_ups,
-            completed=counts[Outcome.COMPLETED], failed=counts[Outcome.FAILED],
-            timed_out=counts[Outcome.TIMED_OUT], cancelled=counts[Outcome.CANCELLED],
-            rejected=counts[Outcome.REJECTED], in_caller_thread=leased,
             abandoned_running=self._threads.abandoned,
-            latency_p50=percentile(total, 0.5), latency_p99=percentile(total, 0.99),
-            latency_window=len(total),
-            queued_p50=percentile(queued, 0.5), queued_p99=percentile(queued, 0.99),
-            running_p50=percentile(running, 0.5), running_p99=percentile(running, 0.99),
         )
 
     @property
@@ -389,6 +381,7 @@ class DeviceActor:
         profile: RunProfile | None = None,
         nbytes: int | None = None,
         label: str = "run",
+        account: RequestStats | None = None,
     ) -> T:
         """Run ``job`` in one of this device's worker threads and return its result.
 
@@ -404,18 +397,25 @@ class DeviceActor:
         ``deadline`` (trio time) passes first (queued requests are dropped, a running one
         is abandoned), and BackendRuntimeError for an exception that is not a WasiNNError
         (those propagate as they are). Cancellation: see the module docstring. ``label``
-        names the job in diagnostics (the close-timeout error).
+        names the job in diagnostics (the close-timeout error). The request is counted in
+        the device's stats and, when given, in ``account`` too (its model's).
         """
         start = time.perf_counter()
         try:
             result, granted = await self._request(job, priority, deadline, tenant, profile,
                                                   nbytes, label)
         except BaseException as exc:
-            self._stats.record(outcome_of(exc), time.perf_counter() - start)
+            self._record(account, outcome_of(exc), time.perf_counter() - start)
             raise
-        self._stats.record(Outcome.COMPLETED, time.perf_counter() - start,
-                           queued=granted - start)
+        self._record(account, Outcome.COMPLETED, time.perf_counter() - start,
+                     queued=granted - start)
         return result
+
+    def _record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
+                queued: float = 0.0, leased: bool = False) -> None:
+        self._stats.record(outcome, seconds, queued=queued, leased=leased)
+        if account is not None:
+            account.record(outcome, seconds, queued=queued, leased=leased)
 
     async def _request(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, profile: RunProfile | None, nbytes: int | None,
@@ -497,6 +497,7 @@ class DeviceActor:
         priority: int = 0,
         deadline: float = math.inf,
         tenant: str = "",
+        account: RequestStats | None = None,
     ) -> Lease[T]:
         """Reserve a worker slot for ``job``, to be run by the caller's own thread.
 
@@ -505,15 +506,15 @@ class DeviceActor:
         is held. Cancelled while queued, the request is removed. The holder must call
         :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
         still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
-        raises TimeoutError_ there.
+        raises TimeoutError_ there. ``account``: as in :meth:`execute`.
         """
         start = time.perf_counter()
         try:
             expires = await self._lease_slot(priority, deadline, tenant)
         except BaseException as exc:
-            self._stats.record(outcome_of(exc), time.perf_counter() - start, leased=True)
+            self._record(account, outcome_of(exc), time.perf_counter() - start, leased=True)
             raise
-        lease = self._new_lease(job, expires, start, time.perf_counter())
+        lease = self._new_lease(job, expires, start, time.perf_counter(), account)
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease
@@ -529,20 +530,21 @@ class DeviceActor:
             raise TimeoutError_(f"{self.device}: the request's deadline passed before it started")
         return time.perf_counter() + (deadline - trio.current_time())
 
-    def try_lease(self, job: Callable[[], T], *, timeout: float | None = None
-                  ) -> Lease[T] | None:
+    def try_lease(self, job: Callable[[], T], *, timeout: float | None = None,
+                  account: RequestStats | None = None) -> Lease[T] | None:
         """A lease on a free slot, taken from any thread without waiting for trio, or None
         when every slot is busy, a request is queued (it must not be overtaken), or the
         actor is not serving: then use :meth:`lease` through trio.
 
-        ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`.
+        ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`;
+        ``account``: as in :meth:`execute`.
         """
         if not self._slots.try_take():
             return None
         start = time.perf_counter()
         if timeout is None:
-            return self._new_lease(job, math.inf, start, start)
-        lease = self._new_lease(job, start + timeout, start, start)
+            return self._new_lease(job, math.inf, start, start, account)
+        lease = self._new_lease(job, start + timeout, start, start, account)
         token = self._token
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody closes it
@@ -586,8 +588,8 @@ class DeviceActor:
             while heap and heap[0][0] <= now:
                 heapq.heappop(heap)[2].interrupt(deadline=True)  # a no-op once over
 
-    def _new_lease(self, job: Callable[[], T], expires: float, start: float, granted: float
-                   ) -> Lease[T]:
+    def _new_lease(self, job: Callable[[], T], expires: float, start: float, granted: float,
+                   account: RequestStats | None) -> Lease[T]:
         # A lease's run is cancelled if the actor closes meanwhile (see close). ``start``
         # and ``granted``: when the request reached the actor and when it got its slot
         # (perf_counter), for its latency.
@@ -598,17 +600,19 @@ class DeviceActor:
         if closed:  # closed between the slot and now: the run fails at once
             cancellation.cancel()
         return Lease(str(self.device), job, self._wrap,
-                     functools.partial(self._lease_done, cancellation, start, granted - start),
+                     functools.partial(self._lease_done, cancellation, account, start,
+                                       granted - start),
                      expires,
                      cancellation)
 
-    def _lease_done(self, cancellation: Cancellation, start: float, queued: float,
-                    outcome: Outcome) -> None:
+    def _lease_done(self, cancellation: Cancellation, account: RequestStats | None,
+                    start: float, queued: float, outcome: Outcome) -> None:
         # From the lease holder's thread: forget the run, give its slot back, count it.
         with self._leases_lock:
             self._leases.discard(cancellation)
         self._slots.free_from_thread()
-        self._stats.record(outcome, time.perf_counter() - start, queued=queued, leased=True)
+        self._record(account, outcome, time.perf_counter() - start, queued=queued,
+                     leased=True)
 
     async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
         await self._slots.take(priority, deadline, tenant)

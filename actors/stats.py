@@ -22,7 +22,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import trio
 
@@ -42,24 +42,16 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceStats:
-    """One device actor at one moment (see :meth:`DeviceActor.stats`)."""
+class RequestFigures:
+    """Requests by how they ended and their recent latencies: a device's
+    (:class:`DeviceStats`) or a model's (:class:`ModelStats`)."""
 
-    device: str
-    workers: int  #: requests that may run at once
-    running: int  #: slots held now
-    queued: int  #: requests waiting for a slot now
-    queue_limit: int
-    graphs: int  #: compiled graphs held on the device
-    compiles: int  #: graphs compiled since the actor started
-    warm_ups: int  #: warm-up runs at the runtime's start (not requests: counted only here)
     completed: int
     failed: int
     timed_out: int
     cancelled: int
     rejected: int
     in_caller_thread: int  #: requests (any outcome) a lease holder's thread ran
-    abandoned_running: int  #: abandoned runs still in a worker thread
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
@@ -73,20 +65,57 @@ class DeviceStats:
         """Requests that have ended, whatever the outcome."""
         return self.completed + self.failed + self.timed_out + self.cancelled + self.rejected
 
-    def describe(self) -> str:
-        """One line for people: the outcomes, the latencies and what the device holds."""
+    def describe_requests(self) -> str:
+        """The outcomes and the latencies, for people."""
         latency = ""
         if self.latency_window:
             latency = (f", latency {_ms(self.latency_p50, self.latency_p99)}: queued "
                        f"{_ms(self.queued_p50, self.queued_p99)}, running "
                        f"{_ms(self.running_p50, self.running_p99)} (last "
                        f"{self.latency_window})")
-        return (f"{self.device}: {self.completed} completed, {self.failed} failed, "
-                f"{self.timed_out} timed out, {self.cancelled} cancelled, {self.rejected} "
-                f"rejected ({self.in_caller_thread} in the caller's thread){latency}; "
+        return (f"{self.completed} completed, {self.failed} failed, {self.timed_out} timed "
+                f"out, {self.cancelled} cancelled, {self.rejected} rejected "
+                f"({self.in_caller_thread} in the caller's thread){latency}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats(RequestFigures):
+    """One device actor at one moment (see :meth:`DeviceActor.stats`): every request it
+    admitted, whatever the model, and what it holds."""
+
+    device: str
+    workers: int  #: requests that may run at once
+    running: int  #: slots held now
+    queued: int  #: requests waiting for a slot now
+    queue_limit: int
+    graphs: int  #: compiled graphs held on the device
+    compiles: int  #: graphs compiled since the actor started
+    warm_ups: int  #: warm-up runs at the runtime's start (not requests: counted only here)
+    abandoned_running: int  #: abandoned runs still in a worker thread
+
+    def describe(self) -> str:
+        """One line for people: the outcomes, the latencies and what the device holds."""
+        return (f"{self.device}: {self.describe_requests()}; "
                 f"{self.running}/{self.workers} running, {self.queued} queued, "
                 f"{self.graphs} graph(s) held, {self.compiles} compiled"
                 + (f", {self.warm_ups} warm-up run(s)" if self.warm_ups else ""))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats(RequestFigures):
+    """One model's or pipeline's requests, on every device, since it was loaded (see
+    :meth:`wasinn.Graph.stats`)."""
+
+    name: str
+
+    @classmethod
+    def of(cls, name: str, requests: RequestStats) -> ModelStats:
+        """A snapshot of ``requests``, the stats a model called ``name`` keeps."""
+        return cls(**requests.figures(), name=name)
+
+    def describe(self) -> str:
+        """One line for people: the model's name, its requests' outcomes and latencies."""
+        return f"{self.name}: {self.describe_requests()}"
 
 
 def _ms(p50: float | None, p99: float | None) -> str:
@@ -122,6 +151,19 @@ class RequestStats:
                 self._leased += 1
             if outcome is Outcome.COMPLETED:
                 self._latencies.append((seconds, queued))
+
+    def figures(self) -> dict[str, Any]:
+        """The :class:`RequestFigures` fields, as keyword arguments for it or a subclass."""
+        counts, leased, (total, queued, running) = self.snapshot()
+        return {
+            "completed": counts[Outcome.COMPLETED], "failed": counts[Outcome.FAILED],
+            "timed_out": counts[Outcome.TIMED_OUT], "cancelled": counts[Outcome.CANCELLED],
+            "rejected": counts[Outcome.REJECTED], "in_caller_thread": leased,
+            "latency_p50": percentile(total, 0.5), "latency_p99": percentile(total, 0.99),
+            "latency_window": len(total),
+            "queued_p50": percentile(queued, 0.5), "queued_p99": percentile(queued, 0.99),
+            "running_p50": percentile(running, 0.5), "running_p99": percentile(running, 0.99),
+        }
 
     def snapshot(self) -> tuple[dict[Outcome, int], int, Latencies]:
         """(counts per outcome, lease runs, the window's latencies)."""

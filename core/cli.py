@@ -191,8 +191,10 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"wasinn: {trap.message}", file=sys.stderr)
             return TRAP_EXIT_STATUS
         finally:
-            for stats in rt.stats():  # -v: what each device did for the guest
-                log.info("%s", stats.describe())
+            # -v: what each registry model and each device did for the guest
+            for line in [*(s.describe() for s in rt.model_stats()),
+                         *(s.describe() for s in rt.stats())]:
+                log.info("%s", line)
 
 
 async def _infer(args: argparse.Namespace) -> int:
@@ -210,6 +212,8 @@ async def _infer(args: argparse.Namespace) -> int:
         print(describe_output(name, tensor))
     if load.requests > 1:
         print(report.describe_load())
+        if report.model is not None:
+            print(report.model.describe())
         for device in stats:
             if device.finished:
                 print(device.describe())

@@ -15,10 +15,10 @@ with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` giv
 
 ``--requests N`` runs N requests from ``--concurrency C`` callers, each with an execution
 context of its own, as a load test would: the command then prints the requests per
-second, the latency percentiles as the callers saw them, and each device's stats (time
-queued and time running). The outputs of the last request are printed (type, shape,
-range and, along the last axis, the five largest values) and, with ``--save``, written to
-a numpy archive.
+second, the latency percentiles as the callers saw them, and the model's and each
+device's stats (time queued and time running apart). The outputs of the last request
+are printed (type, shape, range and, along the last axis, the five largest values) and,
+with ``--save``, written to a numpy archive.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from wasinn.errors import InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
 
 if TYPE_CHECKING:
+    from wasinn.actors.stats import ModelStats
     from wasinn.backends.base import TensorSpec
     from wasinn.scheduler import ExecutionContext, Graph, Runtime
 
@@ -151,15 +152,18 @@ async def infer(rt: Runtime, name: str, given: Mapping[str, np.ndarray[Any, Any]
     graph = await rt.load_by_name(name)
     try:
         inputs = complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
-        return await _drive(graph, inputs, target, load)
+        report = await _drive(graph, inputs, target, load)
+        report.model = graph.stats()
+        return report
     finally:
         await graph.unload()
 
 
 class InferReport:
-    """What ``infer`` measured: the last outputs and every request's latency."""
+    """What ``infer`` measured: the last outputs, every request's latency as its caller
+    saw it and the model's stats (queued and running apart)."""
 
-    __slots__ = ("concurrency", "latencies", "outputs", "seconds")
+    __slots__ = ("concurrency", "latencies", "model", "outputs", "seconds")
 
     def __init__(self, outputs: dict[str, Tensor], latencies: list[float], seconds: float,
                  concurrency: int) -> None:
@@ -167,6 +171,7 @@ class InferReport:
         self.latencies = sorted(latencies)
         self.seconds = seconds
         self.concurrency = concurrency
+        self.model: ModelStats | None = None
 
     @property
     def rate(self) -> float:

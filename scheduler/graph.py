@@ -12,6 +12,7 @@ from __future__ import annotations
 import trio
 
 from wasinn.actors.lease import Lease
+from wasinn.actors.stats import ModelStats
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import ClosedResourceError
@@ -60,6 +61,15 @@ class Graph:
     @property
     def unloaded(self) -> bool:
         return self._unloaded
+
+    def stats(self) -> ModelStats:
+        """The model's (a pipeline's: the whole pipeline's) requests on every device since
+        it was loaded, by how they ended, with their latency percentiles, time queued and
+        time running apart (see :class:`wasinn.actors.ModelStats`). Every handle on the
+        same loaded model (``load_by_name``) sees the same figures; readable after
+        ``unload`` too."""
+        executable = self._executable
+        return ModelStats.of(executable.name, executable.requests)
 
     def _check_loaded(self) -> None:
         if self._unloaded:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from wasinn.actors.lease import Lease
+from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, LoadOptions, TensorSpec
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.tensor import Tensor
@@ -30,6 +31,8 @@ class Executable(Protocol):
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     released: bool
+    #: Its requests on every device since it was loaded (see ``Graph.stats``).
+    requests: RequestStats
 
     def backend_for(self, target: ExecutionTarget) -> str:
         """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""
@@ -59,7 +62,8 @@ class LoadedModel:
     """One model's bytes and what is known about them; refcounted by handles and contexts."""
 
     __slots__ = ("backend_name", "backends", "builders", "encoding", "id", "inputs", "name",
-                 "on_release", "options", "outputs", "refs", "released", "runner")
+                 "on_release", "options", "outputs", "refs", "released", "requests",
+                 "runner")
 
     def __init__(
         self,
@@ -84,6 +88,7 @@ class LoadedModel:
         self.released = False
         self.on_release: Callable[[LoadedModel], None] | None = None
         self.runner: ModelRunner | None = None
+        self.requests = RequestStats()
 
     def backend_for(self, target: ExecutionTarget) -> str:
         backend = self.backends.get(target)

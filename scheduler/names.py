@@ -85,6 +85,12 @@ class NameRegistry:
             del self._loading[name]
             pending.done.set()
 
+    def loaded(self) -> list[Executable]:
+        """The entries loaded now (not released), in the registry's order."""
+        entries = [self._loaded.get(name) for name in self._names]
+        return [entry[0] for entry in entries
+                if entry is not None and not getattr(entry[0], "released", False)]
+
     def drop_all(self) -> None:
         """Forget every entry (the runtime is closing; device actors free the graphs)."""
         self._loaded.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from wasinn.actors.lease import Lease
+from wasinn.actors.stats import RequestStats
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
@@ -74,8 +75,8 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("inputs", "links", "name", "outputs", "refs", "released", "scheduler",
-                 "steps")
+    __slots__ = ("inputs", "links", "name", "outputs", "refs", "released", "requests",
+                 "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel],
                  wires: Sequence[Mapping[str, str]], scheduler: Scheduler) -> None:
@@ -89,6 +90,9 @@ class PipelineModel:
         self.scheduler = scheduler
         self.refs = 0
         self.released = False
+        #: The pipeline's requests (each runs every step as one job; the steps' own
+        #: stats count only requests made to them directly).
+        self.requests = RequestStats()
         for step in self.steps:
             step.retain()
 
@@ -110,21 +114,24 @@ class PipelineModel:
                       ) -> dict[str, Tensor]:
         return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
                                               inputs, priority=priority, deadline=deadline,
-                                              tenant=tenant, keep_on_device=keep_on_device)
+                                              tenant=tenant, keep_on_device=keep_on_device,
+                                              account=self.requests)
 
     async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                     deadline: float, tenant: str, keep_on_device: bool | None
                     ) -> Lease[dict[str, Tensor]]:
         return await self.scheduler.lease_chain(self.name, self.steps, self.links, target,
                                                 inputs, priority=priority, deadline=deadline,
-                                                tenant=tenant, keep_on_device=keep_on_device)
+                                                tenant=tenant, keep_on_device=keep_on_device,
+                                                account=self.requests)
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
                   keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
         if self.released:
             return None
         return self.scheduler.try_lease_chain(self.steps, self.links, target, inputs,
-                                              timeout=timeout, keep_on_device=keep_on_device)
+                                              timeout=timeout, keep_on_device=keep_on_device,
+                                              account=self.requests)
 
 
 class Pipeline(Graph):

@@ -20,6 +20,7 @@ import trio
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.lease import Lease
 from wasinn.actors.session import Session
+from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
@@ -182,7 +183,8 @@ class Scheduler:
         actor, session, job = await self._model_job(model, target, inputs, keep_on_device)
         return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
                                    profile=session.profile, nbytes=_input_bytes(inputs),
-                                   label=f"run of {model.name} ({session.backend})")
+                                   label=f"run of {model.name} ({session.backend})",
+                                   account=model.requests)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -191,7 +193,8 @@ class Scheduler:
         """Like :meth:`run_model`, but return once a device slot is held: the caller's own
         thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`)."""
         actor, _, job = await self._model_job(model, target, inputs, keep_on_device)
-        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant)
+        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant,
+                                 account=model.requests)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, keep_on_device: bool | None = None
@@ -207,11 +210,12 @@ class Scheduler:
         if session is None:
             return None
         job = functools.partial(_run, session, inputs, _keep(actor, keep_on_device))
-        return actor.try_lease(job, timeout=timeout)
+        return actor.try_lease(job, timeout=timeout, account=model.requests)
 
     def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
-                        timeout: float | None = None, keep_on_device: bool | None = None
+                        timeout: float | None = None, keep_on_device: bool | None = None,
+                        account: RequestStats | None = None
                         ) -> Lease[dict[str, Tensor]] | None:
         """:meth:`try_lease_model` for a pipeline (every step already compiled there)."""
         actor = self._placed_here(target, inputs)
@@ -225,7 +229,7 @@ class Scheduler:
             sessions.append(session)
         job = functools.partial(_run_chain, sessions, links, inputs,
                                 _keep(actor, keep_on_device))
-        return actor.try_lease(job, timeout=timeout)
+        return actor.try_lease(job, timeout=timeout, account=account)
 
     def _placed_here(self, target: ExecutionTarget, inputs: Inputs) -> DeviceActor | None:
         if target not in self._by_kind:
@@ -254,21 +258,25 @@ class Scheduler:
     async def run_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
                         deadline: float = float("inf"), tenant: str = "",
-                        keep_on_device: bool | None = None) -> dict[str, Tensor]:
+                        keep_on_device: bool | None = None,
+                        account: RequestStats | None = None) -> dict[str, Tensor]:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
-        follow ``keep_on_device`` as in :meth:`run_model`."""
+        follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
+        stats, where the request is counted too."""
         actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
         return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
-                                   label=f"run of pipeline {name!r}")
+                                   label=f"run of pipeline {name!r}", account=account)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
                           priority: int = 0, deadline: float = float("inf"), tenant: str = "",
-                          keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]]:
+                          keep_on_device: bool | None = None,
+                          account: RequestStats | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
         actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
-        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant)
+        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant,
+                                 account=account)
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, keep_on_device: bool | None

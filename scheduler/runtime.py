@@ -31,7 +31,7 @@ import trio
 
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import POLICIES
-from wasinn.actors.stats import DeviceStats
+from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import Backend, Device, LoadOptions
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -331,6 +331,11 @@ class Runtime:
         one snapshot per device actor (see :class:`wasinn.actors.DeviceStats`)."""
         return [actor.stats() for actor in self._sched.actors]
 
+    def model_stats(self) -> list[ModelStats]:
+        """The requests of each registry model and pipeline loaded now, since its load
+        (see :meth:`Graph.stats`; a graph from :meth:`load` has its own ``stats()``)."""
+        return [ModelStats.of(entry.name, entry.requests) for entry in self._names.loaded()]
+
     def model_names(self) -> list[str]:
         """The registry's model and pipeline names, as ``load_by_name`` accepts them."""
         return self._names.names()
@@ -348,18 +353,21 @@ class Runtime:
         *,
         backend: str | None = None,
         options: LoadOptions | Mapping[str, Any] | None = None,
+        name: str = "",
     ) -> Graph:
         """Load a model from its bytes (one buffer per file; IR: xml then weights).
 
         ``target`` is the graph's default; the model is compiled there now so that bad
-        bytes fail here. Raises InvalidEncodingError (bytes no backend reads, an empty
-        builder list), InvalidArgumentError (unknown encoding/target/backend names, bad
-        options), UnsupportedOperationError (no device or backend for the target).
+        bytes fail here. ``name`` names it in stats, logs and errors (default
+        ``graph#N``); it is not entered in the registry. Raises InvalidEncodingError
+        (bytes no backend reads, an empty builder list), InvalidArgumentError (unknown
+        encoding/target/backend names, bad options), UnsupportedOperationError (no device
+        or backend for the target).
         """
         owned = _owned_builders(builders)
         model, kind = await self._load_model(
             owned, GraphEncoding.coerce(encoding), target, backend=backend,
-            options=_load_options(options), name="",
+            options=_load_options(options), name=name,
         )
         return Graph(model, self._sched, kind)
 

@@ -7,19 +7,21 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
+from tests.example_configs import example_config
 from tests.support import cpu_pool, require_backend, serving_actor
 from wasinn import BackendRuntimeError, InvalidArgumentError, TimeoutError_, TooLargeError
 from wasinn.actors import DeviceActor, DeviceStats
 from wasinn.actors.stats import RequestStats, percentile
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget
-from wasinn.modelgen import affine_onnx
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 from wasinn.scheduler import Runtime
 
 CPU = Device(ExecutionTarget.CPU)
@@ -191,3 +193,52 @@ async def test_runtime_stats_cover_each_device_and_its_graphs() -> None:
     assert stats.device == "cpu" and stats.workers == 2
     assert (stats.graphs, stats.compiles) == (1, 1)
     assert (stats.completed, stats.failed) == (5, 1)
+
+
+async def test_each_model_counts_its_own_requests_on_every_path() -> None:
+    require_backend("onnxruntime")
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with Runtime(cpu_pool(workers=2)) as rt:
+        a = await rt.load([affine_onnx()], "onnx", backend="onnxruntime", name="a")
+        b = await rt.load([affine_onnx(scale=3.0)], "onnx", backend="onnxruntime", name="b")
+        ctx = a.init_execution_context()
+        for _ in range(4):
+            await ctx.compute(x)
+        await a.compute(x)  # one-shot, no context
+        with pytest.raises(InvalidArgumentError, match="the model expects"):
+            await ctx.compute({"x": np.ones((1, 5), np.float32)})
+        other = b.init_execution_context()
+        for _ in range(2):  # from a thread of the caller's own: a lease
+            await trio.to_thread.run_sync(other.compute_in_caller_thread, x)
+        await other.compute(x)
+        stats_a, stats_b = a.stats(), b.stats()
+        (device,) = rt.stats()
+    assert (stats_a.name, stats_a.completed, stats_a.failed, stats_a.in_caller_thread) == (
+        "a", 5, 1, 0)
+    assert (stats_b.name, stats_b.completed, stats_b.failed, stats_b.in_caller_thread) == (
+        "b", 3, 0, 2)
+    assert stats_a.latency_window == 5 and stats_b.latency_window == 3
+    assert stats_b.running_p99 is not None and stats_b.queued_p50 is not None
+    assert stats_a.describe().startswith("a: 5 completed, 1 failed, ")
+    # The device saw both models' requests.
+    assert (device.completed, device.failed, device.in_caller_thread) == (8, 1, 2)
+
+
+async def test_a_pipeline_counts_its_requests_not_its_steps_or_warm_ups(
+        tmp_path: Path, small_mobilenet: ModelFiles) -> None:
+    require_backend("onnxruntime")
+    config = example_config("pipeline.toml", tmp_path, small_mobilenet)
+    async with Runtime.from_config(config) as rt:
+        # mobilenet is preloaded with 2 warm-up runs: not requests.
+        assert [(s.name, s.finished) for s in rt.model_stats()] == [("mobilenet", 0)]
+        classify = await rt.load_by_name("classify")
+        for _ in range(3):
+            await classify.compute({"x": sample_image(0)})
+        mobilenet = await rt.load_by_name("mobilenet")
+        await mobilenet.compute({"input": sample_image(0)})
+        by_name = {s.name: s for s in rt.model_stats()}
+        assert classify.stats() == by_name["classify"]
+    assert list(by_name) == ["scale", "mobilenet", "classify"]  # the registry's order
+    assert by_name["classify"].completed == 3
+    assert by_name["mobilenet"].completed == 1  # asked for directly; the steps ran as one job
+    assert by_name["scale"].finished == 0

@@ -53,6 +53,7 @@ def test_a_load_of_concurrent_callers_reports_throughput_and_device_stats(
     assert code == 0
     assert "y: f32[3, 4] min 1 max 1 mean 1" in out  # 2 * 0 + 1, of the shape given
     assert "40 requests from 4 concurrent caller(s) in " in out
+    assert "\na: 40 completed, 0 failed" in out  # the model's stats
     assert "cpu: 40 completed, 0 failed" in out and "queued p50" in out
 
 
