@@ -212,8 +212,7 @@ async def _infer(args: argparse.Namespace) -> int:
         print(describe_output(name, tensor))
     if load.requests > 1:
         print(report.describe_load())
-        if report.model is not None:
-            print(report.model.describe())
+        print(report.model.describe())
         for device in stats:
             if device.finished:
                 print(device.describe())

@@ -135,7 +135,7 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
     if missing:
         inputs.update(zero_inputs(
             missing, {k: v for k, v in shapes.items() if k in {s.name for s in missing}},
-            shape_hint="give it with --shape {name}=D,D,...", shapes_from="--shape"))
+            shape_hint="give it with --shape {name}=D,D,..."))
     return inputs
 
 
@@ -152,9 +152,8 @@ async def infer(rt: Runtime, name: str, given: Mapping[str, np.ndarray[Any, Any]
     graph = await rt.load_by_name(name)
     try:
         inputs = complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
-        report = await _drive(graph, inputs, target, load)
-        report.model = graph.stats()
-        return report
+        outputs, latencies, seconds = await _drive(graph, inputs, target, load)
+        return InferReport(outputs, latencies, seconds, load.concurrency, graph.stats())
     finally:
         await graph.unload()
 
@@ -166,12 +165,12 @@ class InferReport:
     __slots__ = ("concurrency", "latencies", "model", "outputs", "seconds")
 
     def __init__(self, outputs: dict[str, Tensor], latencies: list[float], seconds: float,
-                 concurrency: int) -> None:
+                 concurrency: int, model: ModelStats) -> None:
         self.outputs = outputs
         self.latencies = sorted(latencies)
         self.seconds = seconds
         self.concurrency = concurrency
-        self.model: ModelStats | None = None
+        self.model = model
 
     @property
     def rate(self) -> float:
@@ -189,7 +188,8 @@ class InferReport:
 
 
 async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
-                 load: Load) -> InferReport:
+                 load: Load) -> tuple[dict[str, Tensor], list[float], float]:
+    # The last request's outputs, every request's latency and the whole run's seconds.
     # Every caller's context is made first: a target no device provides fails here.
     contexts = [graph.init_execution_context(target) for _ in range(load.concurrency)]
     latencies: list[float] = []
@@ -221,7 +221,7 @@ async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
             ctx.close()
     if failure is not None:
         raise failure
-    return InferReport(last, latencies, time.perf_counter() - began, load.concurrency)
+    return last, latencies, time.perf_counter() - began
 
 
 def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:

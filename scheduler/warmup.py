@@ -54,20 +54,19 @@ WARMUP_SHAPE_HINT = "give it in warmup_inputs (e.g. {name} = [1, 3, 224, 224])"
 
 
 def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]],
-                *, shape_hint: str = WARMUP_SHAPE_HINT, shapes_from: str = "warmup_inputs"
-                ) -> dict[str, Tensor]:
+                *, shape_hint: str = WARMUP_SHAPE_HINT) -> dict[str, Tensor]:
     """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives,
     else of the input's own, dynamic dimensions as 1.
 
-    Raises InvalidArgumentError for a name in ``shapes`` that is no input (``shapes_from``
-    says where that name was given), and for an input whose shape is not declared (no
-    dimensions) and not given (``shape_hint`` says how to give it).
+    Raises InvalidArgumentError for a name in ``shapes`` that is no input, and for an
+    input whose shape is not declared (no dimensions) and not given (``shape_hint`` says
+    how to give it).
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(shapes) - set(names))
     if unknown:
         raise InvalidArgumentError(
-            f"{shapes_from} names {', '.join(map(repr, unknown))}, which is not an "
+            f"warmup_inputs names {', '.join(map(repr, unknown))}, which is not an "
             f"input: expected one of {', '.join(map(repr, names)) or 'none'}")
     inputs = {}
     for spec in specs:
