@@ -86,10 +86,10 @@ class NameRegistry:
             pending.done.set()
 
     def loaded(self) -> list[Executable]:
-        """The entries loaded now (not released), in the registry's order."""
+        """Every name's latest load so far, released since or not, in the registry's
+        order."""
         entries = [self._loaded.get(name) for name in self._names]
-        return [entry[0] for entry in entries
-                if entry is not None and not getattr(entry[0], "released", False)]
+        return [entry[0] for entry in entries if entry is not None]
 
     def drop_all(self) -> None:
         """Forget every entry (the runtime is closing; device actors free the graphs)."""

@@ -332,8 +332,10 @@ class Runtime:
         return [actor.stats() for actor in self._sched.actors]
 
     def model_stats(self) -> list[ModelStats]:
-        """The requests of each registry model and pipeline loaded now, since its load
-        (see :meth:`Graph.stats`; a graph from :meth:`load` has its own ``stats()``)."""
+        """The requests of each registry model and pipeline loaded so far, since its
+        latest load (also when every handle has released it since, as a guest does when it
+        exits); see :meth:`Graph.stats`. A graph from :meth:`load` has its own
+        ``stats()``."""
         return [ModelStats.of(entry.name, entry.requests) for entry in self._names.loaded()]
 
     def model_names(self) -> list[str]:

@@ -80,7 +80,9 @@ def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
     # -v: load and run times (pytest's log capture stands in for stderr here)
     assert re.search(r"graph 0: 'mobile' loaded by name in [\d.]+ ms", caplog.text)
     assert re.search(r"classify_named.wasm ran for [\d.]+ ms", caplog.text)
-    # ... and at the end what the device did (the guest released its graph at exit)
+    # ... and at the end what the model (released by the guest at exit) and the device did
+    assert re.search(r"mobile: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
+                     r"latency p50 [\d.]+ ms", caplog.text)
     assert re.search(r"cpu: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
                      r"latency p50 [\d.]+ ms p99 [\d.]+ ms: queued p50 [\d.]+ ms p99 [\d.]+ "
                      r"ms, running p50 [\d.]+ ms p99 [\d.]+ ms \(last 1\); 0/\d+ running, "
