@@ -4,16 +4,26 @@ Every backend validates a run's inputs against its graph's :class:`TensorSpec` s
 calling its library, so a wrong name, element type or shape is an InvalidArgumentError
 that says what the model expects instead of a library message. The checks are
 precomputed per graph so that they cost a few dictionary lookups per run.
+:class:`CheckedGraph` runs them, with the closed-graph check, in one place for every
+built-in backend.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from wasinn.errors import InvalidArgumentError, InvalidEncodingError
+from wasinn.enums import GraphEncoding, TensorType
+from wasinn.errors import (
+    ClosedResourceError,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    UnsupportedOperationError,
+)
 from wasinn.tensor import Tensor, as_tensor
 
-from .base import Builders, TensorSpec
+from .base import Builders, CompiledGraph, Device, TensorSpec
 
 
 def expect_builders(backend: str, builders: Builders, count: int, what: str) -> None:
@@ -27,6 +37,31 @@ def expect_builders(backend: str, builders: Builders, count: int, what: str) -> 
     for i, b in enumerate(builders):
         if memoryview(b).nbytes == 0 and not (count == 2 and i == 1):
             raise InvalidEncodingError(f"{backend}: builder {i} is empty: expected {what}")
+
+
+def expect_encoding(backend: str, encoding: GraphEncoding, reads: GraphEncoding) -> None:
+    """InvalidEncodingError unless ``encoding`` is the one encoding the backend reads, or
+    autodetect (the bytes are then checked by the library itself)."""
+    if encoding not in (reads, GraphEncoding.AUTODETECT):
+        raise InvalidEncodingError(f"{backend}: reads {reads.value} models, not {encoding.value}")
+
+
+def no_device(backend: str, device: Device, devices: Sequence[Device]) -> UnsupportedOperationError:
+    """The error for a load onto ``device`` when the backend has only ``devices`` here."""
+    return UnsupportedOperationError(
+        f"{backend}: no device {device} here: expected one of "
+        f"{', '.join(d.name for d in devices)}"
+    )
+
+
+def uncarried_type(backend: str, role: str, name: str, what: str) -> UnsupportedOperationError:
+    """The error for a graph input or output whose element type is none of wasi-nn's
+    (``what`` names the library's type, e.g. ``has element type tensor(string)``): such a
+    graph cannot load, since no run could hand that tensor across."""
+    return UnsupportedOperationError(
+        f"{backend}: {role} {name!r} {what}, which wasi-nn cannot carry: expected one of "
+        f"{', '.join(t.value for t in TensorType)}"
+    )
 
 
 def _describe_all(specs: Sequence[TensorSpec]) -> str:
@@ -152,3 +187,74 @@ class OutputSelector:
                 )
             picked.append(index)
         return tuple(picked)
+
+
+class CheckedGraph(CompiledGraph):
+    """A built-in backend's graph: :meth:`run` refuses a closed graph, checks the inputs and
+    resolves ``outputs=``, then hands the library's handle, the inputs in the graph's order
+    and the picked output indices to the backend's :meth:`_run`.
+
+    A template method rather than a helper each ``run`` calls: ``run`` is on every
+    request, and this way the shared part costs no more frames than the backends' own
+    copies did (``run``, ``check``, then ``_run`` where ``select`` was; ``select`` only
+    runs when outputs are named, which the scheduler never does).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        handle: object,
+        device: Device,
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        *,
+        in_aliases: Mapping[str, int] | None = None,
+        out_aliases: Mapping[str, int] | None = None,
+        any_rank: frozenset[int] = frozenset(),
+        any_type: frozenset[int] = frozenset(),
+    ) -> None:
+        """``handle`` is the library's compiled model (None once closed); the keywords go
+        to :class:`InputChecker` and :class:`OutputSelector`."""
+        self._backend = backend
+        self._handle: Any = handle
+        self.device = device
+        self.inputs = inputs
+        self.outputs = outputs
+        self._checker = InputChecker(
+            backend, inputs, aliases=in_aliases, any_rank=any_rank, any_type=any_type
+        )
+        self._selector = OutputSelector(backend, outputs, aliases=out_aliases)
+        #: What ``select(None)`` returns: the very object, so ``picked is self._all`` holds.
+        self._all = self._selector.select(None)
+
+    def run(
+        self,
+        inputs: Mapping[str, Tensor],
+        *,
+        outputs: Sequence[str] | None = None,
+        keep_on_device: bool = False,
+    ) -> dict[str, Tensor]:
+        handle = self._handle
+        if handle is None:
+            handle = self._open()  # raises: the graph was closed
+        ordered = self._checker.check(inputs)
+        picked = self._all if outputs is None else self._selector.select(outputs)
+        return self._run(handle, ordered, picked, keep_on_device)
+
+    @abc.abstractmethod
+    def _run(
+        self, handle: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
+    ) -> dict[str, Tensor]:
+        """Run the library on checked inputs (in the graph's input order) and return the
+        outputs at ``picked`` (indices into :attr:`outputs`), as :meth:`run` documents."""
+
+    def _open(self) -> Any:
+        """The library's handle, for the backends' accessors; ClosedResourceError once
+        closed."""
+        handle = self._handle
+        if handle is None:
+            raise ClosedResourceError(f"{self._backend}: the graph was closed")
+        return handle
+
+    def close(self) -> None:
+        self._handle = None

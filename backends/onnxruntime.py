@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -44,23 +44,14 @@ import onnxruntime as ort
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
-    ClosedResourceError,
     InvalidEncodingError,
     UnsupportedOperationError,
     WasiNNError,
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
-from ._graphio import InputChecker, OutputSelector, expect_builders
-from .base import (
-    Backend,
-    Builders,
-    CompiledGraph,
-    Device,
-    LoadOptions,
-    TensorSpec,
-    current_cancellation,
-)
+from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
+from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
 
 NAME = "onnxruntime"
 
@@ -80,10 +71,7 @@ _BF16 = numpy_dtype(TensorType.BF16)
 def _spec(arg: Any, role: str) -> TensorSpec:
     ttype = _TYPES.get(arg.type)
     if ttype is None:
-        raise UnsupportedOperationError(
-            f"{NAME}: {role} {arg.name!r} has element type {arg.type}, which wasi-nn cannot "
-            f"carry: expected one of {', '.join(t.value for t in TensorType)}"
-        )
+        raise uncarried_type(NAME, role, arg.name, f"has element type {arg.type}")
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or ()))
     return TensorSpec(arg.name, ttype, shape)
 
@@ -114,20 +102,18 @@ def _ort_input(tensor: Tensor) -> Any:
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
-class OrtGraph(CompiledGraph):
+class OrtGraph(CheckedGraph):
     """An ONNX model in one ONNX Runtime session on one device."""
 
     def __init__(self, session: Any, device: Device) -> None:
-        self._session: Any = session
-        self.device = device
-        self.inputs = tuple(_spec(a, "input") for a in session.get_inputs())
-        self.outputs = tuple(_spec(a, "output") for a in session.get_outputs())
-        self._checker = InputChecker(NAME, self.inputs)
-        self._selector = OutputSelector(NAME, self.outputs)
+        super().__init__(
+            NAME, session, device,
+            tuple(_spec(a, "input") for a in session.get_inputs()),
+            tuple(_spec(a, "output") for a in session.get_outputs()),
+        )
         self._input_names = tuple(s.name for s in self.inputs)
         self._output_names = tuple(s.name for s in self.outputs)
         self._all_names = list(self._output_names)
-        self._all = self._selector.select(None)
         self._has_bf16 = any(s.type is TensorType.BF16 for s in (*self.inputs, *self.outputs))
         if device.kind is ExecutionTarget.GPU:
             self._ort_device: tuple[str, int] = ("cuda", device.index)
@@ -137,22 +123,11 @@ class OrtGraph(CompiledGraph):
     @property
     def session(self) -> Any:
         """The underlying ``onnxruntime.InferenceSession`` (for benchmarks and diagnostics)."""
-        if self._session is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        return self._session
+        return self._open()
 
-    def run(
-        self,
-        inputs: Mapping[str, Tensor],
-        *,
-        outputs: Sequence[str] | None = None,
-        keep_on_device: bool = False,
+    def _run(
+        self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
     ) -> dict[str, Tensor]:
-        session = self._session
-        if session is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        ordered = self._checker.check(inputs)
-        picked = self._selector.select(outputs)
         if not picked:
             return {}  # ORT refuses to run for no outputs (and reads [] as "all")
         cancellation = current_cancellation()
@@ -234,9 +209,6 @@ class OrtGraph(CompiledGraph):
                 result[spec.name] = Tensor(array.shape, spec.type, array=array)
         return result
 
-    def close(self) -> None:
-        self._session = None
-
 
 _spare = threading.local()
 
@@ -289,16 +261,11 @@ class OnnxRuntimeBackend(Backend):
         or bytes ONNX Runtime cannot read; UnsupportedOperationError for a device it lacks
         or a model whose inputs/outputs use a type outside the wasi-nn set.
         """
-        if encoding not in (GraphEncoding.ONNX, GraphEncoding.AUTODETECT):
-            raise InvalidEncodingError(
-                f"{NAME}: reads onnx models, not {encoding.value}"
-            )
+        expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
-        if device not in self.devices():
-            raise UnsupportedOperationError(
-                f"{NAME}: no device {device} here: expected one of "
-                f"{', '.join(d.name for d in self.devices())}"
-            )
+        devices = self.devices()
+        if device not in devices:
+            raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         try:
             session = ort.InferenceSession(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,25 +35,15 @@ import openvino as ov
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
-    ClosedResourceError,
     InvalidArgumentError,
     InvalidEncodingError,
-    UnsupportedOperationError,
     WasiNNError,
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
-from ._graphio import InputChecker, OutputSelector
+from ._graphio import CheckedGraph, no_device, uncarried_type
 from ._ovread import NAME, read_model
-from .base import (
-    Backend,
-    Builders,
-    CompiledGraph,
-    Device,
-    LoadOptions,
-    TensorSpec,
-    current_cancellation,
-)
+from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
 
 _TYPES: dict[str, TensorType] = {
     "f16": TensorType.F16, "f32": TensorType.F32, "f64": TensorType.F64,
@@ -83,10 +73,7 @@ def _specs(ports: Sequence[Any], is_output: bool) -> tuple[
         name = _port_name(port, is_output) if port.get_names() else f"{role}_{i}"
         ttype = _TYPES.get(port.get_element_type().get_type_name())
         if ttype is None:
-            raise UnsupportedOperationError(
-                f"{NAME}: {role} {name!r} has element type {port.get_element_type()}, which "
-                f"wasi-nn cannot carry: expected one of {', '.join(t.value for t in TensorType)}"
-            )
+            raise uncarried_type(NAME, role, name, f"has element type {port.get_element_type()}")
         pshape = port.get_partial_shape()
         if pshape.rank.is_dynamic:
             shape: tuple[int | None, ...] = ()
@@ -128,25 +115,21 @@ def _host_array(value: Any, ttype: TensorType, keep_alive: object = None) -> np.
     return np.array(data, copy=True)
 
 
-class OvGraph(CompiledGraph):
+class OvGraph(CheckedGraph):
     """A model compiled by OpenVINO for one device, with a pool of infer requests."""
 
     def __init__(self, compiled: Any, device: Device, keep_alive: object = None) -> None:
-        self._compiled: Any = compiled
+        inputs, in_aliases, any_rank = _specs(compiled.inputs, is_output=False)
+        outputs, out_aliases, _ = _specs(compiled.outputs, is_output=True)
+        super().__init__(NAME, compiled, device, inputs, outputs, in_aliases=in_aliases,
+                         out_aliases=out_aliases, any_rank=any_rank)
         self._keep_alive = keep_alive  # weights OpenVINO may share with the model
-        self.device = device
-        self.inputs, in_aliases, any_rank = _specs(compiled.inputs, is_output=False)
-        self.outputs, out_aliases, _ = _specs(compiled.outputs, is_output=True)
-        self._checker = InputChecker(NAME, self.inputs, aliases=in_aliases, any_rank=any_rank)
-        self._selector = OutputSelector(NAME, self.outputs, aliases=out_aliases)
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     @property
     def compiled_model(self) -> Any:
         """The underlying ``openvino.CompiledModel`` (for benchmarks and diagnostics)."""
-        if self._compiled is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        return self._compiled
+        return self._open()
 
     def _request(self) -> Any:
         try:
@@ -154,17 +137,11 @@ class OvGraph(CompiledGraph):
         except queue.Empty:
             return self.compiled_model.create_infer_request()
 
-    def run(
-        self,
-        inputs: Mapping[str, Tensor],
-        *,
-        outputs: Sequence[str] | None = None,
-        keep_on_device: bool = False,
+    def _run(
+        self, compiled: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
     ) -> dict[str, Tensor]:
-        if self._compiled is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        ordered = self._checker.check(inputs)
-        picked = self._selector.select(outputs)
+        # ``compiled`` unused: requests come from the pool, or from ``compiled_model``,
+        # which refuses a graph closed since.
         ov_inputs = [_ov_tensor(t) for t in ordered]
         cancellation = current_cancellation()
         if cancellation is not None and cancellation.cancelled:
@@ -210,7 +187,7 @@ class OvGraph(CompiledGraph):
         return result
 
     def close(self) -> None:
-        self._compiled = None
+        super().close()
         self._idle = queue.SimpleQueue()
         self._keep_alive = None
 
@@ -267,10 +244,7 @@ class OpenVinoBackend(Backend):
         """
         ov_device = self._device_map().get(device)
         if ov_device is None:
-            raise UnsupportedOperationError(
-                f"{NAME}: no device {device} here: expected one of "
-                f"{', '.join(d.name for d in self.devices())}"
-            )
+            raise no_device(NAME, device, self.devices())
         model, keep_alive = read_model(self.core, builders, encoding)
         config = compile_config(self.core, ov_device, options or LoadOptions())
         try:

@@ -30,7 +30,7 @@ import contextlib
 import io
 import threading
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,6 @@ import torch
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
-    ClosedResourceError,
     InvalidArgumentError,
     InvalidEncodingError,
     UnsupportedOperationError,
@@ -47,8 +46,8 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
-from ._graphio import InputChecker, OutputSelector, expect_builders
-from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
+from .base import Backend, Builders, Device, LoadOptions, TensorSpec
 
 NAME = "pytorch"
 
@@ -86,7 +85,7 @@ def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
     return np.ascontiguousarray(value.numpy())
 
 
-class TorchGraph(CompiledGraph):
+class TorchGraph(CheckedGraph):
     """A TorchScript module or exported program on one device."""
 
     def __init__(
@@ -98,14 +97,10 @@ class TorchGraph(CompiledGraph):
         *,
         checked: bool,
     ) -> None:
-        self._module: Callable[..., Any] | None = module
-        self.device = device
-        self.inputs = inputs
-        self.outputs = outputs
+        unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
+        super().__init__(NAME, module, device, inputs, outputs,
+                         any_rank=unchecked, any_type=unchecked)
         self._checked = checked
-        unchecked = frozenset() if checked else frozenset(range(len(inputs)))
-        self._checker = InputChecker(NAME, inputs, any_rank=unchecked, any_type=unchecked)
-        self._selector = OutputSelector(NAME, outputs)
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
@@ -113,22 +108,12 @@ class TorchGraph(CompiledGraph):
     @property
     def module(self) -> Callable[..., Any]:
         """The underlying TorchScript module or ``torch.fx.GraphModule`` (for benchmarks)."""
-        if self._module is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        return self._module
+        module: Callable[..., Any] = self._open()
+        return module
 
-    def run(
-        self,
-        inputs: Mapping[str, Tensor],
-        *,
-        outputs: Sequence[str] | None = None,
-        keep_on_device: bool = False,
+    def _run(
+        self, module: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
     ) -> dict[str, Tensor]:
-        module = self._module
-        if module is None:
-            raise ClosedResourceError(f"{NAME}: the graph was closed")
-        ordered = self._checker.check(inputs)
-        picked = self._selector.select(outputs)
         device = self._torch_device
         try:
             args = [_to_torch(t, device) for t in ordered]
@@ -173,9 +158,6 @@ class TorchGraph(CompiledGraph):
         array = _to_numpy(value)
         return Tensor(array.shape, ttype, array=array)
 
-    def close(self) -> None:
-        self._module = None
-
 
 def _first_line(exc: BaseException) -> str:
     lines = [ln for ln in str(exc).splitlines() if ln.strip()]
@@ -213,14 +195,11 @@ class TorchBackend(Backend):
         Raises InvalidEncodingError for another encoding, a builder count other than one
         or bytes torch cannot load; UnsupportedOperationError for a device it lacks.
         """
-        if encoding not in (GraphEncoding.PYTORCH, GraphEncoding.AUTODETECT):
-            raise InvalidEncodingError(f"{NAME}: reads pytorch models, not {encoding.value}")
+        expect_encoding(NAME, encoding, GraphEncoding.PYTORCH)
         expect_builders(NAME, builders, 1, "one builder holding a TorchScript or .pt2 archive")
-        if device not in self.devices():
-            raise UnsupportedOperationError(
-                f"{NAME}: no device {device} here: expected one of "
-                f"{', '.join(d.name for d in self.devices())}"
-            )
+        devices = self.devices()
+        if device not in devices:
+            raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         data = bytes(builders[0])
         torch_device = torch.device(
@@ -284,9 +263,8 @@ def _load_torchscript(
 def _spec_of(name: str, value: Any, role: str) -> TensorSpec:
     ttype = _TYPES.get(getattr(value, "dtype", None))  # type: ignore[arg-type]
     if ttype is None:
-        raise UnsupportedOperationError(
-            f"{NAME}: {role} {name!r} is {getattr(value, 'dtype', type(value).__name__)}, "
-            f"which wasi-nn cannot carry: expected one of {', '.join(t.value for t in TensorType)}"
+        raise uncarried_type(
+            NAME, role, name, f"is {getattr(value, 'dtype', type(value).__name__)}"
         )
     shape = tuple(d if isinstance(d, int) else None for d in value.shape)
     return TensorSpec(name, ttype, shape)

@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -66,6 +67,23 @@ def compiled_of(rt: wasinn.Runtime) -> Session:
     session = actor.cached_session(actor.session_keys()[-1])
     assert session is not None
     return session
+
+
+def warm_up(kinds: int, iters: int) -> Iterator[int]:
+    """The untimed calls before :func:`alternating`'s: one of each kind in turn."""
+    for _ in range(max(20, iters // 10)):
+        yield from range(kinds)
+
+
+def alternating(kinds: int, iters: int) -> Iterator[int]:
+    """The kinds of the timed calls, in order: blocks of up to 20 calls of one kind, the
+    next kind's block, and so on (see the module docstring). The caller makes and times
+    each call: the same schedule serves calls that are awaited and calls that are not."""
+    block = max(1, min(20, iters // 10))
+    for _ in range(max(1, iters // block)):
+        for kind in range(kinds):
+            for _ in range(block):
+                yield kind
 
 
 class Trip(NamedTuple):
@@ -92,50 +110,44 @@ async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str
     ctx = graph.init_execution_context()
     tensors = {k: wasinn.Tensor.from_numpy(v) for k, v in inputs.items()}
     run_direct = functools.partial(compiled.run, tensors)
-    for _ in range(max(20, iters // 10)):
-        compiled.run(tensors)
-        await ctx.compute(inputs)
-        await threads.run(run_direct, abandon_on_cancel=False)
-    direct, scheduled, handed_off = [], [], []
-    block = max(1, min(20, iters // 10))
-    for _ in range(max(1, iters // block)):
-        for _ in range(block):
-            t0 = time.perf_counter()
-            compiled.run(tensors)
-            direct.append(time.perf_counter() - t0)
-        for _ in range(block):
-            t0 = time.perf_counter()
-            await ctx.compute(inputs)
-            scheduled.append(time.perf_counter() - t0)
-        for _ in range(block):
-            t0 = time.perf_counter()
-            await threads.run(run_direct, abandon_on_cancel=False)
-            handed_off.append(time.perf_counter() - t0)
+    # Kind 0, the direct call, returns its result; the others return an awaitable.
+    calls: tuple[Callable[[], Any], ...] = (
+        run_direct,
+        functools.partial(ctx.compute, inputs),
+        functools.partial(threads.run, run_direct, abandon_on_cancel=False),
+    )
+    for kind in warm_up(len(calls), iters):
+        result = calls[kind]()
+        if kind:
+            await result
+    times: list[list[float]] = [[] for _ in calls]
+    for kind in alternating(len(calls), iters):
+        call = calls[kind]
+        t0 = time.perf_counter()
+        result = call()
+        if kind:
+            await result
+        times[kind].append(time.perf_counter() - t0)
     ctx.close()
     await graph.unload()
-    return Trip(statistics.median(direct), statistics.median(scheduled),
-                statistics.median(handed_off))
+    return Trip(*(statistics.median(t) for t in times))
 
 
 def caller_thread_round_trip(compiled: Any, ctx: Any, tensors: dict[str, wasinn.Tensor],
                              inputs: dict[str, Any], iters: int) -> tuple[float, float]:
     """In a thread of the caller's own: medians of the direct call and of
     ``ctx.compute_in_caller_thread``, in alternating blocks."""
-    for _ in range(max(20, iters // 10)):
-        compiled.run(tensors)
-        ctx.compute_in_caller_thread(inputs)
-    direct, scheduled = [], []
-    block = max(1, min(20, iters // 10))
-    for _ in range(max(1, iters // block)):
-        for _ in range(block):
-            t0 = time.perf_counter()
-            compiled.run(tensors)
-            direct.append(time.perf_counter() - t0)
-        for _ in range(block):
-            t0 = time.perf_counter()
-            ctx.compute_in_caller_thread(inputs)
-            scheduled.append(time.perf_counter() - t0)
-    return statistics.median(direct), statistics.median(scheduled)
+    calls = (functools.partial(compiled.run, tensors),
+             functools.partial(ctx.compute_in_caller_thread, inputs))
+    for kind in warm_up(len(calls), iters):
+        calls[kind]()
+    times: list[list[float]] = [[] for _ in calls]
+    for kind in alternating(len(calls), iters):
+        call = calls[kind]
+        t0 = time.perf_counter()
+        call()
+        times[kind].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 async def both_round_trips(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],

@@ -450,6 +450,18 @@ async def test_outputs_stay_native_until_data_is_called(shim: Shim) -> None:
 
 
 # -- traps and cancellation -----------------------------------------------------------------
+async def assert_contained(guest: ComponentGuest, rt: RecordingRuntime) -> None:
+    """``guest`` was stopped (trapped, cancelled) with handles live: it holds none now,
+    every graph is unloaded, and the host survives: the next guest loads and computes."""
+    assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
+    assert all(g.unloaded for g in rt.graphs)
+    guest2, shim2 = await start_shim(rt)
+    async with guest2:
+        _graph, ctx = await shim2.context("affine")
+        ((_, y),) = await shim2.ok("compute", ctx, [("x", await shim2.tensor(X))])
+        np.testing.assert_allclose(await shim2.data(y), (X * 2 + 1).reshape(-1))
+
+
 async def test_a_trap_with_live_handles_is_contained(rt: RecordingRuntime) -> None:
     from wasinn.host.runner import GuestTrap
 
@@ -459,14 +471,7 @@ async def test_a_trap_with_live_handles_is_contained(rt: RecordingRuntime) -> No
         await shim.ok("compute", ctx, [("x", await shim.tensor(X))])
         with pytest.raises(GuestTrap, match="unreachable"):
             await shim("trap")
-    assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
-    assert all(g.unloaded for g in rt.graphs)
-    # the host survives and the next guest runs
-    guest2, shim2 = await start_shim(rt)
-    async with guest2:
-        _graph, ctx = await shim2.context("affine")
-        ((_, y),) = await shim2.ok("compute", ctx, [("x", await shim2.tensor(X))])
-        np.testing.assert_allclose(await shim2.data(y), (X * 2 + 1).reshape(-1))
+    await assert_contained(guest, rt)
 
 
 async def test_cancelling_a_spinning_guest_interrupts_it(rt: RecordingRuntime) -> None:
@@ -476,11 +481,7 @@ async def test_cancelling_a_spinning_guest_interrupts_it(rt: RecordingRuntime) -
         with trio.move_on_after(0.2) as scope:
             await shim("spin")
         assert scope.cancelled_caught
-    assert all(g.unloaded for g in rt.graphs)
-    # other guests are unaffected by the interrupt
-    guest2, shim2 = await start_shim(rt)
-    async with guest2:
-        await shim2.context("affine")
+    await assert_contained(guest, rt)  # other guests are unaffected by the interrupt
 
 
 async def test_cancelling_during_compute_stops_the_guest(rt: RecordingRuntime) -> None:
@@ -492,13 +493,7 @@ async def test_cancelling_during_compute_stops_the_guest(rt: RecordingRuntime) -
             while True:
                 await shim.ok("compute", ctx, [("input", await shim.tensor(image))])
         assert scope.cancelled_caught
-    assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
-    assert all(g.unloaded for g in rt.graphs)
-    guest2, shim2 = await start_shim(rt)
-    async with guest2:
-        _graph, ctx = await shim2.context("affine")
-        ((_, y),) = await shim2.ok("compute", ctx, [("x", await shim2.tensor(X))])
-        np.testing.assert_allclose(await shim2.data(y), (X * 2 + 1).reshape(-1))
+    await assert_contained(guest, rt)
 
 
 async def test_guests_in_parallel_get_their_own_errors(rt: RecordingRuntime) -> None:

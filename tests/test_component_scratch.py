@@ -291,8 +291,10 @@ async def test_the_directory_is_removed_after_a_trap(rt: RecordingRuntime) -> No
     assert not scratch.path.exists()
 
 
-async def test_the_directory_is_removed_when_instantiation_fails(
-        rt: RecordingRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[ScratchDir]:
+    """Every ScratchDir the component host makes from now on, in order: a guest that
+    never starts leaves no handle to its directory to check."""
     made: list[ScratchDir] = []
 
     class Recording(ScratchDir):
@@ -301,6 +303,11 @@ async def test_the_directory_is_removed_when_instantiation_fails(
             made.append(self)
 
     monkeypatch.setattr(guest_module, "ScratchDir", Recording)
+    return made
+
+
+async def test_the_directory_is_removed_when_instantiation_fails(
+        rt: RecordingRuntime, made: list[ScratchDir]) -> None:
     # It asks for the scratch interface (so it gets a directory) and for something the
     # host does not provide (so instantiation fails after the directory exists).
     needs = ('(component (import "wasinn:nn/scratch@0.1.0" (instance))'
@@ -311,15 +318,7 @@ async def test_the_directory_is_removed_when_instantiation_fails(
 
 
 async def test_run_component_removes_its_directory(
-        rt: RecordingRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[ScratchDir] = []
-
-    class Recording(ScratchDir):
-        def __init__(self) -> None:
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(guest_module, "ScratchDir", Recording)
+        rt: RecordingRuntime, made: list[ScratchDir]) -> None:
     with pytest.raises(InvalidArgumentError, match="no wasi:cli/run"):
         await guest_module.run_component(rt, scratch_loop().encode(), program="no-run")
     assert len(made) == 1 and not made[0].path.exists()
