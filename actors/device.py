@@ -34,6 +34,10 @@ the same byte size...) can hold the loop for seconds, during which no other requ
 timeout or cancellation is served. Requests with a deadline are therefore never run
 inline. Enable it only for graphs whose run time is bounded whatever their inputs.
 
+Dynamic batching (:meth:`DeviceActor.execute_batched`, :mod:`wasinn.actors.batching`):
+requests for one graph that wait for this device at the same time run as one merged job;
+each batch is a task in the actor's nursery, living no longer than the actor.
+
 Every request the actor admits is counted by how it ended, with its latency (see
 :mod:`wasinn.actors.stats`; :meth:`DeviceActor.stats` reads it).
 
@@ -61,7 +65,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
 import trio
@@ -74,7 +78,9 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
+from wasinn.tensor import Tensor
 
+from .batching import Batcher, Batching, BatchInputs, RunInputs
 from .devicectx import DeviceContext, context_for
 from .inline import RunProfile
 from .jobs import Wrap, backend_failure, in_context
@@ -152,6 +158,9 @@ class DeviceActor:
         self._earlier_deadline: trio.Event | None = None  # set: the heap's head changed
         self._token: trio.lowlevel.TrioToken | None = None
         self._stats = RequestStats()
+        self._nursery: trio.Nursery | None = None  # the batches' tasks, while serving
+        self._batcher = Batcher(str(device), self._take_slot, self._slots.free,
+                                self._run_in_slot, self._start_task, self._stats)
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -186,8 +195,11 @@ class DeviceActor:
         self._ready = True
         self._token = trio.lowlevel.current_trio_token()
         try:
-            await self._watch_deadlines(task_status)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self._watch_deadlines(task_status)
         finally:
+            self._nursery = None
             self._earlier_deadline = None
             self._deadlines.clear()
             self.close()
@@ -264,14 +276,25 @@ class DeviceActor:
     def load(self) -> int:
         """Running, queued and placed (waiting for a compile) requests: what placement
         compares."""
-        return self._slots.running + self._slots.queued + self.placed
+        return self._slots.running + self.queued + self.placed
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to start: in the queue, or in a batch that has not started."""
+        batcher = self._batcher
+        return self._slots.queued - batcher.queued_batches + batcher.waiting
+
+    def slot_free(self) -> bool:
+        """Whether a request made now would take a slot at once (one free, nobody
+        queued)."""
+        return self._slots.running < self.workers and not self._slots.queued
 
     def stats(self) -> DeviceStats:
         """What this actor holds and has done so far (see :mod:`wasinn.actors.stats`)."""
         return DeviceStats(
             **self._stats.figures(),
             device=str(self.device), workers=self.workers, running=self._slots.running,
-            queued=self._slots.queued, queue_limit=self.queue_limit,
+            queued=self.queued, queue_limit=self.queue_limit,
             graphs=len(self._sessions), compiles=self._compiles, warm_ups=self._warm_ups,
             abandoned_running=self._threads.abandoned,
         )
@@ -400,16 +423,72 @@ class DeviceActor:
         names the job in diagnostics (the close-timeout error). The request is counted in
         the device's stats and, when given, in ``account`` too (its model's).
         """
+        return await self._counted(account, functools.partial(
+            self._request, job, priority, deadline, tenant, profile, nbytes, label))
+
+    async def execute_batched(
+        self,
+        key: Hashable,
+        inputs: BatchInputs,
+        run: RunInputs,
+        batching: Batching,
+        *,
+        keep_on_device: bool = False,
+        priority: int = 0,
+        deadline: float = math.inf,
+        tenant: str = "",
+        label: str = "run",
+        account: RequestStats | None = None,
+    ) -> dict[str, Tensor]:
+        """``run(inputs, keep_on_device)`` here, merged with other requests for the same
+        ``key`` (a graph on this device) as ``batching`` allows (see
+        :mod:`wasinn.actors.batching`): outputs of a merged run are host tensors.
+
+        Same errors, deadline, cancellation and accounting as :meth:`execute`; a request
+        that runs alone (a free slot with nobody queued and no ``max_delay``, or more rows
+        than ``max_batch``) runs exactly as :meth:`execute` runs it.
+        """
+        return await self._counted(account, functools.partial(
+            self._batched, key, inputs, run, batching, keep_on_device, priority, deadline,
+            tenant, label, account))
+
+    async def _counted(self, account: RequestStats | None,
+                       request: Callable[[], Awaitable[tuple[T, float]]]) -> T:
+        # Count the request (device and ``account``) by how it ended, with its latency.
         start = time.perf_counter()
         try:
-            result, granted = await self._request(job, priority, deadline, tenant, profile,
-                                                  nbytes, label)
+            result, granted = await request()
         except BaseException as exc:
             self._record(account, outcome_of(exc), time.perf_counter() - start)
             raise
         self._record(account, Outcome.COMPLETED, time.perf_counter() - start,
                      queued=granted - start)
         return result
+
+    async def _batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
+                       batching: Batching, keep: bool, priority: int, deadline: float,
+                       tenant: str, label: str, account: RequestStats | None
+                       ) -> tuple[dict[str, Tensor], float]:
+        job = functools.partial(run, inputs.tensors, keep)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if inputs.rows >= batching.max_batch:  # a batch of its own already
+            return await self._request(job, priority, deadline, tenant, None, None, label)
+        if not batching.max_delay and not self._closed and self._slots.try_take():
+            # Nobody to share a run with: run now, as a plain request.
+            granted = time.perf_counter()
+            return await self._within(deadline, self._run_in_slot, job, label), granted
+        if self._closed:
+            raise ClosedResourceError(f"{self.device}: the device actor is closed")
+        return await self._within(
+            deadline, functools.partial(
+                self._batcher.submit, key, inputs, keep, run, batching, priority=priority,
+                deadline=deadline, tenant=tenant, label=label, account=account))
+
+    def _start_task(self, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:
+        # A task that lives as long as the actor serves (a batch's).
+        if self._nursery is None or self._closed:
+            raise ClosedResourceError(f"{self.device}: the device actor is closed")
+        self._nursery.start_soon(fn, arg)
 
     def _record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
                 queued: float = 0.0, leased: bool = False) -> None:
@@ -432,10 +511,16 @@ class DeviceActor:
                 granted = time.perf_counter()
                 return await self._run_inline(job, profile, nbytes), granted
             job = self._timed(job, profile, nbytes)
+        return await self._within(deadline, functools.partial(
+            self._execute, job, priority, deadline, tenant, label))
+
+    async def _within(self, deadline: float, request: Callable[..., Awaitable[T]],
+                      *args: Any) -> T:
+        # ``request(*args)``, or TimeoutError_ once ``deadline`` (trio time) passes.
         if deadline == math.inf:
-            return await self._execute(job, priority, deadline, tenant, label)
+            return await request(*args)
         with trio.move_on_at(deadline) as scope:
-            return await self._execute(job, priority, deadline, tenant, label)
+            return await request(*args)
         assert scope.cancelled_caught
         raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
 
@@ -443,12 +528,15 @@ class DeviceActor:
                        tenant: str, label: str) -> tuple[T, float]:
         await self._take_slot(priority, deadline, tenant)
         granted = time.perf_counter()
-        # From here the slot is freed when the worker thread has finished the job
+        return await self._run_in_slot(job, label), granted
+
+    async def _run_in_slot(self, job: Callable[[], T], label: str) -> T:
+        # On a held slot, which is freed when the worker thread has finished the job
         # (abandoned or not).
         work = in_context(job, self._wrap)
         try:
             return await self._threads.run(work, abandon_on_cancel=True,
-                                           on_done=self._slots.free, label=label), granted
+                                           on_done=self._slots.free, label=label)
         except WasiNNError:
             raise
         except Exception as exc:

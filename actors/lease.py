@@ -21,6 +21,7 @@ closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -157,3 +158,14 @@ class Lease(Generic[T]):
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
         self._over = True
         self._release(outcome)
+
+
+def settled(device: str, result: T) -> Lease[T]:
+    """A lease for a request that has already run elsewhere (in a batch, see
+    :mod:`wasinn.actors.batching`): it holds no slot, and :meth:`Lease.run` returns
+    ``result`` at once, so a lease holder's code needs no second path."""
+    return Lease(device, lambda: result, None, _nothing_to_give_back, math.inf)
+
+
+def _nothing_to_give_back(outcome: Outcome) -> None:
+    """A settled lease holds no slot (its request was counted where it ran)."""

@@ -11,9 +11,9 @@ earliest deadline, then the oldest request. Policies are objects behind the smal
 * per-tenant fairness: :class:`TenantRoundRobinPolicy` keeps one priority/deadline
   sub-queue per ``tenant`` and serves the tenants in turn (a pool's ``policy = "fair"``);
   weighted shares (deficit counters) fit behind the same ``push``/``pop``/``remove``;
-* dynamic batching: a policy (or the actor's grant step) that pops every queued request
-  compatible with the chosen one (same compiled graph, same input shapes but the batch
-  axis) so that the granted caller runs them as one batch and splits the outputs;
+* dynamic batching (:mod:`wasinn.actors.batching`) needed no change here: a batch waits
+  in the queue as one request with its opener's priority, deadline and tenant, and
+  compatible requests join it while it waits;
 * load shedding: ``queue_limit`` already refuses work past a bound (TooLargeError).
 """
 

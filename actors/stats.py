@@ -59,6 +59,8 @@ class RequestFigures:
     queued_p99: float | None
     running_p50: float | None  #: and seconds from the slot's grant to the result
     running_p99: float | None
+    batches: int  #: merged runs (dynamic batching): two requests or more run as one
+    batched: int  #: requests answered by those merged runs
 
     @property
     def finished(self) -> int:
@@ -73,9 +75,13 @@ class RequestFigures:
                        f"{_ms(self.queued_p50, self.queued_p99)}, running "
                        f"{_ms(self.running_p50, self.running_p99)} (last "
                        f"{self.latency_window})")
+        batches = ""
+        if self.batches:
+            batches = (f", {self.batched} in {self.batches} merged batch(es) "
+                       f"(mean {self.batched / self.batches:.1f})")
         return (f"{self.completed} completed, {self.failed} failed, {self.timed_out} timed "
                 f"out, {self.cancelled} cancelled, {self.rejected} rejected "
-                f"({self.in_caller_thread} in the caller's thread){latency}")
+                f"({self.in_caller_thread} in the caller's thread{batches}){latency}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +145,8 @@ class RequestStats:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(Outcome, 0)
         self._leased = 0
+        self._batches = 0
+        self._batched = 0
         self._latencies: deque[tuple[float, float]] = deque(maxlen=window)
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
@@ -152,10 +160,19 @@ class RequestStats:
             if outcome is Outcome.COMPLETED:
                 self._latencies.append((seconds, queued))
 
+    def record_batch(self, requests: int) -> None:
+        """One merged run answered ``requests`` requests (each also ``record``-ed)."""
+        with self._lock:
+            self._batches += 1
+            self._batched += requests
+
     def figures(self) -> dict[str, Any]:
         """The :class:`RequestFigures` fields, as keyword arguments for it or a subclass."""
         counts, leased, (total, queued, running) = self.snapshot()
+        with self._lock:
+            batches, batched = self._batches, self._batched
         return {
+            "batches": batches, "batched": batched,
             "completed": counts[Outcome.COMPLETED], "failed": counts[Outcome.FAILED],
             "timed_out": counts[Outcome.TIMED_OUT], "cancelled": counts[Outcome.CANCELLED],
             "rejected": counts[Outcome.REJECTED], "in_caller_thread": leased,

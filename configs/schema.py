@@ -8,9 +8,9 @@ A config has five tables::
                                    # policy, inline_below_us
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident,
-                                   # preload, warmup, warmup_inputs
+                                   # preload, warmup, warmup_inputs, batching
     [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...],
-                                   # target, preload, warmup, warmup_inputs
+                                   # target, preload, warmup, warmup_inputs, batching
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
                                    # compute_timeout
@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from wasinn.actors.batching import Batching
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
@@ -119,9 +120,24 @@ class PoolConfig(_Strict):
         return self
 
 
+class BatchingConfig(_Strict):
+    """``batching = { max_batch = 8, max_delay_ms = 2 }`` in a model's or pipeline's
+    table: its requests waiting for the same device at the same time run as one batch
+    (see :mod:`wasinn.actors.batching`)."""
+
+    #: The most rows one merged run takes.
+    max_batch: int = Field(ge=2, le=65_536)
+    #: How long a batch holding a slot waits for more requests before it runs (0: never
+    #: waits; only requests that queued while the device was busy are merged).
+    max_delay_ms: float = Field(default=0.0, ge=0, le=10_000)
+
+    def spec(self) -> Batching:
+        return Batching(self.max_batch, self.max_delay_ms / 1e3)
+
+
 class _Startup(_Strict):
     """What models and pipelines share: whether the runtime readies them as it starts
-    (see :mod:`wasinn.scheduler.warmup`)."""
+    (see :mod:`wasinn.scheduler.warmup`), and how their requests are batched."""
 
     #: Load it when the runtime starts, compiled on every device of its target, and keep
     #: it loaded (as ``resident``): a bad file fails the start, not the first request.
@@ -133,6 +149,11 @@ class _Startup(_Strict):
     #: Shapes of the warm-up inputs by input name: needed for inputs whose shape the
     #: model does not declare (TorchScript declares none), or to warm up a given size.
     warmup_inputs: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    #: Dynamic batching (None: every request runs on its own).
+    batching: BatchingConfig | None = None
+
+    def batching_spec(self) -> Batching | None:
+        return None if self.batching is None else self.batching.spec()
 
     @property
     def at_start(self) -> bool:

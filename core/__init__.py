@@ -26,12 +26,14 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, host_copies
 
 if TYPE_CHECKING:
+    from wasinn.actors.batching import Batching
     from wasinn.configs.schema import RuntimeConfig
     from wasinn.scheduler import ExecutionContext, Graph, Pipeline, Runtime
 
 # The scheduler (which imports trio) and the config schema (pydantic) are resolved on
 # first access, so that `import wasinn` stays cheap for code that only needs the types.
 _LAZY = {
+    "Batching": "wasinn.actors.batching",
     "ExecutionContext": "wasinn.scheduler",
     "Graph": "wasinn.scheduler",
     "Pipeline": "wasinn.scheduler",
@@ -57,6 +59,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BackendRuntimeError",
+    "Batching",
     "ClosedResourceError",
     "ConfigError",
     "ErrorCode",

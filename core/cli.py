@@ -256,11 +256,11 @@ async def _devices(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     config = _registry_config(args)
     rows: list[tuple[str, ...]] = [
-        (name, "model", m.encoding, m.target, _loaded(m), ", ".join(m.files))
+        (name, "model", m.encoding, m.target, _loaded(m), _batching(m), ", ".join(m.files))
         for name, m in config.models.items()
     ]
     rows += [
-        (name, "pipeline", "-", p.target, _loaded(p),
+        (name, "pipeline", "-", p.target, _loaded(p), _batching(p),
          " -> ".join(s.model for s in p.steps))
         for name, p in config.pipelines.items()
     ]
@@ -269,7 +269,8 @@ def _models(args: argparse.Namespace) -> int:
         print(f"no models registered in {where}: add a [models] table, or use "
               "--nn-preload / --wasi nn-graph with `wasinn run`")
         return 0
-    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "LOADED", "FILES / STEPS"), rows))
+    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "LOADED", "BATCHING", "FILES / STEPS"),
+                 rows))
     return 0
 
 
@@ -280,6 +281,15 @@ def _loaded(entry: ModelConfig | PipelineConfig) -> str:
     if entry.preload:
         return "at start"
     return "first use, kept" if entry.kept else "first use"
+
+
+def _batching(entry: ModelConfig | PipelineConfig) -> str:
+    """How a registry entry's requests are batched, in a few words."""
+    batching = entry.batching
+    if batching is None:
+        return "-"
+    delay = f", waits {batching.max_delay_ms:g} ms" if batching.max_delay_ms else ""
+    return f"up to {batching.max_batch}{delay}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, LoadOptions, TensorSpec
@@ -61,9 +62,9 @@ class Executable(Protocol):
 class LoadedModel:
     """One model's bytes and what is known about them; refcounted by handles and contexts."""
 
-    __slots__ = ("backend_name", "backends", "builders", "encoding", "id", "inputs", "name",
-                 "on_release", "options", "outputs", "refs", "released", "requests",
-                 "runner")
+    __slots__ = ("backend_name", "backends", "batching", "builders", "encoding", "id",
+                 "inputs", "name", "on_release", "options", "outputs", "refs", "released",
+                 "requests", "runner")
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class LoadedModel:
         *,
         backend_name: str | None = None,
         name: str = "",
+        batching: Batching | None = None,
     ) -> None:
         self.id = next(_ids)
         self.name = name or f"graph#{self.id}"
@@ -89,6 +91,8 @@ class LoadedModel:
         self.on_release: Callable[[LoadedModel], None] | None = None
         self.runner: ModelRunner | None = None
         self.requests = RequestStats()
+        #: How its requests are merged on a device (None: never; see wasinn.actors.batching).
+        self.batching = batching
 
     def backend_for(self, target: ExecutionTarget) -> str:
         backend = self.backends.get(target)

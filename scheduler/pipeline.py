@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
 from wasinn.enums import ExecutionTarget
@@ -75,11 +76,12 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("inputs", "links", "name", "outputs", "refs", "released", "requests",
-                 "scheduler", "steps")
+    __slots__ = ("batching", "inputs", "links", "name", "outputs", "refs", "released",
+                 "requests", "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel],
-                 wires: Sequence[Mapping[str, str]], scheduler: Scheduler) -> None:
+                 wires: Sequence[Mapping[str, str]], scheduler: Scheduler, *,
+                 batching: Batching | None = None) -> None:
         if not steps:
             raise InvalidArgumentError(f"pipeline {name!r} has no steps: expected at least one")
         self.name = name
@@ -93,6 +95,8 @@ class PipelineModel:
         #: The pipeline's requests (each runs every step as one job; the steps' own
         #: stats count only requests made to them directly).
         self.requests = RequestStats()
+        #: How its requests are merged on a device (None: never), whatever its steps'.
+        self.batching = batching
         for step in self.steps:
             step.retain()
 
@@ -115,7 +119,7 @@ class PipelineModel:
         return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
                                               inputs, priority=priority, deadline=deadline,
                                               tenant=tenant, keep_on_device=keep_on_device,
-                                              account=self.requests)
+                                              account=self.requests, batching=self.batching)
 
     async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                     deadline: float, tenant: str, keep_on_device: bool | None
@@ -123,7 +127,7 @@ class PipelineModel:
         return await self.scheduler.lease_chain(self.name, self.steps, self.links, target,
                                                 inputs, priority=priority, deadline=deadline,
                                                 tenant=tenant, keep_on_device=keep_on_device,
-                                                account=self.requests)
+                                                account=self.requests, batching=self.batching)
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
                   keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
@@ -131,7 +135,7 @@ class PipelineModel:
             return None
         return self.scheduler.try_lease_chain(self.steps, self.links, target, inputs,
                                               timeout=timeout, keep_on_device=keep_on_device,
-                                              account=self.requests)
+                                              account=self.requests, batching=self.batching)
 
 
 class Pipeline(Graph):

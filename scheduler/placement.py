@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
+from wasinn.actors.batching import Batching, BatchInputs, RunInputs
 from wasinn.actors.device import DeviceActor
-from wasinn.actors.lease import Lease
+from wasinn.actors.lease import Lease, settled
 from wasinn.actors.session import Session
 from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
@@ -178,23 +179,37 @@ class Scheduler:
         Outputs are backend-native values left on the device when ``keep_on_device`` is
         true, host tensors when false; None (the default) keeps them native on devices
         other than the CPU (where host memory *is* the device's, and where OpenVINO would
-        otherwise have to retire an infer request per run to hand its outputs out).
+        otherwise have to retire an infer request per run to hand its outputs out). A
+        model loaded with batching may run merged with other requests (see
+        :mod:`wasinn.actors.batching`): such a run's outputs are host tensors.
         """
-        actor, session, job = await self._model_job(model, target, inputs, keep_on_device)
-        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
+        actor, session, run = await self._model_job(model, target, inputs)
+        keep = _keep(actor, keep_on_device)
+        batching = model.batching
+        if batching is not None:
+            batch = BatchInputs.of(inputs)
+            if batch is not None:
+                return await actor.execute_batched(
+                    model.id, batch, run, batching, keep_on_device=keep, priority=priority,
+                    deadline=deadline, tenant=tenant, label=_label(model, session),
+                    account=model.requests)
+        return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
+                                   deadline=deadline, tenant=tenant,
                                    profile=session.profile, nbytes=_input_bytes(inputs),
-                                   label=f"run of {model.name} ({session.backend})",
-                                   account=model.requests)
+                                   label=_label(model, session), account=model.requests)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
                           tenant: str = "", keep_on_device: bool | None = None
                           ) -> Lease[dict[str, Tensor]]:
         """Like :meth:`run_model`, but return once a device slot is held: the caller's own
-        thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`)."""
-        actor, _, job = await self._model_job(model, target, inputs, keep_on_device)
-        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant,
-                                 account=model.requests)
+        thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`). A
+        request that joins a batch has run when this returns (a settled lease)."""
+        actor, session, run = await self._model_job(model, target, inputs)
+        return await _lease(actor, model.id, run, _keep(actor, keep_on_device),
+                            model.batching, inputs, priority=priority, deadline=deadline,
+                            tenant=tenant, label=_label(model, session),
+                            account=model.requests)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, keep_on_device: bool | None = None
@@ -202,7 +217,10 @@ class Scheduler:
         """From any thread, without trio: a lease to run ``model`` if it is already compiled
         on the device it would be placed on and that device has a free slot and no queue;
         otherwise None (use :meth:`lease_model` through trio, which compiles and queues).
-        Only reads scheduler state; the actor's slots are taken under its lock."""
+        Only reads scheduler state; the actor's slots are taken under its lock. None, too,
+        for a model whose batches wait for company (``max_delay``): they form in trio."""
+        if _gathers(model.batching):
+            return None
         actor = self._placed_here(target, inputs)
         if actor is None or model.released:
             return None
@@ -215,9 +233,12 @@ class Scheduler:
     def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
                         timeout: float | None = None, keep_on_device: bool | None = None,
-                        account: RequestStats | None = None
+                        account: RequestStats | None = None,
+                        batching: Batching | None = None
                         ) -> Lease[dict[str, Tensor]] | None:
         """:meth:`try_lease_model` for a pipeline (every step already compiled there)."""
+        if _gathers(batching):
+            return None
         actor = self._placed_here(target, inputs)
         if actor is None:
             return None
@@ -239,9 +260,9 @@ class Scheduler:
         except WasiNNError:
             return None
 
-    async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
-                         keep_on_device: bool | None
-                         ) -> tuple[DeviceActor, Session, Callable[[], dict[str, Tensor]]]:
+    async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs
+                         ) -> tuple[DeviceActor, Session, RunInputs]:
+        # The actor that runs it, its session there, and how to run it on inputs.
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         actor = self.pick(target, inputs)
@@ -252,35 +273,48 @@ class Scheduler:
                 session = await self.session(actor, model)
             finally:
                 actor.placed -= 1
-        keep = _keep(actor, keep_on_device)
-        return actor, session, functools.partial(_run, session, inputs, keep)
+        return actor, session, functools.partial(_run, session)
 
     async def run_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
                         deadline: float = float("inf"), tenant: str = "",
                         keep_on_device: bool | None = None,
-                        account: RequestStats | None = None) -> dict[str, Tensor]:
+                        account: RequestStats | None = None,
+                        batching: Batching | None = None) -> dict[str, Tensor]:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
-        stats, where the request is counted too."""
-        actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
-        return await actor.execute(job, priority=priority, deadline=deadline, tenant=tenant,
-                                   label=f"run of pipeline {name!r}", account=account)
+        stats, where the request is counted too; ``batching``: the pipeline's, if any."""
+        actor, run = await self._chain_job(name, models, links, target, inputs)
+        keep = _keep(actor, keep_on_device)
+        label = f"run of pipeline {name!r}"
+        if batching is not None:
+            batch = BatchInputs.of(inputs)
+            if batch is not None:
+                return await actor.execute_batched(
+                    _chain_key(models), batch, run, batching, keep_on_device=keep,
+                    priority=priority, deadline=deadline, tenant=tenant, label=label,
+                    account=account)
+        return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
+                                   deadline=deadline, tenant=tenant, label=label,
+                                   account=account)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
                           priority: int = 0, deadline: float = float("inf"), tenant: str = "",
                           keep_on_device: bool | None = None,
-                          account: RequestStats | None = None) -> Lease[dict[str, Tensor]]:
+                          account: RequestStats | None = None,
+                          batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
-        actor, job = await self._chain_job(name, models, links, target, inputs, keep_on_device)
-        return await actor.lease(job, priority=priority, deadline=deadline, tenant=tenant,
-                                 account=account)
+        actor, run = await self._chain_job(name, models, links, target, inputs)
+        return await _lease(actor, _chain_key(models), run, _keep(actor, keep_on_device),
+                            batching, inputs, priority=priority, deadline=deadline,
+                            tenant=tenant, label=f"run of pipeline {name!r}",
+                            account=account)
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
-                         target: ExecutionTarget, inputs: Inputs, keep_on_device: bool | None
-                         ) -> tuple[DeviceActor, Callable[[], dict[str, Tensor]]]:
+                         target: ExecutionTarget, inputs: Inputs
+                         ) -> tuple[DeviceActor, RunInputs]:
         actor = self.pick(target, inputs)
         sessions = []
         for model in models:
@@ -294,8 +328,38 @@ class Scheduler:
                 finally:
                     actor.placed -= 1
             sessions.append(session)
-        keep = _keep(actor, keep_on_device)
-        return actor, functools.partial(_run_chain, sessions, links, inputs, keep)
+        return actor, functools.partial(_run_chain, sessions, links)
+
+
+async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
+                 batching: Batching | None, inputs: Inputs, *, priority: int,
+                 deadline: float, tenant: str, label: str, account: RequestStats | None
+                 ) -> Lease[dict[str, Tensor]]:
+    # A lease for the caller's thread; or, when the request may join a batch (the device
+    # is busy, or batches wait for company), the batch's answer as a settled lease.
+    if batching is not None and (batching.max_delay or not actor.slot_free()):
+        batch = BatchInputs.of(inputs)
+        if batch is not None:
+            outputs = await actor.execute_batched(
+                key, batch, run, batching, keep_on_device=keep, priority=priority,
+                deadline=deadline, tenant=tenant, label=label, account=account)
+            return settled(str(actor.device), outputs)
+    return await actor.lease(functools.partial(run, inputs, keep), priority=priority,
+                             deadline=deadline, tenant=tenant, account=account)
+
+
+def _gathers(batching: Batching | None) -> bool:
+    """Whether batches wait for company: such requests must reach trio to join one."""
+    return batching is not None and batching.max_delay > 0
+
+
+def _chain_key(models: Sequence[LoadedModel]) -> tuple[int, ...]:
+    """What a pipeline's batches are keyed by on a device: its steps' graphs."""
+    return tuple(model.id for model in models)
+
+
+def _label(model: LoadedModel, session: Session) -> str:
+    return f"run of {model.name} ({session.backend})"
 
 
 def _load(actor: DeviceActor) -> int:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
@@ -356,20 +357,26 @@ class Runtime:
         backend: str | None = None,
         options: LoadOptions | Mapping[str, Any] | None = None,
         name: str = "",
+        batching: Batching | None = None,
     ) -> Graph:
         """Load a model from its bytes (one buffer per file; IR: xml then weights).
 
         ``target`` is the graph's default; the model is compiled there now so that bad
         bytes fail here. ``name`` names it in stats, logs and errors (default
-        ``graph#N``); it is not entered in the registry. Raises InvalidEncodingError
-        (bytes no backend reads, an empty builder list), InvalidArgumentError (unknown
-        encoding/target/backend names, bad options), UnsupportedOperationError (no device
-        or backend for the target).
+        ``graph#N``); it is not entered in the registry. ``batching`` lets requests that
+        wait for the same device at the same time run as one batch (see
+        :class:`wasinn.Batching`). Raises InvalidEncodingError (bytes no backend reads, an
+        empty builder list), InvalidArgumentError (unknown encoding/target/backend names,
+        bad options, batching for a model whose first dimension is fixed),
+        UnsupportedOperationError (no device or backend for the target).
         """
         owned = _owned_builders(builders)
+        if batching is not None and not isinstance(batching, Batching):
+            raise InvalidArgumentError(
+                f"batching must be a wasinn.Batching, not {type(batching).__name__}")
         model, kind = await self._load_model(
             owned, GraphEncoding.coerce(encoding), target, backend=backend,
-            options=_load_options(options), name=name,
+            options=_load_options(options), name=name, batching=batching,
         )
         return Graph(model, self._sched, kind)
 
@@ -389,14 +396,22 @@ class Runtime:
 
     async def _load_model(self, builders: tuple[bytes, ...], encoding: GraphEncoding,
                           target: ExecutionTarget | str, *, backend: str | None,
-                          options: LoadOptions, name: str) -> tuple[LoadedModel, ExecutionTarget]:
+                          options: LoadOptions, name: str, batching: Batching | None = None
+                          ) -> tuple[LoadedModel, ExecutionTarget]:
         scheduler = self._sched
         kind = scheduler.resolve_target(target)
-        model = LoadedModel(builders, encoding, options, backend_name=backend, name=name)
+        model = LoadedModel(builders, encoding, options, backend_name=backend, name=name,
+                            batching=batching)
         model.runner = scheduler
         model.on_release = scheduler.release
         compiled = await scheduler.compile(model, kind)
         model.inputs, model.outputs = compiled.inputs, compiled.outputs
+        if batching is not None:
+            try:
+                check_batchable(model.name, model.inputs, model.outputs)
+            except WasiNNError:
+                scheduler.release(model)
+                raise
         return model, kind
 
     async def _load_named(self, name: str) -> Entry:
@@ -416,8 +431,11 @@ class Runtime:
             actor = scheduler.pick(kind, {})
             for step_model in steps:
                 await scheduler.session(actor, step_model)
+            batching = pipeline.batching_spec()
+            if batching is not None:
+                check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
             made: Executable = PipelineModel(name, steps, [s.wire for s in pipeline.steps],
-                                             scheduler)
+                                             scheduler, batching=batching)
             return made, kind
         entry = config.models[name]
         paths = [model_file(config, f) for f in entry.files]
@@ -426,7 +444,7 @@ class Runtime:
                               extra=dict(entry.options))
         return await self._load_model(builders, GraphEncoding.coerce(entry.encoding),
                                       entry.target, backend=entry.backend, options=options,
-                                      name=name)
+                                      name=name, batching=entry.batching_spec())
 
     # -- guests -----------------------------------------------------------------------------
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),

@@ -22,6 +22,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 #: script -> (small settings, a line every complete run prints)
 RUNS: dict[str, tuple[list[str], str]] = {
+    "batching.py": (["--seconds", "0.05", "--rounds", "1", "--width", "0.25", "--callers", "1,4"],
+                    r"^batched throughput, MobileNetV2-like w0\.25 on openvino, 4 callers: "
+                    r"[\d.]+ req/s vs unbatched [\d.]+ req/s \([\d.]+x\), "
+                    r"native batch-1 [\d.]+ req/s$"),
     "backend_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25"],
                             r"^onnxruntime\s+[\d.]+\s+[\d.]+\s+[+-][\d.]+$"),
     "first_request.py": (["--rounds", "1", "--iters", "2", "--width", "0.25", "--warmup", "1"],

@@ -135,14 +135,17 @@ def test_models_table(models: GuestModels, tmp_path: Path,
     config.write_text(f'[models.net]\nfiles = ["{model}"]\nencoding = "onnx"\n'
                       f'[models.warm]\nfiles = ["{model}"]\nwarmup = 2\n'
                       f'[models.kept]\nfiles = ["{model}"]\nresident = true\n'
-                      '[pipelines.both]\nsteps = [{ model = "net" }]\npreload = true\n')
+                      'batching = { max_batch = 4, max_delay_ms = 2 }\n'
+                      '[pipelines.both]\nsteps = [{ model = "net" }]\npreload = true\n'
+                      'batching = { max_batch = 8 }\n')
     assert main(["models", "--config", str(config)]) == 0
     out = capfd.readouterr().out
-    assert re.search(r"^net\s+model\s+onnx\s+cpu\s+first use\s+/", out, re.M)
-    assert re.search(r"^warm\s+model\s+autodetect\s+cpu\s+at start, 2 warm-up run\(s\)\s+/",
+    assert re.search(r"^net\s+model\s+onnx\s+cpu\s+first use\s+-\s+/", out, re.M)
+    assert re.search(r"^warm\s+model\s+autodetect\s+cpu\s+at start, 2 warm-up run\(s\)\s+-\s+/",
                      out, re.M)
-    assert re.search(r"^kept\s+model\s+autodetect\s+cpu\s+first use, kept\s+/", out, re.M)
-    assert re.search(r"^both\s+pipeline\s+-\s+cpu\s+at start\s+net$", out, re.M)
+    assert re.search(r"^kept\s+model\s+autodetect\s+cpu\s+first use, kept\s+"
+                     r"up to 4, waits 2 ms\s+/", out, re.M)
+    assert re.search(r"^both\s+pipeline\s+-\s+cpu\s+at start\s+up to 8\s+net$", out, re.M)
     assert main(["models"]) == 0
     assert "no models registered" in capfd.readouterr().out
 

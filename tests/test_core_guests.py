@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -11,11 +13,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import trio
+import trio.testing
 
 import wasinn
 from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models, top1
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
 from tests.support import require_backend
+from wasinn.configs.loader import parse_config
 from wasinn.host.limits import GuestLimits
 from wasinn.host.runner import GuestTrap, run_wasm
 from wasinn.modelgen import ModelFiles
@@ -259,3 +263,40 @@ async def test_guest_computes_run_in_the_guest_thread_unless_a_timeout_applies(
     assert cpu.threads.finished - finished == in_workers
     assert cpu.load == 0
     await graph.unload()
+
+
+async def test_guests_on_a_busy_device_share_batched_runs(
+        guest_models: GuestModels, guest_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Four guests compute while the device's only slot is taken: with batching configured
+    # their requests queue as one batch and run as one merged run of four rows.
+    wasm = example_guest("classify_named", guest_dir)
+    require_backend("onnxruntime")
+    config = parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
+        "models": {"mobilenet": {"files": [str(guest_models.directory / "model.onnx")],
+                                 "encoding": "onnx", "batching": {"max_batch": 8}}},
+    }, None)
+    codes: list[int] = []
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load_by_name("mobilenet")
+        (cpu,) = rt.actors
+
+        async def guest() -> None:
+            codes.append(await rt.run_wasm(wasm, argv=["mobilenet", "/d/input.bin"],
+                                           dirs={"/d": str(guest_models.directory)}))
+
+        gate = threading.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(cpu.execute, lambda: gate.wait(60)))
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(4):
+                nursery.start_soon(guest)
+            with trio.fail_after(60):
+                while cpu.stats().queued < 4:
+                    await trio.sleep(0.01)
+            gate.set()
+        stats = graph.stats()
+    assert codes == [0, 0, 0, 0]
+    tops = re.findall(r"top-1: class (\d+)", capfd.readouterr().out)
+    assert tops == [str(native_top1(guest_models)[0])] * 4
+    assert (stats.completed, stats.batches, stats.batched) == (4, 1, 4)

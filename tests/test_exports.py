@@ -9,7 +9,7 @@ PUBLIC = {
     # core types
     "Tensor", "TensorType", "GraphEncoding", "ExecutionTarget", "host_copies", "__version__",
     # the async API
-    "Runtime", "Graph", "ExecutionContext", "Pipeline", "RuntimeConfig",
+    "Runtime", "Graph", "ExecutionContext", "Pipeline", "RuntimeConfig", "Batching",
     # the error tree
     "WasiNNError", "ErrorCode", "InvalidArgumentError", "InvalidEncodingError", "TimeoutError_",
     "BackendRuntimeError", "UnsupportedOperationError", "TooLargeError", "NotFoundError",

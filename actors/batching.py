@@ -1,0 +1,448 @@
+"""Dynamic batching: requests for one graph merged into one run on a device.
+
+A model (or pipeline) loaded with :class:`Batching` lets its requests share runs: the
+requests that wait for a worker slot on a device at the same time, for the same graph,
+with inputs of the same element types and the same shapes but the first (batch) axis, are
+concatenated along that axis, run once, and the outputs split back by rows. On a busy
+device this turns a queue of single-row requests into a few large runs, as an inference
+server's dynamic batcher does (Triton's ``dynamic_batching``); on an idle one it costs
+nothing unless ``max_delay`` asks a batch to wait for company.
+
+How a batch forms (all in trio, per device actor, see :class:`Batcher`):
+
+* A request that finds no open batch it may join, and a free slot with nobody queued,
+  runs at once as a plain request (``max_delay`` = 0: batching never delays an idle
+  device). Otherwise it opens a batch: one entry in the device's queue, ordered by the
+  queue policy with the opener's priority, deadline and tenant.
+* Until that entry is granted a slot (and, with ``max_delay``, until ``max_delay`` after
+  the batch opened or until it is full), later requests join it when they are for the
+  same graph and input signature, of the same tenant, would not be served earlier on
+  their own (priority no higher, deadline no earlier than the batch's), and their rows
+  fit under ``max_batch``. Anything else opens a batch of its own.
+* The batch then runs as one job in a worker thread. Each member still gets its own
+  outcome, latency (queued: until the batch started running) and stats entry.
+
+Correctness never rests on the merge:
+
+* A merged run that fails, or whose outputs do not have the batch's row count as their
+  first dimension, is re-run request by request in the same job, so one bad request
+  fails alone and a model whose outputs cannot be split still answers (with a warning).
+* A member cancelled or past its deadline leaves the batch (its part of the result is
+  dropped); when every member has left, the batch leaves the queue, or its run is
+  abandoned like any request's.
+* Outputs of a merged run are host tensors (slices of the run's outputs): the rows of a
+  device-resident value cannot be handed out without a copy by every backend. A request
+  that runs alone keeps ``keep_on_device`` as asked.
+
+Only requests whose inputs are host tensors that all share their first dimension are
+batched; others (device-resident inputs, scalars) run as plain requests. Enable batching
+only for models whose rows are independent of each other (no reduction across the batch
+axis): the merged run computes each row as a run of its own would, up to the backend's
+floating-point reassociation in larger matrix products.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import outcome
+import trio
+
+from wasinn.backends.base import TensorSpec, current_cancellation
+from wasinn.errors import (
+    BackendRuntimeError,
+    ClosedResourceError,
+    InvalidArgumentError,
+    WasiNNError,
+)
+from wasinn.tensor import Tensor, as_tensor
+
+from .jobs import backend_failure
+from .stats import RequestStats
+
+log = logging.getLogger("wasinn.actors")
+
+#: Runs a graph (or pipeline) on inputs; the flag is ``keep_on_device``.
+RunInputs = Callable[[Mapping[Any, Any], bool], dict[str, Tensor]]
+#: A request's input signature: (key, element type, dimensions after the first) per input.
+Signature = tuple[tuple[Any, Any, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How one model's requests are merged on a device.
+
+    ``max_batch``: the most rows one run takes (a request with more runs alone).
+    ``max_delay``: seconds a batch that holds a slot waits for more requests before it
+    runs, unless it fills up first; 0 (the default) batches only what queued while the
+    device was busy and never delays a request on an idle device.
+    """
+
+    max_batch: int
+    max_delay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) \
+                or self.max_batch < 2:
+            raise ValueError(f"max_batch must be an integer >= 2, got {self.max_batch!r}")
+        if not (isinstance(self.max_delay, (int, float)) and 0 <= self.max_delay <= 10):
+            raise ValueError(f"max_delay must be between 0 and 10 seconds, got "
+                             f"{self.max_delay!r}")
+
+    def describe(self) -> str:
+        delay = f", waiting up to {self.max_delay * 1e3:g} ms" if self.max_delay else ""
+        return f"batches of up to {self.max_batch} rows{delay}"
+
+
+def check_batchable(name: str, inputs: Sequence[TensorSpec],
+                    outputs: Sequence[TensorSpec]) -> None:
+    """InvalidArgumentError unless every input and output that declares a shape has a
+    variable first (batch) dimension: rows cannot be merged along a fixed one."""
+    for role, specs in (("input", inputs), ("output", outputs)):
+        for spec in specs:
+            if spec.shape and spec.shape[0] is not None:
+                raise InvalidArgumentError(
+                    f"{name}: batching merges requests along the first dimension, but "
+                    f"{role} {spec.describe()} fixes it: expected a variable batch "
+                    "dimension (export the model with a dynamic first axis), or load it "
+                    "without batching")
+
+
+class BatchInputs:
+    """A request's inputs as a batch member: host tensors sharing their first dimension."""
+
+    __slots__ = ("rows", "signature", "tensors")
+
+    def __init__(self, tensors: dict[Any, Tensor], rows: int, signature: Signature) -> None:
+        self.tensors = tensors
+        self.rows = rows
+        self.signature = signature
+
+    @classmethod
+    def of(cls, inputs: Mapping[Any, object]) -> BatchInputs | None:
+        """``inputs`` ready to batch, or None when they cannot be (a device-resident or
+        scalar input, first dimensions that differ, a value that is not a tensor: such
+        a request runs as a plain one, which reports bad inputs as usual)."""
+        tensors: dict[Any, Tensor] = {}
+        signature = []
+        rows = -1
+        for key, value in inputs.items():
+            try:
+                tensor = value if type(value) is Tensor else as_tensor(value)  # type: ignore[arg-type]
+            except (WasiNNError, TypeError, ValueError):
+                return None
+            dims = tensor.dims
+            if not tensor.is_host or not dims or (rows >= 0 and dims[0] != rows):
+                return None
+            rows = dims[0]
+            tensors[key] = tensor
+            signature.append((key, tensor.type, dims[1:]))
+        if rows < 1:
+            return None
+        return cls(tensors, rows, tuple(signature))
+
+
+class _Member:
+    """One request in a batch: its inputs, and its outcome once the batch has run."""
+
+    __slots__ = ("abandoned", "done", "granted", "inputs", "keep", "result")
+
+    def __init__(self, inputs: BatchInputs, keep: bool) -> None:
+        self.inputs = inputs
+        self.keep = keep
+        self.done = trio.Event()
+        self.result: outcome.Outcome[dict[str, Tensor]] | None = None
+        self.granted = math.inf  # perf_counter when its batch started running
+        self.abandoned = False
+
+
+class _Batch:
+    """Requests that will run together; open (joinable) until it starts or fills up."""
+
+    __slots__ = ("account", "batching", "deadline", "full", "key", "label", "live",
+                 "members", "open", "opened", "priority", "rows", "run", "scope", "tenant")
+
+    def __init__(self, key: Hashable, run: RunInputs, batching: Batching, priority: int,
+                 deadline: float, tenant: str, label: str,
+                 account: RequestStats | None) -> None:
+        self.key = key
+        self.run = run
+        self.batching = batching
+        self.priority = priority
+        self.deadline = deadline
+        self.tenant = tenant
+        self.label = label
+        self.account = account
+        self.members: list[_Member] = []
+        self.rows = 0
+        self.live = 0  # members still waiting for their result
+        self.open = True
+        self.opened = trio.current_time()
+        self.full = trio.Event()
+        self.scope = trio.CancelScope()  # its runner's: cancelled once every member left
+
+    def admits(self, inputs: BatchInputs, priority: int, deadline: float,
+               tenant: str) -> bool:
+        return (self.open and tenant == self.tenant and priority <= self.priority
+                and deadline >= self.deadline
+                and self.rows + inputs.rows <= self.batching.max_batch)
+
+
+class Batcher:
+    """The batches of one device actor (trio only; see the module docstring).
+
+    ``take_slot(priority, deadline, tenant)`` queues for a worker slot; ``free_slot``
+    gives one back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held
+    slot (which it frees when the thread is done); ``start`` starts a task that lives as
+    long as the actor; ``stats`` counts the device's batches.
+    """
+
+    def __init__(self, device: str,
+                 take_slot: Callable[[int, float, str], Awaitable[None]],
+                 free_slot: Callable[[], None],
+                 run_in_slot: Callable[[Callable[[], Any], str], Awaitable[Any]],
+                 start: Callable[[Callable[[_Batch], Awaitable[None]], _Batch], None],
+                 stats: RequestStats) -> None:
+        self._device = device
+        self._take_slot = take_slot
+        self._free_slot = free_slot
+        self._run_in_slot = run_in_slot
+        self._start = start
+        self._stats = stats
+        self._open: dict[Hashable, list[_Batch]] = {}
+        #: Requests in batches that have not started running (queued or gathering).
+        self.waiting = 0
+        #: Batches waiting in the device's queue (each one queue entry).
+        self.queued_batches = 0
+
+    async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
+                     batching: Batching, *, priority: int, deadline: float, tenant: str,
+                     label: str, account: RequestStats | None
+                     ) -> tuple[dict[str, Tensor], float]:
+        """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
+        and when (perf_counter) its batch started running. ``key`` names what may run
+        together (the graph on this device); the input signature is added to it."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        full_key = (key, inputs.signature)
+        batch = self._joinable(full_key, inputs, priority, deadline, tenant)
+        if batch is None:
+            batch = _Batch(full_key, run, batching, priority, deadline, tenant, label,
+                           account)
+            self._start(self._lead, batch)  # raises ClosedResourceError once closed
+            self._open.setdefault(full_key, []).append(batch)
+        member = _Member(inputs, keep)
+        batch.members.append(member)
+        batch.rows += inputs.rows
+        batch.live += 1
+        self.waiting += 1
+        if batch.rows >= batching.max_batch:
+            self._close(batch)
+            batch.full.set()
+        try:
+            await member.done.wait()
+        except BaseException:
+            if member.result is None:  # still waiting: leave the batch
+                member.abandoned = True
+                batch.live -= 1
+                if member.granted == math.inf:
+                    self.waiting -= 1
+                if not batch.live:  # nobody wants it any more
+                    self._close(batch)
+                    batch.scope.cancel()
+            raise
+        result = member.result
+        assert result is not None
+        try:
+            return result.unwrap(), member.granted
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise backend_failure(self._device, exc) from exc
+
+    def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
+                  tenant: str) -> _Batch | None:
+        for batch in self._open.get(key, ()):
+            if batch.admits(inputs, priority, deadline, tenant):
+                return batch
+        return None
+
+    def _close(self, batch: _Batch) -> None:
+        # No more members: take it out of the open batches.
+        if not batch.open:
+            return
+        batch.open = False
+        batches = self._open[batch.key]
+        batches.remove(batch)
+        if not batches:
+            del self._open[batch.key]
+
+    async def _lead(self, batch: _Batch) -> None:
+        # The batch's own task (in the actor's nursery): queue for a slot, wait for
+        # company if asked, run every member as one job, hand each its outcome.
+        outcomes: list[outcome.Outcome[dict[str, Tensor]]] | None = None
+        failure: BaseException | None = None
+        try:
+            with batch.scope:
+                self.queued_batches += 1
+                try:
+                    await self._take_slot(batch.priority, batch.deadline, batch.tenant)
+                finally:
+                    self.queued_batches -= 1
+                outcomes = await self._gather_and_run(batch)
+        except Exception as exc:  # queue full, device closed: every member's error
+            failure = exc
+        except BaseException:  # the actor's nursery is cancelled: the device is closing
+            failure = ClosedResourceError(f"{self._device}: the device closed while the "
+                                          "request waited in a batch")
+            raise
+        finally:
+            self._close(batch)
+            self._settle(batch, outcomes, failure)
+
+    async def _gather_and_run(self, batch: _Batch
+                              ) -> list[outcome.Outcome[dict[str, Tensor]]] | None:
+        # Holding a slot: the slot is freed here, or by the worker thread once the job ran.
+        try:
+            delay = batch.batching.max_delay
+            if delay and batch.open:
+                with trio.move_on_at(batch.opened + delay):
+                    await batch.full.wait()
+            self._close(batch)
+        except BaseException:
+            self._free_slot()
+            raise
+        members = [member for member in batch.members if not member.abandoned]
+        if not members:
+            self._free_slot()
+            return None
+        granted = time.perf_counter()
+        for member in members:
+            member.granted = granted
+        self.waiting -= len(members)
+        job = _BatchJob(batch.run, members, batch.label)
+        outcomes = await self._run_in_slot(job, batch.label)
+        if job.merged:
+            self._stats.record_batch(len(members))
+            if batch.account is not None:
+                batch.account.record_batch(len(members))
+        return [*outcomes]
+
+    def _settle(self, batch: _Batch, outcomes: Sequence[outcome.Outcome[Any]] | None,
+                failure: BaseException | None) -> None:
+        ran = [member for member in batch.members if member.granted != math.inf]
+        if outcomes is not None:
+            for member, result in zip(ran, outcomes, strict=True):
+                member.result = result
+        for member in batch.members:
+            if member.result is None:
+                if member.granted == math.inf and not member.abandoned:
+                    self.waiting -= 1
+                member.result = outcome.Error(self._failure_for(failure))
+            member.done.set()
+
+    def _failure_for(self, failure: BaseException | None) -> BaseException:
+        # Each member raises an error of its own (one exception object raised in several
+        # tasks would collect all their tracebacks), the batch's as its cause.
+        if failure is None:
+            return ClosedResourceError(f"{self._device}: the batch was dropped")
+        if isinstance(failure, WasiNNError):
+            error = type(failure)(failure.message)
+            error.__cause__ = failure
+            return error
+        return failure
+
+
+class _BatchJob:
+    """The job a batch runs in a worker thread: one merged run, split by rows, or (when
+    that fails or cannot be split) one run per member. ``merged`` says which happened."""
+
+    __slots__ = ("label", "members", "merged", "run")
+
+    def __init__(self, run: RunInputs, members: Sequence[_Member], label: str) -> None:
+        self.run = run
+        self.members = members
+        self.label = label
+        self.merged = False
+
+    def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
+        members = self.members
+        if len(members) == 1:
+            only = members[0]
+            return [outcome.capture(self.run, only.inputs.tensors, only.keep)]
+        try:
+            parts = split_rows(self.run(merge_rows([m.inputs for m in members]), False),
+                               [m.inputs.rows for m in members])
+        except _Unsplittable as exc:
+            _warn_once(self.label, str(exc))
+        except Exception:  # each request is re-run alone below, and fails alone
+            log.debug("%s: a merged run failed; its requests run one by one", self.label,
+                      exc_info=True)
+        else:
+            self.merged = True
+            return [outcome.Value(part) for part in parts]
+        return self._one_by_one()
+
+    def _one_by_one(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
+        results: list[outcome.Outcome[dict[str, Tensor]]] = []
+        cancellation = current_cancellation()
+        for member in self.members:
+            if cancellation is not None and cancellation.cancelled:
+                results.append(outcome.Error(BackendRuntimeError(
+                    "the batch was cancelled before this request ran")))
+                continue
+            results.append(outcome.capture(self.run, member.inputs.tensors, member.keep))
+        return results
+
+
+class _Unsplittable(Exception):
+    """A merged run's outputs do not have one row per input row."""
+
+
+def merge_rows(members: Sequence[BatchInputs]) -> dict[Any, Tensor]:
+    """Every member's inputs concatenated along the first axis, in member order."""
+    merged: dict[Any, Tensor] = {}
+    for key, first in members[0].tensors.items():
+        array = np.concatenate([m.tensors[key].numpy() for m in members])
+        merged[key] = Tensor(tuple(array.shape), first.type, array=array)
+    return merged
+
+
+def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int]
+               ) -> list[dict[str, Tensor]]:
+    """``outputs`` of a merged run cut back into each member's rows (views, no copy).
+
+    Raises _Unsplittable when an output's first dimension is not the total row count.
+    """
+    total = sum(rows)
+    parts: list[dict[str, Tensor]] = [{} for _ in rows]
+    for name, tensor in outputs.items():
+        if not tensor.dims or tensor.dims[0] != total:
+            raise _Unsplittable(
+                f"output {name!r} has shape {list(tensor.dims)}, not {total} rows (one per "
+                "input row): its requests run one by one")
+        array = tensor.numpy()
+        start = 0
+        for part, count in zip(parts, rows, strict=True):
+            piece = array[start:start + count]
+            part[name] = Tensor(tuple(piece.shape), tensor.type, array=piece)
+            start += count
+    return parts
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(label: str, why: str) -> None:
+    with _warned_lock:
+        if label in _warned:
+            return
+        _warned.add(label)
+    log.warning("%s: cannot batch: %s", label, why)

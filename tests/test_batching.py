@@ -1,0 +1,431 @@
+"""Dynamic batching on a real ONNX Runtime graph: requests queued on a busy device merge
+into one run and each gets its own rows back; shapes, tenants and priorities that must not
+share a run do not; a bad request fails alone; cancellation, deadlines and closing reach
+every member; guests' leases, configs and pipelines batch too."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.support import cpu_pool
+from wasinn import Batching, ClosedResourceError, InvalidArgumentError, TimeoutError_
+from wasinn.actors import DeviceActor
+from wasinn.configs.loader import parse_config
+from wasinn.modelgen import affine_onnx
+from wasinn.tensor import as_tensor
+
+
+def gather_onnx() -> bytes:
+    """``y = table[idx]`` over ``idx: i64[n, 1]``: an index past the table's 4 entries
+    makes ONNX Runtime fail the run, whatever the other rows hold."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.array([10, 20, 30, 40], np.float32), "table")
+    node = helper.make_node("Gather", ["table", "idx"], ["y"], axis=0)
+    idx = helper.make_tensor_value_info("idx", TensorProto.INT64, ["n", 1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 1])
+    graph = helper.make_graph([node], "gather", [idx], [y], initializer=[table])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def first_row_onnx() -> bytes:
+    """``y = x[0:1]``, declared with a variable first dimension but always one row:
+    outputs that cannot be split by request."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    bounds = [numpy_helper.from_array(np.array([v], np.int64), name)
+              for name, v in (("starts", 0), ("ends", 1), ("axes", 0))]
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 4])
+    graph = helper.make_graph([node], "first_row", [x], [y], initializer=bounds)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def rows(value: float, count: int = 1) -> np.ndarray[Any, Any]:
+    return np.full((count, 4), value, np.float32)
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[wasinn.Runtime]:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as runtime:
+        yield runtime
+
+
+def only_actor(rt: wasinn.Runtime) -> DeviceActor:
+    (actor,) = rt.actors
+    return actor
+
+
+@contextlib.asynccontextmanager
+async def device_busy(actor: DeviceActor) -> AsyncIterator[trio.Nursery]:
+    """The device's only slot held by another request until the block ends; the nursery
+    to start requests in (they queue behind it, and run once the block is left)."""
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+        await trio.testing.wait_all_tasks_blocked()
+        try:
+            yield nursery
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            gate.set()
+
+
+def run_sizes(rt: wasinn.Runtime, graph: wasinn.Graph) -> list[int]:
+    """Record the row count of every run of ``graph``'s compiled ONNX Runtime graph."""
+    session = only_actor(rt).cached_session(graph._executable.id)  # type: ignore[attr-defined]
+    assert session is not None
+    compiled = session.compiled
+    sizes: list[int] = []
+    real_run = compiled.run
+
+    def counting_run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+        sizes.append(as_tensor(next(iter(inputs.values()))).dims[0])
+        return real_run(inputs, **kwargs)
+
+    compiled.run = counting_run  # type: ignore[method-assign]
+    return sizes
+
+
+async def compute_into(graph: wasinn.Graph, inputs: dict[str, Any],
+                       results: dict[Any, Any], key: Any, **kwargs: Any) -> None:
+    try:
+        results[key] = (await graph.compute(inputs, **kwargs))["y"].numpy()
+    except wasinn.WasiNNError as exc:
+        results[key] = exc
+
+
+async def test_requests_queued_on_a_busy_device_run_as_one_batch(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in range(5):
+            nursery.start_soon(compute_into, graph, {"x": rows(i, 1 + i % 2)}, results, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert only_actor(rt).stats().queued == 5  # waiting members, not batches
+    assert sizes == [7]  # 1 + 2 + 1 + 2 + 1 rows, one run
+    for i in range(5):
+        np.testing.assert_allclose(results[i], 2 * rows(i, 1 + i % 2) + 1)
+    stats = graph.stats()
+    assert (stats.completed, stats.batches, stats.batched) == (5, 1, 5)
+    assert only_actor(rt).stats().batches == 1
+    assert "5 in 1 merged batch(es) (mean 5.0)" in stats.describe()
+
+
+async def test_an_idle_device_runs_a_request_at_once_without_a_batch(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    sizes = run_sizes(rt, graph)
+    for i in range(3):
+        out = await graph.compute({"x": rows(i)})
+        np.testing.assert_allclose(out["y"].numpy(), 2 * rows(i) + 1)
+    assert sizes == [1, 1, 1]
+    assert graph.stats().batches == 0
+
+
+async def test_batches_hold_at_most_max_batch_rows(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=4))
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in range(10):
+            nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, i)
+        nursery.start_soon(compute_into, graph, {"x": rows(99, 6)}, results, "big")
+    assert sorted(sizes) == [2, 4, 4, 6]  # the 6-row request is a batch of its own
+    assert max(size for size in sizes if size != 6) <= 4
+    for i in range(10):
+        np.testing.assert_allclose(results[i], 2 * rows(i) + 1)
+    np.testing.assert_allclose(results["big"], 2 * rows(99, 6) + 1)
+    assert (graph.stats().batches, graph.stats().batched) == (3, 10)
+
+
+async def test_only_matching_requests_share_a_run(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=16))
+    other = await rt.load([affine_onnx(scale=3.0)], "onnx", batching=Batching(max_batch=16))
+    sizes = run_sizes(rt, graph)
+    other_sizes = run_sizes(rt, other)
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in range(2):
+            nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, ("a", i))
+            nursery.start_soon(compute_into, other, {"x": rows(i)}, results, ("other", i))
+            # another tenant's requests share a run of their own
+            nursery.start_soon(functools.partial(compute_into, graph, {"x": rows(10 + i)},
+                                                 results, ("t", i), tenant="t"))
+    assert sorted(sizes) == [2, 2] and other_sizes == [2]
+    for i in range(2):
+        np.testing.assert_allclose(results[("a", i)], 2 * rows(i) + 1)
+        np.testing.assert_allclose(results[("other", i)], 3 * rows(i) + 1)
+        np.testing.assert_allclose(results[("t", i)], 2 * rows(10 + i) + 1)
+
+
+async def test_device_resident_inputs_are_not_batched(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    native = (await graph.compute({"x": rows(1)}, keep_on_device=True))["y"]
+    assert not native.is_host
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        nursery.start_soon(compute_into, graph, {"x": native}, results, "native")
+        nursery.start_soon(compute_into, graph, {"x": rows(2)}, results, "host")
+        nursery.start_soon(compute_into, graph, {"x": rows(3)}, results, "host2")
+    assert sorted(sizes) == [1, 2]
+    np.testing.assert_allclose(results["native"], 2 * (2 * rows(1) + 1) + 1)
+
+
+async def test_a_higher_priority_request_does_not_wait_in_a_lower_batch(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    order: list[str] = []
+
+    async def call(name: str, priority: int) -> None:
+        await graph.compute({"x": rows(1)}, priority=priority)
+        order.append(name)
+
+    async with device_busy(only_actor(rt)) as nursery:
+        nursery.start_soon(call, "low", 0)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "low2", 0)
+        nursery.start_soon(call, "high", 5)
+    assert order.index("high") < order.index("low")
+    assert (graph.stats().batches, graph.stats().batched) == (1, 2)
+
+
+async def test_a_failing_request_fails_alone(rt: wasinn.Runtime,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    graph = await rt.load([gather_onnx()], "onnx", batching=Batching(max_batch=8))
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in (0, 7, 2, 3):  # 7 is past the table's end
+            nursery.start_soon(compute_into, graph, {"idx": np.array([[i]], np.int64)},
+                               results, i)
+    assert isinstance(results[7], wasinn.BackendRuntimeError)
+    assert "onnxruntime" in str(results[7])
+    for i, want in ((0, 10.0), (2, 30.0), (3, 40.0)):
+        np.testing.assert_array_equal(results[i], [[want]])
+    stats = graph.stats()
+    assert (stats.completed, stats.failed, stats.batches) == (3, 1, 0)
+
+
+async def test_outputs_that_cannot_be_split_run_one_by_one(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    graph = await rt.load([first_row_onnx()], "onnx", batching=Batching(max_batch=8))
+    results: dict[Any, Any] = {}
+    with caplog.at_level(logging.WARNING, logger="wasinn.actors"):
+        async with device_busy(only_actor(rt)) as nursery:
+            for i in range(3):
+                nursery.start_soon(compute_into, graph, {"x": rows(i + 1, 2)}, results, i)
+    for i in range(3):
+        np.testing.assert_allclose(results[i], rows(i + 1))  # each request's own first row
+    assert graph.stats().batches == 0
+    assert "cannot batch" in caplog.text and "not 6 rows" in caplog.text
+
+
+async def test_a_member_cancelled_while_queued_leaves_its_batch(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, Any] = {}
+    actor = only_actor(rt)
+    scopes: list[trio.CancelScope] = []
+    async with device_busy(actor) as nursery:
+        nursery.start_soon(compute_into, graph, {"x": rows(1)}, results, "stays")
+        nursery.start_soon(cancellable, scopes, graph, rows(2))
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.stats().queued == 2
+        scopes[0].cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.stats().queued == 1
+    assert sizes == [1]
+    np.testing.assert_allclose(results["stays"], 2 * rows(1) + 1)
+    assert graph.stats().cancelled == 1
+
+
+async def test_a_batch_everyone_left_leaves_the_queue(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    sizes = run_sizes(rt, graph)
+    actor = only_actor(rt)
+    scopes: list[trio.CancelScope] = []
+    async with device_busy(actor) as nursery:
+        for i in range(3):
+            nursery.start_soon(cancellable, scopes, graph, rows(i))
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.stats().queued == 3
+        for scope in scopes:
+            scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.stats().queued == 0
+    assert sizes == []
+    # The slot the batch never used is free: the next request runs.
+    np.testing.assert_allclose((await graph.compute({"x": rows(5)}))["y"].numpy(),
+                               2 * rows(5) + 1)
+    assert actor.stats().running == 0 and graph.stats().cancelled == 3
+
+
+async def cancellable(scopes: list[trio.CancelScope], graph: wasinn.Graph,
+                      x: np.ndarray[Any, Any]) -> None:
+    """``graph.compute`` under a cancel scope of its own, added to ``scopes``."""
+    with trio.CancelScope() as scope:
+        scopes.append(scope)
+        await graph.compute({"x": x})
+
+
+async def test_a_member_past_its_deadline_times_out_and_the_rest_run(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    results: dict[Any, Any] = {}
+    async with device_busy(only_actor(rt)) as nursery:
+        nursery.start_soon(compute_into, graph, {"x": rows(1)}, results, "patient")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(functools.partial(compute_into, graph, {"x": rows(2)}, results,
+                                             "hurried", timeout=0.05))
+        await trio.sleep(0.2)
+        assert isinstance(results["hurried"], TimeoutError_)
+    np.testing.assert_allclose(results["patient"], 2 * rows(1) + 1)
+    assert (graph.stats().timed_out, graph.stats().completed) == (1, 1)
+
+
+async def test_closing_the_runtime_fails_waiting_members() -> None:
+    results: dict[Any, Any] = {}
+    gate = threading.Event()
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+        actor = only_actor(rt)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(3):
+                nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, i)
+            await trio.testing.wait_all_tasks_blocked()
+            actor.close()
+            gate.set()
+    assert all(isinstance(results[i], ClosedResourceError) for i in range(3)), results
+
+
+async def test_max_delay_gathers_requests_on_an_idle_device(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx",
+                          batching=Batching(max_batch=8, max_delay=0.5))
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(compute_into, graph, {"x": rows(1)}, results, 1)
+        await trio.sleep(0.01)  # the device is idle: the first request waits for company
+        nursery.start_soon(compute_into, graph, {"x": rows(2)}, results, 2)
+    assert sizes == [2]
+    np.testing.assert_allclose(results[2], 2 * rows(2) + 1)
+
+
+async def test_a_full_batch_does_not_wait_out_max_delay() -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx",
+                              batching=Batching(max_batch=2, max_delay=10))
+        results: dict[Any, Any] = {}
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, i)
+        assert graph.stats().batches == 1
+
+
+async def test_guests_threads_batch_through_their_leases(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    sizes = run_sizes(rt, graph)
+    contexts = [graph.init_execution_context() for _ in range(4)]
+    results: dict[int, Any] = {}
+
+    def guest(i: int) -> None:  # a guest's own thread, as wasinn.host runs guests
+        results[i] = contexts[i].compute_in_caller_thread({"x": rows(i)}, keep_on_device=True)
+
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in range(4):
+            nursery.start_soon(functools.partial(trio.to_thread.run_sync, guest, i))
+        await _wait_until(lambda: only_actor(rt).stats().queued == 4)
+    assert sizes == [4]
+    for i in range(4):
+        np.testing.assert_allclose(results[i]["y"].numpy(), 2 * rows(i) + 1)
+        np.testing.assert_allclose(contexts[i].get_output("y").numpy(), 2 * rows(i) + 1)
+
+
+async def _wait_until(condition: Callable[[], bool]) -> None:
+    with trio.fail_after(10):
+        while not condition():
+            await trio.sleep(0.005)
+
+
+async def test_batching_needs_a_variable_first_dimension(rt: wasinn.Runtime) -> None:
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Identity", ["x"], ["y"])
+    graph = helper.make_graph(
+        [node], "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with pytest.raises(InvalidArgumentError, match=r"input x: f32\[1, 4\] fixes it"):
+        await rt.load([model.SerializeToString()], "onnx", batching=Batching(max_batch=4))
+    with pytest.raises(InvalidArgumentError, match=r"must be a wasinn\.Batching"):
+        await rt.load([affine_onnx()], "onnx", batching=8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((1,), "max_batch must be an integer >= 2"),
+    ((2.5,), "max_batch must be an integer >= 2"),
+    ((4, -1.0), "max_delay must be between 0 and 10 seconds"),
+])
+def test_batching_refuses_bad_bounds(args: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Batching(*args)
+
+
+async def test_a_registry_model_and_pipeline_batch_as_configured(tmp_path: Any) -> None:
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx())
+    (tmp_path / "triple.onnx").write_bytes(affine_onnx(scale=3.0, bias=0.0))
+    config = parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
+        "models": {
+            "affine": {"files": ["affine.onnx"],
+                       "batching": {"max_batch": 8, "max_delay_ms": 1}},
+            "triple": {"files": ["triple.onnx"]},
+        },
+        "pipelines": {"chain": {"steps": [{"model": "affine"}, {"model": "triple"}],
+                                "batching": {"max_batch": 4}}},
+    }, tmp_path / "wasinn.toml")
+    async with wasinn.Runtime(config) as rt:
+        affine = await rt.load_by_name("affine")
+        chain = await rt.load_by_name("chain")
+        results: dict[Any, Any] = {}
+        async with device_busy(only_actor(rt)) as nursery:
+            for i in range(3):
+                nursery.start_soon(compute_into, affine, {"x": rows(i)}, results, ("a", i))
+                nursery.start_soon(compute_into, chain, {"x": rows(i)}, results, ("c", i))
+        for i in range(3):
+            np.testing.assert_allclose(results[("a", i)], 2 * rows(i) + 1)
+            np.testing.assert_allclose(results[("c", i)], 3 * (2 * rows(i) + 1))
+        assert (affine.stats().batches, affine.stats().batched) == (1, 3)
+        assert (chain.stats().batches, chain.stats().batched) == (1, 3)
+
+
+def test_config_errors_name_the_batching_key(tmp_path: Any) -> None:
+    with pytest.raises(wasinn.ConfigError, match=r"models\.m\.batching\.max_batch"):
+        parse_config({"models": {"m": {"files": ["m.onnx"], "batching": {"max_batch": 1}}}},
+                     tmp_path / "wasinn.toml")
+    with pytest.raises(wasinn.ConfigError, match=r"models\.m\.batching\.max_delay"):
+        parse_config({"models": {"m": {"files": ["m.onnx"],
+                                       "batching": {"max_batch": 2, "max_delay": 5}}}},
+                     tmp_path / "wasinn.toml")
