@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -429,3 +430,43 @@ def test_config_errors_name_the_batching_key(tmp_path: Any) -> None:
         parse_config({"models": {"m": {"files": ["m.onnx"],
                                        "batching": {"max_batch": 2, "max_delay": 5}}}},
                      tmp_path / "wasinn.toml")
+
+
+async def test_a_storm_of_cancellations_leaves_no_request_or_slot_behind(
+        rt: wasinn.Runtime) -> None:
+    # Many callers, some cancelled at random moments (queued, gathering or running), some
+    # with deadlines: every caller that finished got its own rows, and afterwards the
+    # device holds nothing: no queued request, no slot, no batch.
+    graph = await rt.load([affine_onnx()], "onnx",
+                          batching=Batching(max_batch=4, max_delay=0.002))
+    actor = only_actor(rt)
+    rng = np.random.default_rng(7)
+    finished: list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+
+    async def caller(i: int, give_up: float | None, timeout: float | None) -> None:
+        x = rows(i, 1 + i % 3)
+        with trio.move_on_after(give_up if give_up is not None else math.inf):
+            try:
+                out = await graph.compute({"x": x}, timeout=timeout)
+            except TimeoutError_:
+                return
+            finished.append((x, out["y"].numpy()))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(300):
+            give_up = float(rng.uniform(0, 0.004)) if rng.random() < 0.3 else None
+            timeout = float(rng.uniform(0.001, 0.01)) if rng.random() < 0.2 else None
+            nursery.start_soon(caller, i, give_up, timeout)
+            if i % 10 == 0:
+                await trio.sleep(float(rng.uniform(0, 0.002)))
+    for x, y in finished:
+        np.testing.assert_allclose(y, 2 * x + 1)
+    assert finished, "no caller finished"
+    with trio.fail_after(10):
+        while actor.threads.busy:  # abandoned runs finishing in the worker thread
+            await trio.sleep(0.01)
+    stats = actor.stats()
+    assert (stats.running, stats.queued, actor.load) == (0, 0, 0)
+    assert stats.finished == 300 and stats.batches > 0
+    np.testing.assert_allclose((await graph.compute({"x": rows(1)}))["y"].numpy(),
+                               2 * rows(1) + 1)
