@@ -432,11 +432,17 @@ def test_config_errors_name_the_batching_key(tmp_path: Any) -> None:
                      tmp_path / "wasinn.toml")
 
 
+@pytest.mark.parametrize(("workers", "policy"), [(1, "priority"), (2, "fair")])
 async def test_a_storm_of_cancellations_leaves_no_request_or_slot_behind(
-        rt: wasinn.Runtime) -> None:
-    # Many callers, some cancelled at random moments (queued, gathering or running), some
-    # with deadlines: every caller that finished got its own rows, and afterwards the
-    # device holds nothing: no queued request, no slot, no batch.
+        workers: int, policy: str) -> None:
+    # Many callers of three tenants, some cancelled at random moments (queued, gathering
+    # or running), some with deadlines: every caller that finished got its own rows, and
+    # afterwards the device holds nothing: no queued request, no slot, no batch.
+    async with wasinn.Runtime(cpu_pool(workers=workers, policy=policy)) as rt:
+        await _storm(rt)
+
+
+async def _storm(rt: wasinn.Runtime) -> None:
     graph = await rt.load([affine_onnx()], "onnx",
                           batching=Batching(max_batch=4, max_delay=0.002))
     actor = only_actor(rt)
@@ -447,7 +453,7 @@ async def test_a_storm_of_cancellations_leaves_no_request_or_slot_behind(
         x = rows(i, 1 + i % 3)
         with trio.move_on_after(give_up if give_up is not None else math.inf):
             try:
-                out = await graph.compute({"x": x}, timeout=timeout)
+                out = await graph.compute({"x": x}, timeout=timeout, tenant=f"t{i % 3}")
             except TimeoutError_:
                 return
             finished.append((x, out["y"].numpy()))
