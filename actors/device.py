@@ -423,8 +423,8 @@ class DeviceActor:
         names the job in diagnostics (the close-timeout error). The request is counted in
         the device's stats and, when given, in ``account`` too (its model's).
         """
-        return await self._counted(account, functools.partial(
-            self._request, job, priority, deadline, tenant, profile, nbytes, label))
+        return await self._counted(account, self._request, job, priority, deadline, tenant,
+                                   profile, nbytes, label)
 
     async def execute_batched(
         self,
@@ -448,16 +448,17 @@ class DeviceActor:
         that runs alone (a free slot with nobody queued and no ``max_delay``, or more rows
         than ``max_batch``) runs exactly as :meth:`execute` runs it.
         """
-        return await self._counted(account, functools.partial(
-            self._batched, key, inputs, run, batching, keep_on_device, priority, deadline,
-            tenant, label, account))
+        return await self._counted(account, self._batched, key, inputs, run, batching,
+                                   keep_on_device, priority, deadline, tenant, label,
+                                   account)
 
     async def _counted(self, account: RequestStats | None,
-                       request: Callable[[], Awaitable[tuple[T, float]]]) -> T:
-        # Count the request (device and ``account``) by how it ended, with its latency.
+                       request: Callable[..., Awaitable[tuple[T, float]]], *args: Any) -> T:
+        # ``request(*args)``, counted (device and ``account``) by how it ended, with its
+        # latency. (Arguments, not a partial: this is on every request's path.)
         start = time.perf_counter()
         try:
-            result, granted = await request()
+            result, granted = await request(*args)
         except BaseException as exc:
             self._record(account, outcome_of(exc), time.perf_counter() - start)
             raise
@@ -511,8 +512,10 @@ class DeviceActor:
                 granted = time.perf_counter()
                 return await self._run_inline(job, profile, nbytes), granted
             job = self._timed(job, profile, nbytes)
-        return await self._within(deadline, functools.partial(
-            self._execute, job, priority, deadline, tenant, label))
+        if deadline == math.inf:  # (the common case, without _within's frame)
+            return await self._execute(job, priority, deadline, tenant, label)
+        return await self._within(deadline, self._execute, job, priority, deadline, tenant,
+                                  label)
 
     async def _within(self, deadline: float, request: Callable[..., Awaitable[T]],
                       *args: Any) -> T:
