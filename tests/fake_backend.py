@@ -4,7 +4,9 @@ order on devices this machine lacks). Every model-path test uses the real backen
 Model bytes are a tiny recipe: ``b"fake:add=1"`` makes a graph computing ``y = x + 1`` on
 ``x: f32[n, 4]``; ``b"fake:bad"`` fails to compile. A run whose input has a negative first
 element raises a library-style RuntimeError (to test error containment); a graph built
-with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set.
+with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set. Each graph
+counts its runs in progress (``running``), sets ``backend.started`` when one starts, and
+notes a close that came while one was still going on (``closed_while_running``).
 """
 
 from __future__ import annotations
@@ -36,11 +38,22 @@ class FakeGraph(CompiledGraph):
         self.add = add
         self.gated = gated
         self.closed = False
+        self.running = 0
+        self.closed_while_running = False
         self.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
         self.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
 
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
+        self.running += 1
+        self.backend.started.set()
+        try:
+            return self._compute(inputs, keep_on_device)
+        finally:
+            self.running -= 1
+
+    def _compute(self, inputs: Mapping[str, Tensor], keep_on_device: bool
+                 ) -> dict[str, Tensor]:
         assert not self.closed, "ran a closed graph"
         tensor = as_tensor(inputs["x"] if "x" in inputs else inputs[0])  # type: ignore[index]
         native = tensor.native
@@ -62,6 +75,7 @@ class FakeGraph(CompiledGraph):
         return {"y": Tensor.from_numpy(y)}
 
     def close(self) -> None:
+        self.closed_while_running = self.closed_while_running or self.running > 0
         self.closed = True
         self.backend.closed.append(self.device.name)
 
@@ -76,6 +90,7 @@ class FakeBackend(Backend):
         self.runs: list[tuple[str, float]] = []
         self.closed: list[str] = []
         self.gate = threading.Event()
+        self.started = threading.Event()  # set when any graph's run starts
 
     def devices(self) -> list[Device]:
         return list(self._devices)

@@ -91,17 +91,12 @@ class RecordingGraph(FakeGraph):
                  gated: bool) -> None:
         super().__init__(backend, device, add, gated)
         self.log = backend.log
-        self.running = 0
-        self.started = backend.started
 
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
-        self.running += 1
-        self.started.set()
         try:
             return super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
         finally:
-            self.running -= 1
             self.log.append("run ended")
 
     def close(self) -> None:
@@ -113,7 +108,6 @@ class RecordingBackend(FakeBackend):
     def __init__(self) -> None:
         super().__init__(devices=("cpu",))
         self.log: list[str] = []
-        self.started = threading.Event()
 
     def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
              options: LoadOptions | None = None) -> RecordingGraph:

@@ -125,28 +125,11 @@ class UncancellableGraph(FakeGraph):
 
     def __init__(self, backend: UncancellableBackend, device: Device) -> None:
         super().__init__(backend, device, 1.0, gated=True)
-        self.started = backend.started
-        self.running = 0
-        self.closed_while_running = False
-
-    def run(self, inputs: Any, *, outputs: Any = None, keep_on_device: bool = False
-            ) -> dict[str, Any]:
-        self.running += 1
-        self.started.set()
-        try:
-            return super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
-        finally:
-            self.running -= 1
-
-    def close(self) -> None:
-        self.closed_while_running = self.closed_while_running or self.running > 0
-        super().close()
 
 
 class UncancellableBackend(FakeBackend):
     def __init__(self) -> None:
         super().__init__(devices=("cpu",))
-        self.started = threading.Event()
         self.graphs: list[UncancellableGraph] = []
 
     def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
