@@ -96,10 +96,6 @@ class Batching:
             raise ValueError(f"max_delay must be between 0 and 10 seconds, got "
                              f"{self.max_delay!r}")
 
-    def describe(self) -> str:
-        delay = f", waiting up to {self.max_delay * 1e3:g} ms" if self.max_delay else ""
-        return f"batches of up to {self.max_batch} rows{delay}"
-
 
 def check_batchable(name: str, inputs: Sequence[TensorSpec],
                     outputs: Sequence[TensorSpec]) -> None:
@@ -327,12 +323,13 @@ class Batcher:
             member.granted = granted
         self.waiting -= len(members)
         job = _BatchJob(batch.run, members, batch.label)
-        outcomes = await self._run_in_slot(job, batch.label)
+        outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
+            job, batch.label)
         if job.merged:
             self._stats.record_batch(len(members))
             if batch.account is not None:
                 batch.account.record_batch(len(members))
-        return [*outcomes]
+        return outcomes
 
     def _settle(self, batch: _Batch, outcomes: Sequence[outcome.Outcome[Any]] | None,
                 failure: BaseException | None) -> None:

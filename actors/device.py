@@ -287,7 +287,7 @@ class DeviceActor:
     def slot_free(self) -> bool:
         """Whether a request made now would take a slot at once (one free, nobody
         queued)."""
-        return self._slots.running < self.workers and not self._slots.queued
+        return self._slots.would_take()
 
     def stats(self) -> DeviceStats:
         """What this actor holds and has done so far (see :mod:`wasinn.actors.stats`)."""

@@ -126,6 +126,11 @@ class Slots:
             request.event.set()  # not granted: the waiter raises ClosedResourceError
 
     # -- from any thread --------------------------------------------------------------------
+    def would_take(self) -> bool:
+        """Whether :meth:`try_take` would succeed now (read without the lock: a hint that
+        another thread may make stale at once)."""
+        return not self._closed and self._running < self.workers and not len(self._policy)
+
     def try_take(self) -> bool:
         """Hold a slot if one is free and nobody is queued (any thread; never waits)."""
         with self._lock:

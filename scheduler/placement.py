@@ -19,6 +19,7 @@ import trio
 
 from wasinn.actors.batching import Batching, BatchInputs, RunInputs
 from wasinn.actors.device import DeviceActor
+from wasinn.actors.inline import RunProfile
 from wasinn.actors.lease import Lease, settled
 from wasinn.actors.session import Session
 from wasinn.actors.stats import RequestStats
@@ -184,19 +185,10 @@ class Scheduler:
         :mod:`wasinn.actors.batching`): such a run's outputs are host tensors.
         """
         actor, session, run = await self._model_job(model, target, inputs)
-        keep = _keep(actor, keep_on_device)
-        batching = model.batching
-        if batching is not None:
-            batch = BatchInputs.of(inputs)
-            if batch is not None:
-                return await actor.execute_batched(
-                    model.id, batch, run, batching, keep_on_device=keep, priority=priority,
-                    deadline=deadline, tenant=tenant, label=_label(model, session),
-                    account=model.requests)
-        return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
-                                   deadline=deadline, tenant=tenant,
-                                   profile=session.profile, nbytes=_input_bytes(inputs),
-                                   label=_label(model, session), account=model.requests)
+        return await _execute(actor, model.id, run, _keep(actor, keep_on_device),
+                              model.batching, inputs, priority=priority, deadline=deadline,
+                              tenant=tenant, label=_label(model, session),
+                              account=model.requests, profile=session.profile)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -286,18 +278,10 @@ class Scheduler:
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
         actor, run = await self._chain_job(name, models, links, target, inputs)
-        keep = _keep(actor, keep_on_device)
-        label = f"run of pipeline {name!r}"
-        if batching is not None:
-            batch = BatchInputs.of(inputs)
-            if batch is not None:
-                return await actor.execute_batched(
-                    _chain_key(models), batch, run, batching, keep_on_device=keep,
-                    priority=priority, deadline=deadline, tenant=tenant, label=label,
-                    account=account)
-        return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
-                                   deadline=deadline, tenant=tenant, label=label,
-                                   account=account)
+        return await _execute(actor, _chain_key(models), run, _keep(actor, keep_on_device),
+                              batching, inputs, priority=priority, deadline=deadline,
+                              tenant=tenant, label=f"run of pipeline {name!r}",
+                              account=account)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
@@ -329,6 +313,24 @@ class Scheduler:
                     actor.placed -= 1
             sessions.append(session)
         return actor, functools.partial(_run_chain, sessions, links)
+
+
+async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
+                   batching: Batching | None, inputs: Inputs, *, priority: int,
+                   deadline: float, tenant: str, label: str, account: RequestStats | None,
+                   profile: RunProfile | None = None) -> dict[str, Tensor]:
+    # ``run`` on ``actor``: merged with others when the model batches and ``inputs`` can;
+    # else as one job (``profile``: the graph's run timings, for inline runs).
+    if batching is not None:
+        batch = BatchInputs.of(inputs)
+        if batch is not None:
+            return await actor.execute_batched(
+                key, batch, run, batching, keep_on_device=keep, priority=priority,
+                deadline=deadline, tenant=tenant, label=label, account=account)
+    return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
+                               deadline=deadline, tenant=tenant, profile=profile,
+                               nbytes=None if profile is None else _input_bytes(inputs),
+                               label=label, account=account)
 
 
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
