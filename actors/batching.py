@@ -30,9 +30,11 @@ Correctness never rests on the merge:
 * A member cancelled or past its deadline leaves the batch (its part of the result is
   dropped); when every member has left, the batch leaves the queue, or its run is
   abandoned like any request's.
-* Outputs of a merged run are host tensors (slices of the run's outputs): the rows of a
-  device-resident value cannot be handed out without a copy by every backend. A request
-  that runs alone keeps ``keep_on_device`` as asked.
+* A merged run keeps its outputs on the device when any member asked to
+  (``keep_on_device``, the default on a GPU). Each such member gets its rows as a view on
+  the device where the backend can cut its value without a copy (torch tensors, OpenVINO
+  tensors); an ``OrtValue`` cannot be cut, so its rows are views of one host copy, as are
+  those of every member that asked for host outputs.
 
 Only requests whose inputs are host tensors that all share their first dimension are
 batched; others (device-resident inputs, scalars) run as plain requests. Enable batching
@@ -373,9 +375,10 @@ class _BatchJob:
         if len(members) == 1:
             only = members[0]
             return [outcome.capture(self.run, only.inputs.tensors, only.keep)]
+        keeps = [m.keep for m in members]
         try:
-            parts = split_rows(self.run(merge_rows([m.inputs for m in members]), False),
-                               [m.inputs.rows for m in members])
+            parts = split_rows(self.run(merge_rows([m.inputs for m in members]), any(keeps)),
+                               [m.inputs.rows for m in members], keeps)
         except _Unsplittable as exc:
             _warn_once(self.label, str(exc))
         except Exception:  # each request is re-run alone below, and fails alone
@@ -411,9 +414,12 @@ def merge_rows(members: Sequence[BatchInputs]) -> dict[Any, Tensor]:
     return merged
 
 
-def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int]
+def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int], keeps: Sequence[bool]
                ) -> list[dict[str, Tensor]]:
-    """``outputs`` of a merged run cut back into each member's rows (views, no copy).
+    """``outputs`` of a merged run cut back into each member's rows, without a copy:
+    views of host outputs; of a device-resident output, native views on the device for
+    the members that keep theirs there (``keeps``) where the backend can cut its value,
+    else views of one host copy.
 
     Raises _Unsplittable when an output's first dimension is not the total row count.
     """
@@ -424,12 +430,15 @@ def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int]
             raise _Unsplittable(
                 f"output {name!r} has shape {list(tensor.dims)}, not {total} rows (one per "
                 "input row): its requests run one by one")
-        array = tensor.numpy()
         start = 0
-        for part, count in zip(parts, rows, strict=True):
-            piece = array[start:start + count]
-            part[name] = Tensor(tuple(piece.shape), tensor.type, array=piece)
-            start += count
+        for part, count, keep in zip(parts, rows, keeps, strict=True):
+            stop = start + count
+            piece = tensor.slice_rows(start, stop) if keep else None
+            if piece is None:  # materialized once (if native), for the first that needs it
+                host = tensor.numpy()[start:stop]
+                piece = Tensor(tuple(host.shape), tensor.type, array=host)
+            part[name] = piece
+            start = stop
     return parts
 
 

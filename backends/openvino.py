@@ -115,6 +115,22 @@ def _host_array(value: Any, ttype: TensorType, keep_alive: object = None) -> np.
     return np.array(data, copy=True)
 
 
+def _native(value: Any, ttype: TensorType, device: str, owner: object) -> Tensor:
+    """``value`` as it is (``owner``: the request that owns its memory, kept alive with
+    it); its rows are region-of-interest tensors over the same memory."""
+    return Tensor.from_native(
+        value, tuple(value.shape), ttype, device=device,
+        materialize=functools.partial(_host_array, value, ttype, owner),
+        rows=lambda start, stop: _native(_rows(value, start, stop), ttype, device, owner))
+
+
+def _rows(value: Any, start: int, stop: int) -> Any:
+    end = list(value.shape)
+    begin = [0] * len(end)
+    begin[0], end[0] = start, stop
+    return ov.Tensor(value, ov.Coordinate(begin), ov.Coordinate(end))
+
+
 class OvGraph(CheckedGraph):
     """A model compiled by OpenVINO for one device, with a pool of infer requests."""
 
@@ -171,13 +187,8 @@ class OvGraph(CheckedGraph):
         specs = self.outputs
         if keep_on_device:
             # The request owns the outputs' memory: retire it with them instead of reusing.
-            return {
-                specs[i].name: Tensor.from_native(
-                    value, tuple(value.shape), specs[i].type, device=self.device.name,
-                    materialize=functools.partial(_host_array, value, specs[i].type, request),
-                )
-                for i, value in zip(picked, values, strict=True)
-            }
+            return {specs[i].name: _native(value, specs[i].type, self.device.name, request)
+                    for i, value in zip(picked, values, strict=True)}
         result = {}
         for i, value in zip(picked, values, strict=True):
             array = _host_array(value, specs[i].type)

@@ -27,6 +27,7 @@ device actor's close waits for such a run only up to its pool's ``close_timeout`
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import threading
 import zipfile
@@ -152,11 +153,18 @@ class TorchGraph(CheckedGraph):
         if any(value.data_ptr() == a.data_ptr() for a in args):
             value = value.clone()  # never hand the caller's input memory back as an output
         if keep:
-            where = self.device.name if value.device.type != "cpu" else "cpu"
-            return Tensor.from_native(value, tuple(value.shape), ttype, device=where,
-                                      materialize=lambda: _to_numpy(value))
+            return _native(value, ttype, self.device.name if value.device.type != "cpu"
+                           else "cpu")
         array = _to_numpy(value)
         return Tensor(array.shape, ttype, array=array)
+
+
+def _native(value: torch.Tensor, ttype: TensorType, device: str) -> Tensor:
+    """``value`` left where it is; its rows are views on the same device."""
+    return Tensor.from_native(
+        value, tuple(value.shape), ttype, device=device,
+        materialize=functools.partial(_to_numpy, value),
+        rows=lambda start, stop: _native(value[start:stop], ttype, device))
 
 
 def _first_line(exc: BaseException) -> str:

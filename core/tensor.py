@@ -93,7 +93,7 @@ class Tensor:
     value once and caching it.
     """
 
-    __slots__ = ("_array", "_materialize", "_native", "device", "dims", "type")
+    __slots__ = ("_array", "_materialize", "_native", "_rows", "device", "dims", "type")
 
     def __init__(
         self,
@@ -104,6 +104,7 @@ class Tensor:
         native: object = None,
         materialize: Callable[[], np.ndarray[Any, Any]] | None = None,
         device: str = "cpu",
+        rows: Callable[[int, int], Tensor] | None = None,
     ) -> None:
         self.dims = dims
         self.type = type
@@ -111,6 +112,7 @@ class Tensor:
         self._array = array
         self._native = native
         self._materialize = materialize
+        self._rows = rows
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -155,10 +157,15 @@ class Tensor:
         *,
         device: str,
         materialize: Callable[[], np.ndarray[Any, Any]],
+        rows: Callable[[int, int], Tensor] | None = None,
     ) -> Tensor:
-        """A tensor whose data stays in a backend-native value on ``device``."""
+        """A tensor whose data stays in a backend-native value on ``device``.
+
+        ``rows(start, stop)``, where the backend can cut its value along the first axis
+        without a copy (a view on the same device), returns those rows as a tensor.
+        """
         return cls(tuple(int(d) for d in dims), type, native=value, materialize=materialize,
-                   device=device)
+                   device=device, rows=rows)
 
     # -- access ---------------------------------------------------------------------
     @property
@@ -186,6 +193,19 @@ class Tensor:
             _HOST_COPIES.add()
             self._array = np.ascontiguousarray(self._materialize())
         return self._array
+
+    def slice_rows(self, start: int, stop: int) -> Tensor | None:
+        """Rows ``start:stop`` of the first axis, sharing this tensor's data: a
+        backend-native view on its device, or a view of its host data. None when its
+        native value cannot be cut without a copy (an ``OrtValue``): then use
+        ``numpy()``."""
+        if self._rows is not None:
+            return self._rows(start, stop)
+        array = self._array
+        if array is None:
+            return None
+        piece = array[start:stop]
+        return Tensor(tuple(piece.shape), self.type, array=piece)
 
     def tobytes(self) -> bytes:
         return self.numpy().tobytes()

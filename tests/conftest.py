@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import require_gpu
 from wasinn.modelgen import ModelFiles, export_mobilenet
 
 # `nn_config` and `rt` for the component-guest tests (a module's own fixtures of the same
@@ -28,3 +29,10 @@ def mobilenet(model_dir: Path) -> ModelFiles:
 def small_mobilenet(model_dir: Path) -> ModelFiles:
     """A narrower MobileNetV2-like network (width 0.35) for quick tests."""
     return export_mobilenet(model_dir, width=0.35, seed=1)
+
+
+@pytest.fixture
+def gpu() -> None:
+    """Skip (with its reason) where there is no GPU, fail instead under
+    ``WASINN_REQUIRE=gpu``; a sync fixture, so the reason shows."""
+    require_gpu()

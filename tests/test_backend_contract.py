@@ -214,6 +214,25 @@ def test_keep_on_device_chains_without_host_copies(backend: Backend) -> None:
     assert wasinn.host_copies() == before + 1  # the final read is the one copy
 
 
+def test_kept_outputs_are_cut_into_rows_in_place_where_the_library_can(
+        backend: Backend) -> None:
+    # What a merged batch relies on: torch tensors and OpenVINO tensors give row views
+    # that stay native and chain on; an OrtValue cannot be cut without a copy.
+    graph = load(backend, backend_models.affine(backend.name, 2.0, 1.0, out_name="y"))
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (out,) = graph.run({"x": Tensor.from_numpy(x)}, keep_on_device=True).values()
+    before = wasinn.host_copies()
+    piece = out.slice_rows(1, 3)
+    if backend.name == "onnxruntime":
+        assert piece is None
+        return
+    assert piece is not None and piece.native is not None and piece.dims == (2, 4)
+    (again,) = graph.run({"x": piece}, keep_on_device=True).values()
+    assert wasinn.host_copies() == before
+    np.testing.assert_allclose(piece.numpy(), x[1:3] * 2 + 1)
+    np.testing.assert_allclose(again.numpy(), (x[1:3] * 2 + 1) * 2 + 1)
+
+
 def test_native_tensor_of_another_backend_is_accepted(registry: BackendRegistry) -> None:
     require_backend("onnxruntime")
     require_backend("openvino")

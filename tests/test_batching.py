@@ -19,6 +19,7 @@ import trio
 import trio.testing
 
 import wasinn
+from tests.backend_models import affine
 from tests.support import cpu_pool
 from wasinn import Batching, ClosedResourceError, InvalidArgumentError, TimeoutError_
 from wasinn.actors import DeviceActor
@@ -189,6 +190,72 @@ async def test_device_resident_inputs_are_not_batched(rt: wasinn.Runtime) -> Non
         nursery.start_soon(compute_into, graph, {"x": rows(3)}, results, "host2")
     assert sorted(sizes) == [1, 2]
     np.testing.assert_allclose(results["native"], 2 * (2 * rows(1) + 1) + 1)
+
+
+@pytest.mark.parametrize(("backend", "native_on_device"),
+                         [("pytorch", True), ("openvino", True), ("onnxruntime", False)])
+async def test_merged_outputs_stay_on_the_device_where_the_backend_cuts_them(
+        rt: wasinn.Runtime, backend: str, native_on_device: bool) -> None:
+    # torch and OpenVINO values are cut into rows in place (views); an OrtValue cannot
+    # be, so its members get views of one host copy. A member that asked for host
+    # outputs gets host rows either way.
+    builders, encoding = affine(backend, 2.0, 1.0)
+    graph = await rt.load(builders, encoding, backend=backend, batching=Batching(max_batch=8))
+    (out,) = [spec.name for spec in graph.outputs]
+    sizes = run_sizes(rt, graph)
+    results: dict[Any, wasinn.Tensor] = {}
+
+    async def call(key: Any, inputs: np.ndarray[Any, Any], keep: bool) -> None:
+        results[key] = (await graph.compute({"x": inputs}, keep_on_device=keep))[out]
+
+    copies = wasinn.host_copies()
+    async with device_busy(only_actor(rt)) as nursery:
+        for i in range(3):
+            nursery.start_soon(call, i, rows(i, 1 + i), True)
+        nursery.start_soon(call, "host", rows(7, 2), False)
+    assert sizes == [8]  # 1 + 2 + 3 + 2 rows, one run
+    assert results["host"].is_host
+    kept = [results[i] for i in range(3)]
+    assert [t.dims for t in kept] == [(1, 4), (2, 4), (3, 4)]
+    if native_on_device:
+        assert all(t.native is not None and t.device == "cpu" for t in kept), kept
+        assert wasinn.host_copies() - copies == 1  # the host member's rows, once
+    else:
+        assert all(t.is_host for t in kept)
+        assert wasinn.host_copies() - copies == 1  # one copy shared by every member
+    for i, tensor in enumerate(kept):
+        np.testing.assert_allclose(tensor.numpy(), 2 * rows(i, 1 + i) + 1)
+    np.testing.assert_allclose(results["host"].numpy(), 2 * rows(7, 2) + 1)
+    if native_on_device:  # the rows still chain into another compute without a copy
+        again = (await graph.compute({"x": kept[2]}, keep_on_device=True))[out]
+        np.testing.assert_allclose(again.numpy(), 2 * (2 * rows(2, 3) + 1) + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+async def test_a_merged_gpu_run_hands_out_rows_on_the_gpu() -> None:
+    config = parse_config({"pools": {"gpu": {"kind": "gpu", "devices": ["gpu:0"],
+                                             "workers": 1, "backends": ["pytorch"]}}}, None)
+    async with wasinn.Runtime(config) as rt:
+        builders, encoding = affine("pytorch", 2.0, 1.0)
+        graph = await rt.load(builders, encoding, target="gpu",
+                              batching=Batching(max_batch=8))
+        sizes = run_sizes(rt, graph)
+        results: dict[int, wasinn.Tensor] = {}
+
+        async def call(i: int) -> None:
+            results[i] = (await graph.compute({"x": rows(i, 1 + i)}))["output"]
+
+        copies = wasinn.host_copies()
+        async with device_busy(only_actor(rt)) as nursery:
+            for i in range(3):
+                nursery.start_soon(call, i)
+        assert sizes == [6]
+        assert all(results[i].device == "gpu:0" and not results[i].is_host
+                   for i in range(3))
+        assert wasinn.host_copies() == copies
+        for i in range(3):
+            np.testing.assert_allclose(results[i].numpy(), 2 * rows(i, 1 + i) + 1)
 
 
 async def test_a_higher_priority_request_does_not_wait_in_a_lower_batch(

@@ -10,7 +10,7 @@ import pytest
 
 import wasinn
 from tests.example_configs import example_config, scale_onnx
-from tests.support import require_backend, require_gpu
+from tests.support import require_backend
 from wasinn import InvalidArgumentError
 from wasinn.modelgen import ModelFiles, sample_image
 
@@ -128,12 +128,6 @@ async def test_unloading_a_pipeline_frees_its_steps(tmp_path: Path,
         assert len(actor.session_keys()) == 1
         again = await rt.load_by_name("classify")
         assert (await again.compute({"x": sample_image(0)}))["output"].dims == (1, 1000)
-
-
-@pytest.fixture
-def gpu() -> None:
-    """Skip (with its reason) where there is no GPU; a sync fixture, so the reason shows."""
-    require_gpu()
 
 
 @pytest.mark.gpu

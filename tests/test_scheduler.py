@@ -19,7 +19,7 @@ import wasinn
 from tests.backend_models import affine
 from tests.loop_model import LONG_LOOP, loop_onnx
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
-from tests.support import require_backend, require_gpu
+from tests.support import require_backend
 from wasinn import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -447,12 +447,6 @@ async def test_runtime_must_be_entered_and_closes_cleanly() -> None:
     with pytest.raises(ClosedResourceError, match="closed"):
         await runtime.load([affine_onnx_bytes()], "onnx")
     await runtime.aclose()  # idempotent
-
-
-@pytest.fixture
-def gpu() -> None:
-    """Skip (with its reason) where there is no GPU; a sync fixture, so the reason shows."""
-    require_gpu()
 
 
 @pytest.mark.gpu

@@ -69,6 +69,34 @@ def test_native_tensor_materializes_once_and_is_counted() -> None:
     assert wasinn.host_copies() == before + 1
 
 
+def test_slice_rows_shares_data_or_says_it_cannot() -> None:
+    host = Tensor.from_numpy(np.arange(12, dtype=np.float32).reshape(4, 3))
+    piece = host.slice_rows(1, 3)
+    assert piece is not None and piece.dims == (2, 3)
+    assert np.shares_memory(piece.numpy(), host.numpy())
+    np.testing.assert_array_equal(piece.numpy(), host.numpy()[1:3])
+
+    uncuttable = Tensor.from_native(object(), (4, 3), TensorType.F32, device="gpu:0",
+                                    materialize=lambda: np.zeros((4, 3), np.float32))
+    assert uncuttable.slice_rows(0, 1) is None
+
+    cut: list[tuple[int, int]] = []
+
+    def rows(start: int, stop: int) -> Tensor:
+        cut.append((start, stop))
+        return Tensor.from_native(object(), (stop - start, 3), TensorType.F32,
+                                  device="gpu:0", materialize=lambda: np.zeros((1, 3)))
+
+    before = wasinn.host_copies()
+    native = Tensor.from_native(object(), (4, 3), TensorType.F32, device="gpu:0",
+                                materialize=lambda: np.zeros((4, 3), np.float32), rows=rows)
+    native.numpy()  # materialized or not, its rows stay on the device
+    kept = native.slice_rows(2, 4)
+    assert kept is not None and kept.dims == (2, 3) and kept.device == "gpu:0"
+    assert not kept.is_host and cut == [(2, 4)]
+    assert wasinn.host_copies() == before + 1
+
+
 def test_as_tensor_accepts_tensor_and_arrays() -> None:
     t = Tensor.from_numpy(np.zeros(3, np.int64))
     assert as_tensor(t) is t
