@@ -140,9 +140,6 @@ LEGACY_TENSOR_TYPES: dict[int, TensorType] = {
     3: TensorType.I32,
 }
 
-TENSOR_TYPE_NUMBERS: dict[TensorType, int] = {t: n for n, t in TENSOR_TYPES.items()}
-
-
 def decode_encoding(value: int) -> GraphEncoding:
     """The encoding a guest means by WITX number ``value``.
 

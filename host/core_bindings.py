@@ -149,17 +149,6 @@ def _table(nn: GuestNN) -> dict[str, tuple[int, bool, Callable[..., None]]]:
     }
 
 
-#: The functions and their parameter counts, for documentation and tests.
-FUNCTIONS: dict[str, int] = {
-    "load": 5, "load_by_name": 3, "load_by_name_with_config": 5,
-    "init_execution_context": 2, "init_execution_context_on": 3,
-    "set_input": 3, "set_input_by_name": 4, "set_output_by_name": 6,
-    "compute": 1, "compute_single": 1,
-    "get_output": 5, "get_output_single": 5, "get_output_by_name": 6,
-    "unload": 1, "finalize_execution_context": 1, "fini_single": 1,
-}
-
-
 class CallGuard:
     """Turns one ABI method into a host function that always returns an errno."""
 

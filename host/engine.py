@@ -2,8 +2,9 @@
 
 Engine and compiled modules/components are thread-safe and shared by every guest;
 each guest instance has its own Store (see the guest runners). Epoch interruption is
-always on so that cancelling a guest can stop it mid-computation: the runner sets a
-store's deadline and bumps the epoch with :func:`interrupt_all` / a ticker.
+always on so that cancelling a guest can stop it mid-computation: each store gets an
+epoch deadline and an epoch-deadline callback, and the epoch moves only when a guest is
+interrupted (:class:`wasinn.host.interrupt.Interrupter`).
 
 Compiled artifacts are cached under ``$WASINN_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/wasinn`` or ``~/.cache/wasinn``), keyed by the SHA-256 of the wasm
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from importlib.metadata import version
@@ -28,9 +30,11 @@ log = logging.getLogger("wasinn.host")
 _lock = threading.Lock()
 _engine: wasmtime.Engine | None = None
 
-#: Artifacts whose magic says "component" (layer 1) rather than "core module" (layer 0).
+#: The version and layer bytes after ``\0asm`` of a component (a core module has
+#: ``01 00 00 00``: version 1, layer 0).
 _COMPONENT_LAYER = b"\x0d\x00\x01\x00"
-_MODULE_LAYER = b"\x01\x00\x00\x00"
+#: Where a (nested) ``(; ... ;)`` block comment of WebAssembly text opens or closes.
+_BLOCK_COMMENT_MARK = re.compile(rb"\(;|;\)")
 
 
 def shared_engine() -> wasmtime.Engine:
@@ -46,11 +50,49 @@ def shared_engine() -> wasmtime.Engine:
 
 
 def is_component(wasm: bytes) -> bool:
-    """True for a binary component, False for a core module (text formats: by keyword)."""
+    """True for a component, False for a core module, in binary or text format.
+
+    Text is converted with :func:`wasmtime.wat2wasm` and the binary's version and layer
+    bytes decide, so comments and annotations before ``(component`` are no trouble. Text
+    that does not convert is judged by its first keyword after whitespace and comments
+    (:func:`_first_keyword`), so that the compiler that reports its error is the one
+    meant; anything else (not wasm at all) counts as a core module.
+    """
     if wasm[:4] == b"\0asm":
         return wasm[4:8] == _COMPONENT_LAYER
-    head = wasm[:4096].lstrip()
-    return head.startswith(b"(component")
+    try:
+        binary = wasmtime.wat2wasm(wasm)
+    except (wasmtime.WasmtimeError, ValueError, TypeError):
+        return _first_keyword(wasm) == b"component"
+    return bytes(binary[4:8]) == _COMPONENT_LAYER
+
+
+def _first_keyword(text: bytes) -> bytes:
+    """The keyword after the first ``(`` of WebAssembly text, skipping whitespace, ``;;``
+    line comments and (nested) ``(; ;)`` block comments; b"" when there is none."""
+    i, n = 0, len(text)
+    while i < n:
+        if text[i:i + 1] in b" \t\r\n":
+            i += 1
+        elif text.startswith(b";;", i):
+            end = text.find(b"\n", i)
+            i = n if end < 0 else end + 1
+        elif text.startswith(b"(;", i):
+            depth, i = 1, i + 2
+            while depth:
+                found = _BLOCK_COMMENT_MARK.search(text, i)
+                if found is None:
+                    return b""  # an unterminated comment
+                depth += 1 if found.group() == b"(;" else -1
+                i = found.end()
+        elif text.startswith(b"(", i):
+            end = i + 1
+            while end < n and text[end:end + 1] not in b" \t\r\n();":
+                end += 1
+            return text[i + 1:end]
+        else:
+            return b""
+    return b""
 
 
 def cache_dir() -> Path:

@@ -21,9 +21,14 @@ Data movement (why each copy is or is not made):
 - Inputs are *not* copied at ``set_input``: the call records where the tensor lies and
   ``compute`` hands the scheduler numpy views over guest memory, made during the compute
   call itself, when the guest cannot run and so cannot grow (move) its memory. Like
-  WasmEdge, a guest therefore must keep the input buffer intact until ``compute``. Two
-  inputs bound to overlapping bytes are the one case where that would surprise a guest
-  (a buffer reused for the next input): the earlier input is snapshotted then.
+  WasmEdge, a guest therefore must keep the input buffer intact until ``compute``: the
+  inputs are the bytes its buffers hold then. A guest written for a host that copies at
+  ``set_input`` (Wasmtime) may refill one buffer for each input in turn; every input
+  would then read the last data. That cannot be told apart from two inputs meant to read
+  the same bytes, so it is not refused, but logged (a warning, once per guest) when a
+  compute finds two inputs' bytes overlapping. A compute whose request may run in a
+  device worker thread that outlives the call (a compute timeout, a batching graph on a
+  busy device) hands it copies instead of views.
 - Outputs are copied once, straight into the guest's buffer (``get_output``), or written
   there by the backend itself when the buffer was bound before compute
   (``set_output_by_name``).
@@ -87,7 +92,10 @@ class _GuestContext:
     graph_handle: int
     inputs_spec: tuple[TensorSpec, ...]
     outputs_spec: tuple[TensorSpec, ...]
+    batches: bool  # its graph merges requests: they may run in a device worker thread
     inputs: dict[str, InputBinding] = field(default_factory=dict)
+    #: Two of ``inputs`` lie in overlapping guest bytes (see the module docstring).
+    overlapping: bool = False
     bound_outputs: dict[str, OutputBinding] = field(default_factory=dict)
     results: dict[str, Tensor] | None = None
     stream_done: bool = False
@@ -112,6 +120,7 @@ class GuestNN:
         self.model_bytes = 0
         #: The request this guest's thread is running (see :meth:`interrupt`).
         self.in_flight = InFlight()
+        self._warned_overlap = False
 
     def interrupt(self) -> None:
         """Stop the inference this guest is running, from another thread, where the
@@ -166,6 +175,9 @@ class GuestNN:
         tgt = decode_target(target)
         self.limits.check_target(tgt)
         views = mem.builders(builders_ptr, builders_len)
+        if not views:
+            raise InvalidArgumentError("load got an empty builder list: expected at least "
+                                       "one graph builder (the model's bytes)")
         total = sum(int(v.nbytes) for v in views)
         self._check_graph_quota(total)
         builders = [v.tobytes() for v in views]  # the scheduler keeps them: copy once
@@ -234,7 +246,8 @@ class GuestNN:
         handle = self._next_context
         self._next_context += 1
         self.contexts[handle] = _GuestContext(
-            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs))
+            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs),
+            entry.graph.batching is not None)
         entry.contexts.add(handle)
         mem.write_u32(ctx_out, handle)
 
@@ -264,10 +277,9 @@ class GuestNN:
                     tensor_ptr: int) -> None:
         key = mem.tensor_key(tensor_ptr)
         current = entry.inputs.get(spec.name)
-        if current is not None and current.snapshot is None and current.key == key:
+        if current is not None and current.key == key:
             # The tensor bound last time, again (a guest's inference loop): it was checked
-            # then, and live bindings never overlap (each new one snapshots those it
-            # overlaps), so there is nothing to redo.
+            # then, and the bindings have not changed, so there is nothing to redo.
             entry.stream_done = False
             return
         record = mem.tensor(tensor_ptr)
@@ -277,14 +289,8 @@ class GuestNN:
                 f"{self.limits.max_tensor_bytes}"
             )
         check_against_spec(record, spec)
-        start, end = record.span
-        for other_name, other in entry.inputs.items():
-            if other_name == spec.name or other.snapshot is not None:
-                continue  # being replaced, or already safe
-            o_start, o_end = other.record.span
-            if start < o_end and o_start < end:
-                other.snapshot = mem.span(o_start, o_end - o_start).copy()
         entry.inputs[spec.name] = InputBinding(record, key)
+        entry.overlapping = _any_overlap(entry.inputs)
         entry.stream_done = False
 
     # -- outputs bound before compute -------------------------------------------------
@@ -302,14 +308,20 @@ class GuestNN:
     # -- compute ------------------------------------------------------------------
     def compute(self, mem: GuestMemory, ctx_handle: int) -> None:
         entry = self._context(ctx_handle)
+        if entry.overlapping and not self._warned_overlap:
+            self._warned_overlap = True
+            log.warning("compute reads inputs %s from overlapping guest bytes: inputs are "
+                        "read at compute, not copied at set_input, so a buffer refilled "
+                        "for each input gives them all its last data (expected one buffer "
+                        "per input; this is logged once per guest)",
+                        ", ".join(repr(n) for n in entry.inputs))
         # Views over guest memory, made now (the guest cannot run, so cannot move its
         # memory, until this call returns). set_input checked each record against the
         # graph and its byte length against its dimensions: no need to check again.
         inputs = {}
         for name, b in entry.inputs.items():
             record = b.record
-            raw = b.snapshot if b.snapshot is not None \
-                else mem.span(record.data_ptr, record.data_len)
+            raw = mem.span(record.data_ptr, record.data_len)
             inputs[name] = Tensor(record.dims, record.type,
                                   array=raw.view(numpy_dtype(record.type)).reshape(record.dims))
         bound: dict[str, np.ndarray[Any, Any]] = {}
@@ -328,7 +340,7 @@ class GuestNN:
             if timeout is None:
                 # The backend runs in this (the guest's) thread: one trio round trip.
                 entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
-                                                      self.in_flight)
+                                                      self.in_flight, batches=entry.batches)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
                 # An abandoned run goes on after the guest resumes (and perhaps after its
@@ -391,11 +403,12 @@ class GuestNN:
             raise NotFoundError(f"output {name!r} was not produced by the last compute")
         source = tensor.numpy()
         needed = int(source.nbytes)
+        mem.write_u32(written_ptr, needed)
         if needed > self.limits.max_tensor_bytes:
             raise TooLargeError(
-                f"output {name!r} is {needed} bytes: the limit is {self.limits.max_tensor_bytes}"
+                f"output {name!r} is {needed} bytes: the limit is "
+                f"{self.limits.max_tensor_bytes} (its size was written to bytes_written)"
             )
-        mem.write_u32(written_ptr, needed)
         if needed > buffer.shape[0]:
             raise TooLargeError(
                 f"output {name!r} needs {needed} bytes but the guest buffer holds "
@@ -429,3 +442,8 @@ class GuestNN:
             except Exception:
                 log.exception("unloading graph %d failed", handle)
         self.model_bytes = 0
+
+
+def _any_overlap(bindings: dict[str, InputBinding]) -> bool:
+    spans = sorted(b.record.span for b in bindings.values() if b.record.data_len)
+    return any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1))

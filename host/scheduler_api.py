@@ -53,6 +53,8 @@ class GraphLike(Protocol):
     def inputs(self) -> tuple[TensorSpec, ...]: ...
     @property
     def outputs(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def batching(self) -> object | None: ...
     def init_execution_context(self, target: Any = None) -> Any: ...
     async def unload(self) -> None: ...
 
@@ -89,7 +91,3 @@ class TrioPortal:
         import trio
 
         return trio.from_thread.run_sync(fn, *args)
-
-
-def spec_names(specs: Sequence[TensorSpec]) -> Mapping[str, int]:
-    return {spec.name: i for i, spec in enumerate(specs)}

@@ -37,7 +37,6 @@ class InputBinding:
     #: The record's bytes and its dimensions' (GuestMemory.tensor_key): the same key at
     #: the next set_input means the same tensor, already checked.
     key: bytes = b""
-    snapshot: np.ndarray[Any, Any] | None = None  # set when the guest bytes may change
 
 
 @dataclass
@@ -130,7 +129,7 @@ class InFlight:
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
                           bound: dict[str, np.ndarray[Any, Any]],
-                          in_flight: InFlight) -> dict[str, Tensor]:
+                          in_flight: InFlight, *, batches: bool = False) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a device slot (no trio when one is free and nobody is queued, else one
     trio round trip through ``portal`` to queue), then run the backend here; the slot is
@@ -139,11 +138,18 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     Cancelling the guest's trio task while the request is queued drops it (the portal
     raises trio.Cancelled here); a running request is registered with ``in_flight``, whose
     ``interrupt`` stops it where the backend can (ONNX Runtime, OpenVINO).
+
+    ``inputs`` may be views of guest memory. When the graph ``batches``, a queued request
+    joins a batch that runs in a device worker thread, and a cancelled guest leaves that
+    batch at once: its memory may be gone while the batch still runs, so such a request
+    is handed copies instead (one copy of each input, only on a busy device).
     """
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
     run = ctx.try_lease(inputs)
     if run is None:
+        if batches:
+            inputs = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
         run = portal.run(functools.partial(ctx.lease, inputs))
     try:
         return in_flight.run(run)

@@ -34,6 +34,8 @@ class Executable(Protocol):
     released: bool
     #: Its requests on every device since it was loaded (see ``Graph.stats``).
     requests: RequestStats
+    #: How its requests are merged on a device (None: they are not).
+    batching: Batching | None
 
     def backend_for(self, target: ExecutionTarget) -> str:
         """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""

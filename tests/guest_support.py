@@ -50,6 +50,7 @@ def make_guest_models(directory: Path, mobilenet: ModelFiles) -> GuestModels:
         "identity_u8": identity_onnx(TensorType.U8),
         "identity_i32": identity_onnx(TensorType.I32),
         "affine": affine_onnx(scale=2.0, bias=1.0, size=1000, in_name="x", out_name="y"),
+        "sub": sub_onnx(),
     }
     for name, data in small.items():
         (directory / f"{name}.onnx").write_bytes(data)
@@ -60,6 +61,17 @@ def make_guest_models(directory: Path, mobilenet: ModelFiles) -> GuestModels:
     models["missing"] = {"files": [str(directory / "no-such-file.onnx")], "encoding": "onnx"}
     config = parse_config({"models": models}, None, label="guest test config")
     return GuestModels(directory, image, config)
+
+
+def sub_onnx() -> bytes:
+    """``y = a - b`` over f32 (1, 4): two inputs."""
+    from onnx import TensorProto, helper
+
+    a, b, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in "aby")
+    graph = helper.make_graph([helper.make_node("Sub", ["a", "b"], ["y"])], "sub", [a, b], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
 
 
 def top1(scores: np.ndarray[Any, Any]) -> tuple[int, float]:

@@ -19,6 +19,7 @@ from tests.component_guests import LEGACY_VERSIONS, RecordingRuntime, shim_legac
 from tests.support import require_backend
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.component import ComponentGuest
+from wasinn.host.component.tables import MAX_ERROR_MESSAGE_BYTES, ContextEntry
 from wasinn.host.limits import GuestLimits
 from wasinn.host.runner import GuestTrap
 
@@ -40,11 +41,17 @@ async def legacy(request: pytest.FixtureRequest, nn_config: RuntimeConfig
             yield guest, rt, request.param
 
 
+#: Shim exports whose WIT result is ``result<_, error>``: None, or an error handle.
+UNTAGGED = {"set-input", "compute"}
+
+
 async def ok(guest: ComponentGuest, name: str, *args: Any) -> Any:
     result = await guest.call(name, *args)
     if isinstance(result, Variant):
         assert result.tag == "ok", (result, await error_of(guest, result.payload))
         return result.payload
+    if name in UNTAGGED:
+        assert result is None, await error_of(guest, result)
     return result
 
 
@@ -139,15 +146,67 @@ async def test_bad_input_is_reported_by_set_input(legacy: tuple[ComponentGuest, 
     assert guest.live()["tensor"] == 0
 
 
-async def test_wrong_input_name_is_reported_by_compute(legacy: tuple[ComponentGuest, Any, str]
-                                                       ) -> None:
+async def test_set_input_refuses_a_name_that_is_not_an_input(
+        legacy: tuple[ComponentGuest, Any, str]) -> None:
     guest, _, _ = legacy
     _graph, ctx = await context(guest)
-    await ok(guest, "set-input", ctx, "nope",
-             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    code, message = await err(guest, "set-input", ctx, "nope",
+                              await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    assert code == "not-found"
+    assert "'nope'" in message and "expected one of its inputs 'x'" in message
+    # the tensor was handed over and is gone: the host stages nothing under any name
+    assert guest.live()["tensor"] == 0
+    assert only_context(guest).inputs == {}
+    assert guest.service.tables.tensors.nbytes == 0
     code, message = await err(guest, "compute", ctx)
-    assert code in ("invalid-argument", "not-found")
-    assert "nope" in message
+    assert code == "invalid-argument" and "before any set-input" in message
+
+
+def only_context(guest: ComponentGuest) -> ContextEntry:
+    (entry,) = guest.service.tables.contexts
+    return entry
+
+
+async def test_staging_unknown_names_holds_nothing_on_the_host(
+        legacy: tuple[ComponentGuest, Any, str]) -> None:
+    """Every name that is not an input is refused, however many and however long, so a
+    guest cannot grow the host's staged inputs past the graph's input count."""
+    guest, _, _ = legacy
+    _graph, ctx = await context(guest)
+    long_name = "n" * 100_000
+    for i in range(50):
+        empty = await guest.call("tensor-new", [0], FP32, b"")  # charged 0 bytes
+        code, message = await err(guest, "set-input", ctx, f"{i:03d}{long_name}", empty)
+        assert code == "not-found"
+        # the name is quoted in part, its length given; the graph's inputs are listed
+        assert f"'{i:03d}nnn" in message and "(100003 characters in all)" in message
+        assert len(message) < 1000 and "'x'" in message
+    # positions beyond the graph's inputs are unknown names too
+    for name in ("1", "4294967296", "9" * 5000, "²"):
+        code, message = await err(guest, "set-input", ctx, name,
+                                  await guest.call("tensor-new", [0], FP32, b""))
+        assert code == "not-found", message
+        assert "a position below 1" in message
+    assert only_context(guest).inputs == {}
+    assert guest.service.tables.tensors.nbytes == 0
+    assert guest.live() == {"tensor": 0, "graph": 1, "graph-execution-context": 1, "error": 0}
+
+
+async def test_set_input_by_position_stages_that_input(
+        legacy: tuple[ComponentGuest, Any, str]) -> None:
+    guest, _, _ = legacy
+    _graph, ctx = await context(guest)
+    await ok(guest, "set-input", ctx, "x",
+             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    # "0" names input 0, "x": it replaces what was staged, it does not add an entry
+    await ok(guest, "set-input", ctx, "0",
+             await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes()))
+    assert list(only_context(guest).inputs) == ["x"]
+    assert guest.service.tables.tensors.nbytes == X.nbytes
+    await ok(guest, "compute", ctx)
+    y = await ok(guest, "get-output", ctx, "y")
+    out = np.frombuffer(await guest.call("tensor-data", y), np.float32)
+    np.testing.assert_allclose(out, (X * 5 * 2 + 1).reshape(-1))
 
 
 async def test_load_errors(legacy: tuple[ComponentGuest, Any, str]) -> None:
@@ -168,30 +227,74 @@ async def test_error_constructor_of_2024_06_25(legacy: tuple[ComponentGuest, Any
     assert guest.live()["error"] == 0
 
 
+def sub_onnx() -> bytes:
+    """``y = a - b`` over f32 ``(n, 4)``: a graph with two inputs."""
+    from onnx import TensorProto, helper
+
+    a, b, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", 4])
+               for name in ("a", "b", "y"))
+    graph = helper.make_graph([helper.make_node("Sub", ["a", "b"], ["y"])], "sub", [a, b], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+async def test_the_error_constructor_of_2024_06_25_cuts_a_long_message(
+        nn_config: RuntimeConfig) -> None:
+    require_backend("onnxruntime")
+    version = LEGACY_VERSIONS[-1]
+    assert version.endswith("06-25")
+    async with wasinn.Runtime(nn_config) as runtime:
+        guest = await ComponentGuest.start(runtime, shim_legacy(version))
+        async with guest:
+            data = "h" * 10 + "é" * 1_000_000 + "tail"  # 2 MB of UTF-8
+            handle = await guest.call("error-new", CODES.index("not-found"), data)
+            (entry,) = guest.service.tables.errors
+            assert len(entry.message.encode()) <= MAX_ERROR_MESSAGE_BYTES + 40
+            code, message = await error_of(guest, handle)
+            assert code == "not-found"
+            # the first and last 2 KiB (2048 = 10 + 2 x 1019 and 4 + 2 x 1022 bytes)
+            assert message == ("h" * 10 + "é" * 1019 + "… (1995918 bytes elided) …"
+                               + "é" * 1022 + "tail")
+        assert guest.live()["error"] == 0
+
+
 async def test_staged_inputs_count_against_the_live_tensor_budget(nn_config: RuntimeConfig
                                                                   ) -> None:
     require_backend("onnxruntime")
     async with wasinn.Runtime(nn_config) as runtime:
         guest = await ComponentGuest.start(runtime, shim_legacy(LEGACY_VERSIONS[0]),
-                                           limits=GuestLimits(max_live_tensor_bytes=64))
+                                           limits=GuestLimits(max_live_tensor_bytes=96))
         async with guest:
-            _graph, ctx = await context(guest)
-            for name in ("x", "y"):  # 2 x 32 bytes staged: the whole budget
-                await ok(guest, "set-input", ctx, name,
-                         await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
-            code, message = await err(guest, "set-input", ctx, "z",
+            tensors = guest.service.tables.tensors
+            graph = await ok(guest, "load", [sub_onnx()], 1, 0)
+            ctx = await ok(guest, "init", graph)
+            await ok(guest, "set-input", ctx, "a",
+                     await guest.call("tensor-new", [2, 4], FP32, (X * 2).tobytes()))
+            await ok(guest, "set-input", ctx, "1",  # input 1, "b", by position
+                     await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+            assert sorted(only_context(guest).inputs) == ["a", "b"]
+            assert tensors.nbytes == 64 and guest.live()["tensor"] == 0  # staged, charged
+            new_a = await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes())
+            assert tensors.nbytes == 96  # the whole budget
+            # one more does not fit: its constructor keeps a too-large error for set-input
+            code, message = await err(guest, "set-input", ctx, "b",
                                       await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
             assert code == "too-large" and "max_live_tensor_bytes" in message
-            # replacing a staged input of the same size fits
-            await ok(guest, "set-input", ctx, "x",
-                     await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes()))
-            code, _ = await err(guest, "compute", ctx)  # the graph has no input "y"
-            assert code in ("invalid-argument", "not-found")
+            # replacing a staged input of the same size fits, and frees the old one
+            await ok(guest, "set-input", ctx, "a", new_a)
+            assert tensors.nbytes == 64
+            await ok(guest, "compute", ctx)
+            y = await ok(guest, "get-output", ctx, "y")
+            out = np.frombuffer(await guest.call("tensor-data", y), np.float32)
+            np.testing.assert_allclose(out, (X * 5 - X).reshape(-1))
+            await guest.call("tensor-drop", y)
             await guest.call("ctx-drop", ctx)  # dropping the context frees what it staged
-            for _ in range(2):
+            assert tensors.nbytes == 0
+            for _ in range(3):
                 await guest.call("tensor-new", [2, 4], FP32, X.tobytes())
-            assert guest.service.tables.tensors.nbytes == 64
-            assert guest.live()["tensor"] == 2
+            assert tensors.nbytes == 96
+            assert guest.live()["tensor"] == 3
 
 
 async def test_the_error_constructor_traps_a_guest_holding_every_error(nn_config: RuntimeConfig

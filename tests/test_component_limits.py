@@ -16,12 +16,20 @@ import trio
 
 import wasinn
 from tests.component_guests import RecordingRuntime
-from tests.test_component_host import CPU, FP32, ONNX, start_shim
+from tests.test_component_host import CODES, CPU, FP32, ONNX, start_shim
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
-from wasinn.errors import InvalidArgumentError
+from wasinn.errors import InvalidArgumentError, NotFoundError
 from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.service import NNService
+from wasinn.host.component.tables import (
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_QUOTED_CHARS,
+    ErrorEntry,
+    ResourceExhausted,
+    bounded_message,
+    quoted,
+)
 from wasinn.host.limits import GuestLimits, limits_of
 from wasinn.host.runner import GuestTrap
 from wasinn.modelgen import affine_onnx
@@ -121,6 +129,87 @@ async def test_live_errors_are_capped_and_the_guest_is_trapped_with_the_lost_err
         with pytest.raises(GuestTrap, match=r"max_errors.*not-found.*nope-lost"):
             await shim("load-by-name", "nope-lost")
     assert guest.live() == NOTHING
+
+
+# -- error sizes ----------------------------------------------------------------------------
+def test_bounded_message_keeps_a_short_message_whole() -> None:
+    assert bounded_message("no input 'x'") == "no input 'x'"
+    exact = "é" * (MAX_ERROR_MESSAGE_BYTES // 2)  # exactly the limit in UTF-8 bytes
+    assert bounded_message(exact) == exact
+
+
+def test_bounded_message_keeps_both_ends_of_a_long_message_in_whole_characters() -> None:
+    message = "head " + "€" * 2000 + " expected one of 'x'"  # "€" is 3 bytes in UTF-8
+    total = len(message.encode())
+    cut = bounded_message(message)
+    assert cut.startswith("head €") and cut.endswith("€ expected one of 'x'")
+    head, rest = cut.split("… (", 1)
+    note, tail = rest.split(") …", 1)
+    assert len(head.encode()) <= MAX_ERROR_MESSAGE_BYTES // 2
+    assert len(tail.encode()) <= MAX_ERROR_MESSAGE_BYTES // 2
+    # no character was split, and the note counts exactly what is missing
+    assert note == f"{total - len(head.encode()) - len(tail.encode())} bytes elided"
+    assert message.startswith(head) and message.endswith(tail)
+
+
+def test_quoted_shortens_a_long_guest_string_and_gives_its_length() -> None:
+    assert quoted("x") == "'x'"
+    shown = quoted("n" * 1_000_000)
+    assert shown == f"{'n' * MAX_QUOTED_CHARS!r}… (1000000 characters in all)"
+
+
+def test_an_error_keeps_its_code_and_a_bounded_message_not_the_exception() -> None:
+    svc = NNService(None, None, limits=GuestLimits(max_errors=1))  # type: ignore[arg-type]
+    huge = "x" * 10_000_000
+    full = f"no model named {huge!r}: registered: affine"
+    rep = svc.error_new(NotFoundError(full))
+    assert isinstance(svc.tables.errors.get(rep), ErrorEntry)  # no traceback kept
+    assert svc.error_code(rep) == "not-found"
+    message = svc.error_data(rep)
+    assert len(message.encode()) <= MAX_ERROR_MESSAGE_BYTES + 40
+    assert message.startswith("no model named 'xxx") and message.endswith("registered: affine")
+    assert f"({len(full) - MAX_ERROR_MESSAGE_BYTES} bytes elided)" in message
+    # the trap for an error past max_errors repeats the lost error, cut the same way
+    with pytest.raises(ResourceExhausted, match="max_errors") as trap:
+        svc.error_new(InvalidArgumentError(huge))
+    assert len(str(trap.value)) < 2 * MAX_ERROR_MESSAGE_BYTES
+    assert "bytes elided" in str(trap.value)
+
+
+async def test_errors_echoing_a_huge_guest_name_stay_small_on_the_host(
+        rt: RecordingRuntime) -> None:
+    guest, shim = await start_shim(rt)
+    async with guest:
+        name = "n" * 2_000_000
+        held = []
+        for _ in range(5):
+            result = await shim("load-by-name", name)
+            assert result.tag == "err"
+            held.append(result.payload)  # the guest keeps every error
+        messages = [entry.message for entry in guest.service.tables.errors]
+        assert len(messages) == 5
+        assert sum(len(m.encode()) for m in messages) <= 5 * (MAX_ERROR_MESSAGE_BYTES + 40)
+        code, message = CODES[await shim("error-code", held[0])], await shim("error-data",
+                                                                              held[0])
+        assert code == "not-found"
+        # what was wrong (the start of the name) and what was expected (the end: the
+        # registered names) both survive the cut
+        assert message.startswith("no model or pipeline named 'nnn")
+        assert "bytes elided" in message and "affine" in message.rsplit("…", 1)[1]
+        for handle in held:
+            await shim("error-drop", handle)
+    assert guest.live() == NOTHING
+
+
+def test_a_huge_scratch_name_is_refused_without_being_repeated(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    svc = NNService(None, None, scratch=scratch)  # type: ignore[arg-type]
+    rep = svc.tensor_new([2, 4], "FP32", X.tobytes())
+    for name in ("a/" * 500_000, "\0" * 1_000_000, "n" * 256):
+        with pytest.raises(InvalidArgumentError, match="bytes long: expected at most 255") as exc:
+            svc.tensor_to_scratch(rep, name)
+        assert len(exc.value.message) < 200
+    assert list(scratch.path.iterdir()) == []  # nothing was written
 
 
 def test_the_guests_table_sets_the_component_limits() -> None:

@@ -186,3 +186,24 @@ def test_copy_bytes_writes_any_output_into_guest_bytes(source: np.ndarray[Any, A
     target = np.full(np.ascontiguousarray(source).nbytes, 0xAA, dtype=np.uint8)
     copy_bytes(target, source)
     assert target.tobytes() == np.ascontiguousarray(source).tobytes()
+
+
+def test_an_output_over_the_tensor_limit_still_reports_its_size() -> None:
+    # Like every too_large of get_output, the needed size is written to bytes_written.
+    from wasinn.backends.base import TensorSpec
+    from wasinn.errors import TooLargeError
+    from wasinn.host.limits import GuestLimits
+    from wasinn.host.nn_core import GuestNN, _GuestContext
+    from wasinn.tensor import Tensor
+
+    nn = GuestNN(runtime=None, portal=None,  # type: ignore[arg-type]
+                 limits=GuestLimits(max_tensor_bytes=8))
+    entry = _GuestContext(ctx=None, graph_handle=0, inputs_spec=(),  # type: ignore[arg-type]
+                          outputs_spec=(TensorSpec("y", TensorType.F32, (1, 4)),),
+                          batches=False)
+    entry.results = {"y": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    nn.contexts[0] = entry
+    mem = _memory()
+    with pytest.raises(TooLargeError, match="limit is 8"):
+        nn.get_output(mem, 0, 0, 0x80, 64, 0x10)
+    assert mem.read_u32(0x10) == 16

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -20,6 +22,7 @@ from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
 from tests.support import require_backend
 from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.limits import GuestLimits
 from wasinn.host.runner import GuestTrap, run_wasm
 from wasinn.modelgen import ModelFiles
@@ -67,6 +70,17 @@ async def test_wat_guest_checks_with_a_compute_timeout(rt: wasinn.Runtime, name:
     # included.
     code = await run_wasm(rt, WAT_DIR / f"{name}.wat", limits=GuestLimits(compute_timeout=60))
     assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
+
+
+async def test_a_buffer_refilled_for_each_input_is_read_at_compute_and_logged(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    # Inputs are views read at compute (no copy at set_input): both inputs read the
+    # buffer's last data, as documented, and the host says so in its log.
+    with caplog.at_level(logging.WARNING, logger="wasinn.host"):
+        code = await rt.run_wasm(WAT_DIR / "reused_buffer.wat")
+    assert code == 0  # 1 - 1; a host that copies at set_input would give 100 - 1
+    (warning,) = [r for r in caplog.records if "overlapping guest bytes" in r.message]
+    assert "'a', 'b'" in warning.message
 
 
 async def test_guest_without_memory_gets_missing_memory(rt: wasinn.Runtime) -> None:
@@ -265,17 +279,80 @@ async def test_guest_computes_run_in_the_guest_thread_unless_a_timeout_applies(
     await graph.unload()
 
 
+def batched_mobilenet(guest_models: GuestModels) -> RuntimeConfig:
+    """One worker on the CPU, and the MobileNet model batching up to 8 rows."""
+    return parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
+        "models": {"mobilenet": {"files": [str(guest_models.directory / "model.onnx")],
+                                 "encoding": "onnx", "batching": {"max_batch": 8}}},
+    }, None)
+
+
+async def test_a_guest_cancelled_while_its_batch_runs_leaves_it_safe_inputs(
+        guest_models: GuestModels, guest_dir: Path) -> None:
+    # A guest's compute on a busy device joins a batch that runs in a worker thread. A
+    # cancelled guest leaves it at once and its Store (its linear memory) is freed while
+    # the batch still runs: the batch must hold copies, not views of that memory (which
+    # would be read after it was unmapped: a crash of the whole host).
+    wasm = example_guest("classify_named", guest_dir)
+    require_backend("onnxruntime")
+    config = batched_mobilenet(guest_models)
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load_by_name("mobilenet")
+        (cpu,) = rt.actors
+        session = cpu.cached_session(graph._executable.id)  # type: ignore[attr-defined]
+        assert session is not None
+        compiled = session.compiled
+        real_run = compiled.run
+        entered, release = threading.Event(), threading.Event()
+        seen: list[np.ndarray] = []
+
+        def held_run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+            entered.set()
+            release.wait(60)  # until the guest is gone
+            seen.append(np.array(wasinn.tensor.as_tensor(inputs["input"]).numpy()))
+            return real_run(inputs, **kwargs)
+
+        compiled.run = held_run
+        gate = threading.Event()
+        guest_done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(cpu.execute, lambda: gate.wait(60)))
+            await trio.testing.wait_all_tasks_blocked()
+            guest_scope = trio.CancelScope()
+
+            async def guest() -> None:
+                with guest_scope:
+                    await rt.run_wasm(wasm, argv=["mobilenet", "/d/input.bin"],
+                                      dirs={"/d": str(guest_models.directory)})
+                guest_done.set()
+
+            nursery.start_soon(guest)
+            with trio.fail_after(60):
+                while cpu.stats().queued < 1:
+                    await trio.sleep(0.01)
+                gate.set()  # the batch of one starts: its run waits in held_run
+                while not entered.is_set():
+                    await trio.sleep(0.01)
+                guest_scope.cancel()
+                await guest_done.wait()
+            gc.collect()  # nothing holds the guest's Store now
+            release.set()
+            with trio.fail_after(60):
+                while cpu.stats().running:
+                    await trio.sleep(0.01)
+        compiled.run = real_run
+    assert len(seen) == 1
+    np.testing.assert_array_equal(seen[0], guest_models.image)
+
+
 async def test_guests_on_a_busy_device_share_batched_runs(
         guest_models: GuestModels, guest_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # Four guests compute while the device's only slot is taken: with batching configured
     # their requests queue as one batch and run as one merged run of four rows.
     wasm = example_guest("classify_named", guest_dir)
     require_backend("onnxruntime")
-    config = parse_config({
-        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
-        "models": {"mobilenet": {"files": [str(guest_models.directory / "model.onnx")],
-                                 "encoding": "onnx", "batching": {"max_batch": 8}}},
-    }, None)
+    config = batched_mobilenet(guest_models)
     codes: list[int] = []
     async with wasinn.Runtime(config) as rt:
         graph = await rt.load_by_name("mobilenet")

@@ -16,15 +16,18 @@ from wasinn.host.runner import run_wasm
 from wasinn.host.tensor_binding import run_context
 from wasinn.modelgen import affine_onnx
 
-# A guest whose exit code is the errno of `load(no builders, onnx, TARGET)`.
+# A guest whose exit code is the errno of `load(BUILDERS builders, onnx, TARGET)`: the
+# builder at 0x10 is 4 bytes of junk at 0x20.
 LOAD_ON_TARGET = """
 (module
   (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
   (memory (export "memory") 1)
+  (data (i32.const 0x10) "\\20\\00\\00\\00\\04\\00\\00\\00")
+  (data (i32.const 0x20) "junk")
   (func (export "_start")
-    (call $exit (call $load (i32.const 0) (i32.const 0) (i32.const 1) (i32.const TARGET)
-                            (i32.const 64)))))
+    (call $exit (call $load (i32.const 0x10) (i32.const BUILDERS) (i32.const 1)
+                            (i32.const TARGET) (i32.const 64)))))
 """
 INVALID_ARGUMENT, INVALID_ENCODING = 1, 2
 
@@ -63,16 +66,18 @@ def test_check_target_names_what_is_allowed() -> None:
         limits.check_target(wasinn.ExecutionTarget.GPU)
 
 
-@pytest.mark.parametrize(("target", "allowed", "errno"), [
-    (1, None, None),                    # gpu, unrestricted: reaches the loader
-    (1, ["cpu"], INVALID_ARGUMENT),     # gpu refused before anything is read
-    (0, ["cpu"], INVALID_ENCODING),     # cpu allowed: the empty builder list is the error
+@pytest.mark.parametrize(("target", "allowed", "builders", "errno"), [
+    (1, None, 1, None),                   # gpu, unrestricted: reaches the loader
+    (1, ["cpu"], 1, INVALID_ARGUMENT),    # gpu refused before anything is read
+    (0, ["cpu"], 1, INVALID_ENCODING),    # cpu allowed: the junk bytes are the error
+    (0, ["cpu"], 0, INVALID_ARGUMENT),    # no builder at all: a bad argument
 ])
 async def test_core_guest_targets_follow_allowed_targets(
-    tmp_path: Path, target: int, allowed: list[str] | None, errno: int | None
+    tmp_path: Path, target: int, allowed: list[str] | None, builders: int, errno: int | None
 ) -> None:
     guest = tmp_path / "load_on_target.wat"
-    guest.write_text(LOAD_ON_TARGET.replace("TARGET", str(target)))
+    guest.write_text(LOAD_ON_TARGET.replace("TARGET", str(target))
+                     .replace("BUILDERS", str(builders)))
     config = parse_config({"guests": {"allowed_targets": allowed}} if allowed else {}, None)
     async with wasinn.Runtime(config) as rt:
         code = await run_wasm(rt, guest)

@@ -21,8 +21,12 @@ InvalidArgumentError for a bad name or a file of the wrong size or kind, TooLarg
 beyond the guest's ``max_tensor_bytes``. Tensor data is *copied* out of the file, so a
 guest rewriting the file later does not change a tensor it already made.
 
-Not enforced: how much a guest writes to its directory through plain WASI calls (WASI
-has no quota); a guest can use up ``/dev/shm`` until it ends.
+Quota: WASI has no quota of its own, so what a guest writes through plain WASI calls is
+measured instead (:meth:`ScratchDir.usage`, :func:`quota_exceeded`): the guest runner
+(:mod:`wasinn.host.component.guest`) polls the directory while the guest runs and again
+when each call returns, and stops for good a guest over ``[guests] max_scratch_bytes``
+or ``max_scratch_files``; ``tensor-to-scratch`` refuses a write that would go over. A
+guest can therefore exceed its quota only by what it writes between two measurements.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ def check_name(name: str) -> str:
     expected = "expected a plain file name such as 'input.bin' inside the scratch directory"
     if not name:
         raise InvalidArgumentError(f"scratch file name is empty: {expected}")
+    if len(os.fsencode(name)) > MAX_NAME_BYTES:  # first: the messages below quote the name
+        raise InvalidArgumentError(
+            f"scratch file name is {len(os.fsencode(name))} bytes long: expected at most "
+            f"{MAX_NAME_BYTES}")
     if name in {".", ".."}:
         raise InvalidArgumentError(f"scratch file name {name!r} names a directory: {expected}")
     if "/" in name or "\\" in name:
@@ -81,10 +89,6 @@ def check_name(name: str) -> str:
             f"scratch file name {name!r} contains a path separator: {expected}")
     if "\0" in name:
         raise InvalidArgumentError(f"scratch file name {name!r} contains a NUL byte: {expected}")
-    if len(os.fsencode(name)) > MAX_NAME_BYTES:
-        raise InvalidArgumentError(
-            f"scratch file name is {len(os.fsencode(name))} bytes long: expected at most "
-            f"{MAX_NAME_BYTES}")
     return name
 
 

@@ -23,9 +23,11 @@ a graph whose unload was cancelled half-way.
 
 Limits (:class:`~wasinn.host.limits.GuestLimits`): dimensions from the guest are
 checked for rank (at most :data:`~wasinn.tensor.MAX_RANK`) before any arithmetic on
-them; live tensors are bounded in count and bytes, errors in count (see
-:mod:`~wasinn.host.component.tables`); a guest may hold only graphs whose default target
-it is allowed to use, whichever way they were loaded.
+them; live tensors are bounded in count and bytes, errors in count and each error's
+message in size (see :mod:`~wasinn.host.component.tables`); the older RCs' ``set-input``
+stages only the graph's own inputs, so a context holds at most one staged tensor per
+input; a guest may hold only graphs whose default target it is allowed to use, whichever
+way they were loaded.
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ from wasinn.errors import (
     WasiNNError,
     error_for_code,
 )
-from wasinn.host.component.scratch import ScratchDir, Usage, quota_exceeded
+from wasinn.host.component.scratch import ScratchDir, Usage, check_name, quota_exceeded
 from wasinn.host.component.tables import (
     ContextEntry,
+    ErrorEntry,
     GraphEntry,
     GuestTables,
     ResourceExhausted,
     TensorEntry,
+    quoted,
 )
 from wasinn.host.limits import GuestLimits
 from wasinn.host.scheduler_api import Portal
@@ -105,6 +109,15 @@ def _try_graph_lease(graph: Any, inputs: Mapping[Any, Tensor],
     return graph.try_lease(inputs, keep_on_device=True)
 
 
+def _position(name: str, count: int) -> int | None:
+    """The position ``name`` spells in decimal ASCII digits, if below ``count``."""
+    # Only short ASCII: str.isdigit() also accepts digits int() refuses ("²"), and int()
+    # refuses strings of more than 4300 digits.
+    if len(name) <= 10 and name.isascii() and name.isdigit() and int(name) < count:
+        return int(name)
+    return None
+
+
 class NNService:
     """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread."""
 
@@ -134,7 +147,9 @@ class NNService:
 
     # -- errors -----------------------------------------------------------------------
     def error_new(self, error: WasiNNError) -> int:
-        """An ``error`` resource for ``error``.
+        """An ``error`` resource for ``error``: its code and its message, cut to
+        :data:`~wasinn.host.component.tables.MAX_ERROR_MESSAGE_BYTES` (a message may
+        repeat a guest's string of any length, and ``max_errors`` bounds only the count).
 
         Raises ResourceExhausted (the guest is trapped) when the guest already holds
         ``max_errors`` errors: the host cannot answer with an error then, and handing out
@@ -142,15 +157,17 @@ class NNService:
         wasmtime's handle table without bound. The message keeps the error it could not
         report.
         """
+        entry = ErrorEntry.of(error)
         try:
-            return self.tables.errors.add(error)
+            return self.tables.errors.add(entry)
         except TooLargeError as exc:
             raise ResourceExhausted(
                 f"{exc.message}; the error that could not be reported: "
-                f"{error.code.value}: {error.message}") from None
+                f"{entry.code.value}: {entry.message}") from None
 
     def error_from_parts(self, code: str, data: str) -> int:
-        """The 2024-06-25 ``error`` constructor (ResourceExhausted as :meth:`error_new`)."""
+        """The 2024-06-25 ``error`` constructor: ``data`` is kept cut as any error message
+        (ResourceExhausted as :meth:`error_new`)."""
         try:
             cls = error_for_code(ErrorCode(code))
         except ValueError:
@@ -226,6 +243,7 @@ class NNService:
         """``wasinn:nn/scratch.tensor-to-scratch``: the tensor's bytes into a scratch file."""
         data = self.tensor_bytes(rep)
         scratch = self._scratch()
+        check_name(name)  # before the name appears in a message
         limits = self.limits
         usage = scratch.usage(limits.max_scratch_files)
         grown = Usage(usage.nbytes + len(data), usage.entries + 1)
@@ -421,11 +439,12 @@ class NNService:
         inputs: dict[str | int, Tensor] = {}
         for name, entry in named:
             if name in inputs:
-                raise InvalidArgumentError(f"input {name!r} is given twice")
+                raise InvalidArgumentError(
+                    f"input {quoted(name)} is given twice: expected each input at most once")
             try:
                 inputs[name] = entry.require()
             except WasiNNError as exc:
-                raise type(exc)(f"input {name!r}: {exc.message}") from None
+                raise type(exc)(f"input {quoted(name)}: {exc.message}") from None
         return inputs
 
     def _run(self, afn: Callable[[], Awaitable[T]], what: str) -> T:
@@ -508,11 +527,15 @@ class NNService:
     def set_input(self, ctx_rep: int, name: str, tensor: TensorEntry) -> None:
         """Older RCs: stage an input by name until ``compute``.
 
-        Staged inputs stay charged to the guest's tensor budget (TooLargeError past
-        ``max_live_tensor_bytes``) until replaced or the context is dropped.
+        ``name`` must be one of the graph's inputs (NotFoundError naming them otherwise),
+        or its position as a decimal string, as for ``get-output``: a context stages at
+        most one tensor per graph input. Staged inputs stay charged to the guest's tensor
+        budget (TooLargeError past ``max_live_tensor_bytes``) until replaced or the
+        context is dropped.
         """
         entry = self.tables.contexts.get(ctx_rep)
-        (key, value), = self._inputs([(name, tensor)]).items()
+        key = self._input_name(entry, name)
+        (_, value), = self._inputs([(key, tensor)]).items()
         old = entry.inputs.get(key)
         delta = value.nbytes - (0 if old is None else old.nbytes)
         if delta > 0:
@@ -522,11 +545,29 @@ class NNService:
         entry.staged_bytes += delta
         entry.inputs[key] = value
 
+    @staticmethod
+    def _input_name(entry: ContextEntry, name: str) -> str:
+        """The graph input ``name`` stands for: an input's name, or its position."""
+        specs = entry.graph.graph.inputs
+        for spec in specs:
+            if spec.name == name:
+                return str(spec.name)
+        index = _position(name, len(specs))
+        if index is not None:
+            return str(specs[index].name)
+        raise NotFoundError(
+            f"{entry.graph.label} has no input {quoted(name)}: expected one of its inputs "
+            f"{', '.join(repr(s.name) for s in specs) or '(none)'} or a position below "
+            f"{len(specs)}"
+        )
+
     def compute_staged(self, ctx_rep: int) -> None:
         """Older RCs: ``compute()`` on the staged inputs; outputs wait for ``get-output``."""
         entry = self.tables.contexts.get(ctx_rep)
         if not entry.inputs:
-            raise InvalidArgumentError("compute called before any set-input on this context")
+            raise InvalidArgumentError(
+                "compute called before any set-input on this context: expected the graph's "
+                "inputs to be set first")
         staged = dict(entry.inputs)
         outputs = self._compute(
             functools.partial(entry.context.try_lease, staged, keep_on_device=True),
@@ -540,15 +581,18 @@ class NNService:
         entry = self.tables.contexts.get(ctx_rep)
         if entry.outputs is None:
             raise InvalidArgumentError(
-                f"get-output({name!r}) called before a successful compute on this context"
+                f"get-output({quoted(name)}) called before a successful compute on this "
+                f"context: expected set-input and compute first"
             )
         tensor = entry.outputs.get(name)
-        if tensor is None and name.isdigit() and int(name) < len(entry.outputs):
-            tensor = list(entry.outputs.values())[int(name)]
+        index = None if tensor is not None else _position(name, len(entry.outputs))
+        if index is not None:
+            tensor = list(entry.outputs.values())[index]
         if tensor is None:
             raise NotFoundError(
-                f"the graph has no output {name!r}: its outputs are "
-                f"{', '.join(entry.outputs) or 'none'}"
+                f"the graph has no output {quoted(name)}: expected one of its outputs "
+                f"{', '.join(entry.outputs) or '(none)'} or a position below "
+                f"{len(entry.outputs)}"
             )
         ((_, rep),) = self._add_outputs({name: tensor})
         return rep

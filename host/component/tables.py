@@ -12,6 +12,11 @@ the limit, and the tensor table also keeps a byte budget (:class:`TensorTable`).
 Where a call has no way to report that error (the tensor constructor, or the error
 resource itself), the service raises :class:`ResourceExhausted` instead, which the
 linker turns into a trap of the guest.
+
+Errors are bounded in size too: an ``error`` keeps only its code and a message cut to
+:data:`MAX_ERROR_MESSAGE_BYTES` (:func:`bounded_message`), never the exception (whose
+traceback would keep the failed call's arguments alive), and messages the host builds
+quote a guest's string only in part (:func:`quoted`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from wasinn.errors import ClosedResourceError, TooLargeError, WasiNNError
+from wasinn.errors import ClosedResourceError, ErrorCode, TooLargeError, WasiNNError
 from wasinn.host.limits import GuestLimits
 from wasinn.tensor import Tensor
 
@@ -30,6 +35,38 @@ T = TypeVar("T")
 _MAX_REP = 0xFFFF_FFFF
 #: Host bytes one stored dimension of an invalid tensor costs (a Python int and its slot).
 DIM_BYTES = 36
+#: Most UTF-8 bytes of message an ``error`` resource keeps (:func:`bounded_message`).
+MAX_ERROR_MESSAGE_BYTES = 4096
+#: Most characters of a guest's string that a host message repeats (:func:`quoted`).
+MAX_QUOTED_CHARS = 200
+
+
+def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_BYTES) -> str:
+    """``message`` when it is at most ``limit`` UTF-8 bytes; else its first and last
+    ``limit // 2`` bytes (whole characters only) around a note of how many were elided.
+
+    The end is kept because host messages put what was expected last ("... expected one
+    of ...") while a long guest string sits in the middle.
+    """
+    if len(message) * 4 <= limit:  # no character is longer than 4 bytes in UTF-8
+        return message
+    data = message.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return message
+    half = limit // 2
+    head = data[:half].decode("utf-8", "ignore")
+    tail = data[-half:].decode("utf-8", "ignore")
+    elided = len(data) - len(head.encode("utf-8", "surrogatepass")) - len(
+        tail.encode("utf-8", "surrogatepass"))
+    return f"{head}… ({elided} bytes elided) …{tail}"
+
+
+def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text`` quoted (``repr``) for a message, cut after ``limit`` characters with a
+    note of its full length: a guest's string can be as long as its memory."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters in all)"
 
 
 class ResourceExhausted(Exception):
@@ -210,6 +247,18 @@ class ContextEntry:
     staged_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class ErrorEntry:
+    """What an ``error`` resource holds: its code and a bounded message."""
+
+    code: ErrorCode
+    message: str
+
+    @classmethod
+    def of(cls, error: WasiNNError) -> ErrorEntry:
+        return cls(error.code, bounded_message(error.message))
+
+
 @dataclass
 class GuestTables:
     """Every wasi-nn resource table of one guest instance."""
@@ -217,7 +266,7 @@ class GuestTables:
     tensors: TensorTable
     graphs: HandleTable[GraphEntry]
     contexts: HandleTable[ContextEntry]
-    errors: HandleTable[WasiNNError]
+    errors: HandleTable[ErrorEntry]
 
     @classmethod
     def create(cls, limits: GuestLimits | None = None) -> GuestTables:
