@@ -59,7 +59,6 @@ import trio
 
 from wasinn.backends.base import TensorSpec, current_cancellation
 from wasinn.errors import (
-    BackendRuntimeError,
     ClosedResourceError,
     InvalidArgumentError,
     WasiNNError,
@@ -84,19 +83,29 @@ class Batching:
     ``max_batch``: the most rows one run takes (a request with more runs alone).
     ``max_delay``: seconds a batch that holds a slot waits for more requests before it
     runs, unless it fills up first; 0 (the default) batches only what queued while the
-    device was busy and never delays a request on an idle device.
+    device was busy and never delays a request on an idle device. Other values raise
+    InvalidArgumentError (a ValueError too).
     """
 
     max_batch: int
     max_delay: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) \
-                or self.max_batch < 2:
-            raise ValueError(f"max_batch must be an integer >= 2, got {self.max_batch!r}")
-        if not (isinstance(self.max_delay, (int, float)) and 0 <= self.max_delay <= 10):
-            raise ValueError(f"max_delay must be between 0 and 10 seconds, got "
-                             f"{self.max_delay!r}")
+        # InvalidArgumentError like every bad value wasinn is given; also a ValueError,
+        # which is what this raised before it joined the error tree.
+        max_batch, max_delay = self.max_batch, self.max_delay
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 2:
+            raise _BadBatching(f"Batching: max_batch must be an integer >= 2, got "
+                               f"{max_batch!r}")
+        if not (isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
+                and 0 <= max_delay <= 10):
+            raise _BadBatching(f"Batching: max_delay must be between 0 and 10 seconds, got "
+                               f"{max_delay!r}")
+
+
+class _BadBatching(InvalidArgumentError, ValueError):
+    """A :class:`Batching` with bounds out of range: invalid-argument, and a ValueError
+    for callers that caught that before."""
 
 
 def check_batchable(name: str, inputs: Sequence[TensorSpec],
@@ -371,10 +380,17 @@ class _BatchJob:
         self.merged = False
 
     def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
-        members = self.members
+        # Members that left since the batch was granted its slot (their flag is set in
+        # trio; reading a stale False only costs a wasted row) are not run.
+        results: list[outcome.Outcome[dict[str, Tensor]]] = [self._left] * len(self.members)
+        alive = [i for i, m in enumerate(self.members) if not m.abandoned]
+        members = [self.members[i] for i in alive]
         if len(members) == 1:
             only = members[0]
-            return [outcome.capture(self.run, only.inputs.tensors, only.keep)]
+            results[alive[0]] = outcome.capture(self.run, only.inputs.tensors, only.keep)
+            return results
+        if not members:
+            return results
         keeps = [m.keep for m in members]
         try:
             parts = split_rows(self.run(merge_rows([m.inputs for m in members]), any(keeps)),
@@ -386,19 +402,25 @@ class _BatchJob:
                       exc_info=True)
         else:
             self.merged = True
-            return [outcome.Value(part) for part in parts]
-        return self._one_by_one()
-
-    def _one_by_one(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
-        results: list[outcome.Outcome[dict[str, Tensor]]] = []
+            for i, part in zip(alive, parts, strict=True):
+                results[i] = outcome.Value(part)
+            return results
         cancellation = current_cancellation()
-        for member in self.members:
-            if cancellation is not None and cancellation.cancelled:
-                results.append(outcome.Error(BackendRuntimeError(
-                    "the batch was cancelled before this request ran")))
+        for i, member in zip(alive, members, strict=True):
+            if member.abandoned:
                 continue
-            results.append(outcome.capture(self.run, member.inputs.tensors, member.keep))
+            if cancellation is not None and cancellation.cancelled:
+                results[i] = outcome.Error(ClosedResourceError(
+                    f"{self.label}: the batch was cancelled (its device is closing) before "
+                    "this request ran"))
+                continue
+            results[i] = outcome.capture(self.run, member.inputs.tensors, member.keep)
         return results
+
+    @property
+    def _left(self) -> outcome.Outcome[dict[str, Tensor]]:
+        # The outcome of a member that left: never handed to anyone.
+        return outcome.Error(ClosedResourceError(f"{self.label}: the request left its batch"))
 
 
 class _Unsplittable(Exception):

@@ -301,7 +301,9 @@ class DeviceActor:
 
     @property
     def completed(self) -> int:
-        """Finished jobs (compiles and runs, failed or not), for tests and metrics."""
+        """Successful compiles plus slots given back (by requests that ran, failed or not,
+        and by those granted a slot that then left without running): a counter that
+        moves with any backend work, for tests."""
         return self._compiles + self._slots.released
 
     # -- compiled graphs ------------------------------------------------------------------
@@ -319,8 +321,8 @@ class DeviceActor:
             if pending is None:
                 break
             await pending.done.wait()
-            if pending.error is not None:
-                raise type(pending.error)(pending.error.message)
+            if pending.error is not None:  # this caller's own error, the compile's as cause
+                raise type(pending.error)(pending.error.message) from pending.error
             # Otherwise it was cached, or its compiler was cancelled: look again.
         pending = self._compiling[key] = _Compiling()
         try:
@@ -353,7 +355,7 @@ class DeviceActor:
 
         For start-up work done before requests are served (see
         :mod:`wasinn.scheduler.warmup`): like a compile, it takes one of the worker
-        threads, so the device still never runs more than ``workers`` jobs at once.
+        threads but no slot, so a run in a caller's own thread (a lease) may overlap it.
         Raises ClosedResourceError once the actor is closed, BackendRuntimeError for a
         backend's own exception; cancelled, the run is abandoned.
         """
@@ -474,7 +476,8 @@ class DeviceActor:
         await trio.lowlevel.checkpoint_if_cancelled()
         if inputs.rows >= batching.max_batch:  # a batch of its own already
             return await self._request(job, priority, deadline, tenant, None, None, label)
-        if not batching.max_delay and not self._closed and self._slots.try_take():
+        if (not batching.max_delay and not self._closed and trio.current_time() < deadline
+                and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
             return await self._within(deadline, self._run_in_slot, job, label), granted
@@ -489,7 +492,10 @@ class DeviceActor:
         # A task that lives as long as the actor serves (a batch's).
         if self._nursery is None or self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
-        self._nursery.start_soon(fn, arg)
+        try:
+            self._nursery.start_soon(fn, arg)
+        except RuntimeError as exc:  # its nursery closed: serve() is being cancelled
+            raise ClosedResourceError(f"{self.device}: the device actor is closing") from exc
 
     def _record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
                 queued: float = 0.0, leased: bool = False) -> None:
@@ -551,10 +557,11 @@ class DeviceActor:
 
         def timed() -> T:  # in a worker thread
             start = time.perf_counter()
-            try:
-                return job()
-            finally:
-                profile.observe(time.perf_counter() - start, nbytes, bound)
+            result = job()
+            # Only runs that succeeded: a bad request can fail at once whatever the
+            # graph's real run time, and must not make a slow graph look tiny.
+            profile.observe(time.perf_counter() - start, nbytes, bound)
+            return result
 
         return timed
 
@@ -576,8 +583,8 @@ class DeviceActor:
         except Exception as exc:
             raise backend_failure(self.device, exc) from exc
         finally:
-            profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
             self._slots.free()
+        profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 

@@ -70,7 +70,9 @@ class TorchCudaContext(DeviceContext):
 
 
 def context_for(device: Device) -> DeviceContext:
-    """The context an actor for ``device`` owns (a CUDA stream where torch sees the GPU)."""
+    """The context an actor for ``device`` owns: a CUDA stream where torch sees that GPU;
+    none for a GPU only another backend reports (an Intel GPU seen by OpenVINO beside an
+    NVIDIA one: ``gpu:1`` with one CUDA device)."""
     if device.kind is ExecutionTarget.GPU:
         import importlib.util
 
@@ -78,6 +80,6 @@ def context_for(device: Device) -> DeviceContext:
             with contextlib.suppress(Exception):
                 import torch
 
-                if torch.cuda.is_available():
+                if torch.cuda.is_available() and device.index < torch.cuda.device_count():
                     return TorchCudaContext(device)
     return DeviceContext(device)

@@ -10,7 +10,8 @@ held for the run's duration (bounded below), in exchange for no thread hand-off 
 Inline runs are opt-in: a pool's ``inline_below_us`` is the bound, and its default, 0,
 turns them off. The rule, per compiled graph on one device:
 
-* every run in a worker thread is timed, and so is every inline run;
+* every successful run in a worker thread is timed, and so is every successful inline
+  run (a failed run says nothing of the graph's run time: a bad input can fail at once);
 * a graph qualifies after ``WARMUP`` runs in a row whose exponential moving average
   stays below the bound, and only for inputs no larger (in bytes) than the largest it
   was timed with (a graph with dynamic shapes is not trusted with a bigger input);

@@ -54,7 +54,7 @@ class Lease(Generic[T]):
     result is dropped, as a request abandoned at its deadline would be.
     """
 
-    __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_wrap",
+    __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_then", "_wrap",
                  "cancellation", "device", "expires", "job")
 
     def __init__(self, device: str, job: Callable[[], T],
@@ -74,6 +74,7 @@ class Lease(Generic[T]):
         self._done = False  # taken: run or cancelled
         self._over = False  # run and given back, or cancelled
         self._interrupted = ""  # why interrupt() stopped the run: "deadline" or "interrupt"
+        self._then: Callable[[], object] | None = None  # see then()
 
     def __repr__(self) -> str:
         return f"<Lease on {self.device} {'done' if self._done else 'held'}>"
@@ -89,6 +90,13 @@ class Lease(Generic[T]):
         """
         job = self._take()
         cancellation = self.cancellation
+        if cancellation is not None and cancellation.cancelled:
+            # Stopped before it started (its deadline passed, the device closed): a run
+            # now would only be thrown away, and a torch run could not be cut short.
+            error = self._stopped("before it ran")
+            self._give_back(Outcome.TIMED_OUT if isinstance(error, TimeoutError_)
+                            else Outcome.FAILED)
+            raise error
         outcome = Outcome.FAILED
         try:
             work = in_context(job, self._wrap)
@@ -100,16 +108,10 @@ class Lease(Generic[T]):
                 outcome = Outcome.TIMED_OUT
         except Exception as exc:
             if cancellation is not None and cancellation.cancelled:
-                if self._interrupted == "deadline":
+                error = self._stopped("while it ran")
+                if isinstance(error, TimeoutError_):
                     outcome = Outcome.TIMED_OUT
-                    raise TimeoutError_(
-                        f"{self.device}: the request's deadline passed while it ran; the "
-                        "run was stopped") from exc
-                if self._interrupted:
-                    raise BackendRuntimeError(
-                        f"{self.device}: the request was interrupted while it ran") from exc
-                raise ClosedResourceError(
-                    f"{self.device}: the device closed while the request ran") from exc
+                raise error from exc
             if isinstance(exc, WasiNNError):
                 raise
             raise backend_failure(self.device, exc) from exc
@@ -118,6 +120,16 @@ class Lease(Generic[T]):
         if outcome is Outcome.TIMED_OUT:
             raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
         return result
+
+    def _stopped(self, when: str) -> WasiNNError:
+        # Why a cancelled lease did not give a result: its deadline, an interrupt, or
+        # its device closing.
+        if self._interrupted == "deadline":
+            return TimeoutError_(f"{self.device}: the request's deadline passed {when}; "
+                                 "the run was stopped")
+        if self._interrupted:
+            return BackendRuntimeError(f"{self.device}: the request was interrupted {when}")
+        return ClosedResourceError(f"{self.device}: the device closed {when}")
 
     @property
     def over(self) -> bool:
@@ -135,6 +147,13 @@ class Lease(Generic[T]):
             self._interrupted = "deadline" if deadline else "interrupt"
         if self.cancellation is not None:
             self.cancellation.cancel()
+
+    def then(self, callback: Callable[[], object]) -> None:
+        """Have ``callback`` called once the lease is over (its run has given the slot
+        back, or it was cancelled), in the thread that ends it: to let go of what the job
+        holds (a compiled graph kept open for it). It must not raise. Set it before the
+        lease is handed to the thread that runs it; one callback per lease."""
+        self._then = callback
 
     def cancel(self) -> None:
         """Give the slot back without running the job (from any thread). Idempotent."""
@@ -158,6 +177,9 @@ class Lease(Generic[T]):
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
         self._over = True
         self._release(outcome)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
 
 def settled(device: str, result: T) -> Lease[T]:

@@ -33,7 +33,8 @@ class Request:
 
     ``deadline`` is in ``trio.current_time()`` units (``math.inf`` = none). ``granted`` is
     set (by :class:`~wasinn.actors.slots.Slots`) when the request leaves the queue with a
-    slot reserved for it.
+    slot reserved for it; ``removed`` once it is no longer queued (popped or removed), so
+    that removing it again does nothing.
     """
 
     __slots__ = ("deadline", "event", "granted", "priority", "removed", "seq", "tenant")
@@ -74,7 +75,9 @@ class PriorityDeadlinePolicy:
     """Highest ``priority`` first, then earliest ``deadline``, then first come.
 
     A binary heap with lazy deletion: ``remove`` marks the request and ``pop`` skips it,
-    so cancelling a queued request costs O(1).
+    so cancelling a queued request costs O(1). The heap is rebuilt without the marked
+    entries once they are most of it, so requests that gave up (timed out behind a long
+    run) cannot grow it past twice the live ones.
     """
 
     def __init__(self) -> None:
@@ -89,6 +92,7 @@ class PriorityDeadlinePolicy:
         while self._heap:
             _, request = heapq.heappop(self._heap)
             if not request.removed:
+                request.removed = True
                 self._live -= 1
                 return request
         return None
@@ -97,6 +101,9 @@ class PriorityDeadlinePolicy:
         if not request.removed:
             request.removed = True
             self._live -= 1
+            if len(self._heap) > 2 * self._live + 64:
+                self._heap = [entry for entry in self._heap if not entry[1].removed]
+                heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return self._live
@@ -107,35 +114,49 @@ class TenantRoundRobinPolicy:
 
     A tenant that floods the queue delays only its own requests: every other tenant with
     a waiting request is served once before the flooding tenant is served again.
+
+    A tenant whose requests all gave up keeps its place in the round until the round
+    reaches it, so one that submits again is not sent to the back. Such idle tenants are
+    forgotten, all at once, when they outnumber the tenants with waiting requests (plus
+    64): a stream of one-off tenant names cannot grow the policy.
     """
 
     def __init__(self) -> None:
         self._queues: dict[str, PriorityDeadlinePolicy] = {}
-        self._turns: deque[str] = deque()  # tenants with waiting requests, next first
-        self._in_turns: set[str] = set()
+        #: Places in the round (tenant, ticket), next first; a place is live while the
+        #: tenant's ticket in ``_ticket_of`` is the same.
+        self._turns: deque[tuple[str, int]] = deque()
+        self._ticket_of: dict[str, int] = {}
+        self._tickets = itertools.count()
+        self._idle = 0  # kept tenants with no waiting request
         self._live = 0
 
     def push(self, request: Request) -> None:
-        queue = self._queues.get(request.tenant)
+        tenant = request.tenant
+        queue = self._queues.get(tenant)
         if queue is None:
-            queue = self._queues[request.tenant] = PriorityDeadlinePolicy()
-        if request.tenant not in self._in_turns:
-            self._in_turns.add(request.tenant)
-            self._turns.append(request.tenant)
+            queue = self._queues[tenant] = PriorityDeadlinePolicy()
+            ticket = self._ticket_of[tenant] = next(self._tickets)
+            self._turns.append((tenant, ticket))
+        elif not len(queue):
+            self._idle -= 1
         queue.push(request)
         self._live += 1
 
     def pop(self) -> Request | None:
         while self._turns:
-            tenant = self._turns.popleft()
+            tenant, ticket = self._turns.popleft()
+            if self._ticket_of.get(tenant) != ticket:
+                continue  # a place swept out with its idle tenant
             queue = self._queues[tenant]
             request = queue.pop()
-            if request is None or not len(queue):
-                self._in_turns.discard(tenant)
+            if request is not None and len(queue):
+                self._turns.append((tenant, ticket))
             else:
-                self._turns.append(tenant)
+                self._forget(tenant)
             if request is None:
-                continue  # every request of this tenant was removed meanwhile
+                self._idle -= 1
+                continue  # every request of this tenant gave up meanwhile
             self._live -= 1
             return request
         return None
@@ -145,6 +166,22 @@ class TenantRoundRobinPolicy:
         if queue is not None and not request.removed:
             queue.remove(request)
             self._live -= 1
+            if not len(queue):
+                self._idle += 1
+                if self._idle > len(self._queues) - self._idle + 64:
+                    self._sweep()
+
+    def _forget(self, tenant: str) -> None:
+        del self._queues[tenant]
+        del self._ticket_of[tenant]
+
+    def _sweep(self) -> None:
+        # Forget every idle tenant and drop the places that are no longer live.
+        for tenant in [t for t, queue in self._queues.items() if not len(queue)]:
+            self._forget(tenant)
+        self._idle = 0
+        self._turns = deque(place for place in self._turns
+                            if self._ticket_of.get(place[0]) == place[1])
 
     def __len__(self) -> int:
         return self._live

@@ -44,7 +44,7 @@ class Slots:
         self._running = 0
         self._closed = False
         self._token: trio.lowlevel.TrioToken | None = None
-        #: Slots given back (jobs finished, failed or abandoned-and-finished).
+        #: Slots given back: by every request that held one, whether its job ran or not.
         self.released = 0
 
     @property

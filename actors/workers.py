@@ -156,15 +156,16 @@ class WorkerThreads:
         Raises ClosedResourceError once stopped (or before ``start``), and when the job
         failed because :meth:`stop` cancelled it. Cancellation: see the module
         docstring; ``on_done`` runs in trio once the job is over: finished by its thread
-        (abandoned or not), or never started (cancelled or stopped while waiting for a
-        free thread). A job handed to a thread always starts (under a cancellation that
-        is already set if it was abandoned meanwhile): callers check for cancellation
-        before they commit to a job. ``label`` names the job in diagnostics.
+        (abandoned or not), or never started (stopped already, or cancelled or stopped
+        while waiting for a free thread). A job handed to a thread always starts (under
+        a cancellation that is already set if it was abandoned meanwhile): callers check
+        for cancellation before they commit to a job. ``label`` names the job in
+        diagnostics.
         """
-        self._check_running()
         job = _Job(fn, label)
         self.busy += 1
         try:
+            self._check_running()
             while not self._idle:  # every thread busy (compiles, abandoned jobs)
                 await self._free.park()
                 self._check_running()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -131,6 +132,58 @@ def test_fair_policy_serves_tenants_in_turn() -> None:
     policy.remove(lone)
     policy.push(again := Request(tenant="x"))
     assert [policy.pop(), policy.pop(), policy.pop()] == [again, other, None]
+
+
+def test_requests_that_gave_up_do_not_pile_up_in_the_queue() -> None:
+    # Requests timing out behind a long run are removed from the middle of the queue:
+    # the heap is swept once they are most of it, and idle tenants are forgotten.
+    policy = PriorityDeadlinePolicy()
+    keep = Request(0)
+    policy.push(keep)
+    for _ in range(10_000):
+        policy.push(gone := Request(1))
+        policy.remove(gone)
+    assert len(policy) == 1 and len(policy._heap) <= 2 * 1 + 64 + 1
+    assert policy.pop() is keep and policy.pop() is None
+
+    fair = TenantRoundRobinPolicy()
+    fair.push(waiting := Request(tenant="stays"))
+    for i in range(10_000):
+        fair.push(gone := Request(tenant=f"one-off {i}"))
+        fair.remove(gone)
+    assert len(fair) == 1 and len(fair._queues) <= 2 + 64 + 1 and len(fair._turns) <= 2 + 64 + 1
+    assert fair.pop() is waiting and fair.pop() is None
+
+
+@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, TenantRoundRobinPolicy])
+def test_a_request_no_longer_queued_is_not_removed_twice(policy: type[Any]) -> None:
+    queue = policy()
+    queue.push(first := Request(tenant="a"))
+    queue.push(Request(tenant="a"))
+    assert queue.pop() is first
+    queue.remove(first)  # (a waiter cancelled just as the queue handed it on)
+    assert len(queue) == 1
+
+
+async def test_a_caller_cancelled_as_the_device_closes_leaves_the_counts_sound(
+        actor: DeviceActor) -> None:
+    gate = threading.Event()
+    waiter = trio.CancelScope()
+
+    async def queued() -> None:
+        with waiter, pytest.raises(ClosedResourceError):
+            await actor.execute(lambda: None)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gate_job(gate))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(queued)
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.queued == 1
+        waiter.cancel()  # in the same tick as the close
+        actor.close()
+        gate.set()
+    assert (actor.queued, actor.stats().queued) == (0, 0)
 
 
 async def test_deadline_drops_a_queued_request(autojump_clock: trio.testing.MockClock,

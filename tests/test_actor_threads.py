@@ -335,6 +335,22 @@ async def test_a_slow_run_sends_the_job_back_to_the_workers(inline_actor: Device
     assert places == ["worker"] * RunProfile.WARMUP + ["inline"]
 
 
+async def test_failed_runs_do_not_qualify_a_graph_for_inline_runs(
+        inline_actor: DeviceActor) -> None:
+    # A bad request fails at once whatever the graph's real run time: it says nothing of
+    # how long the graph runs, so a slow graph cannot be made to look tiny with them.
+    profile = RunProfile()
+
+    def bad() -> None:
+        raise BackendRuntimeError("input rejected")
+
+    for _ in range(RunProfile.WARMUP * 2):
+        with pytest.raises(BackendRuntimeError):
+            await run_where(inline_actor, profile, job=bad)
+    assert profile.runs == 0
+    assert await run_where(inline_actor, profile) == "worker"
+
+
 async def test_a_larger_input_than_timed_is_not_run_inline(inline_actor: DeviceActor) -> None:
     profile = RunProfile()
     for _ in range(RunProfile.WARMUP):
@@ -415,3 +431,16 @@ def test_run_profile_rules() -> None:
     assert profile.qualifies(100, BOUND) and not profile.qualifies(101, BOUND)
     profile.observe(BOUND * RunProfile.MULTIPLE * 2, 100, BOUND)
     assert not profile.qualifies(100, BOUND) and profile.runs == 0
+
+
+def test_only_gpus_torch_sees_get_a_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One NVIDIA GPU beside a GPU only OpenVINO reports: gpu:1 must not ask CUDA for a
+    # device it does not have (its actor would fail to start).
+    torch = pytest.importorskip("torch")
+    from wasinn.actors.devicectx import DeviceContext, TorchCudaContext, context_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert type(context_for(Device(ExecutionTarget.GPU, 0))) is TorchCudaContext
+    assert type(context_for(Device(ExecutionTarget.GPU, 1))) is DeviceContext
+    assert type(context_for(CPU)) is DeviceContext

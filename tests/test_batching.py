@@ -461,6 +461,48 @@ def test_batching_refuses_bad_bounds(args: tuple[Any, ...], message: str) -> Non
         Batching(*args)
 
 
+def plus_one_times_ten_onnx() -> bytes:
+    """``y = x + 1`` and ``z = 10 x`` over f32 (n, 4)."""
+    from onnx import TensorProto, helper
+
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    ten = helper.make_tensor("ten", TensorProto.FLOAT, [1], [10.0])
+    nodes = [helper.make_node("Add", ["x", "one"], ["y"]),
+             helper.make_node("Mul", ["x", "ten"], ["z"])]
+    x, y, z = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 4]) for n in "xyz")
+    graph = helper.make_graph(nodes, "two", [x], [y, z], initializer=[one, ten])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+async def test_pipelines_of_the_same_models_wired_differently_never_share_a_run(
+        tmp_path: Any) -> None:
+    (tmp_path / "two.onnx").write_bytes(plus_one_times_ten_onnx())
+    (tmp_path / "ident.onnx").write_bytes(affine_onnx(scale=1.0, bias=0.0))
+    config = parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
+        "models": {"two": {"files": ["two.onnx"]}, "ident": {"files": ["ident.onnx"]}},
+        "pipelines": {
+            name: {"steps": [{"model": "two"}, {"model": "ident", "wire": {wired: "x"}}],
+                   "batching": {"max_batch": 8}}
+            for name, wired in (("plus_one", "y"), ("times_ten", "z"))},
+    }, tmp_path / "wasinn.toml")
+    async with wasinn.Runtime(config) as rt:
+        plus_one = await rt.load_by_name("plus_one")
+        times_ten = await rt.load_by_name("times_ten")
+        results: dict[Any, Any] = {}
+        async with device_busy(only_actor(rt)) as nursery:
+            for i in range(2):
+                nursery.start_soon(compute_into, plus_one, {"x": rows(3)}, results, ("+", i))
+                nursery.start_soon(compute_into, times_ten, {"x": rows(3)}, results, ("*", i))
+        for i in range(2):
+            np.testing.assert_allclose(results[("+", i)], rows(4))
+            np.testing.assert_allclose(results[("*", i)], rows(30))
+        assert (plus_one.stats().batches, plus_one.stats().batched) == (1, 2)
+        assert (times_ten.stats().batches, times_ten.stats().batched) == (1, 2)
+
+
 async def test_a_registry_model_and_pipeline_batch_as_configured(tmp_path: Any) -> None:
     (tmp_path / "affine.onnx").write_bytes(affine_onnx())
     (tmp_path / "triple.onnx").write_bytes(affine_onnx(scale=3.0, bias=0.0))
@@ -543,3 +585,47 @@ async def _storm(rt: wasinn.Runtime) -> None:
     assert stats.finished == 300 and stats.batches > 0
     np.testing.assert_allclose((await graph.compute({"x": rows(1)}))["y"].numpy(),
                                2 * rows(1) + 1)
+
+
+# -- the actor's batching edges, with a plain run function ---------------------------------
+def _plus_one(ran: list[str]) -> Callable[[Any, bool], dict[str, wasinn.Tensor]]:
+    def run(inputs: Any, keep: bool) -> dict[str, wasinn.Tensor]:
+        ran.append("run")
+        return {"y": wasinn.Tensor.from_numpy(as_tensor(inputs["x"]).numpy() + 1)}
+
+    return run
+
+
+async def test_a_request_past_its_deadline_never_starts_on_an_idle_device() -> None:
+    from tests.support import serving_actor
+    from wasinn.actors.batching import BatchInputs
+
+    ran: list[str] = []
+    inputs = BatchInputs.of({"x": rows(1)})
+    assert inputs is not None
+    async with serving_actor(workers=1) as actor:
+        with pytest.raises(TimeoutError_):
+            await actor.execute_batched("g", inputs, _plus_one(ran), Batching(max_batch=8),
+                                        deadline=trio.current_time() - 1)
+        assert (ran, actor.stats().running) == ([], 0)
+
+
+async def test_a_batch_gathering_when_the_device_closes_gives_its_slot_back() -> None:
+    from tests.support import serving_actor
+    from wasinn.actors.batching import BatchInputs
+
+    ran: list[str] = []
+    inputs = BatchInputs.of({"x": rows(1)})
+    assert inputs is not None
+    async with serving_actor(workers=1) as actor:
+        async with trio.open_nursery() as nursery:
+            async def member() -> None:
+                with pytest.raises(ClosedResourceError):
+                    await actor.execute_batched("g", inputs, _plus_one(ran),
+                                                Batching(max_batch=8, max_delay=5.0))
+
+            nursery.start_soon(member)
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().running == 1  # held while the batch waits for company
+            actor.close()
+        assert (ran, actor.stats().running) == ([], 0)

@@ -188,6 +188,22 @@ async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str)
         ctx.close()
 
 
+async def test_a_lease_whose_deadline_passed_before_its_run_never_runs() -> None:
+    # A run that will be thrown away is not started (a torch run could not be stopped):
+    # the holder gets TimeoutError_ at once and the slot is free again.
+    from tests.support import serving_actor
+
+    ran: list[str] = []
+    async with serving_actor(workers=1) as actor:
+        lease = await actor.lease(lambda: ran.append("ran"),
+                                  deadline=trio.current_time() + 0.02)
+        while not lease.cancellation.cancelled:  # the device's deadline watcher
+            await trio.sleep(0.01)
+        with pytest.raises(wasinn.TimeoutError_, match="deadline passed before it ran"):
+            await trio.to_thread.run_sync(lease.run)
+        assert (ran, actor.stats().running, actor.stats().timed_out) == ([], 0, 1)
+
+
 async def test_finished_caller_thread_runs_with_a_timeout_leave_nothing_behind() -> None:
     # A run's deadline is watched until it passes, but neither its inputs nor an entry
     # per finished run are kept that long. Runs of about 10 ms: each is still

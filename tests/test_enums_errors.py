@@ -39,3 +39,19 @@ def test_every_error_code_has_exactly_one_leaf() -> None:
 def test_closed_is_not_found_but_distinguishable() -> None:
     assert issubclass(wasinn.ClosedResourceError, wasinn.NotFoundError)
     assert wasinn.ClosedResourceError.code is ErrorCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((0,), "Batching: max_batch must be an integer >= 2, got 0"),
+    ((True,), "Batching: max_batch must be an integer >= 2, got True"),
+    ((4, -1.0), "Batching: max_delay must be between 0 and 10 seconds, got -1.0"),
+    ((4, "1"), "Batching: max_delay must be between 0 and 10 seconds, got '1'"),
+    ((4, float("nan")), "Batching: max_delay must be between 0 and 10 seconds, got nan"),
+])
+def test_bad_batching_bounds_are_invalid_arguments(args: tuple[object, ...],
+                                                   message: str) -> None:
+    with pytest.raises(wasinn.InvalidArgumentError) as caught:
+        wasinn.Batching(*args)  # type: ignore[arg-type]
+    assert caught.value.message == message
+    assert caught.value.code is ErrorCode.INVALID_ARGUMENT
+    assert isinstance(caught.value, ValueError)  # what it raised before: still caught
