@@ -2,46 +2,149 @@
 
 Every problem is a :class:`~wasinn.configs.ConfigError` whose message names the file, the
 key path (``models.mobilenet.files``) and what was expected.
+
+Backend names depend on what is installed: :func:`load_config` checks them against the
+backends this process knows (wasinn's own and those of the ``wasinn.backends`` entry
+points) plus those the caller names; :func:`parse_config` checks them only when told
+which extra backends there are (a config built in code is checked by ``Runtime``, which
+knows the backends it is given; see :func:`check_backends`). So are the keys of a
+model's ``options`` where no third-party backend could read them.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import logging
+import re
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from wasinn.errors import NotFoundError, SecurityError
+from wasinn.errors import InvalidArgumentError, NotFoundError, SecurityError
 
 from . import ConfigError
-from .schema import RuntimeConfig
+from .schema import BACKEND_OPTIONS, FAULT, RuntimeConfig, _Startup, key_name
 
 DEFAULT_NAME = "default.toml"
 
+log = logging.getLogger("wasinn.configs")
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
+
+#: The most characters of a bad value an error message repeats.
+GOT_LIMIT = 60
+
+
+#: How pydantic names the member of a union in an error's location (``literal['auto']``,
+#: ``list[function-after[_device(), str]]``): not a key the user wrote.
+_UNION_MEMBER = re.compile(r"[a-z][a-z-]*\[.*\]")
+#: Errors that only say the value is not of one union member's type.
+_MISMATCH = re.compile(r".*_type|literal_error")
+
+
+def _user_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    return tuple(p for p in loc if not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
+
+
+def _key_path(loc: tuple[int | str, ...], key: str = "") -> str:
     out = ""
-    for part in loc:
+    for part in _user_loc(loc):
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    if key:
+        out += key if key.startswith("[") or not out else f".{key}"
     return out or "(top level)"
+
+
+def _got(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= GOT_LIMIT else text[:GOT_LIMIT - 3] + "..."
+
+
+def _union_members_that_matter(errors: list[Any]) -> list[Any]:
+    # A value no member of a union accepts gets one error per member. Where some member
+    # took the value's type and found something else wrong with it, that is the error
+    # that helps: drop the other members' "not my type" errors for the same key.
+    def field(err: Any) -> tuple[int | str, ...]:
+        loc = tuple(err["loc"])
+        for i, part in enumerate(loc):
+            if isinstance(part, str) and _UNION_MEMBER.fullmatch(part):
+                return loc[:i]
+        return loc
+
+    telling = {field(e) for e in errors
+               if field(e) != tuple(e["loc"]) and not _MISMATCH.fullmatch(e["type"])}
+    return [e for e in errors if not (field(e) in telling and field(e) != tuple(e["loc"])
+                                      and _MISMATCH.fullmatch(e["type"]))]
 
 
 def _describe(errors: list[Any]) -> str:
     lines = []
-    for err in errors:
+    for err in _union_members_that_matter(errors):
+        if err["type"] == FAULT:
+            # A validator's own error: its key path is relative to where it ran.
+            ctx = err["ctx"]
+            lines.append(f"{_key_path(tuple(err['loc']), ctx['key'])}: {ctx['message']}")
+            continue
         msg = str(err["msg"]).removeprefix("Value error, ")
         where = _key_path(tuple(err["loc"]))
-        if err["type"] not in ("extra_forbidden", "missing") and "input" in err:
-            msg += f" (got {err['input']!r})"
+        # The bad value, if short enough to help: never a whole table.
+        if (err["type"] not in ("extra_forbidden", "missing") and "input" in err
+                and not isinstance(err["input"], dict)):
+            msg += f" (got {_got(err['input'])})"
         lines.append(f"{where}: {msg}")
     return "; ".join(lines)
 
 
-def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None = None
-                 ) -> RuntimeConfig:
-    """Validate already-parsed TOML; ConfigError names ``label`` (the file) and the keys."""
+def known_backends(extra: Iterable[str] = ()) -> list[str]:
+    """Every backend name this process knows (wasinn's, the entry points') and ``extra``,
+    sorted; nothing is imported."""
+    from wasinn.backends.registry import BackendRegistry
+
+    return sorted({*BackendRegistry(()).names(), *extra})
+
+
+def check_backends(config: RuntimeConfig, label: str, extra: Iterable[str] = ()) -> None:
+    """Raise ConfigError (``label``: the file) for a backend name in ``config``'s
+    ``runtime.backends``, ``pools.*.backends`` or ``models.*.backend`` that is neither
+    known here (see :func:`known_backends`) nor in ``extra``, and for a model ``options``
+    key that no backend reads when every backend here is one of wasinn's own (a
+    third-party backend may read any key)."""
+    named = [(f"runtime.backends[{i}]", b) for i, b in enumerate(config.runtime.backends)]
+    for name, pool in config.pools.items():
+        named += [(f"pools.{key_name(name)}.backends[{i}]", b)
+                  for i, b in enumerate(pool.backends)]
+    named += [(f"models.{key_name(name)}.backend", model.backend)
+              for name, model in config.models.items() if model.backend is not None]
+    open_options = [(name, model.options) for name, model in config.models.items()
+                    if model.backend is None and model.options]
+    if not named and not open_options:
+        return
+    known = known_backends(extra)
+    for key, backend in named:
+        if backend not in known:
+            raise ConfigError(f"{label}: {key}: unknown backend {_got(backend)}: expected one "
+                              f"of {', '.join(known)}")
+    if any(backend not in BACKEND_OPTIONS for backend in known):
+        return
+    for name, options in open_options:
+        for option in options:
+            if not any(reads(option) for _, reads in BACKEND_OPTIONS.values()):
+                expected = "; ".join(f"{b}: {what}" for b, (what, _) in BACKEND_OPTIONS.items())
+                raise ConfigError(
+                    f"{label}: models.{key_name(name)}.options.{key_name(option)}: no backend "
+                    f"here reads this option: expected a key one of them reads ({expected})")
+
+
+def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None = None,
+                 backends: Iterable[str] | None = None) -> RuntimeConfig:
+    """Validate already-parsed TOML; ConfigError names ``label`` (the file) and the keys.
+
+    ``backends``: the names of backends the runtime will be given besides those known
+    here (``Runtime(..., backends=...)``); backend names are then checked. None leaves
+    that check to ``Runtime``.
+    """
     label = label or (str(source) if source else "<config>")
     try:
         config = RuntimeConfig.model_validate(data)
@@ -53,16 +156,35 @@ def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None
         for i, file in enumerate(model.files):
             try:
                 model_file(config, file)
-            except SecurityError as exc:
-                raise ConfigError(f"{label}: models.{name}.files[{i}]: {exc.message}") from None
+            except (SecurityError, InvalidArgumentError) as exc:
+                raise ConfigError(
+                    f"{label}: models.{key_name(name)}.files[{i}]: {exc.message}") from None
+    if backends is not None:
+        check_backends(config, label, backends)
+    _warn_unused(config, label)
     return config
 
 
-def load_config(path: str | Path) -> RuntimeConfig:
+def _warn_unused(config: RuntimeConfig, label: str) -> None:
+    # Settings that do nothing as the config stands, but that a config may well keep
+    # (warm-up shapes while warm-up is off): not errors, but never silent either.
+    entries: list[tuple[str, str, _Startup]] = [
+        *(("models", name, model) for name, model in config.models.items()),
+        *(("pipelines", name, pipeline) for name, pipeline in config.pipelines.items())]
+    for table, name, entry in entries:
+        if entry.warmup_inputs and not entry.warmup:
+            log.warning("%s: %s.%s.warmup_inputs: given, but warmup = 0, so no warm-up run "
+                        "uses them (warmup >= 1 warms up on these shapes)",
+                        label, table, key_name(name))
+
+
+def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeConfig:
     """Read and validate the TOML config at ``path``.
 
+    ``backends`` names the backends the runtime will be given in code
+    (``Runtime(..., backends=...)``), which a config may name besides the installed ones.
     Raises NotFoundError when the file does not exist, ConfigError when it is not TOML
-    or does not validate.
+    or does not validate (an unknown backend name included).
     """
     source = Path(path).absolute()
     try:
@@ -75,7 +197,7 @@ def load_config(path: str | Path) -> RuntimeConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    return parse_config(data, source)
+    return parse_config(data, source, backends=backends)
 
 
 def packaged_configs() -> list[str]:
@@ -93,15 +215,16 @@ def packaged_config(name: str = DEFAULT_NAME) -> RuntimeConfig:
     resource = importlib.resources.files("wasinn.configs") / name
     data = tomllib.loads(resource.read_text(encoding="utf-8"))
     source = Path(str(resource)) if isinstance(resource, Path) else None
-    return parse_config(data, source, label=f"wasinn.configs/{name}")
+    return parse_config(data, source, label=f"wasinn.configs/{name}", backends=())
 
 
 def model_file(config: RuntimeConfig, file: str) -> Path:
     """Where a model file named in ``config`` lies.
 
     A relative path is taken from the config's directory and must stay inside it (no
-    ``..`` or symlink escapes): SecurityError otherwise. An absolute path is the config
-    author's explicit choice and is used as given.
+    ``..`` or symlink escapes): SecurityError otherwise; naming the directory itself
+    (``"."``) is InvalidArgumentError. An absolute path is the config author's explicit
+    choice and is used as given (guests never name files, only registered models).
     """
     path = Path(file)
     if path.is_absolute():
@@ -112,5 +235,10 @@ def model_file(config: RuntimeConfig, file: str) -> Path:
         raise SecurityError(
             f"model file {file!r} resolves to {resolved}, outside the config directory "
             f"{base}: expected a path inside it (or an absolute path)"
+        )
+    if resolved == base:
+        raise InvalidArgumentError(
+            f"model file {file!r} names the config directory {base} itself: expected the "
+            "path of a model file in it"
         )
     return resolved

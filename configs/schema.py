@@ -5,7 +5,7 @@ A config has five tables::
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
                                    # queue_limit, backends (this pool's preference order),
-                                   # policy, inline_below_us
+                                   # policy, inline_below_us, close_timeout
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident,
                                    # preload, warmup, warmup_inputs, batching
@@ -13,25 +13,80 @@ A config has five tables::
                                    # target, preload, warmup, warmup_inputs, batching
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
-                                   # compute_timeout
+                                   # compute_timeout, max_scratch_bytes, max_scratch_files,
+                                   # max_tensors, max_errors, max_live_tensor_bytes
 
-Unknown keys are errors (a typo must not be ignored silently). Names of models and
-pipelines are looked up, never used as paths; model files must lie inside the config's
-directory unless the config gives an absolute path (checked by the loader, which knows the
-directory).
+Unknown keys are errors (a typo must not be ignored silently), and so are settings that
+would be accepted but have no effect: a CPU pool's ``devices`` other than ``["cpu"]`` (or
+``"auto"``), a pool with ``devices = []``, a device listed twice, a ``wire`` on a
+pipeline's first step (it takes the pipeline's inputs). ``warmup_inputs`` without
+``warmup`` is only warned about, by the loader: a config may keep its warm-up shapes
+while warm-up is off. ``precision`` is one of :data:`wasinn.configs.PRECISIONS`. Errors
+found here name the key they concern (``pipelines.p.steps[0].model``), never only the
+table.
+
+``options`` is deliberately open: it is handed to the backend as ``LoadOptions.extra``,
+and each backend reads its own keys and ignores the others (a model whose backend is
+chosen by preference may end up on any of them, and a third-party backend may read any
+key). What can be checked without a backend is: ``precision``/``threads`` (keys of the
+model's own table, not options) and ``extra`` are refused; ``optimize`` must be a boolean
+and ``provider_options`` a table; and a model that names a built-in ``backend`` may only
+give the keys that backend reads (onnxruntime: ``"session.*"`` session config entries and
+``provider_options``; openvino: OpenVINO property names in capitals, such as
+``PERFORMANCE_HINT``; pytorch: ``optimize``).
+
+Backend names (``runtime.backends``, ``pools.*.backends``, ``models.*.backend``) depend on
+what is installed, so the loader checks them (:func:`wasinn.configs.loader.load_config`),
+and ``Runtime`` checks them again knowing the backends it is given.
+
+Names of models and pipelines are looked up, never used as paths. Model ``files`` are
+checked by the loader, which knows the directory: a relative path is taken from the
+config file's directory and must stay inside it (no ``..`` or symlink escape); an
+absolute path is the config author's explicit choice and is used as given (a guest
+never names files: it can only ask for a model by name); an empty path, or one naming
+the config directory itself, is refused.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from wasinn.actors.batching import Batching
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
+
+from . import check_precision
+
+#: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
+FAULT = "wasinn_config"
+
+
+def fault(key: str, message: str) -> PydanticCustomError:
+    """An error about ``key``, a path relative to where the validator runs (``""``: the
+    field itself, ``"[0]"``, ``"steps[0].wire"``; from the top-level validator, the whole
+    path), so that the message names the key the user wrote."""
+    return PydanticCustomError(FAULT, "{key}: {message}", {"key": key, "message": message})
+
+
+def key_name(name: str) -> str:
+    """``name`` as one part of a key path: quoted unless it is a plain identifier."""
+    return name if re.fullmatch(r"[A-Za-z0-9_\-]+", name) else f'"{name}"'
 
 
 def _target(value: str) -> str:
@@ -50,16 +105,35 @@ def _encoding(value: str) -> str:
 
 def _device(value: str) -> str:
     try:
-        return Device.parse(value).name
+        device = Device.parse(value)
     except (InvalidArgumentError, ValueError) as exc:
         raise ValueError(
             f"{value!r} is not a device: expected cpu, gpu, gpu:N, tpu:N or npu:N ({exc})"
         ) from None
+    if device.kind is ExecutionTarget.CPU and device.index != 0:
+        raise ValueError(f"{value!r}: there is one CPU device, expected 'cpu'")
+    return device.name
+
+
+def _precision(value: str) -> str:
+    try:
+        return check_precision(value)
+    except InvalidArgumentError as exc:
+        raise ValueError(exc.message) from None
+
+
+def _file(value: str) -> str:
+    if not value.strip():
+        raise ValueError("an empty file name: expected the path of a model file, relative "
+                         "to the config file's directory")
+    return value
 
 
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
 DeviceName = Annotated[str, AfterValidator(_device)]
+PrecisionName = Annotated[str, AfterValidator(_precision)]
+FileName = Annotated[str, AfterValidator(_file)]
 #: Model and pipeline names: looked up as keys, so plain identifiers only.
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$", max_length=128)]
 
@@ -111,13 +185,25 @@ class PoolConfig(_Strict):
     #: leaving those threads (daemons) and the graphs they use to end on their own.
     close_timeout: float = Field(default=10.0, ge=0)
 
-    @model_validator(mode="after")
-    def _devices_of_kind(self) -> PoolConfig:
-        if self.devices != "auto":
-            for name in self.devices:
-                if Device.parse(name).kind.value != self.kind:
-                    raise ValueError(f"device {name!r} is not a {self.kind} device")
-        return self
+    @field_validator("devices")
+    @classmethod
+    def _devices_of_kind(cls, devices: Literal["auto"] | list[str], info: ValidationInfo
+                         ) -> Literal["auto"] | list[str]:
+        kind = info.data.get("kind")  # absent when kind itself is wrong (reported apart)
+        if devices == "auto" or kind is None:
+            return devices
+        if not devices:
+            one = '["cpu"]' if kind == "cpu" else f'["{kind}:0"]'
+            raise fault("", f'no device: expected "auto" or a list such as {one} (a pool '
+                            "that should have no device is left out of the config)")
+        seen: set[str] = set()
+        for i, name in enumerate(devices):
+            if Device.parse(name).kind.value != kind:
+                raise fault(f"[{i}]", f"device {name!r} is not a {kind} device")
+            if name in seen:
+                raise fault(f"[{i}]", f"device {name!r} is listed twice: expected each once")
+            seen.add(name)
+        return devices
 
 
 class BatchingConfig(_Strict):
@@ -169,16 +255,18 @@ class _Startup(_Strict):
 class ModelConfig(_Startup):
     """``[models.NAME]``: a model ``load_by_name`` can load."""
 
-    #: Model files, one per builder (IR: xml then bin), relative to the config file.
-    files: list[str] = Field(min_length=1)
+    #: Model files, one per builder (IR: xml then bin), relative to the config file (and
+    #: inside its directory) or absolute (used as given: the config author's choice).
+    files: list[FileName] = Field(min_length=1)
     encoding: EncodingName = "autodetect"
     #: The default target of the loaded graph.
     target: TargetName = "cpu"
     #: Force a backend (None = the pool's preference order).
     backend: str | None = None
-    precision: str = "f32"
+    #: One of PRECISIONS (OpenVINO's inference precision; the others ignore it).
+    precision: PrecisionName = "f32"
     threads: int = Field(default=0, ge=0)
-    #: Backend-specific options, passed through as LoadOptions.extra.
+    #: Backend-specific options, passed through as LoadOptions.extra (see the module).
     options: dict[str, Any] = Field(default_factory=dict)
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
     resident: bool = False
@@ -186,6 +274,36 @@ class ModelConfig(_Startup):
     @property
     def kept(self) -> bool:
         return self.resident or self.at_start
+
+    @model_validator(mode="after")
+    def _known_options(self) -> ModelConfig:
+        for key, value in self.options.items():
+            where = f"options.{key_name(key)}"
+            if key in ("precision", "threads"):
+                raise fault(where, f"{key} is a key of the model's own table, not an option: "
+                                   f"expected {key} = ... next to files")
+            if key == "extra":
+                raise fault(where, "options are already LoadOptions.extra: expected the "
+                                   "backend's keys directly in options")
+            if key == "optimize" and not isinstance(value, bool):
+                raise fault(where, f"expected true or false, got {value!r:.40}")
+            if key == "provider_options" and not isinstance(value, dict):
+                raise fault(where, "expected a table of CUDA provider options")
+            reads = BACKEND_OPTIONS.get(self.backend or "")
+            if reads is not None and not reads[1](key):
+                raise fault(where, f"backend {self.backend!r} does not read this option: "
+                                   f"expected {reads[0]}")
+        return self
+
+
+#: What each built-in backend reads from ``options``: a description, and a key test.
+BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "onnxruntime": ("session config entries (\"session.NAME\") or provider_options",
+                    lambda key: key.startswith("session.") or key == "provider_options"),
+    "openvino": ("OpenVINO property names in capitals (PERFORMANCE_HINT, NUM_STREAMS...)",
+                 lambda key: re.fullmatch(r"[A-Z][A-Z0-9_]*", key) is not None),
+    "pytorch": ("optimize = true or false", lambda key: key == "optimize"),
+}
 
 
 class StepConfig(_Strict):
@@ -202,6 +320,14 @@ class PipelineConfig(_Startup):
 
     steps: list[StepConfig] = Field(min_length=1)
     target: TargetName = "cpu"
+
+    @model_validator(mode="after")
+    def _first_step_unwired(self) -> PipelineConfig:
+        if self.steps[0].wire:
+            raise fault("steps[0].wire", "the first step takes the pipeline's own inputs: "
+                                         "expected no wire (a wire maps the previous step's "
+                                         "outputs)")
+        return self
 
 
 class GuestsConfig(_Strict):
@@ -264,9 +390,11 @@ class RuntimeConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> RuntimeConfig:
         kinds: dict[str, str] = {}
+        # Cross-table checks: each error names the key path it is about (fault).
         for name, pool in self.pools.items():
             if pool.kind in kinds:
-                raise ValueError(
+                raise fault(
+                    f"pools.{key_name(name)}.kind",
                     f"pools {kinds[pool.kind]!r} and {name!r} are both {pool.kind} pools: "
                     "expected one pool per device kind"
                 )
@@ -274,18 +402,21 @@ class RuntimeConfig(_Strict):
         fallback = self.runtime.fallback
         if fallback is not None and fallback not in kinds:
             present = ", ".join(f"{n} ({k})" for k, n in kinds.items()) or "none"
-            raise ValueError(
-                f"runtime.fallback = {fallback!r} names a device kind no pool serves "
-                f"(pools: {present}): expected the kind of one of the pools, or no fallback"
+            raise fault(
+                "runtime.fallback",
+                f"{fallback!r} names a device kind no pool serves (pools: {present}): "
+                "expected the kind of one of the pools, or no fallback"
             )
         for name, pipeline in self.pipelines.items():
             if name in self.models:
-                raise ValueError(f"{name!r} names both a model and a pipeline: expected one")
+                raise fault(f"pipelines.{key_name(name)}",
+                            f"{name!r} names both a model and a pipeline: expected one")
             for i, step in enumerate(pipeline.steps):
                 if step.model not in self.models:
                     known = ", ".join(sorted(self.models)) or "none"
-                    raise ValueError(
-                        f"pipeline {name!r} step {i} uses model {step.model!r}, which is not "
-                        f"in [models] (models: {known})"
+                    raise fault(
+                        f"pipelines.{key_name(name)}.steps[{i}].model",
+                        f"pipeline {name!r} step {i} uses model {step.model!r}, which is "
+                        f"not in [models] (models: {known})"
                     )
         return self

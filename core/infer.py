@@ -26,9 +26,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import trio
@@ -78,7 +80,9 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
     """The arrays ``--input`` names: ``NAME=FILE.npy`` or a whole ``FILE.npz``.
 
     Raises InvalidArgumentError for a malformed spec, a file of the other kind or one that
-    is not numpy's, OSError (with the path) for a file that cannot be read.
+    is not numpy's (not numpy's format, object arrays, a corrupt or truncated archive,
+    an archive member that is no array), naming the file; OSError (with the path) for a
+    file that cannot be read.
     """
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for spec in specs:
@@ -86,25 +90,47 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
         if sep and (not name or not path):
             raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
         file = Path(path if sep else spec)
-        try:
-            loaded = np.load(file, allow_pickle=False)
-        except ValueError as exc:  # not numpy's format (or an object array)
-            raise InvalidArgumentError(
-                f"--input {spec}: {file} is not a .npy or .npz file of plain arrays: {exc}"
-            ) from exc
-        if isinstance(loaded, np.ndarray):
-            if not sep:
+        # Opened here, not by np.load: it leaves the file open when an archive is corrupt.
+        with file.open("rb") as stream:
+            try:
+                arrays.update(_read_arrays(stream, spec, name if sep else None))
+            except _UNREADABLE as exc:  # not numpy's format, object arrays, a bad archive
                 raise InvalidArgumentError(
-                    f"--input {spec}: a single array: give it as --input NAME={spec}")
-            arrays[name] = loaded
-            continue
-        with loaded:
-            if sep:
-                raise InvalidArgumentError(
-                    f"--input {spec}: {path} is a .npz archive: give it as --input {path} "
-                    "(every array by its input's name), or NAME=FILE.npy")
-            arrays.update({key: loaded[key] for key in loaded.files})
+                    f"--input {spec}: {file} is not a .npy or .npz file of plain arrays: "
+                    f"{type(exc).__name__}: {exc}") from exc
     return arrays
+
+
+def _read_arrays(stream: BinaryIO, spec: str, name: str | None
+                 ) -> dict[str, np.ndarray[Any, Any]]:
+    # The arrays of one --input: ``name``'s for NAME=FILE.npy, an archive's (name None).
+    loaded = np.load(stream, allow_pickle=False)
+    if isinstance(loaded, np.ndarray):
+        if name is None:
+            raise InvalidArgumentError(
+                f"--input {spec}: a single array: give it as --input NAME={spec}")
+        return {name: loaded}
+    with loaded:
+        if name is not None:
+            path = spec.partition("=")[2]
+            raise InvalidArgumentError(
+                f"--input {spec}: {path} is a .npz archive: give it as --input {path} "
+                "(every array by its input's name), or NAME=FILE.npy")
+        arrays: dict[str, np.ndarray[Any, Any]] = {}
+        for key in loaded.files:
+            member = loaded[key]  # read now, while the file is open: a bad one fails here
+            if not isinstance(member, np.ndarray):
+                raise InvalidArgumentError(
+                    f"--input {spec}: {spec}: member {key!r} is not a .npy array: expected "
+                    "an archive of arrays only (numpy.savez)")
+            arrays[key] = member
+        return arrays
+
+
+#: What numpy raises for a file that is not (or no longer) a .npy/.npz of plain arrays:
+#: not numpy's format or object arrays (ValueError), a corrupt or truncated zip archive
+#: (BadZipFile; EOFError, zlib.error inside a member), an empty file (EOFError).
+_UNREADABLE = (ValueError, zipfile.BadZipFile, EOFError, zlib.error)
 
 
 def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[Any, Any]],
@@ -123,7 +149,10 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
             raise InvalidArgumentError(
                 f"--input {key}: the model has no such input: expected one of "
                 f"{_described(specs)}")
-        inputs[name] = Tensor.from_numpy(array)
+        try:
+            inputs[name] = Tensor.from_numpy(array)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--input {key}: {exc.message}") from None
     unknown = sorted(set(shapes) - set(names))
     if unknown:
         raise InvalidArgumentError(f"--shape {unknown[0]}: the model has no such input: "

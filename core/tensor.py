@@ -1,11 +1,12 @@
 """``Tensor``: dimensions, element type and data, in host memory or on a device.
 
-A tensor's data is either a numpy array (host memory, zero-copy where the element
-type allows) or a *backend-native* value (an ``OrtValue``, a ``torch.Tensor``, an
-``ov.Tensor``) that stays where the backend put it, on the CPU or on a GPU. A native
-tensor is materialized into host memory only when someone asks for ``numpy()``;
-every such materialization is counted (:func:`host_copies`) so tests can prove that
-chained models never route their intermediate tensors through host memory.
+A tensor's data is either a numpy array (host memory, in the machine's byte order:
+zero-copy for a C-contiguous array in that order, other arrays are copied, see
+:meth:`Tensor.from_numpy`) or a *backend-native* value (an ``OrtValue``, a
+``torch.Tensor``, an ``ov.Tensor``) that stays where the backend put it, on the CPU or
+on a GPU. A native tensor is materialized into host memory only when someone asks for
+``numpy()``; every such materialization is counted (:func:`host_copies`) so tests can
+prove that chained models never route their intermediate tensors through host memory.
 
 bf16 has no numpy dtype of its own: wasinn carries it as ``ml_dtypes.bfloat16``,
 a real numpy dtype with the same 2-byte layout, so bf16 data is zero-copy as well.
@@ -14,6 +15,7 @@ a real numpy dtype with the same 2-byte layout, so bf16 data is zero-copy as wel
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -76,13 +78,43 @@ def host_copies() -> int:
 
 
 def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
-    """Validate tensor dimensions: at most MAX_RANK non-negative integers."""
-    if len(dims) > MAX_RANK:
-        raise InvalidArgumentError(f"tensor rank {len(dims)} is too large: expected <= {MAX_RANK}")
-    out = tuple(int(d) for d in dims)
-    if any(d < 0 for d in out):
-        raise InvalidArgumentError(f"tensor dimensions {list(out)} must be non-negative")
+    """Validate tensor dimensions: a sequence of at most MAX_RANK non-negative integers
+    (Python or numpy integers; a float such as 2.7 is refused, not truncated).
+
+    Raises InvalidArgumentError saying which dimension is wrong and what was expected.
+    """
+    try:
+        rank = len(dims)
+        if rank > MAX_RANK:  # before converting anything: dims may come from a guest
+            raise InvalidArgumentError(
+                f"tensor rank {rank} is too large: expected <= {MAX_RANK}")
+        out = tuple([operator.index(d) for d in dims])
+    except TypeError:
+        raise _bad_dims(dims) from None
+    for d in out:
+        if d < 0:
+            raise _bad_dims(dims)
     return out
+
+
+def _bad_dims(dims: object) -> InvalidArgumentError:
+    # Which of ``dims`` is wrong (or that they are no sequence), for check_dims.
+    expected = f"expected a sequence of at most {MAX_RANK} non-negative integers"
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence | np.ndarray):
+        return InvalidArgumentError(
+            f"tensor dimensions {dims!r} ({type(dims).__name__}): {expected}")
+    for d in dims:
+        try:
+            ok = operator.index(d) >= 0
+            what = "negative"
+        except TypeError:
+            ok = False
+            what = "not an integer"
+        if not ok:
+            return InvalidArgumentError(
+                f"tensor dimensions {list(dims)}: {d!r} ({type(d).__name__}) is {what}: "
+                f"{expected}")
+    return InvalidArgumentError(f"tensor dimensions {dims!r}: {expected}")
 
 
 class Tensor:
@@ -117,10 +149,33 @@ class Tensor:
     # -- construction ---------------------------------------------------------------
     @classmethod
     def from_numpy(cls, array: npt.ArrayLike) -> Tensor:
-        """Wrap a numpy array (zero-copy when it is already C-contiguous)."""
-        arr = np.asarray(array)
-        ttype = tensor_type_of(arr.dtype)
-        arr = np.ascontiguousarray(arr)
+        """Wrap a numpy array, or anything numpy turns into an array of a wasi-nn element
+        type (a nested list of numbers).
+
+        Zero-copy for a C-contiguous array in the machine's byte order. Anything else is
+        copied: a list, a non-contiguous array, and an array in the other byte order (a
+        ``>f4`` array from a big-endian file), which is converted to native order so the
+        backends read the values it holds. Raises InvalidArgumentError for a value numpy
+        cannot turn into an array (a ragged list, an object) or a dtype with no wasi-nn
+        element type.
+        """
+        if type(array) is np.ndarray:
+            arr = array
+        else:
+            try:
+                arr = np.asarray(array)
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgumentError(
+                    f"cannot make a tensor of a {type(array).__name__}: expected a "
+                    "wasinn.Tensor, a numpy array or a nested list of numbers of one shape "
+                    f"({exc})") from None
+        dtype = arr.dtype
+        ttype = _TYPES.get(dtype)  # a native dtype of a wasi-nn type: the usual case
+        if ttype is not None:
+            arr = np.ascontiguousarray(arr)
+        else:
+            ttype = tensor_type_of(dtype)  # the other byte order, or InvalidArgumentError
+            arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("="))
         return cls(tuple(arr.shape), ttype, array=arr)
 
     @classmethod
@@ -130,22 +185,43 @@ class Tensor:
         type: TensorType | str,
         data: bytes | bytearray | memoryview | np.ndarray[Any, Any],
     ) -> Tensor:
-        """A tensor over raw little-endian bytes, without copying them.
+        """A tensor over raw little-endian bytes, without copying them (a contiguous
+        buffer, or a C-contiguous numpy array whose bytes are taken as they are; a
+        non-contiguous one is copied).
 
-        Raises InvalidArgumentError when ``len(data)`` is not ``prod(dims) * itemsize``.
+        Raises InvalidArgumentError for dimensions that are not non-negative integers, an
+        unknown element type, ``data`` that is no bytes-like object, and when its size is
+        not ``prod(dims) * itemsize``.
         """
         ttype = TensorType.coerce(type)
         shape = check_dims(dims)
         expected = math.prod(shape) * ttype.itemsize
-        buf = data if isinstance(data, np.ndarray) else memoryview(data)
+        if isinstance(data, np.ndarray):
+            buf: np.ndarray[Any, Any] | memoryview = data
+            if data.dtype.hasobject:
+                raise InvalidArgumentError(
+                    f"tensor data is a numpy array of {data.dtype}: expected bytes, not "
+                    "Python objects")
+        else:
+            try:
+                buf = memoryview(data)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"tensor data is {data.__class__.__name__}: expected a bytes-like object "
+                    "(bytes, bytearray, memoryview or a numpy array)") from None
         size = buf.nbytes
         if size != expected:
             raise InvalidArgumentError(
                 f"tensor data is {size} bytes but dimensions {list(shape)} of {ttype.value} "
                 f"need {expected} bytes"
             )
-        flat = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
-        arr = flat.reshape(-1).view(_DTYPES[ttype]).reshape(shape)
+        if isinstance(buf, np.ndarray):
+            flat = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+        elif buf.c_contiguous:
+            flat = np.frombuffer(buf, dtype=np.uint8)
+        else:  # a strided memoryview: numpy reads it through its strides (a copy)
+            flat = np.ascontiguousarray(np.asarray(buf)).reshape(-1).view(np.uint8)
+        arr = flat.view(_DTYPES[ttype]).reshape(shape)
         return cls(shape, ttype, array=arr)
 
     @classmethod
@@ -208,6 +284,9 @@ class Tensor:
         return Tensor(tuple(piece.shape), self.type, array=piece)
 
     def tobytes(self) -> bytes:
+        """The data as raw bytes, as :meth:`from_bytes` takes them: little-endian (host
+        data is kept in native order, which :meth:`from_numpy` converts to, and the
+        machines wasinn runs on are little-endian)."""
         return self.numpy().tobytes()
 
     def __repr__(self) -> str:
@@ -216,7 +295,9 @@ class Tensor:
 
 
 def as_tensor(value: Tensor | npt.ArrayLike) -> Tensor:
-    """Accept a Tensor or anything numpy can turn into an array of a wasi-nn type."""
+    """A Tensor as it is, or anything else through :meth:`Tensor.from_numpy` (zero-copy
+    for a C-contiguous array in native byte order, else a copy; InvalidArgumentError for
+    a value with no wasi-nn tensor form)."""
     if isinstance(value, Tensor):
         return value
     return Tensor.from_numpy(value)

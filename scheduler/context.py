@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -71,23 +72,87 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
     raise InvalidArgumentError(f"{owner} has no {role} {key!r}: expected one of {have}")
 
 
-def deadline_after(timeout: float | None) -> float:
-    """A trio deadline ``timeout`` seconds from now (inf for None)."""
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` as seconds (None: no timeout); InvalidArgumentError unless it is None
+    or a real number >= 0 (not a bool, not NaN)."""
     if timeout is None:
+        return None
+    if type(timeout) is not float and type(timeout) is not int:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise InvalidArgumentError(
+                f"timeout {timeout!r} ({type(timeout).__name__}): expected a number of "
+                "seconds >= 0, or None for no timeout")
+        timeout = float(timeout)
+    if not timeout >= 0:  # negative, or NaN
+        raise InvalidArgumentError(
+            f"timeout {timeout}: expected a number of seconds >= 0, or None for no timeout")
+    return timeout
+
+
+def deadline_after(timeout: float | None) -> float:
+    """A trio deadline ``timeout`` seconds from now (inf for None); InvalidArgumentError
+    for a timeout :func:`check_timeout` refuses."""
+    seconds = check_timeout(timeout)
+    if seconds is None:
         return math.inf
-    if timeout < 0 or math.isnan(timeout):
-        raise InvalidArgumentError(f"timeout {timeout} must be a non-negative number of seconds")
-    return trio.current_time() + timeout
+    return trio.current_time() + seconds
 
 
-def check_inputs(inputs: object) -> None:
-    """InvalidArgumentError unless ``inputs`` is a mapping (names or positions -> tensors)."""
+def check_request(priority: object, timeout: object, tenant: object) -> float | None:
+    """Check a request's terms as a caller gave them; its timeout in seconds (None:
+    none). The one check of every compute, run and lease (from any thread):
+    InvalidArgumentError unless ``priority`` is an int (not a bool), ``timeout`` None or
+    a real number >= 0 and ``tenant`` a str. A few type checks: it runs on every
+    request."""
+    if type(priority) is not int and (isinstance(priority, bool)
+                                      or not isinstance(priority, int)):
+        raise InvalidArgumentError(
+            f"priority {priority!r} ({type(priority).__name__}): expected an integer "
+            "(higher runs first; default 0)")
+    if type(tenant) is not str and not isinstance(tenant, str):
+        raise InvalidArgumentError(
+            f"tenant {tenant!r} ({type(tenant).__name__}): expected a str naming who "
+            "the request is for (the fair queue policy serves tenants in turn)")
+    return None if timeout is None else check_timeout(timeout)
+
+
+def request_deadline(priority: object, timeout: object, tenant: object) -> float:
+    """:func:`check_request`, then the request's trio deadline (inf: none). In trio."""
+    seconds = check_request(priority, timeout, tenant)
+    if seconds is None:
+        return math.inf
+    return trio.current_time() + seconds
+
+
+def tensor_inputs(inputs: object) -> Inputs:
+    """``inputs`` with every value a :class:`Tensor`: the mapping itself when they all
+    are, else a new dict with the others converted (:func:`wasinn.tensor.as_tensor`).
+
+    Run before a request reaches a device, so that a value with no tensor form is an
+    InvalidArgumentError naming its input, not a failure of the backend's run; also
+    InvalidArgumentError unless ``inputs`` is a mapping (names or positions -> values).
+    """
     # A dict first: the ABC check of Mapping is several Python calls, on every request.
     if type(inputs) is not dict and not isinstance(inputs, Mapping):
         raise InvalidArgumentError(
             f"inputs must be a mapping of input names or positions to tensors, "
             f"not {type(inputs).__name__}"
         )
+    for value in inputs.values():
+        if type(value) is not Tensor:
+            break
+    else:
+        return inputs
+    converted: dict[Any, Tensor] = {}
+    for key, value in inputs.items():
+        if type(value) is Tensor:
+            converted[key] = value
+            continue
+        try:
+            converted[key] = as_tensor(value)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"input {key!r}: {exc.message}") from None
+    return converted
 
 
 def _writable_bytes(buffer: Any, what: str) -> np.ndarray[Any, Any]:
@@ -147,23 +212,42 @@ class ExecutionContext:
 
         Outputs bound with ``set_output`` are also written into their buffers, and all are
         kept for ``get_output``. ``priority`` (higher first) and ``timeout`` (seconds)
-        order and bound the wait on a busy device. ``keep_on_device``: see the module
-        docstring (None = native off the CPU, host on it). Raises InvalidArgumentError for wrong
-        inputs (naming what the model expects), BackendRuntimeError when the backend fails,
-        TimeoutError_ when ``timeout`` passes, TooLargeError when the device's queue is full
-        or a bound buffer is too small, ClosedResourceError after ``close``. Cancelling the
-        caller drops a queued request, or abandons a running one (its result is discarded).
+        order and bound the wait on a busy device; ``tenant`` names who the request is for
+        (the ``fair`` queue policy). ``keep_on_device``: see the module docstring (None =
+        native off the CPU, host on it). Values that are not Tensors are converted here
+        (:func:`wasinn.tensor.as_tensor`: a copy for lists, non-contiguous arrays and
+        arrays not in native byte order).
+
+        Raises InvalidArgumentError for wrong inputs (naming what the model expects) or a
+        bad ``priority`` (an int), ``timeout`` (seconds >= 0, or None) or ``tenant`` (a
+        str); BackendRuntimeError when the backend fails, TimeoutError_ when ``timeout``
+        passes, TooLargeError when the device's queue is full or a bound buffer is too
+        small, ClosedResourceError after ``close`` or once the runtime is closed.
+        Cancelling the caller drops a queued request, or abandons a running one (its
+        result is discarded).
+
+        A context closed (from another task) while its compute is in flight: the compute
+        raises ClosedResourceError when the run ends and its outputs are dropped, neither
+        recorded nor written into bound buffers. As with any resource closed under an
+        operation in progress (trio's streams do the same), the caller learns that its
+        result went nowhere instead of a success whose outputs the context no longer
+        holds.
         """
         self._check_open()
-        check_inputs(inputs)
+        deadline = request_deadline(priority, timeout, tenant)
         outputs = await self._executable.execute(
-            self.target, inputs, priority=priority, deadline=deadline_after(timeout),
+            self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
             tenant=tenant, keep_on_device=keep_on_device,
         )
         self._record(outputs)
         return outputs
 
     def _record(self, outputs: dict[str, Tensor]) -> None:
+        # The outputs of a run that ended: kept for get_output, written into bound buffers.
+        if self._closed:  # closed while it ran: keep nothing (see compute)
+            raise ClosedResourceError(
+                f"the execution context of {self._executable.name} was closed while its "
+                "request ran: the outputs were dropped")
         self._outputs = outputs
         if self._bound:
             self._fill(outputs)
@@ -184,14 +268,15 @@ class ExecutionContext:
         Call it in trio. Raises what :meth:`compute` raises while placing and queueing;
         cancelled while queued, the request is removed. ``timeout`` bounds the wait and the
         run: a run still going when it passes is stopped where the backend can (ONNX Runtime,
-        OpenVINO; torch runs to its end) and raises TimeoutError_.
+        OpenVINO; torch runs to its end) and raises TimeoutError_. A context closed before
+        :meth:`ContextRun.run` has the slot given back there, unrun (ClosedResourceError).
         """
         self._check_open()
+        deadline = request_deadline(priority, timeout, tenant)
         if inputs is None:
             inputs = self._inputs or {}
-        check_inputs(inputs)
         lease = await self._executable.lease(
-            self.target, inputs, priority=priority, deadline=deadline_after(timeout),
+            self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
             tenant=tenant, keep_on_device=keep_on_device,
         )
         return ContextRun(self, lease)
@@ -201,15 +286,18 @@ class ExecutionContext:
         """From the thread that owns this context (no trio): a :class:`ContextRun` holding
         a device slot, if the graph is compiled on the device it would run on and that
         device has a free slot and nobody queued (so nobody is overtaken); else None (use
-        :meth:`lease`). Raises ClosedResourceError after ``close``, InvalidArgumentError
-        for inputs that are not a mapping."""
+        :meth:`lease`). Raises ClosedResourceError after ``close`` or once the runtime is
+        closed, InvalidArgumentError for bad inputs (see :meth:`compute`) or ``timeout``."""
         self._check_open()
         if inputs is None:
             inputs = self._inputs or {}
-        check_inputs(inputs)
-        if timeout is not None and (timeout < 0 or math.isnan(timeout)):
-            raise InvalidArgumentError(
-                f"timeout {timeout} must be a non-negative number of seconds")
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        return self._try_lease(tensor_inputs(inputs), timeout, keep_on_device)
+
+    def _try_lease(self, inputs: Inputs, timeout: float | None,
+                   keep_on_device: bool | None) -> ContextRun | None:
+        # try_lease on checked inputs and timeout.
         lease = self._executable.try_lease(self.target, inputs, timeout=timeout,
                                            keep_on_device=keep_on_device)
         return None if lease is None else ContextRun(self, lease)
@@ -229,7 +317,10 @@ class ExecutionContext:
         results and errors as :meth:`compute`, with the ``timeout`` caveat of
         :meth:`lease`; cancelling the trio task this thread belongs to drops a queued
         request (``trio.Cancelled`` is raised here)."""
-        run = self.try_lease(inputs, timeout=timeout, keep_on_device=keep_on_device)
+        self._check_open()
+        seconds = check_request(priority, timeout, tenant)
+        inputs = tensor_inputs(inputs)  # once, for both tries
+        run = self._try_lease(inputs, seconds, keep_on_device)
         if run is None:
             run = trio.from_thread.run(functools.partial(
                 self.lease, inputs, priority=priority, timeout=timeout, tenant=tenant,
@@ -245,15 +336,22 @@ class ExecutionContext:
 
     # -- the staged form (wasi-nn) ------------------------------------------------------
     def set_input(self, key: str | int, value: Tensor | Any) -> None:
-        """Stage input ``key`` (a name or position) for ``run``. Not copied.
+        """Stage input ``key`` (a name or position) for ``run``.
 
-        Raises InvalidArgumentError for an unknown key or a value with no wasi-nn type.
+        A Tensor, or a C-contiguous numpy array in native byte order, is kept as it is
+        (not copied: change it before ``run`` and the run sees the change); anything else
+        is converted now (:func:`wasinn.tensor.as_tensor`: a copy for lists,
+        non-contiguous arrays and arrays not in native byte order). Raises
+        InvalidArgumentError for an unknown key or a value with no wasi-nn tensor form.
         """
         self._check_open()
         name = spec_name(self._executable.inputs, key, "input", self._executable.name)
         if self._inputs is None:
             self._inputs = {}
-        self._inputs[name] = as_tensor(value)
+        try:
+            self._inputs[name] = as_tensor(value)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"input {name!r}: {exc.message}") from None
 
     def set_output(self, key: str | int, buffer: Any) -> None:
         """Bind a writable host buffer that ``run``/``compute`` fill with output ``key``.
@@ -338,9 +436,17 @@ class ContextRun:
         """Run the model in this thread (never the trio thread: it would block the loop),
         give the slot back, and record the outputs on the context (``get_output``, bound
         buffers) as :meth:`ExecutionContext.compute` does. Once only. Raises what
-        ``compute`` raises for a failed run."""
+        ``compute`` raises for a failed run; ClosedResourceError when the context was
+        closed before the run (the slot is given back without running) or during it
+        (the outputs are dropped, as :meth:`ExecutionContext.compute` explains)."""
+        ctx = self._ctx
+        if ctx._closed:
+            self._lease.cancel()
+            raise ClosedResourceError(
+                f"the execution context of {ctx._executable.name} is closed: the request "
+                "was not run")
         outputs = self._lease.run()
-        self._ctx._record(outputs)
+        ctx._record(outputs)
         return outputs
 
     def cancel(self) -> None:

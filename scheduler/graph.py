@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import trio
 
+from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import ModelStats
 from wasinn.backends.base import TensorSpec
@@ -18,7 +19,7 @@ from wasinn.enums import ExecutionTarget
 from wasinn.errors import ClosedResourceError
 from wasinn.tensor import Tensor
 
-from .context import ExecutionContext, check_inputs, deadline_after
+from .context import ExecutionContext, check_timeout, request_deadline, tensor_inputs
 from .model import Executable, Inputs
 from .placement import Scheduler
 
@@ -62,6 +63,11 @@ class Graph:
     def unloaded(self) -> bool:
         return self._unloaded
 
+    @property
+    def batching(self) -> Batching | None:
+        """How the model's requests are merged on a device, or None: it does not batch."""
+        return self._executable.batching
+
     def stats(self) -> ModelStats:
         """The model's (a pipeline's: the whole pipeline's) requests on every device since
         it was loaded, by how they ended, with their latency percentiles, time queued and
@@ -75,16 +81,23 @@ class Graph:
         if self._unloaded:
             raise ClosedResourceError(f"{self._executable.name} was unloaded")
 
+    def _check_runtime(self) -> None:
+        if self._scheduler.closed:
+            raise ClosedResourceError(
+                f"the runtime is closed: {self._executable.name} can no longer run")
+
     def init_execution_context(self, target: ExecutionTarget | str | None = None
                                ) -> ExecutionContext:
         """A new context running on ``target`` devices (None = the graph's default).
 
-        No backend work happens here. Raises ClosedResourceError after ``unload``,
-        InvalidArgumentError for an unknown target name, UnsupportedOperationError for a
-        target no device here provides (unless the config allows a fallback: then a
-        RuntimeWarning names both targets).
+        No backend work happens here. Raises ClosedResourceError after ``unload`` or once
+        the runtime is closed, InvalidArgumentError for an unknown target name,
+        UnsupportedOperationError for a target no device here provides (unless the config
+        allows a fallback: then a RuntimeWarning, pointing at the caller's line, names
+        both targets).
         """
         self._check_loaded()
+        self._check_runtime()
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         return ExecutionContext(self._executable, kind)
 
@@ -98,18 +111,19 @@ class Graph:
         tenant: str = "",
         keep_on_device: bool | None = None,
     ) -> dict[str, Tensor]:
-        """One-shot run without a context (see ExecutionContext.compute for the contract)."""
+        """One-shot run without a context (see ExecutionContext.compute for the contract).
+        The model is kept loaded until the run ends: an unload meanwhile frees it after."""
         self._check_loaded()
-        check_inputs(inputs)
+        deadline = request_deadline(priority, timeout, tenant)
+        inputs = tensor_inputs(inputs)
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
-        self._executable.retain()  # an unload during the run frees after it
+        executable = self._executable
+        executable.retain()  # an unload during the run frees after it
         try:
-            return await self._executable.execute(
-                kind, inputs, priority=priority, deadline=deadline_after(timeout),
-                tenant=tenant, keep_on_device=keep_on_device,
-            )
+            return await executable.execute(kind, inputs, priority=priority, deadline=deadline,
+                                            tenant=tenant, keep_on_device=keep_on_device)
         finally:
-            self._executable.release()
+            executable.release()
 
     async def lease(
         self,
@@ -123,24 +137,33 @@ class Graph:
     ) -> Lease[dict[str, Tensor]]:
         """One-shot :meth:`compute` run by the caller's own thread: queue in trio, return
         once a device slot is held; ``Lease.run()`` (in a thread that is not trio's) runs
-        it and returns the outputs (see ExecutionContext.lease for the contract)."""
+        it and returns the outputs (see ExecutionContext.lease for the contract).
+
+        Like :meth:`compute`, the lease keeps the model loaded until it is over (run or
+        cancelled): an unload meanwhile frees the compiled graphs after it."""
         self._check_loaded()
-        check_inputs(inputs)
+        deadline = request_deadline(priority, timeout, tenant)
+        inputs = tensor_inputs(inputs)
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
-        return await self._executable.lease(
-            kind, inputs, priority=priority, deadline=deadline_after(timeout),
-            tenant=tenant, keep_on_device=keep_on_device,
-        )
+        executable = self._executable
+        executable.retain()  # until the lease holds its compiled graphs (see placement)
+        try:
+            return await executable.lease(kind, inputs, priority=priority, deadline=deadline,
+                                          tenant=tenant, keep_on_device=keep_on_device)
+        finally:
+            executable.release()
 
     def try_lease(self, inputs: Inputs, *, timeout: float | None = None,
                   keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]] | None:
         """One-shot run on the graph's default target from the caller's own thread,
         without trio: a lease if the model is compiled there and a slot is free with
-        nobody queued, else None (use :meth:`lease`). See ExecutionContext.try_lease."""
+        nobody queued, else None (use :meth:`lease`). See ExecutionContext.try_lease; the
+        lease keeps the model's compiled graphs as :meth:`lease` does."""
         self._check_loaded()
-        check_inputs(inputs)
-        return self._executable.try_lease(self.default_target, inputs, timeout=timeout,
-                                          keep_on_device=keep_on_device)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
+        return self._executable.try_lease(self.default_target, tensor_inputs(inputs),
+                                          timeout=timeout, keep_on_device=keep_on_device)
 
     async def unload(self) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed.

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import trio
 
+from wasinn.actors.stats import RequestStats
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import NotFoundError, WasiNNError
 
@@ -40,6 +41,8 @@ class NameRegistry:
         self._load = load
         self._resident = frozenset(resident)
         self._loaded: dict[str, Entry] = {}
+        #: Each name's request figures, kept by drop_all (the runtime is closed).
+        self._dropped: dict[str, RequestStats] = {}
         self._loading: dict[str, _Loading] = {}
         #: How many loads actually ran, per name (for tests and metrics).
         self.loads: dict[str, int] = {}
@@ -91,6 +94,15 @@ class NameRegistry:
         entries = [self._loaded.get(name) for name in self._names]
         return [entry[0] for entry in entries if entry is not None]
 
+    def requests(self) -> list[tuple[str, RequestStats]]:
+        """Each name loaded so far and the requests of its latest load, released since or
+        not, in the registry's order; after :meth:`drop_all` too."""
+        live = {name: entry[0].requests for name, entry in self._loaded.items()}
+        return [(name, live[name] if name in live else self._dropped[name])
+                for name in self._names if name in live or name in self._dropped]
+
     def drop_all(self) -> None:
-        """Forget every entry (the runtime is closing; device actors free the graphs)."""
+        """Forget every entry (the runtime is closing; device actors free the graphs), but
+        keep what :meth:`requests` reports."""
+        self._dropped.update({name: entry[0].requests for name, entry in self._loaded.items()})
         self._loaded.clear()

@@ -12,7 +12,12 @@ and counted in :func:`wasinn.host_copies`.
 
 Wiring: each step after the first maps the previous step's output names to its own input
 names (``wire = { y = "input" }``); it may be omitted when the previous step has exactly
-one output and this step exactly one input. Outputs not wired are dropped.
+one output and this step exactly one input. Outputs not wired are dropped. The first step
+takes the pipeline's inputs and has no wire.
+
+Loading (``Runtime.load_by_name``) holds each step model as soon as the registry hands it
+over and checks the wiring before compiling the steps on the pipeline's device; a load
+that fails or is cancelled lets the steps go again, freeing those nobody else holds.
 """
 
 from __future__ import annotations
@@ -35,8 +40,13 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
                    wires: Sequence[Mapping[str, str]]) -> tuple[Link, ...]:
     """For each step after the first, the (previous output, this input) pairs.
 
-    Raises InvalidArgumentError naming the pipeline, the step and what the models have.
+    Raises InvalidArgumentError naming the pipeline, the step and what the models have
+    (a wire on the first step included: it would be ignored).
     """
+    if steps and wires and wires[0]:
+        raise InvalidArgumentError(
+            f"pipeline {name!r} step 0 ({steps[0].name}): wired {dict(wires[0])}, but the "
+            "first step takes the pipeline's own inputs: expected no wire")
     links: list[Link] = []
     for i in range(1, len(steps)):
         prev, step = steps[i - 1], steps[i]

@@ -7,13 +7,20 @@ plus queued requests). The actor compiles the model on first use and caches it.
 
 A target no actor provides raises UnsupportedOperationError, unless the runtime allows a
 fallback: then a RuntimeWarning names both targets, once per runtime and target.
+
+Once the runtime is closed (its actors closed), every request placed here raises
+ClosedResourceError saying so. A lease (a request run by the caller's own thread) holds
+the compiled graphs its job runs until it is over, run or cancelled: unloading the model
+meanwhile frees them after it, as it does for a running job.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 
 import trio
 
@@ -40,6 +47,8 @@ from .model import Inputs, LoadedModel
 
 #: How one pipeline step feeds the next: (previous output name, next input name) pairs.
 Link = tuple[tuple[str, str], ...]
+#: A lease's job on graphs held for it: (graphs, inputs, keep_on_device) -> outputs.
+RunHeld = Callable[[Sequence[CompiledGraph], Inputs, bool], dict[str, Tensor]]
 
 
 class Scheduler:
@@ -67,6 +76,11 @@ class Scheduler:
     def devices(self) -> list[Device]:
         return [a.device for a in self.actors]
 
+    @property
+    def closed(self) -> bool:
+        """Whether the runtime is closed: its device actors stopped serving."""
+        return any(not actor.ready for actor in self.actors)
+
     def actors_of(self, kind: ExecutionTarget) -> list[DeviceActor]:
         return list(self._by_kind.get(kind, ()))
 
@@ -83,15 +97,22 @@ class Scheduler:
             return resolved
         here = ", ".join(a.device.name for a in self.actors) or "none"
         fallback = self.fallback
-        if fallback is None or fallback not in self._by_kind:
+        if fallback is None:
             raise UnsupportedOperationError(
                 f"no {kind.value} device in this runtime (devices here: {here}); "
                 "set [runtime] fallback in the config to run such requests elsewhere"
             )
+        if fallback not in self._by_kind:
+            raise UnsupportedOperationError(
+                f"no {kind.value} device in this runtime (devices here: {here}), and none "
+                f"for its fallback either: [runtime] fallback = {fallback.value!r}, but the "
+                f"{fallback.value} pool found no device: expected a {kind.value} or "
+                f"{fallback.value} device"
+            )
         warnings.warn(
             f"wasinn: no {kind.value} device here (devices: {here}): "
             f"target {kind.value} falls back to {fallback.value}",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning, stacklevel=_callers_level(),
         )
         self._resolved[kind] = fallback
         return fallback
@@ -196,12 +217,14 @@ class Scheduler:
                           ) -> Lease[dict[str, Tensor]]:
         """Like :meth:`run_model`, but return once a device slot is held: the caller's own
         thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`). A
-        request that joins a batch has run when this returns (a settled lease)."""
+        request that joins a batch has run when this returns (a settled lease). The
+        compiled graph is held until the lease is over: an unload meanwhile closes it
+        after the run."""
         actor, session, run = await self._model_job(model, target, inputs)
         return await _lease(actor, model.id, run, _keep(actor, keep_on_device),
                             model.batching, inputs, priority=priority, deadline=deadline,
                             tenant=tenant, label=_label(model, session),
-                            account=model.requests)
+                            account=model.requests, sessions=(session,), run_held=_run_first)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, keep_on_device: bool | None = None
@@ -219,8 +242,17 @@ class Scheduler:
         session = actor.cached_session(model.id)
         if session is None:
             return None
-        job = functools.partial(_run, session, inputs, _keep(actor, keep_on_device))
-        return actor.try_lease(job, timeout=timeout, account=model.requests)
+        try:
+            compiled = session.acquire()  # held until the lease is over
+        except ClosedResourceError:
+            return None  # unloaded meanwhile: lease_model says so
+        job = functools.partial(_run_compiled, compiled, inputs, _keep(actor, keep_on_device))
+        lease = actor.try_lease(job, timeout=timeout, account=model.requests)
+        if lease is None:
+            session.release()
+        else:
+            lease.then(session.release)
+        return lease
 
     def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
@@ -240,24 +272,32 @@ class Scheduler:
             if model.released or session is None:
                 return None
             sessions.append(session)
-        job = functools.partial(_run_chain, sessions, links, inputs,
-                                _keep(actor, keep_on_device))
-        return actor.try_lease(job, timeout=timeout, account=account)
+        try:
+            held = _hold(sessions)
+        except ClosedResourceError:
+            return None  # unloaded meanwhile: lease_chain says so
+        job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device))
+        return _held_by(actor.try_lease(job, timeout=timeout, account=account), sessions)
 
     def _placed_here(self, target: ExecutionTarget, inputs: Inputs) -> DeviceActor | None:
         if target not in self._by_kind:
             return None
         try:
-            return self.pick(target, inputs)
+            actor = self.pick(target, inputs)
         except WasiNNError:
             return None
+        if not actor.ready:
+            raise _runtime_closed()
+        return actor
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs
                          ) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
+        actor = self.pick(target, inputs)
+        if not actor.ready:
+            raise _runtime_closed()
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
-        actor = self.pick(target, inputs)
         session = actor.cached_session(model.id)
         if session is None:
             actor.placed += 1  # counts as this device's load until it queues or runs
@@ -277,11 +317,12 @@ class Scheduler:
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
-        actor, run = await self._chain_job(name, models, links, target, inputs)
-        return await _execute(actor, _chain_key(models), run, _keep(actor, keep_on_device),
-                              batching, inputs, priority=priority, deadline=deadline,
-                              tenant=tenant, label=f"run of pipeline {name!r}",
-                              account=account)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs)
+        run = functools.partial(_run_chain, sessions, links)
+        return await _execute(actor, _chain_key(name, models, links), run,
+                              _keep(actor, keep_on_device), batching, inputs,
+                              priority=priority, deadline=deadline, tenant=tenant,
+                              label=f"run of pipeline {name!r}", account=account)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
@@ -290,16 +331,21 @@ class Scheduler:
                           account: RequestStats | None = None,
                           batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
-        actor, run = await self._chain_job(name, models, links, target, inputs)
-        return await _lease(actor, _chain_key(models), run, _keep(actor, keep_on_device),
-                            batching, inputs, priority=priority, deadline=deadline,
-                            tenant=tenant, label=f"run of pipeline {name!r}",
-                            account=account)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs)
+        return await _lease(actor, _chain_key(name, models, links),
+                            functools.partial(_run_chain, sessions, links),
+                            _keep(actor, keep_on_device), batching, inputs,
+                            priority=priority, deadline=deadline, tenant=tenant,
+                            label=f"run of pipeline {name!r}", account=account,
+                            sessions=sessions, run_held=functools.partial(_chain, links))
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs
-                         ) -> tuple[DeviceActor, RunInputs]:
+                         ) -> tuple[DeviceActor, list[Session]]:
+        # The actor that runs the chain and each step's session there.
         actor = self.pick(target, inputs)
+        if not actor.ready:
+            raise _runtime_closed()
         sessions = []
         for model in models:
             if model.released:
@@ -312,7 +358,7 @@ class Scheduler:
                 finally:
                     actor.placed -= 1
             sessions.append(session)
-        return actor, functools.partial(_run_chain, sessions, links)
+        return actor, sessions
 
 
 async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
@@ -335,10 +381,13 @@ async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
 
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                  batching: Batching | None, inputs: Inputs, *, priority: int,
-                 deadline: float, tenant: str, label: str, account: RequestStats | None
+                 deadline: float, tenant: str, label: str, account: RequestStats | None,
+                 sessions: Sequence[Session], run_held: RunHeld
                  ) -> Lease[dict[str, Tensor]]:
-    # A lease for the caller's thread; or, when the request may join a batch (the device
-    # is busy, or batches wait for company), the batch's answer as a settled lease.
+    # A lease for the caller's thread, whose job runs ``sessions``' graphs held from now
+    # until the lease is over (run or cancelled), so that an unload meanwhile closes them
+    # only after it; or, when the request may join a batch (the device is busy, or
+    # batches wait for company), the batch's answer (by ``run``) as a settled lease.
     if batching is not None and (batching.max_delay or not actor.slot_free()):
         batch = BatchInputs.of(inputs)
         if batch is not None:
@@ -346,8 +395,16 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                 key, batch, run, batching, keep_on_device=keep, priority=priority,
                 deadline=deadline, tenant=tenant, label=label, account=account)
             return settled(str(actor.device), outputs)
-    return await actor.lease(functools.partial(run, inputs, keep), priority=priority,
-                             deadline=deadline, tenant=tenant, account=account)
+    held = _hold(sessions)
+    try:
+        lease = await actor.lease(functools.partial(run_held, held, inputs, keep),
+                                  priority=priority, deadline=deadline, tenant=tenant,
+                                  account=account)
+    except BaseException:
+        _let_go(sessions)
+        raise
+    lease.then(functools.partial(_let_go, sessions))
+    return lease
 
 
 def _gathers(batching: Batching | None) -> bool:
@@ -355,9 +412,12 @@ def _gathers(batching: Batching | None) -> bool:
     return batching is not None and batching.max_delay > 0
 
 
-def _chain_key(models: Sequence[LoadedModel]) -> tuple[int, ...]:
-    """What a pipeline's batches are keyed by on a device: its steps' graphs."""
-    return tuple(model.id for model in models)
+def _chain_key(name: str, models: Sequence[LoadedModel], links: Sequence[Link]
+               ) -> tuple[object, ...]:
+    """What a pipeline's batches are keyed by on a device: the pipeline, its steps'
+    graphs and its wiring (two pipelines of the same models wired differently compute
+    different things, so their requests must never share a run)."""
+    return ("pipeline", name, tuple(model.id for model in models), tuple(links))
 
 
 def _label(model: LoadedModel, session: Session) -> str:
@@ -394,25 +454,87 @@ def _run(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
         session.release()
 
 
+def _run_compiled(compiled: CompiledGraph, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
+    # A lease's job: its graph is held (acquired) until the lease is over.
+    return compiled.run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
+
+
+def _run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool
+               ) -> dict[str, Tensor]:
+    # A model lease's job (a RunHeld): the one graph held for it.
+    return held[0].run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
+
+
 def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
                keep: bool) -> dict[str, Tensor]:
-    # Runs in the actor's worker thread: every step on this device, natives passed along.
-    # A cancelled job (abandoned, or its device closing) stops between steps, whatever
-    # its backends can interrupt (torch cannot).
+    # Runs in the actor's worker thread; the in-use counts defer an unload's close.
+    held = _hold(sessions)  # raises before any run if one was unloaded
+    try:
+        return _chain(links, held, inputs, keep)
+    finally:
+        _let_go(sessions)
+
+
+def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inputs,
+           keep: bool) -> dict[str, Tensor]:
+    # Every step on this device, natives passed along. A cancelled job (abandoned, or its
+    # device closing) stops between steps, whatever its backends can interrupt (torch
+    # cannot).
     cancellation = current_cancellation()
-    compiled: list[CompiledGraph] = []
+    last = len(compiled) - 1
+    current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]
+    for step, (graph, link) in enumerate(zip(compiled[1:], links, strict=True), 1):
+        if cancellation is not None and cancellation.cancelled:
+            raise BackendRuntimeError(
+                f"pipeline cancelled after step {step} of {len(compiled)}")
+        current = graph.run({inp: current[out] for out, inp in link},
+                            keep_on_device=keep or step < last)
+    return current
+
+
+def _hold(sessions: Sequence[Session]) -> list[CompiledGraph]:
+    """Every session's graph, each acquired (in use until :func:`_let_go`). Raises
+    ClosedResourceError, holding none, when one was unloaded."""
+    held: list[CompiledGraph] = []
     try:
         for session in sessions:
-            compiled.append(session.acquire())  # raises before any run if one was unloaded
-        last = len(compiled) - 1
-        current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]
-        for step, (graph, link) in enumerate(zip(compiled[1:], links, strict=True), 1):
-            if cancellation is not None and cancellation.cancelled:
-                raise BackendRuntimeError(
-                    f"pipeline cancelled after step {step} of {len(compiled)}")
-            current = graph.run({inp: current[out] for out, inp in link},
-                                keep_on_device=keep or step < last)
-        return current
-    finally:
-        for session in sessions[: len(compiled)]:
-            session.release()
+            held.append(session.acquire())
+    except ClosedResourceError:
+        _let_go(sessions[: len(held)])
+        raise
+    return held
+
+
+def _let_go(sessions: Sequence[Session]) -> None:
+    """Release what :func:`_hold` acquired (in any thread)."""
+    for session in sessions:
+        session.release()
+
+
+def _held_by(lease: Lease[dict[str, Tensor]] | None, sessions: Sequence[Session]
+             ) -> Lease[dict[str, Tensor]] | None:
+    # A lease taken for a job on held graphs lets go of them once over; no lease: now.
+    if lease is None:
+        _let_go(sessions)
+    else:
+        lease.then(functools.partial(_let_go, sessions))
+    return lease
+
+
+def _runtime_closed() -> ClosedResourceError:
+    return ClosedResourceError("the runtime is closed: requests can no longer run")
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` at which a warning raised by the caller of this function points
+    to the first frame outside wasinn: the user's code that asked for it."""
+    level = 1
+    frame: FrameType | None = sys._getframe(1)  # the caller: level 1
+    while frame is not None and _in_wasinn(frame.f_globals.get("__name__")):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _in_wasinn(module: object) -> bool:
+    return isinstance(module, str) and (module == "wasinn" or module.startswith("wasinn."))

@@ -35,6 +35,7 @@ from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import Backend, Device, LoadOptions
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
+from wasinn.configs import check_precision
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     ClosedResourceError,
@@ -48,12 +49,12 @@ from wasinn.errors import (
 from .graph import Graph
 from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
-from .pipeline import Pipeline, PipelineModel
+from .pipeline import Pipeline, PipelineModel, resolve_wiring
 from .placement import Scheduler
 from .warmup import WarmUp, preload
 
 if TYPE_CHECKING:
-    from wasinn.configs.schema import PoolConfig, RuntimeConfig
+    from wasinn.configs.schema import PipelineConfig, PoolConfig, RuntimeConfig
 
 log = logging.getLogger("wasinn.scheduler")
 
@@ -86,20 +87,24 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     if options is None:
         return LoadOptions()
     if isinstance(options, LoadOptions):
+        check_precision(options.precision)
         return options
     if not isinstance(options, Mapping):
         raise InvalidArgumentError(
             f"options must be a mapping or LoadOptions, not {type(options).__name__}"
         )
-    extra = {k: v for k, v in options.items() if k not in ("precision", "threads")}
+    extra = {k: v for k, v in options.items() if k not in ("precision", "threads", "extra")}
+    nested = options.get("extra", {})
+    if not isinstance(nested, Mapping):
+        raise InvalidArgumentError(
+            f"options extra={nested!r:.60}: expected a mapping of backend options")
+    extra.update(nested)  # {"extra": {...}} is LoadOptions' own spelling: accept it too
     precision = options.get("precision", "f32")
     threads = options.get("threads", 0)
-    if not isinstance(precision, str) or not isinstance(threads, int) or threads < 0:
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
         raise InvalidArgumentError(
-            f"options precision={precision!r}, threads={threads!r}: expected a precision "
-            "name (e.g. 'f32') and a non-negative thread count"
-        )
-    return LoadOptions(precision=precision, threads=threads, extra=extra)
+            f"options threads={threads!r:.60}: expected a non-negative thread count")
+    return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra)
 
 
 def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
@@ -119,22 +124,38 @@ class Runtime:
     """Device actors, placement, the model registry and the async API, for one config.
 
     ``Runtime()`` uses the embedded default (``wasinn/configs/default.toml``: every
-    installed backend, the CPU pool); ``Runtime.from_config(path)`` reads a TOML file;
-    ``Runtime(config)`` takes a :class:`~wasinn.configs.schema.RuntimeConfig`. ``backends``
-    adds backend instances (third-party or test backends) to every pool's registry.
+    installed backend, the CPU pool); ``Runtime.from_config(path)`` (or ``Runtime(path)``)
+    reads a TOML file; ``Runtime(config)`` takes a
+    :class:`~wasinn.configs.schema.RuntimeConfig`. ``backends``
+    adds backend instances (third-party or test backends) to every pool's registry; the
+    config's backend names are checked against these and the installed ones (ConfigError).
     Use it with ``async with``; every method must be called from trio.
+
+    Handles are not finalized: a :class:`Graph` dropped without ``unload()``, or a context
+    without ``close()``, keeps its model's compiled graphs until the runtime closes. Unload
+    and close them (``try``/``finally``, ``with ctx:``) when the runtime outlives them.
     """
 
-    def __init__(self, config: RuntimeConfig | None = None, *,
+    def __init__(self, config: RuntimeConfig | str | Path | None = None, *,
                  backends: Iterable[Backend] = ()) -> None:
-        if config is None:
-            from wasinn.configs.loader import packaged_config
+        from wasinn.configs.loader import check_backends, load_config, packaged_config
+        from wasinn.configs.schema import RuntimeConfig
 
-            config = packaged_config()
-        self._config = config
         self._extra = tuple(backends)
+        if config is None:
+            config = packaged_config()
+        elif isinstance(config, (str, Path)):  # as from_config
+            config = load_config(config, backends=[b.name for b in self._extra])
+        elif not isinstance(config, RuntimeConfig):
+            raise InvalidArgumentError(
+                f"Runtime(config): expected a RuntimeConfig, a TOML file's path or None "
+                f"(the embedded default), not {type(config).__name__}")
+        self._config = config
+        check_backends(config, str(config.source or "<config>"),
+                       [backend.name for backend in self._extra])
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
+        self._owner: trio.lowlevel.Task | None = None
         self._scheduler: Scheduler | None = None
         self._closed = False
         self._names = NameRegistry(
@@ -145,10 +166,12 @@ class Runtime:
 
     @classmethod
     def from_config(cls, path: str | Path, *, backends: Iterable[Backend] = ()) -> Runtime:
-        """A runtime for the TOML config at ``path`` (NotFoundError, ConfigError)."""
+        """A runtime for the TOML config at ``path`` (NotFoundError, ConfigError); the
+        config may name the ``backends`` given here besides the installed ones."""
         from wasinn.configs.loader import load_config
 
-        return cls(load_config(path), backends=backends)
+        extra = tuple(backends)
+        return cls(load_config(path, backends=[b.name for b in extra]), backends=extra)
 
     # -- lifetime -------------------------------------------------------------------------
     async def __aenter__(self) -> Runtime:
@@ -164,6 +187,14 @@ class Runtime:
 
         Models and pipelines the config marks ``preload`` or ``warmup`` are loaded,
         compiled and warmed up before this returns (see :mod:`wasinn.scheduler.warmup`).
+
+        Prefer ``async with runtime:``, which pairs this with :meth:`aclose`. The actors
+        run in a nursery that this opens in the calling task and that :meth:`aclose`
+        closes, so called directly, ``aclose`` must be awaited by the same task at the
+        same nesting level: not from another task, and not inside a nursery or cancel
+        scope (``move_on_after``...) entered after ``start`` and still open (trio
+        forbids exiting a nursery out of order; ``aclose`` refuses such a call with
+        InvalidArgumentError where it can tell, and closes nothing).
 
         Raises UnsupportedOperationError for a configured device that is missing or
         cannot be opened, ConfigError for an unknown backend name in the config, and
@@ -191,6 +222,7 @@ class Runtime:
             raise
         self._stack = stack
         self._nursery = nursery
+        self._owner = trio.lowlevel.current_task()
         self._scheduler = scheduler
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
         await self._preload()
@@ -227,9 +259,14 @@ class Runtime:
         once a pool's ``close_timeout`` has passed for a job that ignores cancellation
         (an error is logged naming the device and the job). That wait is shielded:
         cancelling the caller does not cut it short, but it never lasts longer than the
-        largest ``close_timeout``. Idempotent."""
+        largest ``close_timeout``. Idempotent.
+
+        After an explicit :meth:`start`, await it in the task that started the runtime,
+        at the same nesting level (see :meth:`start`): InvalidArgumentError otherwise,
+        with the runtime left running. ``async with`` always does this right."""
         if self._closed:
             return
+        self._check_closing_task()
         self._closed = True
         self._names.drop_all()
         if self._scheduler is not None:
@@ -240,6 +277,33 @@ class Runtime:
             # The nursery holds only the actors' serve tasks: cancel them and wait.
             self._nursery.cancel_scope.cancel()
             await stack.aclose()
+
+    def _check_closing_task(self) -> None:
+        # Exiting the actors' nursery from another task, or from inside a nursery or
+        # cancel scope opened after start, corrupts trio's state ("Nursery misnesting"):
+        # refuse before anything is closed, so that the right task can still close.
+        nursery, owner = self._nursery, self._owner
+        if self._stack is None or nursery is None or owner is None:
+            return
+        task = trio.lowlevel.current_task()
+        how = "`async with runtime:` pairs them right"
+        if task is not owner:
+            raise InvalidArgumentError(
+                f"Runtime.aclose() called from task {task.name!r}, but the runtime was "
+                f"started by task {owner.name!r}: expected aclose() from the task that "
+                f"called start() ({how})")
+        if task.child_nurseries and task.child_nurseries[-1] is not nursery:
+            raise InvalidArgumentError(
+                "Runtime.aclose() called inside a nursery opened after start() and still "
+                f"open: expected aclose() at the nesting level of start() ({how})")
+        # trio has no public way to read the task's innermost cancel scope: read its
+        # private one where present (a trio that renames it only loses this check).
+        scope = getattr(getattr(task, "_cancel_status", None), "_scope", None)
+        if scope is not None and scope is not nursery.cancel_scope:
+            raise InvalidArgumentError(
+                "Runtime.aclose() called inside a cancel scope (move_on_after, fail_after, "
+                "CancelScope...) entered after start() and still open: expected aclose() "
+                f"at the nesting level of start() ({how}; aclose() bounds its own wait)")
 
     def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
         # Runs in a worker thread: asking backends for devices may import their libraries.
@@ -254,7 +318,11 @@ class Runtime:
             try:
                 registry = BackendRegistry(preference, extra=self._extra)
             except InvalidArgumentError as exc:
-                raise ConfigError(f"pools.{pool_name}.backends: {exc.message}") from None
+                # Checked when the runtime was made; kept for a config changed since.
+                key = (f"pools.{pool_name}.backends" if pool.backends
+                       else "runtime.backends")
+                raise ConfigError(f"{config.source or '<config>'}: {key}: {exc.message}"
+                                  ) from None
             devices = self._pool_devices(pool_name, pool, kind, registry)
             if devices:
                 registries[kind] = registry
@@ -293,11 +361,12 @@ class Runtime:
         if pool.devices == "auto":
             return sorted(reported)
         wanted = [Device.parse(n) for n in pool.devices]
-        for device in wanted:
+        for i, device in enumerate(wanted):
             if device not in reported:
                 found = ", ".join(d.name for d in sorted(reported)) or "none"
                 raise UnsupportedOperationError(
-                    f"pools.{pool_name}: device {device} is not reported by any backend "
+                    f"{self._config.source or '<config>'}: pools.{pool_name}.devices[{i}]: "
+                    f"device {device} is not reported by any backend "
                     f"({', '.join(names) or 'none installed'}); found: {found}"
                 )
         return wanted
@@ -335,9 +404,9 @@ class Runtime:
     def model_stats(self) -> list[ModelStats]:
         """The requests of each registry model and pipeline loaded so far, since its
         latest load (also when every handle has released it since, as a guest does when it
-        exits); see :meth:`Graph.stats`. A graph from :meth:`load` has its own
-        ``stats()``."""
-        return [ModelStats.of(entry.name, entry.requests) for entry in self._names.loaded()]
+        exits, and after the runtime is closed); see :meth:`Graph.stats`. A graph from
+        :meth:`load` has its own ``stats()``."""
+        return [ModelStats.of(name, requests) for name, requests in self._names.requests()]
 
     def model_names(self) -> list[str]:
         """The registry's model and pipeline names, as ``load_by_name`` accepts them."""
@@ -365,9 +434,13 @@ class Runtime:
         bytes fail here. ``name`` names it in stats, logs and errors (default
         ``graph#N``); it is not entered in the registry. ``batching`` lets requests that
         wait for the same device at the same time run as one batch (see
-        :class:`wasinn.Batching`). Raises InvalidEncodingError (bytes no backend reads, an
-        empty builder list), InvalidArgumentError (unknown encoding/target/backend names,
-        bad options, batching for a model whose first dimension is fixed),
+        :class:`wasinn.Batching`). ``options``: a LoadOptions, or a mapping with
+        ``precision`` (one of ``wasinn.configs.PRECISIONS``), ``threads``, and backend
+        options (as keys, or under ``extra``). The graph keeps its compiled sessions until
+        :meth:`Graph.unload` (or the runtime closes). Raises InvalidEncodingError (bytes
+        no backend reads, an empty builder list), InvalidArgumentError (unknown
+        encoding/target/backend names, bad options, batching for a model whose first
+        dimension is fixed),
         UnsupportedOperationError (no device or backend for the target).
         """
         owned = _owned_builders(builders)
@@ -382,7 +455,9 @@ class Runtime:
 
     async def load_by_name(self, name: str) -> Graph:
         """The registry's model or pipeline called ``name`` (a :class:`Pipeline` for a
-        pipeline), loaded on first use and shared by every caller.
+        pipeline), loaded on first use and shared by every caller. The model stays loaded
+        while any handle on it is not unloaded (or any context not closed), or for the
+        runtime's lifetime when the config keeps it (``resident``, ``preload``).
 
         Raises NotFoundError for a name not in the registry or a registered file that is
         missing, SecurityError for a file outside the config's directory, and whatever
@@ -404,14 +479,14 @@ class Runtime:
                             batching=batching)
         model.runner = scheduler
         model.on_release = scheduler.release
-        compiled = await scheduler.compile(model, kind)
-        model.inputs, model.outputs = compiled.inputs, compiled.outputs
-        if batching is not None:
-            try:
+        try:
+            compiled = await scheduler.compile(model, kind)
+            model.inputs, model.outputs = compiled.inputs, compiled.outputs
+            if batching is not None:
                 check_batchable(model.name, model.inputs, model.outputs)
-            except WasiNNError:
-                scheduler.release(model)
-                raise
+        except BaseException:
+            scheduler.release(model)  # nobody holds it: leave nothing compiled
+            raise
         return model, kind
 
     async def _load_named(self, name: str) -> Entry:
@@ -420,23 +495,7 @@ class Runtime:
         config = self._config
         pipeline = config.pipelines.get(name)
         if pipeline is not None:
-            steps: list[LoadedModel] = []
-            for step in pipeline.steps:
-                executable, _ = await self._names.get(step.model)
-                assert isinstance(executable, LoadedModel)
-                steps.append(executable)
-            scheduler = self._sched
-            kind = scheduler.resolve_target(pipeline.target)
-            # Compile every step on one device of the kind now, so errors surface at load.
-            actor = scheduler.pick(kind, {})
-            for step_model in steps:
-                await scheduler.session(actor, step_model)
-            batching = pipeline.batching_spec()
-            if batching is not None:
-                check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
-            made: Executable = PipelineModel(name, steps, [s.wire for s in pipeline.steps],
-                                             scheduler, batching=batching)
-            return made, kind
+            return await self._load_pipeline(name, pipeline)
         entry = config.models[name]
         paths = [model_file(config, f) for f in entry.files]
         builders = await trio.to_thread.run_sync(_read_files, paths, name)
@@ -445,6 +504,36 @@ class Runtime:
         return await self._load_model(builders, GraphEncoding.coerce(entry.encoding),
                                       entry.target, backend=entry.backend, options=options,
                                       name=name, batching=entry.batching_spec())
+
+    async def _load_pipeline(self, name: str, pipeline: PipelineConfig) -> Entry:
+        # Each step is held from the moment the registry hands it over, so that another
+        # caller's load and unload of that model meanwhile cannot free it under us; if
+        # anything fails (or the load is cancelled), the steps are let go again, which
+        # frees those nobody else holds: a failed load leaves nothing compiled.
+        steps: list[LoadedModel] = []
+        try:
+            for step in pipeline.steps:
+                executable, _ = await self._names.get(step.model)
+                assert isinstance(executable, LoadedModel)
+                executable.retain()  # no checkpoint since the registry returned it
+                steps.append(executable)
+            wires = [s.wire for s in pipeline.steps]
+            resolve_wiring(name, steps, wires)  # before compiling anything more
+            batching = pipeline.batching_spec()
+            if batching is not None:
+                check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
+            scheduler = self._sched
+            kind = scheduler.resolve_target(pipeline.target)
+            # Compile every step on one device of the kind now, so errors surface at load.
+            actor = scheduler.pick(kind, {})
+            for step_model in steps:
+                await scheduler.session(actor, step_model)
+            made: Executable = PipelineModel(name, steps, wires, scheduler, batching=batching)
+        finally:
+            # PipelineModel holds the steps itself now (or nothing does): let ours go.
+            for step_model in steps:
+                step_model.release()
+        return made, kind
 
     # -- guests -----------------------------------------------------------------------------
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),

@@ -4,6 +4,9 @@ callers, outputs printed and saved; every bad input an error that says what to g
 
 from __future__ import annotations
 
+import re
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ from wasinn.backends.base import TensorSpec
 from wasinn.cli import main
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError
-from wasinn.infer import Load, complete_inputs, describe_output, parse_shape
+from wasinn.infer import Load, complete_inputs, describe_output, parse_shape, read_inputs
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 from wasinn.tensor import Tensor
 
@@ -101,6 +104,49 @@ def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
     err = capfd.readouterr().err
     assert code == 1
     assert err.startswith("wasinn: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_a_big_endian_input_file_gives_the_right_results(
+        affine: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # A .npy saved as ">f4" (on a big-endian machine, or by a tool that writes it so).
+    np.save(tmp_path / "x.npy", np.array([[0, 1, 2, 3]], ">f4"))
+    np.savez(tmp_path / "inputs.npz", x=np.array([[0, 1, 2, 3]], ">f4"))
+    for given in (f"x={tmp_path / 'x.npy'}", str(tmp_path / "inputs.npz")):
+        assert main(["infer", *affine, "a", "--input", given]) == 0
+        assert "y: f32[1, 4] min 1 max 7 mean 4" in capfd.readouterr().out
+
+
+def _zip_of(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: np.savez(d / "bad.npz", x=np.array([1, "a"], dtype=object)),
+     "is not a .npy or .npz file of plain arrays: ValueError: Object arrays cannot be loaded"),
+    (lambda d: (d / "bad.npz").write_bytes(b"PK\x03\x04 but no zip archive after all"),
+     "is not a .npy or .npz file of plain arrays: BadZipFile: "),
+    (lambda d: (d / "bad.npz").write_bytes(b""),
+     "is not a .npy or .npz file of plain arrays: EOFError: "),
+    (lambda d: _zip_of(d / "bad.npz", {"x.npy": b"\x93NUMPY truncated"}),
+     "is not a .npy or .npz file of plain arrays: "),
+    (lambda d: _zip_of(d / "bad.npz", {"notes.txt": b"hello"}),
+     "member 'notes.txt' is not a .npy array: expected an archive of arrays only"),
+])
+def test_a_bad_archive_is_an_invalid_argument_naming_the_file(
+        affine: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        make: Callable[[Path], object], message: str) -> None:
+    make(tmp_path)
+    path = tmp_path / "bad.npz"
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
+        read_inputs([str(path)])
+    assert f"--input {path}: {path}" in caught.value.message
+    assert main(["infer", *affine, "a", "--input", str(path)]) == 1
+    err = capfd.readouterr().err
+    assert err.startswith("wasinn: error: ") and message in err and str(path) in err
     assert "Traceback" not in err
 
 

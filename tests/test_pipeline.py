@@ -4,15 +4,18 @@ through host memory on the CPU (same backend), counted when backends differ."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
 import wasinn
 from tests.example_configs import example_config, scale_onnx
 from tests.support import require_backend
 from wasinn import InvalidArgumentError
-from wasinn.modelgen import ModelFiles, sample_image
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 
 
 def native_reference(image: np.ndarray, mobilenet: ModelFiles) -> np.ndarray:
@@ -161,3 +164,150 @@ steps = [{ model = "a" }, { model = "b", wire = { output = "x" } }]
         (value,) = out.values()
         assert value.device.startswith("gpu")
         np.testing.assert_allclose(value.numpy(), np.full((2, 4), 7, np.float32))
+
+
+def two_step_config(directory: Path, *, extra: str = "",
+                    wire: str = "", second: bytes | None = None) -> Path:
+    """Pipeline ``p`` = ``a`` (y = 2x + 1) then ``b`` (z = 3y), both ONNX Runtime."""
+    (directory / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (directory / "b.onnx").write_bytes(
+        second if second is not None else affine_onnx(3.0, 0.0, in_name="y", out_name="z"))
+    path = directory / "wasinn.toml"
+    path.write_text(f'''
+[models.a]
+files = ["a.onnx"]
+[models.b]
+files = ["b.onnx"]
+[pipelines.p]
+steps = [{{ model = "a" }}, {{ model = "b"{wire} }}]
+{extra}''')
+    return path
+
+
+X = np.ones((1, 4), np.float32)
+
+
+async def test_a_step_loaded_and_unloaded_meanwhile_does_not_break_the_pipeline_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pipeline's load fetches a, then b. While it waits for b, another caller loads
+    # and unloads a: a must stay held for the pipeline (not freed, not compiled again).
+    async with wasinn.Runtime.from_config(two_step_config(tmp_path)) as rt:
+        (actor,) = rt.actors
+        registry = rt.name_registry
+        fetching_b, go_on = trio.Event(), trio.Event()
+        get = registry.get
+
+        async def gated_get(name: str) -> Any:
+            if name == "b" and not go_on.is_set():
+                fetching_b.set()
+                await go_on.wait()
+            return await get(name)
+
+        monkeypatch.setattr(registry, "get", gated_get)
+        pipelines: list[wasinn.Graph] = []
+        async with trio.open_nursery() as nursery:
+            async def load_pipeline() -> None:
+                pipelines.append(await rt.load_by_name("p"))
+
+            nursery.start_soon(load_pipeline)
+            await fetching_b.wait()  # a is loaded for the pipeline, b not yet
+            other = await rt.load_by_name("a")
+            await other.unload()
+            assert actor.cached(registry.loaded()[0].id)  # a is still held, still compiled
+            go_on.set()
+        (pipeline,) = pipelines
+        assert (await pipeline.compute({"x": X}))["z"].numpy().tolist() == [[9.0] * 4]
+        assert registry.loads == {"a": 1, "b": 1, "p": 1}
+        assert actor.stats().compiles == 2
+        await pipeline.unload()
+        assert actor.stats().graphs == 0
+
+
+async def test_a_failed_pipeline_load_leaves_nothing_compiled(tmp_path: Path) -> None:
+    path = two_step_config(tmp_path, wire=', wire = { nope = "y" }')
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        for _ in range(2):
+            with pytest.raises(InvalidArgumentError, match=r"step 1 \(b\): wires 'nope', "
+                                                           r"which a does not output"):
+                await rt.load_by_name("p")
+            assert actor.stats().graphs == 0  # a and b were freed with the failure
+            assert all(model.released for model in rt.name_registry.loaded())
+        # A step someone else holds is theirs: the failure lets go of the pipeline's hold.
+        a = await rt.load_by_name("a")
+        with pytest.raises(InvalidArgumentError, match="wires 'nope'"):
+            await rt.load_by_name("p")
+        assert actor.stats().graphs == 1
+        assert (await a.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
+        await a.unload()
+        assert actor.stats().graphs == 0
+
+
+async def test_a_step_that_fails_to_compile_frees_the_ones_before(tmp_path: Path) -> None:
+    async with wasinn.Runtime.from_config(two_step_config(tmp_path, second=b"junk")) as rt:
+        (actor,) = rt.actors
+        with pytest.raises(wasinn.InvalidEncodingError):
+            await rt.load_by_name("p")
+        assert actor.stats().graphs == 0
+
+
+async def test_a_pipeline_refused_for_batching_frees_its_steps(tmp_path: Path) -> None:
+    # A last step whose outputs fix the batch dimension cannot batch.
+    from onnx import TensorProto, helper
+
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "fixed", [y], [z])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = two_step_config(tmp_path, extra="batching = { max_batch = 4 }\n",
+                           second=model.SerializeToString())
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        with pytest.raises(InvalidArgumentError, match=r"pipeline 'p'.*batch"):
+            await rt.load_by_name("p")
+        assert actor.stats().graphs == 0
+
+
+async def test_a_cancelled_pipeline_load_leaves_nothing_compiled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with wasinn.Runtime.from_config(two_step_config(tmp_path)) as rt:
+        (actor,) = rt.actors
+        registry = rt.name_registry
+        get = registry.get
+        fetching_b = trio.Event()
+
+        async def stuck_get(name: str) -> Any:
+            if name == "b":
+                fetching_b.set()
+                await trio.sleep_forever()
+            return await get(name)
+
+        monkeypatch.setattr(registry, "get", stuck_get)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.load_by_name, "p")
+            await fetching_b.wait()  # a loaded and compiled, b never comes
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().graphs == 1
+            nursery.cancel_scope.cancel()
+        assert actor.stats().graphs == 0
+        monkeypatch.setattr(registry, "get", get)
+        pipeline = await rt.load_by_name("p")  # and a later load starts afresh
+        assert (await pipeline.compute({"x": X}))["z"].numpy().tolist() == [[9.0] * 4]
+
+
+def test_a_wire_on_the_first_step_is_refused() -> None:
+    # The config refuses it too (pipelines.NAME.steps[0].wire); this is the load's check.
+    from wasinn.backends import LoadOptions, TensorSpec
+    from wasinn.enums import GraphEncoding, TensorType
+    from wasinn.scheduler.model import LoadedModel
+    from wasinn.scheduler.pipeline import resolve_wiring
+
+    a, b = (LoadedModel((b"",), GraphEncoding.ONNX, LoadOptions(), name=n) for n in "ab")
+    for model in (a, b):
+        model.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
+        model.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
+    assert resolve_wiring("p", [a, b], [{}, {"y": "x"}]) == ((("y", "x"),),)
+    with pytest.raises(InvalidArgumentError, match=r"pipeline 'p' step 0 \(a\): wired "
+                                                   r"\{'x': 'x'\}, but the first step"):
+        resolve_wiring("p", [a, b], [{"x": "x"}, {}])

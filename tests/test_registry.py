@@ -9,6 +9,7 @@ import importlib.metadata
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,6 +129,30 @@ def test_entry_points_plug_in_third_party_backends(monkeypatch: pytest.MonkeyPat
     assert registry.reads("routing", GraphEncoding.GGML)  # encodings asked once imported
     assert registry.choose(GraphEncoding.GGML, CPU)[0] is backend
     assert "routing" not in BackendRegistry(discover_plugins=False).names()
+
+
+def test_a_config_may_name_an_entry_point_backend(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    from wasinn.configs import ConfigError
+    from wasinn.configs.loader import known_backends, load_config
+
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\nbackends = ["routing", "onnxruntime"]\n'
+                    '[models.m]\nfiles = ["m.bin"]\nbackend = "routing"\n'
+                    'options = { routing_option = 1 }\n')
+    assert "routing" not in known_backends()
+    with pytest.raises(ConfigError, match=r"pools\.cpu\.backends\[0\]: unknown backend "
+                                          r"'routing': expected one of onnxruntime, openvino, "
+                                          r"pytorch$"):
+        load_config(path)
+    plugin = importlib.metadata.EntryPoint(
+        name="routing", value=f"{__name__}:RoutingBackend", group="wasinn.backends")
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda *, group=None: importlib.metadata.EntryPoints([plugin]))
+    assert known_backends() == ["onnxruntime", "openvino", "pytorch", "routing"]
+    config = load_config(path)  # nothing imported to know the name
+    assert config.pools["cpu"].backends == ["routing", "onnxruntime"]
+    assert config.models["m"].options == {"routing_option": 1}
 
 
 def test_a_plugin_cannot_shadow_a_builtin(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,8 @@ unload, native tensors between computes, the loop never blocked, cancellation.""
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 import time
 import tracemalloc
@@ -30,6 +32,7 @@ from wasinn import (
     UnsupportedOperationError,
 )
 from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
 from wasinn.modelgen import ModelFiles, sample_image
 
 LIBRARY = {"onnxruntime": "onnxruntime", "openvino": "openvino", "pytorch": "torch"}
@@ -368,12 +371,17 @@ async def test_a_cancelled_unload_still_frees_the_model(rt: wasinn.Runtime) -> N
     await graph.unload()  # idempotent
 
 
-async def test_a_cancelled_unload_still_frees_a_pipelines_steps(tmp_path: Path) -> None:
+def twice_config(tmp_path: Path) -> RuntimeConfig:
+    """Models ``a`` and ``b`` (both the affine graph) and the pipeline ``twice`` of them."""
     (tmp_path / "affine.onnx").write_bytes(affine_onnx_bytes())
-    config = parse_config({
+    return parse_config({
         "models": {"a": {"files": ["affine.onnx"]}, "b": {"files": ["affine.onnx"]}},
         "pipelines": {"twice": {"steps": [{"model": "a"}, {"model": "b"}]}},
     }, tmp_path / "wasinn.toml")
+
+
+async def test_a_cancelled_unload_still_frees_a_pipelines_steps(tmp_path: Path) -> None:
+    config = twice_config(tmp_path)
     async with wasinn.Runtime(config) as rt:
         (actor,) = rt.actors
         pipeline = await rt.load_by_name("twice")
@@ -482,3 +490,212 @@ def test_the_scheduler_names_are_public() -> None:
         assert getattr(wasinn, name).__name__ == name
     assert issubclass(wasinn.Pipeline, wasinn.Graph)
     assert issubclass(wasinn.ConfigError, wasinn.InvalidArgumentError)
+
+
+async def test_big_endian_inputs_give_the_right_results(rt: wasinn.Runtime) -> None:
+    # A ">f4" array (a .npy saved on a big-endian machine) is converted to native order
+    # before the backend reads its bytes: y = 2x + 1 of [0, 1, 2, 3] is [1, 3, 5, 7].
+    graph = await rt.load([affine_onnx_bytes()], "onnx", backend="onnxruntime")
+    x = np.arange(4, dtype=">f4").reshape(1, 4)
+    expected = [[1.0, 3.0, 5.0, 7.0]]
+    assert (await graph.compute({"x": x}))["y"].numpy().tolist() == expected
+    ctx = graph.init_execution_context()
+    assert (await ctx.compute({0: x}))["y"].numpy().tolist() == expected
+    ctx.set_input("x", x)
+    await ctx.run()
+    assert ctx.get_output("y").numpy().tolist() == expected
+    assert x.dtype == np.dtype(">f4")  # the caller's array is left as it was
+    run = await ctx.lease({"x": x})
+    assert (await trio.to_thread.run_sync(run.run))["y"].numpy().tolist() == expected
+
+
+async def test_a_value_with_no_tensor_form_is_an_invalid_argument(rt: wasinn.Runtime) -> None:
+    # Converted before the request reaches the device: invalid-argument naming the input,
+    # not a runtime-error of the backend's run, and nothing counted as a failed run.
+    graph = await rt.load([affine_onnx_bytes()], "onnx")
+    ctx = graph.init_execution_context()
+    ragged = [[1.0], [1.0, 2.0]]
+    for attempt in (graph.compute({"x": ragged}), ctx.compute({"x": ragged}),
+                    graph.lease({"x": ragged}), ctx.lease({"x": ragged})):
+        with pytest.raises(InvalidArgumentError, match="input 'x': cannot make a tensor"):
+            await attempt
+    with pytest.raises(InvalidArgumentError, match="input 'x': cannot make a tensor"):
+        ctx.set_input("x", ragged)
+    with pytest.raises(InvalidArgumentError, match="input 0: numpy dtype object"):
+        graph.try_lease({0: object()})
+    with pytest.raises(InvalidArgumentError, match="input 'x': numpy dtype <U3"):
+        await trio.to_thread.run_sync(ctx.compute_in_caller_thread, {"x": "abc"})
+    assert rt.stats()[0].finished == 0  # refused before reaching the device
+
+
+@pytest.mark.parametrize(("terms", "message"), [
+    ({"priority": "high"}, "priority 'high' (str): expected an integer"),
+    ({"priority": True}, "priority True (bool): expected an integer"),
+    ({"priority": 2.5}, "priority 2.5 (float): expected an integer"),
+    ({"priority": None}, "priority None (NoneType): expected an integer"),
+    ({"timeout": "1"}, "timeout '1' (str): expected a number of seconds >= 0, or None"),
+    ({"timeout": True}, "timeout True (bool): expected a number of seconds"),
+    ({"timeout": -1}, "timeout -1: expected a number of seconds >= 0"),
+    ({"timeout": float("nan")}, "timeout nan: expected a number of seconds >= 0"),
+    ({"tenant": 7}, "tenant 7 (int): expected a str"),
+    ({"tenant": None}, "tenant None (NoneType): expected a str"),
+])
+async def test_bad_request_terms_are_invalid_arguments_on_an_idle_device(
+        rt: wasinn.Runtime, terms: dict[str, Any], message: str) -> None:
+    # Checked at the front door, not only when a request has to queue (the queue's
+    # ordering used to raise a raw TypeError then, and only then).
+    graph = await rt.load([affine_onnx_bytes()], "onnx")
+    ctx = graph.init_execution_context()
+    x = {"x": np.ones((1, 4), np.float32)}
+    ctx.set_input("x", x["x"])
+    for attempt in (graph.compute(x, **terms), ctx.compute(x, **terms), ctx.run(**terms),
+                    graph.lease(x, **terms), ctx.lease(x, **terms)):
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            await attempt
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        await trio.to_thread.run_sync(functools.partial(ctx.compute_in_caller_thread, x,
+                                                        **terms))
+    if "timeout" in terms:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            ctx.try_lease(x, timeout=terms["timeout"])
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            graph.try_lease(x, timeout=terms["timeout"])
+    assert rt.stats()[0].finished == 0
+    # Numbers of other kinds are fine: an int timeout, a numpy float.
+    out = await ctx.compute(x, priority=3, timeout=np.float32(30), tenant="t")
+    assert out["y"].numpy().tolist() == [[3.0] * 4]
+    assert (await graph.compute(x, timeout=30))["y"].dims == (1, 4)
+
+
+async def test_a_graph_lease_keeps_the_model_until_it_is_over(
+        rt: wasinn.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As Graph.compute does: an unload while a lease is held frees after the lease.
+    (actor,) = rt.actors
+    x = {"x": np.ones((1, 4), np.float32)}
+    for how in ("lease", "try_lease", "cancel"):
+        graph = await rt.load([affine_onnx_bytes()], "onnx")
+        key = actor.session_keys()[-1]
+        session = actor.cached_session(key)
+        assert session is not None
+        closed: list[str] = []
+        monkeypatch.setattr(session.compiled, "close",
+                            functools.partial(closed.append, how))
+        if how == "try_lease":
+            lease = await trio.to_thread.run_sync(graph.try_lease, x)
+        else:
+            lease = await graph.lease(x)
+        assert lease is not None
+        await graph.unload()
+        assert not actor.cached(key) and session.evicted  # no new run may start on it...
+        assert closed == []  # ...but the one the lease holds is not closed under it
+        if how == "cancel":
+            lease.cancel()
+        else:
+            out = await trio.to_thread.run_sync(lease.run)
+            assert out["y"].numpy().tolist() == [[3.0] * 4]
+        assert closed == [how]  # freed once the lease is over
+    stats = rt.stats()[0]
+    assert (stats.completed, stats.failed, stats.cancelled) == (2, 0, 1)
+
+
+async def test_a_pipeline_lease_keeps_its_steps_until_it_is_over(tmp_path: Path) -> None:
+    config = twice_config(tmp_path)
+    async with wasinn.Runtime(config) as rt:
+        (actor,) = rt.actors
+        x = {"x": np.ones((1, 4), np.float32)}
+        for how in ("lease", "try_lease"):
+            pipeline = await rt.load_by_name("twice")
+            if how == "lease":
+                lease = await pipeline.lease(x)
+            else:
+                lease = await trio.to_thread.run_sync(pipeline.try_lease, x)
+            assert lease is not None
+            await pipeline.unload()
+            assert actor.session_keys() == []  # evicted; the lease holds what it runs
+            out = await trio.to_thread.run_sync(lease.run)
+            assert out["y"].numpy().tolist() == [[7.0] * 4]  # 2 * (2 * 1 + 1) + 1
+        assert rt.stats()[0].completed == 2
+
+
+async def test_a_context_closed_during_its_compute_records_nothing() -> None:
+    # The run ends after the close: the compute raises ClosedResourceError, and neither
+    # get_output nor the bound buffer sees the outputs.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(one_worker_config()) as rt:
+        (actor,) = rt.actors
+        graph = await rt.load([loop_onnx()], "onnx")
+        ctx = graph.init_execution_context()
+        buffer = np.zeros((1, 4), np.float32)
+        ctx.set_output("y", buffer)
+        failures: list[str] = []
+
+        async def compute() -> None:
+            try:
+                await ctx.compute({"m": np.array([LONG_LOOP // 4], np.int64),
+                                   "x": np.zeros((1, 4), np.float32)})
+            except ClosedResourceError as exc:
+                failures.append(exc.message)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute)
+            with trio.fail_after(10):
+                while actor.busy == 0:  # not running in the worker thread yet
+                    await trio.sleep(0.001)
+            ctx.close()
+        assert failures == [f"the execution context of {graph.name} was closed while its "
+                            "request ran: the outputs were dropped"]
+        assert not buffer.any()
+        with pytest.raises(ClosedResourceError, match="is closed"):
+            ctx.get_output("y")
+        # A lease of a context closed before its run gives the slot back unrun.
+        ctx = graph.init_execution_context()
+        run = await ctx.lease({"m": np.array([1], np.int64), "x": np.zeros((1, 4), np.float32)})
+        ctx.close()
+        with pytest.raises(ClosedResourceError, match="is closed: the request was not run"):
+            await trio.to_thread.run_sync(run.run)
+        assert actor.stats().running == 0
+
+
+async def test_requests_after_the_runtime_closed_say_so() -> None:
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([affine_onnx_bytes()], "onnx")
+        ctx = graph.init_execution_context()
+    x = {"x": np.ones((1, 4), np.float32)}
+    for attempt in (graph.compute(x), ctx.compute(x), ctx.run(), graph.lease(x),
+                    ctx.lease(x)):
+        with pytest.raises(ClosedResourceError, match="the runtime is closed"):
+            await attempt
+    for call in (graph.init_execution_context, functools.partial(ctx.try_lease, x),
+                 functools.partial(graph.try_lease, x)):
+        with pytest.raises(ClosedResourceError, match="the runtime is closed"):
+            call()
+
+
+async def test_a_fallback_whose_pool_found_no_device_is_named() -> None:
+    config = parse_config({
+        "runtime": {"fallback": "gpu"},
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"]},
+                  "gpu": {"kind": "gpu", "devices": "auto"}},
+    }, None)
+    async with wasinn.Runtime(config) as rt:
+        if any(d.kind is not ExecutionTarget.CPU for d in rt.devices):
+            pytest.skip("this machine has a gpu or tpu device")
+        graph = await rt.load([affine_onnx_bytes()], "onnx")
+        with pytest.raises(UnsupportedOperationError) as caught:
+            graph.init_execution_context("tpu")
+    assert caught.value.message == (
+        "no tpu device in this runtime (devices here: cpu), and none for its fallback "
+        "either: [runtime] fallback = 'gpu', but the gpu pool found no device: expected a "
+        "tpu or gpu device")
+
+
+async def test_the_fallback_warning_points_at_the_callers_line() -> None:
+    async with wasinn.Runtime(one_worker_config(fallback="cpu")) as rt:
+        if any(d.kind is not ExecutionTarget.CPU for d in rt.devices):
+            pytest.skip("this machine has a gpu or tpu device")
+        with pytest.warns(RuntimeWarning, match="target tpu falls back to cpu") as loaded:
+            graph = await rt.load([affine_onnx_bytes()], "onnx", target="tpu")
+        with pytest.warns(RuntimeWarning, match="target gpu falls back to cpu") as made:
+            graph.init_execution_context("gpu")
+    for record in (*loaded, *made):
+        assert record.filename == __file__, record.filename

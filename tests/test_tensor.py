@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,3 +103,84 @@ def test_as_tensor_accepts_tensor_and_arrays() -> None:
     t = Tensor.from_numpy(np.zeros(3, np.int64))
     assert as_tensor(t) is t
     assert as_tensor([1.0, 2.0]).type is TensorType.F64
+
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_arrays_in_either_byte_order_hold_their_values(order: str) -> None:
+    # A big-endian array (a .npy saved on a big-endian machine) is converted to native
+    # order (a copy): the backends read raw native bytes, and tobytes is little-endian.
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    foreign = values.astype(f"{order}f4")
+    for tensor in (Tensor.from_numpy(foreign), as_tensor(foreign),
+                   Tensor.from_numpy(foreign.T.copy().T)):  # non-contiguous too
+        assert tensor.type is TensorType.F32 and tensor.dims == (2, 3)
+        array = tensor.numpy()
+        assert array.dtype == np.float32 and array.dtype.isnative
+        assert array.flags.c_contiguous
+        np.testing.assert_array_equal(array, values)
+        assert tensor.tobytes() == values.astype("<f4").tobytes()
+    big = np.arange(3, dtype=">i8")
+    assert Tensor.from_numpy(big).numpy().tolist() == [0, 1, 2]
+    assert Tensor.from_numpy(big).tobytes() == np.arange(3, dtype="<i8").tobytes()
+    native = np.ones(4, np.float32)
+    assert Tensor.from_numpy(native).numpy() is native  # native and contiguous: no copy
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ([[1.0], [1.0, 2.0]], "cannot make a tensor of a list: expected a wasinn.Tensor, a "
+                          "numpy array or a nested list of numbers of one shape"),
+    ([1.0, [2.0]], "cannot make a tensor of a list"),
+    (object(), "numpy dtype object has no wasi-nn element type"),
+    ("abc", "numpy dtype <U3 has no wasi-nn element type"),
+    (np.array([1, "a"], dtype=object), "numpy dtype object has no wasi-nn element type"),
+])
+def test_values_with_no_tensor_form_are_invalid_arguments(value: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        Tensor.from_numpy(value)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        as_tensor(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dims", "message"), [
+    ([2, 2.7], "tensor dimensions [2, 2.7]: 2.7 (float) is not an integer"),
+    ([2.0], "2.0 (float) is not an integer"),
+    ([2, "a"], "'a' (str) is not an integer"),
+    ([None], "None (NoneType) is not an integer"),
+    ([2, -1], "-1 (int) is negative"),
+    (4, "tensor dimensions 4 (int): expected a sequence"),
+    ("22", "tensor dimensions '22' (str): expected a sequence"),
+    (None, "tensor dimensions None (NoneType): expected a sequence"),
+])
+def test_dimensions_must_be_integers_not_truncated(dims: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)) as caught:
+        check_dims(dims)  # type: ignore[arg-type]
+    assert "expected a sequence of at most 32 non-negative integers" in caught.value.message
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        Tensor.from_bytes(dims, "f32", bytes(16))  # type: ignore[arg-type]
+    assert check_dims([np.int64(2), np.uint8(3), 0]) == (2, 3, 0)
+    assert all(type(d) is int for d in check_dims(np.array([2, 3])))
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ("abcdabcdabcdabcd", "tensor data is str: expected a bytes-like object"),
+    (16, "tensor data is int: expected a bytes-like object"),
+    (None, "tensor data is NoneType: expected a bytes-like object"),
+    (np.array([b"x"] * 16, dtype=object), "numpy array of object: expected bytes"),
+])
+def test_from_bytes_refuses_data_that_is_no_bytes(data: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        Tensor.from_bytes([4], "f32", data)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="unknown TensorType"):
+        Tensor.from_bytes([4], "f33", bytes(16))
+
+
+def test_from_bytes_reads_strided_buffers_through_their_strides() -> None:
+    values = np.arange(8, dtype=np.float32)
+    strided = memoryview(values)[::2]  # not contiguous: read (copied) element by element
+    assert Tensor.from_bytes([4], "f32", strided).numpy().tolist() == [0, 2, 4, 6]
+    column = values.reshape(4, 2)[:, 0]  # a non-contiguous array: copied
+    assert Tensor.from_bytes([4], "f32", column).numpy().tolist() == [0, 2, 4, 6]
+    raw = bytearray(values.tobytes())
+    viewed = Tensor.from_bytes([2, 4], "f32", raw)  # contiguous: a view, no copy
+    raw[:4] = np.float32(9).tobytes()
+    assert viewed.numpy()[0, 0] == 9

@@ -88,7 +88,9 @@ target = "gpu"
 warmup = 2
 ''')
     fake = FakeBackend()
-    async with wasinn.Runtime(load_config(path), backends=[fake]) as rt:
+    # A config naming a backend given in code says so when read (deliberate change:
+    # load_config refuses backend names it does not know).
+    async with wasinn.Runtime(load_config(path, backends=["fake"]), backends=[fake]) as rt:
         assert sorted(fake.loads) == ["gpu:0", "gpu:1"]
         assert sorted(fake.runs) == [("gpu:0", 0.0)] * 2 + [("gpu:1", 0.0)] * 2
         warmed = {s.device: (s.warm_ups, s.compiles, s.finished) for s in rt.stats()}

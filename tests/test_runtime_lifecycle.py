@@ -1,0 +1,114 @@
+"""The runtime's own lifetime: ``start``/``aclose`` called directly (same task, same
+nesting level, or a clear error), what is readable after close, and config errors that
+only the start can find."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+import wasinn
+from wasinn import ConfigError, InvalidArgumentError
+from wasinn.configs import loader
+from wasinn.modelgen import affine_onnx
+
+X = np.ones((1, 4), np.float32)
+
+
+async def still_serves(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    assert (await graph.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
+    await graph.unload()
+
+
+async def test_aclose_from_another_task_is_refused_and_closes_nothing() -> None:
+    rt = wasinn.Runtime()
+    await rt.start()
+    errors: list[InvalidArgumentError] = []
+
+    async def close_it() -> None:
+        with pytest.raises(InvalidArgumentError) as info:
+            await rt.aclose()
+        errors.append(info.value)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(close_it)
+    (error,) = errors
+    assert "expected aclose() from the task that called start()" in error.message
+    await still_serves(rt)
+    await rt.aclose()  # the task that started it: closes
+    with pytest.raises(wasinn.ClosedResourceError, match="the runtime is closed"):
+        await rt.load([affine_onnx()], "onnx")
+
+
+async def test_aclose_inside_a_nursery_or_cancel_scope_opened_after_start_is_refused(
+) -> None:
+    rt = wasinn.Runtime()
+    await rt.start()
+    async with trio.open_nursery():
+        with pytest.raises(InvalidArgumentError, match=r"inside a nursery opened after "
+                                                       r"start\(\) and still open"):
+            await rt.aclose()
+    with trio.move_on_after(30):
+        with pytest.raises(InvalidArgumentError, match=r"inside a cancel scope .* entered "
+                                                       r"after start\(\)"):
+            await rt.aclose()
+    await still_serves(rt)
+    await rt.aclose()
+    await rt.aclose()  # idempotent, wherever it is called from once closed
+    async with trio.open_nursery():
+        await rt.aclose()
+
+
+async def test_async_with_pairs_start_and_aclose() -> None:
+    async with trio.open_nursery() as nursery, wasinn.Runtime() as rt:
+        nursery.start_soon(trio.sleep, 0)
+        await still_serves(rt)
+    with pytest.raises(wasinn.ClosedResourceError):
+        rt.stats()
+
+
+async def test_model_stats_are_readable_after_close(tmp_path: Path) -> None:
+    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (tmp_path / "wasinn.toml").write_text('[models.a]\nfiles = ["a.onnx"]\n'
+                                          '[models.unused]\nfiles = ["a.onnx"]\n')
+    async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
+        graph = await rt.load_by_name("a")
+        for _ in range(3):
+            await graph.compute({"x": X})
+        during = rt.model_stats()
+    after = rt.model_stats()
+    assert [(s.name, s.completed) for s in after] == [("a", 3)]
+    assert after == during
+
+
+async def test_a_bad_backend_found_at_start_names_the_file_and_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Backend names are checked when the config is read and when the runtime is made;
+    # should one get through (a config changed since), the start names the right key.
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[runtime]\nbackends = ["onnxrutnime"]\n')
+    with pytest.raises(ConfigError, match=r"runtime\.backends\[0\]: unknown backend"):
+        wasinn.Runtime.from_config(path)
+    monkeypatch.setattr(loader, "check_backends", lambda *args: None)
+    rt = wasinn.Runtime(loader.load_config(path))
+    with pytest.raises(ConfigError, match=rf"^{path}: runtime\.backends: .*unknown backend "
+                                          r"'onnxrutnime'"):
+        async with rt:
+            pass
+
+
+async def test_a_runtime_takes_a_config_path_and_refuses_anything_else(tmp_path: Path) -> None:
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 3\n')
+    async with wasinn.Runtime(str(config)) as rt:
+        assert rt.stats()[0].workers == 3
+    async with wasinn.Runtime(config) as rt:
+        assert rt.stats()[0].workers == 3
+    with pytest.raises(InvalidArgumentError, match="expected a RuntimeConfig, a TOML file"):
+        wasinn.Runtime({"pools": {}})  # type: ignore[arg-type]
+    with pytest.raises(wasinn.NotFoundError):
+        wasinn.Runtime(tmp_path / "missing.toml")
