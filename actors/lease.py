@@ -52,6 +52,10 @@ class Lease(Generic[T]):
     going then is stopped where its backend can (:meth:`interrupt`, called by the device
     actor's deadline watcher), and a run that ends after it raises TimeoutError_ and its
     result is dropped, as a request abandoned at its deadline would be.
+
+    Its holder must end it, with :meth:`run` or :meth:`cancel`, even after the device has
+    closed (run then raises ClosedResourceError at once): until then the lease holds its
+    slot and whatever it was given to hold (:meth:`then`), a compiled graph included.
     """
 
     __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_then", "_wrap",

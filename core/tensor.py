@@ -164,7 +164,7 @@ class Tensor:
         else:
             try:
                 arr = np.asarray(array)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:  # ValueError (ragged), TypeError, a library's own
                 raise InvalidArgumentError(
                     f"cannot make a tensor of a {type(array).__name__}: expected a "
                     "wasinn.Tensor, a numpy array or a nested list of numbers of one shape "

@@ -89,15 +89,6 @@ def check_timeout(timeout: object) -> float | None:
     return timeout
 
 
-def deadline_after(timeout: float | None) -> float:
-    """A trio deadline ``timeout`` seconds from now (inf for None); InvalidArgumentError
-    for a timeout :func:`check_timeout` refuses."""
-    seconds = check_timeout(timeout)
-    if seconds is None:
-        return math.inf
-    return trio.current_time() + seconds
-
-
 def check_request(priority: object, timeout: object, tenant: object) -> float | None:
     """Check a request's terms as a caller gave them; its timeout in seconds (None:
     none). The one check of every compute, run and lease (from any thread):
@@ -105,7 +96,7 @@ def check_request(priority: object, timeout: object, tenant: object) -> float | 
     a real number >= 0 and ``tenant`` a str. A few type checks: it runs on every
     request."""
     if type(priority) is not int and (isinstance(priority, bool)
-                                      or not isinstance(priority, int)):
+                                      or not hasattr(priority, "__index__")):
         raise InvalidArgumentError(
             f"priority {priority!r} ({type(priority).__name__}): expected an integer "
             "(higher runs first; default 0)")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ from wasinn.errors import (
     WasiNNError,
 )
 
+from .actorhost import ActorHost
 from .graph import Graph
 from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
@@ -153,9 +153,7 @@ class Runtime:
         self._config = config
         check_backends(config, str(config.source or "<config>"),
                        [backend.name for backend in self._extra])
-        self._stack: AsyncExitStack | None = None
-        self._nursery: trio.Nursery | None = None
-        self._owner: trio.lowlevel.Task | None = None
+        self._host: ActorHost | None = None
         self._scheduler: Scheduler | None = None
         self._closed = False
         self._names = NameRegistry(
@@ -188,41 +186,25 @@ class Runtime:
         Models and pipelines the config marks ``preload`` or ``warmup`` are loaded,
         compiled and warmed up before this returns (see :mod:`wasinn.scheduler.warmup`).
 
-        Prefer ``async with runtime:``, which pairs this with :meth:`aclose`. The actors
-        run in a nursery that this opens in the calling task and that :meth:`aclose`
-        closes, so called directly, ``aclose`` must be awaited by the same task at the
-        same nesting level: not from another task, and not inside a nursery or cancel
-        scope (``move_on_after``...) entered after ``start`` and still open (trio
-        forbids exiting a nursery out of order; ``aclose`` refuses such a call with
-        InvalidArgumentError where it can tell, and closes nothing).
+        Prefer ``async with runtime:``. Called directly, pair it with :meth:`aclose`,
+        which any task may call, from within any cancel scope (the actors are served by
+        a trio system task of their own: :mod:`wasinn.scheduler.actorhost`); a runtime
+        never closed is stopped when ``trio.run`` ends.
 
         Raises UnsupportedOperationError for a configured device that is missing or
         cannot be opened, ConfigError for an unknown backend name in the config, and
         what loading a preloaded model raises (NotFoundError for a missing file...),
         its name in the message; the runtime is closed again then.
         """
-        if self._stack is not None or self._closed:
+        if self._host is not None or self._closed:
             raise InvalidArgumentError("a Runtime can be started once")
         actors, registries = await trio.to_thread.run_sync(self._plan)
         fallback = self._config.runtime.fallback
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None)
-        stack = AsyncExitStack()
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        try:
-            for actor in actors:
-                await nursery.start(actor.serve)
-        except BaseException:
-            # A device that cannot be opened (or a cancelled start): stop the actors that
-            # did start, leave the nursery, and report the original error.
-            for actor in actors:
-                actor.close()
-            nursery.cancel_scope.cancel()
-            await stack.aclose()
-            raise
-        self._stack = stack
-        self._nursery = nursery
-        self._owner = trio.lowlevel.current_task()
+        host = ActorHost(actors)
+        await host.start()  # a device that cannot be opened: raised, the others stopped
+        self._host = host
         self._scheduler = scheduler
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
         await self._preload()
@@ -241,8 +223,6 @@ class Runtime:
         try:
             await preload(self._names, self._sched, plan)
         except BaseException:
-            # Not under a cancel scope of its own: closing exits the actors' nursery,
-            # which start entered (the actors shield their own shutdown).
             await self.aclose()
             raise
         log.info("preloaded %s in %.2f s", ", ".join(
@@ -259,51 +239,13 @@ class Runtime:
         once a pool's ``close_timeout`` has passed for a job that ignores cancellation
         (an error is logged naming the device and the job). That wait is shielded:
         cancelling the caller does not cut it short, but it never lasts longer than the
-        largest ``close_timeout``. Idempotent.
-
-        After an explicit :meth:`start`, await it in the task that started the runtime,
-        at the same nesting level (see :meth:`start`): InvalidArgumentError otherwise,
-        with the runtime left running. ``async with`` always does this right."""
+        largest ``close_timeout``. Idempotent; any task may call it."""
         if self._closed:
             return
-        self._check_closing_task()
         self._closed = True
         self._names.drop_all()
-        if self._scheduler is not None:
-            for actor in self._scheduler.actors:
-                actor.close()
-        if self._stack is not None and self._nursery is not None:
-            stack, self._stack = self._stack, None
-            # The nursery holds only the actors' serve tasks: cancel them and wait.
-            self._nursery.cancel_scope.cancel()
-            await stack.aclose()
-
-    def _check_closing_task(self) -> None:
-        # Exiting the actors' nursery from another task, or from inside a nursery or
-        # cancel scope opened after start, corrupts trio's state ("Nursery misnesting"):
-        # refuse before anything is closed, so that the right task can still close.
-        nursery, owner = self._nursery, self._owner
-        if self._stack is None or nursery is None or owner is None:
-            return
-        task = trio.lowlevel.current_task()
-        how = "`async with runtime:` pairs them right"
-        if task is not owner:
-            raise InvalidArgumentError(
-                f"Runtime.aclose() called from task {task.name!r}, but the runtime was "
-                f"started by task {owner.name!r}: expected aclose() from the task that "
-                f"called start() ({how})")
-        if task.child_nurseries and task.child_nurseries[-1] is not nursery:
-            raise InvalidArgumentError(
-                "Runtime.aclose() called inside a nursery opened after start() and still "
-                f"open: expected aclose() at the nesting level of start() ({how})")
-        # trio has no public way to read the task's innermost cancel scope: read its
-        # private one where present (a trio that renames it only loses this check).
-        scope = getattr(getattr(task, "_cancel_status", None), "_scope", None)
-        if scope is not None and scope is not nursery.cancel_scope:
-            raise InvalidArgumentError(
-                "Runtime.aclose() called inside a cancel scope (move_on_after, fail_after, "
-                "CancelScope...) entered after start() and still open: expected aclose() "
-                f"at the nesting level of start() ({how}; aclose() bounds its own wait)")
+        if self._host is not None:
+            await self._host.stop()
 
     def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
         # Runs in a worker thread: asking backends for devices may import their libraries.

@@ -138,6 +138,10 @@ def test_default_runtime_needs_no_files() -> None:
      r"models\.m\.options\.bogus: no backend here reads this option: expected a key one of "
      r"them reads \(onnxruntime: .*; openvino: .*; pytorch: .*\)"),
     ('[models.m]\nfiles = [""]\n', r"models\.m\.files\[0\]: an empty file name"),
+    ('[models.m]\nfiles = ["m.onnx"]\nthreads = true\n',
+     r"models\.m\.threads: Input should be a valid integer \(got True\)"),
+    ('[pools.cpu]\nkind = "cpu"\nworkers = true\n',
+     r"pools\.cpu\.workers: Input should be a valid integer \(got True\)"),
     ('[models.m]\nfiles = ["m.onnx", "."]\n',
      r"models\.m\.files\[1\]: model file '\.' names the config directory .* itself"),
     ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.m]\nsteps = [{ model = "m" }]\n',

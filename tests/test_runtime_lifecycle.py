@@ -1,9 +1,10 @@
-"""The runtime's own lifetime: ``start``/``aclose`` called directly (same task, same
-nesting level, or a clear error), what is readable after close, and config errors that
-only the start can find."""
+"""The runtime's own lifetime: ``start``/``aclose`` called directly (from any task and
+any cancel scope), what is readable after close, and config errors that only the start
+can find."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,43 +25,70 @@ async def still_serves(rt: wasinn.Runtime) -> None:
     await graph.unload()
 
 
-async def test_aclose_from_another_task_is_refused_and_closes_nothing() -> None:
-    rt = wasinn.Runtime()
-    await rt.start()
-    errors: list[InvalidArgumentError] = []
-
-    async def close_it() -> None:
-        with pytest.raises(InvalidArgumentError) as info:
-            await rt.aclose()
-        errors.append(info.value)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(close_it)
-    (error,) = errors
-    assert "expected aclose() from the task that called start()" in error.message
-    await still_serves(rt)
-    await rt.aclose()  # the task that started it: closes
-    with pytest.raises(wasinn.ClosedResourceError, match="the runtime is closed"):
+async def closed(rt: wasinn.Runtime) -> bool:
+    try:
         await rt.load([affine_onnx()], "onnx")
+    except wasinn.ClosedResourceError as exc:
+        return "the runtime is closed" in exc.message
+    return False
 
 
-async def test_aclose_inside_a_nursery_or_cancel_scope_opened_after_start_is_refused(
-) -> None:
+async def test_aclose_from_another_task_closes_the_runtime() -> None:
     rt = wasinn.Runtime()
     await rt.start()
-    async with trio.open_nursery():
-        with pytest.raises(InvalidArgumentError, match=r"inside a nursery opened after "
-                                                       r"start\(\) and still open"):
-            await rt.aclose()
-    with trio.move_on_after(30):
-        with pytest.raises(InvalidArgumentError, match=r"inside a cancel scope .* entered "
-                                                       r"after start\(\)"):
-            await rt.aclose()
     await still_serves(rt)
-    await rt.aclose()
-    await rt.aclose()  # idempotent, wherever it is called from once closed
-    async with trio.open_nursery():
-        await rt.aclose()
+    actors = rt.actors
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(rt.aclose)
+    assert await closed(rt)
+    assert all(not actor.ready for actor in actors)
+
+
+@pytest.mark.parametrize("where", ["shielded finally", "move_on_after", "nursery"])
+async def test_aclose_within_scopes_opened_after_start_closes_the_runtime(where: str) -> None:
+    # trio ties a nursery to the task and nesting level that opened it: the actors are
+    # served by a system task of their own, so these usual clean-ups work.
+    rt = wasinn.Runtime()
+    await rt.start()
+    try:
+        await still_serves(rt)
+    finally:
+        if where == "shielded finally":
+            with trio.CancelScope(shield=True):
+                await rt.aclose()
+        elif where == "move_on_after":
+            with trio.move_on_after(30):
+                await rt.aclose()
+        else:
+            async with trio.open_nursery():
+                await rt.aclose()
+    assert await closed(rt)
+    await rt.aclose()  # idempotent
+
+
+def test_a_runtime_never_closed_is_stopped_when_trio_run_ends() -> None:
+    started: list[wasinn.Runtime] = []
+
+    async def forgetful() -> None:
+        rt = wasinn.Runtime()
+        await rt.start()
+        await still_serves(rt)
+        started.append(rt)  # and returns without closing it
+
+    trio.run(forgetful)
+    (rt,) = started
+    assert all(not actor.ready for actor in rt.actors)
+    assert not [t for t in threading.enumerate() if t.name.startswith("wasinn cpu worker")]
+
+
+async def test_a_start_that_fails_stops_the_actors_that_started() -> None:
+    from wasinn.configs.loader import parse_config
+
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"]},
+                                     "gpu": {"kind": "gpu", "devices": ["gpu:7"]}}}, None)
+    rt = wasinn.Runtime(config)
+    with pytest.raises(wasinn.UnsupportedOperationError, match="gpu:7"):
+        await rt.start()
 
 
 async def test_async_with_pairs_start_and_aclose() -> None:

@@ -528,6 +528,13 @@ async def test_a_value_with_no_tensor_form_is_an_invalid_argument(rt: wasinn.Run
     assert rt.stats()[0].finished == 0  # refused before reaching the device
 
 
+async def test_numpy_integers_and_floats_are_good_request_terms(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx_bytes()], "onnx")
+    out = await graph.compute({"x": np.ones((1, 4), np.float32)}, priority=np.int64(3),
+                              timeout=np.float32(30))
+    assert out["y"].numpy().tolist() == [[3.0] * 4]
+
+
 @pytest.mark.parametrize(("terms", "message"), [
     ({"priority": "high"}, "priority 'high' (str): expected an integer"),
     ({"priority": True}, "priority True (bool): expected an integer"),

@@ -184,3 +184,9 @@ def test_from_bytes_reads_strided_buffers_through_their_strides() -> None:
     viewed = Tensor.from_bytes([2, 4], "f32", raw)  # contiguous: a view, no copy
     raw[:4] = np.float32(9).tobytes()
     assert viewed.numpy()[0, 0] == 9
+
+
+def test_a_value_whose_conversion_raises_a_library_error_is_invalid_argument() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of a Tensor"):
+        as_tensor(torch.ones(2, requires_grad=True))  # numpy() refuses: a RuntimeError
