@@ -171,3 +171,12 @@ def test_a_run_under_an_already_cancelled_cancellation_does_not_run(backend: Any
     inputs = {k: Tensor.from_numpy(v) for k, v in loop_inputs(10_000_000).items()}
     with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
         graph.run(inputs)  # seconds of work if the flag were not read at the start
+
+
+def test_cancellable_run_options_answer_the_graph_id_lookup_without_an_exception() -> None:
+    # run_with_iobinding (pipelines, kept outputs, GPU runs) asks the run options for
+    # "gpu_graph_id" on every run; a missing entry is a C++ exception each time (25-50 us,
+    # benchmarks/pipeline.py). The value set is the one an unset entry stands for.
+    from wasinn.backends.onnxruntime import _run_options
+
+    assert _run_options().get_run_config_entry("gpu_graph_id") == "0"
