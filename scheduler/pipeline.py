@@ -89,14 +89,13 @@ class PipelineModel:
     __slots__ = ("batching", "inputs", "links", "name", "outputs", "refs", "released",
                  "requests", "scheduler", "steps")
 
-    def __init__(self, name: str, steps: Sequence[LoadedModel],
-                 wires: Sequence[Mapping[str, str]], scheduler: Scheduler, *,
-                 batching: Batching | None = None) -> None:
+    def __init__(self, name: str, steps: Sequence[LoadedModel], links: Sequence[Link],
+                 scheduler: Scheduler, *, batching: Batching | None = None) -> None:
         if not steps:
             raise InvalidArgumentError(f"pipeline {name!r} has no steps: expected at least one")
         self.name = name
         self.steps = tuple(steps)
-        self.links = resolve_wiring(name, self.steps, wires)
+        self.links = tuple(links)  # resolve_wiring's
         self.inputs = self.steps[0].inputs
         self.outputs = self.steps[-1].outputs
         self.scheduler = scheduler

@@ -242,17 +242,14 @@ class Scheduler:
         session = actor.cached_session(model.id)
         if session is None:
             return None
+        sessions = (session,)
         try:
-            compiled = session.acquire()  # held until the lease is over
+            held = _hold(sessions)  # until the lease is over
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_model says so
-        job = functools.partial(_run_compiled, compiled, inputs, _keep(actor, keep_on_device))
-        lease = actor.try_lease(job, timeout=timeout, account=model.requests)
-        if lease is None:
-            session.release()
-        else:
-            lease.then(session.release)
-        return lease
+        job = functools.partial(_run_first, held, inputs, _keep(actor, keep_on_device))
+        return _held_by(actor.try_lease(job, timeout=timeout, account=model.requests),
+                        sessions)
 
     def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
@@ -452,11 +449,6 @@ def _run(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
         return compiled.run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
     finally:
         session.release()
-
-
-def _run_compiled(compiled: CompiledGraph, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
-    # A lease's job: its graph is held (acquired) until the lease is over.
-    return compiled.run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
 
 
 def _run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool

@@ -459,8 +459,8 @@ class Runtime:
                 assert isinstance(executable, LoadedModel)
                 executable.retain()  # no checkpoint since the registry returned it
                 steps.append(executable)
-            wires = [s.wire for s in pipeline.steps]
-            resolve_wiring(name, steps, wires)  # before compiling anything more
+            # Wiring first: its errors come before anything more is compiled.
+            links = resolve_wiring(name, steps, [s.wire for s in pipeline.steps])
             batching = pipeline.batching_spec()
             if batching is not None:
                 check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
@@ -470,7 +470,7 @@ class Runtime:
             actor = scheduler.pick(kind, {})
             for step_model in steps:
                 await scheduler.session(actor, step_model)
-            made: Executable = PipelineModel(name, steps, wires, scheduler, batching=batching)
+            made: Executable = PipelineModel(name, steps, links, scheduler, batching=batching)
         finally:
             # PipelineModel holds the steps itself now (or nothing does): let ours go.
             for step_model in steps:
