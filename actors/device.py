@@ -701,7 +701,16 @@ class DeviceActor:
                      functools.partial(self._lease_done, cancellation, account, start,
                                        granted - start),
                      expires,
-                     cancellation)
+                     cancellation,
+                     self._soon)
+
+    def _soon(self, call: Callable[[], None]) -> None:
+        # From any thread, even inside a collection: ``call`` in trio (trio's entry queue
+        # takes a reentrant lock); dropped if trio has ended (nothing is left to free).
+        token = self._token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(call)
 
     def _lease_done(self, cancellation: Cancellation, account: RequestStats | None,
                     start: float, queued: float, outcome: Outcome) -> None:

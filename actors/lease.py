@@ -21,9 +21,11 @@ closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -56,15 +58,18 @@ class Lease(Generic[T]):
     Its holder must end it, with :meth:`run` or :meth:`cancel`, even after the device has
     closed (run then raises ClosedResourceError at once): until then the lease holds its
     slot and whatever it was given to hold (:meth:`then`), a compiled graph included.
+    ``later`` hands a call to trio (the actor's ``TrioToken.run_sync_soon``): a lease
+    dropped unended gives its slot back through it (see the module docstring).
     """
 
-    __slots__ = ("_done", "_interrupted", "_lock", "_over", "_release", "_then", "_wrap",
-                 "cancellation", "device", "expires", "job")
+    __slots__ = ("_done", "_interrupted", "_later", "_lock", "_over", "_release", "_then",
+                 "_wrap", "cancellation", "device", "expires", "job")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
                  release: Callable[[Outcome], None], expires: float,
-                 cancellation: Cancellation | None = None) -> None:
+                 cancellation: Cancellation | None = None,
+                 later: Callable[[Callable[[], None]], None] | None = None) -> None:
         #: Cancelled when the device closes during the run (None: never).
         self.cancellation = cancellation
         self.device = device
@@ -79,6 +84,20 @@ class Lease(Generic[T]):
         self._over = False  # run and given back, or cancelled
         self._interrupted = ""  # why interrupt() stopped the run: "deadline" or "interrupt"
         self._then: Callable[[], object] | None = None  # see then()
+        self._later = later
+
+    def __del__(self) -> None:
+        # Dropped unended. A collection may run this in any thread, even inside a lock
+        # that giving back takes (a cycle collected there): hand the give-back to trio
+        # instead of doing it here, then warn (a warning turned into an error must not
+        # keep the slot).
+        if self._done or self._later is None:
+            return
+        self._later(functools.partial(_give_back_dropped, self._release, self._then))
+        warnings.warn(
+            f"a lease on {self.device} was dropped without being run or cancelled: its "
+            "worker slot is given back now; end every lease with run() or cancel()",
+            ResourceWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         return f"<Lease on {self.device} {'done' if self._done else 'held'}>"
@@ -184,6 +203,14 @@ class Lease(Generic[T]):
         then, self._then = self._then, None
         if then is not None:
             then()
+
+
+def _give_back_dropped(release: Callable[[Outcome], None],
+                       then: Callable[[], object] | None) -> None:
+    """In trio: what :meth:`Lease.run` or :meth:`Lease.cancel` would have given back."""
+    release(Outcome.CANCELLED)
+    if then is not None:
+        then()
 
 
 def settled(device: str, result: T) -> Lease[T]:

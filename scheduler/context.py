@@ -415,7 +415,9 @@ class ExecutionContext:
 
 class ContextRun:
     """A request on an :class:`ExecutionContext` that holds a device slot and is run by
-    the caller's own thread (see :meth:`ExecutionContext.lease`)."""
+    the caller's own thread (see :meth:`ExecutionContext.lease`). End it with :meth:`run`
+    or :meth:`cancel`: one dropped unended gives its slot back only when collected, with
+    a ResourceWarning."""
 
     __slots__ = ("_ctx", "_lease")
 

@@ -5,6 +5,7 @@ by the device actor's counters: its worker threads count every job they finish."
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -229,3 +230,46 @@ async def test_finished_caller_thread_runs_with_a_timeout_leave_nothing_behind()
             await trio.to_thread.run_sync(run, loop_inputs(SHORT_LOOP))
         assert 0 < actor.watched_leases <= 64  # finished ones were dropped along the way
         ctx.close()
+
+
+async def test_a_dropped_lease_gives_its_slot_and_graph_back_with_a_warning(
+        rt: wasinn.Runtime) -> None:
+    # A holder that never runs nor cancels its lease (a bug) must not stall the device for
+    # ever: collected, the lease gives its slot back in trio and says so.
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    await ctx.compute({"x": X})  # compiled
+    workers = cpu.stats().workers
+    runs = [await ctx.lease({"x": X}) for _ in range(workers)]
+    assert cpu.stats().running == workers
+    with pytest.warns(ResourceWarning, match="dropped without being run or cancelled"):
+        del runs
+        gc.collect()
+    await trio.testing.wait_all_tasks_blocked()
+    assert cpu.stats().running == 0
+    with trio.fail_after(30):  # the slots serve again
+        np.testing.assert_array_equal((await ctx.compute({"x": X}))["y"].numpy(), Y)
+    # The graph it held is let go of: an unload closes it at once.
+    (key,) = cpu.session_keys()
+    session = cpu.cached_session(key)
+    assert session is not None
+    ctx.close()
+    await graph.unload()
+    assert session.evicted and session._users == 0
+
+
+async def test_an_ended_lease_is_collected_without_a_warning(rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx")
+    ctx = graph.init_execution_context()
+    run = await ctx.lease({"x": X})
+    await trio.to_thread.run_sync(run.run)
+    cancelled = await ctx.lease({"x": X})
+    cancelled.cancel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del run, cancelled
+        gc.collect()
+    (cpu,) = rt.actors
+    assert cpu.stats().running == 0
+    ctx.close()
