@@ -11,6 +11,19 @@ wrapped as ``ov.Tensor`` s over the caller's memory (no copy). With ``keep_on_de
 the run's request is not returned to the pool: its output ``ov.Tensor`` s are handed out
 as native tensors and can be set as inputs of another request without a copy.
 
+Device memory: on a device with a remote context (the GPU and NPU plugins; the CPU has
+none) a graph uses the device's default context, which every graph compiled for that
+device shares. A run with ``keep_on_device`` allocates its statically shaped outputs in
+device memory there (``RemoteContext.create_tensor``) and hands out those
+``ov.RemoteTensor`` s; set as inputs of the next run on that device, they never pass
+through host memory. Reading one on the host copies it once (``RemoteTensor.copy_to``);
+its rows are region-of-interest remote tensors. An output of dynamic shape (a batch
+axis) is allocated there once a run on inputs of the same dimensions has shown its
+shape; until then, and for outputs without a name to bind by, it stays the request's
+own. A run that fails on a shape so learned (an output whose shape depends on the
+data) forgets it: that request fails as any failed run does, and later runs on those
+dimensions use the request's own outputs until one shows a shape again.
+
 Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` registers its
 infer request's ``cancel``; OpenVINO stops at the next node boundary (a Loop/TensorIterator
 node's own iterations are not interrupted) and the run raises BackendRuntimeError. A
@@ -88,10 +101,12 @@ def _specs(ports: Sequence[Any], is_output: bool) -> tuple[
     return tuple(specs), aliases, frozenset(any_rank)
 
 
-def _ov_tensor(tensor: Tensor) -> Any:
+def _ov_tensor(tensor: Tensor, device: str) -> Any:
     native = tensor.native
     if isinstance(native, ov.Tensor):
         return native
+    if isinstance(native, ov.RemoteTensor) and tensor.device == device:
+        return native  # device memory, on this device: set as it is
     array = tensor.numpy()
     if tensor.type is TensorType.I64 and array.size and (
         array.min() < _I32.min or array.max() > _I32.max
@@ -107,8 +122,13 @@ def _ov_tensor(tensor: Tensor) -> Any:
 
 
 def _host_array(value: Any, ttype: TensorType, keep_alive: object = None) -> np.ndarray[Any, Any]:
-    """A host copy of an ``ov.Tensor`` (``keep_alive``: the request that owns its memory)."""
+    """A host copy of an ``ov.Tensor`` or ``ov.RemoteTensor`` (``keep_alive``: the
+    request that owns its memory)."""
     del keep_alive
+    if not isinstance(value, ov.Tensor):  # device memory: copied to the host first
+        host = ov.Tensor(_OV_TYPES[ttype], value.get_shape())
+        value.copy_to(host)
+        value = host
     data = value.data
     if ttype is TensorType.BF16:
         data = data.view(numpy_dtype(TensorType.BF16))
@@ -119,7 +139,7 @@ def _native(value: Any, ttype: TensorType, device: str, owner: object) -> Tensor
     """``value`` as it is (``owner``: the request that owns its memory, kept alive with
     it); its rows are region-of-interest tensors over the same memory."""
     return Tensor.from_native(
-        value, tuple(value.shape), ttype, device=device,
+        value, tuple(value.get_shape()), ttype, device=device,
         materialize=functools.partial(_host_array, value, ttype, owner),
         rows=lambda start, stop: _native(_rows(value, start, stop), ttype, device, owner))
 
@@ -128,7 +148,47 @@ def _rows(value: Any, start: int, stop: int) -> Any:
     end = list(value.shape)
     begin = [0] * len(end)
     begin[0], end[0] = start, stop
-    return ov.Tensor(value, ov.Coordinate(begin), ov.Coordinate(end))
+    # ov.Tensor and ov.RemoteTensor both take (tensor, begin, end) for a region of interest.
+    return type(value)(value, ov.Coordinate(begin), ov.Coordinate(end))
+
+
+def _dims(ordered: list[Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(t.dims for t in ordered)
+
+
+def _remote_context(compiled: Any, device: Device) -> Any:
+    """The device's remote context (the plugin's default one for it), or None where the
+    device has none (the CPU) or the plugin cannot give it."""
+    if device.kind is ExecutionTarget.CPU:
+        return None
+    try:
+        return compiled.get_context()
+    except Exception:  # a plugin without remote contexts: outputs stay the request's
+        return None
+
+
+#: Input dimensions whose output shapes a graph remembers (see the module docstring);
+#: past this many, it starts again.
+_LEARNED_SHAPES = 64
+
+
+class _DeviceOutput:
+    """What a kept output needs to be allocated in device memory: its port's name (remote
+    tensors are set by name), element type and shape (None where dynamic)."""
+
+    __slots__ = ("name", "shape", "type")
+
+    def __init__(self, port: Any) -> None:
+        self.name = str(port.get_any_name())
+        self.type = port.get_element_type()
+        pshape = port.get_partial_shape()
+        self.shape: Any = pshape.to_shape() if pshape.is_static else None
+
+
+def _device_outputs(compiled: Any) -> dict[int, _DeviceOutput]:
+    """The outputs that can live in device memory: those with a name to bind them by."""
+    return {i: _DeviceOutput(port) for i, port in enumerate(compiled.outputs)
+            if port.get_names()}
 
 
 class OvGraph(CheckedGraph):
@@ -141,6 +201,15 @@ class OvGraph(CheckedGraph):
                          out_aliases=out_aliases, any_rank=any_rank)
         self._keep_alive = keep_alive  # weights OpenVINO may share with the model
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: The device's remote context (see the module docstring), None on the CPU.
+        self.remote_context = _remote_context(compiled, device)
+        self._device_outputs = (_device_outputs(compiled) if self.remote_context is not None
+                                else {})
+        # Input dimensions -> {output index: shape} seen for them (dynamic outputs only).
+        self._learned: dict[tuple[tuple[int, ...], ...], dict[int, Any]] = {}
+        # Remote tensors are set by name: the inputs' (None where a port has none).
+        self._input_ports = tuple(str(p.get_any_name()) if p.get_names() else None
+                                  for p in compiled.inputs)
 
     @property
     def compiled_model(self) -> Any:
@@ -158,7 +227,8 @@ class OvGraph(CheckedGraph):
     ) -> dict[str, Tensor]:
         # ``compiled`` unused: requests come from the pool, or from ``compiled_model``,
         # which refuses a graph closed since.
-        ov_inputs = [_ov_tensor(t) for t in ordered]
+        device = self.device.name
+        ov_inputs = [_ov_tensor(t, device) for t in ordered]
         cancellation = current_cancellation()
         if cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(f"{NAME}: run cancelled before it started")
@@ -167,7 +237,12 @@ class OvGraph(CheckedGraph):
         try:
             request = self._request()
             for i, value in enumerate(ov_inputs):
-                request.set_input_tensor(i, value)
+                if isinstance(value, ov.Tensor):
+                    request.set_input_tensor(i, value)
+                else:
+                    self._set_remote_input(request, i, value)
+            bound = (self._bind_device_outputs(request, ordered, picked) if keep_on_device
+                     else None)
             if cancellation is not None:
                 forget = cancellation.on_cancel(request.cancel)
             try:
@@ -177,10 +252,18 @@ class OvGraph(CheckedGraph):
                     forget()
                     # Cancelled, or cancel() may still be running on it: never reuse it.
                     reusable = not cancellation.cancelled
-            values = [request.get_output_tensor(i) for i in picked]
+            if bound:
+                values = [bound[i] if i in bound else request.get_output_tensor(i)
+                          for i in picked]
+            else:
+                values = [request.get_output_tensor(i) for i in picked]
+            if bound is not None:
+                self._learn(ordered, picked, values)
         except WasiNNError:
             raise
         except Exception as exc:
+            if bound:  # a learned shape may be wrong for these data: forget them
+                self._learned.pop(_dims(ordered), None)
             if cancellation is not None and cancellation.cancelled:
                 raise BackendRuntimeError(f"{NAME}: run cancelled ({exc})") from exc
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
@@ -196,6 +279,48 @@ class OvGraph(CheckedGraph):
         if reusable:
             self._idle.put(request)
         return result
+
+    def _set_remote_input(self, request: Any, index: int, value: Any) -> None:
+        # A remote tensor (device memory) is set by its port's name.
+        name = self._input_ports[index]
+        if name is None:
+            raise InvalidArgumentError(
+                f"{NAME}: input {self.inputs[index].name!r} has no name OpenVINO can bind "
+                "device memory to: expected a host tensor there")
+        request.set_tensor(name, value)
+
+    def _bind_device_outputs(self, request: Any, ordered: list[Tensor],
+                             picked: tuple[int, ...]) -> dict[int, Any] | None:
+        # Outputs allocated in the device's memory for this run (none on the CPU). An
+        # empty dict: the run may show dynamic outputs' shapes, to learn.
+        context = self.remote_context
+        if context is None:
+            return None
+        learned = self._learned.get(_dims(ordered), {})
+        bound = {}
+        for i in picked:
+            out = self._device_outputs.get(i)
+            if out is None:
+                continue
+            shape = out.shape if out.shape is not None else learned.get(i)
+            if shape is not None:
+                remote = context.create_tensor(out.type, shape, {})
+                request.set_tensor(out.name, remote)
+                bound[i] = remote
+        return bound
+
+    def _learn(self, ordered: list[Tensor], picked: tuple[int, ...], values: list[Any]
+               ) -> None:
+        # Remember the shapes of dynamic outputs that stayed the request's this time.
+        shapes = {i: value.get_shape() for i, value in zip(picked, values, strict=True)
+                  if (out := self._device_outputs.get(i)) is not None and out.shape is None
+                  and isinstance(value, ov.Tensor)}
+        if not shapes:
+            return
+        learned = self._learned
+        if len(learned) >= _LEARNED_SHAPES:
+            learned.clear()
+        learned.setdefault(_dims(ordered), {}).update(shapes)
 
     def close(self) -> None:
         super().close()

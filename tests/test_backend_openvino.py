@@ -130,6 +130,98 @@ def test_keep_on_device_returns_ov_tensors(backend: Any) -> None:
     np.testing.assert_allclose(second.numpy(), np.ones_like(X))
 
 
+class _HostMemoryContext:
+    """Stands in for a device's remote context, which the CPU lacks: its "device memory"
+    is host ``ov.Tensor`` s, so that which outputs are allocated there, and how they
+    chain, can be checked on the CPU (the real one needs an Intel GPU or NPU)."""
+
+    def __init__(self) -> None:
+        self.created: list[Any] = []
+
+    def create_tensor(self, type: Any, shape: Any, properties: dict[str, Any]) -> Any:
+        import openvino as ov
+
+        assert properties == {}  # the device's default memory
+        tensor = ov.Tensor(type, shape)
+        self.created.append(tensor)
+        return tensor
+
+
+def test_the_cpu_has_no_remote_context(backend: Any) -> None:
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    assert graph.remote_context is None
+    graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)  # request-owned outputs
+
+
+def test_kept_outputs_live_in_the_devices_remote_context_and_chain(backend: Any) -> None:
+    import openvino as ov
+
+    from wasinn.backends import openvino
+
+    graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    graph.remote_context = context = _HostMemoryContext()
+    graph._device_outputs = openvino._device_outputs(graph.compiled_model)
+    # y is (n, 4): its shape is learned from a first run on x's dimensions.
+    learning = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
+    assert context.created == [] and isinstance(learning.native, ov.Tensor)
+    first = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
+    assert len(context.created) == 1 and first.native is context.created[0]
+    chained = graph.run({"x": first}, keep_on_device=True)["y"]  # set as it is
+    assert len(context.created) == 2 and chained.native is context.created[1]
+    # Other dimensions: learned anew, then allocated in device memory too.
+    three = Tensor.from_numpy(np.concatenate([X, X, X]))
+    graph.run({"x": three}, keep_on_device=True)
+    assert len(context.created) == 2
+    assert graph.run({"x": three}, keep_on_device=True)["y"].dims == (3, 4)
+    assert len(context.created) == 3
+    np.testing.assert_allclose(chained.numpy(), (X * 2 + 1) * 2 + 1)
+    np.testing.assert_allclose(first.numpy(), X * 2 + 1)  # not overwritten by the chain
+    rows = first.slice_rows(0, 1)
+    assert rows.native is not None and not rows.is_host
+    np.testing.assert_allclose(rows.numpy(), X * 2 + 1)
+    graph.run({"x": Tensor.from_numpy(X)})  # host outputs: nothing allocated there
+    assert len(context.created) == 3
+
+
+def test_device_memory_is_copied_to_the_host_once_read() -> None:
+    import openvino as ov
+
+    from wasinn.backends.openvino import _host_array
+
+    class DeviceMemory:  # what RemoteTensor offers: a shape and copy_to, no .data
+        def __init__(self, array: np.ndarray[Any, Any]) -> None:
+            self._array = array
+            self.copies = 0
+
+        def get_shape(self) -> Any:
+            return ov.Shape(self._array.shape)
+
+        def copy_to(self, host: Any) -> None:
+            self.copies += 1
+            host.data[...] = self._array
+
+    memory = DeviceMemory(X)
+    np.testing.assert_array_equal(_host_array(memory, TensorType.F32), X)
+    assert memory.copies == 1
+
+
+def test_kept_outputs_stay_in_intel_gpu_memory(backend: Any) -> None:
+    import openvino as ov
+
+    from tests.support import skip_unless
+
+    gpu = Device.parse("gpu:0")
+    skip_unless("openvino-gpu", gpu in backend.devices(),
+                "OpenVINO sees no GPU here (its GPU plugin needs an Intel GPU)")
+    graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, gpu)
+    assert graph.remote_context is not None
+    first = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
+    assert isinstance(first.native, ov.RemoteTensor) and not first.is_host
+    chained = graph.run({"x": first}, keep_on_device=True)["y"]
+    assert isinstance(chained.native, ov.RemoteTensor)
+    np.testing.assert_allclose(chained.numpy(), (X * 2 + 1) * 2 + 1)
+
+
 class _FakeCore:
     """Stands in for ov.Core to test the device-name mapping only."""
 
