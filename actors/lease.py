@@ -16,12 +16,16 @@ and OpenVINO stop within milliseconds, torch runs to its end) when its deadline 
 (TimeoutError_: the device actor watches leases that have one), when another thread
 interrupts it (:meth:`Lease.interrupt`: BackendRuntimeError), or when the device actor
 closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
-:meth:`Lease.cancel`) exactly once.
+:meth:`Lease.cancel`) exactly once. One dropped without either (its holder's bug) does not
+hold its slot for ever: once collected, its slot and graphs are given back in trio and a
+ResourceWarning says so, as an unclosed file's does (a lease with a deadline is kept by
+the device's deadline watcher until that deadline has passed).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -42,6 +46,8 @@ from .jobs import Wrap, backend_failure, in_context
 from .stats import Outcome
 
 T = TypeVar("T")
+
+log = logging.getLogger("wasinn.actors")
 
 
 class Lease(Generic[T]):
@@ -96,7 +102,7 @@ class Lease(Generic[T]):
         self._later(functools.partial(_give_back_dropped, self._release, self._then))
         warnings.warn(
             f"a lease on {self.device} was dropped without being run or cancelled: its "
-            "worker slot is given back now; end every lease with run() or cancel()",
+            "worker slot and graphs are given back; end every lease with run() or cancel()",
             ResourceWarning, stacklevel=2)
 
     def __repr__(self) -> str:
@@ -207,10 +213,14 @@ class Lease(Generic[T]):
 
 def _give_back_dropped(release: Callable[[Outcome], None],
                        then: Callable[[], object] | None) -> None:
-    """In trio: what :meth:`Lease.run` or :meth:`Lease.cancel` would have given back."""
-    release(Outcome.CANCELLED)
-    if then is not None:
-        then()
+    """In trio: what :meth:`Lease.run` or :meth:`Lease.cancel` would have given back.
+    Nothing may escape: an exception here would end trio itself."""
+    try:
+        release(Outcome.CANCELLED)
+        if then is not None:
+            then()
+    except Exception:
+        log.exception("giving back a dropped lease's slot and graphs failed")
 
 
 def settled(device: str, result: T) -> Lease[T]:

@@ -145,7 +145,7 @@ def _native(value: Any, ttype: TensorType, device: str, owner: object) -> Tensor
 
 
 def _rows(value: Any, start: int, stop: int) -> Any:
-    end = list(value.shape)
+    end = list(value.get_shape())
     begin = [0] * len(end)
     begin[0], end[0] = start, stop
     # ov.Tensor and ov.RemoteTensor both take (tensor, begin, end) for a region of interest.
@@ -234,6 +234,7 @@ class OvGraph(CheckedGraph):
             raise BackendRuntimeError(f"{NAME}: run cancelled before it started")
         forget = None
         reusable = True
+        bound: dict[int, Any] | None = None
         try:
             request = self._request()
             for i, value in enumerate(ov_inputs):

@@ -11,6 +11,7 @@ from tests import backend_models
 from tests.support import require_backend
 from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
 from wasinn import (
+    BackendRuntimeError,
     GraphEncoding,
     InvalidArgumentError,
     InvalidEncodingError,
@@ -183,26 +184,74 @@ def test_kept_outputs_live_in_the_devices_remote_context_and_chain(backend: Any)
     assert len(context.created) == 3
 
 
-def test_device_memory_is_copied_to_the_host_once_read() -> None:
+class _DeviceMemory:
+    """What an ``ov.RemoteTensor`` offers: a shape, ``copy_to`` and a region-of-interest
+    constructor; no ``.data`` and no ``.shape``."""
+
+    def __init__(self, source: Any, begin: Any = None, end: Any = None) -> None:
+        array = source if isinstance(source, np.ndarray) else source._array
+        if begin is not None:
+            array = array[begin[0]:end[0]]
+        self._array = array
+        self.copies = 0
+
+    def get_shape(self) -> Any:
+        import openvino as ov
+
+        return ov.Shape(self._array.shape)
+
+    def copy_to(self, host: Any) -> None:
+        self.copies += 1
+        host.data[...] = self._array
+
+
+def test_device_memory_is_read_by_one_copy_and_cut_into_remote_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import openvino as ov
 
-    from wasinn.backends.openvino import _host_array
+    from wasinn.backends import openvino
 
-    class DeviceMemory:  # what RemoteTensor offers: a shape and copy_to, no .data
-        def __init__(self, array: np.ndarray[Any, Any]) -> None:
-            self._array = array
-            self.copies = 0
-
-        def get_shape(self) -> Any:
-            return ov.Shape(self._array.shape)
-
-        def copy_to(self, host: Any) -> None:
-            self.copies += 1
-            host.data[...] = self._array
-
-    memory = DeviceMemory(X)
-    np.testing.assert_array_equal(_host_array(memory, TensorType.F32), X)
+    monkeypatch.setattr(ov, "RemoteTensor", _DeviceMemory)
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    memory = _DeviceMemory(rows)
+    kept = openvino._native(memory, TensorType.F32, "gpu:0", owner=None)
+    assert kept.dims == (3, 4) and not kept.is_host
+    middle = kept.slice_rows(1, 3)
+    assert isinstance(middle.native, _DeviceMemory) and middle.dims == (2, 4)
+    np.testing.assert_array_equal(middle.numpy(), rows[1:3])
+    np.testing.assert_array_equal(kept.numpy(), rows)
     assert memory.copies == 1
+    # Set as an input on its own device, as it is, by its port's name; elsewhere, a copy.
+    assert openvino._ov_tensor(kept, "gpu:0") is memory
+    assert isinstance(openvino._ov_tensor(kept, "gpu:1"), ov.Tensor)
+
+
+def test_device_memory_inputs_are_set_by_name(backend: Any) -> None:
+    class Request:
+        def __init__(self) -> None:
+            self.set: list[tuple[str, object]] = []
+
+        def set_tensor(self, name: str, value: object) -> None:
+            self.set.append((name, value))
+
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    request, memory = Request(), _DeviceMemory(X)
+    graph._set_remote_input(request, 0, memory)
+    assert request.set == [("x", memory)]
+    graph._input_ports = (None,)  # a port with no name cannot take device memory
+    with pytest.raises(InvalidArgumentError, match="no name OpenVINO can bind"):
+        graph._set_remote_input(request, 0, memory)
+
+
+def test_a_run_that_fails_before_inference_is_a_runtime_error(backend: Any) -> None:
+    import openvino as ov
+
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    wrong = ov.Tensor(np.ones((1, 4), np.float64))  # f64 where the model takes f32
+    tensor = Tensor.from_native(wrong, (1, 4), TensorType.F32, device="cpu",
+                                materialize=lambda: X)
+    with pytest.raises(BackendRuntimeError, match="run failed"):
+        graph.run({"x": tensor}, keep_on_device=True)
 
 
 def test_kept_outputs_stay_in_intel_gpu_memory(backend: Any) -> None:
@@ -215,11 +264,13 @@ def test_kept_outputs_stay_in_intel_gpu_memory(backend: Any) -> None:
                 "OpenVINO sees no GPU here (its GPU plugin needs an Intel GPU)")
     graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, gpu)
     assert graph.remote_context is not None
+    graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)  # y's shape: (n, 4)
     first = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
     assert isinstance(first.native, ov.RemoteTensor) and not first.is_host
     chained = graph.run({"x": first}, keep_on_device=True)["y"]
     assert isinstance(chained.native, ov.RemoteTensor)
     np.testing.assert_allclose(chained.numpy(), (X * 2 + 1) * 2 + 1)
+    np.testing.assert_allclose(first.slice_rows(0, 1).numpy(), X * 2 + 1)
 
 
 class _FakeCore:

@@ -273,3 +273,23 @@ async def test_an_ended_lease_is_collected_without_a_warning(rt: wasinn.Runtime)
     (cpu,) = rt.actors
     assert cpu.stats().running == 0
     ctx.close()
+
+
+async def test_a_dropped_lease_frees_its_slot_even_when_its_warning_is_an_error(
+        rt: wasinn.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under -W error the warning raises inside __del__ (reported as unraisable): the
+    # give-back must already be on its way by then.
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    run = await ctx.lease({"x": X})
+    unraisable: list[Any] = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del run
+        gc.collect()
+    assert [type(u.exc_value) for u in unraisable] == [ResourceWarning]
+    await trio.testing.wait_all_tasks_blocked()
+    assert cpu.stats().running == 0
+    ctx.close()
