@@ -643,10 +643,7 @@ class DeviceActor:
         if timeout is None:
             return self._new_lease(job, math.inf, start, start, account)
         lease = self._new_lease(job, start + timeout, start, start, account)
-        token = self._token
-        if token is not None:
-            with contextlib.suppress(trio.RunFinishedError):  # trio gone: nobody closes it
-                token.run_sync_soon(self._watch, lease, None)
+        self._soon(self._watch, lease, None)
         return lease
 
     @property
@@ -704,13 +701,14 @@ class DeviceActor:
                      cancellation,
                      self._soon)
 
-    def _soon(self, call: Callable[[], None]) -> None:
-        # From any thread, even inside a collection: ``call`` in trio (trio's entry queue
-        # takes a reentrant lock); dropped if trio has ended (nothing is left to free).
+    def _soon(self, call: Callable[..., object], *args: object) -> None:
+        # From any thread, even inside a collection: ``call(*args)`` in trio (trio's entry
+        # queue takes a reentrant lock); dropped if trio has ended (nothing is left to
+        # watch or free: nobody closes the actor any more).
         token = self._token
         if token is not None:
             with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(call)
+                token.run_sync_soon(call, *args)
 
     def _lease_done(self, cancellation: Cancellation, account: RequestStats | None,
                     start: float, queued: float, outcome: Outcome) -> None:

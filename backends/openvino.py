@@ -152,10 +152,6 @@ def _rows(value: Any, start: int, stop: int) -> Any:
     return type(value)(value, ov.Coordinate(begin), ov.Coordinate(end))
 
 
-def _dims(ordered: list[Tensor]) -> tuple[tuple[int, ...], ...]:
-    return tuple(t.dims for t in ordered)
-
-
 def _remote_context(compiled: Any, device: Device) -> Any:
     """The device's remote context (the plugin's default one for it), or None where the
     device has none (the CPU) or the plugin cannot give it."""
@@ -166,6 +162,9 @@ def _remote_context(compiled: Any, device: Device) -> Any:
     except Exception:  # a plugin without remote contexts: outputs stay the request's
         return None
 
+
+#: The dimensions of a run's inputs, in order: what learned output shapes are keyed by.
+_Dims = tuple[tuple[int, ...], ...]
 
 #: Input dimensions whose output shapes a graph remembers (see the module docstring);
 #: past this many, it starts again.
@@ -206,7 +205,7 @@ class OvGraph(CheckedGraph):
         self._device_outputs = (_device_outputs(compiled) if self.remote_context is not None
                                 else {})
         # Input dimensions -> {output index: shape} seen for them (dynamic outputs only).
-        self._learned: dict[tuple[tuple[int, ...], ...], dict[int, Any]] = {}
+        self._learned: dict[_Dims, dict[int, Any]] = {}
         # Remote tensors are set by name: the inputs' (None where a port has none).
         self._input_ports = tuple(str(p.get_any_name()) if p.get_names() else None
                                   for p in compiled.inputs)
@@ -235,6 +234,10 @@ class OvGraph(CheckedGraph):
         forget = None
         reusable = True
         bound: dict[int, Any] | None = None
+        # Where kept outputs may go to device memory: the key their learned shapes go by.
+        dims: _Dims | None = None
+        if keep_on_device and self.remote_context is not None:
+            dims = tuple(t.dims for t in ordered)
         try:
             request = self._request()
             for i, value in enumerate(ov_inputs):
@@ -242,8 +245,8 @@ class OvGraph(CheckedGraph):
                     request.set_input_tensor(i, value)
                 else:
                     self._set_remote_input(request, i, value)
-            bound = (self._bind_device_outputs(request, ordered, picked) if keep_on_device
-                     else None)
+            if dims is not None:
+                bound = self._bind_device_outputs(request, dims, picked)
             if cancellation is not None:
                 forget = cancellation.on_cancel(request.cancel)
             try:
@@ -258,13 +261,13 @@ class OvGraph(CheckedGraph):
                           for i in picked]
             else:
                 values = [request.get_output_tensor(i) for i in picked]
-            if bound is not None:
-                self._learn(ordered, picked, values)
+            if dims is not None:
+                self._learn(dims, picked, values)
         except WasiNNError:
             raise
         except Exception as exc:
-            if bound:  # a learned shape may be wrong for these data: forget them
-                self._learned.pop(_dims(ordered), None)
+            if bound and dims is not None:  # a learned shape may be wrong here: forget
+                self._learned.pop(dims, None)
             if cancellation is not None and cancellation.cancelled:
                 raise BackendRuntimeError(f"{NAME}: run cancelled ({exc})") from exc
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
@@ -290,14 +293,13 @@ class OvGraph(CheckedGraph):
                 "device memory to: expected a host tensor there")
         request.set_tensor(name, value)
 
-    def _bind_device_outputs(self, request: Any, ordered: list[Tensor],
-                             picked: tuple[int, ...]) -> dict[int, Any] | None:
-        # Outputs allocated in the device's memory for this run (none on the CPU). An
-        # empty dict: the run may show dynamic outputs' shapes, to learn.
+    def _bind_device_outputs(self, request: Any, dims: _Dims,
+                             picked: tuple[int, ...]) -> dict[int, Any]:
+        # Outputs allocated in the device's memory for this run, on inputs of ``dims``
+        # (only where there is a remote context).
         context = self.remote_context
-        if context is None:
-            return None
-        learned = self._learned.get(_dims(ordered), {})
+        assert context is not None
+        learned = self._learned.get(dims, {})
         bound = {}
         for i in picked:
             out = self._device_outputs.get(i)
@@ -310,8 +312,8 @@ class OvGraph(CheckedGraph):
                 bound[i] = remote
         return bound
 
-    def _learn(self, ordered: list[Tensor], picked: tuple[int, ...], values: list[Any]
-               ) -> None:
+    def _learn(self, dims: _Dims, picked: tuple[int, ...],
+               values: list[Any]) -> None:
         # Remember the shapes of dynamic outputs that stayed the request's this time.
         shapes = {i: value.get_shape() for i, value in zip(picked, values, strict=True)
                   if (out := self._device_outputs.get(i)) is not None and out.shape is None
@@ -321,7 +323,7 @@ class OvGraph(CheckedGraph):
         learned = self._learned
         if len(learned) >= _LEARNED_SHAPES:
             learned.clear()
-        learned.setdefault(_dims(ordered), {}).update(shapes)
+        learned.setdefault(dims, {}).update(shapes)
 
     def close(self) -> None:
         super().close()
