@@ -18,10 +18,16 @@ CPU TorchScript modules are frozen and passed through ``torch.jit.optimize_for_i
 ``torch.inference_mode()``; ``keep_on_device`` returns ``torch.Tensor`` natives.
 ``LoadOptions.threads`` is not applied: torch's thread count is process-wide.
 
-Cancellation: torch offers no way to interrupt a running forward pass, so a run ignores
-:func:`~wasinn.backends.base.current_cancellation`: an abandoned torch run goes on until
-it returns (its result is dropped). A pipeline stops between steps once cancelled, and a
-device actor's close waits for such a run only up to its pool's ``close_timeout``.
+Cancellation: torch offers no way to interrupt an operator, so a ``torch.export``
+program is loaded with a checkpoint (:func:`~wasinn.backends.base.stop_if_cancelled`)
+before each of its operators, in every graph it holds (control-flow branches included):
+once the run's :func:`~wasinn.backends.base.current_cancellation` is cancelled, the run
+stops before its next operator and raises BackendRuntimeError. Measured here, a
+checkpoint costs about 0.3 µs: +1.2 % on a two-operator model (46 µs a run), +0.07 % on
+MobileNetV2 (15 ms). A TorchScript module cannot take such checkpoints (its graph runs in
+C++): an abandoned TorchScript run goes on until it returns (its result is dropped), and
+a device actor's close waits for it only up to its pool's ``close_timeout``. A pipeline
+stops between steps once cancelled, whatever its backends.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import operator
 import threading
 import zipfile
 from collections.abc import Callable
@@ -48,7 +55,15 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
-from .base import Backend, Builders, Device, LoadOptions, TensorSpec
+from .base import (
+    Backend,
+    Builders,
+    Cancelled,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    stop_if_cancelled,
+)
 
 NAME = "pytorch"
 
@@ -122,6 +137,9 @@ class TorchGraph(CheckedGraph):
                 result = module(*args)
         except WasiNNError:
             raise
+        except Cancelled:
+            raise BackendRuntimeError(
+                f"{NAME}: run cancelled (stopped before its next operator)") from None
         except Exception as exc:
             if (not self._checked and isinstance(exc, RuntimeError)
                     and not isinstance(exc, torch.OutOfMemoryError)):
@@ -157,6 +175,21 @@ class TorchGraph(CheckedGraph):
                            else "cpu")
         array = _to_numpy(value)
         return Tensor(array.shape, ttype, array=array)
+
+
+def _interruptible(module: torch.nn.Module) -> None:
+    """Put a :func:`~wasinn.backends.base.stop_if_cancelled` call before every operator
+    of every fx graph in ``module`` (its own and its control-flow branches'), in place;
+    not before a tuple's ``getitem``, which does no work."""
+    for graph_module in module.modules():
+        if not isinstance(graph_module, torch.fx.GraphModule):
+            continue
+        graph = graph_module.graph
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is not operator.getitem:
+                with graph.inserting_before(node):
+                    graph.call_function(stop_if_cancelled, ())
+        graph_module.recompile()
 
 
 def _native(value: torch.Tensor, ttype: TensorType, device: str) -> Tensor:
@@ -283,6 +316,7 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
         program = torch.export.load(io.BytesIO(data))
         module = program.module()
         module.to(torch_device)
+        _interruptible(module)
     except Exception as exc:
         raise InvalidEncodingError(
             f"{NAME}: cannot load the torch.export archive: {_first_line(exc)}"

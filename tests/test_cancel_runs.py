@@ -3,9 +3,10 @@
 Real ONNX Runtime and OpenVINO runs that would last far longer than the test (an ONNX
 Loop with a huge trip count; a long chain of large MatMuls) are abandoned by a timeout:
 the device's only worker slot must be free again at once (a second request completes),
-and the runtime must close promptly. A fake backend that ignores cancellation stands for
-a run nothing can interrupt (torch): the close gives up after ``close_timeout``, logs
-the device and the job, and leaves the graph open under it.
+and the runtime must close promptly. A ``torch.export`` program (a long chain of large
+MatMuls) is stopped before its next operator. A fake backend that ignores cancellation
+stands for a run nothing can interrupt (a TorchScript module): the close gives up after
+``close_timeout``, logs the device and the job, and leaves the graph open under it.
 
 Trip counts are finite (tens of seconds of work here), so that without cancellation the
 ``trio.fail_after`` guards fail the test instead of hanging it for days (the close's
@@ -14,9 +15,12 @@ wait is shielded from them).
 
 from __future__ import annotations
 
+import functools
+import io
 import logging
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +30,14 @@ import trio
 import trio.testing
 
 import wasinn
+from tests.backend_models import affine
 from tests.fake_backend import FakeBackend, FakeGraph
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
 from tests.support import cpu_pool, require_backend
 from wasinn.backends.base import Builders, Device, LoadOptions
 from wasinn.configs.loader import parse_config
-from wasinn.enums import GraphEncoding
-from wasinn.errors import ClosedResourceError, TimeoutError_
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import BackendRuntimeError, ClosedResourceError, TimeoutError_
 from wasinn.host.abi import Errno
 
 
@@ -104,19 +109,110 @@ def matmul_chain_onnx(steps: int, size: int) -> bytes:
 OV_STEPS, OV_SIZE = 4000, 1024
 
 
-async def test_an_abandoned_openvino_run_stops_and_frees_its_worker_slot() -> None:
-    require_backend("openvino")
-    async with wasinn.Runtime(cpu_pool(workers=1, backends=["openvino"])) as rt:
-        graph = await rt.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], "onnx", "cpu")
-        assert graph.backend == "openvino"
-        x = np.ones((OV_SIZE, OV_SIZE), np.float32)
+# -- PyTorch (torch.export) ---------------------------------------------------------------
+@functools.cache
+def matmul_chain_torch(steps: int, size: int) -> bytes:
+    """A ``torch.export`` archive of ``y = x @ I @ I ...`` (``steps`` MatMuls by a
+    ``size`` x ``size`` identity; ``x: f32[rows, size]``, rows dynamic): one operator
+    per step, so a run's time grows with ``rows`` and it can stop between steps."""
+    import torch
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.eye(size), requires_grad=False)
+
+        def forward(self, x: Any) -> Any:
+            for _ in range(steps):
+                x = x @ self.w
+            return x
+
+    program = torch.export.export(Chain(), (torch.ones(2, size),),
+                                  dynamic_shapes={"x": {0: torch.export.Dim("rows")}})
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue()
+
+
+#: With ``TORCH_ROWS`` rows, ~30 ms a step here: ~12 s for the whole chain.
+TORCH_STEPS, TORCH_SIZE, TORCH_ROWS = 400, 1024, 4096
+
+
+def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
+    require_backend("torch")
+    from wasinn.backends.base import Cancellation, running_under
+    from wasinn.backends.pytorch import TorchBackend
+
+    graph = TorchBackend().load([matmul_chain_torch(TORCH_STEPS, TORCH_SIZE)],
+                                GraphEncoding.PYTORCH, Device(ExecutionTarget.CPU))
+    cancellation = Cancellation()
+    outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
+
+    def run() -> None:
+        with running_under(cancellation):
+            try:
+                outcome.append(graph.run({"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32)}))
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.3)  # inside the chain (seconds of work)
+    started = time.perf_counter()
+    cancellation.cancel()
+    thread.join(GUARD_S)
+    stopped_in = time.perf_counter() - started
+    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
+    (error,) = outcome  # a finished run would have returned its outputs instead
+    assert isinstance(error, BackendRuntimeError), error
+    assert "pytorch: run cancelled" in str(error) and "next operator" in str(error)
+    assert stopped_in < GUARD_S
+    # The graph serves the next run, and its answer is right.
+    with running_under(Cancellation()):
+        out = graph.run({"x": np.full((1, TORCH_SIZE), 2.0, np.float32)})
+    assert out["output"].numpy().tolist() == [[2.0] * TORCH_SIZE]
+    graph.close()
+
+
+def test_a_torch_export_run_cancelled_before_it_starts_does_no_work() -> None:
+    require_backend("torch")
+    from wasinn.backends.base import Cancellation, running_under
+
+    builders, encoding = affine("pytorch", 2.0, 1.0)
+    from wasinn.backends.pytorch import TorchBackend
+
+    graph = TorchBackend().load(builders, encoding, Device(ExecutionTarget.CPU))
+    cancellation = Cancellation()
+    cancellation.cancel()
+    with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
+        graph.run({"x": np.zeros((1, 4), np.float32)})
+    out = graph.run({"x": np.zeros((1, 4), np.float32)})  # no cancellation: runs
+    assert out["output"].numpy().tolist() == [[1.0] * 4]
+
+
+@pytest.mark.parametrize(("library", "backend"), [("openvino", "openvino"),
+                                                   ("torch", "pytorch")])
+async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
+        library: str, backend: str) -> None:
+    # OpenVINO is cancelled at its next node, a torch.export program before its next
+    # operator: seconds of work left undone either way.
+    require_backend(library)
+    if backend == "openvino":
+        model, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_SIZE
+    else:
+        model, encoding = matmul_chain_torch(TORCH_STEPS, TORCH_SIZE), "pytorch"
+        size, rows = TORCH_SIZE, TORCH_ROWS
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=[backend])) as rt:
+        graph = await rt.load([model], encoding, "cpu")
+        assert graph.backend == backend
         with pytest.raises(TimeoutError_):
-            await graph.compute({"x": x}, timeout=0.3)
-        (actor,) = rt.actors
+            await graph.compute({"x": np.ones((rows, size), np.float32)}, timeout=0.3)
         with trio.fail_after(GUARD_S):
-            while actor.busy:  # the abandoned run is cancelled at its next node
-                await trio.sleep(0.01)
-        assert actor.threads.abandoned == 0
+            # The only worker slot was the abandoned run's: this runs only once it ended.
+            (out,) = (await graph.compute({"x": np.full((1, size), 3.0, np.float32)})).values()
+            assert out.numpy().tolist() == [[3.0] * size]
+            (actor,) = rt.actors
+            assert actor.threads.abandoned == 0 and actor.busy == 0
 
 
 # -- a run nothing can interrupt ----------------------------------------------------------
