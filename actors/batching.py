@@ -110,11 +110,19 @@ class _BadBatching(InvalidArgumentError, ValueError):
 
 def check_batchable(name: str, inputs: Sequence[TensorSpec],
                     outputs: Sequence[TensorSpec]) -> None:
-    """InvalidArgumentError unless every input and output that declares a shape has a
-    variable first (batch) dimension: rows cannot be merged along a fixed one."""
+    """InvalidArgumentError unless every input and output whose rank is known has a
+    variable first (batch) dimension: rows cannot be merged along a fixed one, nor along
+    a scalar's, which has none."""
     for role, specs in (("input", inputs), ("output", outputs)):
         for spec in specs:
-            if spec.shape and spec.shape[0] is not None:
+            if not spec.rank_known:
+                continue
+            if not spec.shape:
+                raise InvalidArgumentError(
+                    f"{name}: batching merges requests along the first dimension, but "
+                    f"{role} {spec.describe()} is a scalar: expected a variable batch "
+                    "dimension, or load the model without batching")
+            if spec.shape[0] is not None:
                 raise InvalidArgumentError(
                     f"{name}: batching merges requests along the first dimension, but "
                     f"{role} {spec.describe()} fixes it: expected a variable batch "

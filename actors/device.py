@@ -308,10 +308,18 @@ class DeviceActor:
 
     # -- compiled graphs ------------------------------------------------------------------
     async def session(self, key: Hashable, compile_graph: Callable[[], CompiledGraph],
-                      backend: str) -> Session:
+                      backend: str, *, wanted: Callable[[], bool] = lambda: True) -> Session:
         """The graph cached under ``key``, compiling it on first use (once, however many
-        callers ask at the same time). A failed compile is not cached: its error reaches
-        every caller waiting for it, and a later call tries again.
+        callers ask at the same time).
+
+        The compile runs in a task of the actor's own (a worker thread, no request slot),
+        not in the caller's: a caller cancelled meanwhile (its deadline passed) stops
+        waiting at once, and the compile goes on and is cached for the next caller,
+        unless ``wanted()`` is false once it ends (its graph was unloaded meanwhile: it
+        is closed, and the callers still waiting get ClosedResourceError). A failed
+        compile is not cached: its error reaches every caller waiting for it, and a later
+        call tries again. Raises ClosedResourceError once the actor is closed (a compile
+        under way is abandoned then).
         """
         while True:
             session = self._sessions.get(key)
@@ -319,35 +327,44 @@ class DeviceActor:
                 return session
             pending = self._compiling.get(key)
             if pending is None:
-                break
+                pending = self._compiling[key] = _Compiling()
+                try:
+                    self._start_task(self._compile_task,
+                                     (key, pending, compile_graph, backend, wanted))
+                except ClosedResourceError:
+                    del self._compiling[key]
+                    raise
             await pending.done.wait()
             if pending.error is not None:  # this caller's own error, the compile's as cause
                 raise type(pending.error)(pending.error.message) from pending.error
-            # Otherwise it was cached, or its compiler was cancelled: look again.
-        pending = self._compiling[key] = _Compiling()
+
+    async def _compile_task(self, job: tuple[Hashable, _Compiling,
+                                             Callable[[], CompiledGraph], str,
+                                             Callable[[], bool]]) -> None:
+        # In the actor's nursery: compile, cache, tell the waiting callers.
+        key, pending, compile_graph, backend, wanted = job
         try:
-            compiled = await self._compile(compile_graph)
+            compiled = await self._unslotted(compile_graph, label="compile",
+                                             failure="compiling failed")
+            self._compiles += 1
             session = Session(compiled, backend)
             if self._closed:
                 session.evict()
                 raise ClosedResourceError(f"{self.device}: the device actor is closed")
+            if not wanted():
+                session.evict()
+                raise ClosedResourceError(
+                    f"{self.device}: the graph was unloaded while it compiled")
             self._sessions[key] = session
-            return session
         except WasiNNError as exc:
             pending.error = exc
+        except trio.Cancelled:  # the actor is closing: the compile is abandoned
+            pending.error = ClosedResourceError(
+                f"{self.device}: the device actor closed while the graph compiled")
             raise
         finally:
             del self._compiling[key]
             pending.done.set()
-
-    async def _compile(self, compile_graph: Callable[[], CompiledGraph]) -> CompiledGraph:
-        # A compile takes one of the device's worker threads but no request slot, so it is
-        # not counted as load twice. It is not abandoned on cancellation (the thread would
-        # go on loading weights anyway): the result is cached for the next caller.
-        compiled = await self._unslotted(compile_graph, abandon_on_cancel=False,
-                                         label="compile", failure="compiling failed")
-        self._compiles += 1
-        return compiled
 
     async def warm_up(self, job: Callable[[], object], *, label: str = "warm-up") -> None:
         """Run ``job`` once in a worker thread, outside the request accounting: it takes
@@ -359,18 +376,15 @@ class DeviceActor:
         Raises ClosedResourceError once the actor is closed, BackendRuntimeError for a
         backend's own exception; cancelled, the run is abandoned.
         """
-        await self._unslotted(job, abandon_on_cancel=True, label=label,
-                              failure="the backend failed")
+        await self._unslotted(job, label=label, failure="the backend failed")
         self._warm_ups += 1
 
-    async def _unslotted(self, job: Callable[[], T], *, abandon_on_cancel: bool, label: str,
-                         failure: str) -> T:
+    async def _unslotted(self, job: Callable[[], T], *, label: str, failure: str) -> T:
         # A job in one of the worker threads that holds no request slot.
         work = in_context(job, self._wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            return await self._threads.run(work, abandon_on_cancel=abandon_on_cancel,
-                                           label=label)
+            return await self._threads.run(work, label=label)
         except WasiNNError:
             raise
         except Exception as exc:
@@ -544,8 +558,7 @@ class DeviceActor:
         # (abandoned or not).
         work = in_context(job, self._wrap)
         try:
-            return await self._threads.run(work, abandon_on_cancel=True,
-                                           on_done=self._slots.free, label=label)
+            return await self._threads.run(work, on_done=self._slots.free, label=label)
         except WasiNNError:
             raise
         except Exception as exc:
@@ -640,7 +653,7 @@ class DeviceActor:
         if not self._slots.try_take():
             return None
         start = time.perf_counter()
-        if timeout is None:
+        if timeout is None or timeout == math.inf:
             return self._new_lease(job, math.inf, start, start, account)
         lease = self._new_lease(job, start + timeout, start, start, account)
         self._soon(self._watch, lease, None)

@@ -33,6 +33,8 @@ import warnings
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+import trio
+
 from wasinn.backends.base import Cancellation, running_under
 from wasinn.errors import (
     BackendRuntimeError,
@@ -111,12 +113,18 @@ class Lease(Generic[T]):
     def run(self) -> T:
         """Run the job here, in the calling thread, then give the slot back.
 
-        Call it from a thread that is not trio's (in trio it would block the event loop).
+        Call it from a thread that is not trio's: in the trio thread it raises
+        RuntimeError (the run would block the event loop), and the lease stays unused.
         Raises what the job raises (a WasiNNError as it is, any other exception as
         BackendRuntimeError), TimeoutError_ when the run ended past ``expires``,
         ClosedResourceError when the device closed and cancelled the run, and
         InvalidArgumentError when the lease was already used or cancelled.
         """
+        if trio.lowlevel.in_trio_run():
+            raise RuntimeError(
+                "a lease runs its backend in the calling thread, and this is the trio "
+                "thread, whose event loop it would block: call run() from a worker thread "
+                "(trio.to_thread.run_sync), or await the async compute instead")
         job = self._take()
         cancellation = self.cancellation
         if cancellation is not None and cancellation.cancelled:

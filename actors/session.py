@@ -40,7 +40,9 @@ class Session:
         with self._lock:
             if self._evicted:
                 raise ClosedResourceError(
-                    f"the {self.backend} graph on {self.compiled.device} was unloaded"
+                    f"the {self.backend} graph on {self.compiled.device} was freed before "
+                    "this run started: its model was unloaded, or the last execution "
+                    "context using it was closed"
                 )
             self._users += 1
         return self.compiled

@@ -13,23 +13,24 @@ per round trip than run_sync_soon + reschedule, ~40 % less than ``to_thread``).
 Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
 (the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
 into their library's own interruption (ONNX Runtime's terminate flag, OpenVINO's
-``InferRequest.cancel``). A waiting caller either abandons the job: the job is cancelled
-(an interruptible backend call ends within milliseconds, torch's runs to its end), the
-outcome is dropped, and a trio system task waits for the thread to become free; or, for
-jobs that must not be abandoned (compiles), keeps waiting, returns the result and sees
-the cancellation at its next checkpoint, as ``to_thread.run_sync`` without
-``abandon_on_cancel`` does. ``on_done`` runs in trio when the thread has really finished
-the job, abandoned or not: the actor frees the job's worker slot there, so a device never
+``InferRequest.cancel``, a checkpoint before each operator of a ``torch.export``
+program). A caller that stops waiting (it is cancelled) abandons its job: the job is
+cancelled (an interruptible backend call ends within milliseconds, a TorchScript run goes
+on to its end), the outcome is dropped, and a trio system task waits for the thread to
+become free. ``on_done`` runs in trio when the thread has really finished the job,
+abandoned or not: the actor frees the job's worker slot there, so a device never
 runs more than ``count`` jobs at once.
 
-Shutdown: :meth:`stop` cancels every job handed to a thread and tells each thread to exit
-after it; :meth:`wait_stopped` waits, for at most a given time, for every thread, and
-joins those that exited. Waiting matters: a thread left inside native code (ONNX
-Runtime, OpenVINO, torch) when the interpreter exits is killed there, which aborts the
-process ("terminate called without an active exception"), and the graphs a job runs on
-must not be closed under it. But a call that ignores cancellation (torch, an OpenVINO
-Loop node) may run for ever, so the wait is bounded: past it, the jobs still running are
-reported and their threads left behind as daemons.
+Shutdown: :meth:`stop` cancels and abandons every job handed to a thread (their callers
+get ClosedResourceError at once, even if the job ignores its cancellation) and tells
+each thread to exit after its job; :meth:`wait_stopped` waits,
+for at most a given time, for every thread, and joins those that exited. Waiting
+matters: a thread left inside native code (ONNX Runtime, OpenVINO, torch) when the
+interpreter exits is killed there, which aborts the process ("terminate called without an
+active exception"), and the graphs a job runs on must not be closed under it. But a call
+that ignores cancellation (TorchScript, an OpenVINO Loop node) may run for ever, so the
+wait is bounded: past it, the jobs still running are reported and their threads left
+behind as daemons.
 """
 
 from __future__ import annotations
@@ -149,18 +150,18 @@ class WorkerThreads:
         abandoned or not), for diagnostics."""
         return [job.describe() for job in self._running.values()]
 
-    async def run(self, fn: Callable[[], T], *, abandon_on_cancel: bool,
-                  on_done: Callable[[], None] | None = None, label: str = "job") -> T:
+    async def run(self, fn: Callable[[], T], *, on_done: Callable[[], None] | None = None,
+                  label: str = "job") -> T:
         """Run ``fn`` in one of the threads; its result, or the exception it raised.
 
-        Raises ClosedResourceError once stopped (or before ``start``), and when the job
-        failed because :meth:`stop` cancelled it. Cancellation: see the module
-        docstring; ``on_done`` runs in trio once the job is over: finished by its thread
-        (abandoned or not), or never started (stopped already, or cancelled or stopped
-        while waiting for a free thread). A job handed to a thread always starts (under
-        a cancellation that is already set if it was abandoned meanwhile): callers check
-        for cancellation before they commit to a job. ``label`` names the job in
-        diagnostics.
+        Raises ClosedResourceError once stopped (or before ``start``), and when
+        :meth:`stop` cancelled the job while it ran. Cancelled, the caller abandons the
+        job (see the module docstring); ``on_done`` runs in trio once the job is over:
+        finished by its thread (abandoned or not), or never started (stopped already, or
+        cancelled or stopped while waiting for a free thread). A job handed to a thread
+        always starts (under a cancellation that is already set if it was abandoned
+        meanwhile): callers check for cancellation before they commit to a job.
+        ``label`` names the job in diagnostics.
         """
         job = _Job(fn, label)
         self.busy += 1
@@ -180,19 +181,18 @@ class WorkerThreads:
         worker.inbox.put(job)
         try:
             await trio.lowlevel.wait_readable(worker.reader)
+        except trio.ClosedResourceError:
+            # stop() woke this caller (notify_closing): the device is closing, and the job
+            # may go on for a while (a call that ignores its cancellation).
+            self._abandon(job, worker, on_done)
+            await trio.lowlevel.checkpoint_if_cancelled()  # a caller cancelled meanwhile
+            raise ClosedResourceError(
+                f"{self.name}: the device closed while the job ran (it was cancelled)"
+            ) from None
         except BaseException:
-            if abandon_on_cancel:
-                # Nobody wants the result: interrupt the backend call where it can be.
-                job.abandoned = True
-                job.cancellation.cancel()
-                self._abandoned += 1
-                trio.lowlevel.spawn_system_task(self._reap, worker, on_done,
-                                                name=f"{self.name} abandoned job")
-                raise
-            # Not abandonable: wait for the job; the cancellation stays pending and is
-            # raised at the caller's next checkpoint.
-            with trio.CancelScope(shield=True):
-                await trio.lowlevel.wait_readable(worker.reader)
+            # Nobody wants the result: interrupt the backend call where it can be.
+            self._abandon(job, worker, on_done)
+            raise
         self._finish(worker, on_done)
         result, job.result = job.result, None
         assert result is not None
@@ -202,6 +202,14 @@ class WorkerThreads:
             ) from result.error
         value: T = result.unwrap()
         return value
+
+    def _abandon(self, job: _Job, worker: _Worker, on_done: Callable[[], None] | None) -> None:
+        # The caller stops waiting: cancel the job; a system task frees its thread later.
+        job.abandoned = True
+        job.cancellation.cancel()
+        self._abandoned += 1
+        trio.lowlevel.spawn_system_task(self._reap, worker, on_done,
+                                        name=f"{self.name} abandoned job")
 
     def _check_running(self) -> None:
         if self._stopped or self._token is None:
@@ -264,12 +272,17 @@ class WorkerThreads:
 
     def stop(self) -> None:
         """No new jobs; every job handed to a thread is cancelled (see the module
-        docstring); every thread exits after its current job. Idempotent."""
+        docstring), and their callers get ClosedResourceError at once; every thread
+        exits after its current job.
+        Idempotent. In trio."""
         if self._stopped:
             return
         self._stopped = True
-        for job in list(self._running.values()):
+        for worker, job in list(self._running.items()):
             job.cancellation.cancel()
+            if not job.abandoned:
+                # Its caller raises ClosedResourceError now, not once the job returns.
+                trio.lowlevel.notify_closing(worker.reader)
         for worker in self._workers:
             worker.inbox.put(None)
         for worker in self._idle:

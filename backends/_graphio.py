@@ -92,21 +92,21 @@ class InputChecker:
         specs: Sequence[TensorSpec],
         *,
         aliases: Mapping[str, int] | None = None,
-        any_rank: frozenset[int] = frozenset(),
         any_type: frozenset[int] = frozenset(),
     ) -> None:
         """``aliases`` are extra names for inputs (e.g. ``x`` for TensorFlow's ``x:0``);
-        inputs in ``any_rank`` have a dynamic rank: their shape is not checked; inputs in
-        ``any_type`` declare no element type: their type is not checked."""
+        the shape of an input whose rank is unknown (``rank_known=False``) is not checked
+        (a rank-0 input takes only a rank-0 tensor); inputs in ``any_type`` declare no
+        element type: their type is not checked."""
         self._backend = backend
         self._any_type = any_type
         self._specs = tuple(specs)
         self._by_key = _keys(self._specs, aliases)
         # (rank, ((axis, size), ...)) per input: the dims that must match exactly.
         self._fixed = tuple(
-            (-1, ()) if i in any_rank
-            else (len(s.shape), tuple((a, d) for a, d in enumerate(s.shape) if d is not None))
-            for i, s in enumerate(self._specs)
+            (len(s.shape), tuple((a, d) for a, d in enumerate(s.shape) if d is not None))
+            if s.rank_known else (-1, ())
+            for s in self._specs
         )
 
     def check(self, inputs: Mapping[str, Tensor]) -> list[Tensor]:
@@ -210,7 +210,6 @@ class CheckedGraph(CompiledGraph):
         *,
         in_aliases: Mapping[str, int] | None = None,
         out_aliases: Mapping[str, int] | None = None,
-        any_rank: frozenset[int] = frozenset(),
         any_type: frozenset[int] = frozenset(),
     ) -> None:
         """``handle`` is the library's compiled model (None once closed); the keywords go
@@ -221,7 +220,7 @@ class CheckedGraph(CompiledGraph):
         self.inputs = inputs
         self.outputs = outputs
         self._checker = InputChecker(
-            backend, inputs, aliases=in_aliases, any_rank=any_rank, any_type=any_type
+            backend, inputs, aliases=in_aliases, any_type=any_type
         )
         self._selector = OutputSelector(backend, outputs, aliases=out_aliases)
         #: What ``select(None)`` returns: the very object, so ``picked is self._all`` holds.

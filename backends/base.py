@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
+from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
 
 #: Model bytes as the guest handed them over: one buffer per builder.
@@ -66,13 +67,31 @@ class Device:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A graph input or output: name, element type and shape (None = dynamic)."""
+    """A graph input or output: name, element type and shape (None = a dynamic dimension).
+
+    ``shape == ()`` with ``rank_known`` (the default) is a scalar: rank 0. A model that
+    does not say how many dimensions a tensor has (TorchScript records no shapes; an
+    OpenVINO port of dynamic rank; an ONNX value declared without a shape) gives
+    ``rank_known=False`` and ``shape == ()``: nothing about its shape is known.
+    Raises InvalidArgumentError for ``rank_known=False`` with dimensions.
+    """
 
     name: str
     type: TensorType
     shape: tuple[int | None, ...]
+    rank_known: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.rank_known and self.shape:
+            raise InvalidArgumentError(
+                f"tensor spec {self.name!r} has shape {list(self.shape)} but says its rank "
+                "is unknown: expected shape () with rank_known=False")
 
     def describe(self) -> str:
+        """``name: type[dims]``, a dynamic dimension as ``?``; ``x: f32[]`` is a scalar,
+        ``x: f32[...]`` an input of unknown rank."""
+        if not self.rank_known:
+            return f"{self.name}: {self.type.value}[...]"
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {self.type.value}[{dims}]"
 

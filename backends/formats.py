@@ -9,6 +9,7 @@ TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic.
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Iterator
 from io import BytesIO
 
 from wasinn.enums import GraphEncoding
@@ -34,25 +35,29 @@ def _varint(data: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
-    """Top-level field numbers of a protobuf message -> wire type of their first occurrence.
+def protobuf_records(data: bytes | bytearray | memoryview
+                     ) -> Iterator[tuple[int, int, memoryview | None]]:
+    """Each top-level field of a protobuf message, in order: (field number, wire type,
+    the field's bytes if it is length-delimited, else None).
 
-    Raises ValueError when the bytes are not a well-formed protobuf message.
+    Raises ValueError (as it gets there) when the bytes are not a well-formed protobuf
+    message.
     """
     view = memoryview(data).cast("B")
-    fields: dict[int, int] = {}
     pos = 0
     while pos < len(view):
         key, pos = _varint(view, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ValueError("field number 0")
+        payload = None
         if wire == 0:
             _, pos = _varint(view, pos)
         elif wire == 1:
             pos += 8
         elif wire == 2:
             length, pos = _varint(view, pos)
+            payload = view[pos:pos + length]
             pos += length
         elif wire == 5:
             pos += 4
@@ -60,6 +65,16 @@ def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
             raise ValueError(f"unsupported wire type {wire}")
         if pos > len(view):
             raise ValueError("field runs past the end")
+        yield number, wire, payload
+
+
+def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
+    """Top-level field numbers of a protobuf message -> wire type of their first occurrence.
+
+    Raises ValueError when the bytes are not a well-formed protobuf message.
+    """
+    fields: dict[int, int] = {}
+    for number, wire, _ in protobuf_records(data):
         fields.setdefault(number, wire)
     return fields
 

@@ -52,6 +52,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
+from .formats import protobuf_records
 
 NAME = "onnxruntime"
 
@@ -68,12 +69,51 @@ _ONNX_BFLOAT16 = 16
 _BF16 = numpy_dtype(TensorType.BF16)
 
 
-def _spec(arg: Any, role: str) -> TensorSpec:
+def _spec(arg: Any, role: str, shapeless: frozenset[str]) -> TensorSpec:
+    """The spec of an input or output ``arg``; of unknown rank where its name is in
+    ``shapeless`` and ONNX Runtime reports no dimensions (see :func:`_shapeless`)."""
     ttype = _TYPES.get(arg.type)
     if ttype is None:
         raise uncarried_type(NAME, role, arg.name, f"has element type {arg.type}")
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or ()))
+    if not shape and arg.name in shapeless:
+        return TensorSpec(arg.name, ttype, (), rank_known=False)
     return TensorSpec(arg.name, ttype, shape)
+
+
+#: ONNX field numbers: ModelProto.graph; GraphProto.input and .output (ValueInfoProto);
+#: ValueInfoProto.name and .type; TypeProto.tensor_type; TypeProto.Tensor.shape.
+_GRAPH, _GRAPH_VALUES, _NAME, _TYPE, _TENSOR_TYPE, _SHAPE = 7, (11, 12), 1, 2, 1, 2
+
+
+def _shapeless(model: bytes) -> frozenset[str]:
+    """The names of the graph inputs and outputs that ``model`` declares without a shape,
+    so of unknown rank (ONNX Runtime reports those as shape ``[]``, as it does scalars,
+    whose shape is declared with no dimensions); empty for bytes that are no ONNX protobuf
+    (an ORT-format model). Only the graph's value declarations are read, its weights
+    skipped: ``onnx`` (not a dependency here) would parse them all."""
+    names = set()
+    try:
+        graph = _field(memoryview(model), _GRAPH)
+        if graph is None:
+            return frozenset()
+        for number, _, info in protobuf_records(graph):
+            if number not in _GRAPH_VALUES or info is None:
+                continue
+            tensor = _field(_field(info, _TYPE), _TENSOR_TYPE)
+            if _field(tensor, _SHAPE) is None:
+                names.add(bytes(_field(info, _NAME) or b"").decode("utf-8", "replace"))
+    except ValueError:  # not well-formed: no ONNX protobuf
+        return frozenset()
+    return frozenset(names)
+
+
+def _field(message: memoryview | None, number: int) -> memoryview | None:
+    """The first length-delimited field ``number`` of a protobuf message (None if absent)."""
+    if message is None:
+        return None
+    return next((value for n, _, value in protobuf_records(message)
+                 if n == number and value is not None), None)
 
 
 def _host_array(value: Any, ttype: TensorType) -> np.ndarray[Any, Any]:
@@ -105,11 +145,14 @@ def _ort_input(tensor: Tensor) -> Any:
 class OrtGraph(CheckedGraph):
     """An ONNX model in one ONNX Runtime session on one device."""
 
-    def __init__(self, session: Any, device: Device) -> None:
+    def __init__(self, session: Any, device: Device,
+                 shapeless: frozenset[str] = frozenset()) -> None:
+        """``shapeless``: the names of the inputs and outputs the model declares without a
+        shape (:func:`_shapeless`); their specs have an unknown rank."""
         super().__init__(
             NAME, session, device,
-            tuple(_spec(a, "input") for a in session.get_inputs()),
-            tuple(_spec(a, "output") for a in session.get_outputs()),
+            tuple(_spec(a, "input", shapeless) for a in session.get_inputs()),
+            tuple(_spec(a, "output", shapeless) for a in session.get_outputs()),
         )
         self._input_names = tuple(s.name for s in self.inputs)
         self._output_names = tuple(s.name for s in self.outputs)
@@ -272,9 +315,10 @@ class OnnxRuntimeBackend(Backend):
         if device not in devices:
             raise no_device(NAME, device, devices)
         options = options or LoadOptions()
+        data = bytes(builders[0])
         try:
             session = ort.InferenceSession(
-                bytes(builders[0]), sess_options=session_options(options),
+                data, sess_options=session_options(options),
                 providers=providers_for(device, options),
             )
         except Exception as exc:
@@ -283,7 +327,10 @@ class OnnxRuntimeBackend(Backend):
             session.get_providers()
         ):
             raise UnsupportedOperationError(f"{NAME}: the CUDA provider did not start on {device}")
-        return OrtGraph(session, device)
+        values = (*session.get_inputs(), *session.get_outputs())
+        # A value reported without dimensions is a scalar, or declared without a shape.
+        shapeless = _shapeless(data) if any(not v.shape for v in values) else frozenset()
+        return OrtGraph(session, device, shapeless)
 
 
 #: Session config entries wasinn sets unless ``LoadOptions.extra`` says otherwise: stop the

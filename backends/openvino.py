@@ -77,10 +77,9 @@ def _port_name(port: Any, is_output: bool) -> str:
     return str(port.get_any_name()) if names else f"{'output' if is_output else 'input'}"
 
 
-def _specs(ports: Sequence[Any], is_output: bool) -> tuple[
-    tuple[TensorSpec, ...], dict[str, int], frozenset[int]
-]:
-    specs, aliases, any_rank = [], {}, set()
+def _specs(ports: Sequence[Any], is_output: bool
+           ) -> tuple[tuple[TensorSpec, ...], dict[str, int]]:
+    specs, aliases = [], {}
     role = "output" if is_output else "input"
     for i, port in enumerate(ports):
         name = _port_name(port, is_output) if port.get_names() else f"{role}_{i}"
@@ -88,17 +87,16 @@ def _specs(ports: Sequence[Any], is_output: bool) -> tuple[
         if ttype is None:
             raise uncarried_type(NAME, role, name, f"has element type {port.get_element_type()}")
         pshape = port.get_partial_shape()
-        if pshape.rank.is_dynamic:
-            shape: tuple[int | None, ...] = ()
-            any_rank.add(i)
+        if pshape.rank.is_dynamic:  # any number of dimensions
+            specs.append(TensorSpec(name, ttype, (), rank_known=False))
         else:
             shape = tuple(d.get_length() if d.is_static else None for d in pshape)
-        specs.append(TensorSpec(name, ttype, shape))
+            specs.append(TensorSpec(name, ttype, shape))
         for alias in port.get_names():
             aliases[alias] = i
             if alias.endswith(":0"):
                 aliases.setdefault(alias[:-2], i)
-    return tuple(specs), aliases, frozenset(any_rank)
+    return tuple(specs), aliases
 
 
 def _ov_tensor(tensor: Tensor, device: str) -> Any:
@@ -194,10 +192,10 @@ class OvGraph(CheckedGraph):
     """A model compiled by OpenVINO for one device, with a pool of infer requests."""
 
     def __init__(self, compiled: Any, device: Device, keep_alive: object = None) -> None:
-        inputs, in_aliases, any_rank = _specs(compiled.inputs, is_output=False)
-        outputs, out_aliases, _ = _specs(compiled.outputs, is_output=True)
+        inputs, in_aliases = _specs(compiled.inputs, is_output=False)
+        outputs, out_aliases = _specs(compiled.outputs, is_output=True)
         super().__init__(NAME, compiled, device, inputs, outputs, in_aliases=in_aliases,
-                         out_aliases=out_aliases, any_rank=any_rank)
+                         out_aliases=out_aliases)
         self._keep_alive = keep_alive  # weights OpenVINO may share with the model
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: The device's remote context (see the module docstring), None on the CPU.

@@ -9,9 +9,10 @@ as keys everywhere.
 
 Specs. A ``torch.export`` program records element types and shapes (symbolic dims are
 reported as None) and inputs are checked against them. A TorchScript archive records
-neither: its specs say f32 with an unknown rank (shape ``()``) and only input names are
-checked; a wrong element type or shape then fails inside the model and is reported as
-InvalidArgumentError carrying TorchScript's message.
+neither: its specs say f32 with an unknown rank (``rank_known=False``, described as
+``x: f32[...]``) and only input names are checked; a wrong element type or shape then
+fails inside the model and is reported as InvalidArgumentError carrying TorchScript's
+message.
 
 CPU TorchScript modules are frozen and passed through ``torch.jit.optimize_for_inference``
 (``LoadOptions.extra["optimize"] = False`` turns it off). Runs happen under
@@ -52,7 +53,7 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
-from wasinn.tensor import Tensor, numpy_dtype
+from wasinn.tensor import Tensor, c_contiguous, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from .base import (
@@ -97,8 +98,8 @@ def _to_torch(tensor: Tensor, device: torch.device) -> torch.Tensor:
 def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
     value = value.detach().cpu()
     if value.dtype is torch.bfloat16:
-        return np.ascontiguousarray(value.view(torch.int16).numpy().view(_BF16))
-    return np.ascontiguousarray(value.numpy())
+        return c_contiguous(value.view(torch.int16).numpy().view(_BF16))
+    return c_contiguous(value.numpy())
 
 
 class TorchGraph(CheckedGraph):
@@ -113,9 +114,10 @@ class TorchGraph(CheckedGraph):
         *,
         checked: bool,
     ) -> None:
+        # TorchScript declares no element types: its specs' f32 is a placeholder, unchecked
+        # (their ranks are unknown, so their shapes go unchecked as well).
         unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
-        super().__init__(NAME, module, device, inputs, outputs,
-                         any_rank=unchecked, any_type=unchecked)
+        super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
         self._checked = checked
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
@@ -281,7 +283,7 @@ def _load_torchscript(
                 f"{NAME}: forward() argument {arg.name!r} is {arg.type}: expected Tensor "
                 "arguments (others need a default value)"
             )
-        inputs.append(TensorSpec(arg.name, TensorType.F32, ()))
+        inputs.append(TensorSpec(arg.name, TensorType.F32, (), rank_known=False))
     returns = str(schema.returns[0].type) if schema.returns else "None"
     if returns == "Tensor":
         count = 1
@@ -293,7 +295,8 @@ def _load_torchscript(
         raise UnsupportedOperationError(
             f"{NAME}: forward() returns {returns}: expected a Tensor or a tuple of Tensors"
         )
-    outputs = tuple(TensorSpec(n, TensorType.F32, ()) for n in _output_names(count))
+    outputs = tuple(TensorSpec(n, TensorType.F32, (), rank_known=False)
+                    for n in _output_names(count))
     if optimize and device.kind is ExecutionTarget.CPU:
         # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
         with contextlib.suppress(Exception):

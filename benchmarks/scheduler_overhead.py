@@ -114,7 +114,7 @@ async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str
     calls: tuple[Callable[[], Any], ...] = (
         run_direct,
         functools.partial(ctx.compute, inputs),
-        functools.partial(threads.run, run_direct, abandon_on_cancel=False),
+        functools.partial(threads.run, run_direct),
     )
     for kind in warm_up(len(calls), iters):
         result = calls[kind]()

@@ -97,6 +97,15 @@ def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def c_contiguous(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array`` itself when it is C-contiguous, else a C-contiguous copy of it.
+
+    Unlike ``np.ascontiguousarray``, which returns at least one dimension, this keeps a
+    0-d array (a scalar) 0-d: every 0-d array is C-contiguous, so it is returned as it is.
+    """
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 def _bad_dims(dims: object) -> InvalidArgumentError:
     # Which of ``dims`` is wrong (or that they are no sequence), for check_dims.
     expected = f"expected a sequence of at most {MAX_RANK} non-negative integers"
@@ -155,9 +164,10 @@ class Tensor:
         Zero-copy for a C-contiguous array in the machine's byte order. Anything else is
         copied: a list, a non-contiguous array, and an array in the other byte order (a
         ``>f4`` array from a big-endian file), which is converted to native order so the
-        backends read the values it holds. Raises InvalidArgumentError for a value numpy
-        cannot turn into an array (a ragged list, an object) or a dtype with no wasi-nn
-        element type.
+        backends read the values it holds. A 0-d array or a numpy scalar
+        (``np.float32(3)``) makes a rank-0 tensor: dims ``()``, not ``(1,)``. Raises
+        InvalidArgumentError for a value numpy cannot turn into an array (a ragged list,
+        an object) or a dtype with no wasi-nn element type.
         """
         if type(array) is np.ndarray:
             arr = array
@@ -172,10 +182,13 @@ class Tensor:
         dtype = arr.dtype
         ttype = _TYPES.get(dtype)  # a native dtype of a wasi-nn type: the usual case
         if ttype is not None:
-            arr = np.ascontiguousarray(arr)
+            # c_contiguous() inlined (this runs on every request): np.ascontiguousarray
+            # alone would turn a 0-d array into shape (1,); a 0-d array is C-contiguous.
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
         else:
             ttype = tensor_type_of(dtype)  # the other byte order, or InvalidArgumentError
-            arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("="))
+            arr = np.asarray(arr, dtype=dtype.newbyteorder("="), order="C")  # keeps rank 0
         return cls(tuple(arr.shape), ttype, array=arr)
 
     @classmethod
@@ -262,12 +275,13 @@ class Tensor:
         return math.prod(self.dims) * self.type.itemsize
 
     def numpy(self) -> np.ndarray[Any, Any]:
-        """The data as a numpy array, materializing a device-resident value once."""
+        """The data as a numpy array (C-contiguous, of shape ``dims``: 0-d for a rank-0
+        tensor), materializing a device-resident value once."""
         if self._array is None:
             if self._materialize is None:
                 raise InvalidArgumentError("tensor has neither host data nor a materializer")
             _HOST_COPIES.add()
-            self._array = np.ascontiguousarray(self._materialize())
+            self._array = c_contiguous(self._materialize())
         return self._array
 
     def slice_rows(self, start: int, stop: int) -> Tensor | None:

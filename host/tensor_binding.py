@@ -170,7 +170,7 @@ def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
 
 def static_nbytes(spec: TensorSpec) -> int | None:
     """The byte size of an output whose shape is fully known before running, else None."""
-    if any(d is None for d in spec.shape):
+    if not spec.rank_known or any(d is None for d in spec.shape):
         return None
     return math.prod(d for d in spec.shape if d is not None) * spec.type.itemsize
 
@@ -196,8 +196,8 @@ def spec_named(specs: tuple[TensorSpec, ...], name: str, kind: str) -> TensorSpe
 
 def check_against_spec(record: TensorRecord, spec: TensorSpec) -> None:
     """Reject at set_input what compute would reject anyway, naming what the model wants."""
-    # A spec of rank 0 may also stand for "rank unknown" (some exporters): check types only.
-    shape_ok = not spec.shape or (len(record.dims) == len(spec.shape) and all(
+    # A spec of unknown rank (TorchScript, a dynamic-rank port): check the type only.
+    shape_ok = not spec.rank_known or (len(record.dims) == len(spec.shape) and all(
         want is None or want == got for want, got in zip(spec.shape, record.dims, strict=True)))
     if record.type is not spec.type or not shape_ok:
         raise InvalidArgumentError(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -73,11 +74,15 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
 
 
 def check_timeout(timeout: object) -> float | None:
-    """``timeout`` as seconds (None: no timeout); InvalidArgumentError unless it is None
-    or a real number >= 0 (not a bool, not NaN)."""
+    """``timeout`` as seconds (None: no timeout; inf for an integer too large for a
+    float); InvalidArgumentError unless it is None or a real number >= 0 (not a bool,
+    not NaN)."""
     if timeout is None:
         return None
-    if type(timeout) is not float and type(timeout) is not int:
+    if type(timeout) is int:
+        if abs(timeout) > sys.float_info.max:  # past any float: as good as no timeout
+            timeout = math.inf if timeout > 0 else -math.inf
+    elif type(timeout) is not float:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
             raise InvalidArgumentError(
                 f"timeout {timeout!r} ({type(timeout).__name__}): expected a number of "
@@ -307,7 +312,13 @@ class ExecutionContext:
         trio (one ``trio.from_thread.run``); then the backend runs in this thread. Same
         results and errors as :meth:`compute`, with the ``timeout`` caveat of
         :meth:`lease`; cancelling the trio task this thread belongs to drops a queued
-        request (``trio.Cancelled`` is raised here)."""
+        request (``trio.Cancelled`` is raised here). Raises RuntimeError in the trio
+        thread, whose event loop the run would block."""
+        if trio.lowlevel.in_trio_run():
+            raise RuntimeError(
+                "compute_in_caller_thread runs the backend in the calling thread, and this "
+                "is the trio thread, whose event loop it would block: await compute() "
+                "instead, or call it from a worker thread (trio.to_thread.run_sync)")
         self._check_open()
         seconds = check_request(priority, timeout, tenant)
         inputs = tensor_inputs(inputs)  # once, for both tries

@@ -22,7 +22,7 @@ that fails or is cancelled lets the steps go again, freeing those nobody else ho
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
@@ -37,46 +37,52 @@ from .placement import Link, Scheduler
 
 
 def resolve_wiring(name: str, steps: Sequence[LoadedModel],
-                   wires: Sequence[Mapping[str, str]]) -> tuple[Link, ...]:
+                   wires: Sequence[Mapping[str, str]],
+                   written: Callable[[int], str] | None = None) -> tuple[Link, ...]:
     """For each step after the first, the (previous output, this input) pairs.
 
     Raises InvalidArgumentError naming the pipeline, the step and what the models have
-    (a wire on the first step included: it would be ignored).
+    (a wire on the first step included: it would be ignored), after ``written(i)``
+    where given: where step ``i``'s wire was written (a config file and key).
     """
+    def where(i: int) -> str:
+        step = f"pipeline {name!r} step {i} ({steps[i].name})"
+        return step if written is None else f"{written(i)}: {step}"
+
     if steps and wires and wires[0]:
         raise InvalidArgumentError(
-            f"pipeline {name!r} step 0 ({steps[0].name}): wired {dict(wires[0])}, but the "
-            "first step takes the pipeline's own inputs: expected no wire")
+            f"{where(0)}: wired {dict(wires[0])}, but the first step takes the pipeline's "
+            "own inputs: expected no wire")
     links: list[Link] = []
     for i in range(1, len(steps)):
         prev, step = steps[i - 1], steps[i]
         wire = dict(wires[i]) if i < len(wires) else {}
         prev_out = [s.name for s in prev.outputs]
         step_in = [s.name for s in step.inputs]
-        where = f"pipeline {name!r} step {i} ({step.name})"
+        here = where(i)
         if not wire:
             if len(prev_out) != 1 or len(step_in) != 1:
                 raise InvalidArgumentError(
-                    f"{where}: no wiring given and {prev.name} has outputs {prev_out}, "
+                    f"{here}: no wiring given and {prev.name} has outputs {prev_out}, "
                     f"{step.name} inputs {step_in}: expected wire = {{ output = \"input\" }}"
                 )
             wire = {prev_out[0]: step_in[0]}
         for out, inp in wire.items():
             if out not in prev_out:
                 raise InvalidArgumentError(
-                    f"{where}: wires {out!r}, which {prev.name} does not output: "
+                    f"{here}: wires {out!r}, which {prev.name} does not output: "
                     f"expected one of {prev_out}"
                 )
             if inp not in step_in:
                 raise InvalidArgumentError(
-                    f"{where}: wires into {inp!r}, which {step.name} does not take: "
+                    f"{here}: wires into {inp!r}, which {step.name} does not take: "
                     f"expected one of {step_in}"
                 )
         fed = list(wire.values())
         missing = [n for n in step_in if n not in fed]
         if missing or len(set(fed)) != len(fed):
             raise InvalidArgumentError(
-                f"{where}: every input must be wired exactly once: got {wire}, "
+                f"{here}: every input must be wired exactly once: got {wire}, "
                 f"inputs {step_in}"
             )
         links.append(tuple(wire.items()))

@@ -38,6 +38,7 @@ from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
     InvalidEncodingError,
+    TimeoutError_,
     UnsupportedOperationError,
     WasiNNError,
 )
@@ -102,6 +103,13 @@ class Scheduler:
                 f"no {kind.value} device in this runtime (devices here: {here}); "
                 "set [runtime] fallback in the config to run such requests elsewhere"
             )
+        if fallback is kind:
+            kinds = ", ".join(sorted(k.value for k in self._by_kind)) or "none"
+            raise UnsupportedOperationError(
+                f"no {kind.value} device in this runtime (devices here: {here}), and "
+                f"[runtime] fallback = {fallback.value!r} is that same kind: expected a "
+                f"fallback this runtime has a device for ({kinds})"
+            )
         if fallback not in self._by_kind:
             raise UnsupportedOperationError(
                 f"no {kind.value} device in this runtime (devices here: {here}), and none "
@@ -165,7 +173,13 @@ class Scheduler:
         backend = await self.backend_for(model, actor.device.kind)
         compile_graph = functools.partial(backend.load, model.builders, model.encoding,
                                           actor.device, model.options)
-        session = await actor.session(model.id, compile_graph, backend.name)
+        try:
+            session = await actor.session(model.id, compile_graph, backend.name,
+                                          wanted=lambda: not model.released)
+        except ClosedResourceError:
+            if model.released:
+                raise ClosedResourceError(f"{model.name} was unloaded") from None
+            raise
         if model.released:
             # Unloaded while we compiled: do not leave the graph cached on the device.
             actor.evict(model.id)
@@ -205,7 +219,7 @@ class Scheduler:
         model loaded with batching may run merged with other requests (see
         :mod:`wasinn.actors.batching`): such a run's outputs are host tensors.
         """
-        actor, session, run = await self._model_job(model, target, inputs)
+        actor, session, run = await self._model_job(model, target, inputs, deadline)
         return await _execute(actor, model.id, run, _keep(actor, keep_on_device),
                               model.batching, inputs, priority=priority, deadline=deadline,
                               tenant=tenant, label=_label(model, session),
@@ -220,7 +234,7 @@ class Scheduler:
         request that joins a batch has run when this returns (a settled lease). The
         compiled graph is held until the lease is over: an unload meanwhile closes it
         after the run."""
-        actor, session, run = await self._model_job(model, target, inputs)
+        actor, session, run = await self._model_job(model, target, inputs, deadline)
         return await _lease(actor, model.id, run, _keep(actor, keep_on_device),
                             model.batching, inputs, priority=priority, deadline=deadline,
                             tenant=tenant, label=_label(model, session),
@@ -287,8 +301,8 @@ class Scheduler:
             raise _runtime_closed()
         return actor
 
-    async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs
-                         ) -> tuple[DeviceActor, Session, RunInputs]:
+    async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
+                         deadline: float) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
         actor = self.pick(target, inputs)
         if not actor.ready:
@@ -297,12 +311,22 @@ class Scheduler:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
         if session is None:
-            actor.placed += 1  # counts as this device's load until it queues or runs
-            try:
-                session = await self.session(actor, model)
-            finally:
-                actor.placed -= 1
+            session = await self._placed_session(actor, model, deadline)
         return actor, session, functools.partial(_run, session)
+
+    async def _placed_session(self, actor: DeviceActor, model: LoadedModel,
+                              deadline: float) -> Session:
+        # ``model``'s session on ``actor`` for a request that must start by ``deadline``:
+        # the request counts as the device's load meanwhile.
+        actor.placed += 1
+        try:
+            with trio.move_on_at(deadline):
+                return await self.session(actor, model)
+        finally:
+            actor.placed -= 1
+        raise TimeoutError_(
+            f"{actor.device}: the request's deadline passed while {model.name} was being "
+            "compiled there (the compile goes on: a later request uses it)")
 
     async def run_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
@@ -314,7 +338,7 @@ class Scheduler:
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
-        actor, sessions = await self._chain_job(name, models, links, target, inputs)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline)
         run = functools.partial(_run_chain, sessions, links)
         return await _execute(actor, _chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
@@ -328,7 +352,7 @@ class Scheduler:
                           account: RequestStats | None = None,
                           batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
-        actor, sessions = await self._chain_job(name, models, links, target, inputs)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline)
         return await _lease(actor, _chain_key(name, models, links),
                             functools.partial(_run_chain, sessions, links),
                             _keep(actor, keep_on_device), batching, inputs,
@@ -337,7 +361,7 @@ class Scheduler:
                             sessions=sessions, run_held=functools.partial(_chain, links))
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
-                         target: ExecutionTarget, inputs: Inputs
+                         target: ExecutionTarget, inputs: Inputs, deadline: float
                          ) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
         actor = self.pick(target, inputs)
@@ -349,11 +373,7 @@ class Scheduler:
                 raise ClosedResourceError(f"pipeline {name!r}: {model.name} was unloaded")
             session = actor.cached_session(model.id)
             if session is None:
-                actor.placed += 1
-                try:
-                    session = await self.session(actor, model)
-                finally:
-                    actor.placed -= 1
+                session = await self._placed_session(actor, model, deadline)
             sessions.append(session)
         return actor, sessions
 

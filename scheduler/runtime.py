@@ -20,6 +20,7 @@ finds no device is logged as a warning (logger ``wasinn.scheduler``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -460,7 +461,8 @@ class Runtime:
                 executable.retain()  # no checkpoint since the registry returned it
                 steps.append(executable)
             # Wiring first: its errors come before anything more is compiled.
-            links = resolve_wiring(name, steps, [s.wire for s in pipeline.steps])
+            links = resolve_wiring(name, steps, [s.wire for s in pipeline.steps],
+                                   functools.partial(_wire_key, self._config, name))
             batching = pipeline.batching_spec()
             if batching is not None:
                 check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
@@ -486,3 +488,11 @@ class Runtime:
 
         self._sched  # noqa: B018 - raises when the runtime is not running
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)
+
+
+def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:
+    # Where a pipeline step's wire is written, for resolve_wiring's errors.
+    from wasinn.configs.schema import key_name
+
+    return (f"{config.source or 'the config'}: "
+            f"pipelines.{key_name(pipeline)}.steps[{step}].wire")

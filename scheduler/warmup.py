@@ -10,10 +10,11 @@ instead of the first request that asks for it.
 zero-filled inputs, so that the first real request does not pay for what a backend does
 on its first run (allocating its memory arena, choosing kernels; TorchScript profiles and
 optimises the graph on its first calls). An input's shape is the model's, dynamic
-dimensions as 1, or the one ``warmup_inputs`` gives: it must give every input whose
-shape the model does not declare (a TorchScript module declares none). Warm-ups take a
-worker thread but no request slot, and they are not requests: a device's stats count
-them only in ``warm_ups``, so they do not skew its latency percentiles.
+dimensions as 1 (a scalar input gets a scalar), or the one ``warmup_inputs`` gives
+(``[]`` for a scalar): it must give every input whose rank the model does not declare
+(a TorchScript module declares none). Warm-ups take a worker thread but no request slot,
+and they are not requests: a device's stats count them only in ``warm_ups``, so they do
+not skew its latency percentiles.
 
 Everything is preloaded concurrently; when something fails, the start fails with the
 first failure in config order (the others are logged), raised as the same error type
@@ -56,11 +57,11 @@ WARMUP_SHAPE_HINT = "give it in warmup_inputs (e.g. {name} = [1, 3, 224, 224])"
 def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]],
                 *, shape_hint: str = WARMUP_SHAPE_HINT) -> dict[str, Tensor]:
     """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives,
-    else of the input's own, dynamic dimensions as 1.
+    else of the input's own, dynamic dimensions as 1 (rank 0 for a scalar input).
 
     Raises InvalidArgumentError for a name in ``shapes`` that is no input, and for an
-    input whose shape is not declared (no dimensions) and not given (``shape_hint`` says
-    how to give it).
+    input whose rank is unknown (``rank_known=False``) and whose shape is not given
+    (``shape_hint`` says how to give it).
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(shapes) - set(names))
@@ -72,10 +73,10 @@ def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...
     for spec in specs:
         shape = shapes.get(spec.name)
         if shape is None:
-            if not spec.shape:
+            if not spec.rank_known:
                 raise InvalidArgumentError(
-                    f"input {spec.name!r} declares no shape, so no zero-filled value can be "
-                    f"made for it: {shape_hint.format(name=spec.name)}")
+                    f"input {spec.name!r} declares no shape, not even its rank, so no "
+                    f"zero-filled value can be made for it: {shape_hint.format(name=spec.name)}")
             shape = tuple(1 if d is None else d for d in spec.shape)
         inputs[spec.name] = Tensor.from_numpy(np.zeros(shape, numpy_dtype(spec.type)))
     return inputs

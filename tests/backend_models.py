@@ -103,3 +103,34 @@ def two_outputs(backend: str) -> tuple[list[bytes], GraphEncoding, tuple[str, st
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return [model.SerializeToString()], GraphEncoding.ONNX, ("a", "b")
+
+
+def scalar_onnx(scale: float = 2.0, declared: bool = True) -> bytes:
+    """``y = x * scale`` in ONNX over f32 scalars: ``x: f32[]``, ``y: f32[]``; with
+    ``declared=False`` x and y are declared without a shape (their rank unknown)."""
+    from onnx import TensorProto, helper
+
+    shape: list[int] | None = [] if declared else None
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    factor = helper.make_tensor("scale", TensorProto.FLOAT, [], [scale])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "scale"], ["y"])], "scalar",
+                              [x], [y], initializer=[factor])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def scalar(backend: str, scale: float = 2.0) -> tuple[list[bytes], GraphEncoding, str]:
+    """``y = x * scale`` over f32 scalars (rank 0), and the output's name (torch:
+    ``output``)."""
+    if backend == "pytorch":
+        import torch
+
+        class Scale(torch.nn.Module):
+            def forward(self, x: Any) -> Any:
+                return x * scale
+
+        example = (torch.tensor(1.0),)
+        return [_exported(Scale(), example, dynamic_batch=False)], GraphEncoding.PYTORCH, "output"
+    return [scalar_onnx(scale)], GraphEncoding.ONNX, "y"

@@ -4,9 +4,12 @@ order on devices this machine lacks). Every model-path test uses the real backen
 Model bytes are a tiny recipe: ``b"fake:add=1"`` makes a graph computing ``y = x + 1`` on
 ``x: f32[n, 4]``; ``b"fake:bad"`` fails to compile. A run whose input has a negative first
 element raises a library-style RuntimeError (to test error containment); a graph built
-with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set. Each graph
-counts its runs in progress (``running``), sets ``backend.started`` when one starts, and
-notes a close that came while one was still going on (``closed_while_running``).
+with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set; one built with
+``b"fake:add=1:slowload"`` blocks its compile on a device other than the CPU until
+``backend.load_gate`` is set (``backend.loading`` is set when such a compile starts).
+Each graph counts its runs in progress (``running``), sets ``backend.started`` when one
+starts, and notes a close that came while one was still going on
+(``closed_while_running``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class FakeBackend(Backend):
         self.closed: list[str] = []
         self.gate = threading.Event()
         self.started = threading.Event()  # set when any graph's run starts
+        self.load_gate = threading.Event()
+        self.loading = threading.Event()  # set when a slowload compile starts
 
     def devices(self) -> list[Device]:
         return list(self._devices)
@@ -104,5 +109,9 @@ class FakeBackend(Backend):
         if not recipe.startswith("fake:add="):
             raise InvalidEncodingError(f"fake: cannot read {recipe[:20]!r}: expected fake:add=N")
         parts = recipe.removeprefix("fake:add=").split(":")
+        if "slowload" in parts[1:] and device.name != "cpu":
+            self.loading.set()
+            if not self.load_gate.wait(timeout=30):
+                raise RuntimeError("load gate never opened")
         self.loads.append(device.name)
         return FakeGraph(self, device, float(parts[0]), "gate" in parts[1:])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from wasinn.backends.base import Device
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.enums import ExecutionTarget
+from wasinn.errors import ClosedResourceError
 
 
 def required() -> set[str]:
@@ -58,6 +59,13 @@ def require_gpu() -> None:
 def cpu_pool(**pool: Any) -> RuntimeConfig:
     """A config with one pool: the CPU device, with ``pool``'s settings (workers, ...)."""
     return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
+
+
+async def closed_while_running(actor: DeviceActor, job: Callable[[], object]) -> None:
+    """Run ``job`` on ``actor``, expecting the actor to close while it runs: its caller
+    is told so at once, not when the job returns (a gated job ignores cancellation)."""
+    with pytest.raises(ClosedResourceError, match="closed while the job ran"):
+        await actor.execute(job)
 
 
 @asynccontextmanager

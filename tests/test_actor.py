@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from tests.fake_backend import FakeBackend, FakeGraph
-from tests.support import serving_actor
+from tests.support import closed_while_running, serving_actor
 from wasinn import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -175,7 +175,7 @@ async def test_a_caller_cancelled_as_the_device_closes_leaves_the_counts_sound(
             await actor.execute(lambda: None)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, gate_job(gate))
+        nursery.start_soon(closed_while_running, actor, gate_job(gate))
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(queued)
         await trio.testing.wait_all_tasks_blocked()
@@ -307,7 +307,7 @@ async def test_closing_fails_queued_requests() -> None:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.serve)
-        nursery.start_soon(actor.execute, gate_job(gate))
+        nursery.start_soon(closed_while_running, actor, gate_job(gate))
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(queued)
         await trio.testing.wait_all_tasks_blocked()

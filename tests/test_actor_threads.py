@@ -272,13 +272,23 @@ async def test_a_lease_maps_errors_and_gives_its_slot_back(actor: DeviceActor) -
     with pytest.raises(BackendRuntimeError, match="library exploded"):
         await trio.to_thread.run_sync(lease.run)
     with pytest.raises(Exception, match="already used"):
-        lease.run()
+        await trio.to_thread.run_sync(lease.run)
     cancelled = await actor.lease(lambda: None)
     cancelled.cancel()
     cancelled.cancel()
     await trio.testing.wait_all_tasks_blocked()
     assert actor.load == 0
     assert await actor.execute(lambda: "still serving") == "still serving"
+
+
+async def test_a_lease_refuses_to_run_in_the_trio_thread(actor: DeviceActor) -> None:
+    ran: list[int] = []
+    lease = await actor.lease(lambda: ran.append(threading.get_ident()))
+    with pytest.raises(RuntimeError, match="trio thread, whose event loop it would block"):
+        lease.run()
+    assert ran == [] and actor.load == 1  # still held, still unused: it runs elsewhere
+    await trio.to_thread.run_sync(lease.run)
+    assert ran and ran[0] != threading.get_ident() and actor.load == 0
 
 
 async def test_a_lease_run_past_its_deadline_is_a_timeout(actor: DeviceActor) -> None:

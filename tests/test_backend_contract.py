@@ -23,7 +23,7 @@ from wasinn import (
     Tensor,
     TensorType,
 )
-from wasinn.backends import Backend, CompiledGraph, Device
+from wasinn.backends import Backend, CompiledGraph, Device, TensorSpec
 from wasinn.backends.registry import BUILTIN, BackendRegistry
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 from wasinn.tensor import numpy_dtype
@@ -195,6 +195,51 @@ def test_an_encoding_the_backend_does_not_read_is_invalid_encoding(backend: Back
                  backend.encodings)
     with pytest.raises(InvalidEncodingError, match=backend.name):
         backend.load([affine_onnx()], wrong, CPU)
+
+
+# -- scalars (rank 0) ----------------------------------------------------------------------
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_scalar_input_and_output_keep_rank_0(backend: Backend, keep: bool) -> None:
+    builders, encoding, out = backend_models.scalar(backend.name, 2.0)
+    graph = backend.load(builders, encoding, CPU)
+    (spec,) = graph.inputs
+    assert (spec.shape, spec.rank_known, spec.describe()) == ((), True, "x: f32[]")
+    assert (graph.outputs[0].shape, graph.outputs[0].rank_known) == ((), True)
+    for x in (np.array(3.0, np.float32), np.float32(3)):
+        y = graph.run({"x": Tensor.from_numpy(x)}, keep_on_device=keep)[out]
+        assert y.is_host is not keep
+        assert y.dims == () and y.numpy().shape == ()  # a kept one materializes as 0-d too
+        assert float(y.numpy()) == 6.0
+        if keep:  # a kept scalar feeds the next run as it is
+            (again,) = graph.run({"x": y}).values()
+            assert again.dims == () and float(again.numpy()) == 12.0
+
+
+def test_a_scalar_input_refuses_a_one_element_array(backend: Backend) -> None:
+    builders, encoding, _ = backend_models.scalar(backend.name)
+    graph = backend.load(builders, encoding, CPU)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"input 'x' has shape \[1\] but the model expects x: f32\[\]"):
+        graph.run({"x": Tensor.from_numpy(np.array([3.0], np.float32))})
+
+
+def test_only_an_unknown_rank_goes_unchecked() -> None:
+    from wasinn.backends._graphio import InputChecker
+
+    unknown = InputChecker("b", [TensorSpec("x", TensorType.F32, (), rank_known=False)])
+    scalar = InputChecker("b", [TensorSpec("x", TensorType.F32, ())])
+    for shape in [(), (1,), (2, 3)]:
+        assert unknown.check({"x": Tensor.from_numpy(np.zeros(shape, np.float32))})
+    assert scalar.check({"x": Tensor.from_numpy(np.float32(0))})
+    with pytest.raises(InvalidArgumentError, match=r"has shape \[1\] but the model expects "
+                                                   r"x: f32\[\]"):
+        scalar.check({"x": Tensor.from_numpy(np.zeros((1,), np.float32))})
+
+
+def test_a_spec_of_unknown_rank_has_no_dimensions() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"'x' has shape \[2\] but says its rank is "
+                                                   r"unknown: expected shape \(\)"):
+        TensorSpec("x", TensorType.F32, (2,), rank_known=False)
 
 
 # -- keeping tensors on the device ---------------------------------------------------------

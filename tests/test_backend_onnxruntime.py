@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.backend_models import scalar_onnx
 from tests.support import has_module, require_backend, skip_unless
 from wasinn import GraphEncoding, Tensor, TensorType, UnsupportedOperationError
 from wasinn.backends import Device, LoadOptions
@@ -48,6 +49,28 @@ def test_keep_on_device_returns_ortvalues_that_bind_back(backend: Any) -> None:
     assert isinstance(out.native, ort.OrtValue) and out.device == "cpu"
     (again,) = graph.run({"x": out}).values()
     np.testing.assert_allclose(again.numpy(), np.full((2, 4), 7.0))
+
+
+def test_a_value_declared_without_a_shape_has_an_unknown_rank(backend: Any) -> None:
+    # ONNX Runtime reports it as shape [], as it does a scalar: the model tells them apart.
+    graph = backend.load([scalar_onnx(declared=False)], GraphEncoding.ONNX, CPU)
+    specs = (*graph.inputs, *graph.outputs)
+    assert [(s.shape, s.rank_known, s.describe()) for s in specs] == [
+        ((), False, "x: f32[...]"), ((), False, "y: f32[...]")]
+    for shape in [(), (3,), (2, 2)]:  # any rank is accepted
+        (y,) = graph.run({"x": Tensor.from_numpy(np.full(shape, 3.0, np.float32))}).values()
+        assert y.dims == shape and (y.numpy() == 6.0).all()
+    scalar = backend.load([scalar_onnx()], GraphEncoding.ONNX, CPU)
+    assert [(s.shape, s.rank_known) for s in (*scalar.inputs, *scalar.outputs)] == [
+        ((), True), ((), True)]
+
+
+def test_only_an_onnx_protobuf_is_read_for_undeclared_shapes() -> None:
+    from wasinn.backends.onnxruntime import _shapeless
+
+    assert _shapeless(scalar_onnx(declared=False)) == {"x", "y"}
+    assert _shapeless(scalar_onnx()) == frozenset()
+    assert _shapeless(b"\xff\xff") == frozenset()  # no protobuf (an ORT-format model)
 
 
 def test_bf16_values_keep_their_bits(backend: Any) -> None:

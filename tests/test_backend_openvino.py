@@ -100,6 +100,18 @@ def test_mislabelled_or_broken_models_are_invalid_encoding(
     assert what in str(info.value)
 
 
+def test_a_port_of_dynamic_rank_has_an_unknown_rank_not_rank_0(backend: Any) -> None:
+    from wasinn.backends.openvino import _specs
+
+    # The CPU plugin compiles no input of dynamic rank: the ports of the read model.
+    shapeless = backend.core.read_model(backend_models.scalar_onnx(declared=False))
+    (spec,), _ = _specs(shapeless.inputs, is_output=False)
+    assert (spec.shape, spec.rank_known, spec.describe()) == ((), False, "x: f32[...]")
+    scalar = backend.core.read_model(backend_models.scalar_onnx())
+    (spec,), _ = _specs(scalar.inputs, is_output=False)
+    assert (spec.shape, spec.rank_known, spec.describe()) == ((), True, "x: f32[]")
+
+
 def test_inference_precision_defaults_to_f32(backend: Any) -> None:
     import openvino as ov
 

@@ -71,6 +71,16 @@ def test_torchscript_names_come_from_forward(backend: Any) -> None:
     assert list(by_index) == ["output_1"]
 
 
+def test_torchscript_specs_have_an_unknown_rank_not_rank_0(backend: Any) -> None:
+    graph = backend.load([_scripted(_pair_module())], PT, CPU)
+    specs = (*graph.inputs, *graph.outputs)
+    assert [(s.shape, s.rank_known) for s in specs] == [((), False)] * 4
+    assert [s.describe() for s in graph.inputs] == ["image: f32[...]", "offset: f32[...]"]
+    scalar = Tensor.from_numpy(np.float32(1))  # any rank goes through: here, rank 0
+    out = graph.run({"image": Tensor.from_numpy(np.ones((2, 3), np.float32)), "offset": scalar})
+    assert out["output_0"].dims == (2, 3)
+
+
 def test_single_output_is_named_output(backend: Any, small_mobilenet: ModelFiles) -> None:
     graph = backend.load([small_mobilenet.torchscript.read_bytes()], PT, CPU)
     assert [s.name for s in graph.inputs] == ["x"]

@@ -19,8 +19,8 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.backend_models import affine
-from tests.support import cpu_pool
+from tests.backend_models import affine, scalar_onnx
+from tests.support import closed_while_running, cpu_pool
 from wasinn import Batching, ClosedResourceError, InvalidArgumentError, TimeoutError_
 from wasinn.actors import DeviceActor
 from wasinn.configs.loader import parse_config
@@ -376,7 +376,7 @@ async def test_closing_the_runtime_fails_waiting_members() -> None:
         graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
         actor = only_actor(rt)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+            nursery.start_soon(closed_while_running, actor, lambda: gate.wait(30))
             await trio.testing.wait_all_tasks_blocked()
             for i in range(3):
                 nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, i)
@@ -447,6 +447,12 @@ async def test_batching_needs_a_variable_first_dimension(rt: wasinn.Runtime) -> 
     model.ir_version = 8
     with pytest.raises(InvalidArgumentError, match=r"input x: f32\[1, 4\] fixes it"):
         await rt.load([model.SerializeToString()], "onnx", batching=Batching(max_batch=4))
+    # A scalar has no first dimension; a value of unknown rank may have one.
+    with pytest.raises(InvalidArgumentError, match=r"input x: f32\[\] is a scalar"):
+        await rt.load([scalar_onnx()], "onnx", batching=Batching(max_batch=4))
+    graph = await rt.load([scalar_onnx(declared=False)], "onnx", batching=Batching(max_batch=4))
+    out = await graph.compute({"x": np.ones((3, 2), np.float32)})
+    assert out["y"].numpy().tolist() == [[2.0, 2.0]] * 3
     with pytest.raises(InvalidArgumentError, match=r"must be a wasinn\.Batching"):
         await rt.load([affine_onnx()], "onnx", batching=8)  # type: ignore[arg-type]
 

@@ -4,6 +4,7 @@ by the device actor's counters: its worker threads count every job they finish."
 
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 import weakref
@@ -61,6 +62,20 @@ async def test_compute_in_caller_thread_runs_in_that_thread(rt: wasinn.Runtime) 
         np.testing.assert_array_equal(y, Y)
     assert cpu.threads.finished == before  # no job reached the worker thread
     assert ctx.get_output("y").numpy().tolist() == Y.tolist()
+
+
+async def test_compute_in_caller_thread_refuses_the_trio_thread(rt: wasinn.Runtime) -> None:
+    # Whether or not a slot is free: it never runs the backend on the event loop (with a
+    # free slot it used to, silently).
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    await ctx.compute({"x": X})  # compiled: a slot would be leased at once
+    for call in (functools.partial(ctx.compute_in_caller_thread, {"x": X}),
+                 ctx.run_in_caller_thread):
+        with pytest.raises(RuntimeError, match="trio thread, whose event loop it would"):
+            call()
+    assert cpu.load == 0  # no slot taken
 
 
 async def test_run_in_caller_thread_fills_bound_outputs(rt: wasinn.Runtime) -> None:

@@ -266,6 +266,38 @@ async def test_close_gives_up_on_an_uncancellable_run_after_close_timeout(
     assert not thread.is_alive() and compiled.closed and not compiled.closed_while_running
 
 
+async def test_closing_tells_a_caller_waiting_on_an_uncancellable_run_at_once() -> None:
+    # The caller has no timeout: it waits on a run that ignores its cancellation. The
+    # close must fail it with ClosedResourceError now, not hand it a result (or an
+    # error) once the run ends after the runtime is gone.
+    backend = UncancellableBackend()
+    outcomes: list[object] = []
+
+    async def compute(graph: Any) -> None:
+        try:
+            outcomes.append(await graph.compute({"x": np.zeros((1, 4), np.float32)}))
+        except ClosedResourceError as exc:
+            outcomes.append(exc)
+
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                rt = wasinn.Runtime(cpu_pool(backends=["fake"], close_timeout=0.2),
+                                    backends=[backend])
+                async with rt:
+                    graph = await rt.load([b"fake:add=1:gate"], "ggml", "cpu")
+                    nursery.start_soon(compute, graph)
+                    (actor,) = rt.actors
+                    while not actor.busy:
+                        await trio.sleep(0.01)
+                # Closed (after close_timeout): the caller was told, the run still goes on.
+                assert not backend.gate.is_set() and actor.busy == 1
+        (error,) = outcomes
+        assert isinstance(error, ClosedResourceError) and "closed" in str(error)
+    finally:
+        backend.gate.set()
+
+
 async def test_close_timeout_is_a_pool_setting_with_a_default() -> None:
     assert cpu_pool().pools["cpu"].close_timeout == 10.0
     with pytest.raises(wasinn.ConfigError):

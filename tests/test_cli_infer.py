@@ -158,7 +158,7 @@ def test_an_unregistered_name_lists_the_registered_ones(
 
 def test_inputs_by_position_and_zero_filled_shapes() -> None:
     specs = [TensorSpec("image", TensorType.F32, (None, 3)),
-             TensorSpec("tokens", TensorType.I64, ())]
+             TensorSpec("tokens", TensorType.I64, (), rank_known=False)]
     given = {"0": np.ones((2, 3), np.float32)}
     inputs = complete_inputs(specs, given, zeros=True, shapes={"tokens": (5,)})
     assert inputs["image"].dims == (2, 3)

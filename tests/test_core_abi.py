@@ -18,6 +18,7 @@ from wasinn import (
     TensorType,
     UnsupportedOperationError,
 )
+from wasinn.backends import TensorSpec
 from wasinn.errors import error_for_code
 from wasinn.host.abi import (
     Errno,
@@ -27,8 +28,8 @@ from wasinn.host.abi import (
     decode_tensor_type,
     errno_of,
 )
-from wasinn.host.guest_memory import GuestMemory, u32
-from wasinn.host.tensor_binding import copy_bytes
+from wasinn.host.guest_memory import GuestMemory, TensorRecord, u32
+from wasinn.host.tensor_binding import check_against_spec, copy_bytes, static_nbytes
 
 
 def test_witx_encoding_numbers_differ_from_wit() -> None:
@@ -207,3 +208,21 @@ def test_an_output_over_the_tensor_limit_still_reports_its_size() -> None:
     with pytest.raises(TooLargeError, match="limit is 8"):
         nn.get_output(mem, 0, 0, 0x80, 64, 0x10)
     assert mem.read_u32(0x10) == 16
+
+
+def test_a_scalar_input_takes_only_a_scalar_and_an_unknown_rank_takes_any() -> None:
+    scalar = TensorSpec("x", TensorType.F32, ())
+    unknown = TensorSpec("x", TensorType.F32, (), rank_known=False)
+    check_against_spec(TensorRecord((), TensorType.F32, 0, 4), scalar)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"input 'x' got f32\[1\]: the model expects x: f32\[\]"):
+        check_against_spec(TensorRecord((1,), TensorType.F32, 0, 4), scalar)
+    for dims in [(), (1,), (2, 3)]:
+        check_against_spec(TensorRecord(dims, TensorType.F32, 0, 4), unknown)
+
+
+def test_only_a_known_shape_has_a_static_output_size() -> None:
+    assert static_nbytes(TensorSpec("y", TensorType.F32, ())) == 4  # a scalar
+    assert static_nbytes(TensorSpec("y", TensorType.F32, (2, 3))) == 24
+    assert static_nbytes(TensorSpec("y", TensorType.F32, (None, 3))) is None
+    assert static_nbytes(TensorSpec("y", TensorType.F32, (), rank_known=False)) is None

@@ -229,8 +229,10 @@ async def test_a_failed_pipeline_load_leaves_nothing_compiled(tmp_path: Path) ->
         (actor,) = rt.actors
         for _ in range(2):
             with pytest.raises(InvalidArgumentError, match=r"step 1 \(b\): wires 'nope', "
-                                                           r"which a does not output"):
+                                                           r"which a does not output") as err:
                 await rt.load_by_name("p")
+            # Where the bad wire is written: the file and the key.
+            assert str(err.value).startswith(f"{path}: pipelines.p.steps[1].wire: ")
             assert actor.stats().graphs == 0  # a and b were freed with the failure
             assert all(model.released for model in rt.name_registry.loaded())
         # A step someone else holds is theirs: the failure lets go of the pipeline's hold.

@@ -544,6 +544,7 @@ async def test_numpy_integers_and_floats_are_good_request_terms(rt: wasinn.Runti
     ({"timeout": True}, "timeout True (bool): expected a number of seconds"),
     ({"timeout": -1}, "timeout -1: expected a number of seconds >= 0"),
     ({"timeout": float("nan")}, "timeout nan: expected a number of seconds >= 0"),
+    ({"timeout": -10**400}, "timeout -inf: expected a number of seconds >= 0"),
     ({"tenant": 7}, "tenant 7 (int): expected a str"),
     ({"tenant": None}, "tenant None (NoneType): expected a str"),
 ])
@@ -572,6 +573,11 @@ async def test_bad_request_terms_are_invalid_arguments_on_an_idle_device(
     out = await ctx.compute(x, priority=3, timeout=np.float32(30), tenant="t")
     assert out["y"].numpy().tolist() == [[3.0] * 4]
     assert (await graph.compute(x, timeout=30))["y"].dims == (1, 4)
+    # An integer too large for a float is as good as no timeout (not an OverflowError).
+    assert (await graph.compute(x, timeout=10**400))["y"].dims == (1, 4)
+    run = ctx.try_lease(x, timeout=10**400)
+    assert run is not None
+    assert (await trio.to_thread.run_sync(run.run))["y"].dims == (1, 4)
 
 
 async def test_a_graph_lease_keeps_the_model_until_it_is_over(

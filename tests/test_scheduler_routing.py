@@ -4,6 +4,7 @@ inputs kept on their device, unload on every device, deadlines through the API."
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,13 +28,14 @@ RECIPE = [b"fake:add=1"]
 
 
 def fake_config(gpu_devices: Any = "auto", gpu_workers: int = 1, policy: str = "priority",
-                **runtime: Any) -> Any:
+                gpu_close_timeout: float = 10.0, **runtime: Any) -> Any:
     return parse_config({
         "runtime": runtime,
         "pools": {
             "cpu": {"kind": "cpu", "devices": ["cpu"], "backends": ["fake"]},
             "gpu": {"kind": "gpu", "devices": gpu_devices, "workers": gpu_workers,
-                    "backends": ["fake"], "policy": policy},
+                    "backends": ["fake"], "policy": policy,
+                    "close_timeout": gpu_close_timeout},
         },
     }, None)
 
@@ -141,6 +143,124 @@ async def test_timeout_through_the_api(autojump_clock: trio.testing.MockClock,
         assert [v for _, v in fake.runs] == [0.0]  # the timed-out request never ran
 
 
+# -- a request's deadline or cancellation while its graph compiles ------------------------
+SLOW = [b"fake:add=1:slowload"]  # its compile on a GPU waits for fake.load_gate
+
+
+@pytest.fixture
+async def one_gpu(fake: FakeBackend) -> AsyncIterator[wasinn.Runtime]:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as runtime:
+        yield runtime
+    fake.load_gate.set()
+
+
+async def test_a_deadline_covers_the_first_use_compile(one_gpu: wasinn.Runtime,
+                                                       fake: FakeBackend) -> None:
+    graph = await one_gpu.load(SLOW, "ggml", "cpu")
+    ctx = graph.init_execution_context(target="gpu")
+    with trio.fail_after(5):  # the compile would hold it 30 s
+        with pytest.raises(TimeoutError_, match=r"deadline passed while .* compiled"):
+            await ctx.compute({"x": x(1)}, timeout=0.1)
+    assert fake.loading.is_set() and fake.loads == ["cpu"]
+    # The compile went on in the background; once it ends, it serves the next request.
+    fake.load_gate.set()
+    out = await ctx.compute({"x": x(1)})
+    assert out["y"].numpy().tolist() == [[2.0] * 4]
+    assert sorted(fake.loads) == ["cpu", "gpu:0"]  # compiled once on the GPU
+
+
+async def test_callers_waiting_on_one_compile_leave_on_their_own_deadlines(
+        one_gpu: wasinn.Runtime, fake: FakeBackend) -> None:
+    graph = await one_gpu.load(SLOW, "ggml", "cpu")
+    outcomes: dict[str, object] = {}
+
+    async def compute(name: str, **how: Any) -> None:
+        try:
+            outcomes[name] = (await graph.compute({"x": x(1)}, target="gpu", **how)
+                              )["y"].numpy().tolist()
+        except TimeoutError_ as exc:
+            outcomes[name] = exc
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(compute, "first", timeout=0.1))
+            nursery.start_soon(functools.partial(compute, "second", timeout=0.2))
+            with trio.move_on_after(0.1):  # a third caller, cancelled
+                await graph.compute({"x": x(1)}, target="gpu")
+            nursery.start_soon(compute, "patient")
+            await trio.sleep(0.3)
+            assert "patient" not in outcomes
+            fake.load_gate.set()
+    assert isinstance(outcomes["first"], TimeoutError_)
+    assert isinstance(outcomes["second"], TimeoutError_)
+    assert outcomes["patient"] == [[2.0] * 4]
+    assert sorted(fake.loads) == ["cpu", "gpu:0"]
+
+
+async def test_a_graph_unloaded_while_it_compiles_is_not_kept(one_gpu: wasinn.Runtime,
+                                                              fake: FakeBackend) -> None:
+    graph = await one_gpu.load(SLOW, "ggml", "cpu")
+    with pytest.raises(TimeoutError_):
+        await graph.compute({"x": x(1)}, target="gpu", timeout=0.1)
+    await graph.unload()
+    (gpu,) = [a for a in one_gpu.actors if str(a.device) == "gpu:0"]
+    fake.load_gate.set()
+    with trio.fail_after(5):
+        while "gpu:0" not in fake.closed:  # compiled, then closed at once: nobody's
+            await trio.sleep(0.01)
+    assert not gpu.session_keys() and gpu.stats().graphs == 0
+
+
+async def test_closing_the_runtime_does_not_wait_for_a_compile(fake: FakeBackend) -> None:
+    config = fake_config(gpu_devices=["gpu:0"], gpu_close_timeout=0.2)
+    failures: list[BaseException] = []
+
+    async def compute(graph: Any) -> None:
+        try:
+            await graph.compute({"x": x(1)}, target="gpu")
+        except wasinn.ClosedResourceError as exc:
+            failures.append(exc)
+
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery, wasinn.Runtime(config,
+                                                                      backends=[fake]) as rt:
+                graph = await rt.load(SLOW, "ggml", "cpu")
+                nursery.start_soon(compute, graph)
+                await trio.to_thread.run_sync(fake.loading.wait)
+        (error,) = failures
+        assert "closed" in str(error)
+    finally:
+        fake.load_gate.set()
+
+
+async def test_closing_the_last_context_fails_its_queued_request_saying_so(
+        fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        busy = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+        graph = await rt.load([b"fake:add=2"], "ggml", "gpu")
+        await graph.compute({"x": x(0)})  # compiled
+        ctx = graph.init_execution_context()
+        await graph.unload()  # the context keeps the model
+        errors: list[BaseException] = []
+
+        async def queued() -> None:
+            try:
+                await ctx.compute({"x": x(1)})
+            except wasinn.ClosedResourceError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(busy.compute, {"x": x(0)})  # holds the only slot
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(queued)
+            await trio.testing.wait_all_tasks_blocked()
+            ctx.close()  # the model's last user: its graph is freed
+            fake.gate.set()
+        (error,) = errors
+        assert "last execution context using it was closed" in str(error)
+
+
 async def test_priority_through_the_api(fake: FakeBackend) -> None:
     async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
         graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
@@ -172,6 +292,14 @@ async def test_no_device_of_the_kind_and_the_fallback(fake: FakeBackend) -> None
             ctx = graph.init_execution_context("tpu")
         out = await ctx.compute({"x": x(1)})
         assert out["y"].device.startswith("gpu")
+    # A fallback of the very kind that is missing cannot help, and says so.
+    no_gpu = FakeBackend(devices=("cpu",))
+    async with wasinn.Runtime(fake_config(fallback="gpu"), backends=[no_gpu]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "cpu")
+        with pytest.raises(UnsupportedOperationError,
+                           match=r"fallback = 'gpu' is that same kind: expected a fallback "
+                                 r"this runtime has a device for \(cpu\)"):
+            graph.init_execution_context("gpu")
 
 
 async def test_tenants_take_turns_on_a_fair_pool(fake: FakeBackend) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 import wasinn
 from wasinn import InvalidArgumentError, Tensor, TensorType
-from wasinn.tensor import as_tensor, check_dims, numpy_dtype, tensor_type_of
+from wasinn.tensor import as_tensor, c_contiguous, check_dims, numpy_dtype, tensor_type_of
 
 ALL_TYPES = list(TensorType)
 
@@ -69,6 +69,35 @@ def test_native_tensor_materializes_once_and_is_counted() -> None:
     t.numpy()
     assert calls == [1]
     assert wasinn.host_copies() == before + 1
+
+
+@pytest.mark.parametrize("value", [
+    np.array(3.0, np.float32),  # zero-copy
+    np.float32(3),  # a numpy scalar
+    np.array(3.0, ">f4"),  # the other byte order: converted
+    np.broadcast_to(np.float32(3), ()),  # read-only
+], ids=["0-d", "numpy-scalar", "big-endian", "read-only"])
+def test_a_0d_array_or_numpy_scalar_is_a_rank_0_tensor(value: object) -> None:
+    t = Tensor.from_numpy(value)  # type: ignore[arg-type]
+    assert (t.dims, t.type) == ((), TensorType.F32)
+    assert t.numpy().shape == () and t.numpy().flags.c_contiguous
+    assert float(t.numpy()) == 3.0 and t.tobytes() == np.float32(3).tobytes()
+    assert Tensor.from_bytes(t.dims, t.type, t.tobytes()).numpy().shape == ()
+
+
+def test_a_native_scalar_materializes_as_a_0d_array() -> None:
+    t = Tensor.from_native(object(), (), TensorType.F32, device="gpu:0",
+                           materialize=lambda: np.array(3.0, np.float32))
+    assert t.dims == () and t.numpy().shape == () and float(t.numpy()) == 3.0
+
+
+def test_c_contiguous_keeps_rank_and_copies_only_when_needed() -> None:
+    scalar = np.array(3.0, np.float32)
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert c_contiguous(scalar) is scalar and c_contiguous(rows) is rows
+    strided = c_contiguous(rows[:, ::2])
+    assert strided.flags.c_contiguous and strided.shape == (3, 2)
+    np.testing.assert_array_equal(strided, rows[:, ::2])
 
 
 def test_slice_rows_shares_data_or_says_it_cannot() -> None:

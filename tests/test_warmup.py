@@ -13,11 +13,14 @@ import pytest
 from onnx import TensorProto, helper
 
 import wasinn
+from tests.backend_models import scalar_onnx
 from tests.fake_backend import FakeBackend
 from tests.support import require_backend
-from wasinn import BackendRuntimeError, InvalidArgumentError, NotFoundError
+from wasinn import BackendRuntimeError, InvalidArgumentError, NotFoundError, TensorType
+from wasinn.backends import TensorSpec
 from wasinn.configs.loader import load_config
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+from wasinn.scheduler.warmup import zero_inputs
 
 X = np.ones((1, 4), np.float32)
 
@@ -190,3 +193,31 @@ async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
         graph = await rt.load_by_name("net")
         out = await graph.compute({"x": sample_image(0)})
         assert out[graph.outputs[0].name].dims == (1, 1000)
+
+
+@pytest.mark.parametrize("given", ["", "warmup_inputs = { x = [] }\n"],
+                         ids=["declared", "warmup_inputs"])
+async def test_a_scalar_input_is_warmed_up_on_a_scalar(tmp_path: Path, given: str) -> None:
+    (tmp_path / "scalar.onnx").write_bytes(scalar_onnx(2.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[models.scalar]\nfiles = ["scalar.onnx"]\nwarmup = 1\n' + given)
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        assert actor.stats().warm_ups == 1
+        graph = await rt.load_by_name("scalar")
+        y = (await graph.compute({"x": np.array(3.0, np.float32)}))["y"]
+        assert y.dims == () and float(y.numpy()) == 6.0
+
+
+def test_zero_inputs_are_rank_0_for_a_scalar_and_refused_for_an_unknown_rank() -> None:
+    specs = [TensorSpec("s", TensorType.I64, ()), TensorSpec("v", TensorType.F32, (None, 2))]
+    zeros = zero_inputs(specs, {})
+    assert (zeros["s"].dims, zeros["s"].type, zeros["s"].numpy().shape) == ((), TensorType.I64, ())
+    assert zeros["v"].dims == (1, 2)
+    unknown = [TensorSpec("u", TensorType.F32, (), rank_known=False)]
+    with pytest.raises(InvalidArgumentError,
+                       match=r"input 'u' declares no shape, not even its rank, .*warmup_inputs "
+                             r"\(e\.g\. u = \[1, 3, 224, 224\]\)"):
+        zero_inputs(unknown, {})
+    assert zero_inputs(unknown, {"u": (2, 3)})["u"].dims == (2, 3)
+    assert zero_inputs(unknown, {"u": ()})["u"].dims == ()
