@@ -55,8 +55,16 @@ class Device:
 
     @classmethod
     def parse(cls, text: str) -> Device:
-        """``"cpu"``, ``"gpu"`` (= ``gpu:0``), ``"gpu:1"``, ``"npu:0"`` (npu is tpu)."""
-        kind, _, index = text.strip().lower().partition(":")
+        """``"cpu"``, ``"gpu"`` (= ``gpu:0``), ``"gpu:1"``, ``"npu:0"`` (npu is tpu).
+
+        Raises InvalidArgumentError for an unknown kind or an index that is not a
+        non-negative decimal integer (``gpu:x``, ``gpu:-1``, ``gpu:``).
+        """
+        kind, colon, index = text.strip().lower().partition(":")
+        if colon and not (index.isascii() and index.isdigit()):
+            raise InvalidArgumentError(
+                f"device {text!r} has index {index!r}: expected a non-negative integer "
+                "after the colon (gpu:0, gpu:1, ...)")
         if kind == "npu":
             kind = "tpu"
         return cls(ExecutionTarget.coerce(kind), int(index) if index else 0)

@@ -63,20 +63,29 @@ def _got(value: object) -> str:
 
 
 def _union_members_that_matter(errors: list[Any]) -> list[Any]:
-    # A value no member of a union accepts gets one error per member. Where some member
-    # took the value's type and found something else wrong with it, that is the error
-    # that helps: drop the other members' "not my type" errors for the same key.
-    def field(err: Any) -> tuple[int | str, ...]:
+    # A value no member of a union accepts gets one error per member. A member that
+    # looked inside the value (an error below it, or one that is not about the value's
+    # type) is the one the user meant: drop the other members' "not my type" errors for
+    # the same key.
+    def split(err: Any) -> tuple[tuple[int | str, ...], tuple[int | str, ...] | None]:
+        # (the key, the location below the union member; None: no union member on it)
         loc = tuple(err["loc"])
         for i, part in enumerate(loc):
             if isinstance(part, str) and _UNION_MEMBER.fullmatch(part):
-                return loc[:i]
-        return loc
+                return loc[:i], loc[i + 1:]
+        return loc, None
 
-    telling = {field(e) for e in errors
-               if field(e) != tuple(e["loc"]) and not _MISMATCH.fullmatch(e["type"])}
-    return [e for e in errors if not (field(e) in telling and field(e) != tuple(e["loc"])
-                                      and _MISMATCH.fullmatch(e["type"]))]
+    meant = set()
+    for err in errors:
+        key, below = split(err)
+        if below is not None and (below or not _MISMATCH.fullmatch(err["type"])):
+            meant.add(key)
+
+    def noise(err: Any) -> bool:
+        key, below = split(err)
+        return below == () and key in meant and bool(_MISMATCH.fullmatch(err["type"]))
+
+    return [err for err in errors if not noise(err)]
 
 
 def _describe(errors: list[Any]) -> str:

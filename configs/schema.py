@@ -109,7 +109,7 @@ def _device(value: str) -> str:
         device = Device.parse(value)
     except (InvalidArgumentError, ValueError) as exc:
         raise ValueError(
-            f"{value!r} is not a device: expected cpu, gpu, gpu:N, tpu:N or npu:N ({exc})"
+            f"not a device: expected cpu, gpu, gpu:N, tpu:N or npu:N ({exc})"
         ) from None
     if device.kind is ExecutionTarget.CPU and device.index != 0:
         raise ValueError(f"{value!r}: there is one CPU device, expected 'cpu'")
@@ -189,6 +189,15 @@ class PoolConfig(_Strict):
     #: error names the device and its jobs still running, and the close returns anyway,
     #: leaving those threads (daemons) and the graphs they use to end on their own.
     close_timeout: float = Field(default=10.0, ge=0)
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _auto_or_a_list(cls, devices: object) -> object:
+        # One clear error for a value of neither form (not one per union member).
+        if devices == "auto" or isinstance(devices, list):
+            return devices
+        raise fault("", 'expected "auto" or a list of device names such as ["cpu"] or '
+                        f'["gpu:0", "gpu:1"] (got {devices!r:.60})')
 
     @field_validator("devices")
     @classmethod

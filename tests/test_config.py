@@ -70,7 +70,15 @@ def test_default_runtime_needs_no_files() -> None:
     ('[pools.cpu]\nkind = "cpu"\nworkers = 0\n', r"pools\.cpu\.workers: .*greater than"),
     ('[pools.g]\nkind = "gpu"\ndevices = ["cpu"]\n',
      r"pools\.g\.devices\[0\]: device 'cpu' is not a gpu device$"),
-    ('[pools.g]\nkind = "gpu"\ndevices = ["gpu:x"]\n', r"pools\.g\.devices.*not a device"),
+    ('[pools.g]\nkind = "gpu"\ndevices = ["gpu:x"]\n',
+     r"pools\.g\.devices\[0\]: not a device: .*has index 'x': expected a non-negative integer"),
+    ('[pools.g]\nkind = "gpu"\ndevices = ["gpu:-1"]\n', r"pools\.g\.devices\[0\]: not a device"),
+    # One error for a value of neither form, not one per member of "auto" | list.
+    ('[pools.g]\nkind = "gpu"\ndevices = "gpu:0"\n',
+     r'^[^;]*: pools\.g\.devices: expected "auto" or a list of device names such as \["cpu"\] '
+     r"or \[\"gpu:0\", \"gpu:1\"\] \(got 'gpu:0'\)$"),
+    ('[pools.g]\nkind = "gpu"\ndevices = ["gpu:0", 3]\n',
+     r"^[^;]*: pools\.g\.devices\[1\]: Input should be a valid string \(got 3\)$"),
     ('[pools.a]\nkind = "cpu"\n[pools.b]\nkind = "cpu"\n',
      r"pools\.b\.kind: pools 'a' and 'b' are both cpu pools: expected one pool per device kind$"),
     ('[pools.cpu]\nkind = "cpu"\ninline_below_us = -1\n',
