@@ -129,7 +129,7 @@ class Lease(Generic[T]):
         cancellation = self.cancellation
         if cancellation is not None and cancellation.cancelled:
             # Stopped before it started (its deadline passed, the device closed): a run
-            # now would only be thrown away, and a torch run could not be cut short.
+            # now would only be thrown away, and a TorchScript run could not be cut short.
             error = self._stopped("before it ran")
             self._give_back(Outcome.TIMED_OUT if isinstance(error, TimeoutError_)
                             else Outcome.FAILED)

@@ -185,7 +185,7 @@ class PoolConfig(_Strict):
     inline_below_us: float = Field(default=0.0, ge=0, le=10_000)
     #: Seconds closing the runtime waits for each device's running jobs once it has
     #: cancelled them. ONNX Runtime and OpenVINO runs stop within milliseconds; a call
-    #: that ignores cancellation (torch, an OpenVINO Loop node) may not: past this, an
+    #: that ignores cancellation (TorchScript, an OpenVINO Loop node) may not: past this, an
     #: error names the device and its jobs still running, and the close returns anyway,
     #: leaving those threads (daemons) and the graphs they use to end on their own.
     close_timeout: float = Field(default=10.0, ge=0)
