@@ -165,7 +165,7 @@ def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None
         for i, file in enumerate(model.files):
             try:
                 model_file(config, file)
-            except (SecurityError, InvalidArgumentError) as exc:
+            except (SecurityError, InvalidArgumentError, NotFoundError) as exc:
                 raise ConfigError(
                     f"{label}: models.{key_name(name)}.files[{i}]: {exc.message}") from None
     if backends is not None:
@@ -233,13 +233,23 @@ def model_file(config: RuntimeConfig, file: str) -> Path:
     A relative path is taken from the config's directory and must stay inside it (no
     ``..`` or symlink escapes): SecurityError otherwise; naming the directory itself
     (``"."``) is InvalidArgumentError. An absolute path is the config author's explicit
-    choice and is used as given (guests never name files, only registered models).
+    choice and is used as given (guests never name files, only registered models). A
+    name with a NUL byte is InvalidArgumentError; a path that cannot be resolved (a
+    symlink loop) is NotFoundError.
     """
+    if "\0" in file:
+        raise InvalidArgumentError(
+            f"model file {file!r} contains a NUL byte: expected a file path")
     path = Path(file)
     if path.is_absolute():
         return path
     base = config.base_dir.resolve()
-    resolved = (base / path).resolve()
+    try:
+        resolved = (base / path).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before 3.13)
+        raise NotFoundError(
+            f"model file {file!r} cannot be resolved in the config directory {base}: "
+            f"{exc}: expected a path to a model file") from None
     if not resolved.is_relative_to(base):
         raise SecurityError(
             f"model file {file!r} resolves to {resolved}, outside the config directory "

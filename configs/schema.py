@@ -248,7 +248,7 @@ class _Startup(_Strict):
     warmup: Count = Field(default=0, ge=0, le=100)
     #: Shapes of the warm-up inputs by input name: needed for inputs whose shape the
     #: model does not declare (TorchScript declares none), or to warm up a given size.
-    warmup_inputs: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    warmup_inputs: dict[str, list[Annotated[Count, Field(ge=1)]]] = Field(default_factory=dict)
     #: Dynamic batching (None: every request runs on its own).
     batching: BatchingConfig | None = None
 

@@ -101,12 +101,16 @@ def _parser() -> argparse.ArgumentParser:
                                "-S nn is accepted: wasi-nn is always on)")
 
     run = sub.add_parser("run", parents=[common, registry], help="run a guest (.wasm or .wat)",
-                         description="Run a core-module or component guest to completion.")
+                         description="Run a core-module or component guest to completion.",
+                         usage="wasinn run [options] GUEST.wasm [ARGS ...]")
     run.add_argument("--dir", action="append", default=[], metavar="HOST[::GUEST]",
                      help="preopen a host directory (GUEST:HOST also accepted)")
     run.add_argument("--env", action="append", default=[], metavar="K[=V]",
                      help="set a guest environment variable")
-    run.add_argument("guest", metavar="GUEST.wasm")
+    # Optional here only so that its absence is reported alone (argparse would name ARGS
+    # as required too): main() refuses a run without it.
+    run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
+    run.set_defaults(run_parser=run)
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                      help="arguments passed to the guest")
 
@@ -138,11 +142,25 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", parents=[common, registry], help="list the model registry")
     demo = sub.add_parser("demo", parents=[common],
                           help="classify a generated image with the C example guest")
-    demo.add_argument("--width", type=float, default=0.35,
-                      help="MobileNetV2-like width multiplier (default 0.35)")
+    demo.add_argument("--width", type=_width, default=0.35,
+                      help="MobileNetV2-like width multiplier, > 0 and <= 4 (default 0.35)")
     demo.add_argument("--workdir", metavar="DIR",
                       help="where the model and input go (default: wasinn's cache)")
     return parser
+
+
+def _width(text: str) -> float:
+    # --width: a finite multiplier of MobileNetV2's channel counts.
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number: expected a width multiplier such as 0.35 or 1.0"
+        ) from None
+    if not 0 < value <= 4:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"{text}: expected a width multiplier > 0 and <= 4 (MobileNetV2's are 0.35 to 1.4)")
+    return value
 
 
 def _configure_logging(verbose: int) -> None:
@@ -312,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "run" and args.guest is None:
+        args.run_parser.error("the following arguments are required: GUEST.wasm")
     _configure_logging(args.verbose)
     try:
         if args.command == "run":

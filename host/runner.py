@@ -160,17 +160,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     linker.define_wasi()
     define_nn(linker, nn, interrupter.request)
     try:
-        instance = linker.instantiate(store, module)
-    except wasmtime.WasmtimeError as exc:
-        raise InvalidArgumentError(f"cannot instantiate {program}: {exc}") from None
-    start = instance.exports(store).get("_start")
-    if not isinstance(start, wasmtime.Func):
-        raise InvalidArgumentError(
-            f"{program} exports no _start function: expected a WASI command module"
-        )
-    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
-    try:
-        start(store)
+        _instantiate_and_start(linker, store, module, program, start_time)
         code = 0
     except wasmtime.ExitTrap as exc:
         code = exc.code
@@ -181,6 +171,25 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     finally:
         log.info("%s ran for %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
     return code
+
+
+def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,
+                           module: wasmtime.Module, program: str, start_time: float) -> None:
+    # Instantiating runs the module's (start) function, if it has one: a trap or an exit
+    # there is the guest's own, as in _start; a failure to link is a bad module.
+    try:
+        instance = linker.instantiate(store, module)
+    except (wasmtime.Trap, wasmtime.ExitTrap):
+        raise
+    except wasmtime.WasmtimeError as exc:
+        raise InvalidArgumentError(f"cannot instantiate {program}: {exc}") from None
+    start = instance.exports(store).get("_start")
+    if not isinstance(start, wasmtime.Func):
+        raise InvalidArgumentError(
+            f"{program} exports no _start function: expected a WASI command module"
+        )
+    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
+    start(store)
 
 
 def _trap_message(exc: Any) -> str:

@@ -118,6 +118,23 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
     with pytest.raises(SystemExit) as exc:
         main(["run", "--env", "=x", str(WAT_DIR / "exit_code.wat")])
     assert exc.value.code == 2
+    capfd.readouterr()
+    # Usage errors name only what is wrong (ARGS is optional; a width must be finite).
+    for argv, said in ((["run"], "the following arguments are required: GUEST.wasm\n"),
+                       (["demo", "--width", "nan"], "--width: nan: expected a width multiplier"),
+                       (["demo", "--width", "0"], "--width: 0: expected a width multiplier")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capfd.readouterr().err
+        assert said in err and "ARGS" not in err.splitlines()[-1]
+
+
+def test_a_trap_in_the_start_function_prints_its_message(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", str(WAT_DIR / "start_trap.wat")])
+    assert code == 134
+    assert "unreachable" in capfd.readouterr().err
 
 
 def test_devices_table(capfd: pytest.CaptureFixture[str]) -> None:

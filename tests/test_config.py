@@ -5,6 +5,7 @@ lazily once for concurrent callers, and never resolves outside the config direct
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,8 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1000\n',
      r"models\.m\.warmup: .*less than or equal to 100"),
     ('[models.m]\nfiles = ["m.onnx"]\npreload = 2\n', r"models\.m\.preload: .*boolean"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\nwarmup_inputs = { x = [true, 2] }\n',
+     r"models\.m\.warmup_inputs\.x\[0\]: Input should be a valid integer \(got True\)"),
     ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.p]\nsteps = [{ model = "m" }]\n'
      'warmup = 1.5\n', r"pipelines\.p\.warmup: .*integer"),
     ('[runtime]\nfallback = "gpu:0:1"\n', r"runtime\.fallback"),
@@ -107,6 +110,8 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = ["../outside.onnx"]\n',
      r"models\.m\.files\[0\]: .*outside the config directory"),
     ('[models.m]\nfiles = ["models/../../x.onnx"]\n', r"outside the config directory"),
+    ('[models.m]\nfiles = ["a\\u0000b.onnx"]\n',
+     r"models\.m\.files\[0\]: model file 'a\\x00b\.onnx' contains a NUL byte"),
     # Backend names are checked as the file is read (wasinn's own and entry points').
     ('[runtime]\nbackends = ["onnxrutnime"]\n',
      r"runtime\.backends\[0\]: unknown backend 'onnxrutnime': expected one of .*onnxruntime"),
@@ -361,6 +366,27 @@ async def test_a_file_swapped_for_an_escaping_symlink_is_refused(tmp_path: Path)
         target.unlink()
         os.symlink(tmp_path / "elsewhere.onnx", target)
         with pytest.raises(SecurityError, match="outside the config directory"):
+            await rt.load_by_name("affine")
+
+
+def test_a_model_file_in_a_symlink_loop_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"models\.m\.files\[0\]: model file 'loop/m\.onnx' "
+                                          r"cannot be resolved"):
+        load_config(write(tmp_path, '[models.m]\nfiles = ["loop/m.onnx"]\n'))
+
+
+async def test_a_file_swapped_for_a_symlink_loop_is_not_found(tmp_path: Path) -> None:
+    # After the config was read: the load fails as for a missing file (a guest gets
+    # model_not_found), not with a raw RuntimeError.
+    config_dir = tmp_path / "cfg"
+    config_dir.mkdir()
+    path = registry_config(config_dir)
+    async with wasinn.Runtime.from_config(path) as rt:
+        models = config_dir / "models"
+        shutil.rmtree(models)
+        models.symlink_to(models)
+        with pytest.raises(NotFoundError, match="cannot be resolved"):
             await rt.load_by_name("affine")
 
 

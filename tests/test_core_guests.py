@@ -96,6 +96,19 @@ async def test_trap_raises_with_its_message(rt: wasinn.Runtime) -> None:
         await rt.run_wasm(WAT_DIR / "trap.wat")
 
 
+async def test_a_start_function_exit_is_the_guests_exit(rt: wasinn.Runtime) -> None:
+    # (start) runs while the module is instantiated: its exit is no instantiation error.
+    assert await rt.run_wasm(WAT_DIR / "start_exit.wat") == 7
+
+
+async def test_a_start_function_trap_is_a_guest_trap(rt: wasinn.Runtime) -> None:
+    # Not a raw wasmtime Trap; and the graph it loaded there is let go.
+    with pytest.raises(GuestTrap, match=r"(?s)start_trap.wat trapped: .*unreachable"):
+        await rt.run_wasm(WAT_DIR / "start_trap.wat")
+    (identity,) = rt.name_registry.loaded()  # loaded by the start function...
+    assert identity.released  # ...and let go with the guest
+
+
 async def test_not_a_module_is_an_invalid_argument(rt: wasinn.Runtime, tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.wasm"
     bogus.write_bytes(b"\0asm\x01\0\0\0garbage")
