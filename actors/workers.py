@@ -22,15 +22,14 @@ abandoned or not: the actor frees the job's worker slot there, so a device never
 runs more than ``count`` jobs at once.
 
 Shutdown: :meth:`stop` cancels and abandons every job handed to a thread (their callers
-get ClosedResourceError at once, even if the job ignores its cancellation) and tells
-each thread to exit after its job; :meth:`wait_stopped` waits,
-for at most a given time, for every thread, and joins those that exited. Waiting
-matters: a thread left inside native code (ONNX Runtime, OpenVINO, torch) when the
-interpreter exits is killed there, which aborts the process ("terminate called without an
-active exception"), and the graphs a job runs on must not be closed under it. But a call
-that ignores cancellation (TorchScript, an OpenVINO Loop node) may run for ever, so the
-wait is bounded: past it, the jobs still running are reported and their threads left
-behind as daemons.
+get ClosedResourceError at once, even if the job ignores its cancellation) and tells each
+thread to exit after its job; :meth:`wait_stopped` waits, for at most a given time, for
+every thread, and joins those that exited. Waiting matters: a thread left inside native
+code (ONNX Runtime, OpenVINO, torch) when the interpreter exits is killed there, which
+aborts the process ("terminate called without an active exception"), and the graphs a
+job runs on must not be closed under it. But a call that ignores cancellation
+(TorchScript, an OpenVINO Loop node) may run for ever, so the wait is bounded: past it,
+the jobs still running are reported and their threads left behind as daemons.
 """
 
 from __future__ import annotations
@@ -273,8 +272,7 @@ class WorkerThreads:
     def stop(self) -> None:
         """No new jobs; every job handed to a thread is cancelled (see the module
         docstring), and their callers get ClosedResourceError at once; every thread
-        exits after its current job.
-        Idempotent. In trio."""
+        exits after its current job. Idempotent. In trio."""
         if self._stopped:
             return
         self._stopped = True
