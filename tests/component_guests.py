@@ -40,6 +40,20 @@ def shim_1028() -> str:
     return (COMPONENTS / "shim_1028.wat").read_text()
 
 
+def shim_1028_starting(then: str) -> str:
+    """The shim with a start function: it loads the model named "affine" by name (the
+    graph stays in the instance's table), then runs the instructions ``then``."""
+    start = ('    (data (i32.const 512) "affine")\n'
+             '    (func $starting\n'
+             '      (call $graph.load-by-name (i32.const 512) (i32.const 6) (global.get $ret))\n'
+             f'      {then})\n'
+             '    (start $starting)\n')
+    anchor = '    (func (export "trap") unreachable)\n'
+    text = shim_1028()
+    assert anchor in text
+    return text.replace(anchor, start + anchor)
+
+
 def shim_legacy(version: str) -> str:
     """The legacy shim for ``version`` (its error constructor only in 2024-06-25)."""
     text = (COMPONENTS / "shim_legacy.wat").read_text().replace("@VERSION@", version)

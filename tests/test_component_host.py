@@ -17,7 +17,7 @@ import trio
 from wasmtime.component import Variant
 
 import wasinn
-from tests.component_guests import RecordingRuntime, shim_1028
+from tests.component_guests import RecordingRuntime, shim_1028, shim_1028_starting
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
 from wasinn.host.component import ComponentGuest
 from wasinn.host.limits import GuestLimits
@@ -494,6 +494,34 @@ async def test_cancelling_during_compute_stops_the_guest(rt: RecordingRuntime) -
                 await shim.ok("compute", ctx, [("input", await shim.tensor(image))])
         assert scope.cancelled_caught
     await assert_contained(guest, rt)
+
+
+async def test_a_start_function_may_use_wasi_nn(rt: RecordingRuntime) -> None:
+    guest = await ComponentGuest.start(rt, shim_1028_starting(""), program="starter")
+    async with guest:
+        assert guest.live()["graph"] == 1  # the graph it loaded while starting
+    assert rt.graphs and all(g.unloaded for g in rt.graphs)
+
+
+async def test_a_start_function_that_traps_is_a_guest_trap(rt: RecordingRuntime) -> None:
+    from wasinn.host.runner import GuestTrap
+
+    # Before: InvalidArgumentError "cannot instantiate", as if the component did not link.
+    with pytest.raises(GuestTrap, match=r"starter trapped while starting: (?s:.*)unreachable"):
+        await ComponentGuest.start(rt, shim_1028_starting("unreachable"), program="starter")
+    assert rt.graphs and all(g.unloaded for g in rt.graphs)  # what it loaded is released
+    guest2, shim2 = await start_shim(rt)  # and the host goes on serving
+    async with guest2:
+        await shim2.context("affine")
+
+
+async def test_cancelling_a_spinning_start_function_interrupts_it(rt: RecordingRuntime) -> None:
+    # Before: the start ran in an uninterruptible thread, so this never returned.
+    with trio.move_on_after(0.3) as scope:
+        await ComponentGuest.start(rt, shim_1028_starting("(loop $l (br $l))"),
+                                   program="starter")
+    assert scope.cancelled_caught
+    assert rt.graphs and all(g.unloaded for g in rt.graphs)
 
 
 async def test_guests_in_parallel_get_their_own_errors(rt: RecordingRuntime) -> None:

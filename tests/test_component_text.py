@@ -108,3 +108,33 @@ async def test_run_wasm_reaches_the_component_runner_for_a_shim_text(
                            match=r"cannot instantiate echo_bytes\.wat: component imports "
                                  r"instance `host`"):
             await run_wasm(rt, path)
+
+
+#: A command component whose start function calls ``wasi:cli/exit`` with err: its
+#: ``run`` (which would return ok) never runs.
+START_EXIT_COMPONENT = """\
+;; exits while starting
+(component
+  (import "wasi:cli/exit@0.2.0" (instance $exit
+    (export "exit" (func (param "status" (result))))))
+  (core func $exit (canon lower (func $exit "exit")))
+  (core module $m
+    (import "cli" "exit" (func $exit (param i32)))
+    (func $starting (call $exit (i32.const 1)))
+    (start $starting)
+    (func (export "run") (result i32) (i32.const 0)))
+  (core instance $i (instantiate $m (with "cli" (instance (export "exit" (func $exit))))))
+  (func $run (result (result)) (canon lift (core func $i "run")))
+  (instance $run-instance (export "run" (func $run)))
+  (export "wasi:cli/run@0.2.0" (instance $run-instance)))
+"""
+
+
+async def test_an_exit_from_a_start_function_is_the_exit_status(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: InvalidArgumentError "cannot instantiate", as if the component did not link.
+    monkeypatch.setenv("WASINN_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "start_exit.wat"
+    path.write_text(START_EXIT_COMPONENT)
+    async with wasinn.Runtime() as rt:
+        assert await run_wasm(rt, path) == 1

@@ -51,6 +51,16 @@ def _trap_message(exc: BaseException) -> str:
     return str(exc).strip() or type(exc).__name__
 
 
+def _raised_in_wasm(exc: BaseException) -> bool:
+    """Whether instantiating failed in the component's own code (a start function that
+    trapped), not in linking. wasmtime-py's component API reports both as WasmtimeError;
+    only an error raised while wasm ran carries a wasm backtrace or a trap code."""
+    if isinstance(exc, wasmtime.Trap):
+        return True
+    text = str(exc)
+    return "wasm backtrace" in text or "wasm trap:" in text
+
+
 def compile_guest(wasm: bytes | str, program: str = "component") -> wc.Component:
     """Compile (or fetch from the disk cache) a component in binary or text format.
 
@@ -102,7 +112,9 @@ class ComponentGuest:
         case); when none can be created the guest runs without one and its
         ``wasinn:nn/scratch`` calls return ``unsupported-operation``.
         Raises InvalidArgumentError when it is not a component or imports something the
-        host does not provide.
+        host does not provide, and GuestTrap when one of its start functions traps.
+        Cancellation interrupts a start function that is running; whatever a failed start
+        loaded is released.
         """
         limits = limits or limits_of(rt)
         component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
@@ -116,10 +128,12 @@ class ComponentGuest:
         try:
             if scratch_dir is not None:
                 config.preopen_dir(str(scratch_dir.path), GUEST_PATH)
-            await trio.to_thread.run_sync(guest._instantiate, component, config)
+            # Instantiating runs the component's start functions, guest code that may
+            # call wasi-nn, trap or loop: it is interruptible like any call.
+            await guest._interruptible(guest._instantiate, component, config)
         except BaseException:
-            if scratch_dir is not None:
-                scratch_dir.remove()
+            # Releases what a start function loaded, and the scratch directory.
+            await guest.aclose()
             raise
         return guest
 
@@ -131,7 +145,14 @@ class ComponentGuest:
         linker = nn_linker(self.engine, self.service, self.interrupter)
         try:
             self.instance = linker.instantiate(store, component)
-        except wasmtime.WasmtimeError as exc:
+        except wasmtime.ExitTrap:
+            raise
+        except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
+            if self.interrupter.requested:
+                raise GuestTrap(INTERRUPTED) from None
+            if _raised_in_wasm(exc):
+                raise GuestTrap(
+                    f"{self.program} trapped while starting: {_trap_message(exc)}") from None
             raise InvalidArgumentError(f"cannot instantiate {self.program}: {exc}") from None
         self.store = store
         log.info("instantiated %s in %.1f ms", self.program, (time.perf_counter() - started) * 1e3)
@@ -332,8 +353,11 @@ async def run_component(
     interrupts the guest; every graph and context it held is released either way.
     """
     config = wasi_config(program, argv, dirs, env)
-    guest = await ComponentGuest.start(rt, wasm, limits=limits, wasi=config,
-                                       program=program)
+    try:
+        guest = await ComponentGuest.start(rt, wasm, limits=limits, wasi=config,
+                                           program=program)
+    except wasmtime.ExitTrap as exc:  # a start function called wasi:cli/exit
+        return int(exc.code)
     async with guest:
         run = _find_run(guest)
         try:
