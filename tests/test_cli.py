@@ -130,9 +130,12 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
         assert said in err and "ARGS" not in err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("guest", [WAT_DIR / "start_trap.wat",
+                                   WAT_DIR.parent / "components" / "start_trap.wat"],
+                         ids=["core-module", "component"])
 def test_a_trap_in_the_start_function_prints_its_message(
-        capfd: pytest.CaptureFixture[str]) -> None:
-    code = main(["run", str(WAT_DIR / "start_trap.wat")])
+        capfd: pytest.CaptureFixture[str], guest: Path) -> None:
+    code = main(["run", str(guest)])
     assert code == 134
     assert "unreachable" in capfd.readouterr().err
 
