@@ -13,14 +13,19 @@ How a batch forms (all in trio, per device actor, see :class:`Batcher`):
 * A request that finds no open batch it may join, and a free slot with nobody queued,
   runs at once as a plain request (``max_delay`` = 0: batching never delays an idle
   device). Otherwise it opens a batch: one entry in the device's queue, ordered by the
-  queue policy with the opener's priority, deadline and tenant.
+  queue policy with its members' highest priority, earliest deadline and tenant (the
+  opener's, until members join or leave: a batch whose most urgent member left moves
+  back in the queue to where its remaining members' terms place it).
 * Until that entry is granted a slot (and, with ``max_delay``, until ``max_delay`` after
-  the batch opened or until it is full), later requests join it when they are for the
+  the batch opened, until it is full, or until half the time left before its earliest
+  member's deadline has passed, so that a short timeout is not spent waiting), later
+  requests join it when they are for the
   same graph and input signature, of the same tenant, would not be served earlier on
   their own (priority no higher, deadline no earlier than the batch's), and their rows
   fit under ``max_batch``. Anything else opens a batch of its own.
 * The batch then runs as one job in a worker thread. Each member still gets its own
-  outcome, latency (queued: until the batch started running) and stats entry.
+  outcome, latency (queued: until the batch started running) and stats entry; the
+  device's ``batches`` count merged runs, ``batched`` the requests they answered.
 
 Correctness never rests on the merge:
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
@@ -66,6 +72,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, as_tensor
 
 from .jobs import backend_failure
+from .queue import Request
 from .stats import RequestStats
 
 log = logging.getLogger("wasinn.actors")
@@ -165,13 +172,18 @@ class BatchInputs:
 
 
 class _Member:
-    """One request in a batch: its inputs, and its outcome once the batch has run."""
+    """One request in a batch: its inputs and terms, and its outcome once the batch has
+    run."""
 
-    __slots__ = ("abandoned", "done", "granted", "inputs", "keep", "result")
+    __slots__ = ("abandoned", "deadline", "done", "granted", "inputs", "keep", "priority",
+                 "result")
 
-    def __init__(self, inputs: BatchInputs, keep: bool) -> None:
+    def __init__(self, inputs: BatchInputs, keep: bool, priority: int, deadline: float
+                 ) -> None:
         self.inputs = inputs
         self.keep = keep
+        self.priority = priority
+        self.deadline = deadline
         self.done = trio.Event()
         self.result: outcome.Outcome[dict[str, Tensor]] | None = None
         self.granted = math.inf  # perf_counter when its batch started running
@@ -179,10 +191,13 @@ class _Member:
 
 
 class _Batch:
-    """Requests that will run together; open (joinable) until it starts or fills up."""
+    """Requests that will run together; open (joinable) until it starts or fills up.
+    ``priority`` and ``deadline``: its live members' highest and earliest; ``request``:
+    its entry in the device's queue until it is granted a slot."""
 
     __slots__ = ("account", "batching", "deadline", "full", "key", "label", "live",
-                 "members", "open", "opened", "priority", "rows", "run", "scope", "tenant")
+                 "members", "open", "opened", "priority", "request", "rows", "run", "scope",
+                 "tenant")
 
     def __init__(self, key: Hashable, run: RunInputs, batching: Batching, priority: int,
                  deadline: float, tenant: str, label: str,
@@ -202,6 +217,20 @@ class _Batch:
         self.opened = trio.current_time()
         self.full = trio.Event()
         self.scope = trio.CancelScope()  # its runner's: cancelled once every member left
+        self.request: Request | None = None
+
+    def left(self) -> bool:
+        """A member left: recompute the terms from those still live; whether they
+        changed."""
+        live = [m for m in self.members if not m.abandoned]
+        if not live:
+            return False
+        priority = max(m.priority for m in live)
+        deadline = min(m.deadline for m in live)
+        if (priority, deadline) == (self.priority, self.deadline):
+            return False
+        self.priority, self.deadline = priority, deadline
+        return True
 
     def admits(self, inputs: BatchInputs, priority: int, deadline: float,
                tenant: str) -> bool:
@@ -213,20 +242,23 @@ class _Batch:
 class Batcher:
     """The batches of one device actor (trio only; see the module docstring).
 
-    ``take_slot(priority, deadline, tenant)`` queues for a worker slot; ``free_slot``
-    gives one back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held
-    slot (which it frees when the thread is done); ``start`` starts a task that lives as
-    long as the actor; ``stats`` counts the device's batches.
+    ``take_slot(request)`` queues for a worker slot as ``request``; ``requeue_slot(request,
+    priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
+    back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held slot (which
+    it frees when the thread is done); ``start`` starts a task that lives as long as the
+    actor; ``stats`` counts the device's batches.
     """
 
     def __init__(self, device: str,
-                 take_slot: Callable[[int, float, str], Awaitable[None]],
+                 take_slot: Callable[[Request], Awaitable[None]],
+                 requeue_slot: Callable[[Request, int, float], None],
                  free_slot: Callable[[], None],
                  run_in_slot: Callable[[Callable[[], Any], str], Awaitable[Any]],
                  start: Callable[[Callable[[_Batch], Awaitable[None]], _Batch], None],
                  stats: RequestStats) -> None:
         self._device = device
         self._take_slot = take_slot
+        self._requeue_slot = requeue_slot
         self._free_slot = free_slot
         self._run_in_slot = run_in_slot
         self._start = start
@@ -245,6 +277,8 @@ class Batcher:
         and when (perf_counter) its batch started running. ``key`` names what may run
         together (the graph on this device); the input signature is added to it."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        if type(priority) is not int:
+            priority = operator.index(priority)  # a numpy integer: compared and negated
         full_key = (key, inputs.signature)
         batch = self._joinable(full_key, inputs, priority, deadline, tenant)
         if batch is None:
@@ -252,7 +286,7 @@ class Batcher:
                            account)
             self._start(self._lead, batch)  # raises ClosedResourceError once closed
             self._open.setdefault(full_key, []).append(batch)
-        member = _Member(inputs, keep)
+        member = _Member(inputs, keep, priority, deadline)
         batch.members.append(member)
         batch.rows += inputs.rows
         batch.live += 1
@@ -271,6 +305,9 @@ class Batcher:
                 if not batch.live:  # nobody wants it any more
                     self._close(batch)
                     batch.scope.cancel()
+                elif batch.left() and batch.request is not None:
+                    # Still queued: it waits on its remaining members' terms.
+                    self._requeue_slot(batch.request, batch.priority, batch.deadline)
             raise
         result = member.result
         assert result is not None
@@ -306,10 +343,12 @@ class Batcher:
         try:
             with batch.scope:
                 self.queued_batches += 1
+                batch.request = Request(batch.priority, batch.deadline, batch.tenant)
                 try:
-                    await self._take_slot(batch.priority, batch.deadline, batch.tenant)
+                    await self._take_slot(batch.request)
                 finally:
                     self.queued_batches -= 1
+                    batch.request = None
                 outcomes = await self._gather_and_run(batch)
         except Exception as exc:  # queue full, device closed: every member's error
             failure = exc
@@ -327,7 +366,11 @@ class Batcher:
         try:
             delay = batch.batching.max_delay
             if delay and batch.open:
-                with trio.move_on_at(batch.opened + delay):
+                until = batch.opened + delay
+                if batch.deadline < until:  # leave the run half of the time that is left
+                    now = trio.current_time()
+                    until = min(until, now + (batch.deadline - now) / 2)
+                with trio.move_on_at(until):
                     await batch.full.wait()
             self._close(batch)
         except BaseException:
@@ -345,9 +388,11 @@ class Batcher:
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
             job, batch.label)
         if job.merged:
-            self._stats.record_batch(len(members))
+            # Members that left while it ran are counted as they ended, not as answered.
+            answered = sum(not member.abandoned for member in members)
+            self._stats.record_batch(answered)
             if batch.account is not None:
-                batch.account.record_batch(len(members))
+                batch.account.record_batch(answered)
         return outcomes
 
     def _settle(self, batch: _Batch, outcomes: Sequence[outcome.Outcome[Any]] | None,

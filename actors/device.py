@@ -85,7 +85,7 @@ from .devicectx import DeviceContext, context_for
 from .inline import RunProfile
 from .jobs import Wrap, backend_failure, in_context
 from .lease import Lease
-from .queue import PriorityDeadlinePolicy, QueuePolicy
+from .queue import PriorityDeadlinePolicy, QueuePolicy, Request
 from .session import Session
 from .slots import Slots
 from .stats import DeviceStats, Outcome, RequestStats, outcome_of
@@ -159,8 +159,9 @@ class DeviceActor:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stats = RequestStats()
         self._nursery: trio.Nursery | None = None  # the batches' tasks, while serving
-        self._batcher = Batcher(str(device), self._take_slot, self._slots.free,
-                                self._run_in_slot, self._start_task, self._stats)
+        self._batcher = Batcher(str(device), self._take_batch_slot, self._slots.requeue,
+                                self._slots.free, self._run_in_slot, self._start_task,
+                                self._stats)
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -511,6 +512,13 @@ class DeviceActor:
         except RuntimeError as exc:  # its nursery closed: serve() is being cancelled
             raise ClosedResourceError(f"{self.device}: the device actor is closing") from exc
 
+    def record_unqueued(self, account: RequestStats | None, exc: BaseException,
+                        seconds: float) -> None:
+        """Count a request placed on this device that ended with ``exc`` before it
+        reached the queue (while it waited for its graph to compile here), as
+        :meth:`execute` counts one that ends in it."""
+        self._record(account, outcome_of(exc), seconds)
+
     def _record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
                 queued: float = 0.0, leased: bool = False) -> None:
         self._stats.record(outcome, seconds, queued=queued, leased=leased)
@@ -732,8 +740,14 @@ class DeviceActor:
         self._record(account, outcome, time.perf_counter() - start, queued=queued,
                      leased=True)
 
-    async def _take_slot(self, priority: int, deadline: float, tenant: str) -> None:
-        await self._slots.take(priority, deadline, tenant)
+    async def _take_slot(self, priority: int, deadline: float, tenant: str, *,
+                         request: Request | None = None) -> None:
+        await self._slots.take(priority, deadline, tenant, request=request)
         if self._closed:  # closed between the grant and now: nothing may start any more
             self._slots.free()
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
+
+    async def _take_batch_slot(self, request: Request) -> None:
+        # A batch waits in the queue as ``request``, whose terms change as members leave.
+        await self._take_slot(request.priority, request.deadline, request.tenant,
+                              request=request)

@@ -11,9 +11,9 @@ earliest deadline, then the oldest request. Policies are objects behind the smal
 * per-tenant fairness: :class:`TenantRoundRobinPolicy` keeps one priority/deadline
   sub-queue per ``tenant`` and serves the tenants in turn (a pool's ``policy = "fair"``);
   weighted shares (deficit counters) fit behind the same ``push``/``pop``/``remove``;
-* dynamic batching (:mod:`wasinn.actors.batching`) needed no change here: a batch waits
-  in the queue as one request with its opener's priority, deadline and tenant, and
-  compatible requests join it while it waits;
+* dynamic batching (:mod:`wasinn.actors.batching`) needed one addition, ``requeue``: a
+  batch waits in the queue as one request with its members' highest priority and
+  earliest deadline, which change when a member leaves;
 * load shedding: ``queue_limit`` already refuses work past a bound (TooLargeError).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 from collections import deque
 from typing import Protocol
 
@@ -31,24 +32,29 @@ import trio
 class Request:
     """One caller waiting for a worker slot on a device actor.
 
-    ``deadline`` is in ``trio.current_time()`` units (``math.inf`` = none). ``granted`` is
-    set (by :class:`~wasinn.actors.slots.Slots`) when the request leaves the queue with a
-    slot reserved for it; ``removed`` once it is no longer queued (popped or removed), so
-    that removing it again does nothing.
+    ``deadline`` is in ``trio.current_time()`` units (``math.inf`` = none); ``priority``
+    any integer (a numpy one is converted: ``-priority`` of an unsigned one would wrap
+    around). ``queued`` is set (by :class:`~wasinn.actors.slots.Slots`) when it enters a
+    queue, ``granted`` when it leaves the queue with a slot reserved for it, ``removed``
+    once it is no longer queued (popped or removed), so that removing it again does
+    nothing. ``key`` is its place in a queue (:meth:`sort_key` as of its last push).
     """
 
-    __slots__ = ("deadline", "event", "granted", "priority", "removed", "seq", "tenant")
+    __slots__ = ("deadline", "event", "granted", "key", "priority", "queued", "removed",
+                 "seq", "tenant")
 
     _counter = itertools.count()
 
     def __init__(self, priority: int = 0, deadline: float = math.inf, tenant: str = "") -> None:
-        self.priority = priority
+        self.priority = priority if type(priority) is int else operator.index(priority)
         self.deadline = deadline
         self.tenant = tenant
         self.seq = next(Request._counter)
         self.event = trio.Event()
         self.granted = False
+        self.queued = False
         self.removed = False
+        self.key: tuple[int, float, int] | None = None
 
     def sort_key(self) -> tuple[int, float, int]:
         """Higher priority first, then earlier deadline, then arrival order."""
@@ -67,6 +73,10 @@ class QueuePolicy(Protocol):
     def remove(self, request: Request) -> None:
         """Forget a request that gave up waiting (cancelled or past its deadline)."""
 
+    def requeue(self, request: Request, priority: int, deadline: float) -> None:
+        """Give a waiting request a new priority and deadline (it keeps its arrival
+        order among requests of equal terms)."""
+
     def __len__(self) -> int:
         """How many requests are waiting."""
 
@@ -75,9 +85,10 @@ class PriorityDeadlinePolicy:
     """Highest ``priority`` first, then earliest ``deadline``, then first come.
 
     A binary heap with lazy deletion: ``remove`` marks the request and ``pop`` skips it,
-    so cancelling a queued request costs O(1). The heap is rebuilt without the marked
-    entries once they are most of it, so requests that gave up (timed out behind a long
-    run) cannot grow it past twice the live ones.
+    so cancelling a queued request costs O(1); ``requeue`` pushes a new entry and leaves
+    the old one stale (its key is no longer the request's). The heap is rebuilt without
+    dead entries once they are most of it, so requests that gave up (timed out behind a
+    long run) cannot grow it past twice the live ones.
     """
 
     def __init__(self) -> None:
@@ -85,13 +96,14 @@ class PriorityDeadlinePolicy:
         self._live = 0
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.sort_key(), request))
+        request.key = key = request.sort_key()
+        heapq.heappush(self._heap, (key, request))
         self._live += 1
 
     def pop(self) -> Request | None:
         while self._heap:
-            _, request = heapq.heappop(self._heap)
-            if not request.removed:
+            key, request = heapq.heappop(self._heap)
+            if not request.removed and key is request.key:
                 request.removed = True
                 self._live -= 1
                 return request
@@ -101,9 +113,21 @@ class PriorityDeadlinePolicy:
         if not request.removed:
             request.removed = True
             self._live -= 1
-            if len(self._heap) > 2 * self._live + 64:
-                self._heap = [entry for entry in self._heap if not entry[1].removed]
-                heapq.heapify(self._heap)
+            self._compact()
+
+    def requeue(self, request: Request, priority: int, deadline: float) -> None:
+        request.priority, request.deadline = priority, deadline
+        if request.removed or request.key == request.sort_key():
+            return
+        request.key = key = request.sort_key()
+        heapq.heappush(self._heap, (key, request))
+        self._compact()
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * self._live + 64:
+            self._heap = [entry for entry in self._heap
+                          if not entry[1].removed and entry[0] is entry[1].key]
+            heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return self._live
@@ -170,6 +194,11 @@ class TenantRoundRobinPolicy:
                 self._idle += 1
                 if self._idle > len(self._queues) - self._idle + 64:
                     self._sweep()
+
+    def requeue(self, request: Request, priority: int, deadline: float) -> None:
+        queue = self._queues.get(request.tenant)
+        if queue is not None:
+            queue.requeue(request, priority, deadline)
 
     def _forget(self, tenant: str) -> None:
         del self._queues[tenant]

@@ -62,9 +62,13 @@ class Slots:
         self._token = trio.lowlevel.current_trio_token()
 
     # -- in trio ----------------------------------------------------------------------------
-    async def take(self, priority: int = 0, deadline: float = math.inf, tenant: str = "") -> None:
+    async def take(self, priority: int = 0, deadline: float = math.inf, tenant: str = "",
+                   *, request: Request | None = None) -> None:
         """Hold a slot: at once if one is free and nobody is queued, else after queueing.
 
+        ``request``: the queue entry to wait as (its own terms then apply), for a caller
+        that may :meth:`requeue` it while it waits; by default one is made from
+        ``priority``, ``deadline`` and ``tenant`` when the request has to queue.
         Raises ClosedResourceError when closed (before or while queued), TooLargeError when
         the queue is full. Cancelled while queued, the request leaves the queue (a slot
         granted at that very moment is handed on).
@@ -81,7 +85,9 @@ class Slots:
                     f"{self.name}: the request queue is full ({self.queue_limit} waiting): "
                     "retry later or raise the pool's queue_limit"
                 )
-            request = Request(priority, deadline, tenant)
+            if request is None:
+                request = Request(priority, deadline, tenant)
+            request.queued = True
             self._policy.push(request)
         try:
             await request.event.wait()
@@ -94,6 +100,15 @@ class Slots:
             raise
         if not request.granted:
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
+
+    def requeue(self, request: Request, priority: int, deadline: float) -> None:
+        """New terms for ``request`` (in trio): it moves in the queue if it waits there,
+        and queues with them if it has not reached the queue yet."""
+        with self._lock:
+            if request.queued:
+                self._policy.requeue(request, priority, deadline)
+            else:
+                request.priority, request.deadline = priority, deadline
 
     def free(self) -> None:
         """Give a slot back (in trio) and grant it to the next queued request."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
@@ -311,19 +312,28 @@ class Scheduler:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
         if session is None:
-            session = await self._placed_session(actor, model, deadline)
+            session = await self._placed_session(actor, model, deadline, model.requests)
         return actor, session, functools.partial(_run, session)
 
     async def _placed_session(self, actor: DeviceActor, model: LoadedModel,
-                              deadline: float) -> Session:
+                              deadline: float, account: RequestStats | None) -> Session:
         # ``model``'s session on ``actor`` for a request that must start by ``deadline``:
-        # the request counts as the device's load meanwhile.
+        # the request counts as the device's load meanwhile, and is counted in the
+        # device's stats (and ``account``) if it ends here.
+        start = time.perf_counter()
         actor.placed += 1
         try:
-            with trio.move_on_at(deadline):
-                return await self.session(actor, model)
+            return await self._session_by(actor, model, deadline)
+        except BaseException as exc:
+            actor.record_unqueued(account, exc, time.perf_counter() - start)
+            raise
         finally:
             actor.placed -= 1
+
+    async def _session_by(self, actor: DeviceActor, model: LoadedModel, deadline: float
+                          ) -> Session:
+        with trio.move_on_at(deadline):
+            return await self.session(actor, model)
         raise TimeoutError_(
             f"{actor.device}: the request's deadline passed while {model.name} was being "
             "compiled there (the compile goes on: a later request uses it)")
@@ -338,7 +348,8 @@ class Scheduler:
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
-        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
+                                                account)
         run = functools.partial(_run_chain, sessions, links)
         return await _execute(actor, _chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
@@ -352,7 +363,8 @@ class Scheduler:
                           account: RequestStats | None = None,
                           batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
-        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline)
+        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
+                                                account)
         return await _lease(actor, _chain_key(name, models, links),
                             functools.partial(_run_chain, sessions, links),
                             _keep(actor, keep_on_device), batching, inputs,
@@ -361,8 +373,8 @@ class Scheduler:
                             sessions=sessions, run_held=functools.partial(_chain, links))
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
-                         target: ExecutionTarget, inputs: Inputs, deadline: float
-                         ) -> tuple[DeviceActor, list[Session]]:
+                         target: ExecutionTarget, inputs: Inputs, deadline: float,
+                         account: RequestStats | None) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
         actor = self.pick(target, inputs)
         if not actor.ready:
@@ -373,7 +385,7 @@ class Scheduler:
                 raise ClosedResourceError(f"pipeline {name!r}: {model.name} was unloaded")
             session = actor.cached_session(model.id)
             if session is None:
-                session = await self._placed_session(actor, model, deadline)
+                session = await self._placed_session(actor, model, deadline, account)
             sessions.append(session)
         return actor, sessions
 

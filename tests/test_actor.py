@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -153,6 +154,37 @@ def test_requests_that_gave_up_do_not_pile_up_in_the_queue() -> None:
         fair.remove(gone)
     assert len(fair) == 1 and len(fair._queues) <= 2 + 64 + 1 and len(fair._turns) <= 2 + 64 + 1
     assert fair.pop() is waiting and fair.pop() is None
+
+
+@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, TenantRoundRobinPolicy])
+def test_a_requeued_request_moves_and_keeps_its_arrival_order(policy: type[Any]) -> None:
+    queue = policy()
+    early, urgent, late = Request(2, tenant="a"), Request(9, tenant="a"), Request(2, tenant="a")
+    for r in (early, urgent, late):
+        queue.push(r)
+    queue.requeue(urgent, 2, math.inf)  # its most urgent part left: now as early's terms
+    assert len(queue) == 3
+    # Among equal terms, arrival order: urgent came after early and before late.
+    assert [queue.pop(), queue.pop(), queue.pop(), queue.pop()] == [early, urgent, late, None]
+    queue.push(r := Request(0, 5.0, tenant="a"))
+    queue.requeue(r, 0, 1.0)
+    queue.requeue(r, 0, 1.0)  # the same terms again: no second entry
+    queue.remove(r)
+    assert len(queue) == 0 and queue.pop() is None  # its stale entries are skipped
+    for _ in range(1000):  # requeued over and over: the heap stays bounded
+        queue.push(r := Request(0, tenant="a"))
+        for step in range(5):
+            queue.requeue(r, step, math.inf)
+        assert queue.pop() is r
+    heaps = [queue._heap] if policy is PriorityDeadlinePolicy else [
+        q._heap for q in queue._queues.values()]
+    assert all(len(heap) <= 2 * 1 + 64 + 1 for heap in heaps)
+
+
+def test_a_numpy_priority_is_an_int() -> None:
+    # -np.uint8(10) wraps around: the queue would serve it last.
+    request = Request(np.uint8(10))  # type: ignore[arg-type]
+    assert type(request.priority) is int and request.sort_key()[0] == -10
 
 
 @pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, TenantRoundRobinPolicy])

@@ -276,6 +276,70 @@ async def test_a_higher_priority_request_does_not_wait_in_a_lower_batch(
     assert (graph.stats().batches, graph.stats().batched) == (1, 2)
 
 
+async def test_a_batch_whose_most_urgent_member_left_moves_back_in_the_queue(
+        rt: wasinn.Runtime) -> None:
+    # Before: the batch kept its opener's priority (and deadline) after the opener left,
+    # so a priority-0 member overtook a priority-5 request queued before it.
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    plain = await rt.load([affine_onnx()], "onnx")  # never batched: no batch to join
+    order: list[str] = []
+    opener = trio.CancelScope()
+
+    async def call(name: str, priority: int, scope: trio.CancelScope | None = None,
+                   g: wasinn.Graph = graph) -> None:
+        with scope or trio.CancelScope():
+            await g.compute({"x": rows(1)}, priority=priority)
+            order.append(name)
+
+    async with device_busy(only_actor(rt)) as nursery:
+        nursery.start_soon(functools.partial(call, "plain 5", 5, g=plain))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "opener 10", 10, opener)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "member 0", 0)
+        await trio.testing.wait_all_tasks_blocked()
+        opener.cancel()
+    assert order == ["plain 5", "member 0"]
+
+
+async def test_a_batch_whose_earliest_deadline_left_moves_back_in_the_queue(
+        rt: wasinn.Runtime) -> None:
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    plain = await rt.load([affine_onnx()], "onnx")
+    order: list[str] = []
+
+    async def call(name: str, g: wasinn.Graph = graph, **terms: Any) -> None:
+        with contextlib.suppress(TimeoutError_):
+            await g.compute({"x": rows(1)}, **terms)
+            order.append(name)
+
+    async with device_busy(only_actor(rt)) as nursery:
+        nursery.start_soon(functools.partial(call, "due in 30 s", plain, timeout=30))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(functools.partial(call, "opener", timeout=0.05))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(call, "member without a deadline")
+        await trio.sleep(0.2)  # the opener times out
+    assert order == ["due in 30 s", "member without a deadline"]
+
+
+async def test_numpy_integer_priorities_order_as_their_values(rt: wasinn.Runtime) -> None:
+    # Before: -np.uint8(10) wrapped around to 246, so the highest priority ran last.
+    graph = await rt.load([affine_onnx()], "onnx")
+    order: list[str] = []
+
+    async def call(name: str, priority: Any) -> None:
+        await graph.compute({"x": rows(1)}, priority=priority)
+        order.append(name)
+
+    async with device_busy(only_actor(rt)) as nursery:
+        for name, priority in (("5", 5), ("uint8 10", np.uint8(10)), ("7", 7),
+                               ("uint64 6", np.uint64(6))):
+            nursery.start_soon(call, name, priority)
+            await trio.testing.wait_all_tasks_blocked()
+    assert order == ["uint8 10", "7", "uint64 6", "5"]
+
+
 async def test_a_failing_request_fails_alone(rt: wasinn.Runtime,
                                              caplog: pytest.LogCaptureFixture) -> None:
     graph = await rt.load([gather_onnx()], "onnx", batching=Batching(max_batch=8))
@@ -346,6 +410,44 @@ async def test_a_batch_everyone_left_leaves_the_queue(rt: wasinn.Runtime) -> Non
     assert actor.stats().running == 0 and graph.stats().cancelled == 3
 
 
+async def test_batched_counts_only_the_members_a_merged_run_answered(
+        rt: wasinn.Runtime) -> None:
+    # Before: members cancelled while the merged run ran were counted as batched too.
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+    session = only_actor(rt).cached_session(graph._executable.id)  # type: ignore[attr-defined]
+    assert session is not None
+    compiled = session.compiled
+    real_run, in_run, go_on = compiled.run, threading.Event(), threading.Event()
+
+    def slow_merged_run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+        in_run.set()
+        go_on.wait(30)
+        return real_run(inputs, **kwargs)
+
+    compiled.run = slow_merged_run  # type: ignore[method-assign]
+    scopes: list[trio.CancelScope] = []
+    results: dict[Any, Any] = {}
+    gate = threading.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(only_actor(rt).execute,
+                                                 lambda: gate.wait(30)))
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(2):
+                nursery.start_soon(cancellable, scopes, graph, rows(i))
+            nursery.start_soon(compute_into, graph, {"x": rows(2)}, results, "stays")
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+            await trio.to_thread.run_sync(in_run.wait)  # the merged run of all three
+            for scope in scopes:
+                scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            go_on.set()
+    np.testing.assert_allclose(results["stays"], 2 * rows(2) + 1)
+    stats = graph.stats()
+    assert (stats.completed, stats.cancelled, stats.batches, stats.batched) == (1, 2, 1, 1)
+
+
 async def cancellable(scopes: list[trio.CancelScope], graph: wasinn.Graph,
                       x: np.ndarray[Any, Any]) -> None:
     """``graph.compute`` under a cancel scope of its own, added to ``scopes``."""
@@ -397,6 +499,17 @@ async def test_max_delay_gathers_requests_on_an_idle_device(rt: wasinn.Runtime) 
         nursery.start_soon(compute_into, graph, {"x": rows(2)}, results, 2)
     assert sizes == [2]
     np.testing.assert_allclose(results[2], 2 * rows(2) + 1)
+
+
+async def test_max_delay_does_not_outlast_a_short_timeout(rt: wasinn.Runtime) -> None:
+    # Before: the batch waited out max_delay, past the request's deadline, on an idle
+    # device: a request with timeout < max_delay always timed out.
+    graph = await rt.load([affine_onnx()], "onnx",
+                          batching=Batching(max_batch=8, max_delay=2))
+    with trio.fail_after(1):
+        out = await graph.compute({"x": rows(1)}, timeout=0.4)
+    np.testing.assert_allclose(out["y"].numpy(), 2 * rows(1) + 1)
+    assert graph.stats().completed == 1
 
 
 async def test_a_full_batch_does_not_wait_out_max_delay() -> None:

@@ -195,6 +195,11 @@ async def test_callers_waiting_on_one_compile_leave_on_their_own_deadlines(
     assert isinstance(outcomes["second"], TimeoutError_)
     assert outcomes["patient"] == [[2.0] * 4]
     assert sorted(fake.loads) == ["cpu", "gpu:0"]
+    # Each request is counted by how it ended, those that ended during the compile too
+    # (before: only "patient" was counted, anywhere).
+    (gpu,) = [stats for stats in one_gpu.stats() if stats.device == "gpu:0"]
+    for stats in (graph.stats(), gpu):
+        assert (stats.completed, stats.timed_out, stats.cancelled) == (1, 2, 1), stats
 
 
 async def test_a_graph_unloaded_while_it_compiles_is_not_kept(one_gpu: wasinn.Runtime,
