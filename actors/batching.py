@@ -414,9 +414,7 @@ class Batcher:
         if failure is None:
             return ClosedResourceError(f"{self._device}: the batch was dropped")
         if isinstance(failure, WasiNNError):
-            error = type(failure)(failure.message)
-            error.__cause__ = failure
-            return error
+            return failure.for_another_caller()
         return failure
 
 

@@ -337,7 +337,7 @@ class DeviceActor:
                     raise
             await pending.done.wait()
             if pending.error is not None:  # this caller's own error, the compile's as cause
-                raise type(pending.error)(pending.error.message) from pending.error
+                raise pending.error.for_another_caller()
 
     async def _compile_task(self, job: tuple[Hashable, _Compiling,
                                              Callable[[], CompiledGraph], str,

@@ -48,6 +48,17 @@ class WasiNNError(Exception):
         super().__init__(message)
         self.message = message
 
+    def for_another_caller(self) -> WasiNNError:
+        """A new error of this type, message and attributes, caused by this one: for each
+        caller that shares one failure (one exception object raised in several tasks
+        would collect all their tracebacks). The subclass's constructor is not called,
+        so one that takes other arguments (a backend's own error) is copied too."""
+        error: WasiNNError = type(self).__new__(type(self), *self.args)
+        Exception.__init__(error, *self.args)
+        error.__dict__.update(self.__dict__)
+        error.__cause__ = self
+        return error
+
 
 class InvalidArgumentError(WasiNNError):
     code = ErrorCode.INVALID_ARGUMENT

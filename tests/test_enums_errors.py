@@ -55,3 +55,23 @@ def test_bad_batching_bounds_are_invalid_arguments(args: tuple[object, ...],
     assert caught.value.message == message
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
     assert isinstance(caught.value, ValueError)  # what it raised before: still caught
+
+
+class _BackendsOwnError(wasinn.BackendRuntimeError):
+    """A third-party backend's error whose constructor takes other arguments."""
+
+    def __init__(self, op: str, status: int) -> None:
+        super().__init__(f"{op} failed with status {status}")
+        self.op, self.status = op, status
+
+
+@pytest.mark.parametrize("error", [wasinn.TimeoutError_("cpu: too slow"),
+                                   _BackendsOwnError("conv", 7)],
+                         ids=["wasinn's", "a backend's own"])
+def test_a_shared_failure_is_copied_for_each_caller(error: wasinn.WasiNNError) -> None:
+    # One compile or batch failure reaches several callers: each raises its own copy.
+    # Before, type(error)(error.message) raised TypeError for a different constructor.
+    copy = error.for_another_caller()
+    assert copy is not error and type(copy) is type(error)
+    assert (str(copy), copy.message, copy.code) == (str(error), error.message, error.code)
+    assert copy.__cause__ is error and vars(copy) == vars(error)
