@@ -44,14 +44,14 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import trio
 
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import ClosedResourceError, InvalidArgumentError, TooLargeError
+from wasinn.errors import ClosedResourceError, InvalidArgumentError
 from wasinn.tensor import Tensor, as_tensor
 
+from .binding import OutputBuffer, fill
 from .model import Executable, Inputs
 
 if TYPE_CHECKING:
@@ -151,21 +151,6 @@ def tensor_inputs(inputs: object) -> Inputs:
     return converted
 
 
-def _writable_bytes(buffer: Any, what: str) -> np.ndarray[Any, Any]:
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"{what}: {type(buffer).__name__} is not a buffer: expected a writable numpy "
-            "array, bytearray or memoryview"
-        ) from None
-    if view.readonly:
-        raise InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
-    if not view.c_contiguous:
-        raise InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
-    return np.frombuffer(view.cast("B"), dtype=np.uint8)
-
-
 class ExecutionContext:
     """A lightweight ticket for running one graph (or pipeline) on ``target`` devices."""
 
@@ -177,7 +162,7 @@ class ExecutionContext:
         self.target = target
         self._inputs: dict[str, Tensor] | None = None
         self._outputs: dict[str, Tensor] | None = None
-        self._bound: dict[str, np.ndarray[Any, Any]] | None = None
+        self._bound: dict[str, OutputBuffer] | None = None
         self._closed = False
 
     def __repr__(self) -> str:
@@ -246,7 +231,7 @@ class ExecutionContext:
                 "request ran: the outputs were dropped")
         self._outputs = outputs
         if self._bound:
-            self._fill(outputs)
+            fill(self._bound, outputs)
 
     # -- in the caller's thread -------------------------------------------------------------
     async def lease(
@@ -358,11 +343,15 @@ class ExecutionContext:
     def set_output(self, key: str | int, buffer: Any) -> None:
         """Bind a writable host buffer that ``run``/``compute`` fill with output ``key``.
 
-        Raises InvalidArgumentError for an unknown key or a read-only/non-contiguous buffer.
+        A byte buffer (``bytearray``, ``memoryview``, ``uint8`` array) receives the
+        output's bytes and may be larger; a typed numpy array must have the output's
+        dtype and shape (checked at each run, before any bound buffer is written: see
+        :mod:`wasinn.scheduler.binding`). Raises InvalidArgumentError for an unknown key,
+        a read-only/non-contiguous buffer or a dtype with no wasi-nn element type.
         """
         self._check_open()
         name = spec_name(self._executable.outputs, key, "output", self._executable.name)
-        target = _writable_bytes(buffer, f"output {name!r}")
+        target = OutputBuffer(name, buffer)
         if self._bound is None:
             self._bound = {}
         self._bound[name] = target
@@ -391,20 +380,6 @@ class ExecutionContext:
             raise InvalidArgumentError(
                 f"{self._executable.name}: output {name!r} was not produced by the last run"
             ) from None
-
-    def _fill(self, outputs: dict[str, Tensor]) -> None:
-        assert self._bound is not None
-        for name, target in self._bound.items():
-            tensor = outputs.get(name)
-            if tensor is None:
-                continue
-            raw = tensor.numpy().reshape(-1).view(np.uint8)
-            if raw.nbytes > target.nbytes:
-                raise TooLargeError(
-                    f"output {name!r} is {raw.nbytes} bytes ({list(tensor.dims)} of "
-                    f"{tensor.type.value}) but its bound buffer holds {target.nbytes}"
-                )
-            target[: raw.nbytes] = raw
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:

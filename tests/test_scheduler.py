@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.backend_models import affine
+from tests.backend_models import affine, two_outputs
 from tests.loop_model import LONG_LOOP, loop_onnx
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
 from tests.support import require_backend
@@ -125,6 +125,44 @@ async def test_staged_run_fills_the_bound_buffer_in_place(rt: wasinn.Runtime) ->
     ctx.set_output(0, raw)
     await ctx.run()
     assert np.frombuffer(raw, np.float32).tolist() == [3.0] * 12
+
+
+async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
+        rt: wasinn.Runtime) -> None:
+    # Before: a float64 buffer got the f32 output's raw bytes (garbage values) and a
+    # (3, 4) buffer for a (2, 4) output was partly written, both without an error.
+    builders, encoding = affine("onnxruntime", 2.0, 1.0)
+    graph = await rt.load(builders, encoding)
+    ctx = graph.init_execution_context()
+    x = {"x": np.ones((2, 4), np.float32)}
+    for buffer, said in ((np.full((2, 4), -7.0), "is f32 but its bound buffer is float64"),
+                         (np.full((3, 4), -7.0, np.float32),
+                          r"has shape \[2, 4\] but its bound buffer has shape \[3, 4\]")):
+        ctx.set_output("y", buffer)
+        with pytest.raises(InvalidArgumentError, match=said):
+            await ctx.compute(x)
+        assert (buffer == -7).all()
+        np.testing.assert_array_equal(ctx.get_output("y").numpy(), np.full((2, 4), 3.0))
+    flat = np.zeros(8, np.float32)  # as many elements, in one dimension: accepted
+    ctx.set_output("y", flat)
+    await ctx.compute(x)
+    assert flat.tolist() == [3.0] * 8
+    with pytest.raises(InvalidArgumentError, match="complex64 has no wasi-nn element type"):
+        ctx.set_output("y", np.zeros((2, 4), np.complex64))
+
+
+async def test_a_run_whose_outputs_do_not_all_fit_writes_no_bound_buffer(
+        rt: wasinn.Runtime) -> None:
+    # Before: the first output was written, then the second's buffer was found too small.
+    builders, encoding, (first, second) = two_outputs("onnxruntime")
+    graph = await rt.load(builders, encoding)
+    ctx = graph.init_execution_context()
+    fits, small = bytearray(32), bytearray(16)
+    ctx.set_output(first, fits)
+    ctx.set_output(second, small)
+    with pytest.raises(TooLargeError, match=f"output {second!r} is 32 bytes"):
+        await ctx.compute({"x": np.full((2, 4), 5.0, np.float32)})
+    assert fits == bytearray(32) and small == bytearray(16)
 
 
 async def test_one_shot_compute_on_the_graph(rt: wasinn.Runtime) -> None:

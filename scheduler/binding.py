@@ -1,0 +1,94 @@
+"""Host buffers bound to a context's outputs (``ExecutionContext.set_output``).
+
+A run writes each bound output into its buffer in place, as wasi-nn's ``get-output``
+writes into a guest's. Two kinds of buffer are accepted:
+
+* a byte buffer (``bytearray``, a ``memoryview``, a ``uint8`` array: what guests bind):
+  it receives the output's bytes and may be larger than they are;
+* a typed numpy array: its dtype must be the output's element type and its shape the
+  output's (or flat with as many elements), so that it never holds reinterpreted bytes
+  or a partly written result.
+
+Every bound buffer is checked against the run's outputs before any is written: a run
+whose outputs do not fit leaves every buffer as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from wasinn.errors import InvalidArgumentError, TooLargeError
+from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
+
+
+class OutputBuffer:
+    """One bound buffer: its bytes, and the typed array it came from (None for bytes)."""
+
+    __slots__ = ("array", "name", "raw")
+
+    def __init__(self, name: str, buffer: Any) -> None:
+        """Raises InvalidArgumentError for anything but a writable contiguous buffer, or
+        a numpy array whose dtype carries no wasi-nn element type."""
+        what = f"output {name!r}"
+        try:
+            view = memoryview(buffer)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"{what}: {type(buffer).__name__} is not a buffer: expected a writable numpy "
+                "array, bytearray or memoryview"
+            ) from None
+        if view.readonly:
+            raise InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
+        if not view.c_contiguous:
+            raise InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
+        typed = isinstance(buffer, np.ndarray) and buffer.dtype != np.uint8
+        if typed:
+            try:
+                tensor_type_of(buffer.dtype)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{what}: {exc.message}") from None
+        self.name = name
+        self.array: np.ndarray[Any, Any] | None = buffer if typed else None
+        self.raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+
+    def check(self, tensor: Tensor) -> None:
+        """InvalidArgumentError (a typed buffer of another dtype or shape) or TooLargeError
+        (too few bytes) unless ``tensor`` can be written here."""
+        array = self.array
+        if array is not None:
+            dims = tuple(tensor.dims)
+            expected = numpy_dtype(tensor.type)
+            if array.dtype != expected:
+                raise InvalidArgumentError(
+                    f"output {self.name!r} is {tensor.type.value} but its bound buffer is "
+                    f"{array.dtype}: expected a {expected} array, or a byte buffer")
+            count = math.prod(dims)
+            if array.shape != dims and not (array.ndim == 1 and array.size == count):
+                raise InvalidArgumentError(
+                    f"output {self.name!r} has shape {list(dims)} but its bound buffer has "
+                    f"shape {list(array.shape)}: expected that shape (or {count} elements "
+                    "in one dimension), or a byte buffer")
+            return
+        nbytes = tensor.nbytes
+        if nbytes > self.raw.nbytes:
+            raise TooLargeError(
+                f"output {self.name!r} is {nbytes} bytes ({list(tensor.dims)} of "
+                f"{tensor.type.value}) but its bound buffer holds {self.raw.nbytes}"
+            )
+
+    def write(self, tensor: Tensor) -> None:
+        """Copy ``tensor`` in (after :meth:`check`)."""
+        raw = tensor.numpy().reshape(-1).view(np.uint8)
+        self.raw[: raw.nbytes] = raw
+
+
+def fill(bound: dict[str, OutputBuffer], outputs: dict[str, Tensor]) -> None:
+    """Write each of ``outputs`` into its bound buffer: all of them, or (an error) none."""
+    pairs = [(buffer, outputs[name]) for name, buffer in bound.items() if name in outputs]
+    for buffer, tensor in pairs:
+        buffer.check(tensor)
+    for buffer, tensor in pairs:
+        buffer.write(tensor)
