@@ -8,6 +8,9 @@ and raises :class:`ConfigError` naming the file, the key and what was expected.
 Importing this package is cheap: pydantic is imported only when a config is loaded.
 """
 
+import re
+from collections.abc import Callable, Iterable
+
 from wasinn.errors import InvalidArgumentError
 
 
@@ -34,4 +37,43 @@ def check_precision(value: object) -> str:
     return name
 
 
-__all__ = ["PRECISIONS", "ConfigError", "check_precision"]
+#: What each built-in backend reads from a model's ``options``: a description, and a key
+#: test.
+BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "onnxruntime": ("session config entries (\"session.NAME\") or provider_options",
+                    lambda key: key.startswith("session.") or key == "provider_options"),
+    "openvino": ("OpenVINO property names in capitals (PERFORMANCE_HINT, NUM_STREAMS...)",
+                 lambda key: re.fullmatch(r"[A-Z][A-Z0-9_]*", key) is not None),
+    "pytorch": ("optimize = true or false", lambda key: key == "optimize"),
+}
+
+
+def option_problem(backend: str | None, key: str, value: object) -> str | None:
+    """What is wrong with the backend option ``key = value`` for a model that names
+    ``backend`` (None: names none), or None: the same rules for a config's
+    ``[models.NAME] options`` and for ``Runtime.load(options=...)``. A backend that is not
+    built in may read any key."""
+    if key == "optimize" and not isinstance(value, bool):
+        return f"expected true or false, got {value!r:.40}"
+    if key == "provider_options" and not isinstance(value, dict):
+        return "expected a table of CUDA provider options"
+    reads = BACKEND_OPTIONS.get(backend or "")
+    if reads is not None and not reads[1](key):
+        return f"backend {backend!r} does not read this option: expected {reads[0]}"
+    return None
+
+
+def read_by_no_backend(key: str, backends: Iterable[str]) -> str | None:
+    """For a model that names no backend: why none of ``backends`` reads ``key``, or
+    None (also when one of them is not built in: it may read anything)."""
+    backends = list(backends)
+    if any(b not in BACKEND_OPTIONS for b in backends):
+        return None
+    if any(BACKEND_OPTIONS[b][1](key) for b in backends):
+        return None
+    expected = "; ".join(f"{b}: {BACKEND_OPTIONS[b][0]}" for b in backends)
+    return f"no backend here reads this option: expected a key one of them reads ({expected})"
+
+
+__all__ = ["BACKEND_OPTIONS", "PRECISIONS", "ConfigError", "check_precision",
+           "option_problem", "read_by_no_backend"]

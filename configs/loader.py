@@ -25,8 +25,8 @@ from pydantic import ValidationError
 
 from wasinn.errors import InvalidArgumentError, NotFoundError, SecurityError
 
-from . import ConfigError
-from .schema import BACKEND_OPTIONS, FAULT, RuntimeConfig, _Startup, key_name
+from . import ConfigError, read_by_no_backend
+from .schema import FAULT, RuntimeConfig, _Startup, key_name
 
 DEFAULT_NAME = "default.toml"
 
@@ -135,15 +135,12 @@ def check_backends(config: RuntimeConfig, label: str, extra: Iterable[str] = ())
         if backend not in known:
             raise ConfigError(f"{label}: {key}: unknown backend {_got(backend)}: expected one "
                               f"of {', '.join(known)}")
-    if any(backend not in BACKEND_OPTIONS for backend in known):
-        return
     for name, options in open_options:
         for option in options:
-            if not any(reads(option) for _, reads in BACKEND_OPTIONS.values()):
-                expected = "; ".join(f"{b}: {what}" for b, (what, _) in BACKEND_OPTIONS.items())
+            problem = read_by_no_backend(option, known)
+            if problem is not None:
                 raise ConfigError(
-                    f"{label}: models.{key_name(name)}.options.{key_name(option)}: no backend "
-                    f"here reads this option: expected a key one of them reads ({expected})")
+                    f"{label}: models.{key_name(name)}.options.{key_name(option)}: {problem}")
 
 
 def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None = None,

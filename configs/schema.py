@@ -50,7 +50,6 @@ the config directory itself, is refused.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -72,7 +71,7 @@ from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
-from . import check_precision
+from . import check_precision, option_problem
 
 #: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
 FAULT = "wasinn_config"
@@ -299,25 +298,10 @@ class ModelConfig(_Startup):
             if key == "extra":
                 raise fault(where, "options are already LoadOptions.extra: expected the "
                                    "backend's keys directly in options")
-            if key == "optimize" and not isinstance(value, bool):
-                raise fault(where, f"expected true or false, got {value!r:.40}")
-            if key == "provider_options" and not isinstance(value, dict):
-                raise fault(where, "expected a table of CUDA provider options")
-            reads = BACKEND_OPTIONS.get(self.backend or "")
-            if reads is not None and not reads[1](key):
-                raise fault(where, f"backend {self.backend!r} does not read this option: "
-                                   f"expected {reads[0]}")
+            problem = option_problem(self.backend, key, value)
+            if problem is not None:
+                raise fault(where, problem)
         return self
-
-
-#: What each built-in backend reads from ``options``: a description, and a key test.
-BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
-    "onnxruntime": ("session config entries (\"session.NAME\") or provider_options",
-                    lambda key: key.startswith("session.") or key == "provider_options"),
-    "openvino": ("OpenVINO property names in capitals (PERFORMANCE_HINT, NUM_STREAMS...)",
-                 lambda key: re.fullmatch(r"[A-Z][A-Z0-9_]*", key) is not None),
-    "pytorch": ("optimize = true or false", lambda key: key == "optimize"),
-}
 
 
 class StepConfig(_Strict):

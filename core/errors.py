@@ -53,9 +53,19 @@ class WasiNNError(Exception):
         caller that shares one failure (one exception object raised in several tasks
         would collect all their tracebacks). The subclass's constructor is not called,
         so one that takes other arguments (a backend's own error) is copied too."""
-        error: WasiNNError = type(self).__new__(type(self), *self.args)
-        Exception.__init__(error, *self.args)
+        return self._copy(self.message)
+
+    def prefixed(self, context: str) -> WasiNNError:
+        """A new error of this type and attributes whose message is ``context: message``
+        (where the failure happened, for a caller that would not know), caused by this
+        one; copied as :meth:`for_another_caller` copies."""
+        return self._copy(f"{context}: {self.message}")
+
+    def _copy(self, message: str) -> WasiNNError:
+        error: WasiNNError = type(self).__new__(type(self), message)
+        Exception.__init__(error, message)
         error.__dict__.update(self.__dict__)
+        error.message = message
         error.__cause__ = self
         return error
 

@@ -39,11 +39,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import sys
 from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import trio
 
 from wasinn.backends.base import TensorSpec
@@ -66,9 +68,11 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
     if isinstance(key, str):
         for spec in specs:
             if spec.name == key:
-                return key
-    elif isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(specs):
-        return specs[key].name
+                return spec.name
+    elif not isinstance(key, bool | np.bool_) and hasattr(type(key), "__index__"):
+        index = operator.index(key)  # an int, or numpy's
+        if 0 <= index < len(specs):
+            return specs[index].name
     have = ", ".join(f"{i}={s.describe()}" for i, s in enumerate(specs)) or "none"
     raise InvalidArgumentError(f"{owner} has no {role} {key!r}: expected one of {have}")
 
@@ -120,6 +124,22 @@ def request_deadline(priority: object, timeout: object, tenant: object) -> float
     return trio.current_time() + seconds
 
 
+def _input_key(key: object) -> str | int:
+    """An input key that is not a plain str or int: a str subclass or an integer type
+    (numpy's) as its value; InvalidArgumentError for anything else (a float or a bool
+    would match a position by equality)."""
+    if isinstance(key, str):
+        return str(key)
+    if not isinstance(key, bool | np.bool_):
+        try:
+            return operator.index(key)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise InvalidArgumentError(
+        f"input key {key!r:.60} ({type(key).__name__}): expected an input name (str) or "
+        "position (int)")
+
+
 def tensor_inputs(inputs: object) -> Inputs:
     """``inputs`` with every value a :class:`Tensor`: the mapping itself when they all
     are, else a new dict with the others converted (:func:`wasinn.tensor.as_tensor`).
@@ -134,13 +154,14 @@ def tensor_inputs(inputs: object) -> Inputs:
             f"inputs must be a mapping of input names or positions to tensors, "
             f"not {type(inputs).__name__}"
         )
-    for value in inputs.values():
-        if type(value) is not Tensor:
+    for key, value in inputs.items():
+        if type(value) is not Tensor or (type(key) is not str and type(key) is not int):
             break
     else:
         return inputs
     converted: dict[Any, Tensor] = {}
-    for key, value in inputs.items():
+    for given, value in inputs.items():
+        key = given if type(given) is str or type(given) is int else _input_key(given)
         if type(value) is Tensor:
             converted[key] = value
             continue
@@ -216,22 +237,30 @@ class ExecutionContext:
         """
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
+        bound = self._bound  # as bound now: set_output replaces the dict, never edits it
         outputs = await self._executable.execute(
             self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
             tenant=tenant, keep_on_device=keep_on_device,
         )
-        self._record(outputs)
+        self._record(outputs, bound)
         return outputs
 
-    def _record(self, outputs: dict[str, Tensor]) -> None:
-        # The outputs of a run that ended: kept for get_output, written into bound buffers.
+    def _record(self, outputs: dict[str, Tensor], bound: dict[str, OutputBuffer] | None
+                ) -> None:
+        # The outputs of a run that ended: kept for get_output, written into the buffers
+        # that were bound when the request was made.
         if self._closed:  # closed while it ran: keep nothing (see compute)
             raise ClosedResourceError(
                 f"the execution context of {self._executable.name} was closed while its "
                 "request ran: the outputs were dropped")
         self._outputs = outputs
-        if self._bound:
-            fill(self._bound, outputs)
+        if bound:
+            fill(bound, outputs)
+
+    def _staged(self) -> dict[str, Tensor]:
+        # The staged inputs as they are now: a request made now must not see a later
+        # set_input (one queued behind a busy device would run on it).
+        return dict(self._inputs) if self._inputs else {}
 
     # -- in the caller's thread -------------------------------------------------------------
     async def lease(
@@ -255,12 +284,13 @@ class ExecutionContext:
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
         if inputs is None:
-            inputs = self._inputs or {}
+            inputs = self._staged()
+        bound = self._bound
         lease = await self._executable.lease(
             self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
             tenant=tenant, keep_on_device=keep_on_device,
         )
-        return ContextRun(self, lease)
+        return ContextRun(self, lease, bound)
 
     def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
                   keep_on_device: bool | None = None) -> ContextRun | None:
@@ -271,7 +301,7 @@ class ExecutionContext:
         closed, InvalidArgumentError for bad inputs (see :meth:`compute`) or ``timeout``."""
         self._check_open()
         if inputs is None:
-            inputs = self._inputs or {}
+            inputs = self._staged()
         if timeout is not None:
             timeout = check_timeout(timeout)
         return self._try_lease(tensor_inputs(inputs), timeout, keep_on_device)
@@ -279,9 +309,10 @@ class ExecutionContext:
     def _try_lease(self, inputs: Inputs, timeout: float | None,
                    keep_on_device: bool | None) -> ContextRun | None:
         # try_lease on checked inputs and timeout.
+        bound = self._bound
         lease = self._executable.try_lease(self.target, inputs, timeout=timeout,
                                            keep_on_device=keep_on_device)
-        return None if lease is None else ContextRun(self, lease)
+        return None if lease is None else ContextRun(self, lease, bound)
 
     def compute_in_caller_thread(
         self,
@@ -318,7 +349,7 @@ class ExecutionContext:
                              tenant: str = "") -> None:
         """The staged :meth:`run`, from a thread started by ``trio.to_thread`` (see
         :meth:`compute_in_caller_thread`)."""
-        self.compute_in_caller_thread(self._inputs or {}, priority=priority, timeout=timeout,
+        self.compute_in_caller_thread(self._staged(), priority=priority, timeout=timeout,
                                       tenant=tenant)
 
     # -- the staged form (wasi-nn) ------------------------------------------------------
@@ -351,16 +382,14 @@ class ExecutionContext:
         """
         self._check_open()
         name = spec_name(self._executable.outputs, key, "output", self._executable.name)
-        target = OutputBuffer(name, buffer)
-        if self._bound is None:
-            self._bound = {}
-        self._bound[name] = target
+        # A new dict: requests already made keep the buffers bound when they were made.
+        self._bound = {**(self._bound or {}), name: OutputBuffer(name, buffer)}
 
     async def run(self, *, priority: int = 0, timeout: float | None = None,
                   tenant: str = "") -> None:
         """Run on the staged inputs (see :meth:`compute` for what is raised)."""
         self._check_open()
-        await self.compute(self._inputs or {}, priority=priority, timeout=timeout,
+        await self.compute(self._staged(), priority=priority, timeout=timeout,
                            tenant=tenant)
 
     def get_output(self, key: str | int) -> Tensor:
@@ -405,11 +434,13 @@ class ContextRun:
     or :meth:`cancel`: one dropped unended gives its slot back only when collected, with
     a ResourceWarning."""
 
-    __slots__ = ("_ctx", "_lease")
+    __slots__ = ("_bound", "_ctx", "_lease")
 
-    def __init__(self, ctx: ExecutionContext, lease: Lease[dict[str, Tensor]]) -> None:
+    def __init__(self, ctx: ExecutionContext, lease: Lease[dict[str, Tensor]],
+                 bound: dict[str, OutputBuffer] | None) -> None:
         self._ctx = ctx
         self._lease = lease
+        self._bound = bound
 
     def run(self) -> dict[str, Tensor]:
         """Run the model in this thread (never the trio thread: it would block the loop),
@@ -425,7 +456,7 @@ class ContextRun:
                 f"the execution context of {ctx._executable.name} is closed: the request "
                 "was not run")
         outputs = self._lease.run()
-        ctx._record(outputs)
+        ctx._record(outputs, self._bound)
         return outputs
 
     def cancel(self) -> None:

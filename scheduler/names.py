@@ -72,7 +72,7 @@ class NameRegistry:
                 break
             await pending.done.wait()
             if pending.error is not None:
-                raise type(pending.error)(pending.error.message)
+                raise pending.error.for_another_caller()
         pending = self._loading[name] = _Loading()
         try:
             entry = await self._load(name)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
+from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
@@ -78,6 +79,14 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
                     f"{here}: wires into {inp!r}, which {step.name} does not take: "
                     f"expected one of {step_in}"
                 )
+        outs = {spec.name: spec for spec in prev.outputs}
+        ins = {spec.name: spec for spec in step.inputs}
+        for out, inp in wire.items():
+            why = _incompatible(outs[out], ins[inp])
+            if why is not None:
+                raise InvalidArgumentError(
+                    f"{here}: wires {outs[out].describe()} into {ins[inp].describe()}, "
+                    f"but {why}: expected an output {step.name} can take")
         fed = list(wire.values())
         missing = [n for n in step_in if n not in fed]
         if missing or len(set(fed)) != len(fed):
@@ -87,6 +96,22 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
             )
         links.append(tuple(wire.items()))
     return tuple(links)
+
+
+def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
+    """Why ``out`` can never feed ``inp`` (element types, ranks or fixed dimensions that
+    differ), or None. Only specs whose rank is known are compared: a TorchScript model
+    declares neither types nor shapes (its specs say f32 of unknown rank)."""
+    if not (out.rank_known and inp.rank_known):
+        return None
+    if out.type is not inp.type:
+        return f"their element types differ ({out.type.value}, {inp.type.value})"
+    if len(out.shape) != len(inp.shape):
+        return f"their ranks differ ({len(out.shape)}, {len(inp.shape)})"
+    for axis, (have, want) in enumerate(zip(out.shape, inp.shape, strict=True)):
+        if have is not None and want is not None and have != want:
+            return f"dimension {axis} differs ({have}, {want})"
+    return None
 
 
 class PipelineModel:

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 
+import numpy as np
 import trio
 
 from wasinn.actors.batching import Batching, BatchInputs, RunInputs
@@ -38,6 +39,7 @@ from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
+    InvalidArgumentError,
     InvalidEncodingError,
     TimeoutError_,
     UnsupportedOperationError,
@@ -471,7 +473,13 @@ def _input_bytes(inputs: Inputs) -> int | None:
 def _keep(actor: DeviceActor, keep_on_device: bool | None) -> bool:
     if keep_on_device is None:
         return actor.device.kind is not ExecutionTarget.CPU
-    return keep_on_device
+    if keep_on_device is True or keep_on_device is False:
+        return keep_on_device
+    if isinstance(keep_on_device, np.bool_):
+        return bool(keep_on_device)
+    raise InvalidArgumentError(
+        f"keep_on_device={keep_on_device!r:.60} ({type(keep_on_device).__name__}): expected "
+        "True, False or None (native outputs off the CPU, host outputs on it)")
 
 
 def _run(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tensor]:
@@ -511,8 +519,12 @@ def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inp
         if cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(
                 f"pipeline cancelled after step {step} of {len(compiled)}")
-        current = graph.run({inp: current[out] for out, inp in link},
-                            keep_on_device=keep or step < last)
+        try:
+            current = graph.run({inp: current[out] for out, inp in link},
+                                keep_on_device=keep or step < last)
+        except WasiNNError as exc:
+            # Its inputs came from the step before, not from the caller: say where.
+            raise exc.prefixed(f"pipeline step {step} (fed by step {step - 1})") from exc
     return current
 
 

@@ -108,6 +108,22 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra)
 
 
+def _check_backend_options(options: LoadOptions, backend: str | None,
+                           extra: Iterable[str]) -> None:
+    """InvalidArgumentError for a backend option that the named backend (or, with none
+    named, every backend here) does not read: the rules a config's model options follow
+    (a misspelt key would otherwise be ignored without a word)."""
+    from wasinn.configs import option_problem, read_by_no_backend
+    from wasinn.configs.loader import known_backends
+
+    for key, value in options.extra.items():
+        problem = option_problem(backend, key, value)
+        if problem is None and backend is None:
+            problem = read_by_no_backend(key, known_backends(extra))
+        if problem is not None:
+            raise InvalidArgumentError(f"options {key!r}: {problem}")
+
+
 def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
     out = []
     for path in paths:
@@ -390,9 +406,15 @@ class Runtime:
         if batching is not None and not isinstance(batching, Batching):
             raise InvalidArgumentError(
                 f"batching must be a wasinn.Batching, not {type(batching).__name__}")
+        if not isinstance(name, str):
+            raise InvalidArgumentError(
+                f"name {name!r:.60} ({type(name).__name__}): expected a str naming the model "
+                "in stats, logs and errors")
+        load_options = _load_options(options)
+        _check_backend_options(load_options, backend, [b.name for b in self._extra])
         model, kind = await self._load_model(
             owned, GraphEncoding.coerce(encoding), target, backend=backend,
-            options=_load_options(options), name=name, batching=batching,
+            options=load_options, name=name, batching=batching,
         )
         return Graph(model, self._sched, kind)
 
@@ -428,7 +450,11 @@ class Runtime:
             if batching is not None:
                 check_batchable(model.name, model.inputs, model.outputs)
         except BaseException:
-            scheduler.release(model)  # nobody holds it: leave nothing compiled
+            # Nobody holds it: leave nothing compiled. Marked released first, so that a
+            # compile still under way (this load was cancelled) is closed when it ends
+            # instead of being cached for a model nobody can unload.
+            model.released = True
+            scheduler.release(model)
             raise
         return model, kind
 

@@ -106,7 +106,7 @@ async def preload(registry: NameRegistry, scheduler: Scheduler,
     for name, exc in failed[1:]:
         log.error("preloading %r failed too: %s", name, exc.message)
     name, exc = failed[0]
-    raise type(exc)(f"preloading {name!r}: {exc.message}") from exc
+    raise exc.prefixed(f"preloading {name!r}")
 
 
 async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
@@ -127,7 +127,6 @@ async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
                 await actor.warm_up(job, label=f"warm-up of {name}")
             except WasiNNError as exc:
                 given = ", ".join(f"{k}: {v.type.value}{list(v.dims)}" for k, v in inputs.items())
-                raise type(exc)(
+                raise exc.prefixed(
                     f"{actor.device}: the warm-up run on zero-filled inputs ({given}; dynamic "
-                    f"dimensions as 1 unless warmup_inputs gives them) failed: {exc.message}"
-                ) from exc
+                    "dimensions as 1 unless warmup_inputs gives them) failed") from exc

@@ -15,6 +15,8 @@ import wasinn
 from tests.example_configs import example_config, scale_onnx
 from tests.support import require_backend
 from wasinn import InvalidArgumentError
+from wasinn.backends import TensorSpec
+from wasinn.enums import TensorType
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
 
 
@@ -313,3 +315,47 @@ def test_a_wire_on_the_first_step_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"pipeline 'p' step 0 \(a\): wired "
                                                    r"\{'x': 'x'\}, but the first step"):
         resolve_wiring("p", [a, b], [{"x": "x"}, {}])
+
+
+@pytest.mark.parametrize(("second_input", "why"), [
+    (TensorSpec("x", TensorType.I64, (None, 4)), r"their element types differ \(f32, i64\)"),
+    (TensorSpec("x", TensorType.F32, (None, 8)), r"dimension 1 differs \(4, 8\)"),
+    (TensorSpec("x", TensorType.F32, (None, 2, 2)), r"their ranks differ \(2, 3\)"),
+])
+def test_a_wire_between_incompatible_tensors_is_refused_at_load(second_input: TensorSpec,
+                                                               why: str) -> None:
+    # Before: the load passed, and every compute failed in step 1's backend, blaming the
+    # caller's (valid) input.
+    from wasinn.backends import LoadOptions
+    from wasinn.enums import GraphEncoding
+    from wasinn.scheduler.model import LoadedModel
+    from wasinn.scheduler.pipeline import resolve_wiring
+
+    a, b = (LoadedModel((b"",), GraphEncoding.ONNX, LoadOptions(), name=n) for n in "ab")
+    a.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
+    a.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
+    b.inputs, b.outputs = (second_input,), (TensorSpec("z", TensorType.F32, (None, 4)),)
+    with pytest.raises(InvalidArgumentError, match=rf"pipeline 'p' step 1 \(b\): wires "
+                                                   rf"y: f32\[\?, 4\] into x: .*, but {why}"):
+        resolve_wiring("p", [a, b], [{}, {"y": "x"}])
+    # Unknown ranks (TorchScript declares none) and dynamic dimensions are not compared.
+    b.inputs = (TensorSpec("x", TensorType.F32, (), rank_known=False),)
+    assert resolve_wiring("p", [a, b], [{}, {"y": "x"}]) == ((("y", "x"),),)
+
+
+async def test_a_later_step_failing_on_its_fed_input_says_which_step(tmp_path: Path) -> None:
+    # A wire whose shapes agree on paper but not in a run (b fixes its first dimension).
+    from onnx import TensorProto, helper
+
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])
+    graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "two_rows", [y], [z])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = two_step_config(tmp_path, second=model.SerializeToString())
+    async with wasinn.Runtime.from_config(path) as rt:
+        pipeline = await rt.load_by_name("p")
+        with pytest.raises(InvalidArgumentError,
+                           match=r"^pipeline step 1 \(fed by step 0\): onnxruntime: input 'y' "
+                                 r"has shape \[1, 4\]"):
+            await pipeline.compute({"x": X})

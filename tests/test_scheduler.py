@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -163,6 +164,70 @@ async def test_a_run_whose_outputs_do_not_all_fit_writes_no_bound_buffer(
     with pytest.raises(TooLargeError, match=f"output {second!r} is 32 bytes"):
         await ctx.compute({"x": np.full((2, 4), 5.0, np.float32)})
     assert fits == bytearray(32) and small == bytearray(16)
+
+
+async def test_a_run_uses_what_was_staged_when_it_was_asked_for(rt: wasinn.Runtime) -> None:
+    # Before: a run queued behind a busy device computed on inputs (and wrote into
+    # buffers) staged after it was asked for, for the next run.
+    builders, encoding = affine("onnxruntime", 2.0, 1.0)
+    graph = await rt.load(builders, encoding)
+    ctx = graph.init_execution_context()
+    (actor,) = rt.actors
+    gate = threading.Event()
+    first, second = np.zeros((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    seen: list[list[list[float]]] = []
+
+    async def run() -> None:
+        await ctx.run()
+        seen.append(ctx.get_output("y").numpy().tolist())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+        await trio.testing.wait_all_tasks_blocked()
+        ctx.set_input("x", np.ones((1, 4), np.float32))
+        ctx.set_output("y", first)
+        nursery.start_soon(run)
+        await trio.testing.wait_all_tasks_blocked()  # queued behind the busy device
+        ctx.set_input("x", np.full((1, 4), 100, np.float32))  # for the next run
+        ctx.set_output("y", second)
+        gate.set()
+    assert seen == [[[3.0] * 4]]
+    assert first.tolist() == [[3.0] * 4] and second.tolist() == [[0.0] * 4]
+    await ctx.run()  # the next run: the newly staged input, into the new buffer
+    assert second.tolist() == [[201.0] * 4] and first.tolist() == [[3.0] * 4]
+
+
+async def test_arguments_of_the_wrong_kind_are_refused_not_ignored(rt: wasinn.Runtime) -> None:
+    # Before: each of these was accepted and did something else than asked.
+    builders, encoding = affine("onnxruntime", 2.0, 1.0)
+    graph = await rt.load(builders, encoding)
+    x = np.ones((1, 4), np.float32)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"keep_on_device='no' \(str\): expected True, False or None"):
+        await graph.compute({"x": x}, keep_on_device="no")  # type: ignore[arg-type]
+    for options, said in (({"optimize": True}, "backend 'onnxruntime' does not read this "
+                           "option"),
+                          ({"session.intra_op_num_threads": 1}, None)):
+        if said is None:
+            await rt.load(builders, encoding, backend="onnxruntime", options=options)
+            continue
+        with pytest.raises(InvalidArgumentError, match=rf"options 'optimize': {said}"):
+            await rt.load(builders, encoding, backend="onnxruntime", options=options)
+    with pytest.raises(InvalidArgumentError, match=r"options 'sesion.intra_op_num_threads': "
+                                                   r"no backend here reads this option"):
+        await rt.load(builders, encoding, options={"sesion.intra_op_num_threads": "1"})
+    with pytest.raises(InvalidArgumentError, match=r"name 5 \(int\): expected a str"):
+        await rt.load(builders, encoding, name=5)  # type: ignore[arg-type]
+    ctx = graph.init_execution_context()
+    for key in (0.0, True, b"x"):
+        with pytest.raises(InvalidArgumentError, match=r"input key .*: expected an input name "
+                                                       r"\(str\) or position \(int\)"):
+            await ctx.compute({key: x})  # type: ignore[dict-item]
+    # numpy integers are positions everywhere, not only in compute
+    out = await ctx.compute({np.int64(0): x})  # type: ignore[dict-item]
+    ctx.set_input(np.int64(0), x)  # type: ignore[arg-type]
+    await ctx.run()
+    assert out["y"].numpy().tolist() == ctx.get_output(np.int32(0)).numpy().tolist()  # type: ignore[arg-type]
 
 
 async def test_one_shot_compute_on_the_graph(rt: wasinn.Runtime) -> None:

@@ -202,6 +202,24 @@ async def test_callers_waiting_on_one_compile_leave_on_their_own_deadlines(
         assert (stats.completed, stats.timed_out, stats.cancelled) == (1, 2, 1), stats
 
 
+async def test_a_load_cancelled_while_it_compiles_keeps_nothing(one_gpu: wasinn.Runtime,
+                                                                fake: FakeBackend) -> None:
+    # Before: the compile ended after the cancelled load and was cached for a model that
+    # nobody held and nobody could unload, for the runtime's lifetime.
+    with trio.move_on_after(5) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(one_gpu.load, SLOW, "ggml", "gpu"))
+            await trio.to_thread.run_sync(fake.loading.wait)
+            nursery.cancel_scope.cancel()
+    assert not scope.cancelled_caught
+    fake.load_gate.set()
+    with trio.fail_after(5):
+        while "gpu:0" not in fake.closed:  # compiled, then closed at once: nobody's
+            await trio.sleep(0.01)
+    (gpu,) = [stats for stats in one_gpu.stats() if stats.device == "gpu:0"]
+    assert (gpu.graphs, gpu.compiles) == (0, 1)
+
+
 async def test_a_graph_unloaded_while_it_compiles_is_not_kept(one_gpu: wasinn.Runtime,
                                                               fake: FakeBackend) -> None:
     graph = await one_gpu.load(SLOW, "ggml", "cpu")

@@ -221,3 +221,56 @@ def test_zero_inputs_are_rank_0_for_a_scalar_and_refused_for_an_unknown_rank() -
         zero_inputs(unknown, {})
     assert zero_inputs(unknown, {"u": (2, 3)})["u"].dims == (2, 3)
     assert zero_inputs(unknown, {"u": ()})["u"].dims == ()
+
+
+class _OwnError(BackendRuntimeError):
+    """A backend's own error whose constructor takes other arguments."""
+
+    def __init__(self, op: str, status: int) -> None:
+        super().__init__(f"{op} failed with status {status}")
+        self.status = status
+
+
+class _FailingBackend(FakeBackend):
+    def load(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        raise _OwnError("load", 7)
+
+
+def own_error_config(directory: Path, preload: bool) -> wasinn.configs.schema.RuntimeConfig:
+    (directory / "fake.bin").write_bytes(b"fake:add=1")
+    path = directory / "wasinn.toml"
+    path.write_text(f'''
+[pools.cpu]
+kind = "cpu"
+backends = ["fake"]
+[models.m]
+files = ["fake.bin"]
+encoding = "ggml"
+preload = {str(preload).lower()}
+''')
+    return load_config(path, backends=["fake"])
+
+
+async def test_a_backends_own_error_reaches_every_caller_as_itself(tmp_path: Path) -> None:
+    # Before: callers sharing the failed load, and a failed preload, got a TypeError from
+    # type(error)(message) instead of the backend's error.
+    import trio
+
+    errors: list[BaseException] = []
+
+    async def load() -> None:
+        try:
+            await rt.load_by_name("m")
+        except BaseException as exc:
+            errors.append(exc)
+
+    async with wasinn.Runtime(own_error_config(tmp_path, False),
+                              backends=[_FailingBackend()]) as rt, trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(load)
+    assert len(errors) == 3 and all(type(e) is _OwnError for e in errors), errors
+    assert {e.status for e in errors} == {7}  # type: ignore[attr-defined]
+    with pytest.raises(_OwnError, match=r"^preloading 'm': load failed with status 7$"):
+        async with wasinn.Runtime(own_error_config(tmp_path, True),
+                                  backends=[_FailingBackend()]):
+            pass

@@ -444,7 +444,7 @@ class NNService:
             try:
                 inputs[name] = entry.require()
             except WasiNNError as exc:
-                raise type(exc)(f"input {quoted(name)}: {exc.message}") from None
+                raise exc.prefixed(f"input {quoted(name)}") from None
         return inputs
 
     def _run(self, afn: Callable[[], Awaitable[T]], what: str) -> T:
