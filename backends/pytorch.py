@@ -8,16 +8,27 @@ The same convention names a ``torch.export`` program's outputs. Integer position
 as keys everywhere.
 
 Specs. A ``torch.export`` program records element types and shapes (symbolic dims are
-reported as None) and inputs are checked against them. A TorchScript archive records
-neither: its specs say f32 with an unknown rank (``rank_known=False``, described as
-``x: f32[...]``) and only input names are checked; a wrong element type or shape then
-fails inside the model and is reported as InvalidArgumentError carrying TorchScript's
-message.
+reported as None) and inputs are checked against them, a symbolic dim against the range
+it was exported with (``Dim("n", max=8)``; like torch, only lower bounds above 2): an
+input outside it is InvalidArgumentError naming the input, the dimension and the range.
+A TorchScript archive records neither: its specs say f32 with an unknown rank
+(``rank_known=False``, described as ``x: f32[...]``) and only input names are checked;
+a wrong element type or shape then fails inside the model and is reported as
+InvalidArgumentError carrying TorchScript's message.
 
 CPU TorchScript modules are frozen and passed through ``torch.jit.optimize_for_inference``
 (``LoadOptions.extra["optimize"] = False`` turns it off). Runs happen under
 ``torch.inference_mode()``; ``keep_on_device`` returns ``torch.Tensor`` natives.
 ``LoadOptions.threads`` is not applied: torch's thread count is process-wide.
+
+Guests' models are untrusted. A ``.pt2`` archive is checked before torch reads it
+(:mod:`._pt2_check`: no pickles, no code in its expressions and names) and a TorchScript
+archive's code scanned (its ``__setstate__`` methods run as it loads); once loaded, every
+graph may call only operators that compute on tensors (:mod:`._torch_ops`: not
+``aten::from_file``, ``aten::save``, RPC, Python ...). Memory is never shared with the
+caller: an output whose storage is an input's, a parameter's, buffer's or constant's, or
+another output's is cloned, and a model that writes to its inputs (``x.sub_(mean)``,
+detected at load from the graph) runs on copies of them (:mod:`._torch_memory`).
 
 Cancellation: torch offers no way to interrupt an operator, so a ``torch.export``
 program is loaded with a checkpoint (:func:`~wasinn.backends.base.stop_if_cancelled`)
@@ -40,7 +51,7 @@ import operator
 import threading
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +67,15 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, c_contiguous, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
+from ._pt2_check import check_pt2_archive
+from ._torch_memory import (
+    exported_written_inputs,
+    module_storages,
+    script_storages,
+    script_written_inputs,
+    storage_of,
+)
+from ._torch_ops import check_exported_program, check_torchscript_code, check_torchscript_module
 from .base import (
     Backend,
     Builders,
@@ -81,13 +101,28 @@ def _output_names(count: int) -> list[str]:
     return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
 
 
-def _to_torch(tensor: Tensor, device: torch.device) -> torch.Tensor:
+class _DimRange(NamedTuple):
+    """A symbolic input dimension's exported range, as torch's input guards check it."""
+
+    input: int
+    axis: int
+    low: int  # 0 when torch does not check it (a lower bound of 2 or less)
+    high: int | None
+
+
+def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tensor:
+    """``tensor`` as torch's, sharing its memory unless ``private`` (the model writes to
+    it) asks for a copy of its own."""
     native = tensor.native
     if isinstance(native, torch.Tensor):
-        return native if native.device == device else native.to(device)
+        if native.device != device:
+            return native.to(device)
+        return native.clone() if private else native
     array = tensor.numpy()
     if not array.flags.writeable:
         array = array.copy()  # torch.from_numpy warns on read-only memory
+    elif private and device.type == "cpu":
+        array = array.copy()
     if tensor.type is TensorType.BF16:
         value = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:
@@ -113,12 +148,21 @@ class TorchGraph(CheckedGraph):
         outputs: tuple[TensorSpec, ...],
         *,
         checked: bool,
+        private: frozenset[int] = frozenset(),
+        model_storages: frozenset[int] = frozenset(),
+        dim_ranges: tuple[_DimRange, ...] = (),
     ) -> None:
+        """``private``: the inputs the model writes to (it gets copies); ``model_storages``:
+        the memory of its parameters, buffers and constants (outputs there are cloned);
+        ``dim_ranges``: the symbolic dims' ranges to check before each run."""
         # TorchScript declares no element types: its specs' f32 is a placeholder, unchecked
         # (their ranks are unknown, so their shapes go unchecked as well).
         unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
         super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
         self._checked = checked
+        self._private = private
+        self._model_storages = model_storages
+        self._dim_ranges = dim_ranges
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
@@ -133,8 +177,11 @@ class TorchGraph(CheckedGraph):
         self, module: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
     ) -> dict[str, Tensor]:
         device = self._torch_device
+        if self._dim_ranges:
+            self._check_ranges(ordered)
+        private = self._private
         try:
-            args = [_to_torch(t, device) for t in ordered]
+            args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
             with torch.inference_mode():
                 result = module(*args)
         except WasiNNError:
@@ -143,6 +190,12 @@ class TorchGraph(CheckedGraph):
             raise BackendRuntimeError(
                 f"{NAME}: run cancelled (stopped before its next operator)") from None
         except Exception as exc:
+            if self._checked and isinstance(exc, AssertionError) \
+                    and str(exc).startswith("Guard failed"):
+                # torch.export's input guards (a relation between dims, say)
+                raise InvalidArgumentError(
+                    f"{NAME}: the inputs break the model's shape constraints: {exc}"
+                ) from exc
             if (not self._checked and isinstance(exc, RuntimeError)
                     and not isinstance(exc, torch.OutOfMemoryError)):
                 raise InvalidArgumentError(
@@ -157,21 +210,43 @@ class TorchGraph(CheckedGraph):
                 f"{NAME}: the model returned {len(values)} values but declares "
                 f"{len(self.outputs)} outputs"
             )
-        return {self.outputs[i].name: self._wrap(values[i], args, keep_on_device)
+        # Storages the caller must not get: its inputs' (a guest's memory) and, as they
+        # are handed out, earlier outputs'; the model's own are in _model_storages.
+        taken = {storage_of(a) for a in args}
+        return {self.outputs[i].name: self._wrap(values[i], taken, keep_on_device)
                 for i in picked}
 
-    def _wrap(self, value: Any, args: list[torch.Tensor], keep: bool) -> Tensor:
-        if not isinstance(value, torch.Tensor):
+    def _check_ranges(self, ordered: list[Tensor]) -> None:
+        """InvalidArgumentError for a symbolic dim outside its exported range, which
+        torch reports as a failed guard."""
+        for index, axis, low, high in self._dim_ranges:
+            size = ordered[index].dims[axis]
+            if size < low or (high is not None and size > high):
+                raise InvalidArgumentError(
+                    f"{NAME}: input {self.inputs[index].name!r} has size {size} in "
+                    f"dimension {axis}, but the model was exported for "
+                    f"{_describe_range(low, high)} there (expected "
+                    f"{self.inputs[index].describe()})"
+                )
+
+    def _wrap(self, value: Any, taken: set[int], keep: bool) -> Tensor:
+        if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+            what = value.layout if isinstance(value, torch.Tensor) else type(value).__name__
             raise BackendRuntimeError(
-                f"{NAME}: the model returned {type(value).__name__}: expected tensors"
+                f"{NAME}: the model returned {what}: expected dense (strided) tensors"
             )
         ttype = _TYPES.get(value.dtype)
         if ttype is None:
             raise BackendRuntimeError(
                 f"{NAME}: the model returned a {value.dtype} tensor, which wasi-nn cannot carry"
             )
-        if any(value.data_ptr() == a.data_ptr() for a in args):
-            value = value.clone()  # never hand the caller's input memory back as an output
+        storage = storage_of(value)
+        if storage in taken or storage in self._model_storages:
+            # A view of an input (guest memory), a weight (a caller's edit would change
+            # the model for every later run) or another output: a copy of its own.
+            value = value.clone(memory_format=torch.contiguous_format)
+        else:
+            taken.add(storage)
         if keep:
             return _native(value, ttype, self.device.name if value.device.type != "cpu"
                            else "cpu")
@@ -192,6 +267,12 @@ def _interruptible(module: torch.nn.Module) -> None:
                 with graph.inserting_before(node):
                     graph.call_function(stop_if_cancelled, ())
         graph_module.recompile()
+
+
+def _describe_range(low: int, high: int | None) -> str:
+    if high is None:
+        return f"at least {low}"
+    return f"at most {high}" if low == 0 else f"{low} to {high}"
 
 
 def _native(value: torch.Tensor, ttype: TensorType, device: str) -> Tensor:
@@ -236,7 +317,10 @@ class TorchBackend(Backend):
         """Load one TorchScript or ``torch.export`` archive onto ``device``.
 
         Raises InvalidEncodingError for another encoding, a builder count other than one
-        or bytes torch cannot load; UnsupportedOperationError for a device it lacks.
+        or bytes torch cannot load; UnsupportedOperationError for a device it lacks;
+        SecurityError for a model that would run host code as it loads (a pickle, code
+        in a ``.pt2`` program's expressions or names) or call an operator that reaches
+        outside its tensors (``aten::from_file``...), naming what it found.
         """
         expect_encoding(NAME, encoding, GraphEncoding.PYTORCH)
         expect_builders(NAME, builders, 1, "one builder holding a TorchScript or .pt2 archive")
@@ -255,16 +339,26 @@ class TorchBackend(Backend):
 
 
 def _is_exported_program(data: bytes) -> bool:
+    """Whether ``data`` is a ``.pt2`` archive: False for bytes that are no zip (torch
+    then reads them as TorchScript, and says what is wrong); InvalidEncodingError for a
+    zip that zipfile cannot read, whatever it raises (NotImplementedError for a
+    compression or version it lacks, among others)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             return any(n.endswith("/archive_format") for n in archive.namelist())
-    except (zipfile.BadZipFile, ValueError):
+    except zipfile.BadZipFile:
         return False
+    except Exception as exc:
+        raise InvalidEncodingError(
+            f"{NAME}: cannot read the model's zip archive ({type(exc).__name__}: {exc}): "
+            "expected a TorchScript or torch.export archive"
+        ) from exc
 
 
 def _load_torchscript(
     data: bytes, device: Device, torch_device: torch.device, optimize: bool
 ) -> TorchGraph:
+    check_torchscript_code(NAME, data)  # before __setstate__ methods run in torch.jit.load
     try:
         module = torch.jit.load(  # type: ignore[no-untyped-call]
             io.BytesIO(data), map_location=torch_device
@@ -274,6 +368,7 @@ def _load_torchscript(
         raise InvalidEncodingError(
             f"{NAME}: cannot load the TorchScript archive: {_first_line(exc)}"
         ) from exc
+    check_torchscript_module(NAME, module)
     inputs = []
     for arg in schema.arguments[1:]:  # [0] is self
         if str(arg.type) != "Tensor":
@@ -301,7 +396,9 @@ def _load_torchscript(
         # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
         with contextlib.suppress(Exception):
             module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
-    return TorchGraph(module, device, tuple(inputs), outputs, checked=False)
+    return TorchGraph(module, device, tuple(inputs), outputs, checked=False,
+                      private=script_written_inputs(module),
+                      model_storages=script_storages(module))
 
 
 def _spec_of(name: str, value: Any, role: str) -> TensorSpec:
@@ -315,8 +412,15 @@ def _spec_of(name: str, value: Any, role: str) -> TensorSpec:
 
 
 def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> TorchGraph:
+    check_pt2_archive(NAME, data)  # torch.export.load unpickles and evaluates what it reads
     try:
         program = torch.export.load(io.BytesIO(data))
+    except Exception as exc:
+        raise InvalidEncodingError(
+            f"{NAME}: cannot load the torch.export archive: {_first_line(exc)}"
+        ) from exc
+    check_exported_program(NAME, program.graph_module)
+    try:
         module = program.module()
         module.to(torch_device)
         _interruptible(module)
@@ -324,13 +428,39 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
         raise InvalidEncodingError(
             f"{NAME}: cannot load the torch.export archive: {_first_line(exc)}"
         ) from exc
-    user_inputs = set(program.graph_signature.user_inputs)
+    signature = program.graph_signature
+    user_inputs = set(signature.user_inputs)
     placeholders = [n for n in program.graph.nodes
                     if n.op == "placeholder" and n.name in user_inputs]
     inputs = tuple(_spec_of(n.name, n.meta.get("val"), "input") for n in placeholders)
     out_node = next(n for n in program.graph.nodes if n.op == "output")
-    user_outputs = list(out_node.args[0])[-len(program.graph_signature.user_outputs):]
+    user_outputs = list(out_node.args[0])[-len(signature.user_outputs):]
     names = _output_names(len(user_outputs))
     outputs = tuple(_spec_of(name, node.meta.get("val"), "output")
                     for name, node in zip(names, user_outputs, strict=True))
-    return TorchGraph(module, device, inputs, outputs, checked=True)
+    return TorchGraph(
+        module, device, inputs, outputs, checked=True,
+        private=exported_written_inputs(program, placeholders),
+        model_storages=module_storages(module),
+        dim_ranges=_dim_ranges(program, placeholders),
+    )
+
+
+def _dim_ranges(program: Any, placeholders: list[Any]) -> tuple[_DimRange, ...]:
+    """The checked range of each input dim that is a plain symbol (``Dim("n")``), where
+    torch checks one: a lower bound above 2 (torch does not check 0, 1 or 2), a finite
+    upper bound."""
+    ranges = []
+    for index, node in enumerate(placeholders):
+        for axis, size in enumerate(getattr(node.meta.get("val"), "shape", ())):
+            if not isinstance(size, torch.SymInt):
+                continue
+            bounds = program.range_constraints.get(size.node.expr)
+            if bounds is None:
+                continue
+            low = int(bounds.lower) if bounds.lower.is_Integer else 0  # not -int_oo
+            high = int(bounds.upper) if bounds.upper.is_Integer else None  # not int_oo
+            low = low if low > 2 else 0
+            if low or high is not None:
+                ranges.append(_DimRange(index, axis, low, high))
+    return tuple(ranges)

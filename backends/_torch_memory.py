@@ -1,0 +1,125 @@
+"""What memory a PyTorch model shares with its caller, found once at load.
+
+torch hands tensors around by reference: an input made with ``torch.from_numpy`` is the
+caller's memory (a guest's linear memory, for a wasm guest), and a model's output may be
+a view of an input (``x[1:]``), or a parameter, buffer or constant itself. The backend
+uses what is computed here to keep every run's memory its own:
+
+- :func:`storage_of` names a tensor's memory block (views of one tensor share it); an
+  output whose block is an input's, another output's or one of the model's
+  (:func:`module_storages`, :func:`script_storages`) is cloned before it is handed out.
+  Otherwise a guest's later writes would change a result already returned, and a
+  caller's in-place edit of a result would change the model for every later caller.
+- :func:`exported_written_inputs` and :func:`script_written_inputs` find the inputs a
+  model writes to (``x.sub_(mean)``, ``x[0].relu_()``), which then get a copy each run;
+  a model that writes only to its intermediates (an in-place ReLU) costs no copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from ._torch_ops import graph_nodes, script_graphs
+
+
+def storage_of(value: torch.Tensor) -> int:
+    """The address of ``value``'s memory block: views of one tensor share it."""
+    return int(value.untyped_storage().data_ptr())
+
+
+def module_storages(module: torch.nn.Module) -> frozenset[int]:
+    """The memory of every tensor ``module`` and its submodules hold: parameters,
+    buffers and plain tensor attributes (an unlifted program's constants)."""
+    storages: set[int] = set()
+    for sub in module.modules():
+        for value in (*sub._parameters.values(), *sub._buffers.values(),
+                      *vars(sub).values()):
+            if isinstance(value, torch.Tensor):
+                storages.add(storage_of(value))
+    return frozenset(storages)
+
+
+def script_storages(module: Any) -> frozenset[int]:
+    """The memory of every tensor the TorchScript ``module`` holds: its and its
+    submodules' attributes (parameters, buffers, plain tensors) and the constants in its
+    graphs (where freezing puts the weights)."""
+    storages: set[int] = set()
+    for sub in module.modules():
+        attributes = torch._C._jit_debug_module_iterators(  # type: ignore[attr-defined]
+            sub._c)["named_attributes"]
+        storages.update(storage_of(v) for _, v in attributes if isinstance(v, torch.Tensor))
+    for graph in script_graphs(module):
+        storages.update(storage_of(node.t("value")) for node in graph_nodes(graph)
+                        if node.kind() == "prim::Constant" and node.hasAttribute("value")
+                        and node.kindOf("value") == "t")
+    return frozenset(storages)
+
+
+def script_written_inputs(module: Any) -> frozenset[int]:
+    """The tensor inputs (by position among them) that the TorchScript ``module``'s
+    forward may write to, in place or through a view, by TorchScript's alias analysis;
+    all of them if it cannot tell."""
+    arguments = module.forward.schema.arguments[1:]
+    tensors = [i for i, arg in enumerate(arguments) if str(arg.type) == "Tensor"]
+    try:
+        graph = module.inlined_graph
+        values = list(graph.inputs())[1:]
+        db = graph.alias_db()
+        return frozenset(n for n, i in enumerate(tensors) if db.has_writers(values[i]))
+    except Exception:
+        return frozenset(range(len(tensors)))
+
+
+def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[int]:
+    """The inputs (by position among ``placeholders``) that the exported ``program``
+    may write to: those its signature says it mutates (a functionalized program), and
+    those an operator writes to in place, directly or through a view (export's default
+    IR keeps in-place operators), by the operators' schema alias annotations. A
+    higher-order operator (``cond``...) given an input or a view of one counts as
+    writing to it."""
+    mutated = set(program.graph_signature.user_inputs_to_mutate.values())
+    written = {i for i, node in enumerate(placeholders) if node.name in mutated}
+    roots: dict[Any, set[int]] = {node: {i} for i, node in enumerate(placeholders)}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        bound = _bound_arguments(node)
+        if bound is None:  # not an ATen operator: a HOP, getitem, shape arithmetic
+            reached = _roots(roots, (node.args, node.kwargs))
+            if reached and node.target is operator.getitem:
+                roots[node] = reached  # an item of a view op's list of views
+            elif reached:
+                written |= reached
+            continue
+        for value, argument in bound:
+            info = argument.alias_info
+            reached = _roots(roots, value) if info is not None else set()
+            if not reached:
+                continue
+            if info.is_write:
+                written |= reached
+            if any(r.alias_info is not None and r.alias_info.before_set & info.before_set
+                   for r in node.target._schema.returns):
+                roots.setdefault(node, set()).update(reached)  # returns a view of it
+    return frozenset(written)
+
+
+def _bound_arguments(node: Any) -> list[tuple[Any, Any]] | None:
+    """An ATen node's ``(value, schema argument)`` pairs; None for other nodes."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    arguments = node.target._schema.arguments
+    by_name = {arg.name: arg for arg in arguments}
+    return [*zip(node.args, arguments, strict=False),  # trailing defaults not passed
+            *((value, by_name[name]) for name, value in node.kwargs.items()
+              if name in by_name)]
+
+
+def _roots(roots: dict[Any, set[int]], value: Any) -> set[int]:
+    """The inputs that the fx nodes in ``value`` (however nested) may be views of."""
+    found: list[Any] = []
+    torch.fx.node.map_arg(value, found.append)
+    return set().union(*(roots.get(node, set()) for node in found))
