@@ -8,6 +8,7 @@ TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic.
 
 from __future__ import annotations
 
+import re
 import zipfile
 from collections.abc import Iterator
 from io import BytesIO
@@ -35,6 +36,45 @@ def _varint(data: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def protobuf_values(data: bytes | bytearray | memoryview
+                    ) -> Iterator[tuple[int, int, memoryview | int | None]]:
+    """Each top-level field of a protobuf message, in order: (field number, wire type,
+    value): the field's bytes (a view, not a copy) if it is length-delimited, its integer
+    if it is a varint, else None.
+
+    Raises ValueError (as it gets there) when the bytes are not a well-formed protobuf
+    message.
+    """
+    view = memoryview(data).cast("B")
+    end = len(view)
+    pos = 0
+    while pos < end:
+        key = view[pos]  # one-byte keys (fields 1-15) skip the general varint reader
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(view, pos)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        value: memoryview | int | None = None
+        if wire == 0:
+            value, pos = _varint(view, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(view, pos)
+            value = view[pos:pos + length]
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > end:
+            raise ValueError("field runs past the end")
+        yield number, wire, value
+
+
 def protobuf_records(data: bytes | bytearray | memoryview
                      ) -> Iterator[tuple[int, int, memoryview | None]]:
     """Each top-level field of a protobuf message, in order: (field number, wire type,
@@ -43,29 +83,8 @@ def protobuf_records(data: bytes | bytearray | memoryview
     Raises ValueError (as it gets there) when the bytes are not a well-formed protobuf
     message.
     """
-    view = memoryview(data).cast("B")
-    pos = 0
-    while pos < len(view):
-        key, pos = _varint(view, pos)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise ValueError("field number 0")
-        payload = None
-        if wire == 0:
-            _, pos = _varint(view, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 2:
-            length, pos = _varint(view, pos)
-            payload = view[pos:pos + length]
-            pos += length
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-        if pos > len(view):
-            raise ValueError("field runs past the end")
-        yield number, wire, payload
+    for number, wire, value in protobuf_values(data):
+        yield number, wire, value if isinstance(value, memoryview) else None
 
 
 def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
@@ -79,17 +98,41 @@ def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
     return fields
 
 
+#: How far into an IR XML its ``<net`` root element is looked for.
+_IR_HEAD = 64 * 1024
+#: Before the root element: a declaration, comments, processing instructions, a DOCTYPE.
+_PROLOG = re.compile(rb"\s*(?:<\?.*?\?>|<!--.*?-->|<!DOCTYPE[^>]*>)", re.DOTALL)
+
+
 def _looks_like_ir(data: bytes | bytearray | memoryview) -> bool:
-    head = bytes(memoryview(data)[:512]).lstrip()
-    return (head.startswith(b"<?xml") and b"<net" in head) or head.startswith(b"<net")
+    """Whether ``data`` is XML whose root element is ``<net``: after an optional UTF-8
+    byte-order mark, the prolog is skipped item by item, however long its comments (a
+    licence header) are, within the first 64 KiB."""
+    head = bytes(memoryview(data).cast("B")[:_IR_HEAD]).removeprefix(b"\xef\xbb\xbf")
+    pos = 0
+    while match := _PROLOG.match(head, pos):
+        if match.end() == pos:
+            break
+        pos = match.end()
+    root = head[pos:].lstrip()
+    return root.startswith(b"<net") and root[4:5] in (b" ", b">", b"\t", b"\n", b"\r", b"/")
 
 
 def _zip_names(data: bytes | bytearray | memoryview) -> list[str]:
+    """The member names of a zip archive.
+
+    Raises InvalidEncodingError for bytes zipfile cannot read. Any exception counts:
+    besides BadZipFile, zipfile raises NotImplementedError for an unsupported "version
+    needed to extract", and others for other damage.
+    """
     try:
         with zipfile.ZipFile(BytesIO(bytes(data))) as archive:
             return archive.namelist()
-    except (zipfile.BadZipFile, ValueError):
-        return []
+    except Exception as exc:
+        raise InvalidEncodingError(
+            f"autodetect: a zip archive that cannot be read ({type(exc).__name__}: {exc}): "
+            "expected a TorchScript or torch.export archive"
+        ) from exc
 
 
 def _protobuf_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding | None:
@@ -110,7 +153,8 @@ def _protobuf_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding | 
 def detect_encoding(builders: Builders) -> GraphEncoding:
     """The encoding of ``builders`` judged by content.
 
-    Raises InvalidEncodingError when no known format matches, saying what was seen.
+    Raises InvalidEncodingError when no known format matches, saying what was seen (and
+    nothing else, whatever the bytes).
     """
     if not builders:
         raise InvalidEncodingError("autodetect: no model bytes given (empty builder list)")

@@ -20,6 +20,12 @@ late one could otherwise stop a later run): one object less to build per inferen
 
 ``LoadOptions.precision`` is not applied: ONNX Runtime computes in the model's own types.
 
+Hostile bytes: a model whose tensors refer to external data files is refused with
+SecurityError before ONNX Runtime sees it (:mod:`._onnx_check`: ORT would read any file
+the host can, relative to its working directory). ORT's Python fallback is off (see
+:func:`_session`): it printed a banner to stdout and parsed a malformed model twice, and
+would quietly move a GPU graph to the CPU.
+
 Spinning: each session's intra-op threads spin while a run is in progress (ONNX Runtime's
 default), but stop when it returns (``session.force_spinning_stop``; ``extra`` can set it
 back to ``"0"``). Left spinning, they hold the cores for a while after every run, and the
@@ -51,6 +57,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
+from ._onnx_check import refuse_external_data
 from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
 from .formats import protobuf_records
 
@@ -306,8 +313,10 @@ class OnnxRuntimeBackend(Backend):
         """Compile one ONNX builder into a session on ``device``.
 
         Raises InvalidEncodingError for another encoding, a builder count other than one
-        or bytes ONNX Runtime cannot read; UnsupportedOperationError for a device it lacks
-        or a model whose inputs/outputs use a type outside the wasi-nn set.
+        or bytes ONNX Runtime cannot read (input or output names that are not UTF-8
+        included); SecurityError for a model that refers to external data files (see
+        :mod:`._onnx_check`); UnsupportedOperationError for a device it lacks or a model
+        whose inputs/outputs use a type outside the wasi-nn set.
         """
         expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
@@ -316,21 +325,59 @@ class OnnxRuntimeBackend(Backend):
             raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         data = bytes(builders[0])
-        try:
-            session = ort.InferenceSession(
-                data, sess_options=session_options(options),
-                providers=providers_for(device, options),
-            )
-        except Exception as exc:
-            raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
+        refuse_external_data(NAME, data)
+        session = _session(data, device, options)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
         ):
             raise UnsupportedOperationError(f"{NAME}: the CUDA provider did not start on {device}")
-        values = (*session.get_inputs(), *session.get_outputs())
-        # A value reported without dimensions is a scalar, or declared without a shape.
-        shapeless = _shapeless(data) if any(not v.shape for v in values) else frozenset()
-        return OrtGraph(session, device, shapeless)
+        try:
+            values = (*session.get_inputs(), *session.get_outputs())
+            # A value reported without dimensions is a scalar, or declared without a shape.
+            shapeless = _shapeless(data) if any(not v.shape for v in values) else frozenset()
+            return OrtGraph(session, device, shapeless)
+        except WasiNNError:
+            raise
+        except Exception as exc:  # e.g. a name that is not UTF-8: UnicodeDecodeError
+            raise InvalidEncodingError(
+                f"{NAME}: cannot read the ONNX model's inputs and outputs: {exc}") from exc
+
+
+def _session(data: bytes, device: Device, options: LoadOptions) -> Any:
+    """An ``InferenceSession`` for ``data`` on ``device``, with ORT's provider fallback off.
+
+    ORT's Python wrapper treats any ValueError or RuntimeError while it builds a session
+    as a provider failure: it prints an "EP Error" banner to stdout and builds the
+    session again with the CPU provider alone (a malformed model is parsed twice), and
+    at run time it swaps a failing provider for the CPU one in place, so a graph placed
+    on a GPU would quietly run on the CPU. Both are off here. A GPU session that fails to
+    build is tried on the CPU once, only to tell the two failures apart.
+
+    Raises InvalidEncodingError for a model ONNX Runtime cannot load, and
+    UnsupportedOperationError where only the CUDA provider fails on it.
+    """
+    try:
+        session = ort.InferenceSession(
+            data, sess_options=session_options(options),
+            providers=providers_for(device, options), enable_fallback=0,
+        )
+    except Exception as exc:
+        if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options):
+            raise UnsupportedOperationError(
+                f"{NAME}: the CUDA provider failed on {device}: {exc}") from exc
+        raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
+    session.disable_fallback()  # enable_fallback=0 did so already; said again for run()
+    return session
+
+
+def _loads_on_cpu(data: bytes, options: LoadOptions) -> bool:
+    """Whether a CPU-only session can be built for ``data`` (the model is readable)."""
+    try:
+        ort.InferenceSession(data, sess_options=session_options(options),
+                             providers=["CPUExecutionProvider"], enable_fallback=0)
+    except Exception:
+        return False
+    return True
 
 
 #: Session config entries wasinn sets unless ``LoadOptions.extra`` says otherwise: stop the

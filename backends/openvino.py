@@ -32,6 +32,15 @@ request that may have been cancelled is retired, never pooled again.
 Element types: all seven wasi-nn types load, but the CPU and GPU plugins compute i64 as
 i32. Rather than truncate silently, a run refuses i64 input values outside the i32 range
 with InvalidArgumentError.
+
+Likewise f64 is computed as f32, whatever ``precision`` says: about 7 significant digits
+(123456789.123 comes back as 123456792), magnitudes below f32's smallest normal lose
+precision or become 0, and finite magnitudes above f32's maximum (about 3.4e38) would
+come back as 3.4e38 or inf. A run refuses f64 inputs with finite values outside
+[-3.4e38, 3.4e38] with InvalidArgumentError (infinities and NaN are not refused, though
+the plugin's f64 -> f32 conversion inside a graph may saturate an infinity to +-3.4e38),
+and loading a graph with f64 inputs or outputs logs a warning (``wasinn.backends``) once
+per load. ONNX Runtime computes f64 exactly.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, no_device, uncarried_type
 from ._ovread import NAME, read_model
-from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
+from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation, log
 
 _TYPES: dict[str, TensorType] = {
     "f16": TensorType.F16, "f32": TensorType.F32, "f64": TensorType.F64,
@@ -64,6 +73,7 @@ _TYPES: dict[str, TensorType] = {
 }
 _OV_TYPES = {tt: getattr(ov.Type, name) for name, tt in _TYPES.items()}
 _I32 = np.iinfo(np.int32)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _port_name(port: Any, is_output: bool) -> str:
@@ -99,7 +109,12 @@ def _specs(ports: Sequence[Any], is_output: bool
     return tuple(specs), aliases
 
 
-def _ov_tensor(tensor: Tensor, device: str) -> Any:
+def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
+    """``tensor`` for input ``name`` as OpenVINO takes it (host memory shared, not copied).
+
+    Raises InvalidArgumentError for i64 values outside the i32 range and finite f64
+    values outside the f32 range (see the module docstring).
+    """
     native = tensor.native
     if isinstance(native, ov.Tensor):
         return native
@@ -110,13 +125,31 @@ def _ov_tensor(tensor: Tensor, device: str) -> Any:
         array.min() < _I32.min or array.max() > _I32.max
     ):
         raise InvalidArgumentError(
-            f"{NAME}: i64 values outside the i32 range cannot be computed exactly (OpenVINO "
-            f"computes i64 as i32): expected values in [{_I32.min}, {_I32.max}]"
+            f"{NAME}: input {name!r}: i64 values outside the i32 range cannot be computed "
+            f"exactly (OpenVINO computes i64 as i32): expected values in "
+            f"[{_I32.min}, {_I32.max}]"
+        )
+    if tensor.type is TensorType.F64 and array.size and _beyond_f32(array):
+        raise InvalidArgumentError(
+            f"{NAME}: input {name!r}: finite f64 values beyond the f32 range cannot be "
+            f"computed (OpenVINO computes f64 as f32): expected magnitudes up to "
+            f"{_F32_MAX:.7g}, or onnxruntime for full f64"
         )
     # The (array, shape, type) constructor shares the memory, read-only arrays included;
     # bf16 travels as its uint16 bit pattern.
     carrier = array.view(np.uint16) if tensor.type is TensorType.BF16 else array
     return ov.Tensor(carrier, ov.Shape(array.shape), _OV_TYPES[tensor.type])
+
+
+def _beyond_f32(array: np.ndarray[Any, Any]) -> bool:
+    """Whether ``array`` (f64) holds a finite value of magnitude above f32's maximum.
+    Two reductions without temporaries in the usual case; a NaN (which makes min and max
+    NaN) or a value beyond the range takes the masked path."""
+    if array.min() >= -_F32_MAX and array.max() <= _F32_MAX:
+        return False
+    with np.errstate(invalid="ignore"):
+        over = np.abs(array) > _F32_MAX
+    return bool(np.isfinite(array[over]).any())
 
 
 def _host_array(value: Any, ttype: TensorType, keep_alive: object = None) -> np.ndarray[Any, Any]:
@@ -225,7 +258,8 @@ class OvGraph(CheckedGraph):
         # ``compiled`` unused: requests come from the pool, or from ``compiled_model``,
         # which refuses a graph closed since.
         device = self.device.name
-        ov_inputs = [_ov_tensor(t, device) for t in ordered]
+        ov_inputs = [_ov_tensor(t, device, spec.name)
+                     for t, spec in zip(ordered, self.inputs, strict=True)]
         cancellation = current_cancellation()
         if cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(f"{NAME}: run cancelled before it started")
@@ -376,8 +410,11 @@ class OpenVinoBackend(Backend):
         """Read ``builders`` through the frontend for ``encoding`` and compile for ``device``.
 
         Raises InvalidEncodingError (bytes OpenVINO cannot read as ``encoding``, a wrong
-        builder count, IR weights that do not match the XML) and UnsupportedOperationError
-        (a device OpenVINO does not have here, a type outside the wasi-nn set).
+        builder count, IR weights that do not match the XML, input or output names that
+        are not UTF-8), SecurityError (an ONNX model that refers to external data files)
+        and UnsupportedOperationError (a device OpenVINO does not have here, a type
+        outside the wasi-nn set). TensorFlow and TFLite models are read in a child
+        process (see :mod:`._ovread`).
         """
         ov_device = self._device_map().get(device)
         if ov_device is None:
@@ -390,7 +427,26 @@ class OpenVinoBackend(Backend):
             raise InvalidEncodingError(
                 f"{NAME}: cannot compile the {encoding.value} model for {device}: {exc}"
             ) from exc
-        return OvGraph(compiled, device, keep_alive)
+        try:
+            graph = OvGraph(compiled, device, keep_alive)
+        except WasiNNError:
+            raise
+        except Exception as exc:  # e.g. a port name that is not UTF-8: UnicodeDecodeError
+            raise InvalidEncodingError(
+                f"{NAME}: cannot read the {encoding.value} model's inputs and outputs: {exc}"
+            ) from exc
+        _warn_f64(graph)
+        return graph
+
+
+def _warn_f64(graph: OvGraph) -> None:
+    """Log, once per load, that the graph's f64 values are computed in f32 precision."""
+    f64 = [s.name for s in (*graph.inputs, *graph.outputs) if s.type is TensorType.F64]
+    if f64:
+        log.warning("%s: %s %s f64: OpenVINO computes f64 in f32 precision (about 7 "
+                    "significant digits; inputs beyond +-%.7g are refused): load it on "
+                    "onnxruntime for full f64", NAME, ", ".join(map(repr, f64)),
+                    "is" if len(f64) == 1 else "are", _F32_MAX)
 
 
 def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str, Any]:

@@ -10,13 +10,20 @@ import pytest
 
 from tests.backend_models import scalar_onnx
 from tests.support import has_module, require_backend, skip_unless
-from wasinn import GraphEncoding, Tensor, TensorType, UnsupportedOperationError
+from wasinn import (
+    GraphEncoding,
+    InvalidEncodingError,
+    Tensor,
+    TensorType,
+    UnsupportedOperationError,
+)
 from wasinn.backends import Device, LoadOptions
 from wasinn.modelgen import affine_onnx, identity_onnx
 
 pytestmark = pytest.mark.usefixtures("_ort")
 
 CPU = Device.parse("cpu")
+NAME = "onnxruntime"
 
 
 @pytest.fixture
@@ -203,3 +210,125 @@ def test_cancellable_run_options_answer_the_graph_id_lookup_without_an_exception
     from wasinn.backends.onnxruntime import _run_options
 
     assert _run_options().get_run_config_entry("gpu_graph_id") == "0"
+
+
+# -- defences against hostile model bytes -------------------------------------------------
+def _external(name: str, location: str, *, mark: bool = True) -> Any:
+    """A u8[15] TensorProto whose data is ``location``'s first 15 bytes (``mark``: with
+    data_location EXTERNAL; without, the external_data entries alone)."""
+    from onnx import TensorProto
+
+    tensor = TensorProto(name=name, data_type=TensorProto.UINT8, dims=[15])
+    if mark:
+        tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "15")):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+def _model(nodes: list[Any], initializer: tuple[Any, ...] = (), **graph: Any) -> bytes:
+    """A graph x (u8[15]) -> ``nodes`` -> y, with the opsets of :func:`_placements`."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.UINT8, [15])
+    y = helper.make_tensor_value_info("y", TensorProto.UINT8, [15])
+    body = helper.make_graph(nodes, "g", [x], [y], initializer=list(initializer), **graph)
+    model = helper.make_model(body, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("local", 1)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def _placements() -> dict[str, bytes]:
+    """A model per place onnx.proto lets a TensorProto refer to external data."""
+    from onnx import ModelProto, SparseTensorProto, TensorProto, helper
+
+    add = helper.make_node("Add", ["x", "w"], ["y"])
+    const = helper.make_node("Constant", [], ["w"], value=_external("w", "key.txt"))
+    indices = helper.make_tensor("i", TensorProto.INT64, [15], list(range(15)))
+    sparse = SparseTensorProto(values=_external("w", "key.txt"), indices=indices, dims=[15])
+    branch = helper.make_graph([helper.make_node("Identity", ["w"], ["b"])], "then", [],
+                               [helper.make_tensor_value_info("b", TensorProto.UINT8, [15])],
+                               initializer=[_external("w", "key.txt")])
+    cond = helper.make_tensor("c", TensorProto.BOOL, [], [True])
+    if_node = helper.make_node("If", ["c"], ["w"], then_branch=branch, else_branch=branch)
+    function = helper.make_function("local", "F", [], ["w"], [const], [
+        helper.make_opsetid("", 17)])
+    call = helper.make_node("F", [], ["w"], domain="local")
+    with_function = ModelProto.FromString(_model([call, add]))
+    with_function.functions.append(function)
+    return {
+        "initializer": _model([add], (_external("w", "key.txt"),)),
+        "entries-only": _model([add], (_external("w", "key.txt", mark=False),)),
+        "constant": _model([const, add]),
+        "sparse": _model([add], sparse_initializer=[sparse]),
+        "subgraph": _model([if_node, add], (cond,)),
+        "function": bytes(with_function.SerializeToString()),
+    }
+
+
+@pytest.mark.parametrize("place", ["initializer", "entries-only", "constant", "sparse",
+                                   "subgraph", "function"])
+def test_external_data_anywhere_in_the_model_is_a_security_error(
+    backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, place: str
+) -> None:
+    # Before: ONNX Runtime read key.txt from the host's working directory into the model.
+    from wasinn import SecurityError
+
+    (tmp_path / "key.txt").write_bytes(b"SECRET-KEY-1234")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SecurityError, match=r"^onnxruntime: tensor 'w' refers to external "
+                       r"data \(location 'key.txt'\).*models must embed their weights"):
+        backend.load([_placements()[place]], GraphEncoding.ONNX, CPU)
+
+
+def test_a_path_out_of_the_working_directory_is_refused_before_onnx_runtime_reads_it(
+    backend: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: '..' segments were resolved against the host's cwd; the guest got the bytes.
+    from onnx import helper
+
+    from wasinn import SecurityError
+
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "key.txt").write_bytes(b"SECRET-KEY-1234")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    model = _model([helper.make_node("Add", ["x", "w"], ["y"])],
+                   (_external("w", "../private/key.txt"),))
+    with pytest.raises(SecurityError, match=r"'\.\./private/key\.txt'"):
+        backend.load([model], GraphEncoding.ONNX, CPU)
+
+
+def test_embedded_weights_are_walked_without_a_security_error(
+    backend: Any, small_mobilenet: Any
+) -> None:
+    from wasinn.backends._onnx_check import refuse_external_data
+
+    refuse_external_data(NAME, small_mobilenet.onnx.read_bytes())
+    with pytest.raises(InvalidEncodingError, match="not a well-formed protobuf"):
+        refuse_external_data(NAME, b"\x0a\x10abc")
+
+
+def test_names_that_are_not_utf8_are_an_invalid_encoding_without_a_fallback_banner(
+    backend: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Before: an input name raised a raw UnicodeDecodeError once the session was built,
+    # and an operator type made ORT's wrapper print an "EP Error" banner to stdout and
+    # build the session a second time (it took the UnicodeDecodeError for a provider's).
+    model = affine_onnx(in_name="xx")
+    bad_input = model.replace(b"\x02xx", b"\x02\xfe\xff")
+    bad_op = affine_onnx().replace(b"Add", b"A\xfed")
+    assert bad_input != model and bad_op != affine_onnx()
+    with pytest.raises(InvalidEncodingError, match="onnxruntime: cannot read the ONNX "
+                       "model's inputs and outputs: 'utf-8' codec can't decode"):
+        backend.load([bad_input], GraphEncoding.ONNX, CPU)
+    with pytest.raises(InvalidEncodingError, match="onnxruntime: cannot load the ONNX model"):
+        backend.load([bad_op], GraphEncoding.ONNX, CPU)
+    assert "EP Error" not in capfd.readouterr().out
+
+
+def test_sessions_do_not_fall_back_to_another_provider(backend: Any) -> None:
+    # Before: ORT's wrapper could swap a failing provider for the CPU one at run time.
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+    assert graph.session._enable_fallback is False

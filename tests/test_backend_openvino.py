@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -234,8 +238,8 @@ def test_device_memory_is_read_by_one_copy_and_cut_into_remote_rows(
     np.testing.assert_array_equal(kept.numpy(), rows)
     assert memory.copies == 1
     # Set as an input on its own device, as it is, by its port's name; elsewhere, a copy.
-    assert openvino._ov_tensor(kept, "gpu:0") is memory
-    assert isinstance(openvino._ov_tensor(kept, "gpu:1"), ov.Tensor)
+    assert openvino._ov_tensor(kept, "gpu:0", "x") is memory
+    assert isinstance(openvino._ov_tensor(kept, "gpu:1", "x"), ov.Tensor)
 
 
 def test_device_memory_inputs_are_set_by_name(backend: Any) -> None:
@@ -365,3 +369,164 @@ def test_a_run_under_an_already_cancelled_cancellation_does_not_run(backend: Any
     cancellation.cancel()
     with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
         graph.run({"x": Tensor.from_numpy(X)})
+
+
+# -- defences against hostile model bytes -------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A host process that loads relu_tflite with byte 224 (its operator's output count) set
+#: to 3: the operator then also writes the subgraph's input. ``unchecked`` leaves out the
+#: flatbuffer check, so that only the throw-away reader process stands between the bytes
+#: and the host.
+_HOST = """
+import sys
+import wasinn.backends._ovread as ovread
+from tests.tfmodels import relu_tflite
+from wasinn import GraphEncoding, WasiNNError
+from wasinn.backends import Device
+from wasinn.backends.openvino import OpenVinoBackend
+
+if sys.argv[1] == "unchecked":
+    ovread.check_tflite = lambda data: None
+data = bytearray(relu_tflite())
+assert data[224] == 1
+data[224] = 3
+try:
+    OpenVinoBackend().load([bytes(data)], GraphEncoding.TENSORFLOWLITE, Device.parse("cpu"))
+    print("loaded")
+except WasiNNError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize(("mode", "what"), [
+    ("checked", "tensor 0 is written by more than one operator"),
+    ("unchecked", ""),  # the frontend's own message, or the crash of the reader process
+])
+def test_tflite_bytes_that_crashed_the_host_are_an_invalid_encoding(mode: str, what: str) -> None:
+    # Before: OpenVINO's TFLite frontend read wild memory in the host: SIGSEGV (rc -11).
+    done = subprocess.run([sys.executable, "-c", _HOST, mode], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(
+        "InvalidEncodingError openvino: cannot read the model.tflite: "), done.stdout
+    assert what in done.stdout
+
+
+def _patched(offset: int, old: int, new: int) -> bytes:
+    data = bytearray(relu_tflite())
+    assert data[offset] == old  # relu_tflite's layout (checked, so a change shows here)
+    data[offset] = new
+    return bytes(data)
+
+
+@pytest.mark.parametrize(("data", "what"), [
+    (lambda: _patched(236, 0, 7), "operators[0].inputs holds index 7, outside [-1, 2)"),
+    (lambda: _patched(192, 0, 5), "subgraphs[0].inputs holds index 5, outside [0, 2)"),
+    (lambda: _patched(220, 0, 5), "opcode_index is 5, outside the model's 1 operator codes"),
+    (lambda: _patched(312, 1, 9), "tensors[0].buffer is 9, outside the model's 3 buffers"),
+    (lambda: _patched(232, 1, 200), "lies outside the 344-byte model"),
+    (lambda: _patched(3, 0, 1), "lies outside the 344-byte model"),
+    (lambda: _patched(4, ord("T"), ord("X")), "no TFL3 file identifier"),
+    (lambda: relu_tflite()[:120], "lies outside the 120-byte model"),
+], ids=["op-input", "subgraph-input", "opcode", "buffer", "vector-length", "root-offset",
+        "identifier", "truncated"])
+def test_tflite_offsets_and_indices_are_checked_before_openvino_reads_them(
+    backend: Any, data: Any, what: str
+) -> None:
+    # Before: no check; OpenVINO's frontend follows offsets and indices as they are.
+    with pytest.raises(InvalidEncodingError, match=r"^openvino: cannot read the model.tflite: ") \
+            as info:
+        backend.load([data()], GraphEncoding.TENSORFLOWLITE, CPU)
+    assert what in str(info.value)
+
+
+@pytest.mark.parametrize(("script", "what"), [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+     "OpenVINO's frontend crashed on it (SIGSEGV) in the throw-away process"),
+    ("import time; time.sleep(60)", "reading it took over 1 s"),
+    ("import sys; sys.stdout.write('bad model'); sys.exit(3)", "model.pb: bad model"),
+    ("raise SystemExit('no openvino here')", "exited with status 1: no openvino here"),
+])
+def test_a_reader_process_that_crashes_hangs_or_refuses_is_an_invalid_encoding(
+    backend: Any, monkeypatch: pytest.MonkeyPatch, script: str, what: str
+) -> None:
+    # Before: the TensorFlow frontends ran in the host, so a crash there killed it.
+    import wasinn.backends._ovread as ovread
+
+    monkeypatch.setattr(ovread, "_CONVERT", script)
+    monkeypatch.setattr(ovread, "CONVERT_TIMEOUT_S", 1.0)
+    with pytest.raises(InvalidEncodingError, match=r"^openvino: cannot read the model.pb: ") \
+            as info:
+        backend.load([relu_graphdef()], GraphEncoding.TENSORFLOW, CPU)
+    assert what in str(info.value)
+
+
+def _external_onnx(location: str, size: int) -> bytes:
+    """``y = x + w`` over u8[size], where ``w`` is external data read from ``location``."""
+    from onnx import TensorProto, helper
+
+    w = TensorProto(name="w", data_type=TensorProto.UINT8, dims=[size],
+                    data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", "0"), ("length", str(size))):
+        w.external_data.add(key=key, value=value)
+    x = helper.make_tensor_value_info("x", TensorProto.UINT8, [size])
+    y = helper.make_tensor_value_info("y", TensorProto.UINT8, [size])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y],
+                              initializer=[w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def test_onnx_external_data_naming_a_host_file_is_a_security_error(
+    backend: Any, tmp_path: Path
+) -> None:
+    # Before: OpenVINO read the file (absolute paths accepted) into the weights, and a run
+    # handed its bytes to the guest.
+    from wasinn import SecurityError
+
+    secret = tmp_path / "api_key.txt"
+    secret.write_bytes(b"SECRET-KEY-1234")
+    with pytest.raises(SecurityError, match=r"^openvino: tensor 'w' refers to external data "
+                       r".*models must embed their weights"):
+        backend.load([_external_onnx(str(secret), 15)], GraphEncoding.ONNX, CPU)
+
+
+def _f64_add() -> bytes:
+    from onnx import TensorProto, helper, numpy_helper
+
+    zero = numpy_helper.from_array(np.zeros(3, np.float64), "z")
+    x = helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3])
+    y = helper.make_tensor_value_info("y", TensorProto.DOUBLE, [3])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "z"], ["y"])], "add64", [x], [y],
+                              initializer=[zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def test_f64_beyond_the_f32_range_is_refused_and_f32_precision_is_announced(
+    backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: 1e300 came back as 3.4e38 (and 123456789.123 as 123456792), silently.
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        graph = backend.load([_f64_add()], GraphEncoding.ONNX, CPU)
+    warned = [r.getMessage() for r in caplog.records if "f64" in r.getMessage()]
+    assert len(warned) == 1 and "f32 precision" in warned[0] and "'x', 'y'" in warned[0]
+    fits = np.array([-3.0e38, np.inf, 0.5])
+    out = graph.run({"x": Tensor.from_numpy(fits)})["y"].numpy()
+    assert out[0] == pytest.approx(-3.0e38, rel=1e-7) and out[2] == 0.5
+    with pytest.raises(InvalidArgumentError, match=r"input 'x': finite f64 values beyond the "
+                       r"f32 range .* up to 3.402823e\+38"):
+        graph.run({"x": Tensor.from_numpy(np.array([1.0, np.nan, 1e300]))})
+
+
+def test_a_port_name_that_is_not_utf8_is_an_invalid_encoding(backend: Any) -> None:
+    # Before: a raw UnicodeDecodeError from port.get_names() once the model had compiled.
+    model = affine_onnx(in_name="xx")
+    bad = model.replace(b"\x02xx", b"\x02\xfe\xff")
+    assert bad != model
+    with pytest.raises(InvalidEncodingError, match="openvino: cannot read the onnx model's "
+                       "inputs and outputs: 'utf-8' codec can't decode"):
+        backend.load([bad], GraphEncoding.ONNX, CPU)

@@ -101,3 +101,65 @@ def test_sniffing_imports_no_backend_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _unreadable_zip() -> bytes:
+    """A TorchScript-looking archive whose central directory says "version needed to
+    extract: 25.5", which zipfile refuses with NotImplementedError."""
+    data = bytearray(_zip_with("archive/data.pkl"))
+    header = data.find(b"PK\x01\x02")  # the first central directory entry
+    data[header + 6:header + 8] = (255).to_bytes(2, "little")
+    return bytes(data)
+
+
+def test_a_zip_that_zipfile_cannot_read_is_an_invalid_encoding() -> None:
+    # Before: zipfile's NotImplementedError escaped detect_encoding (and Runtime.load).
+    with pytest.raises(InvalidEncodingError, match=r"autodetect: a zip archive that cannot be "
+                       r"read \(NotImplementedError: zip file version 25.5\)"):
+        detect_encoding([_unreadable_zip()])
+
+
+_IR = b'<?xml version="1.0"?>\n<net name="m" version="11"></net>'
+_LICENCE = b"<!-- " + b"Copyright (C) Example Corp. Licensed under the Apache License 2.0. " * 40
+
+
+@pytest.mark.parametrize("xml", [
+    b"\xef\xbb\xbf" + _IR,
+    _IR.replace(b"?>", b"?>\n" + _LICENCE + b"-->", 1),
+    b"\xef\xbb\xbf" + _LICENCE + b"-->\n<?xml-stylesheet href='a'?><!DOCTYPE net>\n" + _IR[22:],
+], ids=["bom", "long-comment", "bom-comment-pi-doctype"])
+def test_ir_after_a_bom_or_a_long_prolog_is_detected(xml: bytes) -> None:
+    # Before: only the first 512 bytes were looked at, and a byte-order mark hid "<?xml".
+    assert detect_encoding([xml, b""]) is GraphEncoding.OPENVINO
+
+
+@pytest.mark.parametrize("xml", [
+    b'<?xml version="1.0"?>\n<html><net/></html>',
+    b"<network/>",
+    b"<!-- never closed <net>",
+], ids=["net-not-root", "other-root", "open-comment"])
+def test_xml_whose_root_is_not_net_is_not_ir(xml: bytes) -> None:
+    with pytest.raises(InvalidEncodingError, match="match no"):
+        detect_encoding([xml, b""])
+
+
+def test_a_real_ir_with_a_bom_loads_through_autodetect() -> None:
+    require_backend("openvino")
+    from wasinn.backends import Device
+    from wasinn.backends.openvino import OpenVinoBackend
+
+    (xml, weights), _ = backend_models.affine_ir(2.0, 1.0)
+    builders = [b"\xef\xbb\xbf" + xml, weights]
+    encoding = detect_encoding(builders)
+    graph = OpenVinoBackend().load(builders, encoding, Device.parse("cpu"))
+    assert [s.describe() for s in graph.inputs] == ["x: f32[?, 4]"]
+
+
+def test_protobuf_values_carry_varints() -> None:
+    from wasinn.backends.formats import protobuf_records, protobuf_values
+
+    message = b"\x08\x96\x01\x12\x02hi\x1d\x00\x00\x80\x3f"  # 1: 150, 2: "hi", 3: 1.0f
+    assert [(n, w, bytes(v) if isinstance(v, memoryview) else v)
+            for n, w, v in protobuf_values(message)] == [(1, 0, 150), (2, 2, b"hi"), (3, 5, None)]
+    assert [(n, v is None) for n, _, v in protobuf_records(message)] == [
+        (1, True), (2, False), (3, True)]

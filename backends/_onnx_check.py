@@ -1,0 +1,120 @@
+"""Refusing ONNX models that keep tensor data in external files.
+
+An ONNX ``TensorProto`` may say ``data_location: EXTERNAL`` and name a file in its
+``external_data`` entries (``location``, ``offset``, ``length``); the reader then loads
+that file's bytes as the tensor's values. ONNX Runtime resolves the path against the
+host process's working directory, ``..`` segments included, and OpenVINO accepts
+absolute paths: a guest's model could make any file the host can read part of its
+weights, then read it back through inference. Models from guests come as one buffer and
+must embed their weights, so :func:`refuse_external_data` raises SecurityError for any
+tensor that refers to external data, before either backend parses the model.
+
+Every place onnx.proto lets a ``TensorProto`` appear is walked (field numbers checked
+against onnx 1.23's descriptors): ModelProto.graph (7), .training_info (20) and
+.functions (25); GraphProto.node (1), .initializer (5), .sparse_initializer (15);
+NodeProto.attribute (5); AttributeProto.t (5), .g (6), .tensors (10), .graphs (11),
+.sparse_tensor (22), .sparse_tensors (23); SparseTensorProto.values (1), .indices (2);
+FunctionProto.node (7), .attribute_proto (11); TrainingInfoProto.initialization (1),
+.algorithm (2). The walk uses an explicit stack (no recursion limit to hit on deeply
+nested subgraphs) and views into the bytes: weights (``raw_data``) are skipped, never
+copied. Bytes that do not parse as protobuf are refused as InvalidEncodingError (what
+cannot be walked cannot be vouched for), except ORT-format flatbuffers, which carry no
+file references.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from wasinn.errors import InvalidEncodingError, SecurityError
+
+from .formats import protobuf_records, protobuf_values
+
+
+class _Kind(enum.Enum):
+    MODEL = enum.auto()
+    GRAPH = enum.auto()
+    FUNCTION = enum.auto()
+    TRAINING = enum.auto()
+    NODE = enum.auto()
+    ATTRIBUTE = enum.auto()
+    SPARSE = enum.auto()
+    TENSOR = enum.auto()
+
+
+#: For each message, the fields that hold messages to walk, and what those are.
+_CHILDREN: dict[_Kind, dict[int, _Kind]] = {
+    _Kind.MODEL: {7: _Kind.GRAPH, 20: _Kind.TRAINING, 25: _Kind.FUNCTION},
+    _Kind.GRAPH: {1: _Kind.NODE, 5: _Kind.TENSOR, 15: _Kind.SPARSE},
+    _Kind.FUNCTION: {7: _Kind.NODE, 11: _Kind.ATTRIBUTE},
+    _Kind.TRAINING: {1: _Kind.GRAPH, 2: _Kind.GRAPH},
+    _Kind.NODE: {5: _Kind.ATTRIBUTE},
+    _Kind.ATTRIBUTE: {5: _Kind.TENSOR, 6: _Kind.GRAPH, 10: _Kind.TENSOR, 11: _Kind.GRAPH,
+                      22: _Kind.SPARSE, 23: _Kind.SPARSE},
+    _Kind.SPARSE: {1: _Kind.TENSOR, 2: _Kind.TENSOR},
+}
+#: TensorProto fields: name, external_data (StringStringEntryProto), data_location.
+_NAME, _EXTERNAL_DATA, _DATA_LOCATION = 8, 13, 14
+#: StringStringEntryProto: key, value.
+_KEY, _VALUE = 1, 2
+#: ORT-format models are flatbuffers with this file identifier.
+_ORT_FORMAT = b"ORTM"
+
+
+def refuse_external_data(backend: str, data: bytes | bytearray | memoryview) -> None:
+    """Raise SecurityError, naming the tensor, if any tensor of the ONNX model ``data``
+    refers to external data; InvalidEncodingError if ``data`` is no protobuf message."""
+    view = memoryview(data).cast("B")
+    if bytes(view[4:8]) == _ORT_FORMAT:
+        return
+    stack: list[tuple[_Kind, memoryview]] = [(_Kind.MODEL, view)]
+    try:
+        while stack:
+            kind, message = stack.pop()
+            if kind is _Kind.TENSOR:
+                _check_tensor(backend, message)
+                continue
+            children = _CHILDREN[kind]
+            for number, _, value in protobuf_records(message):
+                child = children.get(number)
+                if child is not None and value is not None:
+                    stack.append((child, value))
+    except ValueError as exc:
+        raise InvalidEncodingError(
+            f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
+        ) from exc
+
+
+def _check_tensor(backend: str, tensor: memoryview) -> None:
+    """SecurityError if this TensorProto has external data entries, or a data location
+    other than DEFAULT (any encoding of that field but a zero varint counts)."""
+    name = b""
+    location: bytes | None = None
+    external = False
+    for number, _, value in protobuf_values(tensor):
+        if number == _NAME and isinstance(value, memoryview):
+            name = bytes(value)
+        elif number == _EXTERNAL_DATA:
+            external = True
+            if isinstance(value, memoryview):
+                location = _location(value) or location
+        elif number == _DATA_LOCATION and value != 0:
+            external = True
+    if external:
+        where = f" (location {location.decode('utf-8', 'replace')!r})" if location else ""
+        raise SecurityError(
+            f"{backend}: tensor {name.decode('utf-8', 'replace')!r} refers to external "
+            f"data{where}, which would be read from the host's files: models must embed "
+            "their weights"
+        )
+
+
+def _location(entry: memoryview) -> bytes | None:
+    """The value of an external_data entry whose key is ``location``, else None."""
+    key = value = None
+    for number, _, field in protobuf_records(entry):
+        if number == _KEY and field is not None:
+            key = bytes(field)
+        elif number == _VALUE and field is not None:
+            value = bytes(field)
+    return value if key == b"location" else None
