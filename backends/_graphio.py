@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from wasinn.enums import GraphEncoding, TensorType
@@ -219,6 +220,8 @@ class CheckedGraph(CompiledGraph):
         self.device = device
         self.inputs = inputs
         self.outputs = outputs
+        self.input_aliases = MappingProxyType(dict(in_aliases or {}))
+        self.output_aliases = MappingProxyType(dict(out_aliases or {}))
         self._checker = InputChecker(
             backend, inputs, aliases=in_aliases, any_type=any_type
         )

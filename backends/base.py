@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
@@ -125,6 +126,10 @@ class CompiledGraph(abc.ABC):
     device: Device
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    #: Other names ``run`` accepts for inputs and outputs, by position (TensorFlow's ``x``
+    #: for ``x:0``, an OpenVINO port's other names); read-only.
+    input_aliases: Mapping[str, int] = MappingProxyType({})
+    output_aliases: Mapping[str, int] = MappingProxyType({})
 
     @abc.abstractmethod
     def run(

@@ -60,8 +60,10 @@ if TYPE_CHECKING:
     from wasinn.actors.lease import Lease
 
 
-def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: str) -> str:
-    """The name of the input/output ``key`` (a name or a position) names.
+def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: str,
+              aliases: Mapping[str, int] | None = None) -> str:
+    """The name of the input/output ``key`` (a name, one of its ``aliases``, or a
+    position) names: the keys a run accepts.
 
     Raises InvalidArgumentError naming what the graph has.
     """
@@ -69,6 +71,9 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
         for spec in specs:
             if spec.name == key:
                 return spec.name
+        alias = aliases.get(key) if aliases else None
+        if alias is not None and 0 <= alias < len(specs):
+            return specs[alias].name
     elif not isinstance(key, bool | np.bool_) and hasattr(type(key), "__index__"):
         index = operator.index(key)  # an int, or numpy's
         if 0 <= index < len(specs):
@@ -363,7 +368,8 @@ class ExecutionContext:
         InvalidArgumentError for an unknown key or a value with no wasi-nn tensor form.
         """
         self._check_open()
-        name = spec_name(self._executable.inputs, key, "input", self._executable.name)
+        name = spec_name(self._executable.inputs, key, "input", self._executable.name,
+                         self._executable.input_aliases)
         if self._inputs is None:
             self._inputs = {}
         try:
@@ -381,7 +387,8 @@ class ExecutionContext:
         a read-only/non-contiguous buffer or a dtype with no wasi-nn element type.
         """
         self._check_open()
-        name = spec_name(self._executable.outputs, key, "output", self._executable.name)
+        name = spec_name(self._executable.outputs, key, "output", self._executable.name,
+                         self._executable.output_aliases)
         # A new dict: requests already made keep the buffers bound when they were made.
         self._bound = {**(self._bound or {}), name: OutputBuffer(name, buffer)}
 
@@ -398,7 +405,8 @@ class ExecutionContext:
         Raises InvalidArgumentError before the first run or for an unknown key.
         """
         self._check_open()
-        name = spec_name(self._executable.outputs, key, "output", self._executable.name)
+        name = spec_name(self._executable.outputs, key, "output", self._executable.name,
+                         self._executable.output_aliases)
         if self._outputs is None:
             raise InvalidArgumentError(
                 f"{self._executable.name}: no outputs yet: call run() or compute() first"

@@ -31,6 +31,10 @@ class Executable(Protocol):
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    #: Other names its inputs and outputs answer to, by position (see
+    #: ``CompiledGraph.input_aliases``).
+    input_aliases: Mapping[str, int]
+    output_aliases: Mapping[str, int]
     released: bool
     #: Its requests on every device since it was loaded (see ``Graph.stats``).
     requests: RequestStats
@@ -64,9 +68,25 @@ class Executable(Protocol):
 class LoadedModel:
     """One model's bytes and what is known about them; refcounted by handles and contexts."""
 
-    __slots__ = ("backend_name", "backends", "batching", "builders", "encoding", "id",
-                 "inputs", "name", "on_release", "options", "outputs", "refs", "released",
-                 "requests", "runner")
+    __slots__ = (
+        "backend_name",
+        "backends",
+        "batching",
+        "builders",
+        "encoding",
+        "id",
+        "input_aliases",
+        "inputs",
+        "name",
+        "on_release",
+        "options",
+        "output_aliases",
+        "outputs",
+        "refs",
+        "released",
+        "requests",
+        "runner",
+    )
 
     def __init__(
         self,
@@ -88,6 +108,8 @@ class LoadedModel:
         self.backends: dict[ExecutionTarget, Backend] = {}
         self.inputs: tuple[TensorSpec, ...] = ()
         self.outputs: tuple[TensorSpec, ...] = ()
+        self.input_aliases: Mapping[str, int] = {}
+        self.output_aliases: Mapping[str, int] = {}
         self.refs = 0
         self.released = False
         self.on_release: Callable[[LoadedModel], None] | None = None

@@ -117,7 +117,8 @@ def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("batching", "inputs", "links", "name", "outputs", "refs", "released",
+    __slots__ = ("batching", "input_aliases", "inputs", "links", "name", "output_aliases",
+                 "outputs", "refs", "released",
                  "requests", "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel], links: Sequence[Link],
@@ -129,6 +130,8 @@ class PipelineModel:
         self.links = tuple(links)  # resolve_wiring's
         self.inputs = self.steps[0].inputs
         self.outputs = self.steps[-1].outputs
+        self.input_aliases = self.steps[0].input_aliases
+        self.output_aliases = self.steps[-1].output_aliases
         self.scheduler = scheduler
         self.refs = 0
         self.released = False

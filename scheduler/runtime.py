@@ -447,6 +447,8 @@ class Runtime:
         try:
             compiled = await scheduler.compile(model, kind)
             model.inputs, model.outputs = compiled.inputs, compiled.outputs
+            model.input_aliases = compiled.input_aliases
+            model.output_aliases = compiled.output_aliases
             if batching is not None:
                 check_batchable(model.name, model.inputs, model.outputs)
         except BaseException:

@@ -815,3 +815,26 @@ async def test_the_fallback_warning_points_at_the_callers_line() -> None:
             graph.init_execution_context("gpu")
     for record in (*loaded, *made):
         assert record.filename == __file__, record.filename
+
+
+async def test_an_alias_names_the_same_input_and_output_in_every_form(
+        rt: wasinn.Runtime) -> None:
+    # Before: compute({"x": ...}) took OpenVINO's alias of the TensorFlow input x:0, but
+    # set_input("x") and get_output("y") said the graph had no such input or output.
+    require_backend("openvino")
+    from tests.tfmodels import relu_graphdef
+
+    graph = await rt.load([relu_graphdef()], backend="openvino")
+    assert [s.name for s in graph.inputs] == ["x:0"] and [s.name for s in graph.outputs] == ["y:0"]
+    ctx = graph.init_execution_context()
+    x = np.array([[-1, 2, -3, 4]], np.float32)
+    out = await ctx.compute({"x": x})
+    ctx.set_input("x", x)
+    buffer = np.zeros((1, 4), np.float32)
+    ctx.set_output("y", buffer)
+    await ctx.run()
+    for key in ("y", "y:0", 0):
+        assert ctx.get_output(key).numpy().tolist() == out["y:0"].numpy().tolist() == [[0, 2, 0, 4]]
+    assert buffer.tolist() == [[0, 2, 0, 4]]
+    with pytest.raises(InvalidArgumentError, match="has no input 'z'"):
+        ctx.set_input("z", x)
