@@ -116,10 +116,13 @@ def _check_backend_options(options: LoadOptions, backend: str | None,
     from wasinn.configs import option_problem, read_by_no_backend
     from wasinn.configs.loader import known_backends
 
+    if not options.extra:
+        return
+    known = known_backends(extra) if backend is None else []
     for key, value in options.extra.items():
         problem = option_problem(backend, key, value)
         if problem is None and backend is None:
-            problem = read_by_no_backend(key, known_backends(extra))
+            problem = read_by_no_backend(key, known)
         if problem is not None:
             raise InvalidArgumentError(f"options {key!r}: {problem}")
 

@@ -189,6 +189,18 @@ steps = [{{ model = "a" }}, {{ model = "b"{wire} }}]
 X = np.ones((1, 4), np.float32)
 
 
+def neg_onnx(rows: int) -> bytes:
+    """``z = -y`` over f32 ``(rows, 4)``: a second step whose first dimension is fixed."""
+    from onnx import TensorProto, helper
+
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 4])
+    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [rows, 4])
+    graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "neg", [y], [z])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
 async def test_a_step_loaded_and_unloaded_meanwhile_does_not_break_the_pipeline_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The pipeline's load fetches a, then b. While it waits for b, another caller loads
@@ -257,15 +269,8 @@ async def test_a_step_that_fails_to_compile_frees_the_ones_before(tmp_path: Path
 
 async def test_a_pipeline_refused_for_batching_frees_its_steps(tmp_path: Path) -> None:
     # A last step whose outputs fix the batch dimension cannot batch.
-    from onnx import TensorProto, helper
-
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
-    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])
-    graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "fixed", [y], [z])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
     path = two_step_config(tmp_path, extra="batching = { max_batch = 4 }\n",
-                           second=model.SerializeToString())
+                           second=neg_onnx(rows=1))
     async with wasinn.Runtime.from_config(path) as rt:
         (actor,) = rt.actors
         with pytest.raises(InvalidArgumentError, match=r"pipeline 'p'.*batch"):
@@ -345,14 +350,7 @@ def test_a_wire_between_incompatible_tensors_is_refused_at_load(second_input: Te
 
 async def test_a_later_step_failing_on_its_fed_input_says_which_step(tmp_path: Path) -> None:
     # A wire whose shapes agree on paper but not in a run (b fixes its first dimension).
-    from onnx import TensorProto, helper
-
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
-    z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4])
-    graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "two_rows", [y], [z])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path = two_step_config(tmp_path, second=model.SerializeToString())
+    path = two_step_config(tmp_path, second=neg_onnx(rows=2))
     async with wasinn.Runtime.from_config(path) as rt:
         pipeline = await rt.load_by_name("p")
         with pytest.raises(InvalidArgumentError,
