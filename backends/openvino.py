@@ -45,9 +45,13 @@ per load. ONNX Runtime computes f64 exactly.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import queue
+import re
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -455,8 +459,11 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
     ``precision`` becomes ``INFERENCE_PRECISION_HINT`` where the device supports it
     (``"default"`` or ``""`` leaves the plugin's choice); ``threads`` becomes
     ``INFERENCE_NUM_THREADS``; ``extra`` entries named after a property the device
-    supports (``PERFORMANCE_HINT``, ``NUM_STREAMS``...) are passed as given, others are
-    ignored (they may be meant for another backend).
+    supports (``PERFORMANCE_HINT``, ``NUM_STREAMS``...) are passed as given. An OpenVINO
+    property this device lacks (another plugin's, such as ``GPU_HOST_TASK_PRIORITY`` on the
+    CPU) is left out with a warning; a key in capitals that names no OpenVINO property (a
+    misspelling) is InvalidArgumentError; other keys are ignored (they are meant for
+    another backend).
     """
     supported = core.get_property(ov_device, "SUPPORTED_PROPERTIES")
     config: dict[str, Any] = {}
@@ -465,5 +472,60 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
         config["INFERENCE_PRECISION_HINT"] = precision
     if options.threads and "INFERENCE_NUM_THREADS" in supported:
         config["INFERENCE_NUM_THREADS"] = options.threads
-    config.update({k: v for k, v in options.extra.items() if k in supported})
+    for key, value in options.extra.items():
+        if key in supported:
+            config[key] = value
+        elif key in known_properties():
+            log.warning("%s: option %s is not a property of %s: left out (it reads %s)",
+                        NAME, key, ov_device, ", ".join(_settable(supported)))
+        elif _PROPERTY_FORM.fullmatch(key):
+            raise InvalidArgumentError(_unknown_property(key, ov_device, supported))
     return config
+
+
+_PROPERTY_FORM = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+@functools.cache
+def known_properties() -> frozenset[str]:
+    """Every property name the installed OpenVINO declares, whatever the device: the
+    name-returning functions of its property modules (``hint``, ``streams``,
+    ``intel_gpu``...). Empty when this OpenVINO lays them out otherwise."""
+    try:
+        from openvino._pyopenvino import properties as root
+    except ImportError:
+        return frozenset()
+    found: set[str] = set()
+    pending: list[types.ModuleType] = [root]
+    while pending:
+        module = pending.pop()
+        for attr in vars(module).values():
+            if isinstance(attr, types.ModuleType):
+                if attr.__name__.startswith(root.__name__ + "."):
+                    pending.append(attr)
+            elif isinstance(attr, types.BuiltinFunctionType):
+                with contextlib.suppress(Exception):  # one that needs an argument
+                    name = attr()
+                    if isinstance(name, str):
+                        found.add(name)
+    return frozenset(found)
+
+
+def _settable(supported: Sequence[str]) -> list[str]:
+    return sorted(str(p) for p in supported if str(p) not in _READ_ONLY)
+
+
+#: Properties a plugin reports but does not take at compile time.
+_READ_ONLY = frozenset({
+    "AVAILABLE_DEVICES", "DEVICE_ARCHITECTURE", "DEVICE_ID", "DEVICE_TYPE",
+    "EXECUTION_DEVICES", "FULL_DEVICE_NAME", "OPTIMIZATION_CAPABILITIES",
+    "RANGE_FOR_ASYNC_INFER_REQUESTS", "RANGE_FOR_STREAMS", "SUPPORTED_PROPERTIES",
+})
+
+
+def _unknown_property(key: str, ov_device: str, supported: Sequence[str]) -> str:
+    settable = _settable(supported)
+    close = difflib.get_close_matches(key, [*settable, *known_properties()], n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{NAME}: option {key!r} is not an OpenVINO property: {hint}expected one "
+            f"{ov_device} reads ({', '.join(settable)})")

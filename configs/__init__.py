@@ -37,6 +37,19 @@ def check_precision(value: object) -> str:
     return name
 
 
+#: The form of a model's or pipeline's name: looked up as a key, never used as a path.
+NAME_FORM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with ``name`` as a model's or pipeline's name, or None."""
+    if NAME_FORM.fullmatch(name):
+        return None
+    return (f"name {name!r:.60} is not a plain identifier: expected at most 128 letters, "
+            "digits, '_', '.' and '-', not starting with '.' or '-' (a name is looked up, "
+            "never used as a path)")
+
+
 #: What each built-in backend reads from a model's ``options``: a description, and a key
 #: test.
 BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
@@ -75,5 +88,5 @@ def read_by_no_backend(key: str, backends: Iterable[str]) -> str | None:
     return f"no backend here reads this option: expected a key one of them reads ({expected})"
 
 
-__all__ = ["BACKEND_OPTIONS", "PRECISIONS", "ConfigError", "check_precision",
-           "option_problem", "read_by_no_backend"]
+__all__ = ["BACKEND_OPTIONS", "NAME_FORM", "PRECISIONS", "ConfigError", "check_precision",
+           "name_problem", "option_problem", "read_by_no_backend"]

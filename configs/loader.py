@@ -13,15 +13,18 @@ model's ``options`` where no third-party backend could read them.
 
 from __future__ import annotations
 
+import difflib
 import importlib.resources
 import logging
 import re
 import tomllib
+import types
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from wasinn.errors import InvalidArgumentError, NotFoundError, SecurityError
 
@@ -98,12 +101,51 @@ def _describe(errors: list[Any]) -> str:
             continue
         msg = str(err["msg"]).removeprefix("Value error, ")
         where = _key_path(tuple(err["loc"]))
+        if err["type"] == "extra_forbidden":
+            msg = _unknown_key(tuple(err["loc"]))
         # The bad value, if short enough to help: never a whole table.
         if (err["type"] not in ("extra_forbidden", "missing") and "input" in err
-                and not isinstance(err["input"], dict)):
+                and not isinstance(err["input"], dict) and _got(err["input"]) not in msg):
             msg += f" (got {_got(err['input'])})"
         lines.append(f"{where}: {msg}")
     return "; ".join(lines)
+
+
+def _unknown_key(loc: tuple[int | str, ...]) -> str:
+    """The message for a key its table does not have: the closest known key, and all."""
+    table = _table_at(RuntimeConfig, _user_loc(loc)[:-1])
+    if table is None:
+        return "unknown key"
+    keys = list(table.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"unknown key: {hint}expected one of {', '.join(keys)}"
+
+
+def _table_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The schema class of the table at ``loc`` below ``model`` (None: not a table)."""
+    kinds: list[Any] = [model]
+    for part in loc:
+        found: list[Any] = []
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                field = kind.model_fields.get(str(part))
+                if field is not None:
+                    found.append(field.annotation)
+            elif typing.get_origin(kind) in (dict, list):
+                found.append(typing.get_args(kind)[-1])  # a key or an index: the values
+        kinds = [member for kind in found for member in _members(kind)]
+    tables = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+    return tables[0] if len(tables) == 1 else None
+
+
+def _members(kind: Any) -> tuple[Any, ...]:
+    """The types a field's annotation admits: a union's members, Annotated unwrapped."""
+    while typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        return tuple(m for member in typing.get_args(kind) for m in _members(member))
+    return (kind,)
 
 
 def known_backends(extra: Iterable[str] = ()) -> list[str]:

@@ -71,7 +71,7 @@ from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
-from . import check_precision, option_problem
+from . import check_precision, name_problem, option_problem
 
 #: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
 FAULT = "wasinn_config"
@@ -129,13 +129,20 @@ def _file(value: str) -> str:
     return value
 
 
+def _name(value: str) -> str:
+    problem = name_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
 DeviceName = Annotated[str, AfterValidator(_device)]
 PrecisionName = Annotated[str, AfterValidator(_precision)]
 FileName = Annotated[str, AfterValidator(_file)]
 #: Model and pipeline names: looked up as keys, so plain identifiers only.
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$", max_length=128)]
+Name = Annotated[str, AfterValidator(_name)]
 
 
 #: A count or a size: an integer, never a boolean (TOML's ``true`` is not 1 here).
@@ -143,7 +150,7 @@ Count = StrictInt
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class RuntimeSection(_Strict):

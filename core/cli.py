@@ -216,12 +216,22 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _infer(args: argparse.Namespace) -> int:
-    from wasinn.infer import Load, describe_output, infer, parse_shape, read_inputs, save_outputs
+    from wasinn.infer import (
+        Load,
+        check_save_path,
+        describe_output,
+        infer,
+        parse_shapes,
+        read_inputs,
+        save_outputs,
+    )
     from wasinn.scheduler import Runtime
 
     load = Load(args.requests, args.concurrency, args.timeout)
-    shapes = dict(parse_shape(spec) for spec in args.shape)
+    shapes = parse_shapes(args.shape)
     given = read_inputs(args.input)
+    if args.save:
+        check_save_path(Path(args.save))
     async with Runtime(_registry_config(args)) as rt:
         report = await infer(rt, args.name, given, zeros=args.zeros, shapes=shapes,
                              target=args.target, load=load)
@@ -283,7 +293,7 @@ def _models(args: argparse.Namespace) -> int:
         for name, p in config.pipelines.items()
     ]
     if not rows:
-        where = config.source or "the embedded default config"
+        where = args.config or "the embedded default config"
         print(f"no models registered in {where}: add a [models] table, or use "
               "--nn-preload / --wasi nn-graph with `wasinn run`")
         return 0

@@ -62,6 +62,19 @@ class Load:
         self.timeout = timeout
 
 
+def parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Every ``--shape NAME=D,D,...``; InvalidArgumentError for a name given twice."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, shape = parse_shape(spec)
+        if name in shapes:
+            raise InvalidArgumentError(
+                f"--shape {spec!r}: {name} already has the shape "
+                f"{','.join(map(str, shapes[name]))}: expected one --shape per input")
+        shapes[name] = shape
+    return shapes
+
+
 def parse_shape(spec: str) -> tuple[str, tuple[int, ...]]:
     """``--shape NAME=D,D,...`` as (name, dimensions)."""
     name, sep, dims = spec.partition("=")
@@ -81,8 +94,7 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
 
     Raises InvalidArgumentError for a malformed spec, a file of the other kind or one that
     is not numpy's (not numpy's format, object arrays, a corrupt or truncated archive,
-    an archive member that is no array), naming the file; OSError (with the path) for a
-    file that cannot be read.
+    an archive member that is no array) and for one that cannot be read, naming the file.
     """
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for spec in specs:
@@ -91,13 +103,24 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
             raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
         file = Path(path if sep else spec)
         # Opened here, not by np.load: it leaves the file open when an archive is corrupt.
-        with file.open("rb") as stream:
+        try:
+            stream = file.open("rb")
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"--input {spec}: cannot read {file}: {exc.strerror or exc}: expected a "
+                f"readable .npy or .npz file") from exc
+        with stream:
             try:
-                arrays.update(_read_arrays(stream, spec, name if sep else None))
+                read = _read_arrays(stream, spec, name if sep else None)
             except _UNREADABLE as exc:  # not numpy's format, object arrays, a bad archive
                 raise InvalidArgumentError(
                     f"--input {spec}: {file} is not a .npy or .npz file of plain arrays: "
                     f"{type(exc).__name__}: {exc}") from exc
+        again = sorted(set(read) & set(arrays))
+        if again:
+            raise InvalidArgumentError(f"--input {spec}: {again[0]} is already given by an "
+                                       "earlier --input: expected one value per input")
+        arrays.update(read)
     return arrays
 
 
@@ -142,17 +165,31 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
     from wasinn.scheduler.warmup import zero_inputs
 
     names = [spec.name for spec in specs]
+
+    def named(key: str) -> str:  # a position, as the input's name
+        return names[int(key)] if key.isdigit() and int(key) < len(names) else key
+
     inputs: dict[str, Tensor] = {}
     for key, array in given.items():
-        name = names[int(key)] if key.isdigit() and int(key) < len(names) else key
+        name = named(key)
         if name not in names:
             raise InvalidArgumentError(
                 f"--input {key}: the model has no such input: expected one of "
                 f"{_described(specs)}")
+        if name in inputs:
+            raise InvalidArgumentError(f"--input {key}: {name} is given twice (by name and "
+                                       "by position): expected one value per input")
         try:
             inputs[name] = Tensor.from_numpy(array)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--input {key}: {exc.message}") from None
+    by_name: dict[str, tuple[int, ...]] = {}
+    for key, shape in shapes.items():
+        if named(key) in by_name:
+            raise InvalidArgumentError(f"--shape {key}: {named(key)} is given a shape twice "
+                                       "(by name and by position): expected one")
+        by_name[named(key)] = shape
+    shapes = by_name
     unknown = sorted(set(shapes) - set(names))
     if unknown:
         raise InvalidArgumentError(f"--shape {unknown[0]}: the model has no such input: "
@@ -270,6 +307,17 @@ def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
         line += "; largest along the last axis: " + ", ".join(
             f"[{i}] {row[i]:.6g}" for i in best)
     return line
+
+
+def check_save_path(path: Path) -> None:
+    """Before any run: InvalidArgumentError when ``--save`` names a file that cannot be
+    written (its folder missing, or a folder itself)."""
+    if not path.parent.is_dir():
+        raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
+                                   "expected a file in an existing folder")
+    if path.is_dir():
+        raise InvalidArgumentError(f"--save {path}: a folder: expected a file name "
+                                   "(FILE.npz)")
 
 
 def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:

@@ -204,5 +204,58 @@ def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
     return bytes(model.SerializeToString())
 
 
+def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> bytes:
+    """``y = x * factor`` over f32 images ``(n, 3, 224, 224)`` (a preprocessing step)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    k = numpy_helper.from_array(np.array(factor, np.float32), "k")
+    x = helper.make_tensor_value_info(in_name, TensorProto.FLOAT, ["n", *IMAGE_SHAPE[1:]])
+    y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", *IMAGE_SHAPE[1:]])
+    graph = helper.make_graph([helper.make_node("Mul", [in_name, "k"], [out_name])],
+                              "scale", [x], [y], initializer=[k])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                              producer_name="wasinn.modelgen")
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def example_models(directory: Path | str, width: float = 1.0) -> list[Path]:
+    """The model files the example configs name (``configs/pipeline.toml``:
+    ``models/scale.onnx`` and ``models/mobilenet.onnx``), written into ``directory``
+    (their ``models/`` folder); returns their paths."""
+    import shutil
+    import tempfile
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    scale = directory / "scale.onnx"
+    scale.write_bytes(scale_onnx())
+    mobilenet = directory / "mobilenet.onnx"
+    with tempfile.TemporaryDirectory(prefix="wasinn-modelgen-") as tmp:
+        shutil.copy(export_mobilenet(tmp, width).onnx, mobilenet)
+    return [scale, mobilenet]
+
+
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m wasinn.modelgen DIR [--width W]``: :func:`example_models` into DIR."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m wasinn.modelgen",
+        description="Write the models the example configs name into DIR (their models/ "
+                    "folder): scale.onnx and a MobileNetV2-like mobilenet.onnx.")
+    parser.add_argument("directory", metavar="DIR")
+    parser.add_argument("--width", type=float, default=1.0,
+                        help="MobileNetV2 width multiplier (default 1.0)")
+    args = parser.parse_args(argv)
+    for path in example_models(args.directory, args.width):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from wasinn.configs import name_problem
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
@@ -42,6 +43,9 @@ def parse_nn_preload(spec: str) -> Preload:
             f"--nn-preload {spec!r}: expected NAME:ENCODING:TARGET:PATH[:PATH...]"
         )
     name, encoding, target, *paths = parts
+    problem = name_problem(name)
+    if problem is not None:
+        raise InvalidArgumentError(f"--nn-preload {spec!r}: {problem}")
     tgt = None if target.strip().lower() == "auto" else ExecutionTarget.coerce(target)
     return Preload(name, GraphEncoding.coerce(encoding), tgt, tuple(Path(p) for p in paths))
 
@@ -70,6 +74,9 @@ def parse_nn_graph(spec: str) -> Preload:
         )
     path = Path(directory)
     name = path.resolve().name
+    problem = name_problem(name)
+    if problem is not None:
+        raise InvalidArgumentError(f"--wasi {spec!r}: the folder's name is the model's: {problem}")
     return Preload(name, enc, None, tuple(path / f for f in files))
 
 

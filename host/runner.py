@@ -103,7 +103,17 @@ def _compile(wasm: bytes, program: str) -> wasmtime.Module:
     try:
         return compile_module(wasm)
     except wasmtime.WasmtimeError as exc:
-        raise InvalidArgumentError(f"{program} is not a valid WebAssembly module: {exc}") from None
+        try:
+            is_text = not wasm.startswith(b"\0asm") and bool(wasm.decode())
+        except UnicodeDecodeError:
+            is_text = False
+        if is_text or wasm.startswith(b"\0asm"):
+            reason = f"{exc}"
+        else:  # neither a binary nor text: something else altogether
+            reason = (f"expected a .wasm binary (starting with \\0asm; this starts with "
+                      f"{wasm[:4]!r}) or WebAssembly text (.wat)")
+        raise InvalidArgumentError(f"{program} is not a valid WebAssembly module: {reason}"
+                                   ) from None
 
 
 async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, nn: GuestNN,

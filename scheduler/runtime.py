@@ -360,8 +360,12 @@ class Runtime:
 
     def stats(self) -> list[DeviceStats]:
         """Each device's queue, slots, graphs and request outcomes and latencies so far,
-        one snapshot per device actor (see :class:`wasinn.actors.DeviceStats`)."""
-        return [actor.stats() for actor in self._sched.actors]
+        one snapshot per device actor (see :class:`wasinn.actors.DeviceStats`); once the
+        runtime is closed, the final figures. Raises ClosedResourceError before it starts."""
+        scheduler = self._scheduler if self._closed else self._sched
+        if scheduler is None:  # closed without having started
+            return []
+        return [actor.stats() for actor in scheduler.actors]
 
     def model_stats(self) -> list[ModelStats]:
         """The requests of each registry model and pipeline loaded so far, since its

@@ -24,14 +24,15 @@ with the name in front of its message.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
 
 from wasinn.backends.base import TensorSpec
-from wasinn.errors import InvalidArgumentError, WasiNNError
+from wasinn.errors import InvalidArgumentError, TooLargeError, WasiNNError
 from wasinn.tensor import Tensor, numpy_dtype
 
 from .model import LoadedModel
@@ -78,8 +79,20 @@ def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...
                     f"input {spec.name!r} declares no shape, not even its rank, so no "
                     f"zero-filled value can be made for it: {shape_hint.format(name=spec.name)}")
             shape = tuple(1 if d is None else d for d in spec.shape)
-        inputs[spec.name] = Tensor.from_numpy(np.zeros(shape, numpy_dtype(spec.type)))
+        inputs[spec.name] = Tensor.from_numpy(_zeros(spec, shape))
     return inputs
+
+
+def _zeros(spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    dtype = numpy_dtype(spec.type)
+    try:
+        return np.zeros(shape, dtype)
+    except (ValueError, MemoryError) as exc:  # beyond numpy's bounds, or this host's memory
+        size = math.prod(shape) * dtype.itemsize
+        raise TooLargeError(
+            f"input {spec.name!r}: a zero-filled {spec.type.value} value of shape "
+            f"{list(shape)} takes {size:,} bytes, which cannot be allocated here ({exc}): "
+            f"expected a smaller shape") from exc
 
 
 async def preload(registry: NameRegistry, scheduler: Scheduler,

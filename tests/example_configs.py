@@ -11,22 +11,7 @@ import importlib.resources
 import shutil
 from pathlib import Path
 
-from wasinn.modelgen import ModelFiles
-
-
-def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> bytes:
-    """``y = x * factor`` over f32 images ``(n, 3, 224, 224)`` (a preprocessing step)."""
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
-    k = numpy_helper.from_array(np.array(factor, np.float32), "k")
-    x = helper.make_tensor_value_info(in_name, TensorProto.FLOAT, ["n", 3, 224, 224])
-    y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", 3, 224, 224])
-    graph = helper.make_graph([helper.make_node("Mul", [in_name, "k"], [out_name])],
-                              "scale", [x], [y], initializer=[k])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+from wasinn.modelgen import ModelFiles, scale_onnx
 
 
 def packaged_dir() -> Path:

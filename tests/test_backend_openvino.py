@@ -323,6 +323,27 @@ def test_extra_options_pass_through_when_openvino_knows_them(backend: Any) -> No
     assert str(graph.compiled_model.get_property("PERFORMANCE_HINT")).endswith("THROUGHPUT")
 
 
+def test_a_misspelt_property_is_refused_with_the_closest_name(backend: Any) -> None:
+    options = LoadOptions(extra={"PERFORMANCE_HNT": "LATENCY"})
+    with pytest.raises(InvalidArgumentError,
+                       match=r"'PERFORMANCE_HNT' is not an OpenVINO property: did you mean "
+                             r"PERFORMANCE_HINT\? expected one CPU reads \(.*NUM_STREAMS"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
+
+
+def test_another_devices_property_is_left_out_with_a_warning(
+        backend: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from wasinn.backends.openvino import known_properties
+
+    assert "GPU_HOST_TASK_PRIORITY" in known_properties()  # the GPU plugin's
+    options = LoadOptions(extra={"GPU_HOST_TASK_PRIORITY": "HIGH"})
+    with caplog.at_level(logging.WARNING, logger="wasinn"):
+        graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
+    assert "option GPU_HOST_TASK_PRIORITY is not a property of CPU: left out" in caplog.text
+    (out,) = graph.run({"x": Tensor.from_numpy(X)}).values()
+    np.testing.assert_allclose(out.numpy(), X * 2 + 1)
+
+
 # -- cancellation -------------------------------------------------------------------------
 def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
     import threading

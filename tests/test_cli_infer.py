@@ -81,7 +81,24 @@ def test_a_pipeline_runs_on_an_archive_of_inputs(tmp_path: Path, small_mobilenet
     ([], "no value for x: f32[?, 4]: give --input NAME=FILE.npy, or --zeros"),
     (["--input", "y={x}"], "--input y: the model has no such input: expected one of x: f32[?, 4]"),
     (["--input", "x={wide}"], "input 'x' has shape [1, 5] but the model expects x: f32[?, 4]"),
-    (["--input", "x={missing}"], "No such file or directory"),
+    (["--input", "x={missing}"], "--input x={missing}: cannot read {missing}: No such file or "
+                                 "directory: expected a readable .npy or .npz file"),
+    (["--input", "x={folder}"], "--input x={folder}: cannot read {folder}: Is a directory"),
+    (["--input", "x={x}", "--input", "x={x}"],
+     "--input x={x}: x is already given by an earlier --input: expected one value per input"),
+    (["--input", "x={x}", "--input", "0={x}"],
+     "--input 0: x is given twice (by name and by position): expected one value per input"),
+    (["--zeros", "--shape", "x=1,4", "--shape", "x=2,4"],
+     "--shape 'x=2,4': x already has the shape 1,4: expected one --shape per input"),
+    (["--zeros", "--shape", "x=1,4", "--shape", "0=2,4"],
+     "--shape 0: x is given a shape twice (by name and by position): expected one"),
+    (["--zeros", "--shape", "x=1000000000000,4"],
+     "input 'x': a zero-filled f32 value of shape [1000000000000, 4] takes "
+     "16,000,000,000,000 bytes, which cannot be allocated here"),
+    (["--zeros", "--save", "{folder}/no/out.npz"],
+     "--save {folder}/no/out.npz: there is no folder {folder}/no: expected a file in an "
+     "existing folder"),
+    (["--zeros", "--save", "{folder}"], "--save {folder}: a folder: expected a file name"),
     (["--input", "x={notnumpy}"], "is not a .npy or .npz file of plain arrays"),
     (["--input", "x={archive}"], "is a .npz archive: give it as --input"),
     (["--input", "{x}"], "a single array: give it as --input NAME="),
@@ -94,7 +111,7 @@ def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
                                           args: list[str], message: str) -> None:
     files = {"x": tmp_path / "x.npy", "wide": tmp_path / "wide.npy",
              "missing": tmp_path / "missing.npy", "notnumpy": tmp_path / "model.txt",
-             "archive": tmp_path / "inputs.npz"}
+             "archive": tmp_path / "inputs.npz", "folder": tmp_path}
     np.save(files["x"], np.zeros((1, 4), np.float32))
     np.save(files["wide"], np.zeros((1, 5), np.float32))
     files["notnumpy"].write_text("not numpy")
@@ -103,7 +120,7 @@ def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
     code = main(["infer", *affine, "a", *argv])
     err = capfd.readouterr().err
     assert code == 1
-    assert err.startswith("wasinn: error: ") and message in err
+    assert err.startswith("wasinn: error: ") and message.format(**files) in err
     assert "Traceback" not in err
 
 
@@ -163,6 +180,8 @@ def test_inputs_by_position_and_zero_filled_shapes() -> None:
     inputs = complete_inputs(specs, given, zeros=True, shapes={"tokens": (5,)})
     assert inputs["image"].dims == (2, 3)
     assert (inputs["tokens"].type, inputs["tokens"].dims) == (TensorType.I64, (5,))
+    inputs = complete_inputs(specs, {}, zeros=True, shapes={"0": (7, 3), "1": (2,)})
+    assert (inputs["image"].dims, inputs["tokens"].dims) == ((7, 3), (2,))  # by position
     assert not inputs["tokens"].numpy().any()
     with pytest.raises(InvalidArgumentError,
                        match=r"input 'tokens' declares no shape.*--shape tokens=D,D"):

@@ -59,6 +59,22 @@ async def test_every_packaged_config_starts_and_loads_its_models(
             await graph.unload()
 
 
+async def test_modelgen_writes_the_models_the_example_pipeline_names(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's steps for ``configs/pipeline.toml``: copy it, ``python -m
+    wasinn.modelgen models``, run it."""
+    from wasinn import modelgen
+
+    shutil.copy(packaged_dir() / "pipeline.toml", tmp_path)
+    assert modelgen.main([str(tmp_path / "models"), "--width", "0.35"]) == 0
+    written = capsys.readouterr().out.split()
+    assert written == [str(tmp_path / "models" / n) for n in ("scale.onnx", "mobilenet.onnx")]
+    async with wasinn.Runtime.from_config(tmp_path / "pipeline.toml") as rt:
+        classify = await rt.load_by_name("classify")
+        out = await classify.compute({"x": sample_image(0)})
+        assert out["output"].dims == (1, 1000)
+
+
 def test_default_runtime_needs_no_files() -> None:
     rt = wasinn.Runtime()
     assert rt.model_names() == []
@@ -66,7 +82,26 @@ def test_default_runtime_needs_no_files() -> None:
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ('[pools.cpu]\nkind = "cpu"\nworkerz = 2\n', r"pools\.cpu\.workerz: Extra inputs"),
+    ('[pools.cpu]\nkind = "cpu"\nworkerz = 2\n',
+     r"pools\.cpu\.workerz: unknown key: did you mean workers\? expected one of kind, devices, "
+     r"workers, queue_limit, backends, policy, inline_below_us, close_timeout$"),
+    ('[pool.cpu]\nkind = "cpu"\n', r"pool: unknown key: did you mean pools\? expected one of "
+                                   r"runtime, pools, models, pipelines, guests$"),
+    ('[models.m]\nfiles = ["m.onnx"]\nbatching = { max_batchs = 8 }\n',
+     r"models\.m\.batching\.max_batchs: unknown key: did you mean max_batch\? expected one of "
+     r"max_batch, max_delay_ms$"),
+    ('[pipelines.p]\nsteps = [{ model = "m", wires = {} }]\n',
+     r"pipelines\.p\.steps\[0\]\.wires: unknown key: did you mean wire\? expected one of "
+     r"model, wire"),
+    ('[guests]\nzzz = 1\n', r"guests\.zzz: unknown key: expected one of max_graphs, "),
+    # Numbers and booleans are not read from strings (a count never from a float).
+    ('[models.m]\nfiles = ["m.onnx"]\npreload = "no"\n',
+     r"models\.m\.preload: Input should be a valid boolean \(got 'no'\)$"),
+    ('[models.m]\nfiles = ["m.onnx"]\nresident = "on"\n', r"models\.m\.resident: .*boolean"),
+    ('[models.m]\nfiles = ["m.onnx"]\nbatching = { max_batch = 2, max_delay_ms = "2" }\n',
+     r"models\.m\.batching\.max_delay_ms: Input should be a valid number \(got '2'\)$"),
+    ('[pools.cpu]\nkind = "cpu"\nclose_timeout = "10"\n', r"pools\.cpu\.close_timeout: .*number"),
+    ('[guests]\ncompute_timeout = "30"\n', r"guests\.compute_timeout: .*number"),
     ('[pools.cpu]\nkind = "cpu"\nworkers = "two"\n', r"pools\.cpu\.workers: .*integer"),
     ('[pools.cpu]\nkind = "cpu"\nworkers = 0\n', r"pools\.cpu\.workers: .*greater than"),
     ('[pools.g]\nkind = "gpu"\ndevices = ["cpu"]\n',
@@ -90,7 +125,11 @@ def test_default_runtime_needs_no_files() -> None:
      r"models\.m\.target: unknown ExecutionTarget 'quantum'"),
     ('[models.m]\nfiles = ["m.onnx"]\nencoding = "keras"\n', r"models\.m\.encoding"),
     ('[models.m]\nfiles = []\n', r"models\.m\.files: .*at least 1"),
-    ('[models."a/b"]\nfiles = ["m.onnx"]\n', r"models\.a/b.*pattern"),
+    ('[models."a/b"]\nfiles = ["m.onnx"]\n',
+     r"models\.a/b\.\[key\]: name 'a/b' is not a plain identifier: expected at most 128 "
+     r"letters, digits, '_', '\.' and '-', not starting with '\.' or '-' \(a name is looked "
+     r"up, never used as a path\)$"),
+    (f'[pipelines.{"p" * 129}]\nsteps = [{{ model = "m" }}]\n', r"is not a plain identifier"),
     ('[pipelines.p]\nsteps = [{ model = "nope" }]\n',
      r"pipelines\.p\.steps\[0\]\.model: pipeline 'p' step 0 uses model 'nope', which is not "
      r"in \[models\] \(models: none\)$"),

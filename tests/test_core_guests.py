@@ -114,6 +114,15 @@ async def test_not_a_module_is_an_invalid_argument(rt: wasinn.Runtime, tmp_path:
     bogus.write_bytes(b"\0asm\x01\0\0\0garbage")
     with pytest.raises(wasinn.InvalidArgumentError, match="not a valid WebAssembly module"):
         await rt.run_wasm(bogus)
+    # Neither a binary nor text (a model given in the guest's place): not wasmtime's
+    # complaint that it is no UTF-8 text, but what was expected.
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"\x08\x08\x12\x0f\xff")
+    with pytest.raises(wasinn.InvalidArgumentError,
+                       match=r"^model.onnx is not a valid WebAssembly module: expected a .wasm "
+                             r"binary \(starting with \\0asm; this starts with "
+                             r"b'\\x08\\x08\\x12\\x0f'\) or WebAssembly text \(.wat\)$"):
+        await rt.run_wasm(model)
 
 
 async def test_cancelling_one_guest_interrupts_only_that_guest(rt: wasinn.Runtime) -> None:

@@ -12,12 +12,12 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.example_configs import example_config, scale_onnx
+from tests.example_configs import example_config
 from tests.support import require_backend
 from wasinn import InvalidArgumentError
 from wasinn.backends import TensorSpec
 from wasinn.enums import TensorType
-from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+from wasinn.modelgen import ModelFiles, affine_onnx, sample_image, scale_onnx
 
 
 def native_reference(image: np.ndarray, mobilenet: ModelFiles) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from wasinn.configs.loader import load_config
@@ -26,3 +27,17 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert commands == ["make demo", "make test"]
     ci = (README.parent / ".ci" / "run").read_text()
     assert "make test" in ci.splitlines()[-1]
+
+
+def test_the_examples_makefile_builds_with_clang_unless_told_otherwise() -> None:
+    """``make -C examples``, as the README says: make's built-in ``CC`` (cc) must not win
+    over clang-19, and a ``CC`` given on the command line must."""
+    examples = README.parent / "examples"
+    assert "make -C examples" in README.read_text()
+
+    def planned(*args: str) -> str:
+        return subprocess.run(["make", "-n", "-B", "-C", str(examples), *args], check=True,
+                              capture_output=True, text=True).stdout
+
+    assert planned().count("clang-19 --target=wasm32-wasi") == 4
+    assert "mycc --target=wasm32-wasi" in planned("CC=mycc")

@@ -95,8 +95,27 @@ async def test_async_with_pairs_start_and_aclose() -> None:
     async with trio.open_nursery() as nursery, wasinn.Runtime() as rt:
         nursery.start_soon(trio.sleep, 0)
         await still_serves(rt)
-    with pytest.raises(wasinn.ClosedResourceError):
-        rt.stats()
+    with pytest.raises(wasinn.ClosedResourceError, match="the runtime is closed"):
+        await rt.load([affine_onnx()])
+
+
+async def test_a_runtime_not_started_has_no_stats() -> None:
+    with pytest.raises(wasinn.ClosedResourceError, match="the runtime is not running"):
+        wasinn.Runtime().stats()
+
+
+async def test_device_stats_and_outputs_are_readable_after_close() -> None:
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)])
+        ctx = graph.init_execution_context()
+        await ctx.compute({"x": X})
+        during = rt.stats()
+    (after,) = rt.stats()  # the final figures, for a report after the block
+    assert (after.device, after.completed, after.running, after.queued) == ("cpu", 1, 0, 0)
+    assert after.completed == during[0].completed
+    np.testing.assert_array_equal(ctx.get_output("y").numpy(), X * 2 + 1)
+    with pytest.raises(wasinn.ClosedResourceError, match="the runtime is closed"):
+        await ctx.run()
 
 
 async def test_model_stats_are_readable_after_close(tmp_path: Path) -> None:

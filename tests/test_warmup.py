@@ -16,7 +16,13 @@ import wasinn
 from tests.backend_models import scalar_onnx
 from tests.fake_backend import FakeBackend
 from tests.support import require_backend
-from wasinn import BackendRuntimeError, InvalidArgumentError, NotFoundError, TensorType
+from wasinn import (
+    BackendRuntimeError,
+    InvalidArgumentError,
+    NotFoundError,
+    TensorType,
+    TooLargeError,
+)
 from wasinn.backends import TensorSpec
 from wasinn.configs.loader import load_config
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
@@ -168,6 +174,20 @@ async def test_a_failing_warm_up_fails_the_start_with_the_backend_message(
     path.write_text(model + "warmup_inputs = { x = [3, 4] }\n")
     async with wasinn.Runtime.from_config(path) as rt:
         assert rt.stats()[0].warm_ups == 1
+
+
+@pytest.mark.parametrize("rows", [10**12, 10**20], ids=["beyond-memory", "beyond-numpy"])
+async def test_a_warm_up_shape_too_large_to_allocate_fails_the_start_naming_it(
+        tmp_path: Path, rows: int) -> None:
+    path = write_config(tmp_path, '[models.a]\nfiles = ["models/affine.onnx"]\nwarmup = 1\n'
+                                  f"warmup_inputs = {{ x = [{rows}, 4] }}\n")
+    with pytest.raises(TooLargeError,
+                       match=rf"preloading 'a': input 'x': a zero-filled f32 value of shape "
+                             rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
+                             rf"allocated here \(.*\): expected a smaller shape"):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started although the warm-up input cannot exist")
+    assert worker_threads() == []
 
 
 async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
