@@ -266,8 +266,15 @@ class Batcher:
         self._open: dict[Hashable, list[_Batch]] = {}
         #: Requests in batches that have not started running (queued or gathering).
         self.waiting = 0
-        #: Batches waiting in the device's queue (each one queue entry).
-        self.queued_batches = 0
+        #: The queue entries of batches that have not been granted a slot yet.
+        self._requests: set[Request] = set()
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches whose entry is in the device's queue now (one entry each): counted from
+        the entries themselves, so a slot granted a moment ago (its batch's task not yet
+        resumed) is not subtracted from the queue it has already left."""
+        return sum(1 for request in self._requests if request.queued and not request.removed)
 
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
@@ -342,12 +349,12 @@ class Batcher:
         failure: BaseException | None = None
         try:
             with batch.scope:
-                self.queued_batches += 1
                 batch.request = Request(batch.priority, batch.deadline, batch.tenant)
+                self._requests.add(batch.request)
                 try:
                     await self._take_slot(batch.request)
                 finally:
-                    self.queued_batches -= 1
+                    self._requests.discard(batch.request)
                     batch.request = None
                 outcomes = await self._gather_and_run(batch)
         except Exception as exc:  # queue full, device closed: every member's error

@@ -344,8 +344,18 @@ class DeviceActor:
                                              Callable[[], bool]]) -> None:
         # In the actor's nursery: compile, cache, tell the waiting callers.
         key, pending, compile_graph, backend, wanted = job
+
+        def compile_if_wanted() -> CompiledGraph:
+            # Checked again once a worker thread is free (``wanted`` reads a flag: safe
+            # from any thread): callers that keep giving up while others compile must
+            # not leave a compile queued for each of them.
+            if not wanted():
+                raise ClosedResourceError(
+                    f"{self.device}: the graph was unloaded before it compiled")
+            return compile_graph()
+
         try:
-            compiled = await self._unslotted(compile_graph, label="compile",
+            compiled = await self._unslotted(compile_if_wanted, label="compile",
                                              failure="compiling failed")
             self._compiles += 1
             session = Session(compiled, backend)

@@ -131,8 +131,7 @@ class Lease(Generic[T]):
             # Stopped before it started (its deadline passed, the device closed): a run
             # now would only be thrown away, and a TorchScript run could not be cut short.
             error = self._stopped("before it ran")
-            self._give_back(Outcome.TIMED_OUT if isinstance(error, TimeoutError_)
-                            else Outcome.FAILED)
+            self._give_back(self._stopped_outcome())
             raise error
         outcome = Outcome.FAILED
         try:
@@ -145,10 +144,8 @@ class Lease(Generic[T]):
                 outcome = Outcome.TIMED_OUT
         except Exception as exc:
             if cancellation is not None and cancellation.cancelled:
-                error = self._stopped("while it ran")
-                if isinstance(error, TimeoutError_):
-                    outcome = Outcome.TIMED_OUT
-                raise error from exc
+                outcome = self._stopped_outcome()
+                raise self._stopped("while it ran") from exc
             if isinstance(exc, WasiNNError):
                 raise
             raise backend_failure(self.device, exc) from exc
@@ -167,6 +164,13 @@ class Lease(Generic[T]):
         if self._interrupted:
             return BackendRuntimeError(f"{self.device}: the request was interrupted {when}")
         return ClosedResourceError(f"{self.device}: the device closed {when}")
+
+    def _stopped_outcome(self) -> Outcome:
+        # How a cancelled lease is counted: its deadline passed, its caller gave up
+        # (interrupted: a guest cancelled by its own caller), or its device closed.
+        if self._interrupted == "deadline":
+            return Outcome.TIMED_OUT
+        return Outcome.CANCELLED if self._interrupted else Outcome.FAILED
 
     @property
     def over(self) -> bool:

@@ -82,12 +82,14 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 def _port_name(port: Any, is_output: bool) -> str:
     names = port.get_names()
-    if is_output and len(names) > 1:
-        # TensorFlow gives an output every tensor name on its path (relu:0, y:0); the
-        # Result node is named after the graph's own output.
-        result = port.get_node().get_friendly_name()
-        if result in names:
-            return str(result)
+    if len(names) > 1:
+        # A port may carry several tensor names: TensorFlow gives an output every name on
+        # its path (relu:0, y:0), and compiling may fold an input's first node into it
+        # (ONNX's x * 1 leaves {x, t}). The Parameter or Result node keeps the model's
+        # own name; any_name is whichever the set yields first.
+        node = port.get_node().get_friendly_name()
+        if node in names:
+            return str(node)
     return str(port.get_any_name()) if names else f"{'output' if is_output else 'input'}"
 
 

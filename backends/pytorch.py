@@ -411,10 +411,18 @@ def _spec_of(name: str, value: Any, role: str) -> TensorSpec:
     return TensorSpec(name, ttype, shape)
 
 
+#: torch.export.load keeps the archive it is reading in a module global
+#: (``_CURRENT_DESERIALIZER``): two loads at once in different threads fail with "already
+#: set". Loads on different devices' worker threads, or a runtime preloading several
+#: programs, take turns.
+_EXPORT_LOAD = threading.Lock()
+
+
 def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> TorchGraph:
     check_pt2_archive(NAME, data)  # torch.export.load unpickles and evaluates what it reads
     try:
-        program = torch.export.load(io.BytesIO(data))
+        with _EXPORT_LOAD:
+            program = torch.export.load(io.BytesIO(data))
     except Exception as exc:
         raise InvalidEncodingError(
             f"{NAME}: cannot load the torch.export archive: {_first_line(exc)}"

@@ -328,13 +328,14 @@ class ExecutionContext:
         tenant: str = "",
         keep_on_device: bool | None = None,
     ) -> dict[str, Tensor]:
-        """:meth:`compute` from a thread started by ``trio.to_thread`` (not the trio
-        thread): a free slot is taken here (:meth:`try_lease`), or the request is queued in
-        trio (one ``trio.from_thread.run``); then the backend runs in this thread. Same
-        results and errors as :meth:`compute`, with the ``timeout`` caveat of
-        :meth:`lease`; cancelling the trio task this thread belongs to drops a queued
-        request (``trio.Cancelled`` is raised here). Raises RuntimeError in the trio
-        thread, whose event loop the run would block."""
+        """:meth:`compute` from a thread that is not the trio thread (one started by
+        ``trio.to_thread``, or any other): a free slot is taken here (:meth:`try_lease`),
+        or the request is queued in trio (one ``trio.from_thread.run``); then the backend
+        runs in this thread. Same results and errors as :meth:`compute`, with the
+        ``timeout`` caveat of :meth:`lease`; in a thread started by ``trio.to_thread``,
+        cancelling the trio task it belongs to drops a queued request (``trio.Cancelled``
+        is raised here). Raises RuntimeError in the trio thread, whose event loop the run
+        would block."""
         if trio.lowlevel.in_trio_run():
             raise RuntimeError(
                 "compute_in_caller_thread runs the backend in the calling thread, and this "
@@ -345,9 +346,12 @@ class ExecutionContext:
         inputs = tensor_inputs(inputs)  # once, for both tries
         run = self._try_lease(inputs, seconds, keep_on_device)
         if run is None:
-            run = trio.from_thread.run(functools.partial(
-                self.lease, inputs, priority=priority, timeout=timeout, tenant=tenant,
-                keep_on_device=keep_on_device))
+            queue = functools.partial(self.lease, inputs, priority=priority, timeout=timeout,
+                                      tenant=tenant, keep_on_device=keep_on_device)
+            if _started_by_trio():
+                run = trio.from_thread.run(queue)
+            else:  # a thread of the application's own: reach the runtime's trio run
+                run = trio.from_thread.run(queue, trio_token=self._executable.trio_token)
         return run.run()
 
     def run_in_caller_thread(self, *, priority: int = 0, timeout: float | None = None,
@@ -434,6 +438,16 @@ class ExecutionContext:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _started_by_trio() -> bool:
+    """Whether this thread was started by ``trio.to_thread`` (it then belongs to a trio
+    task, whose cancellation reaches it). Raises ``trio.Cancelled`` if that task is."""
+    try:
+        trio.from_thread.check_cancelled()
+    except RuntimeError:  # "this thread wasn't created by Trio"
+        return False
+    return True
 
 
 class ContextRun:

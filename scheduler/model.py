@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import trio
+
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
@@ -43,6 +45,10 @@ class Executable(Protocol):
 
     def backend_for(self, target: ExecutionTarget) -> str:
         """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""
+
+    @property
+    def trio_token(self) -> trio.lowlevel.TrioToken | None:
+        """The trio run its devices serve in: how a thread trio did not start queues."""
 
     def retain(self) -> None:
         """One more handle or context uses this."""
@@ -122,6 +128,10 @@ class LoadedModel:
         backend = self.backends.get(target)
         return backend.name if backend is not None else ""
 
+    @property
+    def trio_token(self) -> trio.lowlevel.TrioToken | None:
+        return None if self.runner is None else self.runner.trio_token
+
     def retain(self) -> None:
         self.refs += 1
 
@@ -160,6 +170,9 @@ class LoadedModel:
 
 class ModelRunner(Protocol):
     """The scheduler as a model sees it (breaks the import cycle with placement.py)."""
+
+    #: The trio run its devices serve in (None outside one).
+    trio_token: trio.lowlevel.TrioToken | None
 
     async def run_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, priority: int, deadline: float, tenant: str,

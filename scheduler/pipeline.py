@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import trio
+
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
@@ -68,6 +70,9 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
                     f"{step.name} inputs {step_in}: expected wire = {{ output = \"input\" }}"
                 )
             wire = {prev_out[0]: step_in[0]}
+        # Another name a port answers to (TensorFlow's x for x:0) is its own name here.
+        wire = {_primary(prev.outputs, prev.output_aliases, out):
+                _primary(step.inputs, step.input_aliases, inp) for out, inp in wire.items()}
         for out, inp in wire.items():
             if out not in prev_out:
                 raise InvalidArgumentError(
@@ -96,6 +101,12 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
             )
         links.append(tuple(wire.items()))
     return tuple(links)
+
+
+def _primary(specs: Sequence[TensorSpec], aliases: Mapping[str, int], name: str) -> str:
+    """The name of the port ``name`` stands for: itself, or the one it is an alias of."""
+    position = aliases.get(name)
+    return specs[position].name if position is not None else name
 
 
 def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
@@ -171,6 +182,10 @@ class PipelineModel:
                                                 inputs, priority=priority, deadline=deadline,
                                                 tenant=tenant, keep_on_device=keep_on_device,
                                                 account=self.requests, batching=self.batching)
+
+    @property
+    def trio_token(self) -> trio.lowlevel.TrioToken | None:
+        return self.scheduler.trio_token
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
                   keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:

@@ -66,6 +66,10 @@ class Scheduler:
         fallback: ExecutionTarget | None = None,
     ) -> None:
         self.actors = list(actors)
+        #: The trio run the actors serve in (None when made outside one, as by tests):
+        #: how a thread trio did not start reaches it.
+        self.trio_token = (trio.lowlevel.current_trio_token() if trio.lowlevel.in_trio_run()
+                           else None)
         self._by_kind: dict[ExecutionTarget, list[DeviceActor]] = {}
         for actor in self.actors:
             self._by_kind.setdefault(actor.device.kind, []).append(actor)

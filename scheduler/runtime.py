@@ -175,6 +175,7 @@ class Runtime:
                        [backend.name for backend in self._extra])
         self._host: ActorHost | None = None
         self._scheduler: Scheduler | None = None
+        self._started = False
         self._closed = False
         self._names = NameRegistry(
             [*config.models, *config.pipelines], self._load_named,
@@ -214,20 +215,28 @@ class Runtime:
         Raises UnsupportedOperationError for a configured device that is missing or
         cannot be opened, ConfigError for an unknown backend name in the config, and
         what loading a preloaded model raises (NotFoundError for a missing file...),
-        its name in the message; the runtime is closed again then.
+        its name in the message; the runtime is closed again then. An :meth:`aclose`
+        while it starts stops what has started, and this raises ClosedResourceError.
         """
-        if self._host is not None or self._closed:
+        if self._started or self._closed:
             raise InvalidArgumentError("a Runtime can be started once")
+        self._started = True
         actors, registries = await trio.to_thread.run_sync(self._plan)
+        self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None)
-        host = ActorHost(actors)
+        # Known before it starts, so that an aclose meanwhile stops it.
+        self._host = host = ActorHost(actors)
         await host.start()  # a device that cannot be opened: raised, the others stopped
-        self._host = host
+        self._check_not_closed_while_starting()
         self._scheduler = scheduler
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
         await self._preload()
+
+    def _check_not_closed_while_starting(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the runtime was closed while it started")
 
     async def _preload(self) -> None:
         # The config's preload/warmup entries, readied before start returns; a failure
@@ -259,13 +268,15 @@ class Runtime:
         once a pool's ``close_timeout`` has passed for a job that ignores cancellation
         (an error is logged naming the device and the job). That wait is shielded:
         cancelling the caller does not cut it short, but it never lasts longer than the
-        largest ``close_timeout``. Idempotent; any task may call it."""
-        if self._closed:
-            return
-        self._closed = True
-        self._names.drop_all()
+        largest ``close_timeout``. Idempotent; any task may call it, and a call while
+        another is closing returns once that close is done."""
+        if not self._closed:
+            self._closed = True
+            self._names.drop_all()
         if self._host is not None:
-            await self._host.stop()
+            await self._host.stop()  # idempotent: a later caller waits for the same stop
+        else:
+            await trio.lowlevel.checkpoint()
 
     def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
         # Runs in a worker thread: asking backends for devices may import their libraries.

@@ -126,6 +126,34 @@ def test_exported_program_reports_types_and_dynamic_dims(backend: Any) -> None:
     assert [s.describe() for s in graph.outputs] == ["output: i32[?, 4]"]
 
 
+def test_torch_export_archives_load_in_several_threads_at_once(backend: Any) -> None:
+    """Devices' worker threads compile at the same time (and a runtime preloads its models
+    at once): torch.export.load keeps the archive it reads in a module global."""
+    import threading
+
+    builders, encoding = backend_models.affine("pytorch", 2.0, 1.0)
+    start = threading.Barrier(4)
+    failures: list[BaseException] = []
+
+    def load() -> None:
+        for _ in range(5):
+            start.wait()
+            try:
+                graph = backend.load(builders, encoding, CPU)
+                (out,) = graph.run({0: wasinn.Tensor.from_numpy(np.ones((1, 4), np.float32))}
+                                   ).values()
+                np.testing.assert_array_equal(out.numpy(), 3.0)
+            except BaseException as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
 def test_identity_output_does_not_alias_the_input(backend: Any) -> None:
     builders, encoding = backend_models.identity("pytorch", TensorType.F32)
     graph = backend.load(builders, encoding, CPU)

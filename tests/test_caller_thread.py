@@ -204,6 +204,85 @@ async def test_a_caller_thread_run_is_stopped_when_its_timeout_passes(path: str)
         ctx.close()
 
 
+@pytest.mark.parametrize("when", ["before it ran", "while it ran"])
+async def test_an_interrupted_caller_thread_run_is_counted_as_cancelled(when: str) -> None:
+    """A guest cancelled by its own caller interrupts the run its thread holds: the
+    caller gave up, as for an abandoned compute, so the request counts as cancelled (not
+    as failed: nothing went wrong on the device)."""
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
+        graph = await rt.load([loop_onnx()], "onnx", "cpu")
+        ctx = graph.init_execution_context()
+        run = await ctx.lease(loop_inputs(HUGE_LOOP if when == "while it ran" else 1))
+        (actor,) = rt.actors
+        with trio.fail_after(GUARD_S):
+            if when == "before it ran":
+                run.interrupt()
+                with pytest.raises(wasinn.BackendRuntimeError, match="interrupted before"):
+                    await trio.to_thread.run_sync(run.run)
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(expect_interrupted, run)
+                    while not in_backend(run):
+                        await trio.sleep(0.01)
+                    run.interrupt()
+        stats, model = actor.stats(), graph.stats()
+        assert (stats.cancelled, stats.failed, stats.running) == (1, 0, 0)
+        assert (model.cancelled, model.failed) == (1, 0)
+        ctx.close()
+
+
+def in_backend(run: Any) -> bool:
+    """Whether the caller's thread has entered the backend's run: ONNX Runtime has hooked
+    its terminate flag to the run's cancellation (an interrupt from then on stops the
+    run inside the library)."""
+    return bool(run._lease.cancellation._callbacks)
+
+
+async def expect_interrupted(run: Any) -> None:
+    with pytest.raises(wasinn.BackendRuntimeError, match="interrupted while it ran"):
+        await trio.to_thread.run_sync(run.run)
+
+
+async def test_a_thread_trio_did_not_start_queues_when_the_device_is_busy() -> None:
+    """From an application's own thread (threading.Thread), the same whatever the load:
+    a free slot is taken there, and a busy device queues the request in the runtime's
+    trio run."""
+    import threading
+
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
+        graph = await rt.load([affine_onnx()])
+        hog = await rt.load([loop_onnx()])
+        ctx = graph.init_execution_context()
+        await ctx.compute({"x": X})  # compiled: an idle device's slot is taken in the thread
+        (actor,) = rt.actors
+        results: list[object] = []
+
+        def own_thread() -> None:
+            try:
+                results.append(ctx.compute_in_caller_thread({"x": X})["y"].numpy().tolist())
+            except Exception as exc:
+                results.append(exc)
+
+        async def in_own_thread() -> None:
+            thread = threading.Thread(target=own_thread)
+            thread.start()
+            await trio.to_thread.run_sync(thread.join)
+
+        await in_own_thread()  # idle
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hog.compute, loop_inputs(LONG_LOOP))
+                while not actor.busy:
+                    await trio.sleep(0.01)
+                nursery.start_soon(in_own_thread)  # busy: it has to queue
+                while not actor.queued:
+                    await trio.sleep(0.01)
+                assert actor.busy  # the hog still holds the only slot
+        assert results == [[[1.0, 3.0, 5.0, 7.0]]] * 2
+        ctx.close()
+
+
 async def test_a_lease_whose_deadline_passed_before_its_run_never_runs() -> None:
     # A run that will be thrown away is not started (a torch run could not be stopped):
     # the holder gets TimeoutError_ at once and the slot is free again.

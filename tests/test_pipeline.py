@@ -357,3 +357,20 @@ async def test_a_later_step_failing_on_its_fed_input_says_which_step(tmp_path: P
                            match=r"^pipeline step 1 \(fed by step 0\): onnxruntime: input 'y' "
                                  r"has shape \[1, 4\]"):
             await pipeline.compute({"x": X})
+
+
+async def test_a_wire_may_name_a_port_by_another_of_its_names(tmp_path: Path) -> None:
+    """OpenVINO folds ``x * 1`` into the compiled model's input, whose port then carries
+    the tensor names {x, t}: the input keeps the model's own name (x), and a wire into
+    the other name (t) joins the same input, as ``compute`` accepts it."""
+    require_backend("openvino")
+    path = two_step_config(tmp_path, wire=', wire = { y = "t" }',
+                           second=affine_onnx(1.0, 5.0, in_name="x", out_name="w"))
+    path.write_text(path.read_text().replace('files = ["b.onnx"]',
+                                             'files = ["b.onnx"]\nbackend = "openvino"'))
+    async with wasinn.Runtime.from_config(path) as rt:
+        second = await rt.load_by_name("b")
+        assert [spec.name for spec in second.inputs] == ["x"]
+        pipeline = await rt.load_by_name("p")
+        out = await pipeline.compute({"x": X})
+        np.testing.assert_array_equal(out["w"].numpy(), X * 2 + 1 + 5)

@@ -10,8 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import wasinn
+from tests.fake_backend import FakeBackend
+from tests.loop_model import loop_inputs, loop_onnx
+from tests.support import cpu_pool
+from tests.test_scheduler_routing import fake_config
 from wasinn import ConfigError, InvalidArgumentError
 from wasinn.configs import loader
 from wasinn.modelgen import affine_onnx
@@ -81,14 +86,84 @@ def test_a_runtime_never_closed_is_stopped_when_trio_run_ends() -> None:
     assert not [t for t in threading.enumerate() if t.name.startswith("wasinn cpu worker")]
 
 
-async def test_a_start_that_fails_stops_the_actors_that_started() -> None:
-    from wasinn.configs.loader import parse_config
+def wasinn_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("wasinn ")]
 
-    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"]},
-                                     "gpu": {"kind": "gpu", "devices": ["gpu:7"]}}}, None)
-    rt = wasinn.Runtime(config)
-    with pytest.raises(wasinn.UnsupportedOperationError, match="gpu:7"):
+
+async def test_a_start_that_fails_stops_the_actors_that_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from wasinn.actors import device as device_module
+    from wasinn.actors.devicectx import DeviceContext
+
+    opened: list[str] = []
+
+    class Broken(DeviceContext):  # cpu and gpu:0 start (with their threads), gpu:1 fails
+        def open(self) -> None:
+            if self.device.name == "gpu:1":
+                raise RuntimeError("driver says no")
+            opened.append(self.device.name)
+
+    monkeypatch.setattr(device_module, "context_for", Broken)
+    rt = wasinn.Runtime(fake_config(), backends=[FakeBackend()])
+    with pytest.raises(wasinn.UnsupportedOperationError, match="gpu:1: cannot open the device"):
         await rt.start()
+    assert opened == ["cpu", "gpu:0"]
+    assert wasinn_threads() == []
+
+
+async def test_aclose_while_starting_stops_what_started() -> None:
+    rt = wasinn.Runtime(cpu_pool(workers=2))
+
+    async def start() -> None:
+        with pytest.raises(wasinn.ClosedResourceError, match="closed while it started"):
+            await rt.start()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(start)
+        await trio.testing.wait_all_tasks_blocked()  # probing devices, in a thread
+        await rt.aclose()
+    assert wasinn_threads() == []
+    assert await closed(rt)
+
+
+async def test_a_runtime_starts_once_even_when_asked_twice_at_once() -> None:
+    rt = wasinn.Runtime(cpu_pool(workers=1))
+    outcomes: list[str] = []
+
+    async def start() -> None:
+        try:
+            await rt.start()
+            outcomes.append("started")
+        except InvalidArgumentError as exc:
+            outcomes.append(exc.message)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(start)
+        nursery.start_soon(start)
+    assert sorted(outcomes) == ["a Runtime can be started once", "started"]
+    assert wasinn_threads() == ["wasinn cpu worker 0"]
+    await rt.aclose()
+    assert wasinn_threads() == []
+
+
+async def test_a_second_aclose_returns_once_the_first_has_closed() -> None:
+    rt = wasinn.Runtime(cpu_pool(workers=1, close_timeout=30.0))
+    await rt.start()
+    graph = await rt.load([loop_onnx()])
+    (actor,) = rt.actors
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(closed_on, graph)
+        while actor.busy == 0:  # the loop runs in the worker thread
+            await trio.sleep(0.01)
+        nursery.start_soon(rt.aclose)
+        await trio.testing.wait_all_tasks_blocked()
+        await rt.aclose()
+        assert (actor.busy, wasinn_threads()) == (0, [])
+
+
+async def closed_on(graph: wasinn.Graph) -> None:
+    with pytest.raises(wasinn.ClosedResourceError):
+        await graph.compute(loop_inputs(50_000_000))
 
 
 async def test_async_with_pairs_start_and_aclose() -> None:

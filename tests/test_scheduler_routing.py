@@ -169,6 +169,27 @@ async def test_a_deadline_covers_the_first_use_compile(one_gpu: wasinn.Runtime,
     assert sorted(fake.loads) == ["cpu", "gpu:0"]  # compiled once on the GPU
 
 
+async def test_a_compile_whose_graph_was_unloaded_while_it_waited_is_skipped(
+        one_gpu: wasinn.Runtime, fake: FakeBackend) -> None:
+    """The GPU's only worker thread is busy compiling; meanwhile three callers give up on
+    graphs whose compiles then wait for that thread, and unload them. Once the thread
+    is free, those compiles are not done: only the first graph is compiled there."""
+    first = await one_gpu.load(SLOW, "ggml", "cpu")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(first.compute, {"x": x(1)}, target="gpu"))
+        while not fake.loading.is_set():
+            await trio.sleep(0.01)
+        for _ in range(3):
+            other = await one_gpu.load(SLOW, "ggml", "cpu")
+            with trio.move_on_after(0.05) as gave_up:
+                await other.compute({"x": x(1)}, target="gpu")
+            assert gave_up.cancelled_caught
+            await other.unload()
+        fake.load_gate.set()
+    (gpu,) = [stats for stats in one_gpu.stats() if stats.device == "gpu:0"]
+    assert (fake.loads.count("gpu:0"), gpu.compiles, gpu.graphs) == (1, 1, 1)
+
+
 async def test_callers_waiting_on_one_compile_leave_on_their_own_deadlines(
         one_gpu: wasinn.Runtime, fake: FakeBackend) -> None:
     graph = await one_gpu.load(SLOW, "ggml", "cpu")
