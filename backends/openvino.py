@@ -69,7 +69,16 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, no_device, uncarried_type
 from ._ovread import NAME, read_model
-from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation, log
+from .base import (
+    Backend,
+    Builders,
+    Cancellation,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    current_cancellation,
+    log,
+)
 
 _TYPES: dict[str, TensorType] = {
     "f16": TensorType.F16, "f32": TensorType.F32, "f64": TensorType.F64,
@@ -288,7 +297,7 @@ class OvGraph(CheckedGraph):
             if cancellation is not None:
                 forget = cancellation.on_cancel(request.cancel)
             try:
-                request.infer()
+                _infer(request, cancellation)
             finally:
                 if forget is not None and cancellation is not None:
                     forget()
@@ -443,6 +452,21 @@ class OpenVinoBackend(Backend):
             ) from exc
         _warn_f64(graph)
         return graph
+
+
+def _infer(request: Any, cancellation: Cancellation | None) -> None:
+    """Run ``request`` to its end, or until ``cancellation`` (hooked to its cancel()).
+
+    OpenVINO ignores cancel() on a request that is not running: a cancel that came after
+    the hook was set but before the run began would be lost (a Loop would then run to its
+    end). Started first, then checked, it is not."""
+    if cancellation is None:
+        request.infer()
+        return
+    request.start_async()
+    if cancellation.cancelled:
+        request.cancel()
+    request.wait()
 
 
 def _warn_f64(graph: OvGraph) -> None:

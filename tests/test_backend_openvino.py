@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests import backend_models
-from tests.support import require_backend
+from tests.support import armed_cancellation, require_backend
 from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
 from wasinn import (
     BackendRuntimeError,
@@ -345,6 +345,29 @@ def test_another_devices_property_is_left_out_with_a_warning(
 
 
 # -- cancellation -------------------------------------------------------------------------
+def test_a_cancel_between_the_hook_and_the_run_is_not_lost(backend: Any) -> None:
+    """The canceller fires after the backend hooked ``InferRequest.cancel`` to the run's
+    cancellation but before the run began: OpenVINO ignores a cancel on a request that
+    is not running, so the run must start first and then look."""
+    from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
+    from wasinn.backends.base import Cancellation, running_under
+
+    class CancelledAsHooked(Cancellation):
+        def on_cancel(self, callback: Any) -> Any:
+            forget = super().on_cancel(callback)
+            self.cancel()  # the other thread's cancel lands exactly here
+            return forget
+
+    graph = backend.load([loop_onnx()], GraphEncoding.ONNX, CPU)
+    inputs = {k: Tensor.from_numpy(v) for k, v in loop_inputs(LONG_LOOP).items()}
+    with running_under(CancelledAsHooked()), \
+            pytest.raises(BackendRuntimeError, match=r"^openvino: run cancelled \("):
+        graph.run(inputs)
+    # The next run, under no cancellation, goes to its end.
+    (out,) = graph.run({k: Tensor.from_numpy(v) for k, v in loop_inputs(3).items()}).values()
+    assert out.numpy().tolist() == [[3.0] * 4]
+
+
 def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
     import threading
     import time
@@ -355,7 +378,7 @@ def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
 
     graph = backend.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], GraphEncoding.ONNX, CPU)
     big = {"x": Tensor.from_numpy(np.ones((OV_SIZE, OV_SIZE), np.float32))}
-    cancellation = Cancellation()
+    cancellation = armed_cancellation()
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -367,12 +390,22 @@ def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(0.3)  # well into the chain (tens of seconds of work)
+    # The run registered InferRequest.cancel: its infer (tens of seconds of work) starts.
+    assert cancellation.armed.wait(30), "the run never reached its infer request"
+    # ...and is under way once OpenVINO's threads compute (nothing else here does): a
+    # cancel before the request is busy would be lost (InferRequest.cancel ignores an
+    # idle request).
+    armed_at = time.process_time()
+    while time.process_time() - armed_at < 0.2 and thread.is_alive():
+        time.sleep(0.01)
     cancellation.cancel()
     thread.join(timeout=30)
     assert not thread.is_alive(), "InferRequest.cancel did not stop the run"
     (error,) = errors
-    assert isinstance(error, BackendRuntimeError) and "cancelled" in error.message
+    assert isinstance(error, BackendRuntimeError), error
+    # Stopped by InferRequest.cancel, not refused before the infer started.
+    assert "openvino: run cancelled (" in error.message, error.message
+    assert "before it started" not in error.message
     # The cancelled request is retired: later runs (one row: quick) are unaffected.
     one = np.ones((1, OV_SIZE), np.float32)
     for _ in range(2):
