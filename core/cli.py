@@ -353,8 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "models":
             return _models(args)
         return int(trio.run(_demo, args))
-    except UsageError as exc:
-        parser.error(str(exc))
+    except UsageError as exc:  # with the subcommand's usage line (run: --dir, --env)
+        getattr(args, "run_parser", parser).error(str(exc))
     except (WasiNNError, OSError, RuntimeError) as exc:
         message = exc.message if isinstance(exc, WasiNNError) else str(exc)
         print(f"wasinn: error: {message}", file=sys.stderr)

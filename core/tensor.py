@@ -91,8 +91,8 @@ def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
         out = tuple([operator.index(d) for d in dims])
     except TypeError:
         raise _bad_dims(dims) from None
-    for d in out:
-        if d < 0:
+    for d, given in zip(out, dims, strict=True):
+        if d < 0 or isinstance(given, bool | np.bool_):  # operator.index(True) is 1
             raise _bad_dims(dims)
     return out
 
@@ -114,8 +114,8 @@ def _bad_dims(dims: object) -> InvalidArgumentError:
             f"tensor dimensions {dims!r} ({type(dims).__name__}): {expected}")
     for d in dims:
         try:
-            ok = operator.index(d) >= 0
-            what = "negative"
+            ok = operator.index(d) >= 0 and not isinstance(d, bool | np.bool_)
+            what = "a boolean" if isinstance(d, bool | np.bool_) else "negative"
         except TypeError:
             ok = False
             what = "not an integer"

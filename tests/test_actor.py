@@ -514,6 +514,11 @@ async def test_closing_cancels_a_running_lease() -> None:
     assert actor.load == 0  # the lease's slot was given back
 
 
+async def cancel_once_started(scope: trio.CancelScope, started: threading.Event) -> None:
+    await trio.to_thread.run_sync(started.wait, 10)
+    scope.cancel()
+
+
 async def test_close_timeout_bounds_the_wait_for_a_job_that_ignores_cancellation(
         caplog: pytest.LogCaptureFixture) -> None:
     gate, started = threading.Event(), threading.Event()
@@ -522,9 +527,11 @@ async def test_close_timeout_bounds_the_wait_for_a_job_that_ignores_cancellation
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 await nursery.start(actor.serve)
-                with trio.move_on_after(0.1):
+                with trio.CancelScope() as caller:
+                    nursery.start_soon(cancel_once_started, caller, started)
                     await actor.execute(gate_job(gate, started), label="stubborn job")
-                assert started.is_set() and actor.busy == 1
+                assert caller.cancelled_caught  # abandoned while it ran...
+                assert actor.busy == 1  # ...and it runs on, ignoring its cancellation
                 nursery.cancel_scope.cancel()
         (thread,) = actor.threads.threads
         assert thread.is_alive()  # left behind, a daemon

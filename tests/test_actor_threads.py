@@ -14,8 +14,8 @@ import trio
 import trio.testing
 
 from tests.fake_backend import FakeBackend, FakeGraph
-from tests.support import serving_actor
-from wasinn import BackendRuntimeError, ClosedResourceError, TimeoutError_
+from tests.support import require_backend, serving_actor
+from wasinn import BackendRuntimeError, ClosedResourceError, InvalidArgumentError, TimeoutError_
 from wasinn.actors import DeviceActor
 from wasinn.actors.inline import RunProfile
 from wasinn.backends.base import Builders, Device, LoadOptions
@@ -271,7 +271,7 @@ async def test_a_lease_maps_errors_and_gives_its_slot_back(actor: DeviceActor) -
     lease = await actor.lease(boom)
     with pytest.raises(BackendRuntimeError, match="library exploded"):
         await trio.to_thread.run_sync(lease.run)
-    with pytest.raises(Exception, match="already used"):
+    with pytest.raises(InvalidArgumentError, match="was already used or cancelled"):
         await trio.to_thread.run_sync(lease.run)
     cancelled = await actor.lease(lambda: None)
     cancelled.cancel()
@@ -446,7 +446,9 @@ def test_run_profile_rules() -> None:
 def test_only_gpus_torch_sees_get_a_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     # One NVIDIA GPU beside a GPU only OpenVINO reports: gpu:1 must not ask CUDA for a
     # device it does not have (its actor would fail to start).
-    torch = pytest.importorskip("torch")
+    require_backend("torch")
+    import torch
+
     from wasinn.actors.devicectx import DeviceContext, TorchCudaContext, context_for
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

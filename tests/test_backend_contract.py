@@ -14,7 +14,7 @@ import pytest
 
 import wasinn
 from tests import backend_models
-from tests.support import require_backend
+from tests.support import LibraryInputs, passed_as_is, require_backend
 from wasinn import (
     ClosedResourceError,
     GraphEncoding,
@@ -253,8 +253,11 @@ def test_keep_on_device_chains_without_host_copies(backend: Backend) -> None:
     assert not mid.is_host and mid.native is not None
     assert mid.dims == (2, 4) and mid.type is TensorType.F32
     in_name = second.inputs[0].name
-    (out,) = second.run({in_name: mid}, keep_on_device=True).values()
+    with LibraryInputs(backend.name) as received:
+        (out,) = second.run({in_name: mid}, keep_on_device=True).values()
     assert wasinn.host_copies() == before  # nothing crossed into host memory
+    # ...nor went round it: the library was handed the first run's native value itself.
+    assert passed_as_is(received, mid.native), (received, mid.native)
     np.testing.assert_allclose(out.numpy(), (x * 2 + 1) * 3 - 1)
     assert wasinn.host_copies() == before + 1  # the final read is the one copy
 
@@ -272,8 +275,10 @@ def test_kept_outputs_are_cut_into_rows_in_place_where_the_library_can(
         assert piece is None
         return
     assert piece is not None and piece.native is not None and piece.dims == (2, 4)
-    (again,) = graph.run({"x": piece}, keep_on_device=True).values()
+    with LibraryInputs(backend.name) as received:
+        (again,) = graph.run({"x": piece}, keep_on_device=True).values()
     assert wasinn.host_copies() == before
+    assert passed_as_is(received, piece.native), (received, piece.native)  # the rows' view
     np.testing.assert_allclose(piece.numpy(), x[1:3] * 2 + 1)
     np.testing.assert_allclose(again.numpy(), (x[1:3] * 2 + 1) * 2 + 1)
 

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from tests.backend_models import scalar_onnx
-from tests.support import has_module, require_backend, skip_unless
+from tests.support import (
+    armed_cancellation,
+    has_module,
+    require_backend,
+    require_gpu,
+    skip_unless,
+)
 from wasinn import (
     GraphEncoding,
     InvalidEncodingError,
@@ -128,6 +134,7 @@ def test_a_missing_device_is_unsupported(backend: Any) -> None:
 def test_cuda_provider_runs_and_keeps_outputs_on_the_gpu(backend: Any) -> None:
     import onnxruntime as ort
 
+    require_gpu()
     skip_unless("onnxruntime-gpu", has_module("onnxruntime")
                 and "CUDAExecutionProvider" in ort.get_available_providers(),
                 "onnxruntime has no CUDA provider here (install onnxruntime-gpu)")
@@ -161,8 +168,6 @@ def _run_in_thread(fn: Any) -> tuple[Any, list[BaseException]]:
 
 @pytest.mark.parametrize("keep_on_device", [False, True], ids=["run", "iobinding"])
 def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any, keep_on_device: bool) -> None:
-    import time
-
     from tests.loop_model import loop_inputs, loop_onnx
     from wasinn import BackendRuntimeError
     from wasinn.backends.base import Cancellation, running_under
@@ -170,19 +175,22 @@ def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any, keep_on_device
     graph = backend.load([loop_onnx()], GraphEncoding.ONNX, CPU)
     # ~30 s of work here: long enough to fail (not hang) if the cancel were ignored.
     inputs = {k: Tensor.from_numpy(v) for k, v in loop_inputs(50_000_000).items()}
-    cancellation = Cancellation()
+    cancellation = armed_cancellation()
 
     def run() -> None:
         with running_under(cancellation):
             graph.run(inputs, keep_on_device=keep_on_device)
 
     thread, errors = _run_in_thread(run)
-    time.sleep(0.2)  # let the Loop start
+    # The run registered its terminate flag: ONNX Runtime's run is starting (the flag
+    # stops it at its start or between two nodes or Loop iterations alike).
+    assert cancellation.armed.wait(15), "the run never reached ONNX Runtime"
     cancellation.cancel()
     thread.join(timeout=15)
     assert not thread.is_alive(), "the terminate flag did not stop the run"
     (error,) = errors
-    assert isinstance(error, BackendRuntimeError) and "cancelled" in error.message
+    assert isinstance(error, BackendRuntimeError), error
+    assert "onnxruntime: run cancelled" in error.message, error.message
     # The graph is still usable, with or without a cancellation.
     small = {k: Tensor.from_numpy(v) for k, v in loop_inputs(3).items()}
     assert graph.run(small)["y"].numpy().tolist() == [[3.0] * 4]

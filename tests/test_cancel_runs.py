@@ -20,7 +20,6 @@ import io
 import logging
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import wasinn
 from tests.backend_models import affine
 from tests.fake_backend import FakeBackend, FakeGraph
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
-from tests.support import cpu_pool, require_backend
+from tests.support import cancelled_runs, cpu_pool, recorded_runs, require_backend
 from wasinn.backends.base import Builders, Device, LoadOptions
 from wasinn.configs.loader import parse_config
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -42,8 +41,10 @@ from wasinn.host.abi import Errno
 
 
 # -- ONNX Runtime ------------------------------------------------------------------------
-async def test_an_abandoned_onnxruntime_loop_stops_and_frees_its_worker_slot() -> None:
+async def test_an_abandoned_onnxruntime_loop_stops_and_frees_its_worker_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     require_backend("onnxruntime")
+    runs = recorded_runs(monkeypatch)
     async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
         graph = await rt.load([loop_onnx()], "onnx", "cpu")
         assert graph.backend == "onnxruntime"
@@ -55,11 +56,17 @@ async def test_an_abandoned_onnxruntime_loop_stops_and_frees_its_worker_slot() -
             assert out["y"].numpy().tolist() == [[3.0] * 4]
             (actor,) = rt.actors
             assert actor.threads.abandoned == 0 and actor.busy == 0
+    # The abandoned run ended because it was cancelled, not because its Loop ran out.
+    (abandoned,) = cancelled_runs(runs)
+    assert runs[-2:] == [abandoned, None]
     # (closing is immediate; the wait is checked by the tests below)
 
 
-async def test_closing_the_runtime_cancels_a_running_onnxruntime_loop() -> None:
+async def test_closing_the_runtime_cancels_a_running_onnxruntime_loop(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     require_backend("onnxruntime")
+    runs = recorded_runs(monkeypatch)
+    caplog.set_level(logging.ERROR, logger="wasinn.actors")
     failures: list[BaseException] = []
 
     async def compute(graph: Any) -> None:
@@ -70,16 +77,24 @@ async def test_closing_the_runtime_cancels_a_running_onnxruntime_loop() -> None:
 
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
-            rt = wasinn.Runtime(cpu_pool(backends=["onnxruntime"]))
+            # (close_timeout: the close's wait is shielded from the guard)
+            rt = wasinn.Runtime(cpu_pool(backends=["onnxruntime"], close_timeout=GUARD_S))
             async with rt:
                 graph = await rt.load([loop_onnx()], "onnx", "cpu")
                 await graph.compute(loop_inputs(1))  # compiled
                 nursery.start_soon(compute, graph)
                 (actor,) = rt.actors
+                threads = actor.threads.threads
                 while not actor.busy:
                     await trio.sleep(0.01)
             # Closed: the caller of the running request was told so, not left waiting.
     assert len(failures) == 1 and "closed" in str(failures[0])
+    # The close returned because ONNX Runtime stopped the run, not because close_timeout
+    # gave up on it (which logs that the backend ignores cancellation).
+    (stopped,) = cancelled_runs(runs)
+    assert runs[-1] is stopped
+    assert actor.busy == 0 and not any(thread.is_alive() for thread in threads)
+    assert [r.message for r in caplog.records if r.name == "wasinn.actors"] == []
 
 
 # -- OpenVINO ----------------------------------------------------------------------------
@@ -138,6 +153,31 @@ def matmul_chain_torch(steps: int, size: int) -> bytes:
 TORCH_STEPS, TORCH_SIZE, TORCH_ROWS = 400, 1024, 4096
 
 
+def counting_operators(graph: Any, executed: list[object],
+                       first: threading.Event | None = None) -> Any:
+    """A torch dispatch mode that appends to ``executed`` each operator of ``graph`` (a
+    ``torch.export`` program's TorchGraph) that the current thread starts under it, and
+    sets ``first`` at the first; the conversions of inputs and outputs around the
+    program are not counted."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model_operators = {node.target for module in graph.module.modules()
+                       if isinstance(module, torch.fx.GraphModule)
+                       for node in module.graph.nodes if node.op == "call_function"}
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func in model_operators:
+                executed.append(func)
+                if first is not None:
+                    first.set()
+            return func(*args, **(kwargs or {}))
+
+    return Counting()
+
+
 def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
     require_backend("torch")
     from wasinn.backends.base import Cancellation, running_under
@@ -147,9 +187,11 @@ def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
                                 GraphEncoding.PYTORCH, Device(ExecutionTarget.CPU))
     cancellation = Cancellation()
     outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
+    executed: list[object] = []
+    first = threading.Event()
 
     def run() -> None:
-        with running_under(cancellation):
+        with running_under(cancellation), counting_operators(graph, executed, first):
             try:
                 outcome.append(graph.run({"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32)}))
             except BaseException as exc:
@@ -157,16 +199,17 @@ def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(0.3)  # inside the chain (seconds of work)
-    started = time.perf_counter()
+    assert first.wait(GUARD_S), "the run never reached an operator"  # inside the chain
+    ran_before = len(executed)
     cancellation.cancel()
     thread.join(GUARD_S)
-    stopped_in = time.perf_counter() - started
     assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
     (error,) = outcome  # a finished run would have returned its outputs instead
     assert isinstance(error, BackendRuntimeError), error
     assert "pytorch: run cancelled" in str(error) and "next operator" in str(error)
-    assert stopped_in < GUARD_S
+    # At most the operator that was starting as it was cancelled ran after it: the
+    # ~TORCH_STEPS left were not.
+    assert ran_before <= len(executed) <= ran_before + 1 < TORCH_STEPS
     # The graph serves the next run, and its answer is right.
     with running_under(Cancellation()):
         out = graph.run({"x": np.full((1, TORCH_SIZE), 2.0, np.float32)})
@@ -184,19 +227,25 @@ def test_a_torch_export_run_cancelled_before_it_starts_does_no_work() -> None:
     graph = TorchBackend().load(builders, encoding, Device(ExecutionTarget.CPU))
     cancellation = Cancellation()
     cancellation.cancel()
-    with running_under(cancellation), pytest.raises(BackendRuntimeError, match="cancelled"):
+    executed: list[object] = []
+    with running_under(cancellation), counting_operators(graph, executed), \
+            pytest.raises(BackendRuntimeError, match="cancelled"):
         graph.run({"x": np.zeros((1, 4), np.float32)})
-    out = graph.run({"x": np.zeros((1, 4), np.float32)})  # no cancellation: runs
+    assert executed == []  # not one of the model's operators ran
+    with counting_operators(graph, executed):
+        out = graph.run({"x": np.zeros((1, 4), np.float32)})  # no cancellation: runs
     assert out["output"].numpy().tolist() == [[1.0] * 4]
+    assert executed  # (operators are seen where they run)
 
 
 @pytest.mark.parametrize(("library", "backend"), [("openvino", "openvino"),
                                                    ("torch", "pytorch")])
 async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
-        library: str, backend: str) -> None:
+        library: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # OpenVINO is cancelled at its next node, a torch.export program before its next
     # operator: seconds of work left undone either way.
     require_backend(library)
+    runs = recorded_runs(monkeypatch)
     if backend == "openvino":
         model, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_SIZE
     else:
@@ -213,6 +262,9 @@ async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
             assert out.numpy().tolist() == [[3.0] * size]
             (actor,) = rt.actors
             assert actor.threads.abandoned == 0 and actor.busy == 0
+    # The abandoned run ended because it was cancelled, not because its chain ran out.
+    (abandoned,) = cancelled_runs(runs)
+    assert runs[-2:] == [abandoned, None]
 
 
 # -- a run nothing can interrupt ----------------------------------------------------------
@@ -339,8 +391,9 @@ def _hang_guest_wat(model: bytes, trip: int) -> str:
 
 
 async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     require_backend("onnxruntime")
+    runs = recorded_runs(monkeypatch)
     guest = tmp_path / "hang.wat"
     guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
     config = parse_config({"guests": {"compute_timeout": 0.2},
@@ -354,13 +407,17 @@ async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
             graph = await rt.load([loop_onnx()], "onnx", "cpu")
             out = await graph.compute(loop_inputs(2))
             assert out["y"].numpy().tolist() == [[2.0] * 4]
+    # The guest's run ended because it was cancelled, not because its Loop ran out.
+    (abandoned,) = cancelled_runs(runs)
+    assert runs[-2:] == [abandoned, None]
 
 
 async def test_cancelling_a_core_guest_interrupts_its_running_inference(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No compute timeout: the guest's thread runs the ONNX Runtime Loop itself (a lease).
     # Cancelling run_wasm must stop that run, not wait the ~30 s it would take.
     require_backend("onnxruntime")
+    runs = recorded_runs(monkeypatch)
     guest = tmp_path / "hang.wat"
     guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
     with trio.fail_after(GUARD_S):
@@ -372,6 +429,9 @@ async def test_cancelling_a_core_guest_interrupts_its_running_inference(
             graph = await rt.load([loop_onnx()], "onnx", "cpu")
             out = await graph.compute(loop_inputs(2))
             assert out["y"].numpy().tolist() == [[2.0] * 4]
+    # The guest's run ended because it was cancelled, not because its Loop ran out.
+    (interrupted,) = cancelled_runs(runs)
+    assert runs[-2:] == [interrupted, None]
 
 
 # -- the Cancellation itself ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models
 from tests.support import require_backend
 from wasinn.cli import main, parse_dir, parse_env
+from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.preload import parse_nn_graph, parse_nn_preload
 from wasinn.modelgen import ModelFiles
@@ -44,7 +45,7 @@ def test_preload_syntaxes(tmp_path: Path) -> None:
     p = parse_nn_preload("mobilenet:OpenVINO:AUTO:/m/x.xml:/m/x.bin")
     assert (p.name, p.encoding.value, p.target, [str(x) for x in p.paths]) == (
         "mobilenet", "openvino", None, ["/m/x.xml", "/m/x.bin"])
-    assert parse_nn_preload("m:onnx:GPU:/m.onnx").target is not None
+    assert parse_nn_preload("m:onnx:GPU:/m.onnx").target is ExecutionTarget.GPU
     with pytest.raises(InvalidArgumentError, match="NAME:ENCODING:TARGET:PATH"):
         parse_nn_preload("m:onnx:/m.onnx")
     with pytest.raises(InvalidArgumentError, match="unknown GraphEncoding 'caffe'"):
@@ -126,7 +127,10 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
     with pytest.raises(SystemExit) as exc:
         main(["run", "--env", "=x", str(WAT_DIR / "exit_code.wat")])
     assert exc.value.code == 2
-    capfd.readouterr()
+    # With run's usage line, not the top-level one:
+    assert capfd.readouterr().err.startswith(
+        "usage: wasinn run [options] GUEST.wasm [ARGS ...]\nwasinn run: error: --env '=x': "
+        "expected KEY=VALUE or KEY")
     # Usage errors name only what is wrong (ARGS is optional; a width must be finite).
     for argv, said in ((["run"], "the following arguments are required: GUEST.wasm\n"),
                        (["demo", "--width", "nan"], "--width: nan: expected a width multiplier"),

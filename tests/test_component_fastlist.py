@@ -150,13 +150,44 @@ def test_words_roundtrip_pads_and_keeps_bytes() -> None:
         assert back[size:] == b"\0" * (len(back) - size)
 
 
+#: A component exporting ``words: func() -> list<u64>`` that returns [1, 2**63 + 255].
+WORDS_COMPONENT = r"""(component
+  (core module $m
+    (memory (export "memory") 1)
+    (data (i32.const 0) "\10\00\00\00\02\00\00\00")
+    (data (i32.const 16) "\01\00\00\00\00\00\00\00\ff\00\00\00\00\00\00\80")
+    (func (export "words") (result i32) (i32.const 0)))
+  (core instance $i (instantiate $m))
+  (func (export "words") (result (list u64))
+    (canon lift (core func $i "words") (memory (core memory $i "memory")))))"""
+WORDS = [1, 2**63 + 255]
+
+
 def test_words_read_as_ints_outside_the_wasinn_scope() -> None:
     """Other wasmtime-py users in the process still see list<u64> as a list of ints."""
+    assert fastlist.installed()
+    engine = shared_engine()
+    store = Store(engine)
+    store.set_epoch_deadline(2**62)
+    instance = Linker(engine).instantiate(store, Component(engine, WORDS_COMPONENT))
+    func = instance.get_func(store, "words")
+    assert func is not None
+
+    def words() -> Any:
+        result = func(store)
+        func.post_return(store)
+        return result
+
+    as_bytes = np.array(WORDS, dtype="<u8").tobytes()
+    outside = words()
+    assert type(outside) is list and outside == WORDS
     with fastlist.words_as_bytes():
         with fastlist.words_as_bytes():
             pass
-        assert getattr(fastlist._words_scope, "active", False)
-    assert not getattr(fastlist._words_scope, "active", False)
+        inside = words()  # still inside once a nested scope has ended
+        assert type(inside) is fastlist.WordBytes and inside == as_bytes
+    after = words()
+    assert type(after) is list and after == WORDS
 
 
 def test_layout_change_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:

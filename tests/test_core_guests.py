@@ -20,7 +20,7 @@ import trio.testing
 import wasinn
 from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models, top1
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
-from tests.support import require_backend
+from tests.support import recorded_runs, require_backend
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.host.limits import GuestLimits
@@ -125,7 +125,9 @@ async def test_not_a_module_is_an_invalid_argument(rt: wasinn.Runtime, tmp_path:
         await rt.run_wasm(model)
 
 
-async def test_cancelling_one_guest_interrupts_only_that_guest(rt: wasinn.Runtime) -> None:
+async def test_cancelling_one_guest_interrupts_only_that_guest(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wasinn.host")
     spin = WAT_DIR / "spin.wat"
     first, second = trio.CancelScope(), trio.CancelScope()
     finished: list[str] = []
@@ -138,7 +140,10 @@ async def test_cancelling_one_guest_interrupts_only_that_guest(rt: wasinn.Runtim
     async with trio.open_nursery() as nursery:
         nursery.start_soon(guest, first, "first")
         nursery.start_soon(guest, second, "second")
-        await trio.sleep(0.3)  # both are spinning in wasm now
+        with trio.fail_after(30):  # both are instantiated: their _start is called next
+            while sum(r.getMessage().startswith("instantiated spin.wat")
+                      for r in caplog.records) < 2:
+                await trio.sleep(0.01)
         first.cancel()
         with trio.fail_after(30):
             while not finished:
@@ -215,11 +220,23 @@ async def test_many_guests_share_one_loaded_graph(rt: wasinn.Runtime, guest_mode
 
 async def test_cancel_during_inference_releases_graphs(rt: wasinn.Runtime,
                                                        guest_models: GuestModels,
-                                                       guest_dir: Path) -> None:
+                                                       guest_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     wasm = example_guest("classify_named", guest_dir)
-    with trio.move_on_after(2.0) as scope:
-        await rt.run_wasm(wasm, argv=["--repeat", "1000000", "mobilenet", "/d/input.bin"],
-                          dirs={"/d": str(guest_models.directory)})
+    runs = recorded_runs(monkeypatch)
+    scope = trio.CancelScope()
+
+    async def guest() -> None:
+        with scope:
+            await rt.run_wasm(wasm, argv=["--repeat", "1000000", "mobilenet", "/d/input.bin"],
+                              dirs={"/d": str(guest_models.directory)})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guest)
+        with trio.fail_after(60):  # the guest loaded the model and is running inferences
+            while not (rt.name_registry.loads.get("mobilenet") and runs):
+                await trio.sleep(0.01)
+        scope.cancel()
     assert scope.cancelled_caught
     assert rt.name_registry.loads["mobilenet"] == 1
     graph = await rt.load_by_name("mobilenet")

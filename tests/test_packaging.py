@@ -51,16 +51,19 @@ def test_import_wasinn_imports_no_backend_library() -> None:
     assert loaded == ""
 
 
-def test_import_time_is_measured_under_budget() -> None:
-    # Import time is noisy on shared machines: take the best of three cold starts and
-    # compare with a generous bound; the figure itself is printed by the benchmark.
-    best = min(
-        float(_fresh_python(
-            "import time; t = time.perf_counter(); import wasinn; print(time.perf_counter() - t)"
-        ))
-        for _ in range(3)
+def test_import_wasinn_leaves_the_runtime_to_first_use() -> None:
+    # What keeps `import wasinn` cheap for code that only needs the types (the import time
+    # itself is the benchmark's to print): the scheduler, actors and hosts, and trio and
+    # wasmtime under them, are imported on first access, not by the package.
+    loaded = _fresh_python(
+        "import sys, wasinn; "
+        "print(','.join(m for m in ('trio', 'wasmtime', 'wasinn.scheduler', 'wasinn.actors', "
+        "'wasinn.host', 'wasinn.backends') if m in sys.modules))"
     )
-    assert best < 0.3, f"import wasinn took {best:.3f} s, budget 0.3 s"
+    assert loaded == ""
+    # ...and first access does import it: the names are there, only later.
+    assert _fresh_python("import sys, wasinn; wasinn.Runtime; print('trio' in sys.modules)"
+                         ) == "True"
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import wasinn
 from tests.backend_models import affine, two_outputs
 from tests.loop_model import LONG_LOOP, loop_onnx
 from tests.loopwatch import Heartbeat, heartbeat  # noqa: F401 - fixture
-from tests.support import require_backend
+from tests.support import LibraryInputs, passed_as_is, require_backend
 from wasinn import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -248,9 +248,14 @@ async def test_native_output_feeds_the_next_compute_without_a_host_copy(
     first = await ctx.compute({0: np.ones((2, 4), np.float32)}, keep_on_device=True)
     assert first[out_name].native is not None
     before = wasinn.host_copies()
-    second = await ctx.compute({0: first[out_name]}, keep_on_device=True)
-    third = await ctx.compute({0: second[out_name]})
+    with LibraryInputs(backend) as into_second:
+        second = await ctx.compute({0: first[out_name]}, keep_on_device=True)
+    with LibraryInputs(backend) as into_third:
+        third = await ctx.compute({0: second[out_name]})
     assert wasinn.host_copies() == before
+    # Nor round the count: the library was handed each previous native output itself.
+    assert passed_as_is(into_second, first[out_name].native)
+    assert passed_as_is(into_third, second[out_name].native)
     assert third[out_name].is_host
     np.testing.assert_allclose(third[out_name].numpy(), np.full((2, 4), 15, np.float32))
 
