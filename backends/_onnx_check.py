@@ -6,8 +6,12 @@ that file's bytes as the tensor's values. ONNX Runtime resolves the path against
 host process's working directory, ``..`` segments included, and OpenVINO accepts
 absolute paths: a guest's model could make any file the host can read part of its
 weights, then read it back through inference. Models from guests come as one buffer and
-must embed their weights, so :func:`refuse_external_data` raises SecurityError for any
-tensor that refers to external data, before either backend parses the model.
+must embed their weights, so :func:`check_external_data` raises SecurityError for any
+tensor that refers to external data, before either backend parses the model. A model the
+host itself read from a file (a registry entry: ``LoadOptions.source``) may keep its
+weights next to it, as models beyond protobuf's 2 GB must: each location must then be a
+relative path that stays inside that file's folder once resolved (no ``..`` or symlink
+leading out), naming a file there.
 
 Every place onnx.proto lets a ``TensorProto`` appear is walked (field numbers checked
 against onnx 1.23's descriptors): ModelProto.graph (7), .training_info (20) and
@@ -25,10 +29,16 @@ file references.
 from __future__ import annotations
 
 import enum
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from wasinn.errors import InvalidEncodingError, SecurityError
+from wasinn.errors import InvalidEncodingError, NotFoundError, SecurityError
 
 from .formats import protobuf_records, protobuf_values
+
+if TYPE_CHECKING:
+    from .base import LoadOptions
 
 
 class _Kind(enum.Enum):
@@ -61,18 +71,24 @@ _KEY, _VALUE = 1, 2
 _ORT_FORMAT = b"ORTM"
 
 
-def refuse_external_data(backend: str, data: bytes | bytearray | memoryview) -> None:
-    """Raise SecurityError, naming the tensor, if any tensor of the ONNX model ``data``
-    refers to external data; InvalidEncodingError if ``data`` is no protobuf message."""
+def check_external_data(backend: str, data: bytes | bytearray | memoryview,
+                        folder: Path | None = None) -> bool:
+    """Whether the ONNX model ``data`` keeps tensor data in external files, where it may:
+    with no ``folder``, SecurityError (naming the tensor) if any tensor refers to external
+    data; with one, SecurityError for a location that is absolute or leads outside it,
+    NotFoundError for one that names no file there. InvalidEncodingError if ``data`` is
+    no protobuf message."""
     view = memoryview(data).cast("B")
     if bytes(view[4:8]) == _ORT_FORMAT:
-        return
+        return False
+    inside = None if folder is None else os.path.realpath(folder)
+    found = False
     stack: list[tuple[_Kind, memoryview]] = [(_Kind.MODEL, view)]
     try:
         while stack:
             kind, message = stack.pop()
             if kind is _Kind.TENSOR:
-                _check_tensor(backend, message)
+                found = _check_tensor(backend, message, inside) or found
                 continue
             children = _CHILDREN[kind]
             for number, _, value in protobuf_records(message):
@@ -83,11 +99,13 @@ def refuse_external_data(backend: str, data: bytes | bytearray | memoryview) -> 
         raise InvalidEncodingError(
             f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
         ) from exc
+    return found
 
 
-def _check_tensor(backend: str, tensor: memoryview) -> None:
-    """SecurityError if this TensorProto has external data entries, or a data location
-    other than DEFAULT (any encoding of that field but a zero varint counts)."""
+def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> bool:
+    """Whether this TensorProto refers to external data (entries, or a data location
+    other than DEFAULT: any encoding of that field but a zero varint counts); with no
+    folder ``inside``, SecurityError if it does, else the location's checks."""
     name = b""
     location: bytes | None = None
     external = False
@@ -100,13 +118,44 @@ def _check_tensor(backend: str, tensor: memoryview) -> None:
                 location = _location(value) or location
         elif number == _DATA_LOCATION and value != 0:
             external = True
-    if external:
+    if not external:
+        return False
+    tensor_name = name.decode("utf-8", "replace")
+    if inside is None:
         where = f" (location {location.decode('utf-8', 'replace')!r})" if location else ""
         raise SecurityError(
-            f"{backend}: tensor {name.decode('utf-8', 'replace')!r} refers to external "
-            f"data{where}, which would be read from the host's files: models must embed "
-            "their weights"
+            f"{backend}: tensor {tensor_name!r} refers to external data{where}, which would "
+            "be read from the host's files: a model from a guest or a caller must embed "
+            "its weights (only a registered model's file may keep them next to it)"
         )
+    _check_location(backend, tensor_name, location, inside)
+    return True
+
+
+def _check_location(backend: str, tensor: str, location: bytes | None, inside: str) -> None:
+    # A registered model's external data file: relative, inside the model's folder.
+    if not location:
+        raise InvalidEncodingError(
+            f"{backend}: tensor {tensor!r} is marked as external data but names no "
+            "location: expected a file next to the model")
+    text = location.decode("utf-8", "replace")
+    resolved = os.path.realpath(os.path.join(inside, text))
+    if "\0" in text or os.path.isabs(text) or os.path.commonpath([inside, resolved]) != inside:
+        raise SecurityError(
+            f"{backend}: tensor {tensor!r} keeps its data in {text!r}, outside the model's "
+            f"folder {inside}: expected a relative path that stays inside it")
+    if not os.path.isfile(resolved):
+        raise NotFoundError(
+            f"{backend}: tensor {tensor!r} keeps its data in {text!r}, which is no file in "
+            f"{inside}: expected the model's external data file next to it")
+
+
+def external_data_folder(options: LoadOptions | None) -> Path | None:
+    """The folder a model's external data may be read from: its file's, for a model the
+    host read from a file (``LoadOptions.source``), else None (none may be)."""
+    if options is None or not options.source:
+        return None
+    return Path(options.source).parent
 
 
 def _location(entry: memoryview) -> bytes | None:

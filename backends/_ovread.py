@@ -42,7 +42,7 @@ from wasinn.enums import GraphEncoding
 from wasinn.errors import BackendRuntimeError, InvalidEncodingError
 
 from ._graphio import expect_builders
-from ._onnx_check import refuse_external_data
+from ._onnx_check import check_external_data
 from ._tflite_check import check_tflite
 from .base import Builders
 from .formats import detect_encoding, protobuf_fields
@@ -72,11 +72,14 @@ def _is_saved_model(data: bytes | bytearray | memoryview) -> bool:
     return fields.get(1) == 0 or (set(fields) == {2})
 
 
-def read_model(core: Any, builders: Builders, encoding: GraphEncoding) -> tuple[Any, object]:
+def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
+               source: str = "") -> tuple[Any, object]:
     """The ``ov.Model`` for ``builders``, and a value the caller must keep alive with it.
 
-    Raises InvalidEncodingError for bytes OpenVINO cannot read as ``encoding``,
-    SecurityError for an ONNX model that names external data files.
+    ``source``: the file an ONNX model was read from by the host (``LoadOptions.source``),
+    whose folder may hold its external data. Raises InvalidEncodingError for bytes
+    OpenVINO cannot read as ``encoding``, SecurityError for an ONNX model that names
+    external data files where it may not (see :mod:`._onnx_check`).
     """
     if encoding is GraphEncoding.OPENVINO:
         expect_builders(NAME, builders, 2, "two builders: the IR XML and its weights")
@@ -85,7 +88,15 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding) -> tuple[
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
         _check_content(builders, encoding)
-        refuse_external_data(NAME, builders[0])
+        folder = Path(source).parent if source else None
+        if check_external_data(NAME, builders[0], folder):
+            # OpenVINO finds external data only next to a model it reads from a file:
+            # the one checked, unless it changed since (then refused, not read unchecked).
+            if Path(source).read_bytes() != bytes(builders[0]):
+                raise InvalidEncodingError(
+                    f"{NAME}: {source} changed since it was read: expected the same file "
+                    "(load it again)")
+            return _read(lambda: core.read_model(source), "ONNX model"), None
         return _read(lambda: core.read_model(bytes(builders[0])), "ONNX model"), None
     if encoding is GraphEncoding.TENSORFLOWLITE:
         expect_builders(NAME, builders, 1, "one builder holding a TensorFlow Lite flatbuffer")

@@ -112,12 +112,17 @@ class LoadOptions:
     ``precision`` is the inference precision (``"f32"`` by default so that outputs
     agree across CPUs; OpenVINO otherwise picks bf16 on CPUs with AMX);
     ``threads`` the intra-op thread count (0 = the library's default);
-    ``extra`` backend-specific settings passed through as given.
+    ``extra`` backend-specific settings passed through as given;
+    ``source`` the path of the model's (first) file where it was read from the host's
+    files by the host's own choice (a model registry entry), else ``""`` (bytes from a
+    guest or a caller): only such a model may keep ONNX weights in external data files,
+    each inside that file's folder (see :mod:`._onnx_check`).
     """
 
     precision: str = "f32"
     threads: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
 
 
 class CompiledGraph(abc.ABC):

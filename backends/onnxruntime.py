@@ -57,7 +57,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
-from ._onnx_check import refuse_external_data
+from ._onnx_check import check_external_data, external_data_folder
 from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
 from .formats import protobuf_records
 
@@ -325,7 +325,7 @@ class OnnxRuntimeBackend(Backend):
             raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         data = bytes(builders[0])
-        refuse_external_data(NAME, data)
+        check_external_data(NAME, data, external_data_folder(options))
         session = _session(data, device, options)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
@@ -395,10 +395,17 @@ def session_options(options: LoadOptions) -> Any:
     if options.threads:
         so.intra_op_num_threads = options.threads
     entries = {**SESSION_DEFAULTS, **options.extra}
+    folder = external_data_folder(options)
+    if folder is not None:  # a registered model's own file: its external data, checked
+        entries[_EXTERNAL_DATA_FOLDER] = str(folder)
     for key, value in entries.items():
         if key.startswith("session."):
             so.add_session_config_entry(key, str(value))
     return so
+
+
+#: Where ONNX Runtime reads the external data of a model given as bytes.
+_EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 def providers_for(device: Device, options: LoadOptions) -> list[Any]:

@@ -488,8 +488,9 @@ class Runtime:
         entry = config.models[name]
         paths = [model_file(config, f) for f in entry.files]
         builders = await trio.to_thread.run_sync(_read_files, paths, name)
+        # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
-                              extra=dict(entry.options))
+                              extra=dict(entry.options), source=str(paths[0]))
         return await self._load_model(builders, GraphEncoding.coerce(entry.encoding),
                                       entry.target, backend=entry.backend, options=options,
                                       name=name, batching=entry.batching_spec())

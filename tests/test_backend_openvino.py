@@ -543,7 +543,7 @@ def test_onnx_external_data_naming_a_host_file_is_a_security_error(
     secret = tmp_path / "api_key.txt"
     secret.write_bytes(b"SECRET-KEY-1234")
     with pytest.raises(SecurityError, match=r"^openvino: tensor 'w' refers to external data "
-                       r".*models must embed their weights"):
+                       r".*must embed its weights"):
         backend.load([_external_onnx(str(secret), 15)], GraphEncoding.ONNX, CPU)
 
 
