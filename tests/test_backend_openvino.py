@@ -346,9 +346,9 @@ def test_another_devices_property_is_left_out_with_a_warning(
 
 # -- cancellation -------------------------------------------------------------------------
 def test_a_cancel_between_the_hook_and_the_run_is_not_lost(backend: Any) -> None:
-    """The canceller fires after the backend hooked ``InferRequest.cancel`` to the run's
-    cancellation but before the run began: OpenVINO ignores a cancel on a request that
-    is not running, so the run must start first and then look."""
+    """The canceller fires after the run's first check, as the backend hooks
+    ``InferRequest.cancel`` to the run's cancellation, before the run begins: OpenVINO
+    ignores a cancel on a request that is not running, so the backend must look again."""
     from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
     from wasinn.backends.base import Cancellation, running_under
 
