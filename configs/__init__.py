@@ -57,7 +57,8 @@ BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
                     lambda key: key.startswith("session.") or key == "provider_options"),
     "openvino": ("OpenVINO property names in capitals (PERFORMANCE_HINT, NUM_STREAMS...)",
                  lambda key: re.fullmatch(r"[A-Z][A-Z0-9_]*", key) is not None),
-    "pytorch": ("optimize = true or false", lambda key: key == "optimize"),
+    "pytorch": ("optimize or interruptible = true or false",
+                lambda key: key in ("optimize", "interruptible")),
 }
 
 
@@ -66,7 +67,7 @@ def option_problem(backend: str | None, key: str, value: object) -> str | None:
     ``backend`` (None: names none), or None: the same rules for a config's
     ``[models.NAME] options`` and for ``Runtime.load(options=...)``. A backend that is not
     built in may read any key."""
-    if key == "optimize" and not isinstance(value, bool):
+    if key in ("optimize", "interruptible") and not isinstance(value, bool):
         return f"expected true or false, got {value!r:.40}"
     if key == "provider_options" and not isinstance(value, dict):
         return "expected a table of CUDA provider options"

@@ -217,6 +217,89 @@ def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
     graph.close()
 
 
+def matmul_loop_torchscript(size: int) -> bytes:
+    """A TorchScript archive of ``for _ in range(steps): x = x @ I`` (``steps`` an input:
+    a loop TorchScript's interpreter runs in C++)."""
+    import torch
+
+    class Loop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.eye(size), requires_grad=False)
+
+        def forward(self, x: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+            for _ in range(int(steps.item())):
+                x = x @ self.w
+            return x
+
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(Loop()), buf)  # type: ignore[no-untyped-call]
+    return buf.getvalue()
+
+
+def started_matmuls(first: threading.Event) -> Any:
+    """A torch dispatch mode that sets ``first`` once a matrix product starts."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Started(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+                first.set()
+            return func(*args, **(kwargs or {}))
+
+    return Started()
+
+
+@pytest.mark.parametrize("interruptible", [True, False])
+def test_a_torchscript_run_stops_once_cancelled_only_when_loaded_interruptible(
+        interruptible: bool) -> None:
+    """TorchScript's interpreter runs its graph in C++, out of reach of the checkpoints a
+    torch.export program gets: ``interruptible`` puts one before each operator it calls
+    (through a torch dispatch mode). Without it, a cancelled run goes to its end."""
+    require_backend("torch")
+    from wasinn.backends import LoadOptions
+    from wasinn.backends.base import Cancellation, running_under
+    from wasinn.backends.pytorch import TorchBackend
+
+    graph = TorchBackend().load([matmul_loop_torchscript(TORCH_SIZE)], GraphEncoding.PYTORCH,
+                                Device(ExecutionTarget.CPU),
+                                LoadOptions(extra={"interruptible": interruptible}))
+    steps = TORCH_STEPS if interruptible else 10  # ~12 s / ~0.3 s of work
+    cancellation = Cancellation()
+    outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
+    first = threading.Event()
+
+    def run() -> None:
+        with running_under(cancellation), started_matmuls(first):
+            try:
+                outcome.append(graph.run({
+                    "x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32),
+                    "steps": np.array(steps, np.int64)}))
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert first.wait(GUARD_S), "the run never reached a matrix product"
+    cancellation.cancel()
+    thread.join(GUARD_S)
+    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
+    (result,) = outcome
+    if interruptible:
+        assert isinstance(result, BackendRuntimeError), result
+        assert "pytorch: run cancelled (stopped before its next operator)" in str(result)
+    else:  # it ran to its end, its result returned (the actor drops it)
+        assert isinstance(result, dict), result
+        assert result["output"].dims == (TORCH_ROWS, TORCH_SIZE)
+    with running_under(Cancellation()):  # the graph serves the next run
+        out = graph.run({"x": np.full((1, TORCH_SIZE), 2.0, np.float32),
+                         "steps": np.array(3, np.int64)})
+    assert out["output"].numpy().tolist() == [[2.0] * TORCH_SIZE]
+    graph.close()
+
+
 def test_a_torch_export_run_cancelled_before_it_starts_does_no_work() -> None:
     require_backend("torch")
     from wasinn.backends.base import Cancellation, running_under

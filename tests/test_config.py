@@ -180,6 +180,8 @@ def test_default_runtime_needs_no_files() -> None:
      r"models\.m\.options\.extra: options are already LoadOptions\.extra"),
     ('[models.m]\nfiles = ["m.onnx"]\noptions = { optimize = "false" }\n',
      r"models\.m\.options\.optimize: expected true or false, got 'false'"),
+    ('[models.m]\nfiles = ["m.onnx"]\nbackend = "pytorch"\noptions = { interruptible = 1 }\n',
+     r"models\.m\.options\.interruptible: expected true or false, got 1"),
     ('[models.m]\nfiles = ["m.onnx"]\nbackend = "openvino"\noptions = { performance_hint = 1 }\n',
      r"models\.m\.options\.performance_hint: backend 'openvino' does not read this option: "
      r"expected OpenVINO property names in capitals"),
@@ -322,7 +324,7 @@ options = { "session.force_spinning_stop" = "0", provider_options = { gpu_mem_li
 files = ["m.onnx"]
 backend = "pytorch"
 precision = "default"
-options = { optimize = false }
+options = { optimize = false, interruptible = true }
 '''))
     assert [m.precision for m in config.models.values()] == ["bf16", "f32", "default"]
 
