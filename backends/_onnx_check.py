@@ -31,14 +31,10 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from wasinn.errors import InvalidEncodingError, NotFoundError, SecurityError
 
 from .formats import protobuf_records, protobuf_values
-
-if TYPE_CHECKING:
-    from .base import LoadOptions
 
 
 class _Kind(enum.Enum):
@@ -150,12 +146,11 @@ def _check_location(backend: str, tensor: str, location: bytes | None, inside: s
             f"{inside}: expected the model's external data file next to it")
 
 
-def external_data_folder(options: LoadOptions | None) -> Path | None:
+def external_data_folder(source: str) -> Path | None:
     """The folder a model's external data may be read from: its file's, for a model the
-    host read from a file (``LoadOptions.source``), else None (none may be)."""
-    if options is None or not options.source:
-        return None
-    return Path(options.source).parent
+    host read from the file ``source`` (``LoadOptions.source``), else None (none may
+    be)."""
+    return Path(source).parent if source else None
 
 
 def _location(entry: memoryview) -> bytes | None:

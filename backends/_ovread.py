@@ -42,7 +42,7 @@ from wasinn.enums import GraphEncoding
 from wasinn.errors import BackendRuntimeError, InvalidEncodingError
 
 from ._graphio import expect_builders
-from ._onnx_check import check_external_data
+from ._onnx_check import check_external_data, external_data_folder
 from ._tflite_check import check_tflite
 from .base import Builders
 from .formats import detect_encoding, protobuf_fields
@@ -88,8 +88,7 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
         _check_content(builders, encoding)
-        folder = Path(source).parent if source else None
-        if check_external_data(NAME, builders[0], folder):
+        if check_external_data(NAME, builders[0], external_data_folder(source)):
             # OpenVINO finds external data only next to a model it reads from a file:
             # the one checked, unless it changed since (then refused, not read unchecked).
             if Path(source).read_bytes() != bytes(builders[0]):

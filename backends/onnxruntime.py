@@ -325,7 +325,7 @@ class OnnxRuntimeBackend(Backend):
             raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         data = bytes(builders[0])
-        check_external_data(NAME, data, external_data_folder(options))
+        check_external_data(NAME, data, external_data_folder(options.source))
         session = _session(data, device, options)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
@@ -395,7 +395,7 @@ def session_options(options: LoadOptions) -> Any:
     if options.threads:
         so.intra_op_num_threads = options.threads
     entries = {**SESSION_DEFAULTS, **options.extra}
-    folder = external_data_folder(options)
+    folder = external_data_folder(options.source)
     if folder is not None:  # a registered model's own file: its external data, checked
         entries[_EXTERNAL_DATA_FOLDER] = str(folder)
     for key, value in entries.items():

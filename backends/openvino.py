@@ -434,9 +434,9 @@ class OpenVinoBackend(Backend):
         ov_device = self._device_map().get(device)
         if ov_device is None:
             raise no_device(NAME, device, self.devices())
-        model, keep_alive = read_model(self.core, builders, encoding,
-                                       (options or LoadOptions()).source)
-        config = compile_config(self.core, ov_device, options or LoadOptions())
+        options = options or LoadOptions()
+        model, keep_alive = read_model(self.core, builders, encoding, options.source)
+        config = compile_config(self.core, ov_device, options)
         try:
             compiled = self.core.compile_model(model, ov_device, config)
         except Exception as exc:

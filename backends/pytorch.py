@@ -200,14 +200,12 @@ class TorchGraph(CheckedGraph):
         except WasiNNError:
             raise
         except Cancelled:
-            raise BackendRuntimeError(
-                f"{NAME}: run cancelled (stopped before its next operator)") from None
+            raise _stopped() from None
         except Exception as exc:
             if self._checkpoints and _cancelled():
                 # TorchScript's interpreter turns the checkpoint's Cancelled into a
                 # RuntimeError on its way out of C++.
-                raise BackendRuntimeError(
-                    f"{NAME}: run cancelled (stopped before its next operator)") from None
+                raise _stopped() from None
             if self._checked and isinstance(exc, AssertionError) \
                     and str(exc).startswith("Guard failed"):
                 # torch.export's input guards (a relation between dims, say)
@@ -275,6 +273,11 @@ class TorchGraph(CheckedGraph):
 def _cancelled() -> bool:
     cancellation = current_cancellation()
     return cancellation is not None and cancellation.cancelled
+
+
+def _stopped() -> BackendRuntimeError:
+    """What a run stopped at a checkpoint raises."""
+    return BackendRuntimeError(f"{NAME}: run cancelled (stopped before its next operator)")
 
 
 class _Checkpoints(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torch's)

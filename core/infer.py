@@ -185,10 +185,11 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
             raise InvalidArgumentError(f"--input {key}: {exc.message}") from None
     by_name: dict[str, tuple[int, ...]] = {}
     for key, shape in shapes.items():
-        if named(key) in by_name:
-            raise InvalidArgumentError(f"--shape {key}: {named(key)} is given a shape twice "
+        name = named(key)
+        if name in by_name:
+            raise InvalidArgumentError(f"--shape {key}: {name} is given a shape twice "
                                        "(by name and by position): expected one")
-        by_name[named(key)] = shape
+        by_name[name] = shape
     shapes = by_name
     unknown = sorted(set(shapes) - set(names))
     if unknown:

@@ -170,6 +170,17 @@ _ONNX_TYPES = {
 }
 
 
+def _model_bytes(graph: Any, opset: int = 17) -> bytes:
+    """``graph`` (an onnx GraphProto) as a serialized model: IR version 8, which every
+    backend here reads, and the default domain at ``opset``."""
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              producer_name="wasinn.modelgen")
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
 def identity_onnx(tensor_type: TensorType, shape: tuple[int | str, ...] = ("n", 4),
                   opset: int = 17) -> bytes:
     """A one-node ONNX graph ``y = Identity(x)`` of ``tensor_type``; x, y are its names."""
@@ -180,10 +191,7 @@ def identity_onnx(tensor_type: TensorType, shape: tuple[int | str, ...] = ("n", 
     x = helper.make_tensor_value_info("x", elem, list(shape))
     y = helper.make_tensor_value_info("y", elem, list(shape))
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                              producer_name="wasinn.modelgen")
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return _model_bytes(graph, opset)
 
 
 def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
@@ -198,10 +206,7 @@ def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
     x = helper.make_tensor_value_info(in_name, TensorProto.FLOAT, ["n", size])
     y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", size])
     graph = helper.make_graph(nodes, "affine", [x], [y], initializer=[s, b])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              producer_name="wasinn.modelgen")
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return _model_bytes(graph)
 
 
 def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> bytes:
@@ -213,10 +218,7 @@ def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> 
     y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", *IMAGE_SHAPE[1:]])
     graph = helper.make_graph([helper.make_node("Mul", [in_name, "k"], [out_name])],
                               "scale", [x], [y], initializer=[k])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              producer_name="wasinn.modelgen")
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return _model_bytes(graph)
 
 
 def example_models(directory: Path | str, width: float = 1.0) -> list[Path]:
