@@ -34,6 +34,10 @@ the same byte size...) can hold the loop for seconds, during which no other requ
 timeout or cancellation is served. Requests with a deadline are therefore never run
 inline. Enable it only for graphs whose run time is bounded whatever their inputs.
 
+Pinned hand-offs (``pin_handoffs``, a pool's key of the same name; off by default): the
+event loop and the worker threads hand jobs to each other on one CPU, which saves the
+cross-CPU wake-ups (see :mod:`wasinn.actors.affinity` for the price).
+
 Dynamic batching (:meth:`DeviceActor.execute_batched`, :mod:`wasinn.actors.batching`):
 requests for one graph that wait for this device at the same time run as one merged job;
 each batch is a task in the actor's nursery, living no longer than the actor.
@@ -121,6 +125,7 @@ class DeviceActor:
         policy: QueuePolicy | None = None,
         inline_below: float = 0.0,
         close_timeout: float = 10.0,
+        pin_handoffs: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
@@ -135,7 +140,7 @@ class DeviceActor:
         self.device = device
         self.workers = workers
         self.queue_limit = queue_limit
-        self._threads = WorkerThreads(str(device), workers)
+        self._threads = WorkerThreads(str(device), workers, pin=pin_handoffs)
         self._slots = Slots(str(device), workers, queue_limit,
                             policy if policy is not None else PriorityDeadlinePolicy())
         #: Requests placed here that wait for their graph to be compiled on this device.
@@ -269,6 +274,12 @@ class DeviceActor:
         return self._threads.busy
 
     @property
+    def pins_handoffs(self) -> bool:
+        """Whether this actor's runs are handed off on the event loop's CPU (see
+        :mod:`wasinn.actors.affinity`)."""
+        return self._threads.pin
+
+    @property
     def threads(self) -> WorkerThreads:
         """The worker threads (for diagnostics and tests)."""
         return self._threads
@@ -395,7 +406,7 @@ class DeviceActor:
         work = in_context(job, self._wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            return await self._threads.run(work, label=label)
+            return await self._threads.run(work, label=label, pin=False)
         except WasiNNError:
             raise
         except Exception as exc:

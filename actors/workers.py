@@ -49,11 +49,14 @@ import trio
 from wasinn.backends.base import Cancellation, running_under
 from wasinn.errors import ClosedResourceError
 
+from .affinity import LoopPin, Mask, loop_pin, pin_current_thread
+
 T = TypeVar("T")
 
 
 class _Job:
-    __slots__ = ("abandoned", "cancellation", "fn", "label", "result", "started")
+    __slots__ = ("abandoned", "cancellation", "fn", "label", "pin", "result", "started",
+                 "unpinned")
 
     def __init__(self, fn: Callable[[], Any], label: str) -> None:
         self.fn: Callable[[], Any] | None = fn
@@ -62,6 +65,10 @@ class _Job:
         self.label = label
         self.started = math.nan  # when handed to a thread
         self.abandoned = False
+        #: (the loop's CPU, the mask to run under) for a pinned job (see .affinity).
+        self.pin: tuple[Mask, Mask] | None = None
+        #: The job keeps the loop unpinned while it is out (LoopPin.suspend).
+        self.unpinned = False
 
     def describe(self) -> str:
         state = ", abandoned" if self.abandoned else ""
@@ -99,11 +106,14 @@ class WorkerThreads:
     Everything but the threads' own loop is called from the trio thread.
     """
 
-    def __init__(self, name: str, count: int) -> None:
+    def __init__(self, name: str, count: int, *, pin: bool = False) -> None:
         if count < 1:
             raise ValueError("count must be >= 1")
         self.name = name
         self.count = count
+        #: Hand-offs kept on the event loop's CPU (see :mod:`wasinn.actors.affinity`).
+        self.pin = pin
+        self._loop_pin: LoopPin | None = None
         self._workers: list[_Worker] = []
         self._idle: list[_Worker] = []
         self._free = trio.lowlevel.ParkingLot()  # callers waiting for an idle thread
@@ -137,6 +147,8 @@ class WorkerThreads:
         if self._token is not None or self._stopped:
             return
         self._token = trio.lowlevel.current_trio_token()
+        if self.pin:
+            self._loop_pin = loop_pin()
         for i in range(self.count):
             worker = _Worker(f"wasinn {self.name} worker {i}", self._work)
             worker.thread.start()  # counted only once started: wait_stopped joins these
@@ -150,7 +162,7 @@ class WorkerThreads:
         return [job.describe() for job in self._running.values()]
 
     async def run(self, fn: Callable[[], T], *, on_done: Callable[[], None] | None = None,
-                  label: str = "job") -> T:
+                  label: str = "job", pin: bool = True) -> T:
         """Run ``fn`` in one of the threads; its result, or the exception it raised.
 
         Raises ClosedResourceError once stopped (or before ``start``), and when
@@ -160,7 +172,9 @@ class WorkerThreads:
         cancelled or stopped while waiting for a free thread). A job handed to a thread
         always starts (under a cancellation that is already set if it was abandoned
         meanwhile): callers check for cancellation before they commit to a job.
-        ``label`` names the job in diagnostics.
+        ``label`` names the job in diagnostics. Where the threads pin hand-offs,
+        ``pin=False`` runs the job with the loop unpinned (a compile: see
+        :class:`~wasinn.actors.affinity.LoopPin`).
         """
         job = _Job(fn, label)
         self.busy += 1
@@ -176,6 +190,12 @@ class WorkerThreads:
             raise
         worker = self._idle.pop()
         job.started = time.monotonic()
+        if self._loop_pin is not None:
+            if pin:
+                job.pin = self._loop_pin.hold()
+            else:
+                self._loop_pin.suspend()
+                job.unpinned = True
         self._running[worker] = job
         worker.inbox.put(job)
         try:
@@ -220,12 +240,21 @@ class WorkerThreads:
             while (job := worker.inbox.get()) is not None:
                 fn, job.fn = job.fn, None  # drop the job's references (inputs) once run
                 assert fn is not None
+                pin = job.pin  # trio clears it once the job is back
+                if pin is not None:
+                    pin_current_thread(pin[1])  # the job may use every CPU
                 with running_under(job.cancellation):
                     job.result = outcome.capture(fn)
                 try:
                     worker.writer.send(b"\0")
                 except OSError:
                     return  # trio let go of the reader (it is shutting down)
+                if pin is not None:
+                    # Wait for the next job on the loop's CPU. After the send: a thread
+                    # that the run moved to another CPU would otherwise migrate back
+                    # first, on the caller's time, and gain nothing: the loop is woken on
+                    # its own CPU whatever the mask of the thread that wakes it.
+                    pin_current_thread(pin[0])
         finally:
             worker.done("thread")
             token = self._token
@@ -237,7 +266,7 @@ class WorkerThreads:
         # In trio, once the worker signalled: consume the byte, make the thread idle.
         with contextlib.suppress(BlockingIOError):
             worker.reader.recv(16)
-        self._running.pop(worker, None)
+        self._unpin(self._running.pop(worker, None))
         self.busy -= 1
         self.finished += 1
         if self._stopped:
@@ -255,10 +284,22 @@ class WorkerThreads:
             await trio.lowlevel.wait_readable(worker.reader)
         except trio.Cancelled:
             worker.done("trio")  # trio is ending: nobody waits on this reader any more
+            self._unpin(self._running.pop(worker, None))
             return
         self._abandoned -= 1
         self._finish(worker, on_done)
         self._check_quiet()
+
+    def _unpin(self, job: _Job | None) -> None:
+        # In trio: a job is back, or its thread given up on (trio is ending).
+        if job is None or self._loop_pin is None:
+            return
+        if job.pin is not None:
+            job.pin = None
+            self._loop_pin.release()
+        if job.unpinned:
+            job.unpinned = False
+            self._loop_pin.resume()
 
     def _exited(self, worker: _Worker) -> None:
         self._exited_workers.add(worker)

@@ -116,13 +116,18 @@ class LoadOptions:
     ``source`` the path of the model's (first) file where it was read from the host's
     files by the host's own choice (a model registry entry), else ``""`` (bytes from a
     guest or a caller): only such a model may keep ONNX weights in external data files,
-    each inside that file's folder (see :mod:`._onnx_check`).
+    each inside that file's folder (see :mod:`._onnx_check`);
+    ``thread_pinning`` whether the backend may pin its own threads to CPUs as it sees fit
+    (OpenVINO's ``ENABLE_CPU_PINNING``, unless ``extra`` names it): False where the
+    caller manages the affinity of the threads that call it (a pool with pinned
+    hand-offs, whose event loop OpenVINO takes for the process's CPUs).
     """
 
     precision: str = "f32"
     threads: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
+    thread_pinning: bool = True
 
 
 class CompiledGraph(abc.ABC):

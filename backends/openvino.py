@@ -485,7 +485,8 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
 
     ``precision`` becomes ``INFERENCE_PRECISION_HINT`` where the device supports it
     (``"default"`` or ``""`` leaves the plugin's choice); ``threads`` becomes
-    ``INFERENCE_NUM_THREADS``; ``extra`` entries named after a property the device
+    ``INFERENCE_NUM_THREADS``; ``thread_pinning=False`` becomes ``ENABLE_CPU_PINNING``
+    false; ``extra`` entries named after a property the device
     supports (``PERFORMANCE_HINT``, ``NUM_STREAMS``...) are passed as given. An OpenVINO
     property this device lacks (another plugin's, such as ``GPU_HOST_TASK_PRIORITY`` on the
     CPU) is left out with a warning; a key in capitals that names no OpenVINO property (a
@@ -499,6 +500,8 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
         config["INFERENCE_PRECISION_HINT"] = precision
     if options.threads and "INFERENCE_NUM_THREADS" in supported:
         config["INFERENCE_NUM_THREADS"] = options.threads
+    if not options.thread_pinning and "ENABLE_CPU_PINNING" in supported:
+        config["ENABLE_CPU_PINNING"] = False  # unless extra says otherwise, below
     for key, value in options.extra.items():
         if key in supported:
             config[key] = value

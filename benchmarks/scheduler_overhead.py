@@ -19,6 +19,13 @@ direct backend call, measured in the same run.
    threads, whichever is faster.
 4. Contexts: creation rate (goal >= 100,000/s) and size (tracemalloc, goal <= 2 KB).
 
+Then, on Linux, the same again in a fresh process (``--pin-handoffs``) whose CPU pool
+pins its hand-offs (``pin_handoffs = true``, opt-in: the event loop and the worker thread
+hand a job to each other on one CPU; see ``wasinn.actors.affinity`` for the price). A
+fresh process, because that is how it is deployed: OpenVINO's threads, once pinned by a
+graph compiled with its own CPU pinning on (the default pool's), stay pinned and slow
+the pinned pool's OpenVINO runs down (measured: 3.6 ms became 6.0 ms).
+
 Calls alternate in short blocks (20 direct, 20 scheduled, ...) so that noise from other
 processes hits both alike while each block keeps its thread's caches warm. Figures vary
 with the machine's load: compare ratios, not absolutes. The worker-thread path costs two
@@ -42,6 +49,8 @@ import argparse
 import functools
 import queue
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,12 +63,19 @@ import numpy as np
 import trio
 
 import wasinn
+from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.session import Session
 from wasinn.configs.loader import parse_config
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
 
 #: The opt-in bound the "inline" line enables (microseconds); the default config has 0.
 INLINE_BELOW_US = 100.0
+
+
+def cpu_pool(workers: int, **keys: Any) -> wasinn.Runtime:
+    """A runtime with one CPU pool: the default's, with ``keys`` changed."""
+    return wasinn.Runtime(parse_config({"pools": {"cpu": {
+        "kind": "cpu", "devices": ["cpu"], "workers": workers, **keys}}}, None))
 
 
 def compiled_of(rt: wasinn.Runtime) -> Session:
@@ -279,29 +295,34 @@ async def main(args: argparse.Namespace) -> None:
         files = export_mobilenet(Path(tmp), width=args.width, seed=0)
         mobilenet = [files.onnx.read_bytes()]
     image = sample_image(0)
-    async with wasinn.Runtime() as rt:
-        workers = rt.config.pools["cpu"].workers
-        print(f"devices: {[d.name for d in rt.devices]}, cpu workers: {workers}")
+    default = wasinn.Runtime()
+    workers = default.config.pools["cpu"].workers
+    worker_path, tiny_path = "worker thread", "default config: worker thread"
+    if args.pin_handoffs:
+        default = cpu_pool(workers, pin_handoffs=True)
+        worker_path = tiny_path = "worker thread, pinned hand-offs"
+    async with default as rt:
+        print(f"devices: {[d.name for d in rt.devices]}, cpu workers: {workers}"
+              + (", pin_handoffs = true" if args.pin_handoffs else ""))
 
         print(f"this machine's cross-thread wake-up: two-thread queue ping-pong "
               f"{wakeup_latency() * 1e6:.1f} us per round trip{halt_polling()}")
         tiny = {"x": np.ones((1, 4), np.float32)}
         trip, caller = await both_round_trips(rt, [affine_onnx()], tiny, args.iters * 10)
-        report_tiny("default config: worker thread", trip.direct, trip.scheduled)
+        report_tiny(tiny_path, trip.direct, trip.scheduled)
         report_handoff(trip)
         report_tiny("caller's thread", *caller)
-        # Inline runs are opt-in (off in the default config): enable them explicitly.
-        inline = parse_config({"pools": {"cpu": {
-            "kind": "cpu", "devices": ["cpu"], "workers": workers,
-            "inline_below_us": INLINE_BELOW_US}}}, None)
-        async with wasinn.Runtime(inline) as rt_inline:
-            direct, sched, _ = await round_trip(rt_inline, [affine_onnx()], tiny,
-                                                args.iters * 10)
-        report_tiny(f"opt-in inline, inline_below_us={INLINE_BELOW_US:g}: on the event "
-                    "loop once timed", direct, sched)
+        if not args.pin_handoffs:
+            # Inline runs are opt-in (off in the default config): enable them explicitly.
+            async with cpu_pool(workers, inline_below_us=INLINE_BELOW_US) as rt_inline:
+                direct, sched, _ = await round_trip(rt_inline, [affine_onnx()], tiny,
+                                                    args.iters * 10)
+            report_tiny(f"opt-in inline, inline_below_us={INLINE_BELOW_US:g}: on the event "
+                        "loop once timed", direct, sched)
 
         trip, caller = await both_round_trips(rt, mobilenet, {"input": image}, args.iters)
-        report_round_trip("onnxruntime", args.width, trip.direct, trip.scheduled)
+        report_round_trip("onnxruntime", args.width, trip.direct, trip.scheduled,
+                          worker_path)
         report_handoff(trip)
         report_round_trip("onnxruntime", args.width, *caller, path="caller's thread")
 
@@ -339,9 +360,22 @@ async def main(args: argparse.Namespace) -> None:
             if backend and backend != "onnxruntime":
                 trip, caller = await both_round_trips(
                     rt, mobilenet, {"input": image}, args.iters, backend)
-                report_round_trip(backend, args.width, trip.direct, trip.scheduled)
+                report_round_trip(backend, args.width, trip.direct, trip.scheduled,
+                                  worker_path)
                 report_handoff(trip)
                 report_round_trip(backend, args.width, *caller, path="caller's thread")
+
+
+def pinned_run(argv: list[str]) -> None:
+    """The same measurements in a fresh process with pinned hand-offs (see the module
+    docstring), where this platform has them."""
+    print()
+    if (reason := unsupported_reason()) is not None:
+        print(f"pinned hand-offs (pin_handoffs = true): not measured: {reason}")
+        return
+    print("the same in a fresh process, opt-in pinned hand-offs (pin_handoffs = true):",
+          flush=True)
+    subprocess.run([sys.executable, __file__, *argv, "--pin-handoffs"], check=True)
 
 
 if __name__ == "__main__":
@@ -352,4 +386,11 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="onnxruntime,openvino",
                         help="backends for the MobileNetV2-like round trip")
-    trio.run(main, parser.parse_args())
+    parser.add_argument("--pin-handoffs", action="store_true",
+                        help="measure a CPU pool with pin_handoffs = true (only)")
+    parser.add_argument("--no-pinned", action="store_true",
+                        help="do not measure pinned hand-offs in a second process")
+    arguments = parser.parse_args()
+    trio.run(main, arguments)
+    if not (arguments.pin_handoffs or arguments.no_pinned):
+        pinned_run(sys.argv[1:])

@@ -5,7 +5,8 @@ A config has five tables::
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
                                    # queue_limit, backends (this pool's preference order),
-                                   # policy, inline_below_us, close_timeout
+                                   # policy, inline_below_us, close_timeout,
+                                   # pin_handoffs
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident,
                                    # preload, warmup, warmup_inputs, batching
@@ -66,6 +67,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import Batching
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -195,6 +197,21 @@ class PoolConfig(_Strict):
     #: error names the device and its jobs still running, and the close returns anyway,
     #: leaving those threads (daemons) and the graphs they use to end on their own.
     close_timeout: float = Field(default=10.0, ge=0)
+    #: Opt-in, Linux only. The event loop and this pool's worker threads hand jobs to
+    #: each other on one CPU (the loop's), which saves the cross-CPU wake-ups of a
+    #: request: tens of microseconds on a virtualised host. A job itself still runs on
+    #: every CPU. The price: while a job is out, the loop thread is held to one CPU, and
+    #: a thread the loop starts then (trio.to_thread's cached threads included) keeps
+    #: that one-CPU mask for life. See wasinn.actors.affinity.
+    pin_handoffs: bool = False
+
+    @field_validator("pin_handoffs")
+    @classmethod
+    def _pinning_works_here(cls, pin: bool) -> bool:
+        if pin and (reason := unsupported_reason()) is not None:
+            raise fault("", f"pin_handoffs = true cannot work here: {reason}; expected "
+                            "false on this platform")
+        return pin
 
     @field_validator("devices", mode="before")
     @classmethod

@@ -16,6 +16,7 @@ meanwhile frees them after it, as it does for a running job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -178,8 +179,13 @@ class Scheduler:
     async def session(self, actor: DeviceActor, model: LoadedModel) -> Session:
         """``model`` compiled on ``actor``'s device (compiled on first use, then cached)."""
         backend = await self.backend_for(model, actor.device.kind)
+        options = model.options
+        if actor.pins_handoffs:
+            # The actor holds the event loop to one CPU while a run is out: a backend
+            # pinning its threads would take that for the process's CPUs.
+            options = dataclasses.replace(options, thread_pinning=False)
         compile_graph = functools.partial(backend.load, model.builders, model.encoding,
-                                          actor.device, model.options)
+                                          actor.device, options)
         try:
             session = await actor.session(model.id, compile_graph, backend.name,
                                           wanted=lambda: not model.released)

@@ -313,7 +313,8 @@ class Runtime:
             actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
                                    policy=POLICIES[pool.policy](),
                                    inline_below=pool.inline_below_us * 1e-6,
-                                   close_timeout=pool.close_timeout)
+                                   close_timeout=pool.close_timeout,
+                                   pin_handoffs=pool.pin_handoffs)
                        for d in devices]
         if not actors:
             log.warning("no pool found a device: this runtime can run no model (pools: %s)",

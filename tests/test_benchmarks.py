@@ -35,7 +35,9 @@ RUNS: dict[str, tuple[list[str], str]] = {
                     r"runs: 0\npipeline in the caller's thread .* ratio [\d.]+"),
     "scheduler_overhead.py": (
         ["--iters", "20", "--width", "0.25", "--seconds", "0.05", "--rounds", "1"],
-        r"scheduler, queue and context on top: -?[\d.]+ us"),
+        r"scheduler, queue and context on top: -?[\d.]+ us(.|\n)*^(tiny model round trip "
+        r"\(worker thread, pinned hand-offs\): direct [\d.]+ us|pinned hand-offs "
+        r"\(pin_handoffs = true\): not measured)"),
     "guest_core.py": (["--n", "3", "--rounds", "1", "--mb", "1"],
                       r"native\s+[\d.]+ ms/round"),
     "guest_component.py": (["--n", "2", "--rounds", "1"],
