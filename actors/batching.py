@@ -91,7 +91,7 @@ class Batching:
     ``max_delay``: seconds a batch that holds a slot waits for more requests before it
     runs, unless it fills up first; 0 (the default) batches only what queued while the
     device was busy and never delays a request on an idle device. Other values raise
-    InvalidArgumentError (a ValueError too).
+    :class:`BatchingError` (an InvalidArgumentError, and a ValueError).
     """
 
     max_batch: int
@@ -102,17 +102,17 @@ class Batching:
         # which is what this raised before it joined the error tree.
         max_batch, max_delay = self.max_batch, self.max_delay
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 2:
-            raise _BadBatching(f"Batching: max_batch must be an integer >= 2, got "
+            raise BatchingError(f"Batching: max_batch must be an integer >= 2, got "
                                f"{max_batch!r}")
         if not (isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
                 and 0 <= max_delay <= 10):
-            raise _BadBatching(f"Batching: max_delay must be between 0 and 10 seconds, got "
+            raise BatchingError(f"Batching: max_delay must be between 0 and 10 seconds, got "
                                f"{max_delay!r}")
 
 
-class _BadBatching(InvalidArgumentError, ValueError):
-    """A :class:`Batching` with bounds out of range: invalid-argument, and a ValueError
-    for callers that caught that before."""
+class BatchingError(InvalidArgumentError, ValueError):
+    """A :class:`Batching` with bounds out of range (``wasinn.BatchingError``):
+    invalid-argument, and a ValueError for callers that caught that before."""
 
 
 def check_batchable(name: str, inputs: Sequence[TensorSpec],

@@ -26,7 +26,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, host_copies
 
 if TYPE_CHECKING:
-    from wasinn.actors.batching import Batching
+    from wasinn.actors.batching import Batching, BatchingError
     from wasinn.configs.schema import RuntimeConfig
     from wasinn.scheduler import ExecutionContext, Graph, Pipeline, Runtime
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 # first access, so that `import wasinn` stays cheap for code that only needs the types.
 _LAZY = {
     "Batching": "wasinn.actors.batching",
+    "BatchingError": "wasinn.actors.batching",
     "ExecutionContext": "wasinn.scheduler",
     "Graph": "wasinn.scheduler",
     "Pipeline": "wasinn.scheduler",
@@ -60,6 +61,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "BackendRuntimeError",
     "Batching",
+    "BatchingError",
     "ClosedResourceError",
     "ConfigError",
     "ErrorCode",

@@ -61,6 +61,12 @@ class WasiNNError(Exception):
         one; copied as :meth:`for_another_caller` copies."""
         return self._copy(f"{context}: {self.message}")
 
+    def suffixed(self, detail: str) -> WasiNNError:
+        """A new error of this type and attributes whose message is ``message detail``
+        (what the caller knows and the raiser did not), caused by this one; copied as
+        :meth:`for_another_caller` copies."""
+        return self._copy(f"{self.message} {detail}")
+
     def _copy(self, message: str) -> WasiNNError:
         error: WasiNNError = type(self).__new__(type(self), message)
         Exception.__init__(error, message)

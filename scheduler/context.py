@@ -50,7 +50,7 @@ import trio
 
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import ClosedResourceError, InvalidArgumentError
+from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_, WasiNNError
 from wasinn.tensor import Tensor, as_tensor
 
 from .binding import OutputBuffer, fill
@@ -127,6 +127,11 @@ def request_deadline(priority: object, timeout: object, tenant: object) -> float
     if seconds is None:
         return math.inf
     return trio.current_time() + seconds
+
+
+def naming_timeout(exc: TimeoutError_, timeout: float | None) -> WasiNNError:
+    """``exc`` (a request's deadline passed) saying which ``timeout`` it was."""
+    return exc.suffixed(f"(timeout={timeout:g} s)") if timeout is not None else exc
 
 
 def _input_key(key: object) -> str | int:
@@ -243,10 +248,13 @@ class ExecutionContext:
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
         bound = self._bound  # as bound now: set_output replaces the dict, never edits it
-        outputs = await self._executable.execute(
-            self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
-            tenant=tenant, keep_on_device=keep_on_device,
-        )
+        try:
+            outputs = await self._executable.execute(
+                self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
+                tenant=tenant, keep_on_device=keep_on_device,
+            )
+        except TimeoutError_ as exc:
+            raise naming_timeout(exc, timeout) from exc
         self._record(outputs, bound)
         return outputs
 
@@ -291,11 +299,14 @@ class ExecutionContext:
         if inputs is None:
             inputs = self._staged()
         bound = self._bound
-        lease = await self._executable.lease(
-            self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
-            tenant=tenant, keep_on_device=keep_on_device,
-        )
-        return ContextRun(self, lease, bound)
+        try:
+            lease = await self._executable.lease(
+                self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
+                tenant=tenant, keep_on_device=keep_on_device,
+            )
+        except TimeoutError_ as exc:
+            raise naming_timeout(exc, timeout) from exc
+        return ContextRun(self, lease, bound, timeout)
 
     def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
                   keep_on_device: bool | None = None) -> ContextRun | None:
@@ -317,7 +328,7 @@ class ExecutionContext:
         bound = self._bound
         lease = self._executable.try_lease(self.target, inputs, timeout=timeout,
                                            keep_on_device=keep_on_device)
-        return None if lease is None else ContextRun(self, lease, bound)
+        return None if lease is None else ContextRun(self, lease, bound, timeout)
 
     def compute_in_caller_thread(
         self,
@@ -352,7 +363,7 @@ class ExecutionContext:
                 run = trio.from_thread.run(queue)
             else:  # a thread of the application's own: reach the runtime's trio run
                 run = trio.from_thread.run(queue, trio_token=self._executable.trio_token)
-        return run.run()
+        return run.run()  # a ContextRun: its timeout is named (see lease)
 
     def run_in_caller_thread(self, *, priority: int = 0, timeout: float | None = None,
                              tenant: str = "") -> None:
@@ -456,13 +467,15 @@ class ContextRun:
     or :meth:`cancel`: one dropped unended gives its slot back only when collected, with
     a ResourceWarning."""
 
-    __slots__ = ("_bound", "_ctx", "_lease")
+    __slots__ = ("_bound", "_ctx", "_lease", "_timeout")
 
     def __init__(self, ctx: ExecutionContext, lease: Lease[dict[str, Tensor]],
-                 bound: dict[str, OutputBuffer] | None) -> None:
+                 bound: dict[str, OutputBuffer] | None, timeout: float | None = None
+                 ) -> None:
         self._ctx = ctx
         self._lease = lease
         self._bound = bound
+        self._timeout = timeout  # the request's, named when it passes
 
     def run(self) -> dict[str, Tensor]:
         """Run the model in this thread (never the trio thread: it would block the loop),
@@ -477,7 +490,10 @@ class ContextRun:
             raise ClosedResourceError(
                 f"the execution context of {ctx._executable.name} is closed: the request "
                 "was not run")
-        outputs = self._lease.run()
+        try:
+            outputs = self._lease.run()
+        except TimeoutError_ as exc:
+            raise naming_timeout(exc, self._timeout) from exc
         ctx._record(outputs, self._bound)
         return outputs
 

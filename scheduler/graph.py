@@ -16,10 +16,16 @@ from wasinn.actors.lease import Lease
 from wasinn.actors.stats import ModelStats
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import ClosedResourceError
+from wasinn.errors import ClosedResourceError, TimeoutError_
 from wasinn.tensor import Tensor
 
-from .context import ExecutionContext, check_timeout, request_deadline, tensor_inputs
+from .context import (
+    ExecutionContext,
+    check_timeout,
+    naming_timeout,
+    request_deadline,
+    tensor_inputs,
+)
 from .model import Executable, Inputs
 from .placement import Scheduler
 
@@ -122,6 +128,8 @@ class Graph:
         try:
             return await executable.execute(kind, inputs, priority=priority, deadline=deadline,
                                             tenant=tenant, keep_on_device=keep_on_device)
+        except TimeoutError_ as exc:
+            raise naming_timeout(exc, timeout) from exc
         finally:
             executable.release()
 
@@ -150,6 +158,8 @@ class Graph:
         try:
             return await executable.lease(kind, inputs, priority=priority, deadline=deadline,
                                           tenant=tenant, keep_on_device=keep_on_device)
+        except TimeoutError_ as exc:
+            raise naming_timeout(exc, timeout) from exc
         finally:
             executable.release()
 

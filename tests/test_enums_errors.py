@@ -56,6 +56,7 @@ def test_bad_batching_bounds_are_invalid_arguments(args: tuple[object, ...],
     assert caught.value.message == message
     assert caught.value.code is ErrorCode.INVALID_ARGUMENT
     assert isinstance(caught.value, ValueError)  # what it raised before: still caught
+    assert type(caught.value) is wasinn.BatchingError  # a public type, not a private one
 
 
 class _BackendsOwnError(wasinn.BackendRuntimeError):

@@ -12,8 +12,8 @@ PUBLIC = {
     "Runtime", "Graph", "ExecutionContext", "Pipeline", "RuntimeConfig", "Batching",
     # the error tree
     "WasiNNError", "ErrorCode", "InvalidArgumentError", "InvalidEncodingError", "TimeoutError_",
-    "BackendRuntimeError", "UnsupportedOperationError", "TooLargeError", "NotFoundError",
-    "ClosedResourceError", "SecurityError", "UnknownError", "ConfigError",
+    "BackendRuntimeError", "BatchingError", "UnsupportedOperationError", "TooLargeError",
+    "NotFoundError", "ClosedResourceError", "SecurityError", "UnknownError", "ConfigError",
 }
 
 
