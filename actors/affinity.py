@@ -29,11 +29,12 @@ What pinning does, per job handed to a pinned pool's worker thread:
   process's mask, which is the main thread's, often the trio thread.
 
 Measured with ``benchmarks/scheduler_overhead.py`` on that VM: a tiny model's round trip
-through the worker thread 117-133 us over the direct call by default, 45-58 us pinned;
-MobileNetV2-like runs (3 ms) gain nothing measurable, as their wake-ups cross CPUs
-whichever way (the run moves the worker), and OpenVINO threads that a graph compiled
-with its pinning on (in another pool of the process) has pinned stay so and slowed the
-pinned pool's OpenVINO runs from 3.6 to 6.0 ms.
+through the worker thread 117-133 us over the direct call by default, 45-63 us pinned;
+MobileNetV2-like runs (3 ms) showed no gain in the benchmark's ratios (ONNX Runtime
++3.9-5.3 % pinned, +3.5-4.9 % not; timed phase by phase, the two hand-offs of such a
+run took 90 us pinned against 170 us not, but the run-to-run spread hides it). OpenVINO
+threads that a graph compiled with its pinning on (in another pool of the process) has
+pinned stay so, and slowed the pinned pool's OpenVINO runs from 3.6 to 6.0 ms.
 
 The price, and why it is off by default: a thread that the trio thread itself starts
 while a pinned job is out inherits its one-CPU mask for life (``trio.to_thread``'s
