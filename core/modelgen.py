@@ -138,15 +138,9 @@ def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -
 
     model = mobilenet_v2(width, seed)
     example = torch.zeros(IMAGE_SHAPE)
+    _export_onnx(model, files.onnx)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tmp = files.onnx.with_suffix(f".onnx.{os.getpid()}")
-        torch.onnx.export(
-            model, (example,), str(tmp), opset_version=17,
-            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, dynamo=False,
-        )
-        tmp.replace(files.onnx)
         with torch.no_grad():
             traced = torch.jit.trace(model, example)  # type: ignore[no-untyped-call]
         tmp = files.torchscript.with_suffix(f".pt.{os.getpid()}")
@@ -156,6 +150,24 @@ def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -
 
     ov.save_model(ov.convert_model(str(files.onnx)), str(files.ir_xml), compress_to_fp16=False)
     return files
+
+
+def _export_onnx(model: Any, path: Path) -> None:
+    """``model`` (the MobileNetV2-like network) exported to ONNX at ``path``, through a
+    temporary file: a reader never sees half a model."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tmp = path.with_suffix(f".onnx.{os.getpid()}")
+        torch.onnx.export(
+            model, (torch.zeros(IMAGE_SHAPE),), str(tmp), opset_version=17,
+            input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, dynamo=False,
+        )
+        tmp.replace(path)
 
 
 def sample_image(seed: int = 0, batch: int = 1) -> np.ndarray[Any, Any]:
@@ -170,9 +182,10 @@ _ONNX_TYPES = {
 }
 
 
-def _model_bytes(graph: Any, opset: int = 17) -> bytes:
+def onnx_model_bytes(graph: Any, opset: int = 17) -> bytes:
     """``graph`` (an onnx GraphProto) as a serialized model: IR version 8, which every
-    backend here reads, and the default domain at ``opset``."""
+    backend here reads, and the default domain at ``opset``. Also for tests that build
+    their own graphs."""
     from onnx import helper
 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
@@ -191,7 +204,7 @@ def identity_onnx(tensor_type: TensorType, shape: tuple[int | str, ...] = ("n", 
     x = helper.make_tensor_value_info("x", elem, list(shape))
     y = helper.make_tensor_value_info("y", elem, list(shape))
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
-    return _model_bytes(graph, opset)
+    return onnx_model_bytes(graph, opset)
 
 
 def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
@@ -206,7 +219,7 @@ def affine_onnx(scale: float = 2.0, bias: float = 1.0, size: int = 4,
     x = helper.make_tensor_value_info(in_name, TensorProto.FLOAT, ["n", size])
     y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", size])
     graph = helper.make_graph(nodes, "affine", [x], [y], initializer=[s, b])
-    return _model_bytes(graph)
+    return onnx_model_bytes(graph)
 
 
 def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> bytes:
@@ -218,23 +231,19 @@ def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> 
     y = helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["n", *IMAGE_SHAPE[1:]])
     graph = helper.make_graph([helper.make_node("Mul", [in_name, "k"], [out_name])],
                               "scale", [x], [y], initializer=[k])
-    return _model_bytes(graph)
+    return onnx_model_bytes(graph)
 
 
 def example_models(directory: Path | str, width: float = 1.0) -> list[Path]:
     """The model files the example configs name (``configs/pipeline.toml``:
     ``models/scale.onnx`` and ``models/mobilenet.onnx``), written into ``directory``
     (their ``models/`` folder); returns their paths."""
-    import shutil
-    import tempfile
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     scale = directory / "scale.onnx"
     scale.write_bytes(scale_onnx())
     mobilenet = directory / "mobilenet.onnx"
-    with tempfile.TemporaryDirectory(prefix="wasinn-modelgen-") as tmp:
-        shutil.copy(export_mobilenet(tmp, width).onnx, mobilenet)
+    _export_onnx(mobilenet_v2(width, 0), mobilenet)  # only the ONNX file is named
     return [scale, mobilenet]
 
 

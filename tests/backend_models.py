@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from wasinn import GraphEncoding, TensorType
-from wasinn.modelgen import affine_onnx, identity_onnx
+from wasinn.modelgen import affine_onnx, identity_onnx, onnx_model_bytes
 
 Model = tuple[list[bytes], GraphEncoding]
 
@@ -100,9 +100,7 @@ def two_outputs(backend: str) -> tuple[list[bytes], GraphEncoding, tuple[str, st
     outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 4]) for n in ("a", "b")]
     nodes = [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"])]
     graph = helper.make_graph(nodes, "pair", [x], outs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return [model.SerializeToString()], GraphEncoding.ONNX, ("a", "b")
+    return [onnx_model_bytes(graph)], GraphEncoding.ONNX, ("a", "b")
 
 
 def scalar_onnx(scale: float = 2.0, declared: bool = True) -> bytes:
@@ -116,9 +114,7 @@ def scalar_onnx(scale: float = 2.0, declared: bool = True) -> bytes:
     factor = helper.make_tensor("scale", TensorProto.FLOAT, [], [scale])
     graph = helper.make_graph([helper.make_node("Mul", ["x", "scale"], ["y"])], "scalar",
                               [x], [y], initializer=[factor])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return onnx_model_bytes(graph)
 
 
 def scalar(backend: str, scale: float = 2.0) -> tuple[list[bytes], GraphEncoding, str]:

@@ -24,7 +24,7 @@ from wasinn import (
     UnsupportedOperationError,
 )
 from wasinn.backends import Device, LoadOptions
-from wasinn.modelgen import affine_onnx, identity_onnx
+from wasinn.modelgen import affine_onnx, identity_onnx, onnx_model_bytes
 
 pytestmark = pytest.mark.usefixtures("_openvino")
 
@@ -528,9 +528,7 @@ def _external_onnx(location: str, size: int) -> bytes:
     y = helper.make_tensor_value_info("y", TensorProto.UINT8, [size])
     graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y],
                               initializer=[w])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return onnx_model_bytes(graph)
 
 
 def test_onnx_external_data_naming_a_host_file_is_a_security_error(
@@ -555,9 +553,7 @@ def _f64_add() -> bytes:
     y = helper.make_tensor_value_info("y", TensorProto.DOUBLE, [3])
     graph = helper.make_graph([helper.make_node("Add", ["x", "z"], ["y"])], "add64", [x], [y],
                               initializer=[zero])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return onnx_model_bytes(graph)
 
 
 def test_f64_beyond_the_f32_range_is_refused_and_f32_precision_is_announced(

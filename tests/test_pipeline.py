@@ -17,7 +17,7 @@ from tests.support import require_backend
 from wasinn import InvalidArgumentError
 from wasinn.backends import TensorSpec
 from wasinn.enums import TensorType
-from wasinn.modelgen import ModelFiles, affine_onnx, sample_image, scale_onnx
+from wasinn.modelgen import ModelFiles, affine_onnx, onnx_model_bytes, sample_image, scale_onnx
 
 
 def native_reference(image: np.ndarray, mobilenet: ModelFiles) -> np.ndarray:
@@ -196,9 +196,7 @@ def neg_onnx(rows: int) -> bytes:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 4])
     z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [rows, 4])
     graph = helper.make_graph([helper.make_node("Neg", ["y"], ["z"])], "neg", [y], [z])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return bytes(model.SerializeToString())
+    return onnx_model_bytes(graph)
 
 
 async def test_a_step_loaded_and_unloaded_meanwhile_does_not_break_the_pipeline_load(
