@@ -45,6 +45,15 @@ def worker_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("wasinn ")]
 
 
+async def refused_start(path: Path, error: type[Exception], match: str) -> None:
+    """Starting the runtime of the config at ``path`` raises ``error`` matching ``match``,
+    and closes the runtime again: no worker thread is left."""
+    with pytest.raises(error, match=match):
+        async with wasinn.Runtime.from_config(path):
+            pytest.fail("the runtime started although its preloading failed")
+    assert worker_threads() == []
+
+
 async def test_a_preloaded_model_is_compiled_before_start_returns(tmp_path: Path) -> None:
     path = write_config(tmp_path, '[models.affine]\nfiles = ["models/affine.onnx"]\n'
                                   'preload = true\n')
@@ -138,10 +147,7 @@ preload = true
 files = ["models/absent.onnx"]
 preload = true
 ''')
-    with pytest.raises(NotFoundError, match=r"preloading 'absent': .*absent\.onnx"):
-        async with wasinn.Runtime.from_config(path):
-            pytest.fail("the runtime started without its preloaded model")
-    assert worker_threads() == []  # the runtime was closed again
+    await refused_start(path, NotFoundError, r"preloading 'absent': .*absent\.onnx")
 
 
 def reshape_to_three_rows() -> bytes:
@@ -163,13 +169,10 @@ async def test_a_failing_warm_up_fails_the_start_with_the_backend_message(
     path = tmp_path / "wasinn.toml"
     model = '[models.three]\nfiles = ["three.onnx"]\nwarmup = 1\n'
     path.write_text(model)
-    with pytest.raises(BackendRuntimeError,
-                       match=r"preloading 'three': cpu: the warm-up run on zero-filled inputs "
-                             r"\(x: f32\[1, 4\]; dynamic dimensions as 1 unless warmup_inputs "
-                             r"gives them\) failed: .*[Rr]eshape"):
-        async with wasinn.Runtime.from_config(path):
-            pytest.fail("the runtime started although the warm-up failed")
-    assert worker_threads() == []
+    await refused_start(path, BackendRuntimeError,
+                        r"preloading 'three': cpu: the warm-up run on zero-filled inputs "
+                        r"\(x: f32\[1, 4\]; dynamic dimensions as 1 unless warmup_inputs "
+                        r"gives them\) failed: .*[Rr]eshape")
     # The shape the model needs, given in the config:
     path.write_text(model + "warmup_inputs = { x = [3, 4] }\n")
     async with wasinn.Runtime.from_config(path) as rt:
@@ -181,13 +184,10 @@ async def test_a_warm_up_shape_too_large_to_allocate_fails_the_start_naming_it(
         tmp_path: Path, rows: int) -> None:
     path = write_config(tmp_path, '[models.a]\nfiles = ["models/affine.onnx"]\nwarmup = 1\n'
                                   f"warmup_inputs = {{ x = [{rows}, 4] }}\n")
-    with pytest.raises(TooLargeError,
-                       match=rf"preloading 'a': input 'x': a zero-filled f32 value of shape "
-                             rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
-                             rf"allocated here \(.*\): expected a smaller shape"):
-        async with wasinn.Runtime.from_config(path):
-            pytest.fail("the runtime started although the warm-up input cannot exist")
-    assert worker_threads() == []
+    await refused_start(path, TooLargeError,
+                        rf"preloading 'a': input 'x': a zero-filled f32 value of shape "
+                        rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
+                        rf"allocated here \(.*\): expected a smaller shape")
 
 
 async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
@@ -197,15 +197,11 @@ async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
     path = tmp_path / "wasinn.toml"
     model = '[models.net]\nfiles = ["net.pt"]\nencoding = "pytorch"\nwarmup = 1\n'
     path.write_text(model)  # TorchScript declares no input shapes
-    with pytest.raises(InvalidArgumentError,
-                       match=r"preloading 'net': input 'x' declares no shape, .*warmup_inputs"):
-        async with wasinn.Runtime.from_config(path):
-            pytest.fail("the runtime started although the warm-up had no shape")
+    await refused_start(path, InvalidArgumentError,
+                        r"preloading 'net': input 'x' declares no shape, .*warmup_inputs")
     path.write_text(model + "warmup_inputs = { image = [1, 3, 224, 224] }\n")
-    with pytest.raises(InvalidArgumentError, match=r"preloading 'net': warmup_inputs names "
-                                                   r"'image', which is not an input: .*'x'"):
-        async with wasinn.Runtime.from_config(path):
-            pytest.fail("the runtime started with a warm-up input the model lacks")
+    await refused_start(path, InvalidArgumentError, r"preloading 'net': warmup_inputs names "
+                                                    r"'image', which is not an input: .*'x'")
     path.write_text(model + "warmup_inputs = { x = [2, 3, 224, 224] }\n")
     async with wasinn.Runtime.from_config(path) as rt:
         (actor,) = rt.actors
