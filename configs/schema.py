@@ -60,7 +60,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    StrictInt,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -147,11 +146,9 @@ FileName = Annotated[str, AfterValidator(_file)]
 Name = Annotated[str, AfterValidator(_name)]
 
 
-#: A count or a size: an integer, never a boolean (TOML's ``true`` is not 1 here).
-Count = StrictInt
-
-
 class _Strict(BaseModel):
+    # strict: numbers and booleans are never read from strings, and an int field takes
+    # neither a float nor a boolean (TOML's ``true`` is not 1 here).
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
@@ -172,9 +169,9 @@ class PoolConfig(_Strict):
     devices: Literal["auto"] | list[DeviceName] = "auto"
     #: Worker threads per device (requests running at once on one device). Backends
     #: already use every core for one inference, so 1 is the default.
-    workers: Count = Field(default=1, ge=1, le=256)
+    workers: int = Field(default=1, ge=1, le=256)
     #: Requests allowed to wait per device before callers get too-large.
-    queue_limit: Count = Field(default=1024, ge=1)
+    queue_limit: int = Field(default=1024, ge=1)
     #: Backend preference order on this pool (empty = [runtime] backends).
     backends: list[str] = Field(default_factory=list)
     #: Which waiting request runs next: "priority" (priority, then deadline, then
@@ -249,7 +246,7 @@ class BatchingConfig(_Strict):
     (see :mod:`wasinn.actors.batching`)."""
 
     #: The most rows one merged run takes.
-    max_batch: Count = Field(ge=2, le=65_536)
+    max_batch: int = Field(ge=2, le=65_536)
     #: How long a batch holding a slot waits for more requests before it runs (0: never
     #: waits; only requests that queued while the device was busy are merged).
     max_delay_ms: float = Field(default=0.0, ge=0, le=10_000)
@@ -268,10 +265,10 @@ class _Startup(_Strict):
     #: Runs on zero-filled inputs (dynamic dimensions as 1) on each of those devices at
     #: start, so the first request finds the backend's first-run work done. Implies
     #: ``preload``.
-    warmup: Count = Field(default=0, ge=0, le=100)
+    warmup: int = Field(default=0, ge=0, le=100)
     #: Shapes of the warm-up inputs by input name: needed for inputs whose shape the
     #: model does not declare (TorchScript declares none), or to warm up a given size.
-    warmup_inputs: dict[str, list[Annotated[Count, Field(ge=1)]]] = Field(default_factory=dict)
+    warmup_inputs: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
     #: Dynamic batching (None: every request runs on its own).
     batching: BatchingConfig | None = None
 
@@ -302,7 +299,7 @@ class ModelConfig(_Startup):
     backend: str | None = None
     #: One of PRECISIONS (OpenVINO's inference precision; the others ignore it).
     precision: PrecisionName = "f32"
-    threads: Count = Field(default=0, ge=0)
+    threads: int = Field(default=0, ge=0)
     #: Backend-specific options, passed through as LoadOptions.extra (see the module).
     options: dict[str, Any] = Field(default_factory=dict)
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
@@ -367,17 +364,17 @@ class GuestsConfig(_Strict):
     ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
     """
 
-    max_graphs: Count = Field(default=64, ge=1)
-    max_contexts: Count = Field(default=1024, ge=1)
-    max_model_bytes: Count = Field(default=2 * 1024**3, ge=1)
-    max_tensor_bytes: Count = Field(default=1024**3, ge=1)
+    max_graphs: int = Field(default=64, ge=1)
+    max_contexts: int = Field(default=1024, ge=1)
+    max_model_bytes: int = Field(default=2 * 1024**3, ge=1)
+    max_tensor_bytes: int = Field(default=1024**3, ge=1)
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
-    max_scratch_bytes: Count = Field(default=2 * 1024**3, ge=0)
-    max_scratch_files: Count = Field(default=10_000, ge=1)
-    max_tensors: Count = Field(default=4096, ge=1)
-    max_errors: Count = Field(default=1024, ge=1)
-    max_live_tensor_bytes: Count = Field(default=4 * 1024**3, ge=1)
+    max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
+    max_scratch_files: int = Field(default=10_000, ge=1)
+    max_tensors: int = Field(default=4096, ge=1)
+    max_errors: int = Field(default=1024, ge=1)
+    max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
 
 
 def _default_pools() -> dict[str, PoolConfig]:
