@@ -194,8 +194,7 @@ class Scheduler:
                 raise ClosedResourceError(f"{model.name} was unloaded") from None
             raise
         if model.released:
-            # Unloaded while we compiled: do not leave the graph cached on the device.
-            actor.evict(model.id)
+            # Unloaded once it was cached: release() has evicted it from every device.
             raise ClosedResourceError(f"{model.name} was unloaded")
         return session
 
@@ -214,7 +213,10 @@ class Scheduler:
         return functools.partial(_run_chain, sessions, links, inputs, False)
 
     def release(self, model: LoadedModel) -> None:
-        """Free ``model``'s compiled graphs on every device (now or after running jobs)."""
+        """Free ``model``'s compiled graphs on every device (now or after running jobs).
+        Marks it released first: a compile of it still under way is then closed when it
+        ends instead of being cached (see DeviceActor.session's ``wanted``)."""
+        model.released = True
         for actor in self.actors:
             actor.evict(model.id)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -109,20 +109,16 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
 
 
 def _check_backend_options(options: LoadOptions, backend: str | None,
-                           extra: Iterable[str]) -> None:
+                           known: Callable[[], list[str]]) -> None:
     """InvalidArgumentError for a backend option that the named backend (or, with none
-    named, every backend here) does not read: the rules a config's model options follow
-    (a misspelt key would otherwise be ignored without a word)."""
+    named, every backend here: ``known()``) does not read: the rules a config's model
+    options follow (a misspelt key would otherwise be ignored without a word)."""
     from wasinn.configs import option_problem, read_by_no_backend
-    from wasinn.configs.loader import known_backends
 
-    if not options.extra:
-        return
-    known = known_backends(extra) if backend is None else []
     for key, value in options.extra.items():
         problem = option_problem(backend, key, value)
         if problem is None and backend is None:
-            problem = read_by_no_backend(key, known)
+            problem = read_by_no_backend(key, known())
         if problem is not None:
             raise InvalidArgumentError(f"options {key!r}: {problem}")
 
@@ -350,6 +346,13 @@ class Runtime:
     def config(self) -> RuntimeConfig:
         return self._config
 
+    @functools.cached_property
+    def _backend_names(self) -> list[str]:
+        # Every backend name known here: an entry-point scan (ms), so once per runtime.
+        from wasinn.configs.loader import known_backends
+
+        return known_backends(b.name for b in self._extra)
+
     @property
     def _sched(self) -> Scheduler:
         if self._closed:
@@ -430,7 +433,7 @@ class Runtime:
                 f"name {name!r:.60} ({type(name).__name__}): expected a str naming the model "
                 "in stats, logs and errors")
         load_options = _load_options(options)
-        _check_backend_options(load_options, backend, [b.name for b in self._extra])
+        _check_backend_options(load_options, backend, lambda: self._backend_names)
         model, kind = await self._load_model(
             owned, GraphEncoding.coerce(encoding), target, backend=backend,
             options=load_options, name=name, batching=batching,
@@ -471,10 +474,8 @@ class Runtime:
             if batching is not None:
                 check_batchable(model.name, model.inputs, model.outputs)
         except BaseException:
-            # Nobody holds it: leave nothing compiled. Marked released first, so that a
-            # compile still under way (this load was cancelled) is closed when it ends
-            # instead of being cached for a model nobody can unload.
-            model.released = True
+            # Nobody holds it: leave nothing compiled, and no compile still under way
+            # (this load was cancelled) cached for a model nobody can unload.
             scheduler.release(model)
             raise
         return model, kind
