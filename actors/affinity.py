@@ -78,10 +78,12 @@ class LoopPin:
     """The trio thread's side: pinned while at least one pinned job is out, unless a job
     that must not see it pinned is out.
 
-    Those are the jobs that compile (or warm up) a graph: some libraries read the
-    process's mask (the main thread's, which is often the trio thread) when they size
-    and pin their own thread pools. OpenVINO does: a graph compiled while the trio
-    thread was held to one CPU ran on one core, 1.7x slower (measured on 2 vCPUs).
+    Those are the jobs that compile (or warm up) a graph, where backends create their
+    thread pools: a library that sizes or pins them from the process's mask (the main
+    thread's, which is often the trio thread) must not see it held to one CPU. OpenVINO
+    pins its threads from it at a graph's first run, too: with the loop held then, its
+    runs went to one core, 1.7x slower (measured on 2 vCPUs), which is why graphs
+    compiled on a pinned pool have its CPU pinning off (``LoadOptions.thread_pinning``).
 
     Used from the trio thread only (no lock). Get the run's one with :func:`loop_pin`.
     """

@@ -103,11 +103,11 @@ def _compile(wasm: bytes, program: str) -> wasmtime.Module:
     try:
         return compile_module(wasm)
     except wasmtime.WasmtimeError as exc:
-        try:
-            is_text = not wasm.startswith(b"\0asm") and bool(wasm.decode())
+        try:  # a binary, or text: wasmtime's own message says what is wrong in it
+            readable = wasm.startswith(b"\0asm") or bool(wasm.decode())
         except UnicodeDecodeError:
-            is_text = False
-        if is_text or wasm.startswith(b"\0asm"):
+            readable = False
+        if readable:
             reason = f"{exc}"
         else:  # neither a binary nor text: something else altogether
             reason = (f"expected a .wasm binary (starting with \\0asm; this starts with "
