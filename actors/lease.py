@@ -71,7 +71,7 @@ class Lease(Generic[T]):
     """
 
     __slots__ = ("_done", "_interrupted", "_later", "_lock", "_over", "_release", "_then",
-                 "_wrap", "cancellation", "device", "expires", "job")
+                 "_wrap", "cancellation", "device", "expires", "job", "timeout")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
@@ -85,6 +85,9 @@ class Lease(Generic[T]):
         #: holds, though the lease itself may be kept a while (a deadline watcher).
         self.job: Callable[[], T] | None = job
         self.expires = expires
+        #: The timeout (seconds) the request was given, if its holder sets it: named in
+        #: the TimeoutError_ that :meth:`run` raises, so the caller knows which one passed.
+        self.timeout: float | None = None
         self._wrap = wrap
         self._release = release
         self._lock = threading.Lock()
@@ -152,18 +155,21 @@ class Lease(Generic[T]):
         finally:
             self._give_back(outcome)
         if outcome is Outcome.TIMED_OUT:
-            raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
+            raise self._timed_out("before it finished")
         return result
 
     def _stopped(self, when: str) -> WasiNNError:
         # Why a cancelled lease did not give a result: its deadline, an interrupt, or
         # its device closing.
         if self._interrupted == "deadline":
-            return TimeoutError_(f"{self.device}: the request's deadline passed {when}; "
-                                 "the run was stopped")
+            return self._timed_out(f"{when}; the run was stopped")
         if self._interrupted:
             return BackendRuntimeError(f"{self.device}: the request was interrupted {when}")
         return ClosedResourceError(f"{self.device}: the device closed {when}")
+
+    def _timed_out(self, when: str) -> TimeoutError_:
+        timeout = "" if self.timeout is None else f" (timeout={self.timeout:g} s)"
+        return TimeoutError_(f"{self.device}: the request's deadline passed {when}{timeout}")
 
     def _stopped_outcome(self) -> Outcome:
         # How a cancelled lease is counted: its deadline passed, its caller gave up

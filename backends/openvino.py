@@ -25,9 +25,11 @@ data) forgets it: that request fails as any failed run does, and later runs on t
 dimensions use the request's own outputs until one shows a shape again.
 
 Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` registers its
-infer request's ``cancel``; OpenVINO stops at the next node boundary (a Loop/TensorIterator
-node's own iterations are not interrupted) and the run raises BackendRuntimeError. A
-request that may have been cancelled is retired, never pooled again.
+infer request's ``cancel`` (repeated until the run returns: OpenVINO ignores a cancel that
+comes just before a run starts, see :class:`_Canceller`); OpenVINO stops at the next node
+boundary (a Loop/TensorIterator node's own iterations are not interrupted) and the run
+raises BackendRuntimeError. A request that may have been cancelled is retired, never
+pooled again.
 
 Element types: all seven wasi-nn types load, but the CPU and GPU plugins compute i64 as
 i32. Rather than truncate silently, a run refuses i64 input values outside the i32 range
@@ -51,6 +53,7 @@ import functools
 import queue
 import re
 import threading
+import time
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -278,8 +281,6 @@ class OvGraph(CheckedGraph):
         cancellation = current_cancellation()
         if cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(f"{NAME}: run cancelled before it started")
-        forget = None
-        reusable = True
         bound: dict[int, Any] | None = None
         # Where kept outputs may go to device memory: the key their learned shapes go by.
         dims: _Dims | None = None
@@ -294,15 +295,7 @@ class OvGraph(CheckedGraph):
                     self._set_remote_input(request, i, value)
             if dims is not None:
                 bound = self._bind_device_outputs(request, dims, picked)
-            if cancellation is not None:
-                forget = cancellation.on_cancel(request.cancel)
-            try:
-                _infer(request, cancellation)
-            finally:
-                if forget is not None and cancellation is not None:
-                    forget()
-                    # Cancelled, or cancel() may still be running on it: never reuse it.
-                    reusable = not cancellation.cancelled
+            reusable = _infer(request, cancellation)
             if bound:
                 values = [bound[i] if i in bound else request.get_output_tensor(i)
                           for i in picked]
@@ -455,19 +448,66 @@ class OpenVinoBackend(Backend):
         return graph
 
 
-def _infer(request: Any, cancellation: Cancellation | None) -> None:
-    """Run ``request`` to its end, or until ``cancellation`` (hooked to its cancel()).
+def _infer(request: Any, cancellation: Cancellation | None) -> bool:
+    """Run ``request`` to its end, or until ``cancellation`` (hooked to a
+    :class:`_Canceller` of the request). Returns whether the request may be pooled again:
+    not if it was cancelled (a cancel() may still be running on it)."""
+    if cancellation is None:
+        request.infer()
+        return True
+    canceller = _Canceller(request)
+    forget = cancellation.on_cancel(canceller)
+    try:
+        if cancellation.cancelled:  # before the hook was set: it ran at once, for nothing
+            raise RuntimeError("cancelled as the run was about to begin")
+        request.infer()
+    finally:
+        canceller.over = True
+        forget()
+    return not cancellation.cancelled
 
-    OpenVINO ignores cancel() on a request that is not running: a cancel that came after
-    the run's first check but before the run began (while the hook was being set, say)
-    would be lost, and a Loop would run to its end. So the cancellation is looked at once
-    more right before the run. Left open: the microseconds between that look and the run
-    starting inside OpenVINO. Closing them (start_async, look, wait) hands every run to
-    OpenVINO's own executor thread: measured +100-150 us a run through a worker thread on
-    this 2-vCPU VM (MobileNetV2: +3.6-5.6 % became +8.7-11 %), so it is not done."""
-    if cancellation is not None and cancellation.cancelled:
-        raise RuntimeError("cancelled as the run was about to begin")
-    request.infer()
+
+class _Canceller:
+    """Cancels one run's infer request, and goes on cancelling it until the run is over.
+
+    OpenVINO ignores cancel() on a request that is not running yet: a cancel that came
+    after the run's last look at its cancellation (:func:`_infer`) but before OpenVINO
+    marked the request busy would be lost, and the run would go to its end. Looking again
+    after starting needs ``start_async``, which hands every run to OpenVINO's executor
+    thread: measured +100-150 us a run through a worker thread on a 2-vCPU VM
+    (MobileNetV2: +3.6-5.6 % became +8.7-11 %). Instead, a cancelled run that is not over
+    yet gets a thread that cancels the request again, 0.5 ms later and then at growing
+    intervals (up to 50 ms), until the run returns: the first repeat after the request
+    turned busy stops it. Costs nothing on runs that are not cancelled."""
+
+    __slots__ = ("over", "request")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        #: Set by the running thread once ``infer()`` has returned (or raised).
+        self.over = False
+
+    def __call__(self) -> None:
+        self.request.cancel()
+        if not self.over:
+            threading.Thread(target=self._repeat, name="wasinn openvino cancel",
+                             daemon=True).start()
+
+    def _repeat(self) -> None:
+        delay = _CANCEL_REPEAT_S
+        while not self.over:
+            time.sleep(delay)
+            if self.over:
+                return
+            try:
+                self.request.cancel()
+            except Exception:  # nothing left to cancel
+                return
+            delay = min(delay * 2, _CANCEL_REPEAT_MAX_S)
+
+
+#: How soon a cancelled run's request is cancelled again, and the longest interval.
+_CANCEL_REPEAT_S, _CANCEL_REPEAT_MAX_S = 0.0005, 0.05
 
 
 def _warn_f64(graph: OvGraph) -> None:

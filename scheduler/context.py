@@ -467,7 +467,7 @@ class ContextRun:
     or :meth:`cancel`: one dropped unended gives its slot back only when collected, with
     a ResourceWarning."""
 
-    __slots__ = ("_bound", "_ctx", "_lease", "_timeout")
+    __slots__ = ("_bound", "_ctx", "_lease")
 
     def __init__(self, ctx: ExecutionContext, lease: Lease[dict[str, Tensor]],
                  bound: dict[str, OutputBuffer] | None, timeout: float | None = None
@@ -475,7 +475,7 @@ class ContextRun:
         self._ctx = ctx
         self._lease = lease
         self._bound = bound
-        self._timeout = timeout  # the request's, named when it passes
+        lease.timeout = timeout  # the request's, named when it passes
 
     def run(self) -> dict[str, Tensor]:
         """Run the model in this thread (never the trio thread: it would block the loop),
@@ -490,10 +490,7 @@ class ContextRun:
             raise ClosedResourceError(
                 f"the execution context of {ctx._executable.name} is closed: the request "
                 "was not run")
-        try:
-            outputs = self._lease.run()
-        except TimeoutError_ as exc:
-            raise naming_timeout(exc, self._timeout) from exc
+        outputs = self._lease.run()
         ctx._record(outputs, self._bound)
         return outputs
 

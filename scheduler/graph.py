@@ -156,12 +156,14 @@ class Graph:
         executable = self._executable
         executable.retain()  # until the lease holds its compiled graphs (see placement)
         try:
-            return await executable.lease(kind, inputs, priority=priority, deadline=deadline,
-                                          tenant=tenant, keep_on_device=keep_on_device)
+            lease = await executable.lease(kind, inputs, priority=priority, deadline=deadline,
+                                           tenant=tenant, keep_on_device=keep_on_device)
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
         finally:
             executable.release()
+        lease.timeout = timeout  # named if it passes during the run
+        return lease
 
     def try_lease(self, inputs: Inputs, *, timeout: float | None = None,
                   keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]] | None:
@@ -172,8 +174,11 @@ class Graph:
         self._check_loaded()
         if timeout is not None:
             timeout = check_timeout(timeout)
-        return self._executable.try_lease(self.default_target, tensor_inputs(inputs),
-                                          timeout=timeout, keep_on_device=keep_on_device)
+        lease = self._executable.try_lease(self.default_target, tensor_inputs(inputs),
+                                           timeout=timeout, keep_on_device=keep_on_device)
+        if lease is not None:
+            lease.timeout = timeout  # named if it passes during the run
+        return lease
 
     async def unload(self) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed.

@@ -372,12 +372,12 @@ def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
     import threading
     import time
 
-    from tests.test_cancel_runs import OV_SIZE, OV_STEPS, matmul_chain_onnx
+    from tests.test_cancel_runs import OV_ROWS, OV_SIZE, OV_STEPS, matmul_chain_onnx
     from wasinn import BackendRuntimeError
     from wasinn.backends.base import Cancellation, running_under
 
     graph = backend.load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], GraphEncoding.ONNX, CPU)
-    big = {"x": Tensor.from_numpy(np.ones((OV_SIZE, OV_SIZE), np.float32))}
+    big = {"x": Tensor.from_numpy(np.ones((OV_ROWS, OV_SIZE), np.float32))}
     cancellation = armed_cancellation()
     errors: list[BaseException] = []
 
@@ -392,9 +392,9 @@ def test_a_cancelled_run_stops_with_a_runtime_error(backend: Any) -> None:
     thread.start()
     # The run registered InferRequest.cancel: its infer (tens of seconds of work) starts.
     assert cancellation.armed.wait(30), "the run never reached its infer request"
-    # ...and is under way once OpenVINO's threads compute (nothing else here does): a
-    # cancel before the request is busy would be lost (InferRequest.cancel ignores an
-    # idle request).
+    # ...and is under way once OpenVINO's threads compute (nothing else here does), so
+    # that this test sees the first cancel() stop it (InferRequest.cancel ignores an idle
+    # request: one that early is caught by the repeats, see the next test module).
     armed_at = time.process_time()
     while time.process_time() - armed_at < 0.2 and thread.is_alive():
         time.sleep(0.01)

@@ -20,6 +20,7 @@ import io
 import logging
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,9 @@ def matmul_chain_onnx(steps: int, size: int) -> bytes:
     return bytes(model.SerializeToString())
 
 
-#: With ``OV_SIZE`` rows, ~6 ms a step here: ~25 s for the whole chain.
-OV_STEPS, OV_SIZE = 4000, 1024
+#: With ``OV_ROWS`` rows, ~55 ms a step here: ~11 s for the whole chain (and 0.1 s to
+#: compile: thousands of steps took seconds).
+OV_STEPS, OV_SIZE, OV_ROWS = 200, 1024, 8192
 
 
 # -- PyTorch (torch.export) ---------------------------------------------------------------
@@ -330,7 +332,7 @@ async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
     require_backend(library)
     runs = recorded_runs(monkeypatch)
     if backend == "openvino":
-        model, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_SIZE
+        model, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_ROWS
     else:
         model, encoding = matmul_chain_torch(TORCH_STEPS, TORCH_SIZE), "pytorch"
         size, rows = TORCH_SIZE, TORCH_ROWS
@@ -348,6 +350,62 @@ async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
     # The abandoned run ended because it was cancelled, not because its chain ran out.
     (abandoned,) = cancelled_runs(runs)
     assert runs[-2:] == [abandoned, None]
+
+
+class CancelledAsItStarts:
+    """An OpenVINO infer request whose run is cancelled at the last moment before it
+    starts: after the backend's last look at its cancellation, before OpenVINO marks the
+    request busy. OpenVINO ignores that cancel() (the request is idle)."""
+
+    def __init__(self, request: Any, cancellation: Any) -> None:
+        self._request = request
+        self._cancellation = cancellation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    def infer(self) -> None:
+        self._cancellation.cancel()  # the hook's cancel() finds the request idle
+        self._request.infer()
+
+
+def test_an_openvino_run_cancelled_just_before_it_starts_is_still_stopped() -> None:
+    # Without the repeated cancel, the chain would run to its end (~11 s here).
+    require_backend("openvino")
+    from wasinn.backends.base import Cancellation, running_under
+    from wasinn.backends.openvino import OpenVinoBackend
+
+    graph = OpenVinoBackend().load([matmul_chain_onnx(OV_STEPS, OV_SIZE)], GraphEncoding.ONNX,
+                                   Device(ExecutionTarget.CPU))
+    cancellation = Cancellation()
+    make_request = graph._request
+    graph._request = lambda: CancelledAsItStarts(make_request(), cancellation)  # type: ignore[method-assign]
+    outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
+
+    def run() -> None:
+        with running_under(cancellation):
+            try:
+                outcome.append(graph.run({"x": np.ones((OV_ROWS, OV_SIZE), np.float32)}))
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(GUARD_S)
+    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
+    (error,) = outcome  # a finished run would have returned its outputs instead
+    assert isinstance(error, BackendRuntimeError) and "run cancelled" in str(error), error
+    # The thread that repeated the cancel stops once the run is over.
+    deadline = time.monotonic() + GUARD_S
+    while any(t.name == "wasinn openvino cancel" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the repeated cancel outlived its run"
+        time.sleep(0.01)
+    # The graph serves the next run (the cancelled request is not pooled again).
+    del graph._request
+    with running_under(Cancellation()):
+        (out,) = graph.run({"x": np.full((1, OV_SIZE), 2.0, np.float32)}).values()
+    assert out.numpy().tolist() == [[2.0] * OV_SIZE]
+    graph.close()
 
 
 # -- a run nothing can interrupt ----------------------------------------------------------
