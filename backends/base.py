@@ -105,13 +105,20 @@ class TensorSpec:
         return f"{self.name}: {self.type.value}[{dims}]"
 
 
+#: The most intra-op threads a model may ask for (``LoadOptions.threads``, a config's
+#: ``threads``): a count beyond any machine's cores is a mistake, and the libraries would
+#: try to start that many threads.
+MAX_THREADS = 1024
+
+
 @dataclass
 class LoadOptions:
     """Options a backend may honour when compiling; unknown keys are ignored.
 
     ``precision`` is the inference precision (``"f32"`` by default so that outputs
     agree across CPUs; OpenVINO otherwise picks bf16 on CPUs with AMX);
-    ``threads`` the intra-op thread count (0 = the library's default);
+    ``threads`` the intra-op thread count (0 = the library's default; at most
+    :data:`MAX_THREADS`);
     ``extra`` backend-specific settings passed through as given;
     ``source`` the path of the model's (first) file where it was read from the host's
     files by the host's own choice (a model registry entry), else ``""`` (bytes from a

@@ -54,7 +54,10 @@ def _user_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
 def _key_path(loc: tuple[int | str, ...], key: str = "") -> str:
     out = ""
     for part in _user_loc(loc):
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if part == "[key]":  # pydantic's mark for a table's name itself: the path says it
+            continue
+        name = f"[{part}]" if isinstance(part, int) else key_name(part)
+        out += name if isinstance(part, int) or not out else f".{name}"
     if key:
         out += key if key.startswith("[") or not out else f".{key}"
     return out or "(top level)"
@@ -170,7 +173,9 @@ def check_backends(config: RuntimeConfig, label: str, extra: Iterable[str] = ())
               for name, model in config.models.items() if model.backend is not None]
     open_options = [(name, model.options) for name, model in config.models.items()
                     if model.backend is None and model.options]
-    if not named and not open_options:
+    encoded = [(name, model) for name, model in config.models.items()
+               if model.encoding != "autodetect"]
+    if not named and not open_options and not encoded:
         return
     known = known_backends(extra)
     for key, backend in named:
@@ -183,6 +188,29 @@ def check_backends(config: RuntimeConfig, label: str, extra: Iterable[str] = ())
             if problem is not None:
                 raise ConfigError(
                     f"{label}: models.{key_name(name)}.options.{key_name(option)}: {problem}")
+    for name, model in encoded:
+        problem = _encoding_problem(model.encoding, model.backend, known)
+        if problem is not None:
+            raise ConfigError(f"{label}: models.{key_name(name)}.encoding: {problem}")
+
+
+def _encoding_problem(encoding: str, backend: str | None, known: list[str]) -> str | None:
+    """Why no backend could read a model of ``encoding`` (``backend``: the one the model
+    names, else any of ``known``); None where one may (a backend of another package may
+    read anything)."""
+    from wasinn.backends.registry import BUILTIN
+
+    reads = {spec.name: {e.value for e in spec.encodings or ()} for spec in BUILTIN}
+    if backend is not None:
+        if backend not in reads or encoding in reads[backend]:
+            return None
+        return (f"backend {backend!r} does not read {encoding!r} models: expected "
+                f"{' or '.join(sorted(reads[backend]))}")
+    if any(name not in reads or encoding in reads[name] for name in known):
+        return None
+    every = sorted(set().union(*reads.values()))
+    return (f"no backend here reads {encoding!r} models: expected one of "
+            f"{', '.join(every)} (or autodetect)")
 
 
 def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None = None,

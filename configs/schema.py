@@ -68,11 +68,11 @@ from pydantic_core import PydanticCustomError
 
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import Batching
-from wasinn.backends.base import Device
+from wasinn.backends.base import MAX_THREADS, Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
-from . import check_precision, name_problem, option_problem
+from . import BACKEND_OPTIONS, check_precision, name_problem, option_problem
 
 #: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
 FAULT = "wasinn_config"
@@ -286,6 +286,19 @@ class _Startup(_Strict):
         return self.at_start
 
 
+#: The files a model of each encoding is made of, for wasinn's own backends (another
+#: package's backend, named in ``backend``, may read other layouts; ggml and autodetect
+#: are not checked).
+MODEL_FILES: dict[str, tuple[tuple[int, ...], str]] = {
+    "onnx": ((1,), "one .onnx file"),
+    "openvino": ((2,), "two: the IR's .xml, then its .bin weights"),
+    "pytorch": ((1,), "one TorchScript or .pt2 archive"),
+    "tensorflowlite": ((1,), "one .tflite flatbuffer"),
+    "tensorflow": ((1, 3), "one frozen GraphDef or saved_model.pb, or three: saved_model.pb, "
+                           "variables.index, variables.data"),
+}
+
+
 class ModelConfig(_Startup):
     """``[models.NAME]``: a model ``load_by_name`` can load."""
 
@@ -299,7 +312,8 @@ class ModelConfig(_Startup):
     backend: str | None = None
     #: One of PRECISIONS (OpenVINO's inference precision; the others ignore it).
     precision: PrecisionName = "f32"
-    threads: int = Field(default=0, ge=0)
+    #: Intra-op threads (0 = the backend's default).
+    threads: int = Field(default=0, ge=0, le=MAX_THREADS)
     #: Backend-specific options, passed through as LoadOptions.extra (see the module).
     options: dict[str, Any] = Field(default_factory=dict)
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
@@ -308,6 +322,17 @@ class ModelConfig(_Startup):
     @property
     def kept(self) -> bool:
         return self.resident or self.at_start
+
+    @model_validator(mode="after")
+    def _files_fit_encoding(self) -> ModelConfig:
+        layout = MODEL_FILES.get(self.encoding)
+        if layout is None or (self.backend is not None and self.backend not in BACKEND_OPTIONS):
+            return self
+        counts, what = layout
+        if len(self.files) not in counts:
+            given = "one file" if len(self.files) == 1 else f"{len(self.files)} files"
+            raise fault("files", f"{given} for encoding {self.encoding!r}: expected {what}")
+        return self
 
     @model_validator(mode="after")
     def _known_options(self) -> ModelConfig:
@@ -408,6 +433,10 @@ class RuntimeConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> RuntimeConfig:
+        if not self.pools:
+            raise fault("pools", "no pool: a runtime with no device could run nothing; "
+                                 "expected at least one [pools.NAME] table (or no pools "
+                                 "key at all, for the default CPU pool)")
         kinds: dict[str, str] = {}
         # Cross-table checks: each error names the key path it is about (fault).
         for name, pool in self.pools.items():

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wasinn.errors import WasiNNError
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import InvalidArgumentError, WasiNNError
 
 if TYPE_CHECKING:
     from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
@@ -127,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="fill the inputs not given with zeros of the model's shapes")
     infer.add_argument("--shape", action="append", default=[], metavar="NAME=D,D,...",
                        help="the shape of a zero-filled input (where the model has none)")
-    infer.add_argument("--target", help="cpu, gpu or tpu (default: the entry's target)")
+    infer.add_argument("--target", type=_target,
+                       help="cpu, gpu or tpu (default: the entry's target)")
     infer.add_argument("--requests", type=int, default=1, metavar="N",
                        help="requests to send (default 1)")
     infer.add_argument("--concurrency", type=int, default=1, metavar="C",
@@ -147,6 +149,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", metavar="DIR",
                       help="where the model and input go (default: wasinn's cache)")
     return parser
+
+
+def _target(text: str) -> str:
+    # --target: an execution target's name, checked before anything starts.
+    try:
+        return ExecutionTarget.coerce(text).value
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def _width(text: str) -> float:

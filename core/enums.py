@@ -9,6 +9,7 @@ with that ABI's bindings (WITX and WIT number encodings differently).
 from __future__ import annotations
 
 import enum
+import re
 from typing import Self
 
 from wasinn.errors import InvalidArgumentError
@@ -30,9 +31,8 @@ class _NamedEnum(enum.Enum):
                 if member.value == key or member.name.lower() == key:
                     return member
         expected = ", ".join(m.value for m in cls)
-        raise InvalidArgumentError(
-            f"unknown {cls.__name__} {value!r}: expected one of {expected}"
-        )
+        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # "graph encoding"
+        raise InvalidArgumentError(f"unknown {what} {value!r}: expected one of {expected}")
 
 
 class GraphEncoding(_NamedEnum):

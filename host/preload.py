@@ -46,8 +46,12 @@ def parse_nn_preload(spec: str) -> Preload:
     problem = name_problem(name)
     if problem is not None:
         raise InvalidArgumentError(f"--nn-preload {spec!r}: {problem}")
-    tgt = None if target.strip().lower() == "auto" else ExecutionTarget.coerce(target)
-    return Preload(name, GraphEncoding.coerce(encoding), tgt, tuple(Path(p) for p in paths))
+    try:
+        tgt = None if target.strip().lower() == "auto" else ExecutionTarget.coerce(target)
+        enc = GraphEncoding.coerce(encoding)
+    except InvalidArgumentError as exc:
+        raise exc.prefixed(f"--nn-preload {spec!r}") from None
+    return Preload(name, enc, tgt, tuple(Path(p) for p in paths))
 
 
 #: Files a Wasmtime-style graph directory may hold, by encoding.
@@ -65,7 +69,10 @@ def parse_nn_graph(spec: str) -> Preload:
     encoding, sep2, directory = value.partition("::")
     if key.strip() != "nn-graph" or not sep or not sep2 or not directory:
         raise InvalidArgumentError(f"--wasi {spec!r}: expected nn-graph=ENCODING::DIR")
-    enc = GraphEncoding.coerce(encoding)
+    try:
+        enc = GraphEncoding.coerce(encoding)
+    except InvalidArgumentError as exc:
+        raise exc.prefixed(f"--wasi {spec!r}") from None
     files = _DIR_FILES.get(enc)
     if files is None:
         raise InvalidArgumentError(

@@ -185,6 +185,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
 
 def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,
                            module: wasmtime.Module, program: str, start_time: float) -> None:
+    _check_start(module, program)
     # Instantiating runs the module's (start) function, if it has one: a trap or an exit
     # there is the guest's own, as in _start; a failure to link is a bad module.
     try:
@@ -193,13 +194,27 @@ def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,
         raise
     except wasmtime.WasmtimeError as exc:
         raise InvalidArgumentError(f"cannot instantiate {program}: {exc}") from None
-    start = instance.exports(store).get("_start")
-    if not isinstance(start, wasmtime.Func):
+    start = instance.exports(store)["_start"]
+    assert isinstance(start, wasmtime.Func)  # _check_start
+    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
+    start(store)
+
+
+def _check_start(module: wasmtime.Module, program: str) -> None:
+    """InvalidArgumentError unless ``module`` exports ``_start: () -> ()`` (a WASI
+    command's entry point), checked before anything of it runs."""
+    start = next((e.type for e in module.exports if e.name == "_start"), None)
+    if not isinstance(start, wasmtime.FuncType):
         raise InvalidArgumentError(
             f"{program} exports no _start function: expected a WASI command module"
         )
-    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
-    start(store)
+    if start.params or start.results:
+        params = ", ".join(str(t) for t in start.params)
+        results = ", ".join(str(t) for t in start.results)
+        raise InvalidArgumentError(
+            f"{program}'s _start has type ({params}) -> ({results}): expected () -> () "
+            "(a WASI command's entry point takes and returns nothing)"
+        )
 
 
 def _trap_message(exc: Any) -> str:

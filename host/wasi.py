@@ -29,16 +29,32 @@ def wasi_config(program: str, argv: Sequence[str] = (), dirs: Dirs | None = None
                 env: Mapping[str, str] | None = None) -> wasmtime.WasiConfig:
     """A WasiConfig for one guest instance (see the module docstring)."""
     config = wasmtime.WasiConfig()
-    config.argv = [program, *(str(a) for a in argv)]
-    config.env = [(str(k), str(v)) for k, v in (env or {}).items()]
+    config.argv = [_utf8("the program name", program),
+                   *(_utf8(f"argument {i}", str(a)) for i, a in enumerate(argv, 1))]
+    config.env = [(_utf8("an environment variable's name", str(k)),
+                   _utf8(f"the value of environment variable {str(k)!r}", str(v)))
+                  for k, v in (env or {}).items()]
     for guest, host in (dirs or {}).items():
         path = Path(host)
         if not path.is_dir():
             raise InvalidArgumentError(
                 f"cannot preopen {str(path)!r} as {guest!r}: expected an existing host directory"
             )
-        config.preopen_dir(str(path), str(guest))
+        config.preopen_dir(_utf8("a preopened host directory", str(path)),
+                           _utf8("a preopened directory's guest path", str(guest)))
     config.inherit_stdin()
     config.inherit_stdout()
     config.inherit_stderr()
     return config
+
+
+def _utf8(what: str, text: str) -> str:
+    """``text``, which WASI hands the guest as UTF-8; InvalidArgumentError if it has no
+    UTF-8 form (bytes that are not UTF-8, kept by Python as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(
+            f"{what} is not valid UTF-8 ({text!r}): expected UTF-8 text (WASI passes "
+            "arguments, environment and paths to the guest as UTF-8)") from None
+    return text

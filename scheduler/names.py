@@ -20,7 +20,9 @@ from wasinn.errors import NotFoundError, WasiNNError
 
 from .model import Executable
 
-Entry = tuple[Executable, ExecutionTarget]
+#: A loaded name and its default target as configured (each caller resolves it: a
+#: fallback is warned about at the caller's line, a missing device raised to the caller).
+Entry = tuple[Executable, str]
 
 
 class _Loading:
@@ -34,7 +36,8 @@ class _Loading:
 class NameRegistry:
     """Named models and pipelines, each loaded on first use by ``load``."""
 
-    def __init__(self, names: Iterable[str], load: Callable[[str], Awaitable[Entry]],
+    def __init__(self, names: Iterable[str],
+                 load: Callable[[str, ExecutionTarget | None], Awaitable[Entry]],
                  *, resident: Iterable[str] = ()) -> None:
         self._names = tuple(names)
         self._known = frozenset(self._names)
@@ -53,8 +56,11 @@ class NameRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._known
 
-    async def get(self, name: str) -> Entry:
+    async def get(self, name: str, *, run_on: ExecutionTarget | None = None) -> Entry:
         """The loaded entry for ``name``, loading it if needed.
+
+        ``run_on`` is the kind of device the caller will run it on (a pipeline's step):
+        a load started now compiles it there first, not on its own default target.
 
         Raises NotFoundError for a name not in the registry, and the load's own error
         (InvalidEncodingError, NotFoundError for a missing file, ...) when loading fails;
@@ -75,7 +81,7 @@ class NameRegistry:
                 raise pending.error.for_another_caller()
         pending = self._loading[name] = _Loading()
         try:
-            entry = await self._load(name)
+            entry = await self._load(name, run_on)
             self.loads[name] = self.loads.get(name, 0) + 1
             if name in self._resident:
                 entry[0].retain()  # the registry's own reference: never released

@@ -33,7 +33,7 @@ from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
-from wasinn.backends.base import Backend, Device, LoadOptions
+from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.configs import check_precision
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -89,6 +89,7 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         return LoadOptions()
     if isinstance(options, LoadOptions):
         check_precision(options.precision)
+        _check_threads(options.threads)
         return options
     if not isinstance(options, Mapping):
         raise InvalidArgumentError(
@@ -101,11 +102,17 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
             f"options extra={nested!r:.60}: expected a mapping of backend options")
     extra.update(nested)  # {"extra": {...}} is LoadOptions' own spelling: accept it too
     precision = options.get("precision", "f32")
-    threads = options.get("threads", 0)
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-        raise InvalidArgumentError(
-            f"options threads={threads!r:.60}: expected a non-negative thread count")
+    threads = _check_threads(options.get("threads", 0))
     return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra)
+
+
+def _check_threads(threads: object) -> int:
+    if (not isinstance(threads, int) or isinstance(threads, bool)
+            or not 0 <= threads <= MAX_THREADS):
+        raise InvalidArgumentError(
+            f"options threads={threads!r:.60}: expected a thread count from 0 (the "
+            f"backend's default) to {MAX_THREADS}")
+    return threads
 
 
 def _check_backend_options(options: LoadOptions, backend: str | None,
@@ -451,17 +458,21 @@ class Runtime:
         loading the model raises.
         """
         scheduler = self._sched
-        executable, kind = await self._names.get(name)
+        executable, target = await self._names.get(name)
+        kind = scheduler.resolve_target(target)
         if isinstance(executable, PipelineModel):
             return Pipeline(executable, scheduler, kind)
         return Graph(executable, scheduler, kind)
 
     async def _load_model(self, builders: tuple[bytes, ...], encoding: GraphEncoding,
                           target: ExecutionTarget | str, *, backend: str | None,
-                          options: LoadOptions, name: str, batching: Batching | None = None
+                          options: LoadOptions, name: str, batching: Batching | None = None,
+                          compile_on: ExecutionTarget | None = None
                           ) -> tuple[LoadedModel, ExecutionTarget]:
+        # Compiled once now, on ``compile_on`` if given (a pipeline's device) else on the
+        # resolved ``target``: its inputs and outputs are read there.
         scheduler = self._sched
-        kind = scheduler.resolve_target(target)
+        kind = scheduler.resolve_target(target) if compile_on is None else compile_on
         model = LoadedModel(builders, encoding, options, backend_name=backend, name=name,
                             batching=batching)
         model.runner = scheduler
@@ -480,7 +491,7 @@ class Runtime:
             raise
         return model, kind
 
-    async def _load_named(self, name: str) -> Entry:
+    async def _load_named(self, name: str, run_on: ExecutionTarget | None) -> Entry:
         from wasinn.configs.loader import model_file
 
         config = self._config
@@ -493,19 +504,27 @@ class Runtime:
         # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
                               extra=dict(entry.options), source=str(paths[0]))
-        return await self._load_model(builders, GraphEncoding.coerce(entry.encoding),
-                                      entry.target, backend=entry.backend, options=options,
-                                      name=name, batching=entry.batching_spec())
+        try:
+            model, _ = await self._load_model(
+                builders, GraphEncoding.coerce(entry.encoding), entry.target,
+                backend=entry.backend, options=options, name=name,
+                batching=entry.batching_spec(), compile_on=run_on)
+        except WasiNNError as exc:  # say which registry entry would not load
+            raise exc.prefixed(_model_key(config, name)) from exc
+        return model, entry.target
 
     async def _load_pipeline(self, name: str, pipeline: PipelineConfig) -> Entry:
         # Each step is held from the moment the registry hands it over, so that another
         # caller's load and unload of that model meanwhile cannot free it under us; if
         # anything fails (or the load is cancelled), the steps are let go again, which
         # frees those nobody else holds: a failed load leaves nothing compiled.
+        scheduler = self._sched
+        kind = scheduler.resolve_target(pipeline.target)
         steps: list[LoadedModel] = []
         try:
             for step in pipeline.steps:
-                executable, _ = await self._names.get(step.model)
+                # Compiled on the pipeline's device, whatever the model's own target.
+                executable, _ = await self._names.get(step.model, run_on=kind)
                 assert isinstance(executable, LoadedModel)
                 executable.retain()  # no checkpoint since the registry returned it
                 steps.append(executable)
@@ -515,8 +534,6 @@ class Runtime:
             batching = pipeline.batching_spec()
             if batching is not None:
                 check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
-            scheduler = self._sched
-            kind = scheduler.resolve_target(pipeline.target)
             # Compile every step on one device of the kind now, so errors surface at load.
             actor = scheduler.pick(kind, {})
             for step_model in steps:
@@ -526,7 +543,7 @@ class Runtime:
             # PipelineModel holds the steps itself now (or nothing does): let ours go.
             for step_model in steps:
                 step_model.release()
-        return made, kind
+        return made, pipeline.target
 
     # -- guests -----------------------------------------------------------------------------
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
@@ -537,6 +554,13 @@ class Runtime:
 
         self._sched  # noqa: B018 - raises when the runtime is not running
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)
+
+
+def _model_key(config: RuntimeConfig, name: str) -> str:
+    # Where a registry model is written, for its load's errors.
+    from wasinn.configs.schema import key_name
+
+    return f"{config.source or 'the config'}: models.{key_name(name)}"
 
 
 def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:

@@ -124,7 +124,8 @@ async def preload(registry: NameRegistry, scheduler: Scheduler,
 
 async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
                    warm: WarmUp) -> None:
-    executable, kind = await registry.get(name)
+    executable, target = await registry.get(name)
+    kind = scheduler.resolve_target(target)
     models: Sequence[LoadedModel]
     links: Sequence[Link]
     if isinstance(executable, PipelineModel):

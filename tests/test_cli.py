@@ -48,8 +48,15 @@ def test_preload_syntaxes(tmp_path: Path) -> None:
     assert parse_nn_preload("m:onnx:GPU:/m.onnx").target is ExecutionTarget.GPU
     with pytest.raises(InvalidArgumentError, match="NAME:ENCODING:TARGET:PATH"):
         parse_nn_preload("m:onnx:/m.onnx")
-    with pytest.raises(InvalidArgumentError, match="unknown GraphEncoding 'caffe'"):
-        parse_nn_preload("m:caffe:cpu:/m")
+    # An unknown enum value names the flag it came with.
+    for parse, spec, said in (
+            (parse_nn_preload, "m:caffe:cpu:/m", "graph encoding 'caffe'"),
+            (parse_nn_preload, "m:onnx:xpu:/m", "execution target 'xpu'"),
+            (parse_nn_graph, "nn-graph=caffe::/m", "graph encoding 'caffe'")):
+        flag = "--nn-preload" if parse is parse_nn_preload else "--wasi"
+        with pytest.raises(InvalidArgumentError,
+                           match=f"^{flag} '{spec}': unknown {said}: expected one of "):
+            parse(spec)
     graph = parse_nn_graph(f"nn-graph=openvino::{tmp_path / 'fixture'}")
     assert graph.name == "fixture"
     assert [p.name for p in graph.paths] == ["model.xml", "model.bin"]
@@ -140,6 +147,34 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
         assert exc.value.code == 2
         err = capfd.readouterr().err
         assert said in err and "ARGS" not in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("start", "said"), [
+    ("(param i32)", "guest.wat's _start has type (i32) -> (): expected () -> ()"),
+    ("(result i32) i32.const 5", "guest.wat's _start has type () -> (i32): expected () -> ()"),
+])
+def test_a_start_function_of_another_type_is_refused(
+        capfd: pytest.CaptureFixture[str], tmp_path: Path, start: str, said: str) -> None:
+    # Not a trap (exit 134), nor a run that ignores the result: a bad module (exit 1).
+    guest = tmp_path / "guest.wat"
+    guest.write_text(f'(module (memory (export "memory") 1) (func (export "_start") {start}))')
+    assert main(["run", str(guest)]) == 1
+    assert said in capfd.readouterr().err
+
+
+def test_guest_text_that_is_not_utf8_is_refused(capfd: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    # What a shell passes for the bytes b"\xff" (Python keeps them as a lone surrogate).
+    guest = str(WAT_DIR / "exit_code.wat")
+    for argv, said in (
+            (["run", guest, "ok", "\udcff"], "argument 2 is not valid UTF-8 ('\\udcff')"),
+            (["run", "--env", "K=\udcff", guest],
+             "the value of environment variable 'K' is not valid UTF-8"),
+            (["run", "--dir", f"{tmp_path}::/\udcff", guest],
+             "a preopened directory's guest path is not valid UTF-8")):
+        assert main(argv) == 1
+        err = capfd.readouterr().err
+        assert said in err and "expected UTF-8 text" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("guest", [WAT_DIR / "start_trap.wat",

@@ -214,3 +214,12 @@ def test_models_lists_what_the_command_line_registers(
     rows = capfd.readouterr().out.splitlines()
     assert rows[0].split()[:4] == ["NAME", "KIND", "ENCODING", "TARGET"]
     assert rows[1].split()[:4] == ["a", "model", "onnx", "cpu"]
+
+
+def test_an_unknown_target_is_a_usage_error(affine: list[str],
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["infer", *affine, "a", "--zeros", "--target", "xpu"])
+    assert exc.value.code == 2
+    assert ("argument --target: unknown execution target 'xpu': expected one of cpu, gpu, tpu"
+            in capfd.readouterr().err)

@@ -5,6 +5,7 @@ lazily once for concurrent callers, and never resolves outside the config direct
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,11 @@ def test_default_runtime_needs_no_files() -> None:
     ('[pools.cpu]\nkind = "cpu"\ninline_below_us = "fast"\n',
      r"pools\.cpu\.inline_below_us: .*number"),
     ('[models.m]\nfiles = ["m.onnx"]\ntarget = "quantum"\n',
-     r"models\.m\.target: unknown ExecutionTarget 'quantum'"),
+     r"models\.m\.target: unknown execution target 'quantum'"),
     ('[models.m]\nfiles = ["m.onnx"]\nencoding = "keras"\n', r"models\.m\.encoding"),
     ('[models.m]\nfiles = []\n', r"models\.m\.files: .*at least 1"),
     ('[models."a/b"]\nfiles = ["m.onnx"]\n',
-     r"models\.a/b\.\[key\]: name 'a/b' is not a plain identifier: expected at most 128 "
+     r"models\.\"a/b\": name 'a/b' is not a plain identifier: expected at most 128 "
      r"letters, digits, '_', '\.' and '-', not starting with '\.' or '-' \(a name is looked "
      r"up, never used as a path\)$"),
     (f'[pipelines.{"p" * 129}]\nsteps = [{{ model = "m" }}]\n', r"is not a plain identifier"),
@@ -194,12 +195,26 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = [""]\n', r"models\.m\.files\[0\]: an empty file name"),
     ('[models.m]\nfiles = ["m.onnx"]\nthreads = true\n',
      r"models\.m\.threads: Input should be a valid integer \(got True\)"),
+    ('[models.m]\nfiles = ["m.onnx"]\nthreads = 100000000000\n',
+     r"models\.m\.threads: Input should be less than or equal to 1024"),
     ('[pools.cpu]\nkind = "cpu"\nworkers = true\n',
      r"pools\.cpu\.workers: Input should be a valid integer \(got True\)"),
     ('[models.m]\nfiles = ["m.onnx", "."]\n',
      r"models\.m\.files\[1\]: model file '\.' names the config directory .* itself"),
     ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.m]\nsteps = [{ model = "m" }]\n',
      r"pipelines\.m: 'm' names both a model and a pipeline: expected one$"),
+    ('pools = {}\n', r"pools: no pool: .* expected at least one \[pools\.NAME\] table"),
+    ('[models.m]\nfiles = ["m.onnx", "n.onnx"]\nencoding = "onnx"\n',
+     r"models\.m\.files: 2 files for encoding 'onnx': expected one \.onnx file$"),
+    ('[models.m]\nfiles = ["m.xml"]\nencoding = "openvino"\n',
+     r"models\.m\.files: one file for encoding 'openvino': expected two: the IR's \.xml, "
+     r"then its \.bin weights$"),
+    ('[models.m]\nfiles = ["m.bin"]\nencoding = "ggml"\n',
+     r"models\.m\.encoding: no backend here reads 'ggml' models: expected one of onnx, "
+     r"openvino, pytorch, tensorflow, tensorflowlite \(or autodetect\)$"),
+    ('[models.m]\nfiles = ["m.pt"]\nencoding = "pytorch"\nbackend = "onnxruntime"\n',
+     r"models\.m\.encoding: backend 'onnxruntime' does not read 'pytorch' models: "
+     r"expected onnx$"),
 ])
 def test_bad_configs_name_the_file_the_key_and_the_expectation(
         tmp_path: Path, text: str, expected: str) -> None:
@@ -335,8 +350,12 @@ async def test_a_bad_precision_given_to_load_is_an_invalid_argument() -> None:
             with pytest.raises(InvalidArgumentError, match=r"precision '(f3|fp16)' .*expected one "
                                                            r"of f32, f16, bf16, default"):
                 await rt.load([affine_onnx()], "onnx", options=options)
-        with pytest.raises(InvalidArgumentError, match="threads=-1"):
-            await rt.load([affine_onnx()], "onnx", options={"threads": -1})
+        for threads in (-1, 100_000_000_000):
+            for options in ({"threads": threads}, LoadOptions(threads=threads)):
+                with pytest.raises(InvalidArgumentError,
+                                   match=f"threads={threads}: expected a thread count from 0 "
+                                         r"\(the backend's default\) to 1024"):
+                    await rt.load([affine_onnx()], "onnx", options=options)
 
 
 async def test_load_options_take_backend_options_as_keys_or_under_extra() -> None:
@@ -395,6 +414,17 @@ async def test_a_missing_registered_file_is_not_found_until_it_appears(tmp_path:
         (tmp_path / "models" / "absent.onnx").write_bytes(affine_onnx(1.0, 0.0))
         graph = await rt.load_by_name("absent")
         assert graph.inputs[0].name == "x"
+
+
+async def test_a_registered_model_that_will_not_load_is_named_in_the_error(
+        tmp_path: Path) -> None:
+    # Loaded on first use, long after the config was read: the error says which entry.
+    path = registry_config(tmp_path)
+    (tmp_path / "models" / "absent.onnx").write_bytes(b"not an onnx model")
+    async with wasinn.Runtime.from_config(path) as rt:
+        with pytest.raises(wasinn.InvalidEncodingError,
+                           match=f"^{re.escape(str(path))}: models.absent: autodetect: 17 bytes "):
+            await rt.load_by_name("absent")
 
 
 async def test_a_file_swapped_for_an_escaping_symlink_is_refused(tmp_path: Path) -> None:

@@ -209,11 +209,11 @@ async def test_a_step_loaded_and_unloaded_meanwhile_does_not_break_the_pipeline_
         fetching_b, go_on = trio.Event(), trio.Event()
         get = registry.get
 
-        async def gated_get(name: str) -> Any:
+        async def gated_get(name: str, **hints: Any) -> Any:
             if name == "b" and not go_on.is_set():
                 fetching_b.set()
                 await go_on.wait()
-            return await get(name)
+            return await get(name, **hints)
 
         monkeypatch.setattr(registry, "get", gated_get)
         pipelines: list[wasinn.Graph] = []
@@ -233,6 +233,23 @@ async def test_a_step_loaded_and_unloaded_meanwhile_does_not_break_the_pipeline_
         assert actor.stats().compiles == 2
         await pipeline.unload()
         assert actor.stats().graphs == 0
+
+
+async def test_a_step_is_compiled_on_the_pipelines_device_not_its_own_target(
+        tmp_path: Path) -> None:
+    # b's own default target (tpu) has no device here; the pipeline runs on the CPU: b is
+    # compiled there only, and b loaded by itself still reports its target missing.
+    path = two_step_config(tmp_path)
+    path.write_text(path.read_text().replace('files = ["b.onnx"]',
+                                             'files = ["b.onnx"]\ntarget = "tpu"'))
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        pipeline = await rt.load_by_name("p")
+        assert (await pipeline.compute({"x": X}))["z"].numpy().tolist() == [[9.0] * 4]
+        assert actor.stats().compiles == 2
+        with pytest.raises(wasinn.UnsupportedOperationError, match="no tpu device"):
+            await rt.load_by_name("b")
+        await pipeline.unload()
 
 
 async def test_a_failed_pipeline_load_leaves_nothing_compiled(tmp_path: Path) -> None:
@@ -284,11 +301,11 @@ async def test_a_cancelled_pipeline_load_leaves_nothing_compiled(
         get = registry.get
         fetching_b = trio.Event()
 
-        async def stuck_get(name: str) -> Any:
+        async def stuck_get(name: str, **hints: Any) -> Any:
             if name == "b":
                 fetching_b.set()
                 await trio.sleep_forever()
-            return await get(name)
+            return await get(name, **hints)
 
         monkeypatch.setattr(registry, "get", stuck_get)
         async with trio.open_nursery() as nursery:

@@ -201,7 +201,7 @@ def test_dimensions_must_be_integers_not_truncated(dims: object, message: str) -
 def test_from_bytes_refuses_data_that_is_no_bytes(data: object, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         Tensor.from_bytes([4], "f32", data)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="unknown TensorType"):
+    with pytest.raises(InvalidArgumentError, match="unknown tensor type"):
         Tensor.from_bytes([4], "f33", bytes(16))
 
 

@@ -286,7 +286,8 @@ async def test_a_backends_own_error_reaches_every_caller_as_itself(tmp_path: Pat
             nursery.start_soon(load)
     assert len(errors) == 3 and all(type(e) is _OwnError for e in errors), errors
     assert {e.status for e in errors} == {7}  # type: ignore[attr-defined]
-    with pytest.raises(_OwnError, match=r"^preloading 'm': load failed with status 7$"):
+    with pytest.raises(_OwnError, match=r"^preloading 'm': .*wasinn\.toml: models\.m: load "
+                                        r"failed with status 7$"):
         async with wasinn.Runtime(own_error_config(tmp_path, True),
                                   backends=[_FailingBackend()]):
             pass
