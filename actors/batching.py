@@ -50,6 +50,7 @@ floating-point reassociation in larger matrix products.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -101,13 +102,20 @@ class Batching:
         # InvalidArgumentError like every bad value wasinn is given; also a ValueError,
         # which is what this raised before it joined the error tree.
         max_batch, max_delay = self.max_batch, self.max_delay
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 2:
+        count = None  # an int, or a numpy integer; not a bool
+        if not isinstance(max_batch, bool | np.bool_):
+            with contextlib.suppress(TypeError):
+                count = operator.index(max_batch)
+        if count is None or count < 2:
             raise BatchingError(f"Batching: max_batch must be an integer >= 2, got "
                                f"{max_batch!r}")
-        if not (isinstance(max_delay, (int, float)) and not isinstance(max_delay, bool)
-                and 0 <= max_delay <= 10):
+        if not (isinstance(max_delay, int | float | np.integer | np.floating)
+                and not isinstance(max_delay, bool | np.bool_) and 0 <= max_delay <= 10):
             raise BatchingError(f"Batching: max_delay must be between 0 and 10 seconds, got "
                                f"{max_delay!r}")
+        # numpy numbers (np.int64(8)) are kept as Python ones.
+        object.__setattr__(self, "max_batch", count)
+        object.__setattr__(self, "max_delay", float(max_delay))
 
 
 class BatchingError(InvalidArgumentError, ValueError):

@@ -215,7 +215,8 @@ class Lease(Generic[T]):
         with self._lock:
             job = self.job
             if self._done or job is None:
-                raise InvalidArgumentError(f"{self!r} was already used or cancelled")
+                raise InvalidArgumentError(f"{self!r} was already used or cancelled: "
+                                           "expected one run() or cancel() per lease")
             self._done = True
             self.job = None
             return job

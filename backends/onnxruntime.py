@@ -399,8 +399,9 @@ def session_options(options: LoadOptions) -> Any:
     if folder is not None:  # a registered model's own file: its external data, checked
         entries[_EXTERNAL_DATA_FOLDER] = str(folder)
     for key, value in entries.items():
-        if key.startswith("session."):
-            so.add_session_config_entry(key, str(value))
+        if key.startswith("session."):  # ONNX Runtime reads "1" and "0" for flags
+            text = ("1" if value else "0") if isinstance(value, bool) else str(value)
+            so.add_session_config_entry(key, text)
     return so
 
 

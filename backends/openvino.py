@@ -92,14 +92,19 @@ _I32 = np.iinfo(np.int32)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+_SINK_PORT = re.compile(r"/sink_port_\d+$")
+
+
 def _port_name(port: Any, is_output: bool) -> str:
     names = port.get_names()
     if len(names) > 1:
         # A port may carry several tensor names: TensorFlow gives an output every name on
         # its path (relu:0, y:0), and compiling may fold an input's first node into it
         # (ONNX's x * 1 leaves {x, t}). The Parameter or Result node keeps the model's
-        # own name; any_name is whichever the set yields first.
-        node = port.get_node().get_friendly_name()
+        # own name; any_name is whichever the set yields first. OpenVINO's ONNX reader
+        # names a Result after its output: "y/sink_port_0" (an Identity's output y folded
+        # into its input h leaves {h, y}).
+        node = _SINK_PORT.sub("", port.get_node().get_friendly_name())
         if node in names:
             return str(node)
     return str(port.get_any_name()) if names else f"{'output' if is_output else 'input'}"
@@ -433,9 +438,8 @@ class OpenVinoBackend(Backend):
         try:
             compiled = self.core.compile_model(model, ov_device, config)
         except Exception as exc:
-            raise InvalidEncodingError(
-                f"{NAME}: cannot compile the {encoding.value} model for {device}: {exc}"
-            ) from exc
+            raise self._compile_error(model, ov_device, config, options, exc,
+                                      f"the {encoding.value} model for {device}") from exc
         try:
             graph = OvGraph(compiled, device, keep_alive)
         except WasiNNError:
@@ -446,6 +450,26 @@ class OpenVinoBackend(Backend):
             ) from exc
         _warn_f64(graph)
         return graph
+
+
+    def _compile_error(self, model: Any, ov_device: str, config: dict[str, Any],
+                       options: LoadOptions, exc: Exception, what: str) -> WasiNNError:
+        """Why ``model`` did not compile with ``config``: the model (InvalidEncodingError),
+        or the options the caller gave (InvalidArgumentError) when it compiles without
+        them. Only on a failed compile: the second try costs another compile."""
+        given = [key for key in options.extra if key in config]
+        if given:
+            rest = {k: v for k, v in config.items() if k not in given}
+            try:
+                self.core.compile_model(model, ov_device, rest)
+            except Exception:
+                pass  # fails without them too: the model is at fault
+            else:
+                named = ", ".join(f"{key}={options.extra[key]!r:.40}" for key in given)
+                return InvalidArgumentError(
+                    f"{NAME}: {ov_device} refused option(s) {named}: {exc}: expected values "
+                    "the device takes for them")
+        return InvalidEncodingError(f"{NAME}: cannot compile {what}: {exc}")
 
 
 def _infer(request: Any, cancellation: Cancellation | None) -> bool:
@@ -543,6 +567,10 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
     if not options.thread_pinning and "ENABLE_CPU_PINNING" in supported:
         config["ENABLE_CPU_PINNING"] = False  # unless extra says otherwise, below
     for key, value in options.extra.items():
+        if key in _READ_ONLY:
+            raise InvalidArgumentError(
+                f"{NAME}: option {key!r} is a property {ov_device} reports, not one it is "
+                f"given: expected one it reads ({', '.join(_settable(supported))})")
         if key in supported:
             config[key] = value
         elif key in known_properties():

@@ -67,6 +67,11 @@ def option_problem(backend: str | None, key: str, value: object) -> str | None:
     ``backend`` (None: names none), or None: the same rules for a config's
     ``[models.NAME] options`` and for ``Runtime.load(options=...)``. A backend that is not
     built in may read any key."""
+    if not isinstance(key, str):
+        return f"expected an option's name (a str), not {type(key).__name__}"
+    if key.startswith("session.") and not isinstance(value, str | int | float):
+        return (f"expected a string, number or boolean (an ONNX Runtime session config "
+                f"entry), got {value!r:.40}")
     if key in ("optimize", "interruptible") and not isinstance(value, bool):
         return f"expected true or false, got {value!r:.40}"
     if key == "provider_options" and not isinstance(value, dict):

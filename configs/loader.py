@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import logging
+import os
 import re
 import tomllib
 import types
@@ -262,6 +263,9 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
     Raises NotFoundError when the file does not exist, ConfigError when it is not TOML
     or does not validate (an unknown backend name included).
     """
+    if not isinstance(path, str | os.PathLike):
+        raise InvalidArgumentError(
+            f"config path {path!r:.60} ({type(path).__name__}): expected a str or Path")
     source = Path(path).absolute()
     try:
         text = source.read_text(encoding="utf-8")

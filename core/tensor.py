@@ -94,7 +94,16 @@ def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
     for d, given in zip(out, dims, strict=True):
         if d < 0 or isinstance(given, bool | np.bool_):  # operator.index(True) is 1
             raise _bad_dims(dims)
+    # numpy needs the product of the non-zero dimensions to fit its index type, even
+    # for an empty tensor ([2**64, 0] holds no element but has no numpy shape).
+    if math.prod(d for d in out if d) > _MAX_INDEX:
+        raise InvalidArgumentError(
+            f"tensor dimensions {list(out)} are too large: expected the product of the "
+            f"non-zero ones at most {_MAX_INDEX}")
     return out
+
+
+_MAX_INDEX = int(np.iinfo(np.intp).max)
 
 
 def c_contiguous(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -167,7 +176,7 @@ class Tensor:
         backends read the values it holds. A 0-d array or a numpy scalar
         (``np.float32(3)``) makes a rank-0 tensor: dims ``()``, not ``(1,)``. Raises
         InvalidArgumentError for a value numpy cannot turn into an array (a ragged list,
-        an object) or a dtype with no wasi-nn element type.
+        an object), a dtype with no wasi-nn element type, or more than MAX_RANK dimensions.
         """
         if type(array) is np.ndarray:
             arr = array
@@ -189,6 +198,9 @@ class Tensor:
         else:
             ttype = tensor_type_of(dtype)  # the other byte order, or InvalidArgumentError
             arr = np.asarray(arr, dtype=dtype.newbyteorder("="), order="C")  # keeps rank 0
+        if arr.ndim > MAX_RANK:  # numpy allows 64 dimensions
+            raise InvalidArgumentError(
+                f"tensor rank {arr.ndim} is too large: expected <= {MAX_RANK}")
         return cls(tuple(arr.shape), ttype, array=arr)
 
     @classmethod

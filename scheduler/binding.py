@@ -23,6 +23,9 @@ import numpy as np
 from wasinn.errors import InvalidArgumentError, TooLargeError
 from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
 
+#: memoryview formats of plain bytes (bytearray, bytes-like objects, numpy u8).
+_BYTE_FORMATS = frozenset({"B", "b", "c"})
+
 
 class OutputBuffer:
     """One bound buffer: its bytes, and the typed array it came from (None for bytes)."""
@@ -44,14 +47,20 @@ class OutputBuffer:
             raise InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
         if not view.c_contiguous:
             raise InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
-        typed = isinstance(buffer, np.ndarray) and buffer.dtype != np.uint8
-        if typed:
+        # A buffer of typed elements (a numpy array other than u8, an array.array, a cast
+        # memoryview) is checked as an array of them; one of bytes is filled as bytes.
+        array: np.ndarray[Any, Any] | None = None
+        if isinstance(buffer, np.ndarray):
+            array = buffer if buffer.dtype != np.uint8 else None
+        elif view.format not in _BYTE_FORMATS:
+            array = np.asarray(view)  # the same memory, with its element type and shape
+        if array is not None:
             try:
-                tensor_type_of(buffer.dtype)
+                tensor_type_of(array.dtype)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"{what}: {exc.message}") from None
         self.name = name
-        self.array: np.ndarray[Any, Any] | None = buffer if typed else None
+        self.array = array
         self.raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
 
     def check(self, tensor: Tensor) -> None:

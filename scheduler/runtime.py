@@ -20,13 +20,17 @@ finds no device is logged as a warning (logger ``wasinn.scheduler``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import trio
 
 from wasinn.actors.batching import Batching, check_batchable
@@ -89,8 +93,9 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         return LoadOptions()
     if isinstance(options, LoadOptions):
         check_precision(options.precision)
-        _check_threads(options.threads)
-        return options
+        threads = _check_threads(options.threads)
+        return options if threads == options.threads and type(options.threads) is int else (
+            dataclasses.replace(options, threads=threads))
     if not isinstance(options, Mapping):
         raise InvalidArgumentError(
             f"options must be a mapping or LoadOptions, not {type(options).__name__}"
@@ -106,13 +111,33 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra)
 
 
+def _backend_instances(backends: object) -> tuple[Backend, ...]:
+    # Runtime(backends=...): backend instances, checked before anything reads their name.
+    expected = "expected an iterable of wasinn.backends.Backend instances"
+    if isinstance(backends, Backend | str | bytes):
+        raise InvalidArgumentError(f"backends={backends!r:.60}: {expected} (wrap one in a list)")
+    try:
+        given: tuple[object, ...] = tuple(backends)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"backends={backends!r:.60} ({type(backends).__name__}): {expected}") from None
+    for i, backend in enumerate(given):
+        if not isinstance(backend, Backend):
+            raise InvalidArgumentError(
+                f"backends[{i}] is {type(backend).__name__}: {expected}")
+    return cast("tuple[Backend, ...]", given)
+
+
 def _check_threads(threads: object) -> int:
-    if (not isinstance(threads, int) or isinstance(threads, bool)
-            or not 0 <= threads <= MAX_THREADS):
+    count = None  # an int, or a numpy integer; not a bool
+    if not isinstance(threads, bool | np.bool_):
+        with contextlib.suppress(TypeError):
+            count = operator.index(threads)  # type: ignore[arg-type]
+    if count is None or not 0 <= count <= MAX_THREADS:
         raise InvalidArgumentError(
             f"options threads={threads!r:.60}: expected a thread count from 0 (the "
             f"backend's default) to {MAX_THREADS}")
-    return threads
+    return count
 
 
 def _check_backend_options(options: LoadOptions, backend: str | None,
@@ -164,7 +189,7 @@ class Runtime:
         from wasinn.configs.loader import check_backends, load_config, packaged_config
         from wasinn.configs.schema import RuntimeConfig
 
-        self._extra = tuple(backends)
+        self._extra = _backend_instances(backends)
         if config is None:
             config = packaged_config()
         elif isinstance(config, (str, Path)):  # as from_config
@@ -221,7 +246,10 @@ class Runtime:
         its name in the message; the runtime is closed again then. An :meth:`aclose`
         while it starts stops what has started, and this raises ClosedResourceError.
         """
-        if self._started or self._closed:
+        if self._closed and not self._started:
+            raise ClosedResourceError("the runtime was closed before it started: make a new "
+                                      "Runtime")
+        if self._started:
             raise InvalidArgumentError("a Runtime can be started once")
         self._started = True
         actors, registries = await trio.to_thread.run_sync(self._plan)

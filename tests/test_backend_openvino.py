@@ -331,6 +331,20 @@ def test_a_misspelt_property_is_refused_with_the_closest_name(backend: Any) -> N
         backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
 
 
+@pytest.mark.parametrize(("extra", "said"), [
+    ({"PERFORMANCE_HINT": "BOGUS"}, r"(?s)CPU refused option\(s\) PERFORMANCE_HINT='BOGUS': .*"
+                                    r"expected values the device takes"),
+    ({"NUM_STREAMS": -5}, r"CPU refused option\(s\) NUM_STREAMS=-5: "),
+    ({"FULL_DEVICE_NAME": "x"}, r"option 'FULL_DEVICE_NAME' is a property CPU reports, not "
+                                r"one it is given: expected one it reads \(.*NUM_STREAMS"),
+])
+def test_an_option_value_the_device_refuses_is_an_invalid_argument(
+        backend: Any, extra: dict[str, Any], said: str) -> None:
+    # Not InvalidEncodingError: the model is fine, and compiles without the option.
+    with pytest.raises(InvalidArgumentError, match=said):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(extra=extra))
+
+
 def test_another_devices_property_is_left_out_with_a_warning(
         backend: Any, caplog: pytest.LogCaptureFixture) -> None:
     from wasinn.backends.openvino import known_properties
@@ -580,3 +594,20 @@ def test_a_port_name_that_is_not_utf8_is_an_invalid_encoding(backend: Any) -> No
     with pytest.raises(InvalidEncodingError, match="openvino: cannot read the onnx model's "
                        "inputs and outputs: 'utf-8' codec can't decode"):
         backend.load([bad], GraphEncoding.ONNX, CPU)
+
+
+def test_an_output_made_by_an_identity_keeps_the_models_name(backend: Any) -> None:
+    # Exported models often end in Identity: compiling folds y = Identity(h) into h, and
+    # the port carries {h, y}. The output is the model's y, as on ONNX Runtime.
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["h"]), helper.make_node("Identity", ["h"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "relu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])])
+    compiled = backend.load([onnx_model_bytes(graph)], GraphEncoding.ONNX, CPU)
+    assert [spec.name for spec in compiled.outputs] == ["y"]
+    x = np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32)
+    out = compiled.run({"x": Tensor.from_numpy(x)})
+    assert list(out) == ["y"]
+    np.testing.assert_array_equal(out["y"].numpy(), np.maximum(x, 0))

@@ -358,6 +358,32 @@ async def test_a_bad_precision_given_to_load_is_an_invalid_argument() -> None:
                     await rt.load([affine_onnx()], "onnx", options=options)
 
 
+async def test_bad_load_options_name_the_option(tmp_path: Path) -> None:
+    async with wasinn.Runtime() as rt:
+        for backend in (None, "openvino"):
+            with pytest.raises(InvalidArgumentError,
+                               match=r"^options 1: expected an option's name \(a str\), not int"):
+                await rt.load([affine_onnx()], "onnx", backend=backend, options={1: 2})
+        for value in (None, {"a": 1}):
+            with pytest.raises(InvalidArgumentError,
+                               match=r"'session.intra_op.allow_spinning': expected a string, "
+                                     r"number or boolean"):
+                await rt.load([affine_onnx()], "onnx",
+                              options={"session.intra_op.allow_spinning": value})
+        # A boolean is ONNX Runtime's "0" or "1" (str(False) would be "False").
+        graph = await rt.load([affine_onnx()], "onnx", backend="onnxruntime",
+                              options={"session.intra_op.allow_spinning": False})
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        assert out["y"].numpy().tolist() == [[3.0] * 4]
+        # numpy integers count as integers
+        graph = await rt.load([affine_onnx()], "onnx", options={"threads": np.int64(1)})
+        assert graph.inputs[0].name == "x"
+    with pytest.raises(ConfigError, match=r"models\.m\.options\.\"session\.x\": expected a "
+                                          r"string, number or boolean"):
+        load_config(write(tmp_path, '[models.m]\nfiles = ["m.onnx"]\n'
+                                    'options = { "session.x" = [1] }\n'))
+
+
 async def test_load_options_take_backend_options_as_keys_or_under_extra() -> None:
     mine = NamedBackend("mine")
     async with wasinn.Runtime(backends=[mine]) as rt:

@@ -59,6 +59,16 @@ def test_bad_batching_bounds_are_invalid_arguments(args: tuple[object, ...],
     assert type(caught.value) is wasinn.BatchingError  # a public type, not a private one
 
 
+def test_batching_bounds_may_be_numpy_numbers() -> None:
+    import numpy as np
+
+    batching = wasinn.Batching(np.int64(4), np.float32(0.5))  # type: ignore[arg-type]
+    assert (batching.max_batch, batching.max_delay) == (4, 0.5)
+    assert type(batching.max_batch) is int and type(batching.max_delay) is float
+    with pytest.raises(wasinn.BatchingError, match=r"got (np\.)?True"):
+        wasinn.Batching(np.bool_(True))  # type: ignore[arg-type]
+
+
 class _BackendsOwnError(wasinn.BackendRuntimeError):
     """A third-party backend's error whose constructor takes other arguments."""
 

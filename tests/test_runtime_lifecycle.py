@@ -146,6 +146,25 @@ async def test_a_runtime_starts_once_even_when_asked_twice_at_once() -> None:
     assert wasinn_threads() == []
 
 
+async def test_a_runtime_closed_before_it_started_says_so() -> None:
+    rt = wasinn.Runtime(cpu_pool(workers=1))
+    await rt.aclose()
+    with pytest.raises(wasinn.ClosedResourceError, match="closed before it started"):
+        await rt.start()
+    assert wasinn_threads() == []
+
+
+def test_runtime_arguments_of_the_wrong_kind_are_invalid_arguments() -> None:
+    expected = "expected an iterable of wasinn.backends.Backend instances"
+    for backends, said in (([5], rf"backends\[0\] is int: {expected}"),
+                           (5, rf"backends=5 \(int\): {expected}")):
+        with pytest.raises(InvalidArgumentError, match=said):
+            wasinn.Runtime(backends=backends)  # type: ignore[arg-type]
+    for path in (None, b"/x.toml"):
+        with pytest.raises(InvalidArgumentError, match=r"config path .*: expected a str or Path"):
+            wasinn.Runtime.from_config(path)  # type: ignore[arg-type]
+
+
 async def test_a_second_aclose_returns_once_the_first_has_closed() -> None:
     rt = wasinn.Runtime(cpu_pool(workers=1, close_timeout=30.0))
     await rt.start()

@@ -3,6 +3,7 @@ unload, native tensors between computes, the loop never blocked, cancellation.""
 
 from __future__ import annotations
 
+import array
 import functools
 import re
 import sys
@@ -150,6 +151,17 @@ async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
     assert flat.tolist() == [3.0] * 8
     with pytest.raises(InvalidArgumentError, match="complex64 has no wasi-nn element type"):
         ctx.set_output("y", np.zeros((2, 4), np.complex64))
+    # Typed buffers that are not numpy arrays are checked the same way: before, an
+    # array.array("i") got the f32 bytes as ints (1077936128), without an error.
+    ints = array.array("i", [-7] * 8)
+    ctx.set_output("y", ints)
+    with pytest.raises(InvalidArgumentError, match="is f32 but its bound buffer is int32"):
+        await ctx.compute(x)
+    assert list(ints) == [-7] * 8
+    floats = array.array("f", [0.0] * 8)
+    ctx.set_output("y", memoryview(floats))
+    await ctx.compute(x)
+    assert list(floats) == [3.0] * 8
 
 
 async def test_a_run_whose_outputs_do_not_all_fit_writes_no_bound_buffer(

@@ -51,6 +51,14 @@ def test_dims_validation() -> None:
     # (a negative dimension: test_dimensions_must_be_integers_not_truncated)
     with pytest.raises(InvalidArgumentError, match="rank 33"):
         check_dims([1] * 33)
+    with pytest.raises(InvalidArgumentError, match="rank 33"):
+        Tensor.from_numpy(np.zeros((1,) * 33, np.float32))
+    # An empty tensor whose other dimensions numpy cannot index (it raised ValueError).
+    for dims in ([2**64, 0], [2**32 - 1, 2**32 - 1, 0]):
+        with pytest.raises(InvalidArgumentError, match=r"are too large: expected the product "
+                                                       r"of the non-zero ones at most"):
+            Tensor.from_bytes(dims, "u8", b"")
+    assert Tensor.from_bytes([2**40, 0], "u8", b"").dims == (2**40, 0)
 
 
 def test_native_tensor_materializes_once_and_is_counted() -> None:
