@@ -32,9 +32,8 @@ def expect_builders(backend: str, builders: Builders, count: int, what: str) -> 
     if len(builders) == 0:
         raise InvalidEncodingError(f"{backend}: empty builder list: expected {what}")
     if len(builders) != count:
-        raise InvalidEncodingError(
-            f"{backend}: {len(builders)} builders given but {what} is expected"
-        )
+        given = "1 builder" if len(builders) == 1 else f"{len(builders)} builders"
+        raise InvalidEncodingError(f"{backend}: {given} given: expected {what}")
     for i, b in enumerate(builders):
         if memoryview(b).nbytes == 0 and not (count == 2 and i == 1):
             raise InvalidEncodingError(f"{backend}: builder {i} is empty: expected {what}")

@@ -83,7 +83,7 @@ def test_tensorflow_frontends_run(
     [
         (lambda: [affine_onnx(), b""], GraphEncoding.OPENVINO,
          "declared openvino but its first builder is onnx"),
-        (lambda: [affine_onnx()], GraphEncoding.OPENVINO, "1 builders given"),
+        (lambda: [affine_onnx()], GraphEncoding.OPENVINO, "1 builder given: expected two builders"),
         (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0]], GraphEncoding.ONNX,
          "declared onnx but its first builder is openvino"),
         (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0], b"\x00" * 4], GraphEncoding.OPENVINO,

@@ -116,6 +116,22 @@ async def test_get_output_before_compute(legacy: tuple[ComponentGuest, Any, str]
     assert "before a successful compute" in message
 
 
+async def test_a_failed_compute_leaves_no_outputs_of_an_earlier_one(
+        legacy: tuple[ComponentGuest, Any, str]) -> None:
+    # Before: get-output after the failed compute returned the first run's outputs.
+    guest, _, _ = legacy
+    _graph, ctx = await context(guest)
+    await ok(guest, "set-input", ctx, "x",
+             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    await ok(guest, "compute", ctx)
+    await ok(guest, "set-input", ctx, "x",
+             await guest.call("tensor-new", [3, 3], FP32, bytes(36)))
+    code, _ = await err(guest, "compute", ctx)
+    assert code == "invalid-argument"
+    code, message = await err(guest, "get-output", ctx, "y")
+    assert code == "invalid-argument" and "before a successful compute" in message
+
+
 async def test_compute_without_inputs(legacy: tuple[ComponentGuest, Any, str]) -> None:
     guest, _, _ = legacy
     _graph, ctx = await context(guest)

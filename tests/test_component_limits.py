@@ -19,7 +19,7 @@ from tests.component_guests import RecordingRuntime
 from tests.test_component_host import CODES, CPU, FP32, ONNX, start_shim
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
-from wasinn.errors import InvalidArgumentError, NotFoundError
+from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError
 from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.service import NNService
 from wasinn.host.component.tables import (
@@ -63,6 +63,19 @@ def test_fallible_tensor_calls_refuse_a_huge_rank_before_multiplying(call: str,
         else:
             svc.tensor_from_scratch("x.bin", dims, "FP32")
     assert svc.tables.live()["tensor"] == 0
+
+
+def test_an_invalid_tensor_is_not_written_to_scratch(tmp_path: Path) -> None:
+    # It got the error compute gives; before, a file that looked like a tensor (5 bytes
+    # for f32[2, 4]; an empty one for a tensor over the size limit).
+    svc = NNService(None, None, scratch=ScratchDir(tmp_path))  # type: ignore[arg-type]
+    short = svc.tensor_new([2, 4], "FP32", b"\0" * 5)
+    with pytest.raises(InvalidArgumentError, match="5 bytes"):
+        svc.tensor_to_scratch(short, "x.bin")
+    huge = svc.tensor_new([2**20, 2**20], "FP32", b"")
+    with pytest.raises(TooLargeError):
+        svc.tensor_to_scratch(huge, "y.bin")
+    assert not any(path.name in ("x.bin", "y.bin") for path in tmp_path.rglob("*"))
 
 
 async def test_a_guest_tensor_of_huge_rank_reports_invalid_argument(rt: RecordingRuntime

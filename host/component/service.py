@@ -240,7 +240,10 @@ class NNService:
         return self.tables.tensors.add(TensorEntry(shape, type_name, tensor))
 
     def tensor_to_scratch(self, rep: int, name: str) -> int:
-        """``wasinn:nn/scratch.tensor-to-scratch``: the tensor's bytes into a scratch file."""
+        """``wasinn:nn/scratch.tensor-to-scratch``: the tensor's bytes into a scratch file;
+        a tensor whose data does not fit its dimensions gets the error ``compute`` would
+        give, not a file that looks like a tensor."""
+        self.tables.tensors.get(rep).require()
         data = self.tensor_bytes(rep)
         scratch = self._scratch()
         check_name(name)  # before the name appears in a message
@@ -569,6 +572,7 @@ class NNService:
                 "compute called before any set-input on this context: expected the graph's "
                 "inputs to be set first")
         staged = dict(entry.inputs)
+        entry.outputs = None  # a failed compute leaves no outputs of an earlier one
         outputs = self._compute(
             functools.partial(entry.context.try_lease, staged, keep_on_device=True),
             functools.partial(entry.context.lease, staged, keep_on_device=True),
