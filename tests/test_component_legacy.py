@@ -71,6 +71,14 @@ async def err(guest: ComponentGuest, name: str, *args: Any) -> tuple[str, str]:
     return await error_of(guest, result)
 
 
+async def stage(guest: ComponentGuest, ctx: int, name: str, values: np.ndarray | bytes,
+                dims: list[int] | None = None) -> None:
+    """``set-input(ctx, name, tensor)`` of f32 ``values`` (bytes: of shape ``dims``)."""
+    if isinstance(values, np.ndarray):
+        dims, values = list(values.shape), values.astype(np.float32).tobytes()
+    await ok(guest, "set-input", ctx, name, await guest.call("tensor-new", dims, FP32, values))
+
+
 async def context(guest: ComponentGuest, model: str = "affine") -> tuple[int, int]:
     graph = await ok(guest, "load-by-name", model)
     return graph, await ok(guest, "init", graph)
@@ -121,11 +129,9 @@ async def test_a_failed_compute_leaves_no_outputs_of_an_earlier_one(
     # Before: get-output after the failed compute returned the first run's outputs.
     guest, _, _ = legacy
     _graph, ctx = await context(guest)
-    await ok(guest, "set-input", ctx, "x",
-             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    await stage(guest, ctx, "x", X)
     await ok(guest, "compute", ctx)
-    await ok(guest, "set-input", ctx, "x",
-             await guest.call("tensor-new", [3, 3], FP32, bytes(36)))
+    await stage(guest, ctx, "x", bytes(36), [3, 3])
     code, _ = await err(guest, "compute", ctx)
     assert code == "invalid-argument"
     code, message = await err(guest, "get-output", ctx, "y")
@@ -143,8 +149,7 @@ async def test_compute_without_inputs(legacy: tuple[ComponentGuest, Any, str]) -
 async def test_unknown_output_name(legacy: tuple[ComponentGuest, Any, str]) -> None:
     guest, _, _ = legacy
     _graph, ctx = await context(guest)
-    await ok(guest, "set-input", ctx, "x",
-             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    await stage(guest, ctx, "x", X)
     await ok(guest, "compute", ctx)
     code, message = await err(guest, "get-output", ctx, "nope")
     assert code == "not-found"
@@ -212,11 +217,9 @@ async def test_set_input_by_position_stages_that_input(
         legacy: tuple[ComponentGuest, Any, str]) -> None:
     guest, _, _ = legacy
     _graph, ctx = await context(guest)
-    await ok(guest, "set-input", ctx, "x",
-             await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+    await stage(guest, ctx, "x", X)
     # "0" names input 0, "x": it replaces what was staged, it does not add an entry
-    await ok(guest, "set-input", ctx, "0",
-             await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes()))
+    await stage(guest, ctx, "0", X * 5)
     assert list(only_context(guest).inputs) == ["x"]
     assert guest.service.tables.tensors.nbytes == X.nbytes
     await ok(guest, "compute", ctx)
@@ -285,10 +288,8 @@ async def test_staged_inputs_count_against_the_live_tensor_budget(nn_config: Run
             tensors = guest.service.tables.tensors
             graph = await ok(guest, "load", [sub_onnx()], 1, 0)
             ctx = await ok(guest, "init", graph)
-            await ok(guest, "set-input", ctx, "a",
-                     await guest.call("tensor-new", [2, 4], FP32, (X * 2).tobytes()))
-            await ok(guest, "set-input", ctx, "1",  # input 1, "b", by position
-                     await guest.call("tensor-new", [2, 4], FP32, X.tobytes()))
+            await stage(guest, ctx, "a", X * 2)
+            await stage(guest, ctx, "1", X)  # input 1, "b", by position
             assert sorted(only_context(guest).inputs) == ["a", "b"]
             assert tensors.nbytes == 64 and guest.live()["tensor"] == 0  # staged, charged
             new_a = await guest.call("tensor-new", [2, 4], FP32, (X * 5).tobytes())
