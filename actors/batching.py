@@ -50,7 +50,6 @@ floating-point reassociation in larger matrix products.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -70,7 +69,7 @@ from wasinn.errors import (
     InvalidArgumentError,
     WasiNNError,
 )
-from wasinn.tensor import Tensor, as_tensor
+from wasinn.tensor import Tensor, as_int, as_tensor
 
 from .jobs import backend_failure
 from .queue import Request
@@ -102,10 +101,7 @@ class Batching:
         # InvalidArgumentError like every bad value wasinn is given; also a ValueError,
         # which is what this raised before it joined the error tree.
         max_batch, max_delay = self.max_batch, self.max_delay
-        count = None  # an int, or a numpy integer; not a bool
-        if not isinstance(max_batch, bool | np.bool_):
-            with contextlib.suppress(TypeError):
-                count = operator.index(max_batch)
+        count = as_int(max_batch)
         if count is None or count < 2:
             raise BatchingError(f"Batching: max_batch must be an integer >= 2, got "
                                f"{max_batch!r}")

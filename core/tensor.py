@@ -77,6 +77,17 @@ def host_copies() -> int:
     return _HOST_COPIES.count
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer (numpy's too), else None; a bool
+    is not one here (``operator.index(True)`` is 1)."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
     """Validate tensor dimensions: a sequence of at most MAX_RANK non-negative integers
     (Python or numpy integers; a float such as 2.7 is refused, not truncated).

@@ -20,17 +20,14 @@ finds no device is logged as a warning (logger ``wasinn.scheduler``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import trio
 
 from wasinn.actors.batching import Batching, check_batchable
@@ -49,6 +46,7 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
+from wasinn.tensor import as_int
 
 from .actorhost import ActorHost
 from .graph import Graph
@@ -94,8 +92,9 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     if isinstance(options, LoadOptions):
         check_precision(options.precision)
         threads = _check_threads(options.threads)
-        return options if threads == options.threads and type(options.threads) is int else (
-            dataclasses.replace(options, threads=threads))
+        if threads is not options.threads:  # a numpy integer: kept as a Python int
+            options = dataclasses.replace(options, threads=threads)
+        return options
     if not isinstance(options, Mapping):
         raise InvalidArgumentError(
             f"options must be a mapping or LoadOptions, not {type(options).__name__}"
@@ -129,10 +128,7 @@ def _backend_instances(backends: object) -> tuple[Backend, ...]:
 
 
 def _check_threads(threads: object) -> int:
-    count = None  # an int, or a numpy integer; not a bool
-    if not isinstance(threads, bool | np.bool_):
-        with contextlib.suppress(TypeError):
-            count = operator.index(threads)  # type: ignore[arg-type]
+    count = as_int(threads)
     if count is None or not 0 <= count <= MAX_THREADS:
         raise InvalidArgumentError(
             f"options threads={threads!r:.60}: expected a thread count from 0 (the "
