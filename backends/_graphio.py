@@ -20,6 +20,7 @@ from wasinn.errors import (
     ClosedResourceError,
     InvalidArgumentError,
     InvalidEncodingError,
+    UnknownNameError,
     UnsupportedOperationError,
 )
 from wasinn.tensor import Tensor, as_tensor
@@ -120,7 +121,7 @@ class InputChecker:
         for key, value in inputs.items():
             index = by_key.get(key)
             if index is None:
-                raise InvalidArgumentError(
+                raise UnknownNameError(
                     f"{self._backend}: the model has no input {key!r}: expected inputs "
                     f"{_describe_all(self._specs)}"
                 )
@@ -181,7 +182,7 @@ class OutputSelector:
         for key in outputs:
             index = self._by_key.get(key)
             if index is None:
-                raise InvalidArgumentError(
+                raise UnknownNameError(
                     f"{self._backend}: the model has no output {key!r}: expected outputs "
                     f"{_describe_all(self._specs)}"
                 )

@@ -20,6 +20,7 @@ from wasinn.errors import (
     TimeoutError_,
     TooLargeError,
     UnknownError,
+    UnknownNameError,
     UnsupportedOperationError,
     WasiNNError,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "TimeoutError_",
     "TooLargeError",
     "UnknownError",
+    "UnknownNameError",
     "UnsupportedOperationError",
     "WasiNNError",
     "__version__",

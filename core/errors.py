@@ -67,6 +67,12 @@ class WasiNNError(Exception):
         :meth:`for_another_caller` copies."""
         return self._copy(f"{self.message} {detail}")
 
+    def retold(self, message: str) -> WasiNNError:
+        """A new error of this type and attributes whose message is ``message`` (what a
+        caller who may not see the original is told), caused by this one; copied as
+        :meth:`for_another_caller` copies."""
+        return self._copy(message)
+
     def _copy(self, message: str) -> WasiNNError:
         error: WasiNNError = type(self).__new__(type(self), message)
         Exception.__init__(error, message)
@@ -78,6 +84,12 @@ class WasiNNError(Exception):
 
 class InvalidArgumentError(WasiNNError):
     code = ErrorCode.INVALID_ARGUMENT
+
+
+class UnknownNameError(InvalidArgumentError):
+    """A tensor name or position that the graph does not have: an invalid argument in the
+    Python API. The guest ABIs report every unknown name, index or handle as not-found,
+    so their bindings raise a NotFoundError with its message."""
 
 
 class InvalidEncodingError(WasiNNError):

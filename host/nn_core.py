@@ -54,12 +54,12 @@ from wasinn.errors import (
 )
 from wasinn.host.abi import (
     EndOfSequenceError,
-    ModelNotFoundError,
     decode_encoding,
     decode_target,
 )
 from wasinn.host.guest_memory import GuestMemory, u32
 from wasinn.host.limits import GuestLimits
+from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
 from wasinn.host.tensor_binding import (
     BoundTooSmall,
@@ -195,15 +195,7 @@ class GuestNN:
         name = mem.read_str(name_ptr, name_len, "model name")
         self._check_graph_quota()
         start = time.perf_counter()
-        try:
-            graph = self.portal.run(self.runtime.load_by_name, name)
-        except ClosedResourceError:
-            raise
-        except NotFoundError as exc:
-            known = self.portal.run_sync(self.runtime.model_names)
-            if name in known:  # registered, so it is the model's file that is missing
-                raise ModelNotFoundError(exc.message) from None
-            raise
+        graph = load_registered(self.portal, self.runtime, name)
         try:  # the registry chose its target: the guest may not be allowed there
             self.limits.check_target(graph.default_target)
         except WasiNNError:

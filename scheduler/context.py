@@ -50,7 +50,13 @@ import trio
 
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_, WasiNNError
+from wasinn.errors import (
+    ClosedResourceError,
+    InvalidArgumentError,
+    TimeoutError_,
+    UnknownNameError,
+    WasiNNError,
+)
 from wasinn.tensor import Tensor, as_tensor
 
 from .binding import OutputBuffer, fill
@@ -65,7 +71,7 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
     """The name of the input/output ``key`` (a name, one of its ``aliases``, or a
     position) names: the keys a run accepts.
 
-    Raises InvalidArgumentError naming what the graph has.
+    Raises UnknownNameError (an InvalidArgumentError) naming what the graph has.
     """
     if isinstance(key, str):
         for spec in specs:
@@ -79,7 +85,7 @@ def spec_name(specs: tuple[TensorSpec, ...], key: str | int, role: str, owner: s
         if 0 <= index < len(specs):
             return specs[index].name
     have = ", ".join(f"{i}={s.describe()}" for i, s in enumerate(specs)) or "none"
-    raise InvalidArgumentError(f"{owner} has no {role} {key!r}: expected one of {have}")
+    raise UnknownNameError(f"{owner} has no {role} {key!r}: expected one of {have}")
 
 
 def check_timeout(timeout: object) -> float | None:

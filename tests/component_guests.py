@@ -179,7 +179,8 @@ def component_models(directory: Path, mobilenet_onnx: Path) -> RuntimeConfig:
 
     ``affine`` is y = 2x + 1, ``affine3`` y = 3x + 0.5 (both x: f32[n, 4]);
     ``identity_<type>`` copies x to y for each element type; ``mobilenet`` the small
-    MobileNet; ``missing`` names a file that does not exist.
+    MobileNet; ``missing`` names a file that does not exist, ``garbage`` one that holds
+    no model.
     """
     directory.mkdir(parents=True, exist_ok=True)
     files: dict[str, bytes] = {
@@ -195,6 +196,8 @@ def component_models(directory: Path, mobilenet_onnx: Path) -> RuntimeConfig:
         models[name] = {"files": [str(directory / f"{name}.onnx")], "encoding": "onnx"}
     models["mobilenet"] = {"files": [str(mobilenet_onnx)], "encoding": "onnx"}
     models["missing"] = {"files": [str(directory / "no-such-model.onnx")], "encoding": "onnx"}
+    (directory / "garbage.onnx").write_bytes(b"not an ONNX model")
+    models["garbage"] = {"files": [str(directory / "garbage.onnx")], "encoding": "onnx"}
     return parse_config({"models": models}, None, label="component test config")
 
 

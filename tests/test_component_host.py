@@ -273,11 +273,24 @@ async def test_invalid_argument_for_an_inconsistent_tensor(shim: Shim) -> None:
     assert "'x'" in message and "3 bytes" in message and "32 bytes" in message
 
 
-async def test_invalid_argument_for_a_wrong_input_name(shim: Shim) -> None:
-    _graph, ctx = await shim.context("affine")
-    code, message = await shim.err("compute", ctx, [("nope", await shim.tensor(X))])
-    assert code == "invalid-argument"
-    assert "no input 'nope'" in message
+@pytest.mark.parametrize("compute_timeout", [None, 30.0])
+async def test_not_found_for_a_wrong_input_name(rt: RecordingRuntime,
+                                                compute_timeout: float | None) -> None:
+    # As set-input and get-output of the older RCs, and the core ABI, say for an unknown
+    # name; in the guest's own thread and in a device worker (a timeout) alike.
+    guest, shim = await start_shim(rt, limits=GuestLimits(compute_timeout=compute_timeout))
+    async with guest:
+        graph, ctx = await shim.context("affine")
+        code, message = await shim.err("compute", ctx, [("nope", await shim.tensor(X))])
+        assert code == "not-found"
+        assert "no input 'nope'" in message and "x: f32[?, 4]" in message
+        code, message = await shim.err("graph-compute", graph,
+                                       [("nope", await shim.tensor(X))], None)
+        assert code == "not-found"
+        assert "no input 'nope'" in message
+        # The Python API calls the same mistake an invalid argument.
+        with pytest.raises(wasinn.InvalidArgumentError, match="no input 'nope'"):
+            await rt.graphs[-1].compute({"nope": X})
 
 
 async def test_invalid_argument_for_a_repeated_input(shim: Shim) -> None:
@@ -345,15 +358,31 @@ async def test_too_large(rt: RecordingRuntime, limits: GuestLimits) -> None:
         assert code == "too-large"
 
 
-@pytest.mark.parametrize(("name", "expected", "says"), [
-    ("nope", "not-found", "no model or pipeline named 'nope'"),
-    ("missing", "not-found", "model 'missing' is registered but its file"),
-    ("../etc/passwd", "not-found", "no model or pipeline named '../etc/passwd'"),
+@pytest.mark.parametrize(("name", "says"), [
+    ("nope", "no model or pipeline named 'nope'"),
+    ("../etc/passwd", "no model or pipeline named '../etc/passwd'"),
 ])
-async def test_not_found(shim: Shim, name: str, expected: str, says: str) -> None:
+async def test_not_found(shim: Shim, name: str, says: str) -> None:
+    code, message = await shim.err("load-by-name", name)
+    assert code == "not-found"
+    assert says in message
+
+
+@pytest.mark.parametrize(("name", "expected", "host_says"), [
+    ("missing", "not-found", "is registered but its file '/"),
+    ("garbage", "invalid-encoding", "models.garbage: onnxruntime: cannot read"),
+])
+async def test_a_registered_model_that_fails_to_load_tells_the_guest_no_host_path(
+        shim: Shim, caplog: pytest.LogCaptureFixture,
+        name: str, expected: str, host_says: str) -> None:
     code, message = await shim.err("load-by-name", name)
     assert code == expected
-    assert says in message
+    assert message == (f"registered model {name!r} could not be loaded ({expected}): "
+                       "the host's log says why")
+    # The operator gets the whole reason: the config's key, the file's path on the host.
+    logged = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith(f"load-by-name {name!r}: ")]
+    assert len(logged) == 1 and host_says in logged[0], logged
 
 
 async def test_not_found_for_an_empty_name(shim: Shim) -> None:

@@ -48,6 +48,7 @@ from wasinn.errors import (
     TimeoutError_,
     TooLargeError,
     UnknownError,
+    UnknownNameError,
     UnsupportedOperationError,
     WasiNNError,
     error_for_code,
@@ -63,6 +64,7 @@ from wasinn.host.component.tables import (
     quoted,
 )
 from wasinn.host.limits import GuestLimits
+from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
 from wasinn.host.tensor_binding import InFlight
 from wasinn.tensor import MAX_RANK, Tensor
@@ -338,7 +340,7 @@ class NNService:
         if not name:
             raise InvalidArgumentError("load-by-name needs a model name; got an empty string")
         self._check_graph_room()
-        graph = self.portal.run(self.runtime.load_by_name, name)
+        graph = load_registered(self.portal, self.runtime, name)
         # The registry chose this graph's default target, not the guest: check it as if
         # the guest had asked for it (_add_graph), or plain init-execution-context and
         # one-shot compute would run it on a target the guest may not use.
@@ -475,13 +477,17 @@ class NNService:
         # device slot: taken here when one is free and nobody is queued, else queued in
         # trio (one round trip). With a timeout the request runs in a device worker
         # thread, so that it can be abandoned when the timeout passes.
-        if self.limits.compute_timeout is None:
-            run = try_lease()
-            if run is None:
-                run = self.portal.run(lease)
-            outputs: Mapping[Any, Tensor] = self.in_flight.run(run)
-            return outputs
-        return self._run(compute, what)
+        # An unknown input name is not-found here, as for set-input and get-output.
+        try:
+            if self.limits.compute_timeout is None:
+                run = try_lease()
+                if run is None:
+                    run = self.portal.run(lease)
+                outputs: Mapping[Any, Tensor] = self.in_flight.run(run)
+                return outputs
+            return self._run(compute, what)
+        except UnknownNameError as exc:
+            raise NotFoundError(exc.message) from None
 
     def _add_outputs(self, outputs: Mapping[Any, Tensor]) -> list[tuple[str, int]]:
         out: list[tuple[str, int]] = []
