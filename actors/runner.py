@@ -1,0 +1,245 @@
+"""``RequestRunner``: how a request runs on one device once it reaches the actor.
+
+Admission, not a dispatcher task: a caller whose request is granted one of the device's
+slots (:class:`~wasinn.actors.slots.Slots`) hands the job to the worker threads
+(:class:`~wasinn.actors.workers.WorkerThreads`) from its own task, which saves a task
+switch per request. A slot is freed when the worker thread has finished the job
+(abandoned or not), and the next queued request is granted there. A request with a
+deadline runs within it: queued, it leaves the queue; running, its job is abandoned
+(TimeoutError_ either way).
+
+Inline runs (the actor's ``inline_below``; 0 = off, the default): a graph whose runs here
+are timed below that bound (see :mod:`wasinn.actors.inline`) runs on the trio thread
+itself when the device is idle and the request has no deadline, because two thread
+hand-offs would cost several times the run. The risk, plainly: the event loop is held for
+that run and nothing can interrupt it. The bound is a prediction from past runs, not a
+limit: a run whose time depends on its input values (an ONNX Loop's trip count, a
+dynamic-shape graph fed a larger tensor of the same byte size...) can hold the loop for
+seconds, during which no other request, timeout or cancellation is served. Requests with
+a deadline are therefore never run inline. Enable it only for graphs whose run time is
+bounded whatever their inputs.
+
+Batched requests go to the :class:`~wasinn.actors.batching.Batcher` unless they would
+run alone anyway. Every request is counted (device and model stats, see
+:mod:`wasinn.actors.stats`) by how it ended, with its latency.
+
+Everything here runs in trio. The actor binds the methods on its request paths once
+(``execute`` calls :meth:`RequestRunner.counted` with :meth:`RequestRunner.request`
+directly), so going through the runner costs no call per request.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
+
+import trio
+
+from wasinn.errors import BackendRuntimeError, ClosedResourceError, TimeoutError_, WasiNNError
+from wasinn.tensor import Tensor
+
+from .batching import Batcher, Batching, BatchInputs, RunInputs
+from .inline import RunProfile
+from .jobs import Wrap, backend_failure, in_context
+from .queue import Request
+from .slots import Slots
+from .stats import Outcome, RequestStats, outcome_of
+from .workers import WorkerThreads
+
+T = TypeVar("T")
+
+
+class RequestRunner:
+    """The request paths of one device (see the module docstring).
+
+    ``start_task`` runs a task as long as the actor serves (a batch's). ``inline_below``:
+    jobs of graphs whose runs take less (seconds) may run inline (0 = never).
+    """
+
+    def __init__(self, device: str, threads: WorkerThreads, slots: Slots, stats: RequestStats,
+                 start_task: Callable[[Callable[[Any], Awaitable[None]], Any], None], *,
+                 inline_below: float) -> None:
+        self.device = device
+        self.inline_below = inline_below
+        #: The device context's wrapper, once the device is open (None: none needed).
+        self.wrap: Wrap | None = None
+        self._threads = threads
+        self._slots = slots
+        self._stats = stats
+        self._closed = False
+        self.batcher = Batcher(device, self._take_batch_slot, slots.requeue, slots.free,
+                               self.run_in_slot, start_task, stats)
+
+    def close(self) -> None:
+        """Start nothing more: a request granted a slot from now on, or that would run
+        inline or alone beside a batch, gets ClosedResourceError (the slots and the
+        threads are closed by the actor)."""
+        self._closed = True
+
+    # -- counting ---------------------------------------------------------------------------
+    async def counted(self, account: RequestStats | None,
+                      request: Callable[..., Awaitable[tuple[T, float]]], *args: Any) -> T:
+        """``request(*args)``, counted (device and ``account``) by how it ended, with its
+        latency; ``request`` returns its result and when it was granted a slot."""
+        # (Arguments, not a partial: this is on every request's path.)
+        start = time.perf_counter()
+        try:
+            result, granted = await request(*args)
+        except BaseException as exc:
+            self.record(account, outcome_of(exc), time.perf_counter() - start)
+            raise
+        self.record(account, Outcome.COMPLETED, time.perf_counter() - start,
+                    queued=granted - start)
+        return result
+
+    def record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
+               queued: float = 0.0, leased: bool = False) -> None:
+        """Count one request in the device's stats, and in ``account`` when given (from
+        any thread)."""
+        self._stats.record(outcome, seconds, queued=queued, leased=leased)
+        if account is not None:
+            account.record(outcome, seconds, queued=queued, leased=leased)
+
+    # -- one request --------------------------------------------------------------------------
+    async def request(self, job: Callable[[], T], priority: int, deadline: float,
+                      tenant: str, profile: RunProfile | None, nbytes: int | None,
+                      label: str) -> tuple[T, float]:
+        """The job's result, and when (perf_counter) it was granted a slot: run inline or
+        in a worker thread, within ``deadline``."""
+        if profile is not None and self.inline_below and nbytes is not None:
+            # A run's time can depend on its input values (an ONNX Loop's trip count),
+            # not only on their size: a request that must end by a deadline always goes
+            # to a worker thread, where it can be abandoned when the deadline passes.
+            if (profile.qualifies(nbytes, self.inline_below) and not self._threads.busy
+                    and deadline == math.inf
+                    and trio.current_effective_deadline() == math.inf
+                    and await self._take_idle_slot()):
+                granted = time.perf_counter()
+                return await self._run_inline(job, profile, nbytes), granted
+            job = self._timed(job, profile, nbytes)
+        if deadline == math.inf:  # (the common case, without _within's frame)
+            return await self._execute(job, priority, deadline, tenant, label)
+        return await self._within(deadline, self._execute, job, priority, deadline, tenant,
+                                  label)
+
+    async def _within(self, deadline: float, request: Callable[..., Awaitable[T]],
+                      *args: Any) -> T:
+        # ``request(*args)``, or TimeoutError_ once ``deadline`` (trio time) passes.
+        if deadline == math.inf:
+            return await request(*args)
+        with trio.move_on_at(deadline) as scope:
+            return await request(*args)
+        assert scope.cancelled_caught
+        raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
+
+    async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
+                       tenant: str, label: str) -> tuple[T, float]:
+        await self.take_slot(priority, deadline, tenant)
+        granted = time.perf_counter()
+        return await self.run_in_slot(job, label), granted
+
+    async def run_in_slot(self, job: Callable[[], T], label: str) -> T:
+        """``job`` in a worker thread, on a slot already held, which is freed when the
+        worker thread has finished the job (abandoned or not)."""
+        work = in_context(job, self.wrap)
+        try:
+            return await self._threads.run(work, on_done=self._slots.free, label=label)
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise backend_failure(self.device, exc) from exc
+
+    async def unslotted(self, job: Callable[[], T], *, label: str, failure: str) -> T:
+        """``job`` in one of the worker threads, holding no request slot (a compile, a
+        warm-up). Raises ClosedResourceError once the threads have stopped,
+        BackendRuntimeError (saying ``failure``) for a backend's own exception."""
+        work = in_context(job, self.wrap)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            return await self._threads.run(work, label=label, pin=False)
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise BackendRuntimeError(
+                f"{self.device}: {failure}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    # -- inline runs --------------------------------------------------------------------------
+    def _timed(self, job: Callable[[], T], profile: RunProfile, nbytes: int
+               ) -> Callable[[], T]:
+        bound = self.inline_below
+
+        def timed() -> T:  # in a worker thread
+            start = time.perf_counter()
+            result = job()
+            # Only runs that succeeded: a bad request can fail at once whatever the
+            # graph's real run time, and must not make a slow graph look tiny.
+            profile.observe(time.perf_counter() - start, nbytes, bound)
+            return result
+
+        return timed
+
+    async def _take_idle_slot(self) -> bool:
+        # A slot for an inline run: only when the device is idle (nothing running, nobody
+        # queued), so that the run overtakes nobody; it counts against the workers bound.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return not self._closed and self._slots.try_take_idle()
+
+    async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int) -> T:
+        # On the trio thread, holding an idle slot: run, time it, free the slot, then
+        # yield to the other tasks so that a stream of tiny requests cannot starve them.
+        work = in_context(job, self.wrap)
+        start = time.perf_counter()
+        try:
+            result = work()
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise backend_failure(self.device, exc) from exc
+        finally:
+            self._slots.free()
+        profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return result
+
+    # -- batched requests ---------------------------------------------------------------------
+    async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
+                      batching: Batching, keep: bool, priority: int, deadline: float,
+                      tenant: str, label: str, account: RequestStats | None
+                      ) -> tuple[dict[str, Tensor], float]:
+        """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
+        ``batching`` allows (see :mod:`wasinn.actors.batching`)."""
+        job = functools.partial(run, inputs.tensors, keep)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if inputs.rows >= batching.max_batch:  # a batch of its own already
+            return await self.request(job, priority, deadline, tenant, None, None, label)
+        if (not batching.max_delay and not self._closed and trio.current_time() < deadline
+                and self._slots.try_take()):
+            # Nobody to share a run with: run now, as a plain request.
+            granted = time.perf_counter()
+            return await self._within(deadline, self.run_in_slot, job, label), granted
+        if self._closed:
+            raise ClosedResourceError(f"{self.device}: the device actor is closed")
+        return await self._within(
+            deadline, functools.partial(
+                self.batcher.submit, key, inputs, keep, run, batching, priority=priority,
+                deadline=deadline, tenant=tenant, label=label, account=account))
+
+    # -- slots --------------------------------------------------------------------------------
+    async def take_slot(self, priority: int, deadline: float, tenant: str, *,
+                        request: Request | None = None) -> None:
+        """Hold one of the device's slots (see :meth:`Slots.take
+        <wasinn.actors.slots.Slots.take>` for the queue, its errors and cancellation);
+        ClosedResourceError when the actor closed meanwhile (the slot is given back)."""
+        await self._slots.take(priority, deadline, tenant, request=request)
+        if self._closed:  # closed between the grant and now: nothing may start any more
+            self._slots.free()
+            raise ClosedResourceError(f"{self.device}: the device actor is closed")
+
+    async def _take_batch_slot(self, request: Request) -> None:
+        # A batch waits in the queue as ``request``, whose terms change as members leave.
+        await self.take_slot(request.priority, request.deadline, request.tenant,
+                             request=request)
