@@ -38,7 +38,7 @@ import trio
 import wasmtime
 from wasmtime import _ffi as ffi
 
-from wasinn.errors import WasiNNError
+from wasinn.errors import InvalidArgumentError, WasiNNError
 from wasinn.host.abi import MODULE, Errno, MissingMemoryError, errno_of
 from wasinn.host.guest_memory import GuestMemory
 from wasinn.host.nn_core import GuestNN
@@ -120,8 +120,31 @@ class MemoryCache:
         return view
 
 
+_OUTPUT = ("buf_ptr", "buf_len", "written_ptr")
+#: Every function's parameters (each an i32; each function returns an i32 errno).
+PARAMS: dict[str, tuple[str, ...]] = {
+    "load": ("builders_ptr", "builders_len", "encoding", "target", "graph_out"),
+    "load_by_name": ("name_ptr", "name_len", "graph_out"),
+    "load_by_name_with_config": ("name_ptr", "name_len", "config_ptr", "config_len",
+                                 "graph_out"),
+    "init_execution_context": ("graph", "ctx_out"),
+    "init_execution_context_on": ("graph", "target", "ctx_out"),
+    "set_input": ("ctx", "index", "tensor_ptr"),
+    "set_input_by_name": ("ctx", "name_ptr", "name_len", "tensor_ptr"),
+    "set_output_by_name": ("ctx", "name_ptr", "name_len", *_OUTPUT),
+    "compute": ("ctx",),
+    "compute_single": ("ctx",),
+    "get_output": ("ctx", "index", *_OUTPUT),
+    "get_output_single": ("ctx", "index", *_OUTPUT),
+    "get_output_by_name": ("ctx", "name_ptr", "name_len", *_OUTPUT),
+    "unload": ("graph",),
+    "finalize_execution_context": ("ctx",),
+    "fini_single": ("ctx",),
+}
+
+
 #: name -> (parameter count, whether the GuestNN method takes the guest memory first,
-#: the GuestNN method). Methods without memory take handles only.
+#: the GuestNN method), for each of PARAMS. Methods without memory take handles only.
 def _table(nn: GuestNN) -> dict[str, tuple[int, bool, Callable[..., None]]]:
     def init_on(mem: GuestMemory, graph: int, target: int, ctx_out: int) -> None:
         nn.init_execution_context(mem, graph, ctx_out, target=target)
@@ -129,24 +152,62 @@ def _table(nn: GuestNN) -> dict[str, tuple[int, bool, Callable[..., None]]]:
     def init(mem: GuestMemory, graph: int, ctx_out: int) -> None:
         nn.init_execution_context(mem, graph, ctx_out)
 
-    return {
-        "load": (5, True, nn.load),
-        "load_by_name": (3, True, nn.load_by_name),
-        "load_by_name_with_config": (5, True, nn.load_by_name_with_config),
-        "init_execution_context": (2, True, init),
-        "init_execution_context_on": (3, True, init_on),
-        "set_input": (3, True, nn.set_input),
-        "set_input_by_name": (4, True, nn.set_input_by_name),
-        "set_output_by_name": (6, True, nn.set_output_by_name),
-        "compute": (1, True, nn.compute),
-        "compute_single": (1, True, nn.compute_single),
-        "get_output": (5, True, nn.get_output),
-        "get_output_single": (5, True, nn.get_output),
-        "get_output_by_name": (6, True, nn.get_output_by_name),
-        "unload": (1, False, nn.unload),
-        "finalize_execution_context": (1, False, nn.finalize_execution_context),
-        "fini_single": (1, False, nn.fini_single),
+    methods: dict[str, tuple[bool, Callable[..., None]]] = {
+        "load": (True, nn.load),
+        "load_by_name": (True, nn.load_by_name),
+        "load_by_name_with_config": (True, nn.load_by_name_with_config),
+        "init_execution_context": (True, init),
+        "init_execution_context_on": (True, init_on),
+        "set_input": (True, nn.set_input),
+        "set_input_by_name": (True, nn.set_input_by_name),
+        "set_output_by_name": (True, nn.set_output_by_name),
+        "compute": (True, nn.compute),
+        "compute_single": (True, nn.compute_single),
+        "get_output": (True, nn.get_output),
+        "get_output_single": (True, nn.get_output),
+        "get_output_by_name": (True, nn.get_output_by_name),
+        "unload": (False, nn.unload),
+        "finalize_execution_context": (False, nn.finalize_execution_context),
+        "fini_single": (False, nn.fini_single),
     }
+    return {name: (len(PARAMS[name]), *entry) for name, entry in methods.items()}
+
+
+def check_imports(module: wasmtime.Module, program: str) -> None:
+    """InvalidArgumentError naming the first ``wasi_ephemeral_nn`` import of ``module``
+    that is not defined here, or is imported with another type, and what is expected.
+
+    For the instantiation of a guest to call first: Wasmtime's own link error says
+    "expected" of the guest's import type and "found" of the host's, the reverse of what
+    the guest's author needs to read, and names no parameter.
+    """
+    for imp in module.imports:
+        if imp.module != MODULE:
+            continue
+        name = imp.name or ""
+        params = PARAMS.get(name)
+        if params is None:
+            raise InvalidArgumentError(
+                f"{program} imports {MODULE}::{name}, which wasinn does not define: "
+                f"expected one of {', '.join(PARAMS)}"
+            )
+        ty = imp.type
+        if not (isinstance(ty, wasmtime.FuncType)
+                and [str(t) for t in ty.params] == ["i32"] * len(params)
+                and [str(t) for t in ty.results] == ["i32"]):
+            raise InvalidArgumentError(
+                f"{program} imports {MODULE}::{name} as {_import_kind(ty)}: expected a "
+                f"function ({', '.join(f'{p}: i32' for p in params)}) -> i32 (the errno)"
+            )
+
+
+def _import_kind(ty: object) -> str:
+    if isinstance(ty, wasmtime.FuncType):
+        params = ", ".join(str(t) for t in ty.params)
+        return f"a function ({params}) -> ({', '.join(str(t) for t in ty.results)})"
+    kinds = {wasmtime.GlobalType: "a global", wasmtime.MemoryType: "a memory",
+             wasmtime.TableType: "a table"}
+    return kinds.get(type(ty), type(ty).__name__)
 
 
 class CallGuard:

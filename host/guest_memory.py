@@ -20,7 +20,7 @@ import numpy as np
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.abi import decode_tensor_type
-from wasinn.tensor import MAX_RANK
+from wasinn.tensor import MAX_RANK, check_dims
 
 _U32 = np.dtype("<u4")
 _RECORD = struct.Struct("<5I")
@@ -56,6 +56,14 @@ class TensorRecord:
 
 #: The most graph builders one ``load`` may pass.
 MAX_BUILDERS = 16
+
+#: The longest name (of a model, an input or an output) a guest may pass, in bytes: far
+#: more than any registry key or tensor name, and short enough that a host log line which
+#: quotes a name the host does not know stays readable.
+MAX_NAME_BYTES = 1024
+
+#: The largest size a u32 result can hold; a larger one is written as this.
+_U32_MAX = 0xFFFFFFFF
 
 
 class GuestMemory:
@@ -96,6 +104,11 @@ class GuestMemory:
         data: Any = self.data  # (numpy declares the buffer protocol only for Python 3.12+)
         _U32_LE.pack_into(data, ptr & 0xFFFFFFFF, value)  # one C call, no view
 
+    def write_size(self, ptr: int, nbytes: int, what: str = "bytes-written result") -> None:
+        """Write the byte size ``nbytes`` as a u32; a size of 4 GiB or more (which no guest
+        buffer can hold) as 0xffffffff, the largest one a u32 says."""
+        self.write_u32(ptr, min(nbytes, _U32_MAX), what)
+
     def check_writable_u32(self, ptr: int, what: str = "result") -> None:
         """Fail now, before any work is done, if a result pointer is out of bounds."""
         self.span(ptr, 4, what)
@@ -107,7 +120,14 @@ class GuestMemory:
         return self.span(ptr, count * 4, what).view(_U32)
 
     def read_str(self, ptr: int, length: int, what: str = "name") -> str:
-        """A UTF-8 string; InvalidArgumentError when it is not valid UTF-8."""
+        """A UTF-8 name of at most MAX_NAME_BYTES bytes; InvalidArgumentError when it is
+        longer or not valid UTF-8."""
+        length &= 0xFFFFFFFF
+        if length > MAX_NAME_BYTES:
+            raise InvalidArgumentError(
+                f"{what} is {length} bytes long: expected at most {MAX_NAME_BYTES} bytes "
+                "of UTF-8 (no model, input or output has a longer name)"
+            )
         raw = self.span(ptr, length, what).tobytes()
         try:
             return raw.decode("utf-8")
@@ -152,8 +172,9 @@ class GuestMemory:
         """Decode the 20-byte tensor record at ``ptr`` and check that its data is in bounds.
 
         Raises InvalidArgumentError for a record, dimension array or data span outside
-        memory, a rank above MAX_RANK, or a type/length mismatch (see
-        :func:`wasinn.host.abi.decode_tensor_type`).
+        memory, a rank above MAX_RANK, a type/length mismatch (see
+        :func:`wasinn.host.abi.decode_tensor_type`), or an empty tensor whose non-zero
+        dimensions multiply to more than numpy can index.
         """
         # struct on the checked span: this runs on every set_input, and a handful of
         # numpy scalar operations would cost several times more.
@@ -163,4 +184,21 @@ class GuestMemory:
         dims: tuple[int, ...] = struct.unpack_from(f"<{dims_len}I", dims_raw.data)
         self.span(data_ptr, data_len, "tensor data")
         ttype = decode_tensor_type(type_field, dims, data_len)
+        if not data_len and 0 in dims:
+            # An empty tensor whose other dimensions numpy cannot index (a non-empty one
+            # has at most 4 GiB of elements): InvalidArgumentError saying so.
+            check_dims(dims)
         return TensorRecord(dims, ttype, data_ptr, data_len)
+
+
+def check_apart(buffer_ptr: int, buffer_len: int, written_ptr: int, what: str) -> None:
+    """InvalidArgumentError when the u32 result at ``written_ptr`` overlaps the non-empty
+    output buffer of ``buffer_len`` bytes at ``buffer_ptr`` (each already bounds-checked):
+    the size written there would corrupt the output, or the output the size."""
+    buffer_ptr, buffer_len, written_ptr = u32(buffer_ptr), u32(buffer_len), u32(written_ptr)
+    if buffer_len and buffer_ptr < written_ptr + 4 and written_ptr < buffer_ptr + buffer_len:
+        raise InvalidArgumentError(
+            f"bytes_written at guest address {written_ptr:#x} overlaps the {what} at "
+            f"{buffer_ptr:#x} of {buffer_len} bytes: expected the 4-byte size outside the "
+            "buffer"
+        )

@@ -57,7 +57,7 @@ from wasinn.host.abi import (
     decode_encoding,
     decode_target,
 )
-from wasinn.host.guest_memory import GuestMemory, u32
+from wasinn.host.guest_memory import GuestMemory, check_apart, u32
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
@@ -98,6 +98,8 @@ class _GuestContext:
     overlapping: bool = False
     bound_outputs: dict[str, OutputBinding] = field(default_factory=dict)
     results: dict[str, Tensor] | None = None
+    #: A compute has been called on it (so no results means that the last one failed).
+    computed: bool = False
     stream_done: bool = False
 
 
@@ -155,6 +157,7 @@ class GuestNN:
         return handle
 
     def _check_graph_quota(self, model_bytes: int = 0) -> None:
+        _check_handle_left(self._next_graph, "graph")
         if len(self.graphs) >= self.limits.max_graphs:
             raise TooLargeError(
                 f"guest already holds {len(self.graphs)} graphs: the limit is "
@@ -233,6 +236,7 @@ class GuestNN:
                 f"guest already holds {len(self.contexts)} execution contexts: the limit "
                 f"is {self.limits.max_contexts} (finalize one first)"
             )
+        _check_handle_left(self._next_context, "execution context")
         ctx = self.portal.run_sync(functools.partial(
             entry.graph.init_execution_context, target=tgt))
         handle = self._next_context
@@ -294,12 +298,17 @@ class GuestNN:
         spec = spec_named(entry.outputs_spec, name, "output")
         mem.span(out_ptr, out_max_len, f"output buffer for {name!r}")
         mem.check_writable_u32(written_ptr, "bytes-written result")
+        check_apart(out_ptr, out_max_len, written_ptr, f"output buffer for {name!r}")
         entry.bound_outputs[spec.name] = OutputBinding(out_ptr, u32(out_max_len), written_ptr,
                                                        static_nbytes(spec))
 
     # -- compute ------------------------------------------------------------------
     def compute(self, mem: GuestMemory, ctx_handle: int) -> None:
         entry = self._context(ctx_handle)
+        # A compute that fails, here or in the backend, leaves no outputs of an earlier one
+        # for get_output to hand out as if they were this one's.
+        entry.results = None
+        entry.computed = True
         if entry.overlapping and not self._warned_overlap:
             self._warned_overlap = True
             log.warning("compute reads inputs %s from overlapping guest bytes: inputs are "
@@ -320,13 +329,12 @@ class GuestNN:
         for name, binding in entry.bound_outputs.items():
             needed = binding.needed
             if needed is not None and needed > binding.max_len:
-                mem.write_u32(binding.written_ptr, needed)
+                mem.write_size(binding.written_ptr, needed)
                 raise TooLargeError(
                     f"output {name!r} needs {needed} bytes but its bound buffer holds "
                     f"{binding.max_len} (the needed size was written to bytes_written)"
                 )
             bound[name] = mem.span(binding.ptr, binding.max_len, f"output buffer for {name!r}")
-        entry.results = None
         timeout = self.limits.compute_timeout
         try:
             if timeout is None:
@@ -348,10 +356,10 @@ class GuestNN:
                     view[:size] = staging[name][:size]
         except BoundTooSmall as exc:
             for name, size in exc.sizes.items():
-                mem.write_u32(entry.bound_outputs[name].written_ptr, size)
+                mem.write_size(entry.bound_outputs[name].written_ptr, size)
             raise TooLargeError(exc.message) from None
         for name, binding in entry.bound_outputs.items():
-            mem.write_u32(binding.written_ptr, entry.results[name].nbytes)
+            mem.write_size(binding.written_ptr, entry.results[name].nbytes)
 
     def compute_single(self, mem: GuestMemory, ctx_handle: int) -> None:
         # Streaming (LLM token by token) is a WasmEdge extension. wasinn's graphs produce
@@ -387,15 +395,20 @@ class GuestNN:
         # every Python call here cost several times its warm price).
         buffer = mem.span(out_ptr, max_len, "output buffer")
         mem.check_writable_u32(written_ptr, "bytes-written result")
+        check_apart(out_ptr, max_len, written_ptr, "output buffer")
         results = entry.results
         if results is None:
+            if entry.computed:
+                raise InvalidArgumentError("no outputs: the last compute on this context "
+                                           "failed (expected a successful compute before "
+                                           "get_output)")
             raise InvalidArgumentError("no outputs yet: call compute before get_output")
         tensor = results.get(name)
         if tensor is None:
             raise NotFoundError(f"output {name!r} was not produced by the last compute")
         source = tensor.numpy()
         needed = int(source.nbytes)
-        mem.write_u32(written_ptr, needed)
+        mem.write_size(written_ptr, needed)
         if needed > self.limits.max_tensor_bytes:
             raise TooLargeError(
                 f"output {name!r} is {needed} bytes: the limit is "
@@ -434,6 +447,16 @@ class GuestNN:
             except Exception:
                 log.exception("unloading graph %d failed", handle)
         self.model_bytes = 0
+
+
+def _check_handle_left(next_handle: int, kind: str) -> None:
+    """TooLargeError once a guest has had 2**32 handles of ``kind``: handles are u32s,
+    never reused, so there is none left to give (and none may be made, then lost)."""
+    if next_handle > 0xFFFFFFFF:
+        raise TooLargeError(
+            f"this guest has opened all 4294967296 {kind} handles a u32 can name (they "
+            f"are never reused): expected fewer {kind}s over one guest's life"
+        )
 
 
 def _any_overlap(bindings: dict[str, InputBinding]) -> bool:

@@ -29,7 +29,7 @@ import trio
 import wasmtime
 
 from wasinn.errors import InvalidArgumentError
-from wasinn.host.core_bindings import define_nn
+from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import compile_module, is_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limits_of
@@ -186,6 +186,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
 def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,
                            module: wasmtime.Module, program: str, start_time: float) -> None:
     _check_start(module, program)
+    check_imports(module, program)
     # Instantiating runs the module's (start) function, if it has one: a trap or an exit
     # there is the guest's own, as in _start; a failure to link is a bad module.
     try:

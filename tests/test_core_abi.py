@@ -28,7 +28,13 @@ from wasinn.host.abi import (
     decode_tensor_type,
     errno_of,
 )
-from wasinn.host.guest_memory import GuestMemory, TensorRecord, u32
+from wasinn.host.guest_memory import (
+    MAX_NAME_BYTES,
+    GuestMemory,
+    TensorRecord,
+    check_apart,
+    u32,
+)
 from wasinn.host.tensor_binding import check_against_spec, copy_bytes, static_nbytes
 
 
@@ -120,6 +126,32 @@ def test_strings_must_be_utf8() -> None:
         mem.read_str(0, 4, "model name")
 
 
+def test_names_are_bounded_before_they_are_read() -> None:
+    mem = GuestMemory(np.full(2 * MAX_NAME_BYTES, ord("n"), dtype=np.uint8))
+    assert mem.read_str(0, MAX_NAME_BYTES) == "n" * MAX_NAME_BYTES
+    with pytest.raises(InvalidArgumentError,
+                       match=f"^input name is {MAX_NAME_BYTES + 1} bytes long: expected at "
+                             f"most {MAX_NAME_BYTES} bytes of UTF-8"):
+        mem.read_str(0, MAX_NAME_BYTES + 1, "input name")
+    with pytest.raises(InvalidArgumentError, match="is 4294967295 bytes long"):
+        mem.read_str(0, -1)
+
+
+@pytest.mark.parametrize(("buffer", "length", "written", "apart"), [
+    (0x100, 16, 0x110, True), (0x100, 16, 0xFC, True),     # right after, right before
+    (0x100, 0, 0x100, True),                               # an empty buffer holds nothing
+    (0x100, 16, 0x10C, False), (0x100, 16, 0xFD, False), (0x100, 16, 0x104, False),
+    (-16, 16, -4, False),                                  # u32s as wasmtime passes them
+])
+def test_bytes_written_must_lie_outside_the_output_buffer(buffer: int, length: int,
+                                                          written: int, apart: bool) -> None:
+    if apart:
+        check_apart(buffer, length, written, "output buffer")
+    else:
+        with pytest.raises(InvalidArgumentError, match="expected the 4-byte size outside"):
+            check_apart(buffer, length, written, "output buffer")
+
+
 def _record(mem: GuestMemory, at: int, dims_ptr: int, dims: list[int], type_field: int,
             data_ptr: int, data_len: int) -> None:
     mem.data[dims_ptr:dims_ptr + 4 * len(dims)] = np.frombuffer(
@@ -144,6 +176,9 @@ def test_tensor_record_decoding() -> None:
         (248, [1, 4, 4], 1, 100, 64, "tensor dimensions .* outside guest memory"),
         (40, [1] * 33, 3, 100, 1, "rank 33 is too large"),
         (40, [65536, 65536, 65536], 3, 100, 4, "need 281474976710656 bytes"),
+        # no element, but no numpy shape either
+        (40, [0, 2**32 - 1, 2**32 - 1], 1, 100, 0, r"dimensions \[0, 4294967295, 4294967295\] "
+                                                  "are too large: expected the product"),
     ],
 )
 def test_bad_tensor_records(dims_ptr: int, dims: list[int], type_field: int, data_ptr: int,
@@ -189,7 +224,14 @@ def test_copy_bytes_writes_any_output_into_guest_bytes(source: np.ndarray[Any, A
     assert target.tobytes() == np.ascontiguousarray(source).tobytes()
 
 
-def test_an_output_over_the_tensor_limit_still_reports_its_size() -> None:
+@pytest.mark.parametrize(("shape", "limit", "written"), [
+    ((1, 4), 8, 16),
+    # 4 GiB + 4 bytes (no memory: a broadcast view), past any u32: the largest u32 is
+    # written back (it was a struct.error inside the host: runtime_error, nothing written)
+    ((2**30 + 1,), 1024**3, 0xFFFFFFFF),
+], ids=["over-the-limit", "over-4-gib"])
+def test_an_output_over_the_tensor_limit_still_reports_its_size(
+        shape: tuple[int, ...], limit: int, written: int) -> None:
     # Like every too_large of get_output, the needed size is written to bytes_written.
     from wasinn.backends.base import TensorSpec
     from wasinn.errors import TooLargeError
@@ -198,16 +240,17 @@ def test_an_output_over_the_tensor_limit_still_reports_its_size() -> None:
     from wasinn.tensor import Tensor
 
     nn = GuestNN(runtime=None, portal=None,  # type: ignore[arg-type]
-                 limits=GuestLimits(max_tensor_bytes=8))
+                 limits=GuestLimits(max_tensor_bytes=limit))
     entry = _GuestContext(ctx=None, graph_handle=0, inputs_spec=(),  # type: ignore[arg-type]
-                          outputs_spec=(TensorSpec("y", TensorType.F32, (1, 4)),),
+                          outputs_spec=(TensorSpec("y", TensorType.F32, shape),),
                           batches=False)
-    entry.results = {"y": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    ones = np.broadcast_to(np.float32(1), shape)
+    entry.results = {"y": Tensor(shape, TensorType.F32, array=ones)}
     nn.contexts[0] = entry
     mem = _memory()
-    with pytest.raises(TooLargeError, match="limit is 8"):
+    with pytest.raises(TooLargeError, match=f"limit is {limit}"):
         nn.get_output(mem, 0, 0, 0x80, 64, 0x10)
-    assert mem.read_u32(0x10) == 16
+    assert mem.read_u32(0x10) == written
 
 
 def test_a_scalar_input_takes_only_a_scalar_and_an_unknown_rank_takes_any() -> None:
