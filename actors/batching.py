@@ -32,6 +32,9 @@ Correctness never rests on the merge:
 * A merged run that fails, or whose outputs do not have the batch's row count as their
   first dimension, is re-run request by request in the same job, so one bad request
   fails alone and a model whose outputs cannot be split still answers (with a warning).
+  Such a model's later requests (for that graph and input signature) run alone, as
+  plain requests: they no longer pay for a merged run that is thrown away, nor wait in
+  one job for each other where other workers are free.
 * A member cancelled or past its deadline leaves the batch (its part of the result is
   dropped); when every member has left, the batch leaves the queue, or its run is
   abandoned like any request's.
@@ -50,6 +53,7 @@ floating-point reassociation in larger matrix products.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -77,6 +81,12 @@ from .stats import RequestStats
 
 log = logging.getLogger("wasinn.actors")
 
+#: How many batch keys that run alone (see Batcher) are remembered before starting again.
+_MAX_ALONE = 1024
+
+#: The most rows a batch may be given (``Batching.max_batch``, the config's too).
+MAX_BATCH = 65_536
+
 #: Runs a graph (or pipeline) on inputs; the flag is ``keep_on_device``.
 RunInputs = Callable[[Mapping[Any, Any], bool], dict[str, Tensor]]
 #: A request's input signature: (key, element type, dimensions after the first) per input.
@@ -102,9 +112,9 @@ class Batching:
         # which is what this raised before it joined the error tree.
         max_batch, max_delay = self.max_batch, self.max_delay
         count = as_int(max_batch)
-        if count is None or count < 2:
-            raise BatchingError(f"Batching: max_batch must be an integer >= 2, got "
-                               f"{max_batch!r}")
+        if count is None or not 2 <= count <= MAX_BATCH:
+            raise BatchingError(f"Batching: max_batch must be an integer from 2 to "
+                               f"{MAX_BATCH}, got {max_batch!r}")
         if not (isinstance(max_delay, int | float | np.integer | np.floating)
                 and not isinstance(max_delay, bool | np.bool_) and 0 <= max_delay <= 10):
             raise BatchingError(f"Batching: max_delay must be between 0 and 10 seconds, got "
@@ -272,6 +282,8 @@ class Batcher:
         self.waiting = 0
         #: The queue entries of batches that have not been granted a slot yet.
         self._requests: set[Request] = set()
+        #: Batch keys whose merged outputs could not be split: their requests run alone.
+        self._alone: set[Hashable] = set()
 
     @property
     def queued_batches(self) -> int:
@@ -291,6 +303,9 @@ class Batcher:
         if type(priority) is not int:
             priority = operator.index(priority)  # a numpy integer: compared and negated
         full_key = (key, inputs.signature)
+        if full_key in self._alone:
+            return await self._run_alone(inputs, keep, run, priority, deadline, tenant,
+                                         label)
         batch = self._joinable(full_key, inputs, priority, deadline, tenant)
         if batch is None:
             batch = _Batch(full_key, run, batching, priority, deadline, tenant, label,
@@ -328,6 +343,15 @@ class Batcher:
             raise
         except Exception as exc:
             raise backend_failure(self._device, exc) from exc
+
+    async def _run_alone(self, inputs: BatchInputs, keep: bool, run: RunInputs,
+                         priority: int, deadline: float, tenant: str, label: str
+                         ) -> tuple[dict[str, Tensor], float]:
+        # A plain request: queued on its own terms, run in a job of its own.
+        await self._take_slot(Request(priority, deadline, tenant))
+        granted = time.perf_counter()
+        job = functools.partial(run, inputs.tensors, keep)
+        return await self._run_in_slot(job, label), granted
 
     def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
                   tenant: str) -> _Batch | None:
@@ -398,6 +422,10 @@ class Batcher:
         job = _BatchJob(batch.run, members, batch.label)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
             job, batch.label)
+        if job.unsplittable:
+            if len(self._alone) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
+                self._alone.clear()
+            self._alone.add(batch.key)
         if job.merged:
             # Members that left while it ran are counted as they ended, not as answered.
             answered = sum(not member.abandoned for member in members)
@@ -431,15 +459,17 @@ class Batcher:
 
 class _BatchJob:
     """The job a batch runs in a worker thread: one merged run, split by rows, or (when
-    that fails or cannot be split) one run per member. ``merged`` says which happened."""
+    that fails or cannot be split) one run per member. ``merged`` says which happened;
+    ``unsplittable``, that the merged run's outputs could not be split by rows."""
 
-    __slots__ = ("label", "members", "merged", "run")
+    __slots__ = ("label", "members", "merged", "run", "unsplittable")
 
     def __init__(self, run: RunInputs, members: Sequence[_Member], label: str) -> None:
         self.run = run
         self.members = members
         self.label = label
         self.merged = False
+        self.unsplittable = False
 
     def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
         # Members that left since the batch was granted its slot (their flag is set in
@@ -458,6 +488,7 @@ class _BatchJob:
             parts = split_rows(self.run(merge_rows([m.inputs for m in members]), any(keeps)),
                                [m.inputs.rows for m in members], keeps)
         except _Unsplittable as exc:
+            self.unsplittable = True
             _warn_once(self.label, str(exc))
         except Exception:  # each request is re-run alone below, and fails alone
             log.debug("%s: a merged run failed; its requests run one by one", self.label,
@@ -513,7 +544,7 @@ def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int], keeps: Sequen
         if not tensor.dims or tensor.dims[0] != total:
             raise _Unsplittable(
                 f"output {name!r} has shape {list(tensor.dims)}, not {total} rows (one per "
-                "input row): its requests run one by one")
+                "input row): its requests run one by one, and alone from now on")
         start = 0
         for part, count, keep in zip(parts, rows, keeps, strict=True):
             stop = start + count

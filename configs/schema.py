@@ -30,11 +30,12 @@ table.
 and each backend reads its own keys and ignores the others (a model whose backend is
 chosen by preference may end up on any of them, and a third-party backend may read any
 key). What can be checked without a backend is: ``precision``/``threads`` (keys of the
-model's own table, not options) and ``extra`` are refused; ``optimize`` must be a boolean
-and ``provider_options`` a table; and a model that names a built-in ``backend`` may only
-give the keys that backend reads (onnxruntime: ``"session.*"`` session config entries and
-``provider_options``; openvino: OpenVINO property names in capitals, such as
-``PERFORMANCE_HINT``; pytorch: ``optimize``).
+model's own table, not options) and ``extra`` are refused; ``optimize`` and
+``interruptible`` must be booleans and ``provider_options`` a table; and a model that names
+a built-in ``backend`` may only give the keys that backend reads (onnxruntime:
+``"session.*"`` session config entries and ``provider_options``; openvino: OpenVINO
+property names in capitals, such as ``PERFORMANCE_HINT``; pytorch: ``optimize`` and
+``interruptible``).
 
 Backend names (``runtime.backends``, ``pools.*.backends``, ``models.*.backend``) depend on
 what is installed, so the loader checks them (:func:`wasinn.configs.loader.load_config`),
@@ -67,7 +68,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from wasinn.actors.affinity import unsupported_reason
-from wasinn.actors.batching import Batching
+from wasinn.actors.batching import MAX_BATCH, Batching
 from wasinn.backends.base import MAX_THREADS, Device
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
@@ -246,7 +247,7 @@ class BatchingConfig(_Strict):
     (see :mod:`wasinn.actors.batching`)."""
 
     #: The most rows one merged run takes.
-    max_batch: int = Field(ge=2, le=65_536)
+    max_batch: int = Field(ge=2, le=MAX_BATCH)
     #: How long a batch holding a slot waits for more requests before it runs (0: never
     #: waits; only requests that queued while the device was busy are merged).
     max_delay_ms: float = Field(default=0.0, ge=0, le=10_000)

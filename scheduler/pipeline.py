@@ -12,8 +12,13 @@ and counted in :func:`wasinn.host_copies`.
 
 Wiring: each step after the first maps the previous step's output names to its own input
 names (``wire = { y = "input" }``); it may be omitted when the previous step has exactly
-one output and this step exactly one input. Outputs not wired are dropped. The first step
-takes the pipeline's inputs and has no wire.
+one output and this step exactly one input. Outputs not wired are dropped; an output
+feeds one input, and every input is fed exactly once (a mistake names the input). The
+first step takes the pipeline's inputs and has no wire.
+
+Batching (``batching`` on the pipeline) merges requests' rows before the first step, so
+every step must carry them: a load is refused when any step's inputs, or the outputs it
+passes on (the last step's: all of them), fix their first dimension or are scalars.
 
 Loading (``Runtime.load_by_name``) holds each step model as soon as the registry hands it
 over and checks the wiring before compiling the steps on the pipeline's device; a load
@@ -26,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
-from wasinn.actors.batching import Batching
+from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import TensorSpec
@@ -70,9 +75,7 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
                     f"{step.name} inputs {step_in}: expected wire = {{ output = \"input\" }}"
                 )
             wire = {prev_out[0]: step_in[0]}
-        # Another name a port answers to (TensorFlow's x for x:0) is its own name here.
-        wire = {_primary(prev.outputs, prev.output_aliases, out):
-                _primary(step.inputs, step.input_aliases, inp) for out, inp in wire.items()}
+        wire = _by_primary_names(here, prev, step, wire)
         for out, inp in wire.items():
             if out not in prev_out:
                 raise InvalidArgumentError(
@@ -92,15 +95,48 @@ def resolve_wiring(name: str, steps: Sequence[LoadedModel],
                 raise InvalidArgumentError(
                     f"{here}: wires {outs[out].describe()} into {ins[inp].describe()}, "
                     f"but {why}: expected an output {step.name} can take")
-        fed = list(wire.values())
-        missing = [n for n in step_in if n not in fed]
-        if missing or len(set(fed)) != len(fed):
-            raise InvalidArgumentError(
-                f"{here}: every input must be wired exactly once: got {wire}, "
-                f"inputs {step_in}"
-            )
+        _check_fed_once(here, step, wire)
         links.append(tuple(wire.items()))
     return tuple(links)
+
+
+def _by_primary_names(here: str, prev: LoadedModel, step: LoadedModel,
+                      wire: Mapping[str, str]) -> dict[str, str]:
+    """``wire`` with every port under its own name: another name a port answers to
+    (TensorFlow's x for x:0, an OpenVINO port's other tensor names) is its own name here.
+    InvalidArgumentError for two names of one output wired into different inputs (an
+    output feeds one input; one of the wires would otherwise be dropped unsaid)."""
+    resolved: dict[str, str] = {}
+    written: dict[str, str] = {}
+    for out, inp in wire.items():
+        primary = _primary(prev.outputs, prev.output_aliases, out)
+        target = _primary(step.inputs, step.input_aliases, inp)
+        if primary in resolved and resolved[primary] != target:
+            raise InvalidArgumentError(
+                f"{here}: wires {written[primary]!r} and {out!r}, which are both "
+                f"{prev.name}'s output {primary!r}: expected each output wired into one "
+                "input")
+        resolved[primary] = target
+        written.setdefault(primary, out)
+    return resolved
+
+
+def _check_fed_once(here: str, step: LoadedModel, wire: Mapping[str, str]) -> None:
+    """InvalidArgumentError naming the inputs of ``step`` that ``wire`` (outputs to
+    inputs, by their own names) leaves unfed or feeds more than once."""
+    feeders: dict[str, list[str]] = {spec.name: [] for spec in step.inputs}
+    for out, inp in wire.items():
+        feeders[inp].append(out)
+    expected = "expected every input wired exactly once"
+    for inp, outs in feeders.items():
+        if not outs:
+            raise InvalidArgumentError(
+                f"{here}: input {inp!r} of {step.name} is not wired: {expected} (wired: "
+                f"{dict(wire)}; inputs: {list(feeders)})")
+        if len(outs) > 1:
+            fed_by = " and ".join(map(repr, outs))
+            raise InvalidArgumentError(
+                f"{here}: input {inp!r} of {step.name} is wired from {fed_by}: {expected}")
 
 
 def _primary(specs: Sequence[TensorSpec], aliases: Mapping[str, int], name: str) -> str:
@@ -125,6 +161,20 @@ def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
     return None
 
 
+def check_chain_batchable(name: str, steps: Sequence[LoadedModel],
+                          links: Sequence[Link]) -> None:
+    """InvalidArgumentError unless a merged run's rows can pass through every step (see
+    :func:`~wasinn.actors.batching.check_batchable`): each step's inputs, and the outputs
+    it passes on (the last step's: all of them), must have a variable first dimension.
+    Outputs a step does not wire on are dropped, so they may be anything."""
+    for i, step in enumerate(steps):
+        outputs = step.outputs
+        if i < len(links):  # links[i] feeds step i + 1 from step i
+            passed = {out for out, _ in links[i]}
+            outputs = tuple(spec for spec in outputs if spec.name in passed)
+        check_batchable(f"pipeline {name!r} step {i} ({step.name})", step.inputs, outputs)
+
+
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
@@ -136,6 +186,8 @@ class PipelineModel:
                  scheduler: Scheduler, *, batching: Batching | None = None) -> None:
         if not steps:
             raise InvalidArgumentError(f"pipeline {name!r} has no steps: expected at least one")
+        if batching is not None:
+            check_chain_batchable(name, steps, links)
         self.name = name
         self.steps = tuple(steps)
         self.links = tuple(links)  # resolve_wiring's

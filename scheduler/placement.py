@@ -537,6 +537,10 @@ def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inp
         except WasiNNError as exc:
             # Its inputs came from the step before, not from the caller: say where.
             raise exc.prefixed(f"pipeline step {step} (fed by step {step - 1})") from exc
+        except Exception as exc:  # the backend's library's own, as backend_failure says
+            raise BackendRuntimeError(
+                f"pipeline step {step} (fed by step {step - 1}): the backend failed: "
+                f"{type(exc).__name__}: {exc}") from exc
     return current
 
 

@@ -42,9 +42,10 @@ def test_closed_is_not_found_but_distinguishable() -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    ((0,), "Batching: max_batch must be an integer >= 2, got 0"),
-    ((True,), "Batching: max_batch must be an integer >= 2, got True"),
-    ((2.5,), "Batching: max_batch must be an integer >= 2, got 2.5"),
+    ((0,), "Batching: max_batch must be an integer from 2 to 65536, got 0"),
+    ((True,), "Batching: max_batch must be an integer from 2 to 65536, got True"),
+    ((2.5,), "Batching: max_batch must be an integer from 2 to 65536, got 2.5"),
+    ((65_537,), "Batching: max_batch must be an integer from 2 to 65536, got 65537"),
     ((4, -1.0), "Batching: max_delay must be between 0 and 10 seconds, got -1.0"),
     ((4, "1"), "Batching: max_delay must be between 0 and 10 seconds, got '1'"),
     ((4, float("nan")), "Batching: max_delay must be between 0 and 10 seconds, got nan"),

@@ -16,6 +16,7 @@ import wasinn
 from tests.backend_models import scalar_onnx
 from tests.fake_backend import FakeBackend
 from tests.support import require_backend
+from tests.test_batching import device_busy
 from wasinn import (
     BackendRuntimeError,
     InvalidArgumentError,
@@ -39,6 +40,20 @@ def write_config(directory: Path, text: str) -> Path:
     path = directory / "wasinn.toml"
     path.write_text(text)
     return path
+
+
+def chain_config(directory: Path, pipeline: str, *, affine: str = "") -> Path:
+    """Models ``affine`` (y = 2x + 1, with the ``affine`` lines) and ``then`` (z = 10y),
+    and pipeline ``chain`` of both with the ``pipeline`` lines, on the default pools."""
+    return write_config(directory, f'''
+[models.affine]
+files = ["models/affine.onnx"]
+{affine}
+[models.then]
+files = ["models/then.onnx"]
+[pipelines.chain]
+steps = [{{ model = "affine" }}, {{ model = "then" }}]
+{pipeline}''')
 
 
 def worker_threads() -> list[str]:
@@ -117,15 +132,7 @@ warmup = 2
 
 async def test_a_preloaded_pipeline_compiles_its_steps_and_warms_the_chain(
         tmp_path: Path) -> None:
-    path = write_config(tmp_path, '''
-[models.affine]
-files = ["models/affine.onnx"]
-[models.then]
-files = ["models/then.onnx"]
-[pipelines.chain]
-steps = [{ model = "affine" }, { model = "then" }]
-warmup = 1
-''')
+    path = chain_config(tmp_path, "warmup = 1")
     async with wasinn.Runtime.from_config(path) as rt:
         (actor,) = rt.actors
         assert rt.name_registry.loads == {"affine": 1, "then": 1, "chain": 1}
@@ -179,12 +186,16 @@ async def test_a_failing_warm_up_fails_the_start_with_the_backend_message(
         assert rt.stats()[0].warm_ups == 1
 
 
+def warmed_on(directory: Path, shape: str) -> Path:
+    """Model ``a`` (affine, x: f32[?, 4]) warmed up once on an x of ``shape`` (TOML)."""
+    return write_config(directory, '[models.a]\nfiles = ["models/affine.onnx"]\nwarmup = 1\n'
+                                   f"warmup_inputs = {{ x = {shape} }}\n")
+
+
 @pytest.mark.parametrize("rows", [10**12, 10**20], ids=["beyond-memory", "beyond-numpy"])
 async def test_a_warm_up_shape_too_large_to_allocate_fails_the_start_naming_it(
         tmp_path: Path, rows: int) -> None:
-    path = write_config(tmp_path, '[models.a]\nfiles = ["models/affine.onnx"]\nwarmup = 1\n'
-                                  f"warmup_inputs = {{ x = [{rows}, 4] }}\n")
-    await refused_start(path, TooLargeError,
+    await refused_start(warmed_on(tmp_path, f"[{rows}, 4]"), TooLargeError,
                         rf"preloading 'a': input 'x': a zero-filled f32 value of shape "
                         rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
                         rf"allocated here \(.*\): expected a smaller shape")
@@ -291,3 +302,75 @@ async def test_a_backends_own_error_reaches_every_caller_as_itself(tmp_path: Pat
         async with wasinn.Runtime(own_error_config(tmp_path, True),
                                   backends=[_FailingBackend()]):
             pass
+
+
+async def test_warm_ups_of_batching_entries_run_alone_and_batching_works_after(
+        tmp_path: Path) -> None:
+    # Warm-ups are not requests: they never form or join a batch, whatever the rows
+    # given in warmup_inputs, and the first requests batch as usual.
+    path = chain_config(tmp_path, "warmup = 1\nwarmup_inputs = { x = [4, 4] }\n"
+                                  "batching = { max_batch = 4, max_delay_ms = 1 }",
+                        affine="warmup = 2\nbatching = { max_batch = 4 }")
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        stats = actor.stats()
+        assert (stats.warm_ups, stats.finished, stats.batches, stats.running) == (3, 0, 0, 0)
+        chain = await rt.load_by_name("chain")
+        results: dict[int, np.ndarray] = {}
+
+        async def call(i: int) -> None:
+            results[i] = (await chain.compute({"x": i * X}))["z"].numpy()
+
+        async with device_busy(actor) as nursery:
+            for i in range(3):
+                nursery.start_soon(call, i)
+        for i in range(3):
+            np.testing.assert_allclose(results[i], 10 * (2 * i * X + 1))
+        assert (chain.stats().batches, chain.stats().batched) == (1, 3)
+        assert actor.stats().warm_ups == 3
+
+
+@pytest.mark.parametrize(("shape", "given"), [("[1, 5]", r"x: f32\[1, 5\]"),
+                                              ("[4]", r"x: f32\[4\]")])
+async def test_warmup_inputs_that_do_not_fit_the_model_fail_the_start_saying_so(
+        tmp_path: Path, shape: str, given: str) -> None:
+    await refused_start(warmed_on(tmp_path, shape), InvalidArgumentError,
+                        rf"^preloading 'a': cpu: the warm-up run on zero-filled inputs "
+                        rf"\({given}; .*\) failed: onnxruntime: input 'x' has shape "
+                        rf".* but the model expects x: f32\[\?, 4\]$")
+
+
+async def test_a_pipelines_warmup_inputs_name_its_own_inputs_only(tmp_path: Path) -> None:
+    # 'y' is an input of the second step, fed by the first: not the pipeline's.
+    path = chain_config(tmp_path, "warmup = 1\nwarmup_inputs = { y = [2, 4] }")
+    await refused_start(path, InvalidArgumentError,
+                        r"^preloading 'chain': warmup_inputs names 'y', which is not an "
+                        r"input: expected one of 'x'$")
+
+
+async def test_a_failed_warm_up_leaves_nothing_behind_and_names_the_first_failure(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Every entry is readied at once; the start fails with the first failure in config
+    # order, the others are logged, and nothing is left running or registered.
+    (tmp_path / "three.onnx").write_bytes(reshape_to_three_rows())
+    path = write_config(tmp_path, '''
+[models.fine]
+files = ["models/affine.onnx"]
+warmup = 1
+[models.three]
+files = ["../three.onnx"]
+warmup = 1
+[models.absent]
+files = ["models/absent.onnx"]
+preload = true
+''')
+    path.write_text(path.read_text().replace("../three.onnx", str(tmp_path / "three.onnx")))
+    runtime = wasinn.Runtime.from_config(path)
+    with pytest.raises(BackendRuntimeError, match=r"^preloading 'three': cpu: the warm-up"):
+        await runtime.start()
+    assert "preloading 'absent' failed too" in caplog.text
+    assert worker_threads() == []
+    assert runtime.name_registry.loaded() == []
+    with pytest.raises(wasinn.ClosedResourceError, match="closed"):
+        await runtime.load_by_name("fine")
+    assert [s.warm_ups for s in runtime.stats()] == [1]  # the final figures: fine's run

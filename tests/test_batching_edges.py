@@ -1,0 +1,371 @@
+"""Dynamic batching at its edges, on real ONNX Runtime graphs: what one window may mix
+(shapes, element types, key styles, device-resident values, terms), outputs bound to
+buffers, runs that all fail, members that leave while their batch runs, a context
+closed or the runtime closed under a waiting batch, and ``max_delay`` in trio's time."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.support import cpu_pool
+from tests.test_batching import (
+    compute_into,
+    device_busy,
+    first_row_onnx,
+    only_actor,
+    run_sizes,
+)
+from wasinn import Batching, ClosedResourceError, TimeoutError_
+from wasinn.actors import DeviceActor
+from wasinn.modelgen import affine_onnx, onnx_model_bytes
+from wasinn.tensor import as_tensor
+
+#: A compiled graph's run: (inputs, keep_on_device=...) -> outputs.
+RunFn = Callable[..., dict[str, wasinn.Tensor]]
+
+
+def rows(value: float, count: int = 1, width: int = 4) -> np.ndarray[Any, Any]:
+    return np.full((count, width), value, np.float32)
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[wasinn.Runtime]:
+    """A runtime with one CPU worker."""
+    async with wasinn.Runtime(cpu_pool(workers=1)) as runtime:
+        yield runtime
+
+
+def sum_and_difference_onnx() -> bytes:
+    """``s = a + b`` and ``d = a - b`` over f32 ``(n, k)``: two inputs, two outputs."""
+    from onnx import TensorProto, helper
+
+    values = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", "k"]) for n in "absd"]
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Sub", ["a", "b"], ["d"])]
+    return onnx_model_bytes(helper.make_graph(nodes, "sum_diff", values[:2], values[2:]))
+
+
+def wrap_runs(actor: DeviceActor, graph: wasinn.Graph,
+              wrapper: Callable[[RunFn], RunFn]) -> Callable[[], None]:
+    """Every run of ``graph``'s compiled graph on ``actor`` goes through
+    ``wrapper(the real run)`` until the returned function is called."""
+    session = actor.cached_session(graph._executable.id)  # type: ignore[attr-defined]
+    assert session is not None
+    compiled = session.compiled
+    real_run = compiled.run
+    compiled.run = wrapper(real_run)  # type: ignore[method-assign]
+    return functools.partial(setattr, compiled, "run", real_run)
+
+
+async def loaded(rt: wasinn.Runtime, model: bytes, max_batch: int = 8
+                 ) -> tuple[wasinn.Graph, DeviceActor, list[int]]:
+    """``model`` (ONNX) loaded with batching, the runtime's only device, and the row count
+    of each of its runs there from now on (see run_sizes)."""
+    graph = await rt.load([model], "onnx", batching=Batching(max_batch=max_batch))
+    return graph, only_actor(rt), run_sizes(rt, graph)
+
+
+async def outcome_of(results: dict[Any, Any], key: Any, call: Any) -> None:
+    """``results[key]``: what ``await call()`` returned, or the WasiNNError it raised."""
+    try:
+        results[key] = await call()
+    except wasinn.WasiNNError as exc:
+        results[key] = exc
+
+
+# -- what one window may hold ------------------------------------------------------------------
+async def test_a_window_of_mixed_shapes_types_and_keys_is_never_concatenated_wrongly(
+        rt: wasinn.Runtime) -> None:
+    graph, actor, sizes = await loaded(rt, sum_and_difference_onnx(), max_batch=16)
+    cases: dict[str, dict[Any, Any]] = {
+        # Only requests with the same keys, in the same order, with the same element types
+        # and the same dimensions after the first, may share a run.
+        "k4 names": {"a": rows(1, 2), "b": rows(10, 2)},
+        "k4 names again": {"a": rows(2, 1), "b": rows(20, 1)},
+        "k3 names": {"a": rows(3, 1, 3), "b": rows(30, 1, 3)},
+        "k4 reversed": {"b": rows(40, 1), "a": rows(4, 1)},
+        "k4 positions": {0: rows(5, 3), 1: rows(50, 3)},
+        "k4 positions again": {0: rows(6, 1), 1: rows(60, 1)},
+        # A wrong element type fails alone; first dimensions that differ run alone (ONNX
+        # Runtime broadcasts b's one row over a's two).
+        "f64": {"a": rows(7).astype(np.float64), "b": rows(70).astype(np.float64)},
+        "ragged": {"a": rows(8, 2), "b": rows(80, 1)},
+        "ragged again": {"a": rows(9, 2), "b": rows(90, 1)},
+    }
+    results: dict[str, Any] = {}
+    async with device_busy(actor) as nursery:
+        for name, inputs in cases.items():
+            nursery.start_soon(outcome_of, results, name,
+                               functools.partial(graph.compute, inputs))
+    for name, inputs in cases.items():
+        a, b = (inputs["a"], inputs["b"]) if "a" in inputs else (inputs[0], inputs[1])
+        if name == "f64":
+            assert isinstance(results[name], wasinn.InvalidArgumentError), results[name]
+            continue
+        np.testing.assert_array_equal(results[name]["s"].numpy(), a + b, err_msg=name)
+        np.testing.assert_array_equal(results[name]["d"].numpy(), a - b, err_msg=name)
+    # Two merged runs (names 2 + 1 rows, positions 3 + 1); every other request alone.
+    assert sorted(sizes) == sorted([3, 4, 1, 1, 1, 2, 2]), sizes
+    assert (graph.stats().batches, graph.stats().batched) == (2, 4)
+
+
+async def test_device_resident_inputs_run_alone_and_read_ones_batch(rt: wasinn.Runtime) -> None:
+    graph, actor, sizes = await loaded(rt, affine_onnx())
+    kept = [(await graph.compute({"x": rows(i)}, keep_on_device=True))["y"] for i in range(3)]
+    del sizes[:]  # those three ran alone: count from here
+    assert not any(t.is_host for t in kept)
+    read = kept[2]
+    read.numpy()  # now it has host data too: it batches like any host tensor
+    results: dict[Any, Any] = {}
+    async with device_busy(actor) as nursery:
+        for i, tensor in enumerate(kept):
+            nursery.start_soon(outcome_of, results, i,
+                               functools.partial(graph.compute, {"x": tensor}))
+        nursery.start_soon(outcome_of, results, "host",
+                           functools.partial(graph.compute, {"x": rows(9)}))
+    assert sorted(sizes) == [1, 1, 2]  # the two native values alone, read + host merged
+    for i in range(3):
+        np.testing.assert_allclose(results[i]["y"].numpy(), 2 * (2 * rows(i) + 1) + 1)
+    np.testing.assert_allclose(results["host"]["y"].numpy(), 2 * rows(9) + 1)
+
+
+async def test_lower_priority_and_later_deadline_requests_ride_along_with_their_rows(
+        rt: wasinn.Runtime) -> None:
+    graph, actor, sizes = await loaded(rt, affine_onnx())
+    terms: dict[str, dict[str, Any]] = {
+        "opener": {"priority": 5, "timeout": 60},
+        "lower": {"priority": 1},             # joins: served no later than alone
+        "later deadline": {"timeout": 120},   # joins too
+        "higher": {"priority": 9},            # its own batch, run first
+        "other tenant": {"priority": 5, "tenant": "t"},
+    }
+    order: list[str] = []
+    results: dict[str, np.ndarray[Any, Any]] = {}
+
+    async def call(name: str, value: float) -> None:
+        out = await graph.compute({"x": rows(value, 2)}, **terms[name])
+        results[name] = out["y"].numpy()
+        order.append(name)
+
+    async with device_busy(actor) as nursery:
+        for value, name in enumerate(terms):
+            nursery.start_soon(call, name, float(value))
+            await trio.testing.wait_all_tasks_blocked()
+    for value, name in enumerate(terms):
+        np.testing.assert_allclose(results[name], 2 * rows(value, 2) + 1, err_msg=name)
+    assert order[0] == "higher" and set(order[1:4]) == {"opener", "lower", "later deadline"}
+    assert sorted(sizes) == [2, 2, 6]
+
+
+# -- outputs ---------------------------------------------------------------------------------
+async def test_bound_buffers_of_batched_requests_each_get_their_own_rows(
+        rt: wasinn.Runtime) -> None:
+    graph, actor, sizes = await loaded(rt, sum_and_difference_onnx())
+    contexts = [graph.init_execution_context() for _ in range(4)]
+    typed = [np.zeros((1 + i, 4), np.float32) for i in range(3)]
+    raw = bytearray(64)  # a guest's byte buffer, larger than the output
+    for ctx, buffer in zip(contexts, typed, strict=False):
+        ctx.set_output("d", buffer)
+    contexts[3].set_output("s", raw)
+    wrong = np.zeros((5, 4), np.float32)  # not the output's shape: that request fails alone
+    contexts[2].set_output("s", wrong)
+    results: dict[int, Any] = {}
+    async with device_busy(actor) as nursery:
+        for i, ctx in enumerate(contexts):
+            ctx.set_input("a", rows(i, 1 + i % 3))
+            ctx.set_input("b", rows(10 * i, 1 + i % 3))
+            nursery.start_soon(outcome_of, results, i, ctx.run)
+    assert sizes == [1 + 2 + 3 + 1]  # one merged run
+    for i in (0, 1):
+        np.testing.assert_array_equal(typed[i], rows(i, 1 + i) - rows(10 * i, 1 + i))
+        np.testing.assert_array_equal(contexts[i].get_output("s").numpy(),
+                                      rows(11 * i, 1 + i))
+    assert isinstance(results[2], wasinn.InvalidArgumentError)
+    assert not typed[2].any() and not wrong.any()  # a run that did not fit writes nothing
+    np.testing.assert_array_equal(np.frombuffer(raw, np.float32)[:4], rows(33).ravel())
+    assert not any(raw[16:])
+    for ctx in contexts:
+        ctx.close()
+
+
+async def test_after_outputs_that_cannot_be_split_the_graphs_requests_run_alone(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: every batch of such a model ran merged (its outputs thrown away), then each
+    # request in turn in the batch's one job: n + 1 runs for n requests, for ever.
+    graph, actor, sizes = await loaded(rt, first_row_onnx())
+    results: dict[Any, Any] = {}
+    for round_ in range(2):
+        async with device_busy(actor) as nursery:
+            for i in range(3):
+                nursery.start_soon(compute_into, graph, {"x": rows(i + 1, 2)}, results,
+                                   (round_, i))
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().queued == 3
+    assert sizes == [6, 2, 2, 2, 2, 2, 2]  # the second round: no merged run
+    for (_, i), y in results.items():
+        np.testing.assert_allclose(y, rows(i + 1))  # each request's own first row
+    assert caplog.text.count("cannot batch") == 1
+    assert (graph.stats().completed, graph.stats().batches) == (6, 0)
+    assert (actor.stats().running, actor.stats().queued) == (0, 0)
+
+
+# -- failures and members that leave -----------------------------------------------------------
+async def test_a_batch_whose_every_run_fails_fails_each_member_and_the_device_goes_on(
+        rt: wasinn.Runtime) -> None:
+    graph, actor, _ = await loaded(rt, affine_onnx())
+    runs: list[int] = []
+
+    def exploding(_real_run: RunFn) -> RunFn:
+        def run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+            runs.append(as_tensor(inputs["x"]).dims[0])
+            raise RuntimeError("the library exploded")
+
+        return run
+
+    undo = wrap_runs(actor, graph, exploding)
+    results: dict[int, Any] = {}
+    async with device_busy(actor) as nursery:
+        for i in range(3):
+            nursery.start_soon(outcome_of, results, i,
+                               functools.partial(graph.compute, {"x": rows(i)}))
+    assert runs == [3, 1, 1, 1]  # the merged run, then each request alone
+    errors = [results[i] for i in range(3)]
+    assert all(isinstance(e, wasinn.BackendRuntimeError) and "library exploded" in str(e)
+               for e in errors), errors
+    assert len({id(e) for e in errors}) == 3  # each caller raises an error of its own
+    undo()
+    out = await graph.compute({"x": rows(4)})
+    np.testing.assert_allclose(out["y"].numpy(), 2 * rows(4) + 1)
+    stats = graph.stats()
+    assert (stats.failed, stats.completed, stats.batches) == (3, 1, 0)
+    assert (actor.stats().running, actor.stats().queued) == (0, 0)
+
+
+async def test_a_member_timing_out_while_its_batch_runs_leaves_the_others_their_rows(
+        rt: wasinn.Runtime) -> None:
+    graph, actor, _ = await loaded(rt, affine_onnx())
+    in_run, go_on = threading.Event(), threading.Event()
+
+    def held(real_run: RunFn) -> RunFn:
+        def run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+            in_run.set()
+            go_on.wait(30)
+            return real_run(inputs, **kwargs)
+
+        return run
+
+    undo = wrap_runs(actor, graph, held)
+    results: dict[Any, Any] = {}
+    gate = threading.Event()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(outcome_of, results, "patient",
+                               functools.partial(graph.compute, {"x": rows(1)}))
+            nursery.start_soon(outcome_of, results, "hurried",
+                               functools.partial(graph.compute, {"x": rows(2, 2)},
+                                                 timeout=0.2))
+            nursery.start_soon(outcome_of, results, "also patient",
+                               functools.partial(graph.compute, {"x": rows(3, 3)}))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+            await trio.to_thread.run_sync(in_run.wait)  # the merged run of all three
+            while "hurried" not in results:  # its timeout passes while the run is held
+                await trio.sleep(0.05)
+            go_on.set()
+    assert isinstance(results["hurried"], TimeoutError_)
+    np.testing.assert_allclose(results["patient"]["y"].numpy(), 2 * rows(1) + 1)
+    np.testing.assert_allclose(results["also patient"]["y"].numpy(), 2 * rows(3, 3) + 1)
+    stats = graph.stats()
+    assert (stats.timed_out, stats.completed, stats.batches, stats.batched) == (1, 2, 1, 2)
+    undo()
+
+
+async def test_a_context_closed_while_its_request_waits_in_a_batch(rt: wasinn.Runtime) -> None:
+    graph, actor, _ = await loaded(rt, affine_onnx())
+    contexts = [graph.init_execution_context() for _ in range(3)]
+    await graph.unload()  # the contexts hold the model now
+    results: dict[int, Any] = {}
+    async with device_busy(actor) as nursery:
+        for i, ctx in enumerate(contexts):
+            nursery.start_soon(outcome_of, results, i,
+                               functools.partial(ctx.compute, {"x": rows(i)}))
+        await trio.testing.wait_all_tasks_blocked()
+        contexts[0].close()
+    assert isinstance(results[0], ClosedResourceError)
+    for i in (1, 2):
+        np.testing.assert_allclose(results[i]["y"].numpy(), 2 * rows(i) + 1)
+    assert actor.stats().graphs == 1
+    for ctx in contexts[1:]:
+        ctx.close()
+    assert actor.stats().graphs == 0
+
+
+async def test_closing_the_runtime_while_a_batch_gathers_fails_every_member() -> None:
+    rt = wasinn.Runtime(cpu_pool(workers=1))
+    await rt.start()
+    actor = only_actor(rt)
+    try:
+        graph = await rt.load([affine_onnx()], "onnx",
+                              batching=Batching(max_batch=8, max_delay=5.0))
+        results: dict[int, Any] = {}
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(compute_into, graph, {"x": rows(i)}, results, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().running == 1  # held while it gathers for 5 s
+            await rt.aclose()  # at once, not 5 s later
+        assert all(isinstance(results[i], ClosedResourceError) for i in range(3)), results
+        assert "closed" in str(results[0])
+    finally:
+        await rt.aclose()
+    assert actor.stats().running == 0
+
+
+# -- max_delay, in trio's time -------------------------------------------------------------------
+async def runs_of(batching: Batching, arrivals: list[tuple[float, int]]
+                  ) -> tuple[list[int], list[float]]:
+    """Requests of ``rows`` rows made ``when`` seconds (trio time) after the first, each
+    ``(when, rows)`` of ``arrivals``, on an idle runtime of one worker: the size of each
+    run of the graph, and how long after the first arrival each request finished."""
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", batching=batching)
+        sizes = run_sizes(rt, graph)
+        start = trio.current_time()
+        finished: list[float] = []
+
+        async def call_at(when: float, count: int) -> None:
+            await trio.sleep_until(start + when)
+            x = rows(when, count)
+            np.testing.assert_allclose((await graph.compute({"x": x}))["y"].numpy(), 2 * x + 1)
+            finished.append(trio.current_time() - start)
+
+        async with trio.open_nursery() as nursery:
+            for when, count in arrivals:
+                nursery.start_soon(call_at, when, count)
+        return sizes, finished
+
+
+async def test_max_delay_gathers_for_that_long_from_the_first_request(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # 0, 0.2 and 0.49 arrive within 0.5 s of the first; 0.6 opens the next batch, which
+    # 0.7 joins.
+    sizes, _ = await runs_of(Batching(max_batch=8, max_delay=0.5),
+                             [(0.0, 1), (0.2, 1), (0.49, 1), (0.6, 1), (0.7, 1)])
+    assert sizes == [3, 2]
+
+
+async def test_a_batch_that_fills_up_runs_before_max_delay(
+        autojump_clock: trio.testing.MockClock) -> None:
+    sizes, finished = await runs_of(Batching(max_batch=3, max_delay=10), [(0.0, 1), (1.0, 2)])
+    assert sizes == [3]
+    assert finished == [1.0, 1.0]  # when the second made it full, not at 10 s
