@@ -15,9 +15,11 @@ demo: $(VENV)/.installed
 comma := ,
 CI_REQUIRE := $(if $(CI),wasm$(comma)onnxruntime$(comma)openvino$(comma)torch,)
 
-test: $(VENV)/.installed
+lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p wasinn
+
+test: lint
 	WASINN_REQUIRE=$${WASINN_REQUIRE:-$(CI_REQUIRE)} $(BIN)/pytest
 
 bench: $(VENV)/.installed

@@ -27,7 +27,8 @@ trip per request on an idle device, and one on a busy one, instead of two plus a
 hand-off; the price is that a running request cannot be abandoned (the caller's thread
 is the one running it): when its timeout passes, or another thread calls
 ``ContextRun.interrupt``, the run is stopped where the backend can stop it (ONNX Runtime,
-OpenVINO; torch runs to its end).
+OpenVINO, a ``torch.export`` program, a TorchScript model loaded ``interruptible``; any
+other TorchScript run goes on to its end).
 
 Keys are input/output names or their positions. Contexts are not thread-safe: use them
 from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the
@@ -296,8 +297,8 @@ class ExecutionContext:
 
         Call it in trio. Raises what :meth:`compute` raises while placing and queueing;
         cancelled while queued, the request is removed. ``timeout`` bounds the wait and the
-        run: a run still going when it passes is stopped where the backend can (ONNX Runtime,
-        OpenVINO; torch runs to its end) and raises TimeoutError_. A context closed before
+        run: a run still going when it passes is stopped where the backend can (see the
+        module docstring) and raises TimeoutError_. A context closed before
         :meth:`ContextRun.run` has the slot given back there, unrun (ClosedResourceError).
         """
         self._check_open()

@@ -8,6 +8,7 @@ through wasmtime's canonical ABI, in any order it likes.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -383,6 +384,20 @@ async def test_a_registered_model_that_fails_to_load_tells_the_guest_no_host_pat
     logged = [r.getMessage() for r in caplog.records
               if r.getMessage().startswith(f"load-by-name {name!r}: ")]
     assert len(logged) == 1 and host_says in logged[0], logged
+
+
+async def test_loads_are_logged_with_their_time(shim: Shim,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    # What `wasinn run -v` shows for a component guest, as for a core module.
+    caplog.set_level("INFO", logger="wasinn.host.component")
+    graph = await shim.ok("load-by-name", "affine")
+    await shim.ok("load", [affine_onnx()], ONNX, CPU)
+    lines = [r.getMessage() for r in caplog.records if r.name == "wasinn.host.component"]
+    assert any(re.fullmatch(rf"graph {graph}: 'affine' loaded by name in [\d.]+ ms", line)
+               for line in lines), lines
+    size = len(affine_onnx())
+    assert any(re.fullmatch(rf"graph \d+: {size} bytes of onnx loaded for cpu in [\d.]+ ms",
+                            line) for line in lines), lines
 
 
 async def test_not_found_for_an_empty_name(shim: Shim) -> None:

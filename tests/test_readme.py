@@ -1,12 +1,21 @@
-"""The README's examples stay true: its config example is a valid config."""
+"""The README's examples stay true: its config example is a valid config, its Python
+example runs, its tables, numbers and commands are the code's."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
+import pytest
+
+from tests.support import has_module, require_backend, skip_unless
+from wasinn.backends.base import TensorSpec
 from wasinn.configs.loader import load_config
+from wasinn.enums import TensorType
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -41,3 +50,167 @@ def test_the_examples_makefile_builds_with_clang_unless_told_otherwise() -> None
 
     assert planned().count("clang-19 --target=wasm32-wasi") == 4
     assert "mycc --target=wasm32-wasi" in planned("CC=mycc")
+
+
+def _section(title: str) -> str:
+    """The README's text from the heading ``title`` to the next heading of any level (a
+    ``#`` line outside code blocks)."""
+    lines = README.read_text().splitlines()
+    start = lines.index(title)
+    fenced = False
+    for end in range(start + 1, len(lines)):
+        fenced ^= lines[end].startswith("```")
+        if not fenced and lines[end].startswith("#"):
+            break
+    else:
+        end = len(lines)
+    return "\n".join(lines[start:end])
+
+
+def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's example, as written, against a tiny ONNX model with its input and
+    output names (``input: f32[?, 3, 224, 224]`` -> ``output``), a guest that exits at
+    once and the ``data`` folder it preopens; the example leaves ``image`` and ``buf``
+    to the reader, so they are given here."""
+    require_backend("onnxruntime")
+    skip_unless("onnx", has_module("onnx"), "onnx is not installed")
+    from onnx import TensorProto, helper
+
+    from wasinn.modelgen import onnx_model_bytes
+
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 3, 224, 224])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["n", 3])
+    mean = helper.make_node("ReduceMean", ["input"], ["output"], axes=[2, 3], keepdims=0)
+    (tmp_path / "mobilenet.onnx").write_bytes(
+        onnx_model_bytes(helper.make_graph([mean], "tiny", [x], [y]), opset=17))
+    (tmp_path / "guest.wasm").write_text(
+        '(module (memory (export "memory") 1) (func (export "_start")))')
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WASINN_CACHE_DIR", str(tmp_path / "cache"))
+
+    [example] = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    buf = bytearray(3 * 4)
+    exec(compile(example, "README.md", "exec"),
+         {"image": np.full((1, 3, 224, 224), 2.0, np.float32), "buf": buf})
+
+    assert capsys.readouterr().out.split() == ["onnxruntime", "0"]  # print(g.backend, ...)
+    assert np.frombuffer(buf, np.float32).tolist() == [2.0, 2.0, 2.0]  # filled in place
+
+
+def test_readme_describes_an_input_as_describe_does() -> None:
+    quoted = re.search(r"`g\.inputs\[0\]\.describe\(\)` gives\s+`([^`]+)`", README.read_text())
+    assert quoted is not None
+    spec = TensorSpec("input", TensorType.F32, (None, 3, 224, 224))
+    assert spec.describe() == quoted.group(1)
+
+
+def _abi_rows() -> dict[str, int]:
+    """The README's ABI table: each function with its number of core parameters."""
+    rows: dict[str, int] = {}
+    for names, signature in re.findall(r"^\| (`[^|]+) \| (`[^|]+|as [^|]+) \|",
+                                       _section("### The ABI"), re.M):
+        if names == "`function`":
+            continue
+        functions = re.findall(r"`(\w+)`", names)
+        if signature.startswith("as "):  # as compute / get_output / `(ctx)`
+            counts = {"compute": 1, "get_output": 5}
+            parts = [p.strip(" `") for p in signature.removeprefix("as ").split("/")]
+            arities = [counts[p] if p in counts else len(p.strip("()").split(","))
+                       for p in parts]
+        else:
+            params = re.match(r"`\(([^)]*)\)`", signature)
+            assert params is not None, signature
+            arities = [len(params.group(1).split(","))] * len(functions)
+        rows.update(zip(functions, arities, strict=True))
+    return rows
+
+
+def test_readme_abi_table_matches_the_host_functions() -> None:
+    """Every ``wasi_ephemeral_nn`` function the host defines is in the table, with as many
+    parameters as the host takes, and nothing else is."""
+    from wasinn.host.core_bindings import _table
+
+    defined = {name: count for name, (count, _, _) in _table(mock.Mock()).items()}
+    assert _abi_rows() == defined
+
+
+def test_readme_abi_numbering_matches_the_host() -> None:
+    from wasinn.host.abi import ENCODINGS, TARGETS, TENSOR_TYPES, Errno
+
+    section = _section("### The ABI")
+    numbering = re.search(r"Numbering is WITX's.*?\n(?=- )", section, re.S)
+    assert numbering is not None
+    text = numbering.group(0).replace("**", "")
+    pairs = {(name, int(n)) for name, n in re.findall(r"(\w+)=(\d+)", text)}
+    expected = {(m.value, n) for table in (ENCODINGS, TARGETS, TENSOR_TYPES)
+                for n, m in table.items()}
+    assert pairs == expected
+    errnos = re.search(r"errno: (success 0,.*?model_not_found \d+)", section, re.S)
+    assert errnos is not None
+    listed = {name: int(n) for name, n in re.findall(r"(\w+) (\d+)", errnos.group(1))}
+    assert listed == {e.name.lower(): e.value for e in Errno if e.name.lower() in listed}
+    assert set(listed) >= {e.name.lower() for e in Errno if e.value < 100}
+
+
+def test_readme_guest_limit_defaults_match_the_schema() -> None:
+    """``max_graphs`` graphs (64) ... in the Limits section are the config's defaults."""
+    from wasinn.configs.schema import GuestsConfig
+
+    units = {"": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+    stated = {key: int(n) * units[unit] for key, n, unit in re.findall(
+        r"`(max_\w+)`[^(`]*\((\d+)\s*(\w*)\)", _section("### Limits"))}
+    assert set(stated) >= {"max_graphs", "max_contexts", "max_model_bytes", "max_tensor_bytes"}
+    defaults = GuestsConfig()
+    assert stated == {key: getattr(defaults, key) for key in stated}
+
+
+def _command_lines() -> list[str]:
+    """Every ``wasinn ...`` command of the README's shell blocks, continuation lines
+    joined and comments dropped."""
+    commands = []
+    for block in re.findall(r"```(?:sh|console)\n(.*?)```", README.read_text(), re.S):
+        for text in block.replace("\\\n", " ").splitlines():
+            line = text.removeprefix("$ ").split("#")[0].strip()
+            if line.startswith("wasinn "):
+                commands.append(line)
+    return commands
+
+
+def test_readme_commands_use_the_parsers_commands_and_options() -> None:
+    from wasinn.cli import _parser
+
+    parser = _parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    top = {s for a in parser._actions for s in a.option_strings}
+    lines = _command_lines()
+    assert {line.split()[1] for line in lines} - top >= {"run", "infer", "devices", "models",
+                                                         "demo"}
+    for line in lines:
+        words = line.split()[1:]
+        while words[0] in top:  # -v before the command
+            words.pop(0)
+        sub = commands.choices.get(words[0])
+        assert sub is not None, f"README: {line}: no command {words[0]!r}"
+        options = {s for a in sub._actions for s in a.option_strings}
+        for option in re.findall(r"(?<![\w.-])(--?[a-zA-Z][\w-]*)", " ".join(words[1:])):
+            if option in options:
+                continue
+            assert words[0] == "run" and option in _guest_options(words), \
+                f"README: {line}: `wasinn {words[0]}` has no option {option}"
+
+
+def _guest_options(words: list[str]) -> list[str]:
+    # `wasinn run ... GUEST.wasm --legacy`: what follows the guest is the guest's.
+    guest = next((i for i, w in enumerate(words) if w.endswith((".wasm", ".wat"))), len(words))
+    return words[guest + 1:]
+
+
+def test_readme_exit_statuses_are_the_commands() -> None:
+    from wasinn.cli import EXIT_ERROR
+    from wasinn.host.runner import TRAP_EXIT_STATUS
+
+    text = " ".join(_section("## Core-module guests (`wasi_ephemeral_nn`)").split())
+    assert f"a trap prints its message and exits with {TRAP_EXIT_STATUS}" in text
+    assert f"`wasinn` exits with {EXIT_ERROR} for an error of its own" in text

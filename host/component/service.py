@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -318,10 +319,14 @@ class NNService:
         size = sum(len(b) for b in builders)
         self._reserve_model_bytes(size)
         self._check_graph_room()
+        start = time.perf_counter()
         graph = self.portal.run(
             functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt)
         )
-        return self._add_graph(graph, f"{enc.value} graph", size)
+        rep = self._add_graph(graph, f"{enc.value} graph", size)
+        log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", rep, size, enc.value,
+                 tgt.value, (time.perf_counter() - start) * 1e3)
+        return rep
 
     def load_words(self, builders: Sequence[tuple[int, bytes]], encoding: str, target: str
                    ) -> int:
@@ -340,11 +345,15 @@ class NNService:
         if not name:
             raise InvalidArgumentError("load-by-name needs a model name; got an empty string")
         self._check_graph_room()
+        start = time.perf_counter()
         graph = load_registered(self.portal, self.runtime, name)
         # The registry chose this graph's default target, not the guest: check it as if
         # the guest had asked for it (_add_graph), or plain init-execution-context and
         # one-shot compute would run it on a target the guest may not use.
-        return self._add_graph(graph, f"graph {name!r}", 0)
+        rep = self._add_graph(graph, f"graph {name!r}", 0)
+        log.info("graph %d: %r loaded by name in %.1f ms", rep, name,
+                 (time.perf_counter() - start) * 1e3)
+        return rep
 
     def _check_graph_room(self) -> None:
         if len(self.tables.graphs) >= self.limits.max_graphs:
