@@ -137,6 +137,36 @@ def _host_array(value: Any, ttype: TensorType) -> np.ndarray[Any, Any]:
     return np.frombuffer(bytes(raw), dtype=_BF16).reshape(shape)
 
 
+def _spans(values: list[Any]) -> list[tuple[int, int]]:
+    """The host memory (start, end) of the CPU OrtValues among ``values``, empty ones
+    left out."""
+    spans = []
+    for value in values:
+        if value.device_name().lower() == "cpu":
+            size = int(value.tensor_size_in_bytes())
+            if size:
+                start = int(value.data_ptr())
+                spans.append((start, start + size))
+    return spans
+
+
+def _within(value: Any, spans: list[tuple[int, int]]) -> bool:
+    """Whether the CPU OrtValue ``value`` lies in memory of one of ``spans``."""
+    if value.device_name().lower() != "cpu" or not value.tensor_size_in_bytes():
+        return False
+    start = int(value.data_ptr())
+    return any(low <= start < high for low, high in spans)
+
+
+def _owned(value: Any, ttype: TensorType) -> Any:
+    """A copy of the CPU OrtValue ``value`` in memory of its own."""
+    array = np.array(_host_array(value, ttype), copy=True)
+    if ttype is TensorType.BF16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16),
+                                                               _ONNX_BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
 def _ort_input(tensor: Tensor) -> Any:
     """An OrtValue for ``tensor`` without copying host data (bf16 tagged as BFLOAT16)."""
     native = tensor.native
@@ -230,23 +260,34 @@ class OrtGraph(CheckedGraph):
         self, session: Any, ordered: list[Tensor], picked: tuple[int, ...], keep: bool,
         options: Any,
     ) -> dict[str, Tensor]:
+        # An output named twice (by name and position) is bound, and returned, once.
+        unique = tuple(dict.fromkeys(picked))
         try:
             binding = session.io_binding()
+            fed = []
             for name, tensor in zip(self._input_names, ordered, strict=True):
-                binding.bind_ortvalue_input(name, _ort_input(tensor))
-            for i in picked:
+                value = _ort_input(tensor)
+                fed.append(value)
+                binding.bind_ortvalue_input(name, value)
+            for i in unique:
                 spec = self.outputs[i]
                 # ORT cannot hand bf16 back from a CUDA buffer: bf16 outputs land on the CPU.
                 where = "cpu" if not keep or spec.type is TensorType.BF16 else self._ort_device[0]
                 binding.bind_output(spec.name, where, self._ort_device[1] if where != "cpu" else 0)
             session.run_with_iobinding(binding, options)
             values = binding.get_outputs()
+            # A graph output that is a graph input comes back as the very OrtValue bound
+            # for it, over the caller's memory: such an output gets memory of its own.
+            inputs = _spans(fed)
+            if inputs:
+                values = [_owned(v, self.outputs[i].type) if _within(v, inputs) else v
+                          for i, v in zip(unique, values, strict=True)]
         except WasiNNError:
             raise
         except Exception as exc:
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
         result: dict[str, Tensor] = {}
-        for i, value in zip(picked, values, strict=True):
+        for i, value in zip(unique, values, strict=True):
             spec = self.outputs[i]
             if keep:
                 result[spec.name] = Tensor.from_native(
