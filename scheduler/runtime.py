@@ -241,7 +241,11 @@ class Runtime:
         what loading a preloaded model raises (NotFoundError for a missing file...),
         its name in the message; the runtime is closed again then. An :meth:`aclose`
         while it starts stops what has started, and this raises ClosedResourceError.
+        Awaited outside trio (asyncio), or in another trio run than a started runtime's,
+        this and ``load``, ``load_by_name`` and ``aclose`` raise RuntimeError and change
+        nothing: the runtime can still be started in trio.
         """
+        self._check_trio("start")  # before anything changes: a wrong loop spoils nothing
         if self._closed and not self._started:
             raise ClosedResourceError("the runtime was closed before it started: make a new "
                                       "Runtime")
@@ -260,6 +264,21 @@ class Runtime:
         self._scheduler = scheduler
         log.debug("runtime started: devices %s", [a.device.name for a in actors])
         await self._preload()
+
+    def _check_trio(self, method: str) -> None:
+        # RuntimeError, saying why, for a call from outside trio (asyncio's loop, or none)
+        # or from another trio run than the one the runtime serves in: both would fail
+        # deep inside trio with a message that names neither the runtime nor the cause.
+        if not trio.lowlevel.in_trio_run():
+            raise RuntimeError(
+                f"Runtime.{method} must be awaited in trio (inside trio.run): wasinn runs "
+                "on trio, not on asyncio or any other event loop")
+        scheduler = self._scheduler
+        if (scheduler is not None and scheduler.trio_token is not None
+                and trio.lowlevel.current_trio_token() is not scheduler.trio_token):
+            raise RuntimeError(
+                f"Runtime.{method}: this runtime was started in another trio run; it "
+                "serves that run only: make a Runtime in this one")
 
     def _check_not_closed_while_starting(self) -> None:
         if self._closed:
@@ -296,7 +315,8 @@ class Runtime:
         (an error is logged naming the device and the job). That wait is shielded:
         cancelling the caller does not cut it short, but it never lasts longer than the
         largest ``close_timeout``. Idempotent; any task may call it, and a call while
-        another is closing returns once that close is done."""
+        another is closing returns once that close is done. RuntimeError outside trio."""
+        self._check_trio("aclose")
         if not self._closed:
             self._closed = True
             self._names.drop_all()
@@ -455,6 +475,7 @@ class Runtime:
         dimension is fixed),
         UnsupportedOperationError (no device or backend for the target).
         """
+        self._check_trio("load")
         owned = _owned_builders(builders)
         if batching is not None and not isinstance(batching, Batching):
             raise InvalidArgumentError(
@@ -481,6 +502,7 @@ class Runtime:
         missing, SecurityError for a file outside the config's directory, and whatever
         loading the model raises.
         """
+        self._check_trio("load_by_name")
         scheduler = self._sched
         executable, target = await self._names.get(name)
         kind = scheduler.resolve_target(target)
