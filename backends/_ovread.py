@@ -19,7 +19,11 @@ The TensorFlow frontend parses protobufs, but structure-aware fuzzing crashed it
 (SIGSEGV in about 1% of generated GraphDefs, e.g. a ``NextIteration`` node without its
 loop). The child costs about 0.25 s per load (a Python start, ``import openvino``, the
 IR written and read back): a one-op model took 12 ms before and 260 ms now, a 3,000-op
-one 3.1 s and 3.4 s.
+one 3.1 s and 3.4 s. The child confines itself before OpenVINO starts (:mod:`._confine`:
+no processes, programs or sockets, files written only in its directory and at most
+:data:`IR_SIZE_FACTOR` times the model plus :data:`IR_SIZE_MARGIN`); the host logs how,
+and reads back only plain files. That costs about 1 ms, and leaving OpenVINO's telemetry
+out of the child (it keeps a client ID file in the home directory) saves more.
 
 Every failure is an InvalidEncodingError that names the backend and the reason, except
 a child process that cannot be started at all (BackendRuntimeError).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -41,6 +46,7 @@ import openvino as ov
 from wasinn.enums import GraphEncoding
 from wasinn.errors import BackendRuntimeError, InvalidEncodingError
 
+from . import _confine
 from ._graphio import expect_builders
 from ._onnx_check import check_external_data, external_data_folder
 from ._tflite_check import check_tflite
@@ -153,19 +159,52 @@ def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
             path = root / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(memoryview(data).cast("B"))
-        xml, weights = _convert_in_child(root, main, what)
-        return _read_ir(core, xml.read_bytes(), weights.read_bytes(), f"{what} (as IR)")
+        size = sum(memoryview(data).nbytes for data in files.values())
+        xml, weights = _convert_in_child(root, main, what, IR_SIZE_FACTOR * size + IR_SIZE_MARGIN)
+        return _read_ir(core, _read_written(xml, what), _read_written(weights, what),
+                        f"{what} (as IR)")
+
+
+def _read_written(path: Path, what: str) -> bytes:
+    """A file the child wrote, if it is a plain file of its own: not a link (a symbolic
+    one to a host file, or a hard one), not a FIFO that would block the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidEncodingError(
+            f"{NAME}: cannot read the {what}: its IR {path.name} cannot be opened: "
+            f"{exc.strerror}") from exc
+    with open(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise InvalidEncodingError(
+                f"{NAME}: cannot read the {what}: its IR {path.name} is not a plain file")
+        return file.read()
 
 
 #: Seconds a child may take to read a model; past them it is killed.
 CONVERT_TIMEOUT_S = 120.0
 #: The child's exit status for a model OpenVINO refused with an exception.
 _REFUSED = 3
+#: The IR the child writes may hold this many times the model's bytes, plus
+#: :data:`IR_SIZE_MARGIN`, in each of its two files (``RLIMIT_FSIZE``).
+IR_SIZE_FACTOR = 4
+IR_SIZE_MARGIN = 64 << 20
 #: Run by the child with ``python -I -c``: argv = source, IR xml, IR bin, the directory
-#: that holds the ``openvino`` package (``-I`` leaves PYTHONPATH and the cwd out).
+#: that holds the ``openvino`` package (``-I`` leaves PYTHONPATH and the cwd out),
+#: :mod:`._confine`'s file, the largest file it may write. It confines itself (its cwd,
+#: the private directory, is the one place it may write) before OpenVINO starts; the
+#: first line on stderr says how.
 _CONVERT = f"""
-import sys
+import importlib.util, os, sys
 sys.path.insert(0, sys.argv[4])
+spec = importlib.util.spec_from_file_location("_wasinn_confine", sys.argv[5])
+confine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(confine)
+sys.stderr.write(confine.report_line(confine.confine(int(sys.argv[6]), os.getcwd(),
+                                                     [sys.argv[4]])))
+sys.stderr.flush()
+sys.modules["openvino_telemetry"] = None  # its client ID file is in the home directory
 import openvino as ov
 try:
     ov.serialize(ov.Core().read_model(sys.argv[1]), sys.argv[2], sys.argv[3])
@@ -178,9 +217,10 @@ except Exception as exc:
 _CHILD_ENV = ("PATH", "LD_LIBRARY_PATH", "SYSTEMROOT", "TMPDIR")
 
 
-def _convert_in_child(root: Path, main: str, what: str) -> tuple[Path, Path]:
-    """Have a throw-away Python process read ``root / main`` with OpenVINO and save it as
-    IR in ``root``; the IR's xml and weights files.
+def _convert_in_child(root: Path, main: str, what: str, fsize: int) -> tuple[Path, Path]:
+    """Have a throw-away, confined Python process (see :mod:`._confine`) read
+    ``root / main`` with OpenVINO and save it as IR in ``root``, in files of at most
+    ``fsize`` bytes; the IR's xml and weights files.
 
     Raises InvalidEncodingError when OpenVINO refuses the model, crashes on it or takes
     longer than :data:`CONVERT_TIMEOUT_S`; BackendRuntimeError when no child can start.
@@ -188,7 +228,7 @@ def _convert_in_child(root: Path, main: str, what: str) -> tuple[Path, Path]:
     xml, weights = root / "converted.xml", root / "converted.bin"
     package_dir = str(Path(ov.__file__).resolve().parent.parent)
     command = [sys.executable, "-I", "-c", _CONVERT, str(root / main), str(xml), str(weights),
-               package_dir]
+               package_dir, str(Path(_confine.__file__).resolve()), str(fsize)]
     env = {key: os.environ[key] for key in _CHILD_ENV if key in os.environ}
     try:
         # stdout: OpenVINO's message; stderr: the frontends' own logging, or a traceback.
@@ -201,10 +241,23 @@ def _convert_in_child(root: Path, main: str, what: str) -> tuple[Path, Path]:
     except OSError as exc:
         raise BackendRuntimeError(
             f"{NAME}: cannot start a process to read the {what} in: {exc}") from exc
+    report, log = _confine.take_report(done.stderr)
+    _confine.log_report(report, what)
     if done.returncode != 0:
+        if any(_size(path) >= fsize for path in (xml, weights)):
+            raise InvalidEncodingError(
+                f"{NAME}: cannot read the {what}: as IR it takes over {fsize:,} bytes, the "
+                "most a file written by the process that reads such models may hold")
         raise InvalidEncodingError(f"{NAME}: cannot read the {what}: "
-                                   f"{_child_failure(done.returncode, done.stdout, done.stderr)}")
+                                   f"{_child_failure(done.returncode, done.stdout, log)}")
     return xml, weights
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
 
 
 def _child_failure(returncode: int, message: bytes, log: bytes) -> str:

@@ -1,0 +1,344 @@
+"""Confining a child process that reads untrusted bytes, before it reads them.
+
+OpenVINO's TensorFlow and TensorFlow Lite frontends run in a throw-away child (see
+:mod:`._ovread`) because malformed models crashed them. A crash kills only the child; this
+module is the defence against worse (code run by a memory-safety bug), applied by the
+child to itself, single-threaded, before the frontend sees the model:
+
+* ``no_new_privs``; resource limits: no core files, a bound on each file it writes
+  (``RLIMIT_FSIZE``), few open files (``RLIMIT_NOFILE``). ``RLIMIT_AS`` is left alone:
+  glibc reserves 64 MiB of address space per malloc arena and TBB starts a thread per
+  core, so any bound that holds on a many-core host bounds little.
+* ``seccomp``: a deny-list filter (x86-64 only) under which starting programs or
+  processes (``execve``, ``fork``, ``clone`` without ``CLONE_THREAD`` or with a
+  namespace flag), sockets, ``ptrace`` and cross-process memory access, mounts,
+  namespaces, keyrings, ``bpf``, ``perf_event_open`` and ``io_uring`` fail with EPERM;
+  ``clone3``, whose flags a filter cannot read, fails with ENOSYS, which glibc answers
+  by creating its threads with ``clone``. Everything else is allowed, so that a new
+  OpenVINO version keeps working.
+* ``landlock`` (Linux 5.13 and later, where enabled): the file system is read-only in
+  the Python installation, the directories on ``sys.path`` and the system's libraries,
+  and writable only in the child's own temporary directory; nothing may be executed;
+  where the kernel can, TCP, abstract Unix sockets and signals to processes outside the
+  sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host).
+
+The child loads this file by path (it runs with ``python -I`` and imports nothing of
+wasinn), so it uses the standard library only. :func:`confine` returns a report, which
+the child writes to stderr as one line (:func:`report_line`); the host reads it back
+with :func:`take_report` and logs it with :func:`log_report`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import resource
+import struct
+import sys
+from collections.abc import Iterable
+
+log = logging.getLogger("wasinn.backends")
+
+#: Open files the child may hold: Python and OpenVINO need about 20.
+NOFILE = 256
+#: The prefix of the child's report line on stderr.
+REPORT_PREFIX = "wasinn-confine: "
+
+# -- seccomp ----------------------------------------------------------------------------
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X32_SYSCALL_BIT = 0x40000000
+_RET_ALLOW = 0x7FFF0000
+_RET_ERRNO = 0x00050000
+_LD_ABS_W = 0x20  # BPF_LD | BPF_W | BPF_ABS
+_JEQ = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_JGE = 0x35  # BPF_JMP | BPF_JGE | BPF_K
+_JSET = 0x45  # BPF_JMP | BPF_JSET | BPF_K
+_RET = 0x06  # BPF_RET | BPF_K
+_CLONE_THREAD = 0x00010000
+#: CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
+_CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 \
+    | 0x20000000 | 0x40000000
+_NR_CLONE = 56
+_NR_CLONE3 = 435
+#: x86-64 system calls that fail with EPERM.
+DENIED_X86_64 = {
+    "execve": 59, "execveat": 322, "fork": 57, "vfork": 58,
+    "socket": 41, "socketpair": 53, "connect": 42, "bind": 49, "listen": 50,
+    "accept": 43, "accept4": 288,
+    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+    "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442,
+    "setns": 308, "unshare": 272,
+    "keyctl": 250, "add_key": 248, "request_key": 249,
+    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+}
+
+# -- landlock ---------------------------------------------------------------------------
+_NR_LANDLOCK_CREATE_RULESET = 444
+_NR_LANDLOCK_ADD_RULE = 445
+_NR_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1, 2, 4, 8
+_FS_REMOVE_DIR, _FS_REMOVE_FILE, _FS_MAKE_DIR, _FS_MAKE_REG = 16, 32, 128, 256
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
+_READ = _FS_READ_FILE | _FS_READ_DIR
+_WRITE = _READ | _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_DIR \
+    | _FS_MAKE_REG | _FS_REFER | _FS_TRUNCATE
+#: Read-only beyond ``sys.path`` and the Python installation: shared libraries and what
+#: the loader, the C library and TBB read (CPU topology, cgroup limits).
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", "/etc/localtime",
+               "/proc", "/sys", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+
+
+class Report:
+    """What :func:`confine` applied, and why the rest was not."""
+
+    def __init__(self) -> None:
+        self.applied: list[str] = []
+        #: The platform lacks it (another OS or architecture, an old kernel): no warning.
+        self.unsupported: dict[str, str] = {}
+        #: It should have worked and did not: worth a warning.
+        self.failed: dict[str, str] = {}
+
+    def as_dict(self) -> dict[str, object]:
+        return {"applied": self.applied, "unsupported": self.unsupported,
+                "failed": self.failed}
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _call(libc: ctypes.CDLL, name: str, *args: object) -> int:
+    """``libc.name(*args)``; OSError with errno on -1."""
+    result = int(getattr(libc, name)(*args))
+    if result == -1:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{name}: {os.strerror(code)}")
+    return result
+
+
+def confine(fsize: int, writable: str, readable: Iterable[str] = ()) -> Report:
+    """Confine this process (see the module's docstring); never raises.
+
+    ``fsize``: the most bytes a file it writes may hold. ``writable``: the one directory
+    it may write in. ``readable``: directories it may read besides the defaults. Call it
+    while the process has one thread: landlock applies to the calling thread only.
+    """
+    report = Report()
+    _limit(report, "core", resource.RLIMIT_CORE, 0)
+    _limit(report, "fsize", resource.RLIMIT_FSIZE, fsize)
+    _limit(report, "nofile", resource.RLIMIT_NOFILE, NOFILE)
+    if not sys.platform.startswith("linux"):
+        for name in ("no_new_privs", "landlock", "seccomp"):
+            report.unsupported[name] = f"not Linux ({sys.platform})"
+        return report
+    libc = _libc()
+    try:
+        _call(libc, "prctl", ctypes.c_int(_PR_SET_NO_NEW_PRIVS), *map(ctypes.c_ulong, (1, 0, 0, 0)))
+        report.applied.append("no_new_privs")
+    except OSError as exc:
+        report.failed["no_new_privs"] = str(exc)
+    _landlock(report, libc, writable, readable)
+    _seccomp(report, libc)
+    return report
+
+
+def _limit(report: Report, name: str, which: int, value: int) -> None:
+    try:
+        _soft, hard = resource.getrlimit(which)
+        bound = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (bound, bound))
+        report.applied.append(f"{name}={bound}")
+    except (OSError, ValueError) as exc:
+        report.failed[name] = str(exc)
+
+
+def seccomp_program() -> bytes:
+    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions."""
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    eperm = _RET_ERRNO | errno.EPERM
+    prog = [
+        op(_LD_ABS_W, 4),  # seccomp_data.arch
+        op(_JEQ, _AUDIT_ARCH_X86_64, 1, 0),
+        op(_RET, eperm),  # i386 calls (int 0x80) would bypass the numbers below
+        op(_LD_ABS_W, 0),  # seccomp_data.nr
+        op(_JGE, _X32_SYSCALL_BIT, 0, 1),
+        op(_RET, eperm),  # x32 calls likewise
+        op(_JEQ, _NR_CLONE3, 0, 1),
+        op(_RET, _RET_ERRNO | errno.ENOSYS),
+        op(_JEQ, _NR_CLONE, 0, 5),
+        op(_LD_ABS_W, 16),  # the low half of args[0], the flags
+        op(_JSET, _CLONE_NAMESPACES, 2, 0),
+        op(_JSET, _CLONE_THREAD, 0, 1),
+        op(_RET, _RET_ALLOW),  # a thread
+        op(_RET, eperm),  # a process
+    ]
+    for number in sorted(DENIED_X86_64.values()):
+        prog += [op(_JEQ, number, 0, 1), op(_RET, eperm)]
+    prog.append(op(_RET, _RET_ALLOW))
+    return b"".join(prog)
+
+
+def _seccomp(report: Report, libc: ctypes.CDLL) -> None:
+    machine = os.uname().machine.lower()
+    if machine not in ("x86_64", "amd64"):
+        report.unsupported["seccomp"] = f"no filter for {machine or 'this machine'}"
+        return
+    if "no_new_privs" not in report.applied:
+        report.failed["seccomp"] = "needs no_new_privs"
+        return
+    code = seccomp_program()
+    filters = ctypes.create_string_buffer(code, len(code))
+    prog = struct.pack("=HxxxxxxQ", len(code) // 8, ctypes.addressof(filters))
+    try:
+        _call(libc, "prctl", ctypes.c_int(_PR_SET_SECCOMP), ctypes.c_ulong(_SECCOMP_MODE_FILTER),
+              ctypes.c_char_p(prog), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        report.applied.append("seccomp")
+    except OSError as exc:
+        report.failed["seccomp"] = str(exc)
+
+
+def _syscall(libc: ctypes.CDLL, what: str, number: int, *args: object) -> int:
+    """The raw system call ``number``; OSError with errno when it fails."""
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    result = int(syscall(ctypes.c_long(number), *args))
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
+              readable: Iterable[str]) -> None:
+    try:
+        abi = _syscall(libc, "landlock_create_ruleset", _NR_LANDLOCK_CREATE_RULESET, None,
+                       ctypes.c_size_t(0), ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    except OSError as exc:
+        reason = {errno.ENOSYS: "the kernel has no landlock (Linux 5.13 or later)",
+                  errno.EOPNOTSUPP: "landlock is disabled in this kernel"}.get(exc.errno or 0)
+        if reason is None:
+            report.failed["landlock"] = str(exc)
+        else:
+            report.unsupported["landlock"] = reason
+        return
+    if "no_new_privs" not in report.applied:
+        report.failed["landlock"] = "needs no_new_privs"
+        return
+    handled = (1 << 13) - 1  # ABI 1: EXECUTE .. MAKE_SYM
+    if abi >= 2:
+        handled |= _FS_REFER
+    if abi >= 3:
+        handled |= _FS_TRUNCATE
+    if abi >= 5:
+        handled |= _FS_IOCTL_DEV
+    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+    attr = struct.pack("=QQQ", handled, net, scoped)[:24 if abi >= 6 else 16 if abi >= 4 else 8]
+    try:
+        ruleset = _syscall(libc, "landlock_create_ruleset", _NR_LANDLOCK_CREATE_RULESET,
+                           ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    except OSError as exc:
+        report.failed["landlock"] = str(exc)
+        return
+    try:
+        rules = [(writable, _WRITE & handled)]
+        rules += [(path, _READ) for path in _readable(readable)]
+        for path, access in rules:
+            _add_rule(libc, ruleset, path, access)
+        _syscall(libc, "landlock_restrict_self", _NR_LANDLOCK_RESTRICT_SELF,
+                 ctypes.c_int(ruleset), ctypes.c_uint32(0))
+        report.applied.append(f"landlock(abi={abi})")
+    except OSError as exc:
+        report.failed["landlock"] = str(exc)
+    finally:
+        os.close(ruleset)
+
+
+def _readable(extra: Iterable[str]) -> list[str]:
+    """The directories and files to read: ``extra``, ``sys.path``, the Python installation,
+    :data:`SYSTEM_READ`, and ``LD_LIBRARY_PATH``; those that exist, each once."""
+    paths = [*extra, *sys.path, sys.prefix, sys.base_prefix, sys.exec_prefix,
+             sys.base_exec_prefix, *SYSTEM_READ,
+             *os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep)]
+    seen: dict[str, None] = {}
+    for path in paths:
+        if path and os.path.exists(path):
+            seen.setdefault(os.path.realpath(path))
+    return list(seen)
+
+
+def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if not os.path.isdir(path):  # a file takes only the rights that apply to files
+            access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE
+        attr = struct.pack("=Qi", access, fd)
+        _syscall(libc, f"landlock_add_rule({path})", _NR_LANDLOCK_ADD_RULE,
+                 ctypes.c_int(ruleset), ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                 ctypes.c_char_p(attr), ctypes.c_uint32(0))
+    finally:
+        os.close(fd)
+
+
+def report_line(report: Report) -> str:
+    """The line the child writes to stderr."""
+    return REPORT_PREFIX + json.dumps(report.as_dict(), separators=(",", ":")) + "\n"
+
+
+# -- in the host ------------------------------------------------------------------------
+def take_report(stderr: bytes) -> tuple[dict[str, object] | None, bytes]:
+    """The report the child wrote to ``stderr`` (None if none), and ``stderr`` without it."""
+    prefix = REPORT_PREFIX.encode()
+    report: dict[str, object] | None = None
+    rest = []
+    for line in stderr.splitlines(keepends=True):
+        if report is None and line.startswith(prefix):
+            try:
+                loaded = json.loads(line[len(prefix):])
+            except ValueError:
+                loaded = None
+            if isinstance(loaded, dict):
+                report = loaded
+                continue
+        rest.append(line)
+    return report, b"".join(rest)
+
+
+_warned: set[str] = set()
+
+
+def log_report(report: dict[str, object] | None, what: str) -> None:
+    """Log what the child applied (DEBUG); what failed, once a process (WARNING); what the
+    platform lacks, once a process (INFO)."""
+    if report is None:
+        log.debug("the process that read the %s sent no confinement report", what)
+        return
+    log.debug("the process that read the %s was confined: %s", what,
+              ", ".join(map(str, _list(report.get("applied")))) or "nothing applied")
+    for key, level, how in (("failed", logging.WARNING, "could not be applied"),
+                            ("unsupported", logging.INFO, "is not available here")):
+        reasons = report.get(key)
+        for name, reason in (reasons.items() if isinstance(reasons, dict) else ()):
+            if f"{key}:{name}" not in _warned:
+                _warned.add(f"{key}:{name}")
+                log.log(level, "the processes that read TensorFlow and TensorFlow Lite "
+                        "models are not confined by %s, which %s: %s", name, how, reason)
+
+
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
