@@ -88,9 +88,10 @@ def as_int(value: object) -> int | None:
         return None
 
 
-def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
+def check_dims(dims: Sequence[int], itemsize: int = 1) -> tuple[int, ...]:
     """Validate tensor dimensions: a sequence of at most MAX_RANK non-negative integers
-    (Python or numpy integers; a float such as 2.7 is refused, not truncated).
+    (Python or numpy integers; a float such as 2.7 is refused, not truncated) that an
+    array of ``itemsize``-byte elements can have.
 
     Raises InvalidArgumentError saying which dimension is wrong and what was expected.
     """
@@ -105,13 +106,17 @@ def check_dims(dims: Sequence[int]) -> tuple[int, ...]:
     for d, given in zip(out, dims, strict=True):
         if d < 0 or isinstance(given, bool | np.bool_):  # operator.index(True) is 1
             raise _bad_dims(dims)
-    # numpy needs the product of the non-zero dimensions to fit its index type, even
+    # numpy needs the bytes the non-zero dimensions span to fit its index type, even
     # for an empty tensor ([2**64, 0] holds no element but has no numpy shape).
-    if math.prod(d for d in out if d) > _MAX_INDEX:
+    if math.prod(d for d in out if d) * itemsize > _MAX_INDEX:
         raise InvalidArgumentError(
             f"tensor dimensions {list(out)} are too large: expected the product of the "
-            f"non-zero ones at most {_MAX_INDEX}")
+            f"non-zero ones{_times(itemsize)} at most {_MAX_INDEX}, even for an empty tensor")
     return out
+
+
+def _times(itemsize: int) -> str:
+    return "" if itemsize == 1 else f" times the element size ({itemsize} bytes)"
 
 
 _MAX_INDEX = int(np.iinfo(np.intp).max)
@@ -230,7 +235,7 @@ class Tensor:
         not ``prod(dims) * itemsize``.
         """
         ttype = TensorType.coerce(type)
-        shape = check_dims(dims)
+        shape = check_dims(dims, ttype.itemsize)
         expected = math.prod(shape) * ttype.itemsize
         if isinstance(data, np.ndarray):
             buf: np.ndarray[Any, Any] | memoryview = data

@@ -187,7 +187,7 @@ class GuestMemory:
         if not data_len and 0 in dims:
             # An empty tensor whose other dimensions numpy cannot index (a non-empty one
             # has at most 4 GiB of elements): InvalidArgumentError saying so.
-            check_dims(dims)
+            check_dims(dims, ttype.itemsize)
         return TensorRecord(dims, ttype, data_ptr, data_len)
 
 

@@ -550,7 +550,8 @@ async def test_an_empty_tensor_with_dimensions_numpy_cannot_shape_is_refused(
     await in_guest(rt, body)
     assert host_log.bugs() == []
     assert any("tensor dimensions [0, 4294967295, 4294967295] are too large: expected the "
-               "product of the non-zero ones at most" in m for m in host_log.messages())
+               "product of the non-zero ones times the element size (4 bytes) at most" in m
+               for m in host_log.messages())
 
 
 async def test_a_size_of_4_gib_or_more_is_written_back_as_the_largest_u32(

@@ -59,6 +59,12 @@ def test_dims_validation() -> None:
                                                        r"of the non-zero ones at most"):
             Tensor.from_bytes(dims, "u8", b"")
     assert Tensor.from_bytes([2**40, 0], "u8", b"").dims == (2**40, 0)
+    # The bytes count, not the elements: numpy refuses [0, 2**61] of f64 too.
+    with pytest.raises(InvalidArgumentError, match=r"non-zero ones times the element size "
+                                                   r"\(8 bytes\) at most 9223372036854775807, "
+                                                   r"even for an empty tensor"):
+        Tensor.from_bytes([0, 2**61], "f64", b"")
+    assert Tensor.from_bytes([0, 2**62], "u8", b"").dims == (0, 2**62)
 
 
 def test_native_tensor_materializes_once_and_is_counted() -> None:
