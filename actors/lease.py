@@ -12,7 +12,7 @@ when a slot is free and nobody is queued (:meth:`DeviceActor.try_lease`, see
 
 A lease cannot be abandoned: its job runs in the caller's own thread, which waits for
 it. Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`; ONNX Runtime
-and OpenVINO stop within milliseconds, torch runs to its end) when its deadline passes
+and OpenVINO stop within milliseconds, torch where it can) when its deadline passes
 (TimeoutError_: the device actor watches leases that have one), when another thread
 interrupts it (:meth:`Lease.interrupt`: BackendRuntimeError), or when the device actor
 closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
@@ -132,7 +132,7 @@ class Lease(Generic[T]):
         cancellation = self.cancellation
         if cancellation is not None and cancellation.cancelled:
             # Stopped before it started (its deadline passed, the device closed): a run
-            # now would only be thrown away, and a TorchScript run could not be cut short.
+            # now would only be thrown away, and not every run can be cut short.
             error = self._stopped("before it ran")
             self._give_back(self._stopped_outcome())
             raise error
@@ -185,7 +185,7 @@ class Lease(Generic[T]):
 
     def interrupt(self, *, deadline: bool = False) -> None:
         """Stop the run in progress (or the one about to start) where its backend can
-        (ONNX Runtime, OpenVINO; torch runs to its end): :meth:`run` then raises
+        (ONNX Runtime, OpenVINO, torch where it can): :meth:`run` then raises
         BackendRuntimeError, or TimeoutError_ when ``deadline`` (its deadline passed).
         From any thread; a no-op once the lease is over; the first reason given stays."""
         if self._over:

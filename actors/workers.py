@@ -15,8 +15,8 @@ Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancell
 into their library's own interruption (ONNX Runtime's terminate flag, OpenVINO's
 ``InferRequest.cancel``, a checkpoint before each operator of a ``torch.export``
 program). A caller that stops waiting (it is cancelled) abandons its job: the job is
-cancelled (an interruptible backend call ends within milliseconds, a TorchScript run goes
-on to its end), the outcome is dropped, and a trio system task waits for the thread to
+cancelled (a backend call ends at its library's next check where it has one), the
+outcome is dropped, and a trio system task waits for the thread to
 become free. ``on_done`` runs in trio when the thread has really finished the job,
 abandoned or not: the actor frees the job's worker slot there, so a device never
 runs more than ``count`` jobs at once.
@@ -27,9 +27,10 @@ thread to exit after its job; :meth:`wait_stopped` waits, for at most a given ti
 every thread, and joins those that exited. Waiting matters: a thread left inside native
 code (ONNX Runtime, OpenVINO, torch) when the interpreter exits is killed there, which
 aborts the process ("terminate called without an active exception"), and the graphs a
-job runs on must not be closed under it. But a call that ignores cancellation
-(TorchScript, an OpenVINO Loop node) may run for ever, so the wait is bounded: past it,
-the jobs still running are reported and their threads left behind as daemons.
+job runs on must not be closed under it. But a call that ignores cancellation (a
+TorchScript run outside its loops, an OpenVINO Loop node) may run for ever, so the
+wait is bounded: past it, the jobs still running are reported and their threads left
+behind as daemons.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ InvalidArgumentError carrying TorchScript's message.
 
 CPU TorchScript modules are frozen and passed through ``torch.jit.optimize_for_inference``
 (``LoadOptions.extra["optimize"] = False`` turns it off; ``extra["interruptible"] = True``
-makes their runs stop once cancelled, at a cost: see Cancellation below). Runs happen under
+adds a checkpoint before every operator, at a cost: see Cancellation below). Runs happen under
 ``torch.inference_mode()``; ``keep_on_device`` returns ``torch.Tensor`` natives.
 ``LoadOptions.threads`` is not applied: torch's thread count is process-wide.
 
@@ -37,12 +37,22 @@ before each of its operators, in every graph it holds (control-flow branches inc
 once the run's :func:`~wasinn.backends.base.current_cancellation` is cancelled, the run
 stops before its next operator and raises BackendRuntimeError. Measured here, a
 checkpoint costs about 0.3 µs: +1.2 % on a two-operator model (46 µs a run), +0.07 % on
-MobileNetV2 (15 ms). A TorchScript module cannot take such checkpoints (its graph runs in
-C++): an abandoned TorchScript run goes on until it returns (its result is dropped), and
-a device actor's close waits for it only up to its pool's ``close_timeout``; unless it
-was loaded with ``interruptible``: then every operator its interpreter calls first goes
-through a torch dispatch mode holding the checkpoint (:class:`_Checkpoints`, +37 % on
-MobileNetV2 here). A pipeline stops between steps once cancelled, whatever its backends.
+MobileNetV2 (15 ms). A TorchScript graph runs in C++, where such a Python call would
+have to take the GIL back (0.4 µs alone, but milliseconds each while another thread runs
+Python), so TorchScript loops are stopped in TorchScript itself (:func:`_with_stop_checks`):
+the module's forward, with the calls it makes inlined, gets a ``stop`` flag (a bool tensor
+of the run's own, set from the cancelling thread) as an extra input and a check of it
+(``if bool(stop): raise``) at the start of every loop iteration, read in C++ without the
+GIL; a cancelled loop of large matrix products stops within the product that was
+running. A forward without loops runs as loaded: its run is as long as its code. Checks
+between straight-line operators were measured and dropped: one before every operator
+cost +10 % on MobileNetV2 here, one before every 8th +3 % (each check splits the graph
+that TorchScript's executor optimizes), against nothing for loop checks. What the loop
+checks cannot reach (straight-line code, a call left un-inlined, a forward taking a
+non-tensor argument before a tensor one: logged at load) stops too in a model loaded
+``interruptible``, which also runs every operator through a torch dispatch mode holding
+the checkpoint (:class:`_Checkpoints`, +37 % on MobileNetV2 here). A pipeline stops between
+steps once cancelled, whatever its backends.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import io
 import operator
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -88,6 +98,7 @@ from .base import (
     LoadOptions,
     TensorSpec,
     current_cancellation,
+    log,
     stop_if_cancelled,
 )
 
@@ -157,12 +168,14 @@ class TorchGraph(CheckedGraph):
         model_storages: frozenset[int] = frozenset(),
         dim_ranges: tuple[_DimRange, ...] = (),
         checkpoints: bool = False,
+        stop_checked: _StopChecked | None = None,
     ) -> None:
         """``private``: the inputs the model writes to (it gets copies); ``model_storages``:
         the memory of its parameters, buffers and constants (outputs there are cloned);
         ``dim_ranges``: the symbolic dims' ranges to check before each run;
         ``checkpoints``: run under :class:`_Checkpoints` (a TorchScript module loaded
-        with ``interruptible``)."""
+        with ``interruptible``); ``stop_checked``: a TorchScript module's forward with
+        stop checks, run in its place."""
         # TorchScript declares no element types: its specs' f32 is a placeholder, unchecked
         # (their ranks are unknown, so their shapes go unchecked as well).
         unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
@@ -172,6 +185,7 @@ class TorchGraph(CheckedGraph):
         self._model_storages = model_storages
         self._dim_ranges = dim_ranges
         self._checkpoints = checkpoints
+        self._stop_checked = stop_checked
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
@@ -192,18 +206,23 @@ class TorchGraph(CheckedGraph):
         try:
             args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
             with torch.inference_mode():
+                stop_checked = self._stop_checked
                 if self._checkpoints:
                     with _Checkpoints():
-                        result = module(*args)
-                else:
+                        result = (module(*args) if stop_checked is None
+                                  else stop_checked(module, args))
+                elif stop_checked is None:
                     result = module(*args)
+                else:
+                    result = stop_checked(module, args)
         except WasiNNError:
             raise
         except Cancelled:
             raise _stopped() from None
         except Exception as exc:
-            if self._checkpoints and _cancelled():
-                # TorchScript's interpreter turns the checkpoint's Cancelled into a
+            if _cancelled():
+                # A TorchScript run stopped by a stop check (torch.jit.Error), or by the
+                # checkpoint's Cancelled, which TorchScript's interpreter turns into a
                 # RuntimeError on its way out of C++.
                 raise _stopped() from None
             if self._checked and isinstance(exc, AssertionError) \
@@ -231,6 +250,10 @@ class TorchGraph(CheckedGraph):
         taken = {storage_of(a) for a in args}
         return {self.outputs[i].name: self._wrap(values[i], taken, keep_on_device)
                 for i in picked}
+
+    def close(self) -> None:
+        super().close()
+        self._stop_checked = None  # (its graph holds the frozen module's weights)
 
     def _check_ranges(self, ordered: list[Tensor]) -> None:
         """InvalidArgumentError for a symbolic dim outside its exported range, which
@@ -294,6 +317,104 @@ class _Checkpoints(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torc
                            kwargs: Any = None) -> Any:
         stop_if_cancelled()
         return func(*args, **(kwargs or {}))
+
+
+#: The stop check put into TorchScript graphs (:func:`_with_stop_checks`): raise once the
+#: run's ``stop`` flag is set. The ``fill_`` runs only on a set flag, where it changes
+#: nothing: it is there to show TorchScript's optimizer that the flag is written, else its
+#: common subexpression elimination folds every read of it into the first one.
+_STOP_CHECK = """
+graph(%stop : Tensor):
+  %message : str = prim::Constant[value="wasinn: run cancelled"]()
+  %none : NoneType = prim::Constant()
+  %set : bool = aten::Bool(%stop)
+  prim::If(%set)
+    block0():
+      %one : int = prim::Constant[value=1]()
+      %same : Tensor = aten::fill_(%stop, %one)
+      prim::RaiseException(%message, %none)
+      -> ()
+    block1():
+      -> ()
+  return ()
+"""
+#: The stop flag of runs that cannot be cancelled: never set.
+_NEVER = torch.zeros((), dtype=torch.bool)
+#: Each thread's stop flag, reused for its next run unless a cancellation reached it (a
+#: late one could otherwise stop a later run): a ``(tensor, set it)`` pair.
+_spare = threading.local()
+
+
+class _StopChecked:
+    """A TorchScript module's forward with stop checks (:func:`_with_stop_checks`),
+    called as the module would be, with a stop flag that only the run's cancellation
+    sets."""
+
+    __slots__ = ("_defaults", "_function")
+
+    def __init__(self, function: Any, defaults: tuple[Any, ...]) -> None:
+        self._function = function  # (self, *forward's arguments, stop)
+        self._defaults = defaults  # forward's arguments after its tensors
+
+    def __call__(self, module: Any, args: list[torch.Tensor]) -> Any:
+        cancellation = current_cancellation()
+        if cancellation is None:
+            return self._function(module._c, *args, *self._defaults, _NEVER)
+        flag = getattr(_spare, "flag", None)
+        if flag is None:
+            array = np.zeros((), np.bool_)  # set from the cancelling thread, lock-free
+            flag = _spare.flag = (torch.from_numpy(array), functools.partial(array.fill, True))
+        forget = cancellation.on_cancel(flag[1])
+        try:
+            return self._function(module._c, *args, *self._defaults, flag[0])
+        finally:
+            forget()
+            if cancellation.cancelled:  # its flag may be set, now or later: not reused
+                _spare.flag = None
+
+
+class _Unchecked(Exception):
+    """Why a TorchScript model gets no stop checks (its cancelled runs go to their end)."""
+
+
+def _with_stop_checks(module: Any, tensors: int) -> _StopChecked | None:
+    """``module``'s forward (its first ``tensors`` arguments are its tensors) with its
+    calls inlined, a ``stop`` flag as one more argument and a check of the flag
+    (:data:`_STOP_CHECK`) at the start of every loop iteration; None for a forward
+    without loops (its run is as long as its code: it runs as loaded). Raises
+    _Unchecked for a forward taking a non-tensor argument before a tensor one. Only ATen
+    and TorchScript operators that the archive checks allow are added."""
+    graph = module._c._get_method("forward").inlined_graph  # a copy
+    loops = list(_loops(graph.block()))
+    if not loops:
+        return None
+    arguments = module.forward.schema.arguments[1:]  # [0] is self
+    rest = arguments[tensors:]
+    if any(str(arg.type) != "Tensor" for arg in arguments[:tensors]) \
+            or not all(arg.has_default_value() for arg in rest):
+        raise _Unchecked("its forward takes a non-tensor argument before a tensor one")
+    stop = graph.addInput("wasinn_stop")
+    stop.setType(torch._C.TensorType.get())
+    check = torch._C.parse_ir(_STOP_CHECK)
+    for loop in loops:
+        (body,) = loop.blocks()
+        _insert(graph, check, stop, next(iter(body.nodes()), body.returnNode()))
+    function = torch._C._create_function_from_graph("wasinn_stop_checked", graph)
+    return _StopChecked(function, tuple(arg.default_value for arg in rest))
+
+
+def _loops(block: Any) -> Iterator[Any]:
+    """The ``prim::Loop`` nodes of ``block`` and of the blocks nested in it."""
+    for node in block.nodes():
+        if node.kind() == "prim::Loop":
+            yield node
+        for inner in node.blocks():
+            yield from _loops(inner)
+
+
+def _insert(graph: Any, check: Any, stop: Any, before: Any) -> None:
+    with graph.insert_point_guard(before):
+        graph.insertGraph(check, [stop])
 
 
 def _interruptible(module: torch.nn.Module) -> None:
@@ -440,10 +561,17 @@ def _load_torchscript(
         # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
         with contextlib.suppress(Exception):
             module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
+    stop_checked = None
+    try:
+        stop_checked = _with_stop_checks(module, len(inputs))
+    except Exception as exc:  # a graph torch cannot edit still runs, as loaded
+        log.warning("%s: no stop checks could be put into the loops of this TorchScript "
+                    "model (%s): a cancelled run of it goes on to its end", NAME,
+                    exc if isinstance(exc, _Unchecked) else f"{type(exc).__name__}: {exc}")
     return TorchGraph(module, device, tuple(inputs), outputs, checked=False,
                       private=script_written_inputs(module),
                       model_storages=script_storages(module),
-                      checkpoints=interruptible)
+                      checkpoints=interruptible, stop_checked=stop_checked)
 
 
 def _spec_of(name: str, value: Any, role: str) -> TensorSpec:

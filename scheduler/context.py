@@ -27,8 +27,8 @@ trip per request on an idle device, and one on a busy one, instead of two plus a
 hand-off; the price is that a running request cannot be abandoned (the caller's thread
 is the one running it): when its timeout passes, or another thread calls
 ``ContextRun.interrupt``, the run is stopped where the backend can stop it (ONNX Runtime,
-OpenVINO, a ``torch.export`` program, a TorchScript model loaded ``interruptible``; any
-other TorchScript run goes on to its end).
+OpenVINO, a ``torch.export`` program, a TorchScript loop: see
+:mod:`wasinn.backends.pytorch`).
 
 Keys are input/output names or their positions. Contexts are not thread-safe: use them
 from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the

@@ -522,8 +522,7 @@ def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Input
 def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inputs,
            keep: bool) -> dict[str, Tensor]:
     # Every step on this device, natives passed along. A cancelled job (abandoned, or its
-    # device closing) stops between steps, whatever its backends can interrupt
-    # (TorchScript cannot).
+    # device closing) stops between steps, whatever its backends can interrupt.
     cancellation = current_cancellation()
     last = len(compiled) - 1
     current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]

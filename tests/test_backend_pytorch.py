@@ -108,6 +108,38 @@ def test_optimization_can_be_turned_off(backend: Any, small_mobilenet: ModelFile
     assert np.abs(a - b).max() <= 1e-4
 
 
+@pytest.mark.parametrize("optimize", [True, False])
+def test_torchscript_stop_checks_change_no_output_and_call_no_new_operator(
+        backend: Any, small_mobilenet: ModelFiles, optimize: bool) -> None:
+    # The forward that runs (with the loop checks that make a cancelled run stop, see
+    # test_cancel_runs) computes what the module loaded computes, bit for bit, and
+    # calls no operator that neither the module nor the check itself calls.
+    import torch
+
+    from tests.test_cancel_runs import matmul_loop_torchscript
+    from wasinn.backends._torch_ops import graph_nodes, script_graphs
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([matmul_loop_torchscript(4)], PT, CPU,
+                         LoadOptions(extra={"optimize": optimize}))
+    checked = graph._stop_checked._function.graph
+    kinds = {node.kind() for node in graph_nodes(checked)}
+    loaded = {node.kind() for g in script_graphs(graph.module) for node in graph_nodes(g)}
+    assert kinds - loaded <= {"aten::Bool", "aten::fill_", "prim::If", "prim::RaiseException"}
+    assert sum(node.kind() == "aten::Bool" for node in graph_nodes(checked)) == 1  # the loop
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with torch.inference_mode():
+        expected = graph.module(torch.from_numpy(x), torch.tensor(3)).numpy()
+    for cancellation in (None, Cancellation()):
+        with running_under(cancellation):
+            out = graph.run({"x": Tensor.from_numpy(x),
+                             "steps": Tensor.from_numpy(np.array(3, np.int64))})
+        assert out["output"].numpy().tobytes() == expected.tobytes()
+    # A forward without loops runs as loaded: its run is as long as its code.
+    assert backend.load([small_mobilenet.torchscript.read_bytes()], PT, CPU)._stop_checked \
+        is None
+
+
 def test_dict_outputs_are_unsupported(backend: Any) -> None:
     import torch
 

@@ -4,8 +4,9 @@ Real ONNX Runtime and OpenVINO runs that would last far longer than the test (an
 Loop with a huge trip count; a long chain of large MatMuls) are abandoned by a timeout:
 the device's only worker slot must be free again at once (a second request completes),
 and the runtime must close promptly. A ``torch.export`` program (a long chain of large
-MatMuls) is stopped before its next operator. A fake backend that ignores cancellation
-stands for a run nothing can interrupt (a TorchScript module): the close gives up after
+MatMuls) is stopped before its next operator, a TorchScript loop at its next iteration.
+A fake backend that ignores cancellation stands for a run nothing can interrupt (one long
+library call): the close gives up after
 ``close_timeout``, logs the device and the job, and leaves the graph open under it.
 
 Trip counts are finite (tens of seconds of work here), so that without cancellation the
@@ -239,8 +240,9 @@ def matmul_loop_torchscript(size: int) -> bytes:
     return buf.getvalue()
 
 
-def started_matmuls(first: threading.Event) -> Any:
-    """A torch dispatch mode that sets ``first`` once a matrix product starts."""
+def started_matmuls(first: threading.Event, started: list[object] | None = None) -> Any:
+    """A torch dispatch mode that sets ``first`` once a matrix product starts, and
+    appends to ``started`` each one that starts."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -249,17 +251,21 @@ def started_matmuls(first: threading.Event) -> Any:
                                kwargs: Any = None) -> Any:
             if func in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
                 first.set()
+                if started is not None:
+                    started.append(func)
             return func(*args, **(kwargs or {}))
 
     return Started()
 
 
-@pytest.mark.parametrize("interruptible", [True, False])
-def test_a_torchscript_run_stops_once_cancelled_only_when_loaded_interruptible(
-        interruptible: bool) -> None:
+@pytest.mark.parametrize(("interruptible", "optimize"), [(False, True), (False, False),
+                                                       (True, True)])
+def test_a_cancelled_torchscript_run_stops_at_its_next_loop_iteration(
+        interruptible: bool, optimize: bool) -> None:
     """TorchScript's interpreter runs its graph in C++, out of reach of the checkpoints a
-    torch.export program gets: ``interruptible`` puts one before each operator it calls
-    (through a torch dispatch mode). Without it, a cancelled run goes to its end."""
+    torch.export program gets: its forward gets stop checks of its own, read in C++, at
+    each loop iteration, by default (frozen or not); ``interruptible`` adds a checkpoint
+    before each operator it calls (through a torch dispatch mode)."""
     require_backend("torch")
     from wasinn.backends import LoadOptions
     from wasinn.backends.base import Cancellation, running_under
@@ -267,39 +273,61 @@ def test_a_torchscript_run_stops_once_cancelled_only_when_loaded_interruptible(
 
     graph = TorchBackend().load([matmul_loop_torchscript(TORCH_SIZE)], GraphEncoding.PYTORCH,
                                 Device(ExecutionTarget.CPU),
-                                LoadOptions(extra={"interruptible": interruptible}))
-    steps = TORCH_STEPS if interruptible else 10  # ~12 s / ~0.3 s of work
+                                LoadOptions(extra={"interruptible": interruptible,
+                                                   "optimize": optimize}))
     cancellation = Cancellation()
     outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
+    executed: list[object] = []
     first = threading.Event()
 
     def run() -> None:
-        with running_under(cancellation), started_matmuls(first):
+        with running_under(cancellation), started_matmuls(first, executed):
             try:
                 outcome.append(graph.run({
                     "x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32),
-                    "steps": np.array(steps, np.int64)}))
+                    "steps": np.array(TORCH_STEPS, np.int64)}))  # ~12 s of work
             except BaseException as exc:
                 outcome.append(exc)
 
     thread = threading.Thread(target=run)
     thread.start()
     assert first.wait(GUARD_S), "the run never reached a matrix product"
+    ran_before = len(executed)
     cancellation.cancel()
     thread.join(GUARD_S)
     assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
-    (result,) = outcome
-    if interruptible:
-        assert isinstance(result, BackendRuntimeError), result
-        assert "pytorch: run cancelled (stopped before its next operator)" in str(result)
-    else:  # it ran to its end, its result returned (the actor drops it)
-        assert isinstance(result, dict), result
-        assert result["output"].dims == (TORCH_ROWS, TORCH_SIZE)
+    (error,) = outcome  # a finished run would have returned its outputs instead
+    assert isinstance(error, BackendRuntimeError), error
+    assert "pytorch: run cancelled" in str(error)
+    # At most the product that was running as it was cancelled ended after it: the
+    # ~TORCH_STEPS left never started.
+    assert ran_before <= len(executed) <= ran_before + 1 < TORCH_STEPS
     with running_under(Cancellation()):  # the graph serves the next run
         out = graph.run({"x": np.full((1, TORCH_SIZE), 2.0, np.float32),
                          "steps": np.array(3, np.int64)})
     assert out["output"].numpy().tolist() == [[2.0] * TORCH_SIZE]
     graph.close()
+
+
+def test_a_torchscript_run_cancelled_before_it_starts_does_no_work() -> None:
+    require_backend("torch")
+    from wasinn.backends.base import Cancellation, running_under
+    from wasinn.backends.pytorch import TorchBackend
+
+    graph = TorchBackend().load([matmul_loop_torchscript(4)], GraphEncoding.PYTORCH,
+                                Device(ExecutionTarget.CPU))
+    cancellation = Cancellation()
+    cancellation.cancel()
+    executed: list[object] = []
+    inputs = {"x": np.ones((2, 4), np.float32), "steps": np.array(5, np.int64)}
+    with running_under(cancellation), started_matmuls(threading.Event(), executed), \
+            pytest.raises(BackendRuntimeError, match="run cancelled"):
+        graph.run(inputs)
+    assert executed == []
+    # A later run on the same thread is not stopped by that cancellation's flag.
+    with running_under(Cancellation()), started_matmuls(threading.Event(), executed):
+        out = graph.run(inputs)
+    assert out["output"].numpy().tolist() == [[1.0] * 4] * 2 and len(executed) == 5
 
 
 def test_a_torch_export_run_cancelled_before_it_starts_does_no_work() -> None:
