@@ -21,22 +21,13 @@ import trio
 from wasinn.backends.base import CompiledGraph
 from wasinn.errors import ClosedResourceError, WasiNNError
 
+from .pending import Pending
 from .session import Session
 
 #: Runs a task as long as the actor serves (ClosedResourceError once it does not).
 StartTask = Callable[[Callable[[Any], Awaitable[None]], Any], None]
 #: Runs a compile in one of the device's worker threads, without a request slot.
 CompileInThread = Callable[[Callable[[], CompiledGraph]], Awaitable[CompiledGraph]]
-
-
-class _Compiling:
-    """A compile in progress: callers wait on ``done``; ``error`` says how it failed."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.error: WasiNNError | None = None
 
 
 class SessionCache:
@@ -54,7 +45,7 @@ class SessionCache:
         self.sessions: dict[Hashable, Session] = {}
         #: Compiles that succeeded (cached or not).
         self.compiles = 0
-        self._compiling: dict[Hashable, _Compiling] = {}
+        self._compiling: dict[Hashable, Pending] = {}
         self._start_task = start_task
         self._compile_in_thread = compile_in_thread
         self._closed = False
@@ -71,18 +62,16 @@ class SessionCache:
                 return session
             pending = self._compiling.get(key)
             if pending is None:
-                pending = self._compiling[key] = _Compiling()
+                pending = self._compiling[key] = Pending()
                 try:
                     self._start_task(self._compile_task,
                                      (key, pending, compile_graph, backend, wanted))
                 except ClosedResourceError:
                     del self._compiling[key]
                     raise
-            await pending.done.wait()
-            if pending.error is not None:  # this caller's own error, the compile's as cause
-                raise pending.error.for_another_caller()
+            await pending.wait()
 
-    async def _compile_task(self, job: tuple[Hashable, _Compiling,
+    async def _compile_task(self, job: tuple[Hashable, Pending,
                                              Callable[[], CompiledGraph], str,
                                              Callable[[], bool]]) -> None:
         # In the actor's nursery: compile, cache, tell the waiting callers.

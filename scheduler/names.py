@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 
-import trio
-
+from wasinn.actors.pending import Pending
 from wasinn.actors.stats import RequestStats
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import NotFoundError, WasiNNError
@@ -23,14 +22,6 @@ from .model import Executable
 #: A loaded name and its default target as configured (each caller resolves it: a
 #: fallback is warned about at the caller's line, a missing device raised to the caller).
 Entry = tuple[Executable, str]
-
-
-class _Loading:
-    __slots__ = ("done", "error")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.error: WasiNNError | None = None
 
 
 class NameRegistry:
@@ -46,7 +37,7 @@ class NameRegistry:
         self._loaded: dict[str, Entry] = {}
         #: Each name's request figures, kept by drop_all (the runtime is closed).
         self._dropped: dict[str, RequestStats] = {}
-        self._loading: dict[str, _Loading] = {}
+        self._loading: dict[str, Pending] = {}
         #: How many loads actually ran, per name (for tests and metrics).
         self.loads: dict[str, int] = {}
 
@@ -76,10 +67,8 @@ class NameRegistry:
             pending = self._loading.get(name)
             if pending is None:
                 break
-            await pending.done.wait()
-            if pending.error is not None:
-                raise pending.error.for_another_caller()
-        pending = self._loading[name] = _Loading()
+            await pending.wait()
+        pending = self._loading[name] = Pending()
         try:
             entry = await self._load(name, run_on)
             self.loads[name] = self.loads.get(name, 0) + 1

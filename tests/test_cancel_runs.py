@@ -181,6 +181,36 @@ def counting_operators(graph: Any, executed: list[object],
     return Counting()
 
 
+def cancelled_mid_run(graph: Any, inputs: dict[str, Any],
+                      watching: Any, executed: list[object]) -> tuple[object, int]:
+    """Run ``graph`` on ``inputs`` in a thread under a Cancellation and cancel it once its
+    first counted operator started (``watching(first)``: a torch dispatch mode that sets
+    ``first`` and appends to ``executed``); what the run raised or returned, and how many
+    operators had started when it was cancelled. Fails if it goes on past GUARD_S."""
+    from wasinn.backends.base import Cancellation, running_under
+
+    cancellation = Cancellation()
+    outcome: list[object] = []
+    first = threading.Event()
+
+    def run() -> None:
+        with running_under(cancellation), watching(first):
+            try:
+                outcome.append(graph.run(inputs))
+            except BaseException as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert first.wait(GUARD_S), "the run never reached a counted operator"
+    ran_before = len(executed)
+    cancellation.cancel()
+    thread.join(GUARD_S)
+    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
+    (result,) = outcome  # a finished run would have returned its outputs instead
+    return result, ran_before
+
+
 def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
     require_backend("torch")
     from wasinn.backends.base import Cancellation, running_under
@@ -188,26 +218,10 @@ def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
 
     graph = TorchBackend().load([matmul_chain_torch(TORCH_STEPS, TORCH_SIZE)],
                                 GraphEncoding.PYTORCH, Device(ExecutionTarget.CPU))
-    cancellation = Cancellation()
-    outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
     executed: list[object] = []
-    first = threading.Event()
-
-    def run() -> None:
-        with running_under(cancellation), counting_operators(graph, executed, first):
-            try:
-                outcome.append(graph.run({"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32)}))
-            except BaseException as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert first.wait(GUARD_S), "the run never reached an operator"  # inside the chain
-    ran_before = len(executed)
-    cancellation.cancel()
-    thread.join(GUARD_S)
-    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
-    (error,) = outcome  # a finished run would have returned its outputs instead
+    error, ran_before = cancelled_mid_run(
+        graph, {"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32)},
+        lambda first: counting_operators(graph, executed, first), executed)
     assert isinstance(error, BackendRuntimeError), error
     assert "pytorch: run cancelled" in str(error) and "next operator" in str(error)
     # At most the operator that was starting as it was cancelled ran after it: the
@@ -275,28 +289,11 @@ def test_a_cancelled_torchscript_run_stops_at_its_next_loop_iteration(
                                 Device(ExecutionTarget.CPU),
                                 LoadOptions(extra={"interruptible": interruptible,
                                                    "optimize": optimize}))
-    cancellation = Cancellation()
-    outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
     executed: list[object] = []
-    first = threading.Event()
-
-    def run() -> None:
-        with running_under(cancellation), started_matmuls(first, executed):
-            try:
-                outcome.append(graph.run({
-                    "x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32),
-                    "steps": np.array(TORCH_STEPS, np.int64)}))  # ~12 s of work
-            except BaseException as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert first.wait(GUARD_S), "the run never reached a matrix product"
-    ran_before = len(executed)
-    cancellation.cancel()
-    thread.join(GUARD_S)
-    assert not thread.is_alive(), f"the run went on {GUARD_S} s after its cancellation"
-    (error,) = outcome  # a finished run would have returned its outputs instead
+    error, ran_before = cancelled_mid_run(
+        graph, {"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32),
+                "steps": np.array(TORCH_STEPS, np.int64)},  # ~12 s of work
+        lambda first: started_matmuls(first, executed), executed)
     assert isinstance(error, BackendRuntimeError), error
     assert "pytorch: run cancelled" in str(error)
     # At most the product that was running as it was cancelled ended after it: the
