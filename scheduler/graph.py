@@ -28,6 +28,7 @@ from .context import (
 )
 from .model import Executable, Inputs
 from .placement import Scheduler
+from .triorun import check_trio_run
 
 
 class Graph:
@@ -186,7 +187,9 @@ class Graph:
         Cancellation: the handle is ended and its reference released before the first
         checkpoint, so a cancelled unload has still unloaded (a model no other handle or
         context uses is freed on every device); the cancellation is raised after.
+        RuntimeError, with nothing unloaded, outside the runtime's trio run.
         """
+        check_trio_run(self._scheduler.trio_token, "Graph.unload")
         if not self._unloaded:
             self._unloaded = True
             self._executable.release()

@@ -49,11 +49,16 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from .model import Inputs, LoadedModel
+from .triorun import check_trio_run
 
 #: How one pipeline step feeds the next: (previous output name, next input name) pairs.
 Link = tuple[tuple[str, str], ...]
 #: A lease's job on graphs held for it: (graphs, inputs, keep_on_device) -> outputs.
 RunHeld = Callable[[Sequence[CompiledGraph], Inputs, bool], dict[str, Tensor]]
+
+
+#: How :func:`check_trio_run` names a request awaited outside the runtime's trio run.
+_A_REQUEST = "a request (compute, run or lease)"
 
 
 class Scheduler:
@@ -319,6 +324,7 @@ class Scheduler:
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                          deadline: float) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
+        check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
         if not actor.ready:
             raise _runtime_closed()
@@ -390,6 +396,7 @@ class Scheduler:
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
                          account: RequestStats | None) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
+        check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
         if not actor.ready:
             raise _runtime_closed()

@@ -54,6 +54,7 @@ from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
 from .pipeline import Pipeline, PipelineModel, resolve_wiring
 from .placement import Scheduler
+from .triorun import check_trio_run
 from .warmup import WarmUp, preload
 
 if TYPE_CHECKING:
@@ -266,19 +267,11 @@ class Runtime:
         await self._preload()
 
     def _check_trio(self, method: str) -> None:
-        # RuntimeError, saying why, for a call from outside trio (asyncio's loop, or none)
-        # or from another trio run than the one the runtime serves in: both would fail
-        # deep inside trio with a message that names neither the runtime nor the cause.
-        if not trio.lowlevel.in_trio_run():
-            raise RuntimeError(
-                f"Runtime.{method} must be awaited in trio (inside trio.run): wasinn runs "
-                "on trio, not on asyncio or any other event loop")
+        # Before anything changes: a call from outside trio, or from another trio run than
+        # the one the runtime serves in, gets a RuntimeError saying so (see triorun).
         scheduler = self._scheduler
-        if (scheduler is not None and scheduler.trio_token is not None
-                and trio.lowlevel.current_trio_token() is not scheduler.trio_token):
-            raise RuntimeError(
-                f"Runtime.{method}: this runtime was started in another trio run; it "
-                "serves that run only: make a Runtime in this one")
+        token = None if scheduler is None else scheduler.trio_token
+        check_trio_run(token, f"Runtime.{method}")
 
     def _check_not_closed_while_starting(self) -> None:
         if self._closed:

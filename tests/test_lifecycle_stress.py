@@ -97,6 +97,55 @@ def test_a_runtime_used_from_another_trio_run_says_so() -> None:
     trio.run(main)
 
 
+async def test_requests_and_unload_from_asyncio_or_another_trio_run_say_so_and_change_nothing(
+        tmp_path: Path) -> None:
+    # Before: under asyncio every request failed with trio's bare "must be called from
+    # async context"; from another trio run a compute went through, mixing that run's
+    # task with this run's queues (one queued behind a busy slot would have been woken by
+    # the wrong run), and an unload from asyncio unloaded, then failed.
+    async with wasinn.Runtime(registry_config(tmp_path, workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx")
+        pipeline = await rt.load_by_name("twice")
+        ctx = graph.init_execution_context()
+        ctx.set_input("x", X)
+        requests = {
+            "ctx.compute": lambda: ctx.compute({"x": X}),
+            "ctx.run": ctx.run,
+            "ctx.lease": lambda: ctx.lease({"x": X}),
+            "graph.compute": lambda: graph.compute({"x": X}),
+            "graph.lease": lambda: graph.lease({"x": X}),
+            "pipeline.compute": lambda: pipeline.compute({"x": X}),
+        }
+        said: dict[str, list[str]] = {"asyncio": [], "trio": []}
+        (actor,) = rt.actors
+        completed = actor.completed
+
+        async def each(loop: str) -> None:
+            for name, request in requests.items():
+                with pytest.raises(RuntimeError) as caught:
+                    await request()
+                said[loop].append(f"{name}: {caught.value}")
+            with pytest.raises(RuntimeError) as caught:
+                await graph.unload()
+            said[loop].append(f"unload: {caught.value}")
+
+        def elsewhere() -> None:
+            asyncio.run(each("asyncio"))
+            trio.run(each, "trio")
+
+        await trio.to_thread.run_sync(elsewhere)
+        assert len(said["asyncio"]) == len(said["trio"]) == len(requests) + 1
+        assert all("must be awaited in trio" in line for line in said["asyncio"]), said
+        assert all("started in another trio run" in line for line in said["trio"]), said
+        # Nothing was queued, run, counted or unloaded meanwhile.
+        stats = graph.stats()
+        assert not graph.unloaded
+        assert (stats.completed, stats.failed, stats.rejected, stats.cancelled) == (0, 0, 0, 0)
+        assert (actor.completed, actor.queued, actor.busy) == (completed, 0, 0)
+        assert (await ctx.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
+        assert (await pipeline.compute({"x": X}))["y"].numpy().tolist() == [[7.0] * 4]
+
+
 # -- cancellation at every checkpoint ---------------------------------------------------------
 @pytest.mark.parametrize("what", ["bytes", "a", "twice"])
 async def test_a_load_cancelled_at_any_point_leaves_nothing_compiled(

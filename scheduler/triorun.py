@@ -1,0 +1,29 @@
+"""Which trio run a call comes from.
+
+A runtime's actors, queues and worker threads live in the trio run the runtime was
+started in. Awaiting one of its methods anywhere else fails deep inside trio with a
+message that names neither wasinn nor the cause (asyncio: "must be called from async
+context"), or, from another trio run, may even appear to work while it mixes two runs'
+task state: a request queued behind a busy slot would later be woken by the wrong run.
+:func:`check_trio_run` turns both into a RuntimeError that says what happened. It costs
+one thread-local read (well under a microsecond), so the request paths call it too.
+"""
+
+from __future__ import annotations
+
+import trio
+
+
+def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
+    """RuntimeError unless the caller runs in trio and, where ``token`` is given, in the
+    trio run that ``token`` belongs to. ``what`` names the call in the message."""
+    try:
+        current = trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{what} must be awaited in trio (inside trio.run): wasinn runs on trio, not "
+            "on asyncio or any other event loop") from None
+    if token is not None and current is not token:
+        raise RuntimeError(
+            f"{what}: this runtime was started in another trio run; it serves that run "
+            "only: make a Runtime in this one, or reach that run with trio.from_thread")
