@@ -3,6 +3,9 @@ direct backend call, measured in the same run.
 
     python benchmarks/scheduler_overhead.py [--iters N] [--width W] [--seconds S]
 
+``--iters`` (600) is the MobileNetV2-like round trips per kind; the tiny model gets ten
+times as many.
+
 1. Round trip, tiny model (an ONNX ``y = 2x + 1`` on f32[1, 4], ONNX Runtime): median of
    ``await ctx.compute(...)`` minus median of ``CompiledGraph.run(...)`` on the same
    compiled graph. Goal: <= 60 us. Measured three ways: with the embedded default config
@@ -27,10 +30,14 @@ graph compiled with its own CPU pinning on (the default pool's), stay pinned and
 the pinned pool's OpenVINO runs down (measured: 3.6 ms became 6.0 ms).
 
 Calls alternate in short blocks (20 direct, 20 scheduled, ...) so that noise from other
-processes hits both alike while each block keeps its thread's caches warm. Figures vary
-with the machine's load: compare ratios, not absolutes. The worker-thread path costs two
-cross-thread wake-ups per request, so it is printed next to the machine's own wake-up
-latency (a two-thread queue ping-pong, measured in the same run): on a busy or
+processes hits both alike while each block keeps its thread's caches warm; a round is
+one block of each kind. Each round-trip figure comes with a 95 % bootstrap interval
+(whole rounds resampled) and says whether that interval lies within its goal, beyond
+it, or across it: on a noisy machine a median alone cannot tell a 2 % overhead from a
+4 % one. Figures vary with the machine's load: compare ratios, not absolutes. The
+worker-thread path costs two cross-thread wake-ups per request, so it is printed next
+to the machine's own wake-up latency (a two-thread queue ping-pong, measured in the same
+run): on a busy or
 virtualised host that latency alone can be several times a tiny model's run time. A KVM
 guest whose kernel does not poll before halting an idle vCPU (cpuidle-haltpoll's
 ``guest_halt_poll_ns`` = 0, printed when present) pays a halt and a wake-up IPI on every
@@ -47,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import operator
 import queue
+import random
 import statistics
 import subprocess
 import sys
@@ -91,23 +100,67 @@ def warm_up(kinds: int, iters: int) -> Iterator[int]:
         yield from range(kinds)
 
 
-def alternating(kinds: int, iters: int) -> Iterator[int]:
-    """The kinds of the timed calls, in order: blocks of up to 20 calls of one kind, the
-    next kind's block, and so on (see the module docstring). The caller makes and times
-    each call: the same schedule serves calls that are awaited and calls that are not."""
+def alternating(kinds: int, iters: int) -> Iterator[tuple[int, int]]:
+    """The timed calls, in order, as (round, kind): blocks of up to 20 calls of one kind,
+    the next kind's block, and so on (see the module docstring); a round is one block of
+    each kind. The caller makes and times each call: the same schedule serves calls that
+    are awaited and calls that are not."""
     block = max(1, min(20, iters // 10))
-    for _ in range(max(1, iters // block)):
+    for round_ in range(max(1, iters // block)):
         for kind in range(kinds):
             for _ in range(block):
-                yield kind
+                yield round_, kind
+
+
+class Timings:
+    """One kind of call's times (seconds), by the round of blocks they were taken in."""
+
+    def __init__(self) -> None:
+        self.rounds: list[list[float]] = []
+
+    def add(self, round_: int, seconds: float) -> None:
+        while len(self.rounds) <= round_:
+            self.rounds.append([])
+        self.rounds[round_].append(seconds)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(t for r in self.rounds for t in r)
+
+    def median_of(self, rounds: list[int]) -> float:
+        return statistics.median(t for i in rounds for t in self.rounds[i])
+
+
+def interval(stat: Callable[[float, float], float], a: Timings, b: Timings,
+             resamples: int = 400) -> tuple[float, float]:
+    """A 95 % bootstrap interval of ``stat(median of a, median of b)``: whole rounds are
+    resampled, a's and b's blocks of a round together, because blocks taken close in
+    time share the machine's noise (a burst of load from elsewhere slows both)."""
+    rng = random.Random(0)
+    n = min(len(a.rounds), len(b.rounds))
+    values = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        values.append(stat(a.median_of(picks), b.median_of(picks)))
+    values.sort()
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
+
+
+def verdict(low: float, high: float, goal: float) -> str:
+    """Whether the whole interval is within ``goal``, beyond it, or across it."""
+    if high <= goal:
+        return "goal met"
+    if low > goal:
+        return "goal missed"
+    return "the interval spans the goal: this machine's noise cannot tell"
 
 
 class Trip(NamedTuple):
-    """Medians (seconds) of one round-trip measurement."""
+    """One round-trip measurement's times."""
 
-    direct: float  #: the compiled graph called directly, in the event loop's thread
-    scheduled: float  #: ``await ctx.compute(...)``
-    handed_off: float  #: the same direct call as a job of the device's worker thread
+    direct: Timings  #: the compiled graph called directly, in the event loop's thread
+    scheduled: Timings  #: ``await ctx.compute(...)``
+    handed_off: Timings  #: the same direct call as a job of the device's worker thread
 
 
 async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],
@@ -136,40 +189,41 @@ async def round_trip(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str
         result = calls[kind]()
         if kind:
             await result
-    times: list[list[float]] = [[] for _ in calls]
-    for kind in alternating(len(calls), iters):
+    times = [Timings() for _ in calls]
+    for round_, kind in alternating(len(calls), iters):
         call = calls[kind]
         t0 = time.perf_counter()
         result = call()
         if kind:
             await result
-        times[kind].append(time.perf_counter() - t0)
+        times[kind].add(round_, time.perf_counter() - t0)
     ctx.close()
     await graph.unload()
-    return Trip(*(statistics.median(t) for t in times))
+    return Trip(*times)
 
 
 def caller_thread_round_trip(compiled: Any, ctx: Any, tensors: dict[str, wasinn.Tensor],
-                             inputs: dict[str, Any], iters: int) -> tuple[float, float]:
-    """In a thread of the caller's own: medians of the direct call and of
+                             inputs: dict[str, Any], iters: int) -> tuple[Timings, Timings]:
+    """In a thread of the caller's own: times of the direct call and of
     ``ctx.compute_in_caller_thread``, in alternating blocks."""
     calls = (functools.partial(compiled.run, tensors),
              functools.partial(ctx.compute_in_caller_thread, inputs))
     for kind in warm_up(len(calls), iters):
         calls[kind]()
-    times: list[list[float]] = [[] for _ in calls]
-    for kind in alternating(len(calls), iters):
+    direct, scheduled = Timings(), Timings()
+    times = (direct, scheduled)
+    for round_, kind in alternating(len(calls), iters):
         call = calls[kind]
         t0 = time.perf_counter()
         call()
-        times[kind].append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+        times[kind].add(round_, time.perf_counter() - t0)
+    return direct, scheduled
 
 
 async def both_round_trips(rt: wasinn.Runtime, builders: list[bytes], inputs: dict[str, Any],
                            iters: int, backend: str = "onnxruntime"
-                           ) -> tuple[Trip, tuple[float, float]]:
-    """The worker-thread :class:`Trip` and (direct, compute_in_caller_thread) medians."""
+                           ) -> tuple[Trip, tuple[Timings, Timings]]:
+    """The worker-thread :class:`Trip` and (direct, compute_in_caller_thread) times."""
     trip = await round_trip(rt, builders, inputs, iters, backend)
     graph = await rt.load(builders, "onnx", backend=backend)
     compiled = compiled_of(rt).compiled
@@ -269,25 +323,33 @@ def context_figures(graph: wasinn.Graph, count: int) -> tuple[float, float]:
     return rate, size
 
 
-def report_round_trip(backend: str, width: float, direct: float, sched: float,
+def report_round_trip(backend: str, width: float, direct: Timings, sched: Timings,
                       path: str = "worker thread") -> None:
+    low, high = interval(operator.truediv, sched, direct)
+    ratio = sched.median / direct.median
     print(f"MobileNetV2-like w{width:g} batch 1 on {backend} ({path}): direct "
-          f"{direct * 1e3:.2f} ms, scheduled {sched * 1e3:.2f} ms, ratio {sched / direct:.3f} "
-          f"(overhead {(sched / direct - 1) * 100:+.1f} %, goal <= 3 %)")
+          f"{direct.median * 1e3:.2f} ms, scheduled {sched.median * 1e3:.2f} ms, ratio "
+          f"{ratio:.3f} (overhead {(ratio - 1) * 100:+.1f} %, 95 % interval "
+          f"{(low - 1) * 100:+.1f} to {(high - 1) * 100:+.1f} % over "
+          f"{len(direct.rounds)} rounds; goal <= 3 %: {verdict(low, high, 1.03)})")
 
 
-def report_tiny(path: str, direct: float, sched: float) -> None:
-    print(f"tiny model round trip ({path}): direct {direct * 1e6:.1f} us, scheduled "
-          f"{sched * 1e6:.1f} us, overhead {(sched - direct) * 1e6:.1f} us (goal <= 60 us)")
+def report_tiny(path: str, direct: Timings, sched: Timings) -> None:
+    low, high = interval(operator.sub, sched, direct)
+    print(f"tiny model round trip ({path}): direct {direct.median * 1e6:.1f} us, scheduled "
+          f"{sched.median * 1e6:.1f} us, overhead {(sched.median - direct.median) * 1e6:.1f} us "
+          f"(95 % interval {low * 1e6:.1f} to {high * 1e6:.1f} us; goal <= 60 us: "
+          f"{verdict(low, high, 60e-6)})")
 
 
 def report_handoff(trip: Trip) -> None:
     """The worker-thread overhead split into the bare hand-off and what wasinn adds."""
-    handoff = trip.handed_off - trip.direct
-    above = trip.scheduled - trip.handed_off
+    direct, handed_off = trip.direct.median, trip.handed_off.median
+    handoff = handed_off - direct
+    above = trip.scheduled.median - handed_off
     print(f"  of which the thread hand-off itself (the direct call run by the same worker "
           f"thread): {handoff * 1e6:.1f} us; scheduler, queue and context on top: "
-          f"{above * 1e6:.1f} us ({above / trip.direct * 100:+.1f} % of the direct call)")
+          f"{above * 1e6:.1f} us ({above / direct * 100:+.1f} % of the direct call)")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -380,7 +442,7 @@ def pinned_run(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=600)
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
