@@ -48,13 +48,33 @@ _UNION_MEMBER = re.compile(r"[a-z][a-z-]*\[.*\]")
 _MISMATCH = re.compile(r".*_type|literal_error")
 
 
-def _user_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    return tuple(p for p in loc if not (isinstance(p, str) and _UNION_MEMBER.fullmatch(p)))
+def _union_tags(loc: tuple[int | str, ...], data: object) -> list[bool]:
+    """For each part of an error's ``loc``: whether it is pydantic's name for a union
+    member rather than a key or index the user wrote. A key found in the data there is
+    the user's, whatever it looks like (an input named ``out[0]``, ``list[x]``)."""
+    node: Any = data
+    tags = []
+    for part in loc:
+        if isinstance(node, dict):
+            written = part in node
+        else:
+            written = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        tag = not written and isinstance(part, str) and bool(_UNION_MEMBER.fullmatch(part))
+        if written:
+            node = node[part]
+        elif not tag:
+            node = None  # "[key]", or a key the data lacks: nothing to follow below
+        tags.append(tag)
+    return tags
 
 
-def _key_path(loc: tuple[int | str, ...], key: str = "") -> str:
+def _user_loc(loc: tuple[int | str, ...], data: object) -> tuple[int | str, ...]:
+    return tuple(p for p, tag in zip(loc, _union_tags(loc, data), strict=True) if not tag)
+
+
+def _key_path(loc: tuple[int | str, ...], data: object, key: str = "") -> str:
     out = ""
-    for part in _user_loc(loc):
+    for part in _user_loc(loc, data):
         if part == "[key]":  # pydantic's mark for a table's name itself: the path says it
             continue
         name = f"[{part}]" if isinstance(part, int) else key_name(part)
@@ -69,7 +89,7 @@ def _got(value: object) -> str:
     return text if len(text) <= GOT_LIMIT else text[:GOT_LIMIT - 3] + "..."
 
 
-def _union_members_that_matter(errors: list[Any]) -> list[Any]:
+def _union_members_that_matter(errors: list[Any], data: object) -> list[Any]:
     # A value no member of a union accepts gets one error per member. A member that
     # looked inside the value (an error below it, or one that is not about the value's
     # type) is the one the user meant: drop the other members' "not my type" errors for
@@ -77,9 +97,10 @@ def _union_members_that_matter(errors: list[Any]) -> list[Any]:
     def split(err: Any) -> tuple[tuple[int | str, ...], tuple[int | str, ...] | None]:
         # (the key, the location below the union member; None: no union member on it)
         loc = tuple(err["loc"])
-        for i, part in enumerate(loc):
-            if isinstance(part, str) and _UNION_MEMBER.fullmatch(part):
-                return loc[:i], loc[i + 1:]
+        tags = _union_tags(loc, data)
+        if True in tags:
+            i = tags.index(True)
+            return loc[:i], loc[i + 1:]
         return loc, None
 
     meant = set()
@@ -95,18 +116,20 @@ def _union_members_that_matter(errors: list[Any]) -> list[Any]:
     return [err for err in errors if not noise(err)]
 
 
-def _describe(errors: list[Any]) -> str:
+def _describe(errors: list[Any], data: object) -> str:
+    """``errors`` of validating ``data``, each as ``key.path: what was expected``."""
     lines = []
-    for err in _union_members_that_matter(errors):
+    for err in _union_members_that_matter(errors, data):
         if err["type"] == FAULT:
             # A validator's own error: its key path is relative to where it ran.
             ctx = err["ctx"]
-            lines.append(f"{_key_path(tuple(err['loc']), ctx['key'])}: {ctx['message']}")
+            lines.append(f"{_key_path(tuple(err['loc']), data, ctx['key'])}: "
+                         f"{ctx['message']}")
             continue
         msg = str(err["msg"]).removeprefix("Value error, ")
-        where = _key_path(tuple(err["loc"]))
+        where = _key_path(tuple(err["loc"]), data)
         if err["type"] == "extra_forbidden":
-            msg = _unknown_key(tuple(err["loc"]))
+            msg = _unknown_key(_user_loc(tuple(err["loc"]), data))
         # The bad value, if short enough to help: never a whole table.
         if (err["type"] not in ("extra_forbidden", "missing") and "input" in err
                 and not isinstance(err["input"], dict) and _got(err["input"]) not in msg):
@@ -116,8 +139,9 @@ def _describe(errors: list[Any]) -> str:
 
 
 def _unknown_key(loc: tuple[int | str, ...]) -> str:
-    """The message for a key its table does not have: the closest known key, and all."""
-    table = _table_at(RuntimeConfig, _user_loc(loc)[:-1])
+    """The message for a key its table does not have (``loc``: the user's keys only): the
+    closest known key, and all."""
+    table = _table_at(RuntimeConfig, loc[:-1])
     if table is None:
         return "unknown key"
     keys = list(table.model_fields)
@@ -226,7 +250,7 @@ def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None
     try:
         config = RuntimeConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{label}: {_describe(exc.errors())}") from None
+        raise ConfigError(f"{label}: {_describe(exc.errors(), data)}") from None
     if source is not None:
         config.with_source(source)
     for name, model in config.models.items():
@@ -266,6 +290,9 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
     if not isinstance(path, str | os.PathLike):
         raise InvalidArgumentError(
             f"config path {path!r:.60} ({type(path).__name__}): expected a str or Path")
+    if "\0" in str(path):  # else the file system's ValueError, naming no config
+        raise InvalidArgumentError(
+            f"config path {str(path)!r:.60} contains a NUL byte: expected a file path")
     source = Path(path).absolute()
     try:
         text = source.read_text(encoding="utf-8")
@@ -277,6 +304,9 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of arrays and inline tables
+        raise ConfigError(f"{source}: not valid TOML here: arrays or inline tables nested "
+                          "too deeply for the parser: expected a config's few levels") from None
     return parse_config(data, source, backends=backends)
 
 

@@ -63,6 +63,18 @@ def parse_dir(spec: str) -> tuple[str, str]:
     return guest, host
 
 
+def parse_dirs(specs: Sequence[str]) -> dict[str, str]:
+    """Every ``--dir`` as {guest path: host path}; UsageError for a guest path given two
+    host directories, one of which the guest would never see."""
+    dirs: dict[str, str] = {}
+    for spec in specs:
+        guest, host = parse_dir(spec)
+        if dirs.setdefault(guest, host) != host:
+            raise UsageError(f"--dir {spec!r}: the guest path {guest!r} is already "
+                             f"{dirs[guest]!r}: expected one host directory per guest path")
+    return dirs
+
+
 def parse_env(spec: str) -> tuple[str, str]:
     """``--env K=V``; ``--env K`` passes the host's value of K (Wasmtime's behaviour)."""
     key, sep, value = spec.partition("=")
@@ -196,21 +208,41 @@ def _registry_config(args: argparse.Namespace) -> RuntimeConfig:
 
 
 def _preloads(args: argparse.Namespace) -> list[Preload]:
+    """The models ``--nn-preload`` and ``--wasi nn-graph`` register, each checked as a
+    config's model is (InvalidArgumentError, ConfigError naming the flag)."""
     from wasinn.host.preload import parse_nn_graph, parse_nn_preload
 
-    out = [parse_nn_preload(s) for s in args.nn_preload]
+    given = [(f"--nn-preload {s!r}", parse_nn_preload(s)) for s in args.nn_preload]
     for spec in args.wasi:
         if spec.strip() in ("nn", "nn=y", "nn=true", "common", "common=y"):
             continue  # wasi-nn and WASI are always on
-        out.append(parse_nn_graph(spec))
-    return out
+        given.append((f"--wasi {spec!r}", parse_nn_graph(spec)))
+    flags: dict[str, str] = {}
+    for flag, preload in given:
+        # A second one would silently replace the first for every guest.
+        if flags.setdefault(preload.name, flag) != flag:
+            raise InvalidArgumentError(
+                f"{flag}: the name {preload.name!r} is already given by "
+                f"{flags[preload.name]}: expected each name once")
+        _check_preload(flag, preload)
+    return [preload for _, preload in given]
+
+
+def _check_preload(flag: str, preload: Preload) -> None:
+    # Here, not when the runtime checks the merged config: its error would name the
+    # config file (or the installed default.toml) for what only the command line gave.
+    from wasinn.configs.loader import parse_config
+
+    model = {"files": [str(p.absolute()) for p in preload.paths],
+             "encoding": preload.encoding.value}
+    parse_config({"models": {preload.name: model}}, None, label=flag, backends=())
 
 
 async def _run(args: argparse.Namespace) -> int:
     from wasinn.host.runner import TRAP_EXIT_STATUS, GuestTrap
     from wasinn.scheduler import Runtime
 
-    dirs = dict(parse_dir(d) for d in args.dir)
+    dirs = parse_dirs(args.dir)
     env = dict(parse_env(e) for e in args.env)
     async with Runtime(_registry_config(args)) as rt:
         try:

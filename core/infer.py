@@ -24,6 +24,7 @@ with ``--save``, written to a numpy archive.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 import zipfile
@@ -94,7 +95,8 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
 
     Raises InvalidArgumentError for a malformed spec, a file of the other kind or one that
     is not numpy's (not numpy's format, object arrays, a corrupt or truncated archive,
-    an archive member that is no array) and for one that cannot be read, naming the file.
+    an archive member that is no array), for one that cannot be read and for one whose
+    header declares an array too large to allocate, naming the file.
     """
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for spec in specs:
@@ -116,6 +118,13 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
                 raise InvalidArgumentError(
                     f"--input {spec}: {file} is not a .npy or .npz file of plain arrays: "
                     f"{type(exc).__name__}: {exc}") from exc
+            except (MemoryError, OverflowError) as exc:
+                # numpy allocates what a header declares before reading the data: a few
+                # bytes can claim petabytes (past a C long: OverflowError).
+                raise InvalidArgumentError(
+                    f"--input {spec}: {file} declares an array too large to allocate here: "
+                    f"{type(exc).__name__}: {exc}: expected an array that fits in "
+                    "memory") from exc
         again = sorted(set(read) & set(arrays))
         if again:
             raise InvalidArgumentError(f"--input {spec}: {again[0]} is already given by an "
@@ -167,7 +176,11 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
     names = [spec.name for spec in specs]
 
     def named(key: str) -> str:  # a position, as the input's name
-        return names[int(key)] if key.isdigit() and int(key) < len(names) else key
+        # ASCII digits only, and few: str.isdigit() holds for '²', which int() refuses,
+        # as it does a string of thousands of digits. Such keys are names.
+        if re.fullmatch(r"[0-9]{1,9}", key) and int(key) < len(names):
+            return names[int(key)]
+        return key
 
     inputs: dict[str, Tensor] = {}
     for key, array in given.items():

@@ -21,8 +21,11 @@ finds no device is logged as a warning (logger ``wasinn.scheduler``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
+import os
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -156,13 +159,36 @@ def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
     out = []
     for path in paths:
         try:
-            out.append(path.read_bytes())
+            out.append(_read_regular(path))
         except OSError as exc:
             raise NotFoundError(
                 f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
                 f"{exc.strerror or exc}"
             ) from None
     return tuple(out)
+
+
+def _read_regular(path: Path) -> bytes:
+    # Only a regular file: a FIFO put in a model file's place would block the open (and
+    # a read) until a writer came, and /dev/zero would be read for ever, each in a thread
+    # no cancellation reaches, so that the runtime could not even close. O_NONBLOCK makes
+    # such an open return at once; it changes nothing for a regular file.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as file:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({_file_kind(mode)}): expected "
+                          "a model file")
+        return file.read()
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 class Runtime:

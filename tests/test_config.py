@@ -442,6 +442,29 @@ async def test_a_missing_registered_file_is_not_found_until_it_appears(tmp_path:
         assert graph.inputs[0].name == "x"
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+async def test_a_registered_file_that_is_no_regular_file_is_refused_at_once(
+        tmp_path: Path) -> None:
+    # Before: a FIFO in a model file's place blocked the load's thread in open() until a
+    # writer came (cancellation could not reach it, and the runtime could not close);
+    # /dev/zero named by absolute path was read for ever.
+    path = registry_config(tmp_path)
+    os.mkfifo(tmp_path / "models" / "absent.onnx")
+    (tmp_path / "zero.toml").write_text('[models.zero]\nfiles = ["/dev/zero"]\n'
+                                        'encoding = "onnx"\n')
+    async with wasinn.Runtime.from_config(path) as rt:
+        with trio.fail_after(10):
+            with pytest.raises(NotFoundError, match=r"absent\.onnx' cannot be read: not a "
+                               r"regular file \(a FIFO\): expected a model file"):
+                await rt.load_by_name("absent")
+    if Path("/dev/zero").exists():
+        async with wasinn.Runtime.from_config(tmp_path / "zero.toml") as rt:
+            with trio.fail_after(10):
+                with pytest.raises(NotFoundError, match=r"not a regular file \(a character "
+                                   r"device\)"):
+                    await rt.load_by_name("zero")
+
+
 async def test_a_registered_model_that_will_not_load_is_named_in_the_error(
         tmp_path: Path) -> None:
     # Loaded on first use, long after the config was read: the error says which entry.
