@@ -6,10 +6,14 @@ Inference precision defaults to f32 (``LoadOptions.precision``; ``"default"`` le
 plugin's choice, which is bf16 on CPUs with AMX) so that outputs agree across machines.
 
 A :class:`OvGraph` owns one ``CompiledModel`` and a pool of ``InferRequest`` s: each run
-borrows a request, so concurrent runs on several threads never share one. Inputs are
-wrapped as ``ov.Tensor`` s over the caller's memory (no copy). With ``keep_on_device``
-the run's request is not returned to the pool: its output ``ov.Tensor`` s are handed out
-as native tensors and can be set as inputs of another request without a copy.
+borrows a request, so concurrent runs on several threads never share one, and holds the
+memory OpenVINO may read IR weights from until it ends, whenever the graph is closed.
+Inputs are wrapped as ``ov.Tensor`` s over the caller's memory (no copy; a strided or
+byte-swapped array is copied first). With ``keep_on_device`` the run's request is not
+returned to the pool: its output ``ov.Tensor`` s are handed out as native tensors and can
+be set as inputs of another request without a copy; an output that is an input's own
+memory (a graph that returns an input, with static shapes) is copied, as the caller may
+refill that memory.
 
 Device memory: on a device with a remote context (the GPU and NPU plugins; the CPU has
 none) a graph uses the device's default context, which every graph compiled for that
@@ -30,6 +34,18 @@ comes just before a run starts, see :class:`_Canceller`); OpenVINO stops at the 
 boundary (a Loop/TensorIterator node's own iterations are not interrupted) and the run
 raises BackendRuntimeError. A request that may have been cancelled is retired, never
 pooled again.
+
+A graph with a dynamic shape is compiled afresh after a run that was cancelled or failed
+inside OpenVINO. OpenVINO 2026.4's CPU plugin keeps shape state in the compiled model
+that such a run leaves half-updated: later runs, on fresh requests too, whose inputs have
+the dimensions of the last completed run come back with outputs shaped for the stopped
+one (after a cancel, 140 of 171 tries here; in an 8-thread stress, runs nobody cancelled
+got wrong outputs, one with values from elsewhere in memory), and a run that failed on a
+data-dependent shape "succeeds" the second time with the previous run's shape. The next
+run compiles the graph again (from the ``ov.Model`` such a graph keeps, so the weights are
+held twice where the model does not share the caller's buffer) before it starts; runs
+already going on the old compile finish there, and their requests are not pooled again.
+Statically shaped graphs are not affected and keep nothing.
 
 Element types: all seven wasi-nn types load, but the CPU and GPU plugins compute i64 as
 i32. Rather than truncate silently, a run refuses i64 input values outside the i32 range
@@ -55,7 +71,7 @@ import re
 import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -88,6 +104,7 @@ _TYPES: dict[str, TensorType] = {
     "bf16": TensorType.BF16, "u8": TensorType.U8, "i32": TensorType.I32, "i64": TensorType.I64,
 }
 _OV_TYPES = {tt: getattr(ov.Type, name) for name, tt in _TYPES.items()}
+_CARRIERS = {tt: numpy_dtype(tt) for tt in TensorType}
 _I32 = np.iinfo(np.int32)
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -135,8 +152,9 @@ def _specs(ports: Sequence[Any], is_output: bool
 def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
     """``tensor`` for input ``name`` as OpenVINO takes it (host memory shared, not copied).
 
-    Raises InvalidArgumentError for i64 values outside the i32 range and finite f64
-    values outside the f32 range (see the module docstring).
+    Raises InvalidArgumentError for i64 values outside the i32 range, finite f64
+    values outside the f32 range (see the module docstring) and a host array whose
+    elements are not of the tensor's type.
     """
     native = tensor.native
     if isinstance(native, ov.Tensor):
@@ -144,6 +162,8 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
     if isinstance(native, ov.RemoteTensor) and tensor.device == device:
         return native  # device memory, on this device: set as it is
     array = tensor.numpy()
+    if array.dtype != _CARRIERS[tensor.type] or not array.flags.c_contiguous:
+        array = _shareable(array, tensor.type, name)
     if tensor.type is TensorType.I64 and array.size and (
         array.min() < _I32.min or array.max() > _I32.max
     ):
@@ -162,6 +182,22 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
     # bf16 travels as its uint16 bit pattern.
     carrier = array.view(np.uint16) if tensor.type is TensorType.BF16 else array
     return ov.Tensor(carrier, ov.Shape(array.shape), _OV_TYPES[tensor.type])
+
+
+def _shareable(array: np.ndarray[Any, Any], ttype: TensorType, name: str
+               ) -> np.ndarray[Any, Any]:
+    """``array`` (of a Tensor built around it, not by ``from_numpy``) as memory OpenVINO
+    can share. OpenVINO takes a pointer with the shape and element type it is told: a
+    strided array it refuses with a bare RuntimeError, bytes in the other order it reads
+    as they lie, and an array of smaller elements (f32 for f64) it reads past its end.
+    Copied C-contiguous, in native byte order; InvalidArgumentError for elements of
+    another type."""
+    dtype = _CARRIERS[ttype]
+    if array.dtype.newbyteorder("=") != dtype:
+        raise InvalidArgumentError(
+            f"{NAME}: input {name!r} is {ttype.value} but its data is an array of "
+            f"{array.dtype}: expected an array of {dtype}")
+    return np.ascontiguousarray(array, dtype=dtype)
 
 
 def _beyond_f32(array: np.ndarray[Any, Any]) -> bool:
@@ -187,6 +223,18 @@ def _host_array(value: Any, ttype: TensorType, keep_alive: object = None) -> np.
     if ttype is TensorType.BF16:
         data = data.view(numpy_dtype(TensorType.BF16))
     return np.array(data, copy=True)
+
+
+def _unshared(value: Any, hosts: list[Any]) -> Any:
+    """``value``, a kept output, or a copy of it where it lies in the memory of one of
+    ``hosts`` (inputs over the caller's memory)."""
+    if isinstance(value, ov.Tensor) and value.byte_size:
+        data = value.data
+        if any(np.may_share_memory(data, host.data) for host in hosts):
+            own = ov.Tensor(value.get_element_type(), value.get_shape())
+            value.copy_to(own)
+            return own
+    return value
 
 
 def _native(value: Any, ttype: TensorType, device: str, owner: object) -> Tensor:
@@ -247,13 +295,23 @@ def _device_outputs(compiled: Any) -> dict[int, _DeviceOutput]:
 class OvGraph(CheckedGraph):
     """A model compiled by OpenVINO for one device, with a pool of infer requests."""
 
-    def __init__(self, compiled: Any, device: Device, keep_alive: object = None) -> None:
+    def __init__(self, compiled: Any, device: Device, keep_alive: object = None,
+                 recompile: Callable[[], Any] | None = None) -> None:
+        """``recompile``: how to compile the model again, for a graph with a dynamic shape
+        (see the module docstring); None for a static one."""
         inputs, in_aliases = _specs(compiled.inputs, is_output=False)
         outputs, out_aliases = _specs(compiled.outputs, is_output=True)
         super().__init__(NAME, compiled, device, inputs, outputs, in_aliases=in_aliases,
                          out_aliases=out_aliases)
         self._keep_alive = keep_alive  # weights OpenVINO may share with the model
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._recompile = recompile
+        #: Set by a run stopped inside OpenVINO on a dynamic graph: the next run compiles
+        #: the graph afresh first (under ``_renewing``), see the module docstring.
+        self._stale = False
+        self._renewing = threading.Lock()
+        #: Compiles after the first (diagnostics, tests).
+        self.recompiles = 0
         #: The device's remote context (see the module docstring), None on the CPU.
         self.remote_context = _remote_context(compiled, device)
         self._device_outputs = (_device_outputs(compiled) if self.remote_context is not None
@@ -269,11 +327,15 @@ class OvGraph(CheckedGraph):
         """The underlying ``openvino.CompiledModel`` (for benchmarks and diagnostics)."""
         return self._open()
 
-    def _request(self) -> Any:
+    def _request(self) -> tuple[Any, queue.SimpleQueue[Any]]:
+        """An idle infer request, or a new one, and the pool it goes back to: the pool of
+        the time it was taken, so that a run that ends after close() does not pool its
+        request (which holds the compiled model) in the closed graph."""
+        idle = self._idle
         try:
-            return self._idle.get_nowait()
+            return idle.get_nowait(), idle
         except queue.Empty:
-            return self.compiled_model.create_infer_request()
+            return self.compiled_model.create_infer_request(), idle
 
     def _run(
         self, compiled: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
@@ -291,8 +353,15 @@ class OvGraph(CheckedGraph):
         dims: _Dims | None = None
         if keep_on_device and self.remote_context is not None:
             dims = tuple(t.dims for t in ordered)
+        # Held until the run is over: the CPU plugin reads some IR weights in place, from
+        # this memory, which close() in another thread lets go of (SIGSEGV once unmapped).
+        # Taken before the request: once close() has dropped it, no request can be had.
+        weights = self._keep_alive
+        if self._stale:
+            self._renew()
+        started = False
         try:
-            request = self._request()
+            request, idle = self._request()
             for i, value in enumerate(ov_inputs):
                 if isinstance(value, ov.Tensor):
                     request.set_input_tensor(i, value)
@@ -300,6 +369,7 @@ class OvGraph(CheckedGraph):
                     self._set_remote_input(request, i, value)
             if dims is not None:
                 bound = self._bind_device_outputs(request, dims, picked)
+            started = True
             reusable = _infer(request, cancellation)
             if bound:
                 values = [bound[i] if i in bound else request.get_output_tensor(i)
@@ -313,21 +383,56 @@ class OvGraph(CheckedGraph):
         except Exception as exc:
             if bound and dims is not None:  # a learned shape may be wrong here: forget
                 self._learned.pop(dims, None)
+            if started and self._recompile is not None:
+                self._stale = True  # before any other run can take a request
             if cancellation is not None and cancellation.cancelled:
                 raise BackendRuntimeError(f"{NAME}: run cancelled ({exc})") from exc
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
-        specs = self.outputs
+        finally:
+            del weights
         if keep_on_device:
-            # The request owns the outputs' memory: retire it with them instead of reusing.
-            return {specs[i].name: _native(value, specs[i].type, self.device.name, request)
-                    for i, value in zip(picked, values, strict=True)}
+            return self._kept(request, picked, values, ov_inputs, ordered)
+        specs = self.outputs
         result = {}
         for i, value in zip(picked, values, strict=True):
             array = _host_array(value, specs[i].type)
             result[specs[i].name] = Tensor(array.shape, specs[i].type, array=array)
         if reusable:
-            self._idle.put(request)
+            idle.put(request)
         return result
+
+    def _kept(self, request: Any, picked: tuple[int, ...], values: list[Any],
+              ov_inputs: list[Any], ordered: list[Tensor]) -> dict[str, Tensor]:
+        # A kept run's outputs, as native tensors of the request, which owns their memory:
+        # it is retired with them instead of being reused. A graph input that is also an
+        # output (static shapes) comes back as the very memory it was given: the
+        # caller's, which it may refill. That gets its own.
+        hosts = [v for v, t in zip(ov_inputs, ordered, strict=True) if v is not t.native]
+        if hosts:
+            values = [_unshared(value, hosts) for value in values]
+        specs = self.outputs
+        return {specs[i].name: _native(value, specs[i].type, self.device.name, request)
+                for i, value in zip(picked, values, strict=True)}
+
+    def _renew(self) -> None:
+        # The compile a stopped run left in doubt is replaced before this run starts; a
+        # run still going on it keeps its request, which goes back to the old pool.
+        recompile = self._recompile
+        assert recompile is not None
+        with self._renewing:
+            if not self._stale or self._handle is None:  # another run renewed it, or closed
+                return
+            try:
+                compiled = recompile()
+            except Exception as exc:
+                raise BackendRuntimeError(
+                    f"{NAME}: compiling the graph again after a stopped run failed: {exc}"
+                ) from exc
+            self._handle = compiled
+            self._idle = queue.SimpleQueue()
+            self._learned.clear()
+            self.recompiles += 1
+            self._stale = False
 
     def _set_remote_input(self, request: Any, index: int, value: Any) -> None:
         # A remote tensor (device memory) is set by its port's name.
@@ -374,6 +479,7 @@ class OvGraph(CheckedGraph):
         super().close()
         self._idle = queue.SimpleQueue()
         self._keep_alive = None
+        self._recompile = None
 
 
 class OpenVinoBackend(Backend):
@@ -440,8 +546,10 @@ class OpenVinoBackend(Backend):
         except Exception as exc:
             raise self._compile_error(model, ov_device, config, options, exc,
                                       f"the {encoding.value} model for {device}") from exc
+        recompile = (functools.partial(self.core.compile_model, model, ov_device, config)
+                     if _dynamic(model) else None)
         try:
-            graph = OvGraph(compiled, device, keep_alive)
+            graph = OvGraph(compiled, device, keep_alive, recompile)
         except WasiNNError:
             raise
         except Exception as exc:  # e.g. a port name that is not UTF-8: UnicodeDecodeError
@@ -470,6 +578,12 @@ class OpenVinoBackend(Backend):
                     f"{NAME}: {ov_device} refused option(s) {named}: {exc}: expected values "
                     "the device takes for them")
         return InvalidEncodingError(f"{NAME}: cannot compile {what}: {exc}")
+
+
+def _dynamic(model: Any) -> bool:
+    """Whether any of ``model``'s inputs or outputs has a dynamic shape."""
+    return any(port.get_partial_shape().is_dynamic
+               for port in (*model.inputs, *model.outputs))
 
 
 def _infer(request: Any, cancellation: Cancellation | None) -> bool:

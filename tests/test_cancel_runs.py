@@ -404,7 +404,12 @@ def test_an_openvino_run_cancelled_just_before_it_starts_is_still_stopped() -> N
                                    Device(ExecutionTarget.CPU))
     cancellation = Cancellation()
     make_request = graph._request
-    graph._request = lambda: CancelledAsItStarts(make_request(), cancellation)  # type: ignore[method-assign]
+
+    def cancelled_as_it_starts() -> tuple[CancelledAsItStarts, Any]:
+        request, pool = make_request()
+        return CancelledAsItStarts(request, cancellation), pool
+
+    graph._request = cancelled_as_it_starts  # type: ignore[method-assign]
     outcome: list[BaseException | dict[str, wasinn.Tensor]] = []
 
     def run() -> None:
