@@ -12,7 +12,13 @@ uses what is computed here to keep every run's memory its own:
   caller's in-place edit of a result would change the model for every later caller.
 - :func:`exported_written_inputs` and :func:`script_written_inputs` find the inputs a
   model writes to (``x.sub_(mean)``, ``x[0].relu_()``), which then get a copy each run;
-  a model that writes only to its intermediates (an in-place ReLU) costs no copy.
+  a model that writes only to its intermediates (an in-place ReLU) costs no copy. Both
+  follow the operators' alias annotations, which some operators lack although they may
+  return their input itself or a view of it (:data:`UNANNOTATED_ALIASES`): an input
+  given to one of those counts as written.
+- :func:`script_keeps_tensors` finds a TorchScript model that keeps tensors it computes
+  (``self.state = x * 2``): :func:`script_storages` cannot name their memory at load,
+  so each of its outputs is cloned.
 """
 
 from __future__ import annotations
@@ -23,6 +29,24 @@ from typing import Any
 import torch
 
 from ._torch_ops import graph_nodes, script_graphs
+
+#: ATen operators whose schemas promise a new tensor but that may return their input
+#: itself or a view of it (``dropout`` in eval mode, ``type_as`` to the same type,
+#: ``_unsafe_view``; ``set_`` makes its first argument a view of its second), found by
+#: calling every ATen operator of torch 2.13 on a small tensor: a write to what they
+#: return may write to their input, which alias annotations do not show.
+UNANNOTATED_ALIASES = frozenset({
+    "aten::_cast_Byte", "aten::_cast_Char", "aten::_cast_Double", "aten::_cast_Float",
+    "aten::_cast_Half", "aten::_cast_Int", "aten::_cast_Long", "aten::_cast_Short",
+    "aten::_foobar", "aten::_remove_batch_dim", "aten::_saturate_weight_to_fp16",
+    "aten::_test_parallel_materialize", "aten::_test_string_default", "aten::_unsafe_view",
+    "aten::alpha_dropout", "aten::atleast_1d", "aten::atleast_2d", "aten::atleast_3d",
+    "aten::conj_physical", "aten::data", "aten::dequantize", "aten::dropout",
+    "aten::feature_alpha_dropout", "aten::feature_dropout", "aten::lift", "aten::set",
+    "aten::set_", "aten::to_dense", "aten::to_dense_backward", "aten::to_mkldnn_backward",
+    "aten::type_as", "aten::unsafe_chunk", "aten::unsafe_split",
+    "aten::unsafe_split_with_sizes",
+})
 
 
 def storage_of(value: torch.Tensor) -> int:
@@ -60,17 +84,42 @@ def script_storages(module: Any) -> frozenset[int]:
 
 def script_written_inputs(module: Any) -> frozenset[int]:
     """The tensor inputs (by position among them) that the TorchScript ``module``'s
-    forward may write to, in place or through a view, by TorchScript's alias analysis;
-    all of them if it cannot tell."""
+    forward may write to, in place or through a view, by TorchScript's alias analysis,
+    and those that may reach an operator of :data:`UNANNOTATED_ALIASES`; all of them if
+    it cannot tell."""
     arguments = module.forward.schema.arguments[1:]
     tensors = [i for i, arg in enumerate(arguments) if str(arg.type) == "Tensor"]
     try:
         graph = module.inlined_graph
-        values = list(graph.inputs())[1:]
+        arguments = list(graph.inputs())[1:]  # [0] is self
+        values = [arguments[i] for i in tensors]
         db = graph.alias_db()
-        return frozenset(n for n, i in enumerate(tensors) if db.has_writers(values[i]))
+        unannotated = [value for node in graph_nodes(graph)
+                       if node.kind() in UNANNOTATED_ALIASES for value in node.inputs()]
+        return frozenset(n for n, value in enumerate(values) if db.has_writers(value)
+                         or any(db.may_contain_alias(value, u) for u in unannotated))
     except Exception:
         return frozenset(range(len(tensors)))
+
+
+def script_keeps_tensors(module: Any) -> bool:
+    """Whether the TorchScript ``module``'s forward may keep a tensor it computed for a
+    later run, which may then write to it: it assigns an attribute (``self.state = y``),
+    or writes to a list or dict attribute (``self.history.append(y)``); True if it
+    cannot tell."""
+    try:
+        graph = module.inlined_graph
+        db = graph.alias_db()
+        for node in graph_nodes(graph):
+            kind = node.kind()
+            if kind in ("prim::SetAttr", "prim::CallMethod", "prim::CallFunction"):
+                return True  # (a call left un-inlined: what it does is not in this graph)
+            if kind == "prim::GetAttr" and isinstance(node.output().type(), (
+                    torch.ListType, torch.DictType)) and db.has_writers(node.output()):
+                return True
+        return False
+    except Exception:
+        return True
 
 
 def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[int]:
@@ -78,8 +127,8 @@ def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[
     may write to: those its signature says it mutates (a functionalized program), and
     those an operator writes to in place, directly or through a view (export's default
     IR keeps in-place operators), by the operators' schema alias annotations. A
-    higher-order operator (``cond``...) given an input or a view of one counts as
-    writing to it."""
+    higher-order operator (``cond``...) or an operator of :data:`UNANNOTATED_ALIASES`
+    given an input or a view of one counts as writing to it."""
     mutated = set(program.graph_signature.user_inputs_to_mutate.values())
     written = {i for i, node in enumerate(placeholders) if node.name in mutated}
     roots: dict[Any, set[int]] = {node: {i} for i, node in enumerate(placeholders)}
@@ -87,6 +136,8 @@ def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[
         if node.op != "call_function":
             continue
         bound = _bound_arguments(node)
+        if bound is not None and node.target._schema.name in UNANNOTATED_ALIASES:
+            written |= _roots(roots, (node.args, node.kwargs))
         if bound is None:  # not an ATen operator: a HOP, getitem, shape arithmetic
             reached = _roots(roots, (node.args, node.kwargs))
             if reached and node.target is operator.getitem:

@@ -27,7 +27,10 @@ name resolves to into the graph. Guests' models may only compute on tensors, so:
   an attribute called ``save``; it never lets a load-time call through, since
   TorchScript resolves operators by name only.
 
-Each refusal is a SecurityError naming the operator.
+Each refusal is a SecurityError naming the operator. :func:`check_torchscript_code` also
+refuses, as InvalidEncodingError, an archive whose pickles give a tensor more bytes than
+its record holds: ``torch.jit.load`` does not compare the two, so the tensor would read
+host memory past the record (an empty record crashed the host as the module was frozen).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import io
 import math
 import operator
+import pickle
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -165,19 +169,21 @@ def _leaves(value: Any) -> Iterator[Any]:
 def check_torchscript_code(backend: str, data: bytes) -> None:
     """SecurityError if a source file of the TorchScript archive ``data`` mentions a
     name through which TorchScript reaches a refused operator; InvalidEncodingError if
-    the archive cannot be read.
+    the archive cannot be read, or a tensor its pickles describe needs more bytes than
+    the record holding it.
 
     Read with torch's own archive reader, so the files scanned are the ones
     ``torch.jit.load`` compiles.
     """
     try:
         reader = torch._C.PyTorchFileReader(io.BytesIO(data))
-        sources = [(name, reader.get_record(name)) for name in reader.get_all_records()
-                   if name.endswith(".py")]
+        names = reader.get_all_records()
+        sources = [(name, reader.get_record(name)) for name in names if name.endswith(".py")]
     except Exception as exc:
         raise InvalidEncodingError(
             f"{backend}: cannot read the TorchScript archive: {exc}"
         ) from exc
+    _check_storages(backend, reader, set(names))
     for name, source in sources:
         words = set(_WORD.findall(bytes(source).decode("utf-8", "replace")))
         found = sorted(words & _DENIED_NAMES)
@@ -188,6 +194,91 @@ def check_torchscript_code(backend: str, data: bytes) -> None:
                 "host process), which a guest's model may not call: its code runs as "
                 "the archive is loaded"
             )
+
+
+def _check_storages(backend: str, reader: Any, records: set[str]) -> None:
+    """InvalidEncodingError unless every storage that ``data.pkl`` and ``constants.pkl``
+    name (``('storage', torch.FloatStorage, key, device, elements)``, read from
+    ``data/<key>`` and ``constants/<key>`` as ``torch.jit.load`` reads them) is a record
+    holding at least its elements' bytes."""
+    for folder in ("data", "constants"):
+        if f"{folder}.pkl" not in records:
+            continue
+        refs = _StorageRefs(bytes(reader.get_record(f"{folder}.pkl")))
+        try:
+            refs.load()
+        except Exception as exc:
+            raise InvalidEncodingError(
+                f"{backend}: cannot read {folder}.pkl in the TorchScript archive: {exc}"
+            ) from exc
+        for key, kind, elements in refs.storages:
+            name = f"{folder}/{key}"
+            itemsize = _STORAGE_ITEMSIZES.get(kind) if isinstance(kind, str) else None
+            size = reader.get_record_size(name) if name in records else None
+            if itemsize is None or type(elements) is not int or elements < 0 \
+                    or size is None or size < elements * itemsize:
+                raise InvalidEncodingError(
+                    f"{backend}: the TorchScript archive's {folder}.pkl gives storage "
+                    f"{str(key)[:80]!r} {str(elements)[:20]} elements of {str(kind)[:40]}, "
+                    f"but {name[:90]!r} " + ("is missing" if size is None
+                                             else f"holds {size} bytes")
+                    + ": expected a record holding them (torch would read past it)"
+                )
+
+
+def _storage_itemsizes() -> dict[str, int]:
+    """The element size of every storage class name TorchScript's pickler writes: the
+    legacy names (``FloatStorage``, ``ComplexHalfStorage``) and, for later element types,
+    the C++ type's (``Float8_e4m3fnStorage``, ``UInt16Storage``)."""
+    sizes = {f"{name[6].upper()}{name[7:]}Storage".replace("Uint", "UInt"): dtype.itemsize
+             for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+             for name in [str(dtype)]}
+    sizes.update((name, dtype.itemsize)
+                 for dtype, name in torch.storage._dtype_to_storage_type_map().items())
+    sizes["ComplexHalfStorage"] = torch.complex32.itemsize
+    return sizes
+
+
+_STORAGE_ITEMSIZES = _storage_itemsizes()
+
+
+class _Stand:
+    """What every global of a pickle read by :class:`_StorageRefs` stands for, but the
+    storage classes: it takes any arguments, state and items, and does nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+    def append(self, value: object) -> None:
+        pass
+
+    def extend(self, values: object) -> None:
+        pass
+
+
+class _StorageRefs(pickle.Unpickler):
+    """Reads a TorchScript pickle without running anything of it (a global it names is
+    :class:`_Stand`, a storage class its name), noting each storage it references as
+    ``(key, class name, elements)``."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.storages: list[tuple[object, object, object]] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        return name if name.endswith("Storage") else _Stand
+
+    def persistent_load(self, pid: Any) -> object:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {str(pid)[:80]}")
+        self.storages.append((pid[2], pid[1], pid[4]))
+        return _Stand()
 
 
 def check_torchscript_module(backend: str, module: torch.jit.ScriptModule) -> None:

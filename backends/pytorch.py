@@ -4,8 +4,12 @@
 Names. TorchScript records no input or output names beyond ``forward``'s signature, so:
 inputs are named after ``forward``'s tensor arguments (``self`` skipped), outputs are
 ``output`` for a single tensor and ``output_0`` .. ``output_N`` for a tuple of tensors.
-The same convention names a ``torch.export`` program's outputs. Integer positions work
-as keys everywhere.
+The same convention names a ``torch.export`` program's outputs. A program taking or
+returning more than a flat tuple of tensors (keyword arguments, nested tuples and lists,
+dicts) takes and returns the tensors in them, in torch's pytree order, its inputs named
+after its placeholders (``pair_0``, ``pair_1``); an argument that export fixed to a
+constant is passed that constant, and is no input. Integer positions work as keys
+everywhere.
 
 Specs. A ``torch.export`` program records element types and shapes (symbolic dims are
 reported as None) and inputs are checked against them, a symbolic dim against the range
@@ -48,11 +52,10 @@ running. A forward without loops runs as loaded: its run is as long as its code.
 between straight-line operators were measured and dropped: one before every operator
 cost +10 % on MobileNetV2 here, one before every 8th +3 % (each check splits the graph
 that TorchScript's executor optimizes), against nothing for loop checks. What the loop
-checks cannot reach (straight-line code, a call left un-inlined, a forward taking a
-non-tensor argument before a tensor one: logged at load) stops too in a model loaded
-``interruptible``, which also runs every operator through a torch dispatch mode holding
-the checkpoint (:class:`_Checkpoints`, +37 % on MobileNetV2 here). A pipeline stops between
-steps once cancelled, whatever its backends.
+checks cannot reach (straight-line code, a call left un-inlined: logged at load) stops
+too in a model loaded ``interruptible``, which also runs every operator through a torch
+dispatch mode holding the checkpoint (:class:`_Checkpoints`, +37 % on MobileNetV2 here).
+A pipeline stops between steps once cancelled, whatever its backends.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
@@ -85,6 +90,7 @@ from ._pt2_check import check_pt2_archive
 from ._torch_memory import (
     exported_written_inputs,
     module_storages,
+    script_keeps_tensors,
     script_storages,
     script_written_inputs,
     storage_of,
@@ -169,9 +175,12 @@ class TorchGraph(CheckedGraph):
         dim_ranges: tuple[_DimRange, ...] = (),
         checkpoints: bool = False,
         stop_checked: _StopChecked | None = None,
+        stateful: bool = False,
     ) -> None:
         """``private``: the inputs the model writes to (it gets copies); ``model_storages``:
         the memory of its parameters, buffers and constants (outputs there are cloned);
+        ``stateful``: the model keeps tensors it computes (an attribute it assigns), which
+        ``model_storages`` cannot name, so every output is cloned;
         ``dim_ranges``: the symbolic dims' ranges to check before each run;
         ``checkpoints``: run under :class:`_Checkpoints` (a TorchScript module loaded
         with ``interruptible``); ``stop_checked``: a TorchScript module's forward with
@@ -186,6 +195,7 @@ class TorchGraph(CheckedGraph):
         self._dim_ranges = dim_ranges
         self._checkpoints = checkpoints
         self._stop_checked = stop_checked
+        self._stateful = stateful
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
@@ -279,10 +289,19 @@ class TorchGraph(CheckedGraph):
             raise BackendRuntimeError(
                 f"{NAME}: the model returned a {value.dtype} tensor, which wasi-nn cannot carry"
             )
+        if value.device.type != "cpu" and value.device != self._torch_device:
+            # A meta tensor has no data to hand out: numpy() would raise torch's own error.
+            raise BackendRuntimeError(
+                f"{NAME}: the model returned a tensor on {value.device}: expected tensors "
+                f"on {self.device.name}" + ("" if self.device.name == "cpu" else " or the cpu")
+            )
+        if value.is_neg():  # (torch._neg_view): numpy() refuses it, so does a consumer's
+            value = value.resolve_neg()
         storage = storage_of(value)
-        if storage in taken or storage in self._model_storages:
+        if self._stateful or storage in taken or storage in self._model_storages:
             # A view of an input (guest memory), a weight (a caller's edit would change
-            # the model for every later run) or another output: a copy of its own.
+            # the model for every later run), another output or, in a model that keeps
+            # tensors it computed, one it may write to in a later run: a copy of its own.
             value = value.clone(memory_format=torch.contiguous_format)
         else:
             taken.add(storage)
@@ -373,26 +392,18 @@ class _StopChecked:
                 _spare.flag = None
 
 
-class _Unchecked(Exception):
-    """Why a TorchScript model gets no stop checks (its cancelled runs go to their end)."""
-
-
 def _with_stop_checks(module: Any, tensors: int) -> _StopChecked | None:
-    """``module``'s forward (its first ``tensors`` arguments are its tensors) with its
-    calls inlined, a ``stop`` flag as one more argument and a check of the flag
-    (:data:`_STOP_CHECK`) at the start of every loop iteration; None for a forward
-    without loops (its run is as long as its code: it runs as loaded). Raises
-    _Unchecked for a forward taking a non-tensor argument before a tensor one. Only ATen
-    and TorchScript operators that the archive checks allow are added."""
+    """``module``'s forward (its first ``tensors`` arguments are its tensors, the others
+    have defaults: the load checked) with its calls inlined, a ``stop`` flag as one more
+    argument and a check of the flag (:data:`_STOP_CHECK`) at the start of every loop
+    iteration; None for a forward without loops (its run is as long as its code: it runs
+    as loaded). Only ATen and TorchScript operators that the archive checks allow are
+    added."""
     graph = module._c._get_method("forward").inlined_graph  # a copy
     loops = list(_loops(graph.block()))
     if not loops:
         return None
-    arguments = module.forward.schema.arguments[1:]  # [0] is self
-    rest = arguments[tensors:]
-    if any(str(arg.type) != "Tensor" for arg in arguments[:tensors]) \
-            or not all(arg.has_default_value() for arg in rest):
-        raise _Unchecked("its forward takes a non-tensor argument before a tensor one")
+    rest = module.forward.schema.arguments[1 + tensors:]  # [0] is self
     stop = graph.addInput("wasinn_stop")
     stop.setType(torch._C.TensorType.get())
     check = torch._C.parse_ir(_STOP_CHECK)
@@ -535,13 +546,22 @@ def _load_torchscript(
         ) from exc
     check_torchscript_module(NAME, module)
     inputs = []
+    defaulted = None  # the first argument left to its default
     for arg in schema.arguments[1:]:  # [0] is self
         if str(arg.type) != "Tensor":
             if arg.has_default_value():
+                defaulted = defaulted or arg
                 continue
             raise UnsupportedOperationError(
                 f"{NAME}: forward() argument {arg.name!r} is {arg.type}: expected Tensor "
                 "arguments (others need a default value)"
+            )
+        if defaulted is not None:
+            # A run passes its tensors by position: this one would land in that argument.
+            raise UnsupportedOperationError(
+                f"{NAME}: forward() argument {arg.name!r} (Tensor) follows {defaulted.name!r} "
+                f"({defaulted.type}, left to its default): expected the Tensor arguments "
+                "first, the others after them"
             )
         inputs.append(TensorSpec(arg.name, TensorType.F32, (), rank_known=False))
     returns = str(schema.returns[0].type) if schema.returns else "None"
@@ -566,12 +586,13 @@ def _load_torchscript(
         stop_checked = _with_stop_checks(module, len(inputs))
     except Exception as exc:  # a graph torch cannot edit still runs, as loaded
         log.warning("%s: no stop checks could be put into the loops of this TorchScript "
-                    "model (%s): a cancelled run of it goes on to its end", NAME,
-                    exc if isinstance(exc, _Unchecked) else f"{type(exc).__name__}: {exc}")
+                    "model (%s: %s): a cancelled run of it goes on to its end", NAME,
+                    type(exc).__name__, exc)
     return TorchGraph(module, device, tuple(inputs), outputs, checked=False,
                       private=script_written_inputs(module),
                       model_storages=script_storages(module),
-                      checkpoints=interruptible, stop_checked=stop_checked)
+                      checkpoints=interruptible, stop_checked=stop_checked,
+                      stateful=script_keeps_tensors(module))
 
 
 def _spec_of(name: str, value: Any, role: str) -> TensorSpec:
@@ -617,14 +638,57 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     user_outputs = list(out_node.args[0])[-len(signature.user_outputs):]
     names = _output_names(len(user_outputs))
-    outputs = tuple(_spec_of(name, node.meta.get("val"), "output")
+    # A constant output (None, an int) is no fx node: it has no tensor to hand out.
+    outputs = tuple(_spec_of(name, node.meta.get("val") if isinstance(node, torch.fx.Node)
+                             else node, "output")
                     for name, node in zip(names, user_outputs, strict=True))
     return TorchGraph(
-        module, device, inputs, outputs, checked=True,
+        _flat_calls(program, module, len(placeholders), len(outputs)), device, inputs,
+        outputs, checked=True,
         private=exported_written_inputs(program, placeholders),
         model_storages=module_storages(module),
         dim_ranges=_dim_ranges(program, placeholders),
     )
+
+
+#: Where :class:`_Flattened` passes one of the run's tensors.
+_TENSOR = object()
+
+
+class _Flattened(torch.nn.Module):
+    """An exported program whose inputs or outputs are more than a flat tuple of tensors,
+    called as its specs describe it: with its tensor inputs in order (placed, with the
+    constants export fixed, into the arguments it was exported with), returning the
+    tensors of its result in pytree order."""
+
+    def __init__(self, program: torch.nn.Module, leaves: list[Any], in_spec: Any) -> None:
+        super().__init__()
+        self.program = program
+        self._leaves = leaves  # each input leaf: _TENSOR, or the constant export fixed
+        self._in_spec = in_spec
+
+    def forward(self, *tensors: torch.Tensor) -> list[Any]:
+        given = iter(tensors)
+        args, kwargs = pytree.tree_unflatten(
+            [next(given) if leaf is _TENSOR else leaf for leaf in self._leaves], self._in_spec)
+        return pytree.tree_leaves(self.program(*args, **kwargs))
+
+
+def _flat_calls(program: Any, module: torch.nn.Module, inputs: int,
+                outputs: int) -> torch.nn.Module:
+    """``module`` (the program's), called with ``inputs`` tensors and returning
+    ``outputs`` (one, or a tuple or list of them) as the specs say; else a
+    :class:`_Flattened` wrapping it: without it, such a program loads but every run fails
+    in torch's input pytree check, or returns a dict or nested tuple."""
+    in_spec, out_spec = program.call_spec.in_spec, program.call_spec.out_spec
+    leaves = [spec.arg.value if isinstance(spec.arg, ConstantArgument) else _TENSOR
+              for spec in program.graph_signature.input_specs
+              if spec.kind is InputKind.USER_INPUT]
+    flat_in = in_spec == pytree.tree_structure((tuple(range(inputs)), {})) \
+        and all(leaf is _TENSOR for leaf in leaves)
+    flat_out = out_spec in (pytree.tree_structure(0), pytree.tree_structure(tuple(range(outputs))),
+                            pytree.tree_structure(list(range(outputs))))
+    return module if flat_in and flat_out else _Flattened(module, leaves, in_spec)
 
 
 def _dim_ranges(program: Any, placeholders: list[Any]) -> tuple[_DimRange, ...]:

@@ -19,6 +19,15 @@ from wasinn.modelgen import affine_onnx, identity_onnx, onnx_model_bytes
 Model = tuple[list[bytes], GraphEncoding]
 
 
+def scripted(module: Any) -> bytes:
+    """``module`` (a torch.nn.Module) as a TorchScript archive."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), buf)
+    return buf.getvalue()
+
+
 def _exported(module: Any, example: Any, dynamic_batch: bool = True) -> bytes:
     import torch
 

@@ -10,6 +10,7 @@ import pytest
 
 import wasinn
 from tests import backend_models
+from tests.backend_models import scripted
 from tests.support import require_backend, require_gpu
 from wasinn import (
     GraphEncoding,
@@ -39,14 +40,6 @@ def backend() -> Any:
     return TorchBackend()
 
 
-def _scripted(module: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.jit.save(torch.jit.script(module), buf)
-    return buf.getvalue()
-
-
 def _pair_module() -> Any:
     import torch
 
@@ -59,7 +52,7 @@ def _pair_module() -> Any:
 
 
 def test_torchscript_names_come_from_forward(backend: Any) -> None:
-    graph = backend.load([_scripted(_pair_module())], PT, CPU)
+    graph = backend.load([scripted(_pair_module())], PT, CPU)
     assert [s.name for s in graph.inputs] == ["image", "offset"]  # self and scale skipped
     assert [s.name for s in graph.outputs] == ["output_0", "output_1"]
     image = Tensor.from_numpy(np.ones((2, 3), np.float32))
@@ -72,7 +65,7 @@ def test_torchscript_names_come_from_forward(backend: Any) -> None:
 
 
 def test_torchscript_specs_have_an_unknown_rank_not_rank_0(backend: Any) -> None:
-    graph = backend.load([_scripted(_pair_module())], PT, CPU)
+    graph = backend.load([scripted(_pair_module())], PT, CPU)
     specs = (*graph.inputs, *graph.outputs)
     assert [(s.shape, s.rank_known) for s in specs] == [((), False)] * 4
     assert [s.describe() for s in graph.inputs] == ["image: f32[...]", "offset: f32[...]"]
@@ -148,7 +141,7 @@ def test_dict_outputs_are_unsupported(backend: Any) -> None:
             return {"y": x}
 
     with pytest.raises(UnsupportedOperationError, match="expected a Tensor or a tuple"):
-        backend.load([_scripted(Named())], PT, CPU)
+        backend.load([scripted(Named())], PT, CPU)
 
 
 def test_exported_program_reports_types_and_dynamic_dims(backend: Any) -> None:
@@ -465,7 +458,7 @@ def test_torchscript_cannot_read_host_files(backend: Any, tmp_path: Any) -> None
             return torch.from_file(self.path, False, 16, dtype=torch.uint8) + x.to(torch.uint8)
 
     with pytest.raises(wasinn.SecurityError, match="mentions from_file"):
-        backend.load([_scripted(Leak())], PT, CPU)
+        backend.load([scripted(Leak())], PT, CPU)
     # The walk of the loaded graphs names the operator, inside blocks too.
     from wasinn.backends._torch_ops import check_torchscript_module
 
@@ -509,7 +502,7 @@ def test_torchscript_setstate_cannot_write_host_files_at_load(
             torch.save(self.w, self.path)
 
     with pytest.raises(wasinn.SecurityError, match="mentions save"):
-        backend.load([_scripted(Restorer())], PT, CPU)
+        backend.load([scripted(Restorer())], PT, CPU)
     assert not marker.exists()
 
 
@@ -523,7 +516,7 @@ def test_torchscript_graph_walk_refuses_host_output(backend: Any) -> None:
             return x
 
     with pytest.raises(wasinn.SecurityError, match="prim::Print"):
-        backend.load([_scripted(Chatty())], PT, CPU)
+        backend.load([scripted(Chatty())], PT, CPU)
 
 
 def test_pt2_cannot_read_host_files(backend: Any, tmp_path: Any) -> None:
@@ -554,7 +547,7 @@ def test_pt2_cannot_read_host_files(backend: Any, tmp_path: Any) -> None:
 
 
 def _both_formats(module: Any, example: Any) -> list[bytes]:
-    return [_exported(module, (example,)), _scripted(module)]
+    return [_exported(module, (example,)), scripted(module)]
 
 
 def test_outputs_never_share_the_callers_input(backend: Any) -> None:
@@ -642,7 +635,7 @@ def test_an_unreadable_zip_is_invalid_encoding(backend: Any) -> None:
     # escaped from the backend raw.
     import struct
 
-    data = bytearray(_scripted(_pair_module()))
+    data = bytearray(scripted(_pair_module()))
     at = data.find(b"PK\x01\x02")  # the first central directory header
     data[at + 6:at + 8] = struct.pack("<H", 255)
     with pytest.raises(wasinn.InvalidEncodingError, match="pytorch: cannot read the model's zip"):
