@@ -31,9 +31,9 @@ a child process that cannot be started at all (BackendRuntimeError).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -45,6 +45,7 @@ import openvino as ov
 
 from wasinn.enums import GraphEncoding
 from wasinn.errors import BackendRuntimeError, InvalidEncodingError
+from wasinn.files import read_regular
 
 from . import _confine
 from ._graphio import expect_builders
@@ -169,17 +170,12 @@ def _read_written(path: Path, what: str) -> bytes:
     """A file the child wrote, if it is a plain file of its own: not a link (a symbolic
     one to a host file, or a hard one), not a FIFO that would block the read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, own=True)
     except OSError as exc:
+        problem = (f"is not a plain file: {exc.strerror}" if exc.errno == errno.EINVAL
+                   else f"cannot be opened: {exc.strerror}")
         raise InvalidEncodingError(
-            f"{NAME}: cannot read the {what}: its IR {path.name} cannot be opened: "
-            f"{exc.strerror}") from exc
-    with open(fd, "rb") as file:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise InvalidEncodingError(
-                f"{NAME}: cannot read the {what}: its IR {path.name} is not a plain file")
-        return file.read()
+            f"{NAME}: cannot read the {what}: its IR {path.name} {problem}") from exc
 
 
 #: Seconds a child may take to read a model; past them it is killed.

@@ -24,8 +24,6 @@ import dataclasses
 import errno
 import functools
 import logging
-import os
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +47,7 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
+from wasinn.files import read_regular
 from wasinn.tensor import as_int
 
 from .actorhost import ActorHost
@@ -159,36 +158,14 @@ def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
     out = []
     for path in paths:
         try:
-            out.append(_read_regular(path))
+            out.append(read_regular(path))  # a FIFO or a device would block the load
         except OSError as exc:
             raise NotFoundError(
                 f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
-                f"{exc.strerror or exc}"
+                f"{exc.strerror or exc}" + (": expected a model file"
+                                            if exc.errno == errno.EINVAL else "")
             ) from None
     return tuple(out)
-
-
-def _read_regular(path: Path) -> bytes:
-    # Only a regular file: a FIFO put in a model file's place would block the open (and
-    # a read) until a writer came, and /dev/zero would be read for ever, each in a thread
-    # no cancellation reaches, so that the runtime could not even close. O_NONBLOCK makes
-    # such an open return at once; it changes nothing for a regular file.
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with open(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"not a regular file ({_file_kind(mode)}): expected "
-                          "a model file")
-        return file.read()
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return kind
-    return "a special file"
 
 
 class Runtime:
