@@ -24,7 +24,10 @@ Hostile bytes: a model whose tensors refer to external data files is refused wit
 SecurityError before ONNX Runtime sees it (:mod:`._onnx_check`: ORT would read any file
 the host can, relative to its working directory). ORT's Python fallback is off (see
 :func:`_session`): it printed a banner to stdout and parsed a malformed model twice, and
-would quietly move a GPU graph to the CPU.
+would quietly move a GPU graph to the CPU. An int32 or int64 Div or Mod of the type's
+minimum by minus one killed the host with SIGFPE (at run time, or at load when both were
+constants): every such node is guarded before ORT sees the model (:mod:`._onnx_division`;
+a model without Div or Mod goes through untouched, unparsed).
 
 Spinning: each session's intra-op threads spin while a run is in progress (ONNX Runtime's
 default), but stop when it returns (``session.force_spinning_stop``; ``extra`` can set it
@@ -58,6 +61,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import check_external_data, external_data_folder
+from ._onnx_division import guard_integer_division
 from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
 from .formats import protobuf_records
 
@@ -98,7 +102,7 @@ def _shapeless(model: bytes) -> frozenset[str]:
     so of unknown rank (ONNX Runtime reports those as shape ``[]``, as it does scalars,
     whose shape is declared with no dimensions); empty for bytes that are no ONNX protobuf
     (an ORT-format model). Only the graph's value declarations are read, its weights
-    skipped: ``onnx`` (not a dependency here) would parse them all."""
+    skipped: ``onnx`` would parse them all."""
     names = set()
     try:
         graph = _field(memoryview(model), _GRAPH)
@@ -356,8 +360,9 @@ class OnnxRuntimeBackend(Backend):
         Raises InvalidEncodingError for another encoding, a builder count other than one
         or bytes ONNX Runtime cannot read (input or output names that are not UTF-8
         included); SecurityError for a model that refers to external data files (see
-        :mod:`._onnx_check`); UnsupportedOperationError for a device it lacks or a model
-        whose inputs/outputs use a type outside the wasi-nn set.
+        :mod:`._onnx_check`); UnsupportedOperationError for a device it lacks, a model
+        whose inputs/outputs use a type outside the wasi-nn set, or an integer division
+        that cannot be guarded (see :mod:`._onnx_division`).
         """
         expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
@@ -367,6 +372,7 @@ class OnnxRuntimeBackend(Backend):
         options = options or LoadOptions()
         data = bytes(builders[0])
         check_external_data(NAME, data, external_data_folder(options.source))
+        data = guard_integer_division(NAME, data)
         session = _session(data, device, options)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
