@@ -47,6 +47,8 @@ import torch
 
 from wasinn.errors import InvalidEncodingError, SecurityError
 
+from ._torch_division import check_folded_divisions
+
 #: Operators that reach outside the model's tensors, whatever their namespace.
 DENIED_OPS = frozenset({
     "aten::from_file",  # maps a host file (shared=True writes it back)
@@ -168,7 +170,8 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 def check_torchscript_code(backend: str, data: bytes) -> None:
     """SecurityError if a source file of the TorchScript archive ``data`` mentions a
-    name through which TorchScript reaches a refused operator; InvalidEncodingError if
+    name through which TorchScript reaches a refused operator, or divides constants
+    (:func:`~._torch_division.check_folded_divisions`); InvalidEncodingError if
     the archive cannot be read, or a tensor its pickles describe needs more bytes than
     the record holding it.
 
@@ -194,6 +197,7 @@ def check_torchscript_code(backend: str, data: bytes) -> None:
                 "host process), which a guest's model may not call: its code runs as "
                 "the archive is loaded"
             )
+    check_folded_divisions(backend, sources)  # torch.jit.load folds them as it compiles
 
 
 def _check_storages(backend: str, reader: Any, records: set[str]) -> None:

@@ -30,7 +30,9 @@ Guests' models are untrusted. A ``.pt2`` archive is checked before torch reads i
 (:mod:`._pt2_check`: no pickles, no code in its expressions and names) and a TorchScript
 archive's code scanned (its ``__setstate__`` methods run as it loads); once loaded, every
 graph may call only operators that compute on tensors (:mod:`._torch_ops`: not
-``aten::from_file``, ``aten::save``, RPC, Python ...). Memory is never shared with the
+``aten::from_file``, ``aten::save``, RPC, Python ...), and its integer divisions that
+would trap on a guest's values (by zero, or the minimum by -1: SIGFPE kills the host)
+are guarded (:mod:`._torch_division`). Memory is never shared with the
 caller: an output whose storage is an input's, a parameter's, buffer's or constant's, or
 another output's is cloned, and a model that writes to its inputs (``x.sub_(mean)``,
 detected at load from the graph) runs on copies of them (:mod:`._torch_memory`).
@@ -87,6 +89,7 @@ from wasinn.tensor import Tensor, c_contiguous, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._pt2_check import check_pt2_archive
+from ._torch_division import guard_exported_divisions, guard_torchscript_divisions
 from ._torch_memory import (
     exported_written_inputs,
     module_storages,
@@ -241,6 +244,9 @@ class TorchGraph(CheckedGraph):
                 raise InvalidArgumentError(
                     f"{NAME}: the inputs break the model's shape constraints: {exc}"
                 ) from exc
+            if isinstance(exc, torch.jit.Error):  # raised by the model's TorchScript code
+                raise BackendRuntimeError(
+                    f"{NAME}: the model raised {_first_line(exc)}") from exc
             if (not self._checked and isinstance(exc, RuntimeError)
                     and not isinstance(exc, torch.OutOfMemoryError)):
                 raise InvalidArgumentError(
@@ -545,6 +551,7 @@ def _load_torchscript(
             f"{NAME}: cannot load the TorchScript archive: {_first_line(exc)}"
         ) from exc
     check_torchscript_module(NAME, module)
+    guard_torchscript_divisions(module)  # before freezing folds a division by a constant 0
     inputs = []
     defaulted = None  # the first argument left to its default
     for arg in schema.arguments[1:]:  # [0] is self
@@ -625,6 +632,7 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
     try:
         module = program.module()
         module.to(torch_device)
+        guard_exported_divisions(module)
         _interruptible(module)
     except Exception as exc:
         raise InvalidEncodingError(
