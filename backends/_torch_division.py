@@ -28,7 +28,7 @@ attributes included), before it is frozen: freezing's constant folding of a divi
 by a constant zero would crash the host too, and folds the guards away where a divisor
 is constant. :func:`guard_exported_divisions` swaps the operators of a ``torch.export``
 program's fx graphs for guarded ones. The guards are TorchScript functions
-(:data:`_GUARDS`), so the two kinds of program share them.
+(:func:`_guards`), so the two kinds of program share them.
 
 A TorchScript archive's own code is compiled, its constant expressions folded, inside
 ``torch.jit.load``, before any graph exists to guard: :func:`check_folded_divisions`
@@ -38,6 +38,7 @@ reads the code first and refuses a division whose operands may all be constants.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -89,7 +90,13 @@ def trunc_mode(a: Tensor, b: Union[int, float, complex],
             return "floor"
     return rounding_mode
 '''
-_GUARDS: Any = torch.jit.CompilationUnit(_GUARD_SOURCE)
+
+
+@functools.cache
+def _guards() -> Any:
+    """The compiled guards (about 30 ms: compiled once, when a program first needs them)."""
+    return torch.jit.CompilationUnit(_GUARD_SOURCE)
+
 
 #: TorchScript operators on numbers that divide: the guard for two ``int`` operands and
 #: the one for Scalars (None: only ``int`` operands exist).
@@ -173,7 +180,7 @@ def _replace_input(graph: Any, node: Any, index: int, guard: str, args: list[Any
     inserted right before it."""
     original = args[index]
     with graph.insert_point_guard(node):
-        (value,) = graph.insertGraph(getattr(_GUARDS, guard).graph, args)
+        (value,) = graph.insertGraph(getattr(_guards(), guard).graph, args)
     value.setType(original.type())  # the guard returns the value or one of its type
     node.replaceInput(index, value)
 
@@ -207,9 +214,9 @@ def _guarded(op: Any) -> Callable[..., Any]:
     def guarded(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
         mode = kwargs.get("rounding_mode")
         if isinstance(b, torch.Tensor):
-            b = _GUARDS.trunc_divisor(a, b, mode)
+            b = _guards().trunc_divisor(a, b, mode)
         elif mode is not None:
-            kwargs["rounding_mode"] = _GUARDS.trunc_mode(a, b, mode)
+            kwargs["rounding_mode"] = _guards().trunc_mode(a, b, mode)
         return op(a, b, *args, **kwargs)
     guarded.__name__ = f"guarded_{op.__name__}".replace(".", "_")
     return guarded
