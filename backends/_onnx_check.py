@@ -63,8 +63,8 @@ _CHILDREN: dict[_Kind, dict[int, _Kind]] = {
 _NAME, _EXTERNAL_DATA, _DATA_LOCATION = 8, 13, 14
 #: StringStringEntryProto: key, value.
 _KEY, _VALUE = 1, 2
-#: ORT-format models are flatbuffers with this file identifier.
-_ORT_FORMAT = b"ORTM"
+#: ORT-format models are flatbuffers with this file identifier (bytes 4 to 8).
+ORT_FORMAT = b"ORTM"
 
 
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,
@@ -75,7 +75,7 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
     NotFoundError for one that names no file there. InvalidEncodingError if ``data`` is
     no protobuf message."""
     view = memoryview(data).cast("B")
-    if bytes(view[4:8]) == _ORT_FORMAT:
+    if bytes(view[4:8]) == ORT_FORMAT:
         return False
     inside = None if folder is None else os.path.realpath(folder)
     found = False

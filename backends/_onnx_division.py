@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from wasinn.errors import InvalidEncodingError, UnsupportedOperationError, WasiNNError
 
+from ._onnx_check import ORT_FORMAT
 from .formats import protobuf_records
 
 if TYPE_CHECKING:
@@ -66,9 +67,7 @@ if TYPE_CHECKING:
 _PROTO_OPS = (b'"\x03Div', b'"\x03Mod')
 #: ONNX field numbers: ModelProto.graph, .training_info, .functions; GraphProto.node.
 _GRAPH, _TRAINING_INFO, _FUNCTIONS, _NODE = 7, 20, 25, 1
-#: ORT-format models are flatbuffers with this file identifier; their strings are a
-#: little-endian uint32 length, the bytes and a NUL.
-_ORT_FORMAT = b"ORTM"
+#: ORT-format models' strings are a little-endian uint32 length, the bytes and a NUL.
 _ORT_OPS = (b"\x03\x00\x00\x00Div\x00", b"\x03\x00\x00\x00Mod\x00")
 _OPS = frozenset({"Div", "Mod"})
 _DEFAULT_DOMAINS = frozenset({"", "ai.onnx"})
@@ -93,7 +92,7 @@ def guard_integer_division(backend: str, data: bytes) -> bytes:
     for such a node whose operands' type is unknown in a model before opset 15;
     InvalidEncodingError for bytes ``onnx`` cannot read although they name a Div or Mod.
     """
-    if data[4:8] == _ORT_FORMAT:
+    if data[4:8] == ORT_FORMAT:
         if any(op in data for op in _ORT_OPS):
             raise UnsupportedOperationError(
                 f"{backend}: an ORT-format model with a Div or Mod node is not accepted: an "

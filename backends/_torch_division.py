@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from wasinn.errors import InvalidEncodingError, SecurityError
+
+from ._torch_ops import owned_nodes
 
 #: The guards, in TorchScript (``Union[int, float, complex]`` is TorchScript's Scalar).
 #: Each returns the divisor (or rounding mode) to use instead of the one given, never 0:
@@ -124,28 +126,9 @@ def guard_torchscript_divisions(module: torch.jit.ScriptModule) -> int:
         for name in methods._method_names():
             graph = methods._get_method(name).graph
             torch._C._jit_pass_inline(graph)
-            guarded += sum(_guard_script_node(owner, node) for owner, node in _nodes(graph))
+            nodes = list(owned_nodes(graph))  # guards are inserted as it goes
+            guarded += sum(_guard_script_node(owner, node) for owner, node in nodes)
     return guarded
-
-
-def _nodes(graph: Any) -> Iterator[tuple[Any, Any]]:
-    """Every node of ``graph`` (in blocks and subgraph attributes too), each with the
-    graph that holds it; a snapshot, so guards may be inserted as it is consumed."""
-    found = []
-    stack = [(graph, iter(graph.nodes()))]
-    while stack:
-        owner, nodes = stack[-1]
-        node = next(nodes, None)
-        if node is None:
-            stack.pop()
-            continue
-        found.append((owner, node))
-        stack.extend((owner, iter(block.nodes())) for block in node.blocks())
-        for attr in node.attributeNames():
-            kind = node.kindOf(attr)
-            subgraphs = [node.g(attr)] if kind == "g" else node.gs(attr) if kind == "gs" else []
-            stack.extend((sub, iter(sub.nodes())) for sub in subgraphs)
-    return iter(found)
 
 
 def _guard_script_node(graph: Any, node: Any) -> bool:
@@ -263,7 +246,7 @@ _DIVIDING_CALLS = frozenset({
 })
 
 
-def check_folded_divisions(backend: str, sources: list[tuple[str, bytes]]) -> None:
+def check_folded_divisions(backend: str, sources: list[tuple[str, str]]) -> None:
     """SecurityError if the TorchScript code in ``sources`` (file name, text) divides
     two values that may both be constants.
 
@@ -280,7 +263,7 @@ def check_folded_divisions(backend: str, sources: list[tuple[str, bytes]]) -> No
     """
     for name, source in sources:
         try:
-            tree = ast.parse(bytes(source).decode("utf-8", "replace"), filename=name)
+            tree = ast.parse(source, filename=name)
         except (SyntaxError, ValueError) as exc:
             raise InvalidEncodingError(
                 f"{backend}: cannot read the TorchScript code {name}: {exc}") from exc

@@ -47,8 +47,6 @@ import torch
 
 from wasinn.errors import InvalidEncodingError, SecurityError
 
-from ._torch_division import check_folded_divisions
-
 #: Operators that reach outside the model's tensors, whatever their namespace.
 DENIED_OPS = frozenset({
     "aten::from_file",  # maps a host file (shared=True writes it back)
@@ -168,12 +166,12 @@ def _leaves(value: Any) -> Iterator[Any]:
 # -- TorchScript --------------------------------------------------------------------------
 
 
-def check_torchscript_code(backend: str, data: bytes) -> None:
+def check_torchscript_code(backend: str, data: bytes) -> list[tuple[str, str]]:
     """SecurityError if a source file of the TorchScript archive ``data`` mentions a
-    name through which TorchScript reaches a refused operator, or divides constants
-    (:func:`~._torch_division.check_folded_divisions`); InvalidEncodingError if
+    name through which TorchScript reaches a refused operator; InvalidEncodingError if
     the archive cannot be read, or a tensor its pickles describe needs more bytes than
-    the record holding it.
+    the record holding it. Returns the source files (name, text), for the other checks
+    of the code (:func:`~._torch_division.check_folded_divisions`).
 
     Read with torch's own archive reader, so the files scanned are the ones
     ``torch.jit.load`` compiles.
@@ -187,8 +185,9 @@ def check_torchscript_code(backend: str, data: bytes) -> None:
             f"{backend}: cannot read the TorchScript archive: {exc}"
         ) from exc
     _check_storages(backend, reader, set(names))
-    for name, source in sources:
-        words = set(_WORD.findall(bytes(source).decode("utf-8", "replace")))
+    texts = [(name, bytes(source).decode("utf-8", "replace")) for name, source in sources]
+    for name, text in texts:
+        words = set(_WORD.findall(text))
         found = sorted(words & _DENIED_NAMES)
         if found:
             raise SecurityError(
@@ -197,7 +196,7 @@ def check_torchscript_code(backend: str, data: bytes) -> None:
                 "host process), which a guest's model may not call: its code runs as "
                 "the archive is loaded"
             )
-    check_folded_divisions(backend, sources)  # torch.jit.load folds them as it compiles
+    return texts
 
 
 def _check_storages(backend: str, reader: Any, records: set[str]) -> None:
@@ -316,17 +315,25 @@ def _inlined_methods(module: torch.nn.Module) -> list[torch.Graph]:
 def graph_nodes(graph: torch.Graph) -> Iterator[torch.Node]:
     """Every node of ``graph``: those in blocks (if, loop) and in subgraph attributes
     (``prim::fork``, fusion groups) too."""
-    stack = [iter(graph.nodes())]
+    return (node for _, node in owned_nodes(graph))
+
+
+def owned_nodes(graph: torch.Graph) -> Iterator[tuple[torch.Graph, torch.Node]]:
+    """Every node of ``graph`` as :func:`graph_nodes` walks them, each with the graph
+    that holds it (``graph`` itself, or the subgraph attribute it is in): where a node
+    must be inserted before it."""
+    stack = [(graph, iter(graph.nodes()))]
     while stack:
-        node = next(stack[-1], None)
+        owner, nodes = stack[-1]
+        node = next(nodes, None)
         if node is None:
             stack.pop()
             continue
-        yield node
-        stack.extend(iter(block.nodes()) for block in node.blocks())
+        yield owner, node
+        stack.extend((owner, iter(block.nodes())) for block in node.blocks())
         for attr in node.attributeNames():
             kind = node.kindOf(attr)
             if kind == "g":
-                stack.append(iter(node.g(attr).nodes()))
+                stack.append((node.g(attr), iter(node.g(attr).nodes())))
             elif kind == "gs":
-                stack.extend(iter(g.nodes()) for g in node.gs(attr))
+                stack.extend((g, iter(g.nodes())) for g in node.gs(attr))

@@ -89,7 +89,11 @@ from wasinn.tensor import Tensor, c_contiguous, numpy_dtype
 
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._pt2_check import check_pt2_archive
-from ._torch_division import guard_exported_divisions, guard_torchscript_divisions
+from ._torch_division import (
+    check_folded_divisions,
+    guard_exported_divisions,
+    guard_torchscript_divisions,
+)
 from ._torch_memory import (
     exported_written_inputs,
     module_storages,
@@ -540,7 +544,8 @@ def _load_torchscript(
     data: bytes, device: Device, torch_device: torch.device, *, optimize: bool,
     interruptible: bool
 ) -> TorchGraph:
-    check_torchscript_code(NAME, data)  # before __setstate__ methods run in torch.jit.load
+    sources = check_torchscript_code(NAME, data)  # before torch.jit.load runs __setstate__
+    check_folded_divisions(NAME, sources)  # before torch.jit.load folds them as it compiles
     try:
         module = torch.jit.load(  # type: ignore[no-untyped-call]
             io.BytesIO(data), map_location=torch_device
