@@ -163,7 +163,7 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
         return native  # device memory, on this device: set as it is
     array = tensor.numpy()
     if array.dtype != _CARRIERS[tensor.type] or not array.flags.c_contiguous:
-        array = _shareable(array, tensor.type, name)
+        array = _shareable(array, tensor.type)
     if tensor.type is TensorType.I64 and array.size and (
         array.min() < _I32.min or array.max() > _I32.max
     ):
@@ -184,20 +184,13 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
     return ov.Tensor(carrier, ov.Shape(array.shape), _OV_TYPES[tensor.type])
 
 
-def _shareable(array: np.ndarray[Any, Any], ttype: TensorType, name: str
-               ) -> np.ndarray[Any, Any]:
+def _shareable(array: np.ndarray[Any, Any], ttype: TensorType) -> np.ndarray[Any, Any]:
     """``array`` (of a Tensor built around it, not by ``from_numpy``) as memory OpenVINO
     can share. OpenVINO takes a pointer with the shape and element type it is told: a
-    strided array it refuses with a bare RuntimeError, bytes in the other order it reads
-    as they lie, and an array of smaller elements (f32 for f64) it reads past its end.
-    Copied C-contiguous, in native byte order; InvalidArgumentError for elements of
-    another type."""
-    dtype = _CARRIERS[ttype]
-    if array.dtype.newbyteorder("=") != dtype:
-        raise InvalidArgumentError(
-            f"{NAME}: input {name!r} is {ttype.value} but its data is an array of "
-            f"{array.dtype}: expected an array of {dtype}")
-    return np.ascontiguousarray(array, dtype=dtype)
+    strided array it refuses with a bare RuntimeError, and bytes in the other order it
+    reads as they lie. Copied C-contiguous, in native byte order (a Tensor's array holds
+    elements of its type: its constructor checks that)."""
+    return np.ascontiguousarray(array, dtype=_CARRIERS[ttype])
 
 
 def _beyond_f32(array: np.ndarray[Any, Any]) -> bool:

@@ -151,12 +151,36 @@ def _bad_dims(dims: object) -> InvalidArgumentError:
     return InvalidArgumentError(f"tensor dimensions {dims!r}: {expected}")
 
 
+def _checked_dims(array: np.ndarray[Any, Any], dims: Sequence[int], ttype: TensorType
+                  ) -> tuple[int, ...]:
+    # The slow half of Tensor's check that its array holds what it says, for an array in
+    # the other byte order (which each backend reads as native) or dims given as a list.
+    if not isinstance(ttype, TensorType):
+        raise InvalidArgumentError(
+            f"tensor element type {ttype!r} ({type(ttype).__name__}): expected a "
+            "wasinn.TensorType")
+    dtype = array.dtype
+    if dtype.newbyteorder("=") != _DTYPES[ttype]:
+        raise InvalidArgumentError(
+            f"tensor of {ttype.value} over an array of {dtype}: expected an array of "
+            f"{_DTYPES[ttype]} (or Tensor.from_numpy, which takes the element type from "
+            "the array)")
+    shape: tuple[int, ...] = array.shape
+    if not isinstance(dims, Sequence) or tuple(dims) != shape:
+        raise InvalidArgumentError(
+            f"tensor dimensions {dims!r} over an array of shape {list(shape)}: expected "
+            "the array's own shape")
+    return shape
+
+
 class Tensor:
     """An n-dimensional tensor of one wasi-nn element type.
 
     Build one with :meth:`from_numpy`, :meth:`from_bytes` or (backends only)
-    :meth:`from_native`. ``numpy()`` returns host data, materializing a device-resident
-    value once and caching it.
+    :meth:`from_native`. The constructor itself takes an array of any strides or byte
+    order whose shape is ``dims`` and whose elements are of ``type`` (InvalidArgumentError
+    otherwise). ``numpy()`` returns host data, materializing a device-resident value
+    once and caching it.
     """
 
     __slots__ = ("_array", "_materialize", "_native", "_rows", "device", "dims", "type")
@@ -172,6 +196,10 @@ class Tensor:
         device: str = "cpu",
         rows: Callable[[int, int], Tensor] | None = None,
     ) -> None:
+        if array is not None and (
+            array.shape != dims or _TYPES.get(array.dtype) is not type
+        ):
+            dims = _checked_dims(array, dims, type)
         self.dims = dims
         self.type = type
         self.device = device

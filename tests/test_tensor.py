@@ -237,3 +237,29 @@ def test_a_value_whose_conversion_raises_a_library_error_is_invalid_argument() -
 
     with pytest.raises(InvalidArgumentError, match="cannot make a tensor of a Tensor"):
         as_tensor(torch.ones(2, requires_grad=True))  # numpy() refuses: a RuntimeError
+
+
+def test_the_constructor_refuses_an_array_of_another_element_type_or_shape() -> None:
+    # Before, Tensor((2, 4), F64, array=<f32 array>) was built as it was told: OpenVINO
+    # then read the f32 array's 32 bytes as 64 (past its end), and a shape that was not
+    # the array's reached the scheduler's input checks as if it were.
+    small = np.ones((2, 4), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"^tensor of f64 over an array of float32: "
+                       r"expected an array of float64 \(or Tensor.from_numpy"):
+        Tensor((2, 4), TensorType.F64, array=small)
+    with pytest.raises(InvalidArgumentError, match=r"^tensor dimensions \(8,\) over an array "
+                       r"of shape \[2, 4\]: expected the array's own shape$"):
+        Tensor((8,), TensorType.F32, array=small)
+    with pytest.raises(InvalidArgumentError, match=r"^tensor element type 'f32' \(str\): "
+                       r"expected a wasinn.TensorType$"):
+        Tensor((2, 4), "f32", array=small)  # type: ignore[arg-type]
+
+
+def test_the_constructor_takes_any_strides_or_byte_order_and_a_list_of_dims() -> None:
+    strided = np.arange(16, dtype=np.float32).reshape(2, 8)[:, ::2]
+    swapped = np.arange(8, dtype=">f4").reshape(2, 4)
+    for array in (strided, swapped):
+        tensor = Tensor((2, 4), TensorType.F32, array=array)
+        assert tensor.numpy() is array
+    listed = Tensor([2, 4], TensorType.F32, array=swapped)  # type: ignore[arg-type]
+    assert listed.dims == (2, 4) and type(listed.dims) is tuple
