@@ -322,9 +322,11 @@ def take_report(stderr: bytes) -> tuple[dict[str, object] | None, bytes]:
 _warned: set[str] = set()
 
 
-def log_report(report: dict[str, object] | None, what: str) -> None:
+def log_report(report: dict[str, object] | None, what: str,
+               processes: str = "the processes that read TensorFlow and TensorFlow Lite "
+                                "models") -> None:
     """Log what the child applied (DEBUG); what failed, once a process (WARNING); what the
-    platform lacks, once a process (INFO)."""
+    platform lacks, once a process (INFO), saying which ``processes`` go without it."""
     if report is None:
         log.debug("the process that read the %s sent no confinement report", what)
         return
@@ -334,10 +336,10 @@ def log_report(report: dict[str, object] | None, what: str) -> None:
                             ("unsupported", logging.INFO, "is not available here")):
         reasons = report.get(key)
         for name, reason in (reasons.items() if isinstance(reasons, dict) else ()):
-            if f"{key}:{name}" not in _warned:
-                _warned.add(f"{key}:{name}")
-                log.log(level, "the processes that read TensorFlow and TensorFlow Lite "
-                        "models are not confined by %s, which %s: %s", name, how, reason)
+            if f"{processes}:{key}:{name}" not in _warned:
+                _warned.add(f"{processes}:{key}:{name}")
+                log.log(level, "%s are not confined by %s, which %s: %s", processes, name,
+                        how, reason)
 
 
 def _list(value: object) -> list[object]:

@@ -127,7 +127,11 @@ class LoadOptions:
     ``thread_pinning`` whether the backend may pin its own threads to CPUs as it sees fit
     (OpenVINO's ``ENABLE_CPU_PINNING``, unless ``extra`` names it): False where the
     caller manages the affinity of the threads that call it (a pool with pinned
-    hand-offs, whose event loop OpenVINO takes for the process's CPUs).
+    hand-offs, whose event loop OpenVINO takes for the process's CPUs);
+    ``sandbox`` whether the graph is compiled and run in a process of its own
+    (:mod:`wasinn.backends.sandbox`), so that a library crash on it does not end the
+    host's: honoured by the scheduler, which then calls ``load_sandboxed`` instead of
+    ``load``; backends ignore it.
     """
 
     precision: str = "f32"
@@ -135,6 +139,7 @@ class LoadOptions:
     extra: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
     thread_pinning: bool = True
+    sandbox: bool = False
 
 
 class CompiledGraph(abc.ABC):

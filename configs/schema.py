@@ -319,6 +319,9 @@ class ModelConfig(_Startup):
     options: dict[str, Any] = Field(default_factory=dict)
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
     resident: bool = False
+    #: Compile and run it in a process of its own (wasinn.backends.sandbox): a library
+    #: crash on a guest's inputs then fails that run only.
+    sandbox: bool = False
 
     @property
     def kept(self) -> bool:
@@ -388,6 +391,8 @@ class GuestsConfig(_Strict):
     ``wasinn:nn/scratch`` directory (bytes, entries);
     ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
     ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
+    ``sandbox`` runs the models a guest loads from its own bytes in a process of their
+    own each (wasinn.backends.sandbox).
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -401,6 +406,7 @@ class GuestsConfig(_Strict):
     max_tensors: int = Field(default=4096, ge=1)
     max_errors: int = Field(default=1024, ge=1)
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
+    sandbox: bool = False
 
 
 def _default_pools() -> dict[str, PoolConfig]:

@@ -2,7 +2,7 @@
 
 ::
 
-    wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]...
+    wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--sandbox]
                [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
     wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="preopen a host directory (GUEST:HOST also accepted)")
     run.add_argument("--env", action="append", default=[], metavar="K[=V]",
                      help="set a guest environment variable")
+    run.add_argument("--sandbox", action="store_true",
+                     help="run each model the guest loads from its own bytes in a process "
+                          "of its own ([guests] sandbox = true)")
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
@@ -244,7 +247,11 @@ async def _run(args: argparse.Namespace) -> int:
 
     dirs = parse_dirs(args.dir)
     env = dict(parse_env(e) for e in args.env)
-    async with Runtime(_registry_config(args)) as rt:
+    config = _registry_config(args)
+    if args.sandbox:
+        guests = config.guests.model_copy(update={"sandbox": True})
+        config = config.model_copy(update={"guests": guests})
+    async with Runtime(config) as rt:
         try:
             return await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
         except GuestTrap as trap:

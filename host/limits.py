@@ -29,6 +29,10 @@ class GuestLimits:
     can report an error gets too-large naming the limit; where the host cannot hand
     out the resource a call must return (the tensor constructor past ``max_tensors``,
     any error past ``max_errors``) it traps the guest with a message naming the limit.
+
+    ``sandbox``: the models the guest loads from its own bytes are compiled and run in a
+    process of their own each (:mod:`wasinn.backends.sandbox`), so that a library that
+    crashes on them kills that process, not the host.
     """
 
     max_graphs: int = 64
@@ -42,6 +46,7 @@ class GuestLimits:
     max_tensors: int = 4096
     max_errors: int = 1024
     max_live_tensor_bytes: int = 4 * 1024**3
+    sandbox: bool = False
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -52,6 +57,11 @@ class GuestLimits:
             f"this guest may not use execution target {target.value}: the host allows "
             f"{allowed} ([guests] allowed_targets)"
         )
+
+
+    def load_options(self) -> dict[str, bool] | None:
+        """The options a guest's ``load`` passes to the runtime."""
+        return {"sandbox": True} if self.sandbox else None
 
 
 def limits_of(runtime: object) -> GuestLimits:
@@ -73,4 +83,5 @@ def limits_of(runtime: object) -> GuestLimits:
         max_tensors=section.max_tensors,
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,
+        sandbox=getattr(section, "sandbox", False),
     )

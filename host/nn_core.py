@@ -186,7 +186,8 @@ class GuestNN:
         builders = [v.tobytes() for v in views]  # the scheduler keeps them: copy once
         start = time.perf_counter()
         graph = self.portal.run(
-            functools.partial(self.runtime.load, builders, encoding=enc, target=tgt))
+            functools.partial(self.runtime.load, builders, encoding=enc, target=tgt,
+                              options=self.limits.load_options()))
         handle = self._add_graph(graph, total)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", handle, total,
                  enc.value, tgt.value, (time.perf_counter() - start) * 1e3)

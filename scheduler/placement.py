@@ -36,6 +36,7 @@ from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
+from wasinn.backends.sandbox import load_sandboxed
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     BackendRuntimeError,
@@ -189,7 +190,8 @@ class Scheduler:
             # The actor holds the event loop to one CPU while a run is out: a backend
             # pinning its threads would take that for the process's CPUs.
             options = dataclasses.replace(options, thread_pinning=False)
-        compile_graph = functools.partial(backend.load, model.builders, model.encoding,
+        load = functools.partial(load_sandboxed, backend) if options.sandbox else backend.load
+        compile_graph = functools.partial(load, model.builders, model.encoding,
                                           actor.device, options)
         try:
             session = await actor.session(model.id, compile_graph, backend.name,

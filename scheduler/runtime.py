@@ -102,7 +102,8 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         raise InvalidArgumentError(
             f"options must be a mapping or LoadOptions, not {type(options).__name__}"
         )
-    extra = {k: v for k, v in options.items() if k not in ("precision", "threads", "extra")}
+    own = ("precision", "threads", "extra", "sandbox")
+    extra = {k: v for k, v in options.items() if k not in own}
     nested = options.get("extra", {})
     if not isinstance(nested, Mapping):
         raise InvalidArgumentError(
@@ -110,7 +111,13 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     extra.update(nested)  # {"extra": {...}} is LoadOptions' own spelling: accept it too
     precision = options.get("precision", "f32")
     threads = _check_threads(options.get("threads", 0))
-    return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra)
+    sandbox = options.get("sandbox", False)
+    if not isinstance(sandbox, bool):
+        raise InvalidArgumentError(
+            f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
+            "its own) or False")
+    return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra,
+                       sandbox=sandbox)
 
 
 def _backend_instances(backends: object) -> tuple[Backend, ...]:
@@ -545,7 +552,8 @@ class Runtime:
         builders = await trio.to_thread.run_sync(_read_files, paths, name)
         # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
-                              extra=dict(entry.options), source=str(paths[0]))
+                              extra=dict(entry.options), source=str(paths[0]),
+                              sandbox=entry.sandbox)
         try:
             model, _ = await self._load_model(
                 builders, GraphEncoding.coerce(entry.encoding), entry.target,

@@ -81,6 +81,22 @@ def test_run_with_wasmedge_preload(models: GuestModels, classify_named: Path,
     assert re.search(r"top-1: class \d+ score", capfd.readouterr().out)
 
 
+def test_run_with_sandbox_runs_the_guests_model_in_a_process_of_its_own(
+        models: GuestModels, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    classify = example_guest("classify", tmp_path)
+    argv = ["run", "--dir", f"/data:{models.directory}", str(classify), "/data/model.onnx",
+            "/data/input.bin"]
+    assert main(argv) == 0
+    plain = capfd.readouterr().out
+    with caplog.at_level("DEBUG", logger="wasinn.backends"):
+        assert main(["run", "--sandbox", *argv[1:]]) == 0
+    sandboxed = capfd.readouterr().out
+    assert re.search(r"top-1: class \d+ score", sandboxed)
+    assert sandboxed == plain
+    assert re.search(r"sandbox process \d+ for onnxruntime on cpu", caplog.text)
+
+
 def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
                                      tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                      caplog: pytest.LogCaptureFixture) -> None:

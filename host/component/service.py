@@ -321,7 +321,8 @@ class NNService:
         self._check_graph_room()
         start = time.perf_counter()
         graph = self.portal.run(
-            functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt)
+            functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt,
+                              options=self.limits.load_options())
         )
         rep = self._add_graph(graph, f"{enc.value} graph", size)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", rep, size, enc.value,

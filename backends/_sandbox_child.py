@@ -1,0 +1,148 @@
+"""The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
+wasinn.backends._sandbox_child REQUESTS CANCELS ENTRY [CONFINE_DIR]``.
+
+It imports the backend named by ENTRY (``module:Class``), reads one load request from
+the REQUESTS socket, confines itself (:mod:`._confine`, when CONFINE_DIR is given) before
+the library sees the model's bytes, loads it and then answers run requests one at a
+time until the host asks it to close or goes away. A thread reads the CANCELS socket:
+the sequence number of a run to cancel, which it hands to that run's Cancellation (the
+backend's own interruption), if that run is still the current one.
+
+A library error is answered as ``{"error": [class, message]}``; a crash just ends the
+process, which the host reports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import struct
+import sys
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from wasinn.backends import _confine
+from wasinn.backends._sandbox_wire import read_request, receive, reply, send
+from wasinn.backends.base import Backend, Cancellation, CompiledGraph, running_under
+from wasinn.errors import BackendRuntimeError, WasiNNError
+
+#: A cancel message: the sequence number of the run to stop.
+CANCEL = struct.Struct("<Q")
+
+
+class _Current:
+    """The run under way (its sequence number and Cancellation), shared with the thread
+    that reads cancels."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seq = -1
+        self.cancellation: Cancellation | None = None
+
+    def start(self, seq: int) -> Cancellation:
+        with self.lock:
+            self.seq, self.cancellation = seq, Cancellation()
+            return self.cancellation
+
+    def cancel(self, seq: int) -> None:
+        with self.lock:
+            cancellation = self.cancellation if seq == self.seq else None
+        if cancellation is not None:
+            cancellation.cancel()
+
+
+def _read_cancels(sock: socket.socket, current: _Current) -> None:
+    while True:
+        try:
+            data = sock.recv(CANCEL.size, socket.MSG_WAITALL)
+        except OSError:
+            return
+        if len(data) != CANCEL.size:
+            return  # the host is gone
+        current.cancel(CANCEL.unpack(data)[0])
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, WasiNNError):
+        return {"error": [type(exc).__name__, exc.message]}
+    return {"error": ["BackendRuntimeError", f"{type(exc).__name__}: {exc}"]}
+
+
+def _specs(graph: CompiledGraph) -> dict[str, Any]:
+    def spec(s: Any) -> list[Any]:
+        return [s.name, s.type.value, list(s.shape), s.rank_known]
+
+    return {"inputs": [spec(s) for s in graph.inputs],
+            "outputs": [spec(s) for s in graph.outputs],
+            "input_aliases": dict(graph.input_aliases),
+            "output_aliases": dict(graph.output_aliases)}
+
+
+def _load(conn: Connection, backend: Backend, confine_dir: str | None
+          ) -> tuple[CompiledGraph, dict[str, object] | None]:
+    """The graph, and what confining this process applied (None: not confined)."""
+    header, buffers = receive(conn)
+    (builders, encoding, device, options), _ = read_request(header, buffers)
+    report = None
+    if confine_dir is not None:
+        report = _confine.confine(_confine_fsize(builders), confine_dir).as_dict()
+    return backend.load(builders, encoding, device, options), report
+
+
+def _confine_fsize(builders: Any) -> int:
+    # Each file it writes (a library's cache) at most 4 x the model + 64 MiB, as the
+    # OpenVINO reader's child.
+    return 4 * sum(len(b) for b in builders) + 64 * 1024 * 1024
+
+
+def _serve(conn: Connection, graph: CompiledGraph, current: _Current) -> None:
+    while True:
+        try:
+            header, buffers = receive(conn)
+        except EOFError:
+            return
+        (verb, seq, outputs), inputs = read_request(header, buffers)
+        if verb == "close":
+            return
+        cancellation = current.start(seq)
+        try:
+            with running_under(cancellation):
+                result = graph.run(inputs, outputs=outputs)
+            message = reply({"ok": True}, result)
+        except Exception as exc:
+            message = reply(_error(exc))
+        send(conn, *message)
+
+
+def main(argv: list[str]) -> int:
+    requests = Connection(int(argv[0]))
+    cancels = socket.socket(fileno=int(argv[1]))
+    module, _, attr = argv[2].partition(":")
+    confine_dir = argv[3] if len(argv) > 3 else None
+    try:
+        try:
+            backend: Backend = getattr(importlib.import_module(module), attr)()
+        except Exception as exc:
+            raise BackendRuntimeError(
+                f"the sandbox process cannot make the backend {argv[2]}: "
+                f"{type(exc).__name__}: {exc}") from None
+        graph, confined = _load(requests, backend, confine_dir)
+    except EOFError:
+        return 0
+    except Exception as exc:
+        send(requests, *reply(_error(exc)))
+        return 0
+    send(requests, *reply({"ok": True, "confined": confined, **_specs(graph)}))
+    current = _Current()
+    # Started after confining: Landlock binds the calling thread and those it starts.
+    threading.Thread(target=_read_cancels, args=(cancels, current), daemon=True).start()
+    try:
+        _serve(requests, graph, current)
+    finally:
+        graph.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,329 @@
+"""Graphs run in a process of their own, so that a library crash kills that process only.
+
+Fuzzing the libraries through wasinn's own backends (2026-11-21) found inputs that kill
+the process running them, with models no check refuses: OpenVINO's CPU plugin on
+``GatherND``, ``ScatterElements``, ``ScatterND``, ``Pad``, ``Slice`` and ``Col2Im`` given
+out-of-range indices, pads or steps as *inputs* (SIGSEGV, SIGABRT, SIGFPE); ONNX
+Runtime's ``RoiAlign`` and ``MaxRoiPool`` given bad boxes or batch indices; torch's
+``ctc_loss``, ``cummax``/``cummin`` helpers and ``linalg.eigvals`` on NaN. In the host's
+process each of those kills every guest and caller with it. :func:`load_sandboxed`
+compiles a graph in a child process instead (``python -m wasinn.backends._sandbox_child``):
+
+* The child imports the same backend, loads the model and answers runs one at a time;
+  inputs and outputs travel over a Unix socket pair as raw bytes (the host's requests
+  pickled, the child's replies JSON and bytes, checked before use: see
+  :mod:`._sandbox_wire`). Outputs are host tensors: a sandboxed graph keeps nothing on
+  its device between runs of different graphs.
+* On CPU the child confines itself before the library reads the model (:mod:`._confine`:
+  no new privileges, no core files, bounded file sizes, seccomp, Landlock where the
+  kernel has it). A GPU child is not confined (its driver opens device files).
+* A child that dies (a signal, an exit) fails the run or the load that was under way
+  with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
+  graph starts a new child, and loads the model again, for its next run.
+* Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
+  backend stops at its library's next check; a run that has not stopped
+  :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
+  has its process killed. So a sandboxed run can always be stopped, which an in-process
+  one cannot.
+
+What it costs: starting the child and importing the library at each load (0.2 s for
+ONNX Runtime here, about 2 s for torch), a copy of every input and output through the
+socket, and two process wake-ups per run. A graph serves one run at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from wasinn import errors
+from wasinn.enums import GraphEncoding, TensorType
+from wasinn.errors import (
+    BackendRuntimeError,
+    ClosedResourceError,
+    InvalidEncodingError,
+    WasiNNError,
+)
+from wasinn.tensor import Tensor
+
+from . import _confine
+from ._sandbox_child import CANCEL
+from ._sandbox_wire import read_reply, receive, request, send
+from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from .base import current_cancellation as _current_cancellation
+
+log = logging.getLogger("wasinn.backends")
+
+#: How long a cancelled run may go on before its process is killed, in seconds.
+CANCEL_GRACE_S = 1.0
+#: How long a closing child may take to exit before it is killed, in seconds.
+CLOSE_WAIT_S = 5.0
+
+
+def load_sandboxed(backend: Backend, builders: Builders, encoding: GraphEncoding,
+                   device: Device, options: LoadOptions | None = None) -> SandboxedGraph:
+    """``backend.load(...)``, run in a process of its own (see the module docstring).
+
+    Raises what the backend's load raises, InvalidEncodingError when the process dies
+    loading the model, and BackendRuntimeError when no process can be started.
+    """
+    return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions())
+
+
+def _entry(backend: Backend) -> str:
+    cls = type(backend)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _died(process: subprocess.Popen[bytes]) -> str:
+    """How ``process`` ended: "was killed by SIGSEGV", "exited with status 1"."""
+    try:
+        code = process.wait(CLOSE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _child_env(backend: Backend) -> dict[str, str]:
+    """The host's environment, with its import path and the folder the backend's module
+    was imported from: the child imports that module (a plug-in's too) as the host did."""
+    env = dict(os.environ)
+    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
+    module = sys.modules.get(type(backend).__module__)
+    file = getattr(module, "__file__", None)
+    if file is not None:  # the folder holding its top-level package
+        root = Path(file).resolve().parents[type(backend).__module__.count(".")]
+        paths.insert(0, str(root))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if os.path.isdir(p))
+    return env
+
+
+class _Child:
+    """One process serving one graph, and the sockets to it."""
+
+    def __init__(self, backend: Backend, device: Device) -> None:
+        requests, theirs = socket.socketpair()
+        cancels, their_cancels = socket.socketpair()
+        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
+        command = [sys.executable, "-m", "wasinn.backends._sandbox_child",
+                   str(theirs.fileno()), str(their_cancels.fileno()), _entry(backend)]
+        if device.kind.value == "cpu":
+            self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
+            command.append(self._confine_dir.name)
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), their_cancels.fileno()), env=_child_env(backend),
+                cwd=self._confine_dir.name if self._confine_dir else None)
+        except OSError as exc:
+            self._cleanup()
+            raise BackendRuntimeError(
+                f"{backend.name}: cannot start a process to run the model in: {exc}") from exc
+        finally:
+            theirs.close()
+            their_cancels.close()
+        self.conn = Connection(requests.detach())
+        self._cancels = cancels
+        self._cancel_lock = threading.Lock()
+        self.seq = 0
+        #: The sequence number of the run under way (-1: none).
+        self.running = -1
+        self.killed_for_cancel = False
+
+    def call(self, header: bytes, buffers: list[memoryview]
+             ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Send a request and read its reply; EOFError when the process is gone, ValueError
+        for a reply that is not one."""
+        send(self.conn, header, buffers)
+        return self.read()
+
+    def read(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        return read_reply(*receive(self.conn))
+
+    def cancel(self, seq: int) -> None:
+        """Ask the child to stop run ``seq``; kill it if that run is still going
+        :data:`CANCEL_GRACE_S` later. Called from any thread."""
+        with self._cancel_lock, contextlib.suppress(OSError):
+            self._cancels.sendall(CANCEL.pack(seq))
+        timer = threading.Timer(CANCEL_GRACE_S, self._kill_if_running, (seq,))
+        timer.daemon = True
+        timer.start()
+
+    def _kill_if_running(self, seq: int) -> None:
+        if self.running == seq and self.process.poll() is None:
+            self.killed_for_cancel = True
+            with contextlib.suppress(OSError):
+                self.process.kill()
+
+    def ended(self) -> str:
+        """How the process ended (it has, or is about to: its socket closed)."""
+        how = _died(self.process)
+        self._cleanup()
+        return how
+
+    def close(self) -> None:
+        """Ask the process to exit, wait for it (killing it past :data:`CLOSE_WAIT_S`)."""
+        with contextlib.suppress(OSError, ValueError):
+            send(self.conn, *request(("close", -1, None)))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(CLOSE_WAIT_S)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for closeable in (getattr(self, "conn", None), getattr(self, "_cancels", None)):
+            if closeable is not None:
+                with contextlib.suppress(OSError):
+                    closeable.close()
+        if self._confine_dir is not None:
+            self._confine_dir.cleanup()
+            self._confine_dir = None
+
+
+def _spec(entry: Any) -> TensorSpec:
+    name, type_, shape, rank_known = entry
+    return TensorSpec(str(name), TensorType(type_),
+                      tuple(None if d is None else int(d) for d in shape), bool(rank_known))
+
+
+def _aliases(value: Any) -> Mapping[str, int]:
+    return {str(k): int(v) for k, v in dict(value).items()}
+
+
+def _error(payload: Mapping[str, Any]) -> WasiNNError:
+    """The wasinn error a child reported (BackendRuntimeError for a class it may not
+    name)."""
+    kind, message = payload["error"]
+    cls = getattr(errors, str(kind), None)
+    if not (isinstance(cls, type) and issubclass(cls, WasiNNError)):
+        cls = BackendRuntimeError
+    return cls(str(message))
+
+
+class SandboxedGraph(CompiledGraph):
+    """A graph compiled and run in a child process (see the module docstring)."""
+
+    def __init__(self, backend: Backend, builders: Builders, encoding: GraphEncoding,
+                 device: Device, options: LoadOptions) -> None:
+        self.device = device
+        self._backend = backend
+        self._load = request((tuple(bytes(b) for b in builders), encoding, device, options))
+        self._lock = threading.Lock()
+        self._closed = False
+        self._child: _Child | None = None
+        try:
+            payload = self._start()
+            self.inputs = tuple(_spec(e) for e in payload["inputs"])
+            self.outputs = tuple(_spec(e) for e in payload["outputs"])
+            self.input_aliases = _aliases(payload["input_aliases"])
+            self.output_aliases = _aliases(payload["output_aliases"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self.close()
+            raise BackendRuntimeError(
+                f"{backend.name}: the process loading the model answered {exc!r:.200}: "
+                "expected the model's inputs and outputs") from None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        """The process serving this graph now (None between a crash and the next run)."""
+        child = self._child
+        return None if child is None else child.process.pid
+
+    def _start(self) -> dict[str, Any]:
+        child = _Child(self._backend, self.device)
+        name = self._backend.name
+        try:
+            payload, _ = child.call(*self._load)
+        except (EOFError, OSError):
+            raise InvalidEncodingError(
+                f"{name}: the process loading the model {child.ended()}: the library "
+                "crashed on it (the host goes on)") from None
+        except ValueError as exc:
+            child.close()
+            raise BackendRuntimeError(
+                f"{name}: the process loading the model answered badly: {exc}") from None
+        if "error" in payload:
+            child.close()
+            raise _error(payload)
+        self._child = child
+        log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
+                  name, self.device.name)
+        if self.device.kind.value == "cpu":
+            confined = payload.get("confined")
+            _confine.log_report(confined if isinstance(confined, dict) else None,
+                                "sandboxed model", "sandbox processes")
+        return payload
+
+    def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
+            keep_on_device: bool = False) -> dict[str, Tensor]:
+        name = self._backend.name
+        with self._lock:
+            if self._closed:
+                raise ClosedResourceError(f"{name}: the graph is closed")
+            child = self._child
+            if child is None:  # the last one died: a new process, the model loaded again
+                self._start()
+                child = self._child
+                assert child is not None
+            child.seq += 1
+            seq = child.running = child.seq
+            header, buffers = request(("run", seq, None if outputs is None else
+                                       list(outputs)), dict(inputs))
+            cancellation = _current_cancellation()
+            forget = (cancellation.on_cancel(lambda: child.cancel(seq))
+                      if cancellation is not None else None)
+            try:
+                payload, result = child.call(header, buffers)
+            except (EOFError, OSError):
+                self._child = None
+                how = child.ended()
+                if child.killed_for_cancel:
+                    raise BackendRuntimeError(
+                        f"{name}: the run was cancelled and did not stop within "
+                        f"{CANCEL_GRACE_S:g} s: its process was killed") from None
+                raise BackendRuntimeError(
+                    f"{name}: the process running the model {how}: the library crashed "
+                    "on this model or these inputs (the host goes on; the next run "
+                    "starts a new process)") from None
+            except ValueError as exc:
+                self._child = None
+                child.close()
+                raise BackendRuntimeError(
+                    f"{name}: the process running the model answered badly: {exc}"
+                ) from None
+            finally:
+                child.running = -1
+                if forget is not None:
+                    forget()
+        if "error" in payload:
+            raise _error(payload)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            child, self._child = self._child, None
+        if child is not None:
+            child.close()
+

@@ -1,0 +1,45 @@
+"""A fake backend whose library "crashes", for the sandbox's containment tests only (the
+real crash, OpenVINO's, is in tests/test_sandbox.py).
+
+On :class:`~tests.fake_backend.FakeBackend`'s recipes: ``b"fake:add=1:loadcrash"`` kills
+its process with SIGSEGV while loading; a run whose first input element is 666 kills it
+with SIGSEGV, and one whose first element is 777 sleeps for a minute, deaf to
+cancellation (as a TorchScript run between its loops is).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+
+from tests.fake_backend import FakeBackend, FakeGraph
+from wasinn.backends.base import Builders, Device, LoadOptions
+from wasinn.enums import GraphEncoding
+from wasinn.tensor import Tensor, as_tensor
+
+CRASH = 666.0
+DEAF = 777.0
+
+
+class CrashingGraph(FakeGraph):
+    def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
+            keep_on_device: bool = False) -> dict[str, Tensor]:
+        first = float(as_tensor(inputs["x"]).numpy().reshape(-1)[0])
+        if first == CRASH:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if first == DEAF:
+            time.sleep(60)
+        return super().run(inputs, outputs=outputs, keep_on_device=keep_on_device)
+
+
+class CrashingBackend(FakeBackend):
+    name = "crashing"
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> CrashingGraph:
+        graph = super().load(builders, encoding, device, options)
+        if bytes(builders[0]).endswith(b":loadcrash"):
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return CrashingGraph(self, device, graph.add, gated=False)

@@ -1,0 +1,226 @@
+"""Sandboxed graphs (``sandbox = true``): compiled and run in a process of their own, so
+that a library crash on a model or on a guest's inputs ends that process, not the host.
+
+The crash that matters is a real one: OpenVINO's CPU plugin reads out of bounds on a
+``GatherND`` index of -2**31 and kills its process with SIGSEGV (found by fuzzing
+wasinn's backends). A test first shows that in a child process (so that the test says
+so when OpenVINO fixes it), then that the same model, sandboxed, only fails that run.
+Load crashes, cancels a run ignores and the wire's checks use the fake backend of
+``tests/crashing_backend.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import trio
+
+import wasinn
+from tests.crashing_backend import CRASH, DEAF, CrashingBackend
+from tests.support import cpu_pool, require_backend
+from wasinn import (
+    BackendRuntimeError,
+    GraphEncoding,
+    InvalidArgumentError,
+    InvalidEncodingError,
+    Tensor,
+    UnknownNameError,
+)
+from wasinn.backends import Device, LoadOptions
+from wasinn.backends.sandbox import CANCEL_GRACE_S, SandboxedGraph, load_sandboxed
+from wasinn.configs.loader import parse_config
+from wasinn.modelgen import affine_onnx, onnx_model_bytes
+
+CPU = Device.parse("cpu")
+INT32_MIN = -(2**31)
+
+
+def _gathernd_onnx() -> bytes:
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("GatherND", ["x", "i"], ["y"])
+    graph = helper.make_graph(
+        [node], "gathernd",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2, 3]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    return onnx_model_bytes(graph)
+
+
+def _gathernd_inputs(first_index: int) -> dict[str, np.ndarray[Any, Any]]:
+    x = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
+    return {"x": x, "i": np.array([[first_index, 1], [1, 0]], np.int64)}
+
+
+def _sandbox_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "wasinn.backends._sandbox_child" in " ".join(p.cmdline())]
+
+
+# -- a real library crash -----------------------------------------------------------------
+def test_openvino_gathernd_kills_the_process_that_runs_it() -> None:
+    require_backend("openvino")
+    require_backend("onnx")
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from tests.test_sandbox import _gathernd_onnx, _gathernd_inputs
+        from wasinn import GraphEncoding, Tensor
+        from wasinn.backends import Device
+        from wasinn.backends.openvino import OpenVinoBackend
+        graph = OpenVinoBackend().load([_gathernd_onnx()], GraphEncoding.ONNX,
+                                       Device.parse("cpu"))
+        inputs = _gathernd_inputs({INT32_MIN})
+        graph.run({{k: Tensor.from_numpy(v) for k, v in inputs.items()}})
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False,
+                          timeout=120)
+    assert done.returncode == -signal.SIGSEGV, (
+        f"OpenVINO no longer crashes here (status {done.returncode}): "
+        f"{done.stderr.decode()[-400:]}")
+
+
+async def test_a_sandboxed_graph_survives_the_crash_and_runs_again() -> None:
+    require_backend("openvino")
+    require_backend("onnx")
+    async with wasinn.Runtime(cpu_pool(backends=["openvino"])) as rt:
+        graph = await rt.load([_gathernd_onnx()], "onnx", options={"sandbox": True})
+        (first,) = _sandbox_children()
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^openvino: the process running the model was killed by SIGSEGV: the "
+                r"library crashed on this model or these inputs \(the host goes on; the "
+                r"next run starts a new process\)$")):
+            await graph.compute(_gathernd_inputs(INT32_MIN))
+        assert not first.is_running() or first.status() == psutil.STATUS_ZOMBIE
+        good = _gathernd_inputs(1)
+        out = await graph.compute(good)
+        x, i = good["x"], good["i"]
+        np.testing.assert_array_equal(out["y"].numpy(), np.stack([x[tuple(r)] for r in i]))
+        (second,) = _sandbox_children()
+        assert second.pid != first.pid
+        await graph.unload()
+        await trio.sleep(0)
+    assert _sandbox_children() == []
+
+
+# -- the same results as in the host's process --------------------------------------------
+@pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino"])
+def test_results_specs_and_errors_are_those_of_the_backend_in_process(
+        backend_name: str) -> None:
+    require_backend(backend_name)
+    backend = wasinn.backends.registry.BackendRegistry().get(backend_name)
+    model = affine_onnx(3.0, -1.0)
+    inside = backend.load([model], GraphEncoding.ONNX, CPU)
+    sandboxed = load_sandboxed(backend, [model], GraphEncoding.ONNX, CPU)
+    try:
+        assert isinstance(sandboxed, SandboxedGraph) and sandboxed.pid is not None
+        assert (sandboxed.inputs, sandboxed.outputs) == (inside.inputs, inside.outputs)
+        assert dict(sandboxed.input_aliases) == dict(inside.input_aliases)
+        x = Tensor.from_numpy(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32))
+        np.testing.assert_array_equal(sandboxed.run({"x": x})["y"].numpy(),
+                                      inside.run({"x": x})["y"].numpy())
+        for bad, error in (({"z": x}, UnknownNameError),
+                           ({"x": Tensor.from_numpy(np.zeros((2, 5), np.float32))},
+                            InvalidArgumentError)):
+            with pytest.raises(error) as in_process:
+                inside.run(bad)
+            with pytest.raises(error) as in_sandbox:
+                sandboxed.run(bad)
+            assert in_sandbox.value.message == in_process.value.message
+    finally:
+        sandboxed.close()
+        inside.close()
+    with pytest.raises(wasinn.ClosedResourceError):
+        sandboxed.run({"x": x})
+
+
+def test_bytes_no_backend_reads_are_an_invalid_encoding_as_in_process() -> None:
+    require_backend("onnxruntime")
+    backend = wasinn.backends.registry.BackendRegistry().get("onnxruntime")
+    with pytest.raises(InvalidEncodingError, match=r"^onnxruntime: "):
+        load_sandboxed(backend, [b"not a model"], GraphEncoding.ONNX, CPU)
+    assert _sandbox_children() == []
+
+
+# -- crashes, cancels, bad options (the fake backend) ---------------------------------------
+def test_a_crash_while_loading_is_an_invalid_encoding() -> None:
+    with pytest.raises(InvalidEncodingError, match=(
+            r"^crashing: the process loading the model was killed by SIGSEGV: the library "
+            r"crashed on it \(the host goes on\)$")):
+        load_sandboxed(CrashingBackend(), [b"fake:add=1:loadcrash"], GraphEncoding.GGML, CPU)
+    assert _sandbox_children() == []
+
+
+def test_a_crash_while_running_fails_that_run_and_the_next_run_reloads() -> None:
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=2"], GraphEncoding.GGML, CPU)
+    try:
+        first = graph.pid
+        with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+            graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
+        assert graph.pid is None
+        out = graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert graph.pid not in (None, first)
+    finally:
+        graph.close()
+
+
+async def test_a_cancelled_run_that_does_not_stop_has_its_process_killed() -> None:
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["crashing"]}}}, None)
+    async with wasinn.Runtime(config, backends=[CrashingBackend()]) as rt:
+        graph = await rt.load([b"fake:add=1"], "ggml", options={"sandbox": True})
+        (first,) = _sandbox_children()
+        with trio.move_on_after(0.5) as scope:
+            await graph.compute({"x": np.full((1, 4), DEAF, np.float32)})
+        assert scope.cancelled_caught
+        # The run ignores its cancellation; the sandbox kills its process after the grace.
+        with trio.fail_after(CANCEL_GRACE_S + 30):
+            while first.is_running() and first.status() != psutil.STATUS_ZOMBIE:
+                await trio.sleep(0.05)
+        out = await graph.compute({"x": np.zeros((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["y"].numpy(), np.ones((1, 4), np.float32))
+
+
+async def test_sandbox_must_be_a_boolean() -> None:
+    async with wasinn.Runtime(cpu_pool()) as rt:
+        with pytest.raises(InvalidArgumentError, match=r"^options sandbox='yes': expected True"):
+            await rt.load([affine_onnx()], "onnx", options={"sandbox": "yes"})
+
+
+# -- from the config ----------------------------------------------------------------------
+async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_path: Any
+                                                                            ) -> None:
+    require_backend("onnxruntime")
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n'
+                      '[models.plain]\nfiles = ["affine.onnx"]\n')
+    async with wasinn.Runtime(config) as rt:
+        plain = await rt.load_by_name("plain")
+        await plain.compute({"x": np.ones((1, 4), np.float32)})
+        assert _sandbox_children() == []
+        graph = await rt.load_by_name("affine")
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert len(_sandbox_children()) == 1
+    assert _sandbox_children() == []
+
+
+def test_guests_sandbox_reaches_the_guests_loads() -> None:
+    from wasinn.host.limits import GuestLimits, limits_of
+
+    config = parse_config({"guests": {"sandbox": True}}, None)
+    limits = limits_of(type("R", (), {"config": config})())
+    assert limits.sandbox and limits.load_options() == {"sandbox": True}
+    assert GuestLimits().load_options() is None
+
+
+def test_load_options_default_to_the_host_process() -> None:
+    assert LoadOptions().sandbox is False
