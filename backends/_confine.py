@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import resource
+import signal
 import struct
 import sys
 from collections.abc import Iterable
@@ -293,6 +294,14 @@ def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
                  ctypes.c_char_p(attr), ctypes.c_uint32(0))
     finally:
         os.close(fd)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGSEGV`` for 11; ``signal 99`` for a number with no name here."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def report_line(report: Report) -> str:

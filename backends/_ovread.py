@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -261,10 +260,7 @@ def _child_failure(returncode: int, message: bytes, log: bytes) -> str:
     if returncode == _REFUSED:
         return _short(message.decode("utf-8", "replace"))
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
+        name = _confine.signal_name(-returncode)
         return (f"OpenVINO's frontend crashed on it ({name}) in the throw-away process "
                 "that reads such models: the bytes are malformed")
     last = (log.decode("utf-8", "replace").strip().splitlines() or [""])[-1][-300:]

@@ -62,16 +62,25 @@ def receive(conn: Connection) -> tuple[bytes, list[bytearray]]:
 
 
 # -- the host's requests -----------------------------------------------------------------
+def _tensor_buffers(tensors: dict[str, Tensor] | None
+                    ) -> tuple[list[tuple[str, str, list[int]]], list[memoryview]]:
+    """``[name, type, dims]`` of each tensor, and its host data in native byte order and
+    C order (copied only where it is not already)."""
+    described = []
+    buffers: list[memoryview] = []
+    for name, tensor in (tensors or {}).items():
+        # (np.ascontiguousarray makes a 0-d array 1-d: the dimensions are the tensor's.)
+        array = np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
+        described.append((name, tensor.type.value, list(tensor.dims)))
+        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+    return described, buffers
+
+
 def request(payload: object, tensors: dict[str, Tensor] | None = None
             ) -> tuple[bytes, list[memoryview]]:
-    """A request from the host: ``payload`` pickled, and ``tensors``' host data, each in
-    native byte order and C order (copied only where it is not already)."""
-    buffers: list[memoryview] = []
-    described = []
-    for name, tensor in (tensors or {}).items():
-        array = np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
-        described.append((name, tensor.type.value, tuple(array.shape)))
-        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+    """A request from the host: ``payload`` and the tensors' descriptions pickled, and
+    their host data (see :func:`_tensor_buffers`)."""
+    described, buffers = _tensor_buffers(tensors)
     return pickle.dumps((payload, described), protocol=pickle.HIGHEST_PROTOCOL), buffers
 
 
@@ -87,11 +96,8 @@ def read_request(header: bytes, buffers: list[bytearray]) -> tuple[Any, dict[str
 def reply(payload: dict[str, Any], tensors: dict[str, Tensor] | None = None
           ) -> tuple[bytes, list[memoryview]]:
     """A reply from the child: ``payload`` (JSON-able) and ``tensors``' host data."""
-    _, buffers = request(None, tensors)
-    payload = dict(payload)
-    payload["tensors"] = [[name, t.type.value, list(t.dims)]
-                          for name, t in (tensors or {}).items()]
-    return json.dumps(payload).encode(), buffers
+    described, buffers = _tensor_buffers(tensors)
+    return json.dumps({**payload, "tensors": described}).encode(), buffers
 
 
 def read_reply(header: bytes, buffers: list[bytearray]) -> tuple[dict[str, Any],

@@ -26,9 +26,10 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   has its process killed. So a sandboxed run can always be stopped, which an in-process
   one cannot.
 
-What it costs: starting the child and importing the library at each load (0.2 s for
-ONNX Runtime here, about 2 s for torch), a copy of every input and output through the
-socket, and two process wake-ups per run. A graph serves one run at a time.
+What it costs (``benchmarks/sandbox_overhead.py``): starting the child and importing the
+library at each load (0.2-0.4 s for ONNX Runtime here, 1.5-2.4 s for torch), a copy of
+every input and output through the socket, and two process wake-ups per run. A graph
+serves one run at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from wasinn import errors
-from wasinn.enums import GraphEncoding, TensorType
+from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -94,9 +94,7 @@ def _died(process: subprocess.Popen[bytes]) -> str:
         process.kill()
         code = process.wait()
     if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
+        return f"was killed by {_confine.signal_name(-code)}"
     return f"exited with status {code}"
 
 
@@ -117,13 +115,13 @@ def _child_env(backend: Backend) -> dict[str, str]:
 class _Child:
     """One process serving one graph, and the sockets to it."""
 
-    def __init__(self, backend: Backend, device: Device) -> None:
+    def __init__(self, backend: Backend, confined: bool) -> None:
         requests, theirs = socket.socketpair()
         cancels, their_cancels = socket.socketpair()
         self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
         command = [sys.executable, "-m", "wasinn.backends._sandbox_child",
                    str(theirs.fileno()), str(their_cancels.fileno()), _entry(backend)]
-        if device.kind.value == "cpu":
+        if confined:
             self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
             command.append(self._confine_dir.name)
         try:
@@ -151,9 +149,6 @@ class _Child:
         """Send a request and read its reply; EOFError when the process is gone, ValueError
         for a reply that is not one."""
         send(self.conn, header, buffers)
-        return self.read()
-
-    def read(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
         return read_reply(*receive(self.conn))
 
     def cancel(self, seq: int) -> None:
@@ -225,6 +220,9 @@ class SandboxedGraph(CompiledGraph):
                  device: Device, options: LoadOptions) -> None:
         self.device = device
         self._backend = backend
+        #: Whether its processes confine themselves: on the CPU only (a GPU's driver
+        #: opens device files).
+        self._confined = device.kind is ExecutionTarget.CPU
         self._load = request((tuple(bytes(b) for b in builders), encoding, device, options))
         self._lock = threading.Lock()
         self._closed = False
@@ -251,7 +249,7 @@ class SandboxedGraph(CompiledGraph):
         return None if child is None else child.process.pid
 
     def _start(self) -> dict[str, Any]:
-        child = _Child(self._backend, self.device)
+        child = _Child(self._backend, self._confined)
         name = self._backend.name
         try:
             payload, _ = child.call(*self._load)
@@ -269,7 +267,7 @@ class SandboxedGraph(CompiledGraph):
         self._child = child
         log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
                   name, self.device.name)
-        if self.device.kind.value == "cpu":
+        if self._confined:
             confined = payload.get("confined")
             _confine.log_report(confined if isinstance(confined, dict) else None,
                                 "sandboxed model", "sandbox processes")

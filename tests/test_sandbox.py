@@ -224,3 +224,34 @@ def test_guests_sandbox_reaches_the_guests_loads() -> None:
 
 def test_load_options_default_to_the_host_process() -> None:
     assert LoadOptions().sandbox is False
+
+
+# -- the host believes nothing the child says ---------------------------------------------
+@pytest.mark.parametrize(("header", "buffers", "said"), [
+    (b"[1, 2]", [], r"^a reply that is no JSON object$"),
+    (b'{"ok": true, "tensors": [["y", "f32", [2]]]}', [], r"^a reply whose tensors are not "
+     r"its buffers$"),
+    (b'{"ok": true, "tensors": [["y", "f32", [2]]]}', [bytearray(4)],
+     r"^tensor 'y': tensor data is 4 bytes but dimensions \[2\] of f32 need 8 bytes$"),
+    (b'{"ok": true, "tensors": [["y", "f128", [1]]]}', [bytearray(16)], r"^tensor 'y': "),
+    (b'{"ok": true, "tensors": [["y", "f32", [-1]]]}', [bytearray(4)], r"^tensor 'y': "),
+    (b'{"ok": true, "tensors": [["y", "f32"]]}', [bytearray(4)], r"^a tensor described as "),
+])
+def test_a_reply_that_is_not_one_is_refused(header: bytes, buffers: list[bytearray],
+                                            said: str) -> None:
+    from wasinn.backends._sandbox_wire import read_reply
+
+    with pytest.raises(ValueError, match=said):
+        read_reply(header, buffers)
+
+
+def test_a_reply_round_trips_its_tensors() -> None:
+    from wasinn.backends._sandbox_wire import read_reply, reply
+
+    scalar = Tensor.from_numpy(np.float64(2.5))
+    matrix = Tensor.from_numpy(np.arange(6, dtype=np.int64).reshape(2, 3))
+    header, views = reply({"ok": True}, {"s": scalar, "m": matrix})
+    payload, tensors = read_reply(header, [bytearray(v) for v in views])
+    assert payload == {"ok": True}
+    assert tensors["s"].dims == () and tensors["s"].numpy() == 2.5
+    np.testing.assert_array_equal(tensors["m"].numpy(), matrix.numpy())
