@@ -1,10 +1,11 @@
 """The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
-wasinn.backends._sandbox_child REQUESTS CANCELS ENTRY [CONFINE_DIR]``.
+wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``.
 
 It imports the backend named by ENTRY (``module:Class``), reads one load request from
-the REQUESTS socket, confines itself (:mod:`._confine`, when CONFINE_DIR is given) before
-the library sees the model's bytes, loads it and then answers run requests one at a
-time until the host asks it to close or goes away. A thread reads the CANCELS socket:
+the REQUESTS socket (the model's bytes in the ARENA, see :mod:`._sandbox_wire`),
+confines itself (:mod:`._confine`, when CONFINE_DIR is given) before the library sees
+the model's bytes, loads it and then answers run requests one at a time until the host
+asks it to close or goes away. A thread reads the CANCELS socket:
 the sequence number of a run to cancel, which it hands to that run's Cancellation (the
 backend's own interruption), if that run is still the current one.
 
@@ -23,9 +24,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from wasinn.backends import _confine
-from wasinn.backends._sandbox_wire import read_request, receive, reply, send
+from wasinn.backends._sandbox_wire import AGAIN, Arena, read_request, receive, reply, send
 from wasinn.backends.base import Backend, Cancellation, CompiledGraph, running_under
 from wasinn.errors import BackendRuntimeError, WasiNNError
+from wasinn.tensor import Tensor
 
 #: A cancel message: the sequence number of the run to stop.
 CANCEL = struct.Struct("<Q")
@@ -79,11 +81,13 @@ def _specs(graph: CompiledGraph) -> dict[str, Any]:
             "output_aliases": dict(graph.output_aliases)}
 
 
-def _load(conn: Connection, backend: Backend, confine_dir: str | None
+def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | None
           ) -> tuple[CompiledGraph, dict[str, object] | None]:
     """The graph, and what confining this process applied (None: not confined)."""
-    header, buffers = receive(conn)
-    (builders, encoding, device, options), _ = read_request(header, buffers)
+    (encoding, device, options), files, _ = read_request(arena, receive(conn))
+    # Copied out: the library may keep them, and the arena's next request overwrites it.
+    builders = [files[str(i)].tobytes() for i in range(len(files))]
+    del files
     report = None
     if confine_dir is not None:
         report = _confine.confine(_confine_fsize(builders), confine_dir).as_dict()
@@ -96,49 +100,61 @@ def _confine_fsize(builders: Any) -> int:
     return 4 * sum(len(b) for b in builders) + 64 * 1024 * 1024
 
 
-def _serve(conn: Connection, graph: CompiledGraph, current: _Current) -> None:
+def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current) -> None:
+    # A reply that did not fit in the arena, kept until the host has grown it and asks
+    # again: its payload, tensors and place.
+    pending: tuple[dict[str, Any], dict[str, Tensor], int] | None = None
     while True:
         try:
-            header, buffers = receive(conn)
+            header = receive(conn)
         except EOFError:
             return
-        (verb, seq, outputs), inputs = read_request(header, buffers)
+        (verb, seq, outputs), inputs, reply_at = read_request(arena, header)
         if verb == "close":
             return
+        if verb == AGAIN and pending is not None:
+            send(conn, reply(arena, pending[0], pending[1], at=pending[2])[0])
+            pending = None
+            continue
+        pending = None
         cancellation = current.start(seq)
         try:
             with running_under(cancellation):
                 result = graph.run(inputs, outputs=outputs)
-            message = reply({"ok": True}, result)
+            payload: dict[str, Any] = {"ok": True}
         except Exception as exc:
-            message = reply(_error(exc))
-        send(conn, *message)
+            payload, result = _error(exc), {}
+        message, fits = reply(arena, payload, result, at=reply_at)
+        if not fits:
+            pending = payload, result, reply_at
+        send(conn, message)
 
 
 def main(argv: list[str]) -> int:
     requests = Connection(int(argv[0]))
     cancels = socket.socket(fileno=int(argv[1]))
-    module, _, attr = argv[2].partition(":")
-    confine_dir = argv[3] if len(argv) > 3 else None
+    arena = Arena.attach(int(argv[2]))
+    module, _, attr = argv[3].partition(":")
+    confine_dir = argv[4] if len(argv) > 4 else None
     try:
         try:
             backend: Backend = getattr(importlib.import_module(module), attr)()
         except Exception as exc:
             raise BackendRuntimeError(
-                f"the sandbox process cannot make the backend {argv[2]}: "
+                f"the sandbox process cannot make the backend {argv[3]}: "
                 f"{type(exc).__name__}: {exc}") from None
-        graph, confined = _load(requests, backend, confine_dir)
+        graph, confined = _load(requests, arena, backend, confine_dir)
     except EOFError:
         return 0
     except Exception as exc:
-        send(requests, *reply(_error(exc)))
+        send(requests, reply(arena, _error(exc))[0])
         return 0
-    send(requests, *reply({"ok": True, "confined": confined, **_specs(graph)}))
+    send(requests, reply(arena, {"ok": True, "confined": confined, **_specs(graph)})[0])
     current = _Current()
     # Started after confining: Landlock binds the calling thread and those it starts.
     threading.Thread(target=_read_cancels, args=(cancels, current), daemon=True).start()
     try:
-        _serve(requests, graph, current)
+        _serve(requests, arena, graph, current)
     finally:
         graph.close()
     return 0

@@ -1,19 +1,31 @@
 """The messages between the host and a sandboxed graph's process (see :mod:`.sandbox`).
 
-A message is one header and the raw buffers it refers to, each sent with
-``Connection.send_bytes`` and read with ``recv_bytes_into`` (no extra copy of tensor data).
+Bulk data (a model's bytes, a run's inputs and outputs) does not go through the socket:
+it lies in an :class:`Arena`, a memory file both processes map. The socket carries
+headers only, which place each tensor in the arena by its offset. The host writes a
+request's tensors from the arena's start and says where the child may write its reply's
+(``reply_at``, past them: an output may share memory with an input). A reply whose
+tensors do not fit asks for a larger arena (``{"grow": N}``); the host grows it and asks
+for the same reply again (:data:`AGAIN`).
 
 The host trusts what it sends, so its requests are pickled. It does not trust the child:
 a library bug that let a model run code in the child must not reach the host through
-its replies, so the child answers in JSON (never unpickled) and raw bytes, which the host
-checks (:func:`tensor_from_wire`) before wrapping them as tensors.
+its replies, so the child answers in JSON (never unpickled), and the host checks every
+tensor's description against the arena (:func:`read_reply`) before copying it out. On
+Linux the arena is a ``memfd`` sealed against shrinking, so nothing the child does to it
+can make the host's mapping fault.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import mmap
+import os
 import pickle
-import struct
+import tempfile
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,108 +35,208 @@ from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor, check_dims, numpy_dtype
 
-#: The most buffers one message may carry, and the longest header (a reply's tensors are
-#: described in its header): a child sending more is refused rather than believed.
-MAX_BUFFERS = 4096
+#: The longest header, and the largest arena, a child may ask the host to believe.
 MAX_HEADER = 16 * 1024 * 1024
-
-_COUNT = struct.Struct("<IQ")  # buffer count, header length
-
-
-def send(conn: Connection, header: bytes, buffers: list[memoryview]) -> None:
-    """Send ``header`` and ``buffers`` (byte views) as one message."""
-    sizes = struct.pack(f"<{len(buffers)}Q", *(b.nbytes for b in buffers))
-    conn.send_bytes(_COUNT.pack(len(buffers), len(header)) + sizes + header)
-    for buffer in buffers:
-        conn.send_bytes(buffer)
+MAX_ARENA = 1 << 40
+#: Where tensors start in the arena: a multiple of this (a cache line, and SIMD loads).
+ALIGN = 64
+#: The verb of the request that asks again for a reply that did not fit.
+AGAIN = "again"
 
 
-def receive(conn: Connection) -> tuple[bytes, list[bytearray]]:
-    """One message: its header and its buffers (writable). Raises EOFError when the other
-    end is gone, ValueError for a message that is not one."""
-    first = conn.recv_bytes(MAX_HEADER + _COUNT.size + 8 * MAX_BUFFERS)
-    if len(first) < _COUNT.size:
-        raise ValueError("a message shorter than its prefix")
-    count, header_len = _COUNT.unpack_from(first)
-    if count > MAX_BUFFERS or len(first) != _COUNT.size + 8 * count + header_len:
-        raise ValueError(f"a message announcing {count} buffers and a {header_len}-byte "
-                         f"header in {len(first)} bytes")
-    sizes = struct.unpack_from(f"<{count}Q", first, _COUNT.size)
-    header = first[_COUNT.size + 8 * count:]
-    buffers = []
-    for size in sizes:
-        buffer = bytearray(size)
-        got = conn.recv_bytes_into(buffer) if size else len(conn.recv_bytes(1))
-        if got != size:
-            raise ValueError(f"a buffer of {got} bytes where {size} were announced")
-        buffers.append(buffer)
-    return header, buffers
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+class Arena:
+    """A memory file mapped by the host and one child: :meth:`create` in the host (which
+    alone grows it), :meth:`attach` in the child (which follows the size the host's
+    requests give)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = 0
+        self._map: mmap.mmap | None = None
+        self._map_size(size)
+
+    @classmethod
+    def create(cls, size: int = 1 << 20) -> Arena:
+        """A new arena of ``size`` bytes (more as :meth:`grow` asks): a ``memfd`` sealed
+        against shrinking where the system has them, else an unlinked temporary file."""
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("wasinn-sandbox", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        else:  # pragma: no cover - not Linux
+            with tempfile.TemporaryFile() as file:
+                fd = os.dup(file.fileno())
+        try:
+            os.ftruncate(fd, size)
+            import fcntl  # (not on Windows, where no sandbox runs)
+
+            if hasattr(fcntl, "F_ADD_SEALS"):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> Arena:
+        """The child's side of the arena whose descriptor it inherited."""
+        return cls(fd, os.fstat(fd).st_size)
+
+    def _map_size(self, size: int) -> None:
+        old, self._map = self._map, mmap.mmap(self.fd, size) if size else None
+        self.size = size
+        if old is not None:  # a tensor still over it keeps it mapped until it goes
+            with contextlib.suppress(BufferError):
+                old.close()
+
+    def grow(self, size: int) -> None:
+        """Make the arena at least ``size`` bytes (the host only; at least doubling)."""
+        if size > self.size:
+            size = max(size, 2 * self.size)
+            size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            os.ftruncate(self.fd, size)
+            self._map_size(size)
+
+    def follow(self, size: int) -> None:
+        """Map ``size`` bytes, the size the host gave the arena (the child only)."""
+        if size != self.size:
+            self._map_size(size)
+
+    def release(self) -> None:
+        """Give the memory of the arena's pages back (they read as zeros after); its size
+        stays. Where the system cannot, nothing."""
+        if self._map is not None and hasattr(mmap, "MADV_REMOVE"):
+            self._map.madvise(mmap.MADV_REMOVE)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` of the arena at ``offset``, shared (no copy)."""
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map)[offset:offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap the arena and close its descriptor (once)."""
+        self._map_size(0)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _host_bytes(tensor: Tensor) -> np.ndarray[Any, Any]:
+    """A tensor's host data in native byte order and C order (copied only where it is not
+    already): a 0-d array stays 0-d, so the dimensions are the tensor's own."""
+    return np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
+
+
+def _place(arena: Arena, tensors: Mapping[str, Tensor], start: int, grow: bool
+           ) -> tuple[list[list[Any]] | None, int]:
+    """Write ``tensors`` to the arena from ``start``: their descriptions ``[name, type,
+    dims, offset]`` (None when they do not fit and ``grow`` is false: nothing written),
+    and where the last ends. Grows the arena to hold them when ``grow``."""
+    arrays = [(name, tensor, _host_bytes(tensor)) for name, tensor in tensors.items()]
+    offsets, end = [], start
+    for _, _, array in arrays:
+        offsets.append(_aligned(end))
+        end = offsets[-1] + array.nbytes
+    if end > arena.size:
+        if not grow:
+            return None, end
+        arena.grow(end)
+    described = []
+    for (name, tensor, array), offset in zip(arrays, offsets, strict=True):
+        if array.nbytes:
+            arena.view(offset, array.nbytes)[:] = array.reshape(-1).view(np.uint8).data
+        described.append([name, tensor.type.value, list(tensor.dims), offset])
+    return described, end
+
+
+def send(conn: Connection, header: bytes) -> None:
+    conn.send_bytes(header)
+
+
+def receive(conn: Connection) -> bytes:
+    """One header. Raises EOFError when the other end is gone, OSError for one longer
+    than :data:`MAX_HEADER`."""
+    return conn.recv_bytes(MAX_HEADER)
 
 
 # -- the host's requests -----------------------------------------------------------------
-def _tensor_buffers(tensors: dict[str, Tensor] | None
-                    ) -> tuple[list[tuple[str, str, list[int]]], list[memoryview]]:
-    """``[name, type, dims]`` of each tensor, and its host data in native byte order and
-    C order (copied only where it is not already)."""
-    described = []
-    buffers: list[memoryview] = []
-    for name, tensor in (tensors or {}).items():
-        # (np.ascontiguousarray makes a 0-d array 1-d: the dimensions are the tensor's.)
-        array = np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
-        described.append((name, tensor.type.value, list(tensor.dims)))
-        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
-    return described, buffers
+def request(arena: Arena, payload: object, tensors: Mapping[str, Tensor] | None = None,
+            *, reserve: int = 0) -> bytes:
+    """A request from the host: ``tensors`` written to the arena (grown to hold them and
+    ``reserve`` bytes past them for the reply), and the header describing them."""
+    described, end = _place(arena, tensors or {}, 0, grow=True)
+    reply_at = _aligned(end)
+    arena.grow(reply_at + reserve)
+    return pickle.dumps((payload, described, arena.size, reply_at),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def request(payload: object, tensors: dict[str, Tensor] | None = None
-            ) -> tuple[bytes, list[memoryview]]:
-    """A request from the host: ``payload`` and the tensors' descriptions pickled, and
-    their host data (see :func:`_tensor_buffers`)."""
-    described, buffers = _tensor_buffers(tensors)
-    return pickle.dumps((payload, described), protocol=pickle.HIGHEST_PROTOCOL), buffers
-
-
-def read_request(header: bytes, buffers: list[bytearray]) -> tuple[Any, dict[str, Tensor]]:
-    """A request as the child reads it: the payload and its tensors over the buffers."""
-    payload, described = pickle.loads(header)  # from the host: trusted
-    tensors = {name: Tensor.from_bytes(dims, TensorType(type_), buffer)
-               for (name, type_, dims), buffer in zip(described, buffers, strict=True)}
-    return payload, tensors
+def read_request(arena: Arena, header: bytes) -> tuple[Any, dict[str, Tensor], int]:
+    """A request as the child reads it: the payload, its tensors over the arena (no
+    copy), and where the reply's tensors may start."""
+    payload, described, size, reply_at = pickle.loads(header)  # from the host: trusted
+    arena.follow(size)
+    tensors = {}
+    for name, type_, dims, offset in described:
+        ttype = TensorType(type_)
+        tensors[name] = Tensor.from_bytes(
+            dims, ttype, arena.view(offset, math.prod(dims) * ttype.itemsize))
+    return payload, tensors, reply_at
 
 
 # -- the child's replies -------------------------------------------------------------------
-def reply(payload: dict[str, Any], tensors: dict[str, Tensor] | None = None
-          ) -> tuple[bytes, list[memoryview]]:
-    """A reply from the child: ``payload`` (JSON-able) and ``tensors``' host data."""
-    described, buffers = _tensor_buffers(tensors)
-    return json.dumps({**payload, "tensors": described}).encode(), buffers
+def reply(arena: Arena, payload: dict[str, Any], tensors: Mapping[str, Tensor] | None = None,
+          *, at: int = 0) -> tuple[bytes, bool]:
+    """A reply from the child: ``tensors`` written to the arena from ``at``, and the
+    header (JSON) describing them; or, when they do not fit, ``{"grow": N}`` (an arena
+    of N bytes would hold them) and False."""
+    described, end = _place(arena, tensors or {}, at, grow=False)
+    if described is None:
+        return json.dumps({"grow": end}).encode(), False
+    return json.dumps({**payload, "tensors": described}).encode(), True
 
 
-def read_reply(header: bytes, buffers: list[bytearray]) -> tuple[dict[str, Any],
-                                                                  dict[str, Tensor]]:
-    """A child's reply, checked: ValueError for anything that is not one."""
+def read_reply(arena: Arena, header: bytes) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A child's reply, checked, its tensors copied out of the arena: ValueError for
+    anything that is not one. A reply ``{"grow": N}`` comes back as it is, N checked."""
     payload = json.loads(header)
     if not isinstance(payload, dict):
         raise ValueError("a reply that is no JSON object")  # noqa: TRY004 - one kind
+    if "grow" in payload:
+        size = payload["grow"]
+        if type(size) is not int or not arena.size < size <= MAX_ARENA:
+            raise ValueError(f"a reply asking for an arena of {size!r:.40} bytes: expected "
+                             f"more than its {arena.size} and at most {MAX_ARENA}")
+        return payload, {}
     described = payload.pop("tensors", [])
-    if not isinstance(described, list) or len(described) != len(buffers):
-        raise ValueError("a reply whose tensors are not its buffers")
+    if not isinstance(described, list):
+        raise ValueError("a reply whose tensors are no list")  # noqa: TRY004 - one kind
     tensors = {}
-    for entry, buffer in zip(described, buffers, strict=True):
-        name, tensor = tensor_from_wire(entry, buffer)
+    for entry in described:
+        name, tensor = tensor_from_arena(arena, entry)
         tensors[name] = tensor
     return payload, tensors
 
 
-def tensor_from_wire(entry: object, buffer: bytearray) -> tuple[str, Tensor]:
-    """``[name, type, dims]`` and its bytes as a host tensor; ValueError for anything else
-    (the buffer's size is checked against the dimensions by Tensor.from_bytes)."""
-    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-            and isinstance(entry[1], str) and isinstance(entry[2], list)):
+def tensor_from_arena(arena: Arena, entry: object) -> tuple[str, Tensor]:
+    """``[name, type, dims, offset]`` as a host tensor over a copy of its bytes;
+    ValueError for anything else, or bytes outside the arena."""
+    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+            and isinstance(entry[1], str) and isinstance(entry[2], list)
+            and type(entry[3]) is int):
         raise ValueError(f"a tensor described as {entry!r:.80}")
-    name, type_, dims = entry
+    name, type_, dims, offset = entry
     try:
         ttype = TensorType(type_)
-        return name, Tensor.from_bytes(check_dims(dims, ttype.itemsize), ttype, buffer)
+        shape = check_dims(dims, ttype.itemsize)
     except (ValueError, InvalidArgumentError) as exc:
         raise ValueError(f"tensor {name!r:.80}: {exc}") from None
+    nbytes = math.prod(shape) * ttype.itemsize
+    if not 0 <= offset <= arena.size - nbytes:
+        raise ValueError(f"tensor {name!r:.80}: {nbytes} bytes at offset {offset}, outside "
+                         f"the arena's {arena.size}")
+    return name, Tensor.from_bytes(shape, ttype, bytearray(arena.view(offset, nbytes)))

@@ -9,11 +9,12 @@ Runtime's ``RoiAlign`` and ``MaxRoiPool`` given bad boxes or batch indices; torc
 process each of those kills every guest and caller with it. :func:`load_sandboxed`
 compiles a graph in a child process instead (``python -m wasinn.backends._sandbox_child``):
 
-* The child imports the same backend, loads the model and answers runs one at a time;
-  inputs and outputs travel over a Unix socket pair as raw bytes (the host's requests
-  pickled, the child's replies JSON and bytes, checked before use: see
-  :mod:`._sandbox_wire`). Outputs are host tensors: a sandboxed graph keeps nothing on
-  its device between runs of different graphs.
+* The child imports the same backend, loads the model and answers runs one at a time.
+  The model's bytes, inputs and outputs lie in memory both processes map (an arena, a
+  ``memfd`` on Linux); a Unix socket pair carries the messages that place them (the
+  host's requests pickled, the child's replies JSON, checked before use: see
+  :mod:`._sandbox_wire`). Outputs are host tensors, copied out of the arena: a sandboxed
+  graph keeps nothing on its device between runs of different graphs.
 * On CPU the child confines itself before the library reads the model (:mod:`._confine`:
   no new privileges, no core files, bounded file sizes, seccomp, Landlock where the
   kernel has it). A GPU child is not confined (its driver opens device files).
@@ -28,24 +29,26 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
 
 What it costs (``benchmarks/sandbox_overhead.py``): starting the child and importing the
 library at each load (0.2-0.4 s for ONNX Runtime here, 1.5-2.4 s for torch), a copy of
-every input and output through the socket, and two process wake-ups per run. A graph
-serves one run at a time.
+every input into the arena and of every output out of it, and two process wake-ups per
+run. A graph serves one run at a time. Its arena keeps the size of the largest run's
+inputs and outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from wasinn import errors
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
@@ -59,11 +62,12 @@ from wasinn.tensor import Tensor
 
 from . import _confine
 from ._sandbox_child import CANCEL
-from ._sandbox_wire import read_reply, receive, request, send
+from ._sandbox_wire import AGAIN, ALIGN, Arena, read_reply, receive, request, send
 from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
 from .base import current_cancellation as _current_cancellation
 
 log = logging.getLogger("wasinn.backends")
+_T = TypeVar("_T")
 
 #: How long a cancelled run may go on before its process is killed, in seconds.
 CANCEL_GRACE_S = 1.0
@@ -116,19 +120,27 @@ class _Child:
     """One process serving one graph, and the sockets to it."""
 
     def __init__(self, backend: Backend, confined: bool) -> None:
+        self._name = backend.name
+        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
+        try:
+            self.arena = Arena.create()
+        except OSError as exc:
+            raise BackendRuntimeError(
+                f"{backend.name}: cannot make memory to share with a sandbox process: {exc}"
+            ) from exc
         requests, theirs = socket.socketpair()
         cancels, their_cancels = socket.socketpair()
-        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
         command = [sys.executable, "-m", "wasinn.backends._sandbox_child",
-                   str(theirs.fileno()), str(their_cancels.fileno()), _entry(backend)]
+                   str(theirs.fileno()), str(their_cancels.fileno()), str(self.arena.fd),
+                   _entry(backend)]
         if confined:
             self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
             command.append(self._confine_dir.name)
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(), their_cancels.fileno()), env=_child_env(backend),
-                cwd=self._confine_dir.name if self._confine_dir else None)
+                pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
+                env=_child_env(backend), cwd=self._confine_dir.name if self._confine_dir else None)
         except OSError as exc:
             self._cleanup()
             raise BackendRuntimeError(
@@ -144,12 +156,31 @@ class _Child:
         self.running = -1
         self.killed_for_cancel = False
 
-    def call(self, header: bytes, buffers: list[memoryview]
-             ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Send a request and read its reply; EOFError when the process is gone, ValueError
-        for a reply that is not one."""
-        send(self.conn, header, buffers)
-        return read_reply(*receive(self.conn))
+    def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
+             reserve: int = 0) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Send a request (``reserve``: bytes its reply's tensors are expected to need) and
+        read its reply, growing the arena once if the reply asks. EOFError or OSError when
+        the process is gone, ValueError for a reply that is not one, BackendRuntimeError
+        when the arena cannot grow."""
+        send(self.conn, self._grown(request, self.arena, payload, tensors, reserve=reserve))
+        answer, result = read_reply(self.arena, receive(self.conn))
+        if "grow" in answer:
+            self._grown(self.arena.grow, answer["grow"])
+            send(self.conn, request(self.arena, (AGAIN, self.running, None)))
+            answer, result = read_reply(self.arena, receive(self.conn))
+            if "grow" in answer:
+                raise ValueError("a reply asking twice for a larger arena")
+        return answer, result
+
+    def _grown(self, grow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``grow(*args, **kwargs)``, which may grow the arena: BackendRuntimeError when
+        the system has not the memory."""
+        try:
+            return grow(*args, **kwargs)
+        except OSError as exc:
+            raise BackendRuntimeError(
+                f"{self._name}: the tensors cannot be placed in the memory shared with the "
+                f"sandbox process: growing it failed: {exc}") from None
 
     def cancel(self, seq: int) -> None:
         """Ask the child to stop run ``seq``; kill it if that run is still going
@@ -175,7 +206,7 @@ class _Child:
     def close(self) -> None:
         """Ask the process to exit, wait for it (killing it past :data:`CLOSE_WAIT_S`)."""
         with contextlib.suppress(OSError, ValueError):
-            send(self.conn, *request(("close", -1, None)))
+            send(self.conn, request(self.arena, ("close", -1, None)))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(CLOSE_WAIT_S)
         if self.process.poll() is None:
@@ -191,12 +222,22 @@ class _Child:
         if self._confine_dir is not None:
             self._confine_dir.cleanup()
             self._confine_dir = None
+        if getattr(self, "arena", None) is not None:
+            self.arena.close()
 
 
 def _spec(entry: Any) -> TensorSpec:
     name, type_, shape, rank_known = entry
     return TensorSpec(str(name), TensorType(type_),
                       tuple(None if d is None else int(d) for d in shape), bool(rank_known))
+
+
+def _static_nbytes(spec: TensorSpec) -> int:
+    """The bytes a tensor of ``spec`` takes, where its shape is known (else 0)."""
+    dims = [d for d in spec.shape if d is not None]
+    if not spec.rank_known or len(dims) != len(spec.shape):
+        return 0
+    return math.prod(dims) * spec.type.itemsize
 
 
 def _aliases(value: Any) -> Mapping[str, int]:
@@ -223,7 +264,11 @@ class SandboxedGraph(CompiledGraph):
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
-        self._load = request((tuple(bytes(b) for b in builders), encoding, device, options))
+        self._load = (encoding, device, options)
+        self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
+                       for i, b in enumerate(builders)}
+        #: Bytes a run's outputs are expected to need in the arena: the largest so far.
+        self._reserve = 0
         self._lock = threading.Lock()
         self._closed = False
         self._child: _Child | None = None
@@ -233,6 +278,7 @@ class SandboxedGraph(CompiledGraph):
             self.outputs = tuple(_spec(e) for e in payload["outputs"])
             self.input_aliases = _aliases(payload["input_aliases"])
             self.output_aliases = _aliases(payload["output_aliases"])
+            self._reserve = sum(_static_nbytes(spec) + ALIGN for spec in self.outputs)
         except (KeyError, TypeError, ValueError) as exc:
             self.close()
             raise BackendRuntimeError(
@@ -252,7 +298,8 @@ class SandboxedGraph(CompiledGraph):
         child = _Child(self._backend, self._confined)
         name = self._backend.name
         try:
-            payload, _ = child.call(*self._load)
+            payload, _ = child.call(self._load, self._files)
+            child.arena.release()  # the model's bytes
         except (EOFError, OSError):
             raise InvalidEncodingError(
                 f"{name}: the process loading the model {child.ended()}: the library "
@@ -286,13 +333,13 @@ class SandboxedGraph(CompiledGraph):
                 assert child is not None
             child.seq += 1
             seq = child.running = child.seq
-            header, buffers = request(("run", seq, None if outputs is None else
-                                       list(outputs)), dict(inputs))
             cancellation = _current_cancellation()
             forget = (cancellation.on_cancel(lambda: child.cancel(seq))
                       if cancellation is not None else None)
             try:
-                payload, result = child.call(header, buffers)
+                payload, result = child.call(
+                    ("run", seq, None if outputs is None else list(outputs)), inputs,
+                    reserve=self._reserve)
             except (EOFError, OSError):
                 self._child = None
                 how = child.ended()
@@ -316,6 +363,7 @@ class SandboxedGraph(CompiledGraph):
                     forget()
         if "error" in payload:
             raise _error(payload)
+        self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))
         return result
 
     def close(self) -> None:

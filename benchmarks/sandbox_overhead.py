@@ -4,21 +4,23 @@
 
 Each installed backend loads the same model twice on the CPU: in this process
 (``Backend.load``) and sandboxed (``wasinn.backends.sandbox.load_sandboxed``); the native
-figure is the library's own call, as in ``backend_overhead.py``. Calls are interleaved
-(see :func:`backend_overhead.measure`). Printed: the sandboxed load's time; the
+figure is the library's own call, as in ``backend_overhead.py``. Calls are timed in
+alternating blocks (see :func:`measure`). Printed: the sandboxed load's time; the
 MobileNetV2-like run (ratio to native, and to the graph in this process); the tiny
-affine graph's run in microseconds, where only the per-run cost shows (the copies
-through the socket and the two process wake-ups).
+affine graph's run in microseconds, where only the per-run cost shows (the copies into
+and out of the shared arena, the two messages and the two process wake-ups).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,33 @@ from wasinn.backends.sandbox import load_sandboxed
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from backend_overhead import SETUPS, measure
+from backend_overhead import SETUPS, _time
+
+Call = Callable[[], object]
+
+
+def measure(native: Call, layer: Call, iters: int, warmup: int, block: int = 20
+            ) -> tuple[float, float, float]:
+    """Median latency (ms) of each, timed in alternating blocks of ``block`` calls (the
+    first of each block untimed), and the difference of the medians (ms).
+
+    Not interleaved call by call as in ``backend_overhead.py``: a library's threads spin
+    for a while after a native call (OpenMP, ONNX Runtime's pool, TBB) and on a machine
+    with few cores would slow the sandbox's process that runs next, which no sandboxed
+    graph meets when the host is not running that same model itself."""
+    for _ in range(warmup):
+        native()
+        layer()
+    a: list[float] = []
+    b: list[float] = []
+    block = max(1, min(block, iters))
+    while len(a) < iters:
+        for call, times in ((native, a), (layer, b)) if len(a) % (2 * block) else (
+                (layer, b), (native, a)):
+            call()
+            times.extend(_time(call) for _ in range(block))
+    native_ms, layer_ms = statistics.median(a), statistics.median(b)
+    return native_ms, layer_ms, layer_ms - native_ms
 
 CPU = Device.parse("cpu")
 FILES = {"onnxruntime": ("onnx", GraphEncoding.ONNX), "openvino": ("onnx", GraphEncoding.ONNX),
@@ -46,7 +74,7 @@ def main() -> None:
     registry = BackendRegistry()
     x = sample_image()
     print(f"MobileNetV2-like width {args.width:g}, batch 1, CPU; median of {args.iters} "
-          "interleaved calls")
+          "calls a side, in alternating blocks")
     print(f"{'backend':<12} {'load s':>7} {'native ms':>10} {'in-proc ms':>11} "
           f"{'sandbox ms':>11} {'vs native':>10} {'vs in-proc':>11}")
     with tempfile.TemporaryDirectory(prefix="wasinn-bench-") as tmp:

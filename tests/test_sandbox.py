@@ -226,32 +226,167 @@ def test_load_options_default_to_the_host_process() -> None:
     assert LoadOptions().sandbox is False
 
 
+# -- the arena: what the processes share ----------------------------------------------
+def test_a_model_larger_than_any_message_loads_and_large_outputs_come_back() -> None:
+    require_backend("onnxruntime")
+    require_backend("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    width = 1_500_000  # 24 MB of weights, 6 MB of output: more than a header may be
+    weights = np.arange(4 * width, dtype=np.float32).reshape(4, width) % 7
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
+        [numpy_helper.from_array(weights, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                              ir_version=8).SerializeToString()
+    assert len(model) > 16 * 1024 * 1024
+    backend = wasinn.backends.registry.BackendRegistry().get("onnxruntime")
+    sandboxed = load_sandboxed(backend, [model], GraphEncoding.ONNX, CPU)
+    try:
+        x = np.array([[1.0, 2.0, 0.0, -1.0]], np.float32)
+        y = sandboxed.run({"x": Tensor.from_numpy(x)})["y"].numpy()
+        np.testing.assert_array_equal(y, x @ weights)
+        assert y.flags.writeable  # as in the host's process
+    finally:
+        sandboxed.close()
+
+
+def test_outputs_larger_than_the_arena_grow_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import wasinn.backends.sandbox as sandbox_module
+
+    verbs: list[object] = []
+    request = sandbox_module.request
+
+    def counted(arena: Any, payload: Any, *args: Any, **kwargs: Any) -> bytes:
+        verbs.append(payload[0])
+        return request(arena, payload, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox_module, "request", counted)
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    try:
+        verbs.clear()
+        for rows in (300_000, 300_000, 10, 1):  # outputs of 4.8 MB: unknown until the run
+            x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+            out = graph.run({"x": Tensor.from_numpy(x)})
+            np.testing.assert_array_equal(out["y"].numpy(), x + 1)
+        assert verbs == ["run", "again", "run", "run", "run"]
+    finally:
+        graph.close()
+
+
+def test_an_arena_that_cannot_grow_fails_that_run_only(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    import errno
+
+    from wasinn.backends._sandbox_wire import Arena
+
+    grow = Arena.grow
+
+    def short_of_memory(self: Arena, size: int) -> None:
+        if size > 8 << 20:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        grow(self, size)
+
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    try:
+        pid = graph.pid
+        monkeypatch.setattr(Arena, "grow", short_of_memory)  # the host's side only
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: the tensors cannot be placed in the memory shared with the "
+                r"sandbox process: growing it failed: \[Errno 12\] Cannot allocate memory$")):
+            graph.run({"x": Tensor.from_numpy(np.ones((1 << 20, 4), np.float32))})
+        out = graph.run({"x": Tensor.from_numpy(np.ones((2, 4), np.float32))})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((2, 4), 2.0, np.float32))
+        assert graph.pid == pid
+    finally:
+        graph.close()
+
+
+def _arena_pair() -> tuple[Any, Any]:
+    import os
+
+    from wasinn.backends._sandbox_wire import Arena
+
+    host = Arena.create(4096)
+    return host, Arena.attach(os.dup(host.fd))
+
+
+def test_the_child_cannot_shrink_the_arena_under_the_host() -> None:
+    import os
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("no memfd_create here: the arena is a plain file, which is not sealed")
+    host, child = _arena_pair()
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(child.fd, 0)
+        host.view(4000, 96)[:] = bytes(range(96))  # the host's whole mapping still holds
+        assert bytes(child.view(4000, 96)) == bytes(range(96))
+    finally:
+        host.close()
+        child.close()
+
+
+def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
+    from wasinn.backends._sandbox_wire import read_reply, read_request, reply, request
+
+    host, child = _arena_pair()
+    try:
+        scalar = Tensor.from_numpy(np.float64(2.5))
+        matrix = Tensor.from_numpy(np.arange(6, dtype=np.int64).reshape(2, 3).T)  # F order
+        empty = Tensor.from_numpy(np.zeros((0, 3), np.float32))
+        header = request(host, ("run", 1, None), {"s": scalar, "m": matrix, "e": empty})
+        payload, tensors, at = read_request(child, header)
+        assert payload == ("run", 1, None) and at % 64 == 0
+        np.testing.assert_array_equal(tensors["m"].numpy(), matrix.numpy())
+        big = Tensor.from_numpy(np.arange(2000, dtype=np.float32))
+        header, fits = reply(child, {"ok": True}, {**tensors, "big": big}, at=at)
+        assert not fits
+        asked, none = read_reply(host, header)
+        assert none == {} and asked["grow"] > host.size
+        host.grow(asked["grow"])
+        read_request(child, request(host, ("again", 1, None)))
+        header, fits = reply(child, {"ok": True}, {**tensors, "big": big}, at=at)
+        payload, back = read_reply(host, header)
+        assert fits and payload == {"ok": True}
+        assert back["s"].dims == () and back["s"].numpy() == 2.5
+        np.testing.assert_array_equal(back["m"].numpy(), matrix.numpy())
+        assert back["e"].dims == (0, 3)
+        np.testing.assert_array_equal(back["big"].numpy(), big.numpy())
+        child.view(at, host.size - at)[:] = bytes(host.size - at)  # the copies are the host's
+        np.testing.assert_array_equal(back["big"].numpy(), big.numpy())
+    finally:
+        host.close()
+        child.close()
+
+
 # -- the host believes nothing the child says ---------------------------------------------
-@pytest.mark.parametrize(("header", "buffers", "said"), [
-    (b"[1, 2]", [], r"^a reply that is no JSON object$"),
-    (b'{"ok": true, "tensors": [["y", "f32", [2]]]}', [], r"^a reply whose tensors are not "
-     r"its buffers$"),
-    (b'{"ok": true, "tensors": [["y", "f32", [2]]]}', [bytearray(4)],
-     r"^tensor 'y': tensor data is 4 bytes but dimensions \[2\] of f32 need 8 bytes$"),
-    (b'{"ok": true, "tensors": [["y", "f128", [1]]]}', [bytearray(16)], r"^tensor 'y': "),
-    (b'{"ok": true, "tensors": [["y", "f32", [-1]]]}', [bytearray(4)], r"^tensor 'y': "),
-    (b'{"ok": true, "tensors": [["y", "f32"]]}', [bytearray(4)], r"^a tensor described as "),
+@pytest.mark.parametrize(("header", "said"), [
+    (b"[1, 2]", r"^a reply that is no JSON object$"),
+    (b'{"ok": true, "tensors": {"y": 0}}', r"^a reply whose tensors are no list$"),
+    (b'{"ok": true, "tensors": [["y", "f32", [2], 4090]]}',
+     r"^tensor 'y': 8 bytes at offset 4090, outside the arena's 4096$"),
+    (b'{"ok": true, "tensors": [["y", "f32", [2], -64]]}', r"^tensor 'y': 8 bytes at "),
+    (b'{"ok": true, "tensors": [["y", "f32", [4096, 4096, 4096, 4096], 0]]}',
+     r"^tensor 'y': "),
+    (b'{"ok": true, "tensors": [["y", "f128", [1], 0]]}', r"^tensor 'y': "),
+    (b'{"ok": true, "tensors": [["y", "f32", [-1], 0]]}', r"^tensor 'y': "),
+    (b'{"ok": true, "tensors": [["y", "f32", [1]]]}', r"^a tensor described as "),
+    (b'{"ok": true, "tensors": [["y", "f32", [1], true]]}', r"^a tensor described as "),
+    (b'{"grow": 4096}', r"^a reply asking for an arena of 4096 bytes: expected more than "
+     r"its 4096 and at most 1099511627776$"),
+    (b'{"grow": 1099511627777}', r"^a reply asking for an arena of "),
+    (b'{"grow": "more"}', r"^a reply asking for an arena of 'more' bytes"),
 ])
-def test_a_reply_that_is_not_one_is_refused(header: bytes, buffers: list[bytearray],
-                                            said: str) -> None:
+def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     from wasinn.backends._sandbox_wire import read_reply
 
-    with pytest.raises(ValueError, match=said):
-        read_reply(header, buffers)
-
-
-def test_a_reply_round_trips_its_tensors() -> None:
-    from wasinn.backends._sandbox_wire import read_reply, reply
-
-    scalar = Tensor.from_numpy(np.float64(2.5))
-    matrix = Tensor.from_numpy(np.arange(6, dtype=np.int64).reshape(2, 3))
-    header, views = reply({"ok": True}, {"s": scalar, "m": matrix})
-    payload, tensors = read_reply(header, [bytearray(v) for v in views])
-    assert payload == {"ok": True}
-    assert tensors["s"].dims == () and tensors["s"].numpy() == 2.5
-    np.testing.assert_array_equal(tensors["m"].numpy(), matrix.numpy())
+    host, child = _arena_pair()
+    try:
+        with pytest.raises(ValueError, match=said):
+            read_reply(host, header)
+    finally:
+        host.close()
+        child.close()
