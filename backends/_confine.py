@@ -6,9 +6,12 @@ module is the defence against worse (code run by a memory-safety bug), applied b
 child to itself, single-threaded, before the frontend sees the model:
 
 * ``no_new_privs``; resource limits: no core files, a bound on each file it writes
-  (``RLIMIT_FSIZE``), few open files (``RLIMIT_NOFILE``). ``RLIMIT_AS`` is left alone:
-  glibc reserves 64 MiB of address space per malloc arena and TBB starts a thread per
-  core, so any bound that holds on a many-core host bounds little.
+  (``RLIMIT_FSIZE``), few open files (``RLIMIT_NOFILE``), and where the caller gives
+  one a bound on the memory it allocates (``RLIMIT_DATA``: private writable memory,
+  which glibc's reserved but unused malloc arenas are not; an allocation past it fails
+  in the library, which reports it). ``RLIMIT_AS`` is left alone: glibc reserves 64 MiB
+  of address space per malloc arena and TBB starts a thread per core, so any bound that
+  holds on a many-core host bounds little.
 * ``seccomp``: a deny-list filter (x86-64 only) under which starting programs or
   processes (``execve``, ``fork``, ``clone`` without ``CLONE_THREAD`` or with a
   namespace flag), sockets, ``ptrace`` and cross-process memory access, mounts,
@@ -130,17 +133,21 @@ def _call(libc: ctypes.CDLL, name: str, *args: object) -> int:
     return result
 
 
-def confine(fsize: int, writable: str, readable: Iterable[str] = ()) -> Report:
+def confine(fsize: int, writable: str, readable: Iterable[str] = (),
+            data: int | None = None) -> Report:
     """Confine this process (see the module's docstring); never raises.
 
     ``fsize``: the most bytes a file it writes may hold. ``writable``: the one directory
-    it may write in. ``readable``: directories it may read besides the defaults. Call it
-    while the process has one thread: landlock applies to the calling thread only.
+    it may write in. ``readable``: directories it may read besides the defaults.
+    ``data``: the most private writable memory it may hold, in bytes (None: no bound).
+    Call it while the process has one thread: landlock applies to the calling thread only.
     """
     report = Report()
     _limit(report, "core", resource.RLIMIT_CORE, 0)
     _limit(report, "fsize", resource.RLIMIT_FSIZE, fsize)
     _limit(report, "nofile", resource.RLIMIT_NOFILE, NOFILE)
+    if data is not None:
+        _limit(report, "data", resource.RLIMIT_DATA, data)
     if not sys.platform.startswith("linux"):
         for name in ("no_new_privs", "landlock", "seccomp"):
             report.unsupported[name] = f"not Linux ({sys.platform})"
@@ -154,6 +161,19 @@ def confine(fsize: int, writable: str, readable: Iterable[str] = ()) -> Report:
     _landlock(report, libc, writable, readable)
     _seccomp(report, libc)
     return report
+
+
+def data_in_use() -> int | None:
+    """The private writable memory this process holds, in bytes: what ``RLIMIT_DATA``
+    bounds (Linux's ``VmData``; None elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _limit(report: Report, name: str, which: int, value: int) -> None:

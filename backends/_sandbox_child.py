@@ -1,13 +1,13 @@
 """The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
-wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``.
+wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR [MAX_BYTES]]``.
 
 It imports the backend named by ENTRY (``module:Class``), reads one load request from
 the REQUESTS socket (the model's bytes in the ARENA, see :mod:`._sandbox_wire`),
-confines itself (:mod:`._confine`, when CONFINE_DIR is given) before the library sees
-the model's bytes, loads it and then answers run requests one at a time until the host
-asks it to close or goes away. A thread reads the CANCELS socket:
-the sequence number of a run to cancel, which it hands to that run's Cancellation (the
-backend's own interruption), if that run is still the current one.
+confines itself (:mod:`._confine`, when CONFINE_DIR is given; MAX_BYTES bounds the
+memory it may hold) before the library sees the model's bytes, loads it and then answers
+run requests one at a time until the host asks it to close or goes away. A thread reads
+the CANCELS socket: the sequence number of a run to cancel, which it hands to that run's
+Cancellation (the backend's own interruption), if that run is still the current one.
 
 A library error is answered as ``{"error": [class, message]}``; a crash just ends the
 process, which the host reports.
@@ -26,7 +26,7 @@ from typing import Any
 from wasinn.backends import _confine
 from wasinn.backends._sandbox_wire import AGAIN, Arena, read_request, receive, reply, send
 from wasinn.backends.base import Backend, Cancellation, CompiledGraph, running_under
-from wasinn.errors import BackendRuntimeError, WasiNNError
+from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
 
 #: A cancel message: the sequence number of the run to stop.
@@ -65,10 +65,31 @@ def _read_cancels(sock: socket.socket, current: _Current) -> None:
         current.cancel(CANCEL.unpack(data)[0])
 
 
-def _error(exc: BaseException) -> dict[str, Any]:
+#: Room a load needs past what the process holds before it (the least bound allowed).
+LOAD_ROOM = 16 * 1024 * 1024
+
+
+def _error(exc: BaseException, bound: int | None = None) -> dict[str, Any]:
+    """The reply for ``exc``; one that looks like a failed allocation names ``bound``,
+    the memory this process may hold."""
     if isinstance(exc, WasiNNError):
-        return {"error": [type(exc).__name__, exc.message]}
-    return {"error": ["BackendRuntimeError", f"{type(exc).__name__}: {exc}"]}
+        kind, message = type(exc).__name__, exc.message
+    else:
+        kind, message = "BackendRuntimeError", f"{type(exc).__name__}: {exc}"
+    if bound is not None and (isinstance(exc, MemoryError) or "alloc" in message.lower()):
+        message = (f"{message.rstrip()} (a sandboxed graph's process may hold {bound} bytes: "
+                   "max_sandbox_bytes)")
+    return {"error": [kind, message]}
+
+
+def _check_bound(bound: int) -> None:
+    """InvalidArgumentError when ``bound`` leaves no room for a load."""
+    used = _confine.data_in_use()
+    if used is not None and bound < used + LOAD_ROOM:
+        raise InvalidArgumentError(
+            f"max_sandbox_bytes = {bound}: the sandbox process holds {used} bytes before it "
+            f"loads the model (Python, the library, the model's bytes): expected at least "
+            f"{used + LOAD_ROOM}, and room for the model's working memory")
 
 
 def _specs(graph: CompiledGraph) -> dict[str, Any]:
@@ -81,8 +102,8 @@ def _specs(graph: CompiledGraph) -> dict[str, Any]:
             "output_aliases": dict(graph.output_aliases)}
 
 
-def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | None
-          ) -> tuple[CompiledGraph, dict[str, object] | None]:
+def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | None,
+          bound: int | None) -> tuple[CompiledGraph, dict[str, object] | None]:
     """The graph, and what confining this process applied (None: not confined)."""
     (encoding, device, options), files, _ = read_request(arena, receive(conn))
     # Copied out: the library may keep them, and the arena's next request overwrites it.
@@ -90,7 +111,9 @@ def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | N
     del files
     report = None
     if confine_dir is not None:
-        report = _confine.confine(_confine_fsize(builders), confine_dir).as_dict()
+        if bound is not None:
+            _check_bound(bound)
+        report = _confine.confine(_confine_fsize(builders), confine_dir, data=bound).as_dict()
     return backend.load(builders, encoding, device, options), report
 
 
@@ -100,7 +123,8 @@ def _confine_fsize(builders: Any) -> int:
     return 4 * sum(len(b) for b in builders) + 64 * 1024 * 1024
 
 
-def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current) -> None:
+def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current,
+           bound: int | None) -> None:
     # A reply that did not fit in the arena, kept until the host has grown it and asks
     # again: its payload, tensors and place.
     pending: tuple[dict[str, Any], dict[str, Tensor], int] | None = None
@@ -123,7 +147,7 @@ def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Curre
                 result = graph.run(inputs, outputs=outputs)
             payload: dict[str, Any] = {"ok": True}
         except Exception as exc:
-            payload, result = _error(exc), {}
+            payload, result = _error(exc, bound), {}
         message, fits = reply(arena, payload, result, at=reply_at)
         if not fits:
             pending = payload, result, reply_at
@@ -136,6 +160,7 @@ def main(argv: list[str]) -> int:
     arena = Arena.attach(int(argv[2]))
     module, _, attr = argv[3].partition(":")
     confine_dir = argv[4] if len(argv) > 4 else None
+    bound = int(argv[5]) if len(argv) > 5 else None
     try:
         try:
             backend: Backend = getattr(importlib.import_module(module), attr)()
@@ -143,18 +168,18 @@ def main(argv: list[str]) -> int:
             raise BackendRuntimeError(
                 f"the sandbox process cannot make the backend {argv[3]}: "
                 f"{type(exc).__name__}: {exc}") from None
-        graph, confined = _load(requests, arena, backend, confine_dir)
+        graph, confined = _load(requests, arena, backend, confine_dir, bound)
     except EOFError:
         return 0
     except Exception as exc:
-        send(requests, reply(arena, _error(exc))[0])
+        send(requests, reply(arena, _error(exc, bound))[0])
         return 0
     send(requests, reply(arena, {"ok": True, "confined": confined, **_specs(graph)})[0])
     current = _Current()
     # Started after confining: Landlock binds the calling thread and those it starts.
     threading.Thread(target=_read_cancels, args=(cancels, current), daemon=True).start()
     try:
-        _serve(requests, arena, graph, current)
+        _serve(requests, arena, graph, current, bound)
     finally:
         graph.close()
     return 0

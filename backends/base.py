@@ -131,7 +131,8 @@ class LoadOptions:
     ``sandbox`` whether the graph is compiled and run in a process of its own
     (:mod:`wasinn.backends.sandbox`), so that a library crash on it does not end the
     host's: honoured by the scheduler, which then calls ``load_sandboxed`` instead of
-    ``load``; backends ignore it.
+    ``load``; backends ignore it. ``max_sandbox_bytes`` bounds the memory such a
+    process may hold on the CPU (None: half the machine's, see :mod:`.sandbox`).
     """
 
     precision: str = "f32"
@@ -140,6 +141,7 @@ class LoadOptions:
     source: str = ""
     thread_pinning: bool = True
     sandbox: bool = False
+    max_sandbox_bytes: int | None = None
 
 
 class CompiledGraph(abc.ABC):

@@ -17,7 +17,11 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   graph keeps nothing on its device between runs of different graphs.
 * On CPU the child confines itself before the library reads the model (:mod:`._confine`:
   no new privileges, no core files, bounded file sizes, seccomp, Landlock where the
-  kernel has it). A GPU child is not confined (its driver opens device files).
+  kernel has it) and bounds the memory it may hold (``RLIMIT_DATA``: the options'
+  ``max_sandbox_bytes``, by default half the machine's memory). A run or a load that
+  needs more fails with the library's allocation error, which then names the bound; the
+  process goes on. A GPU child is neither confined nor bounded (its driver opens device
+  files and maps its own memory).
 * A child that dies (a signal, an exit) fails the run or the load that was under way
   with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
   graph starts a new child, and loads the model again, for its next run.
@@ -73,6 +77,14 @@ _T = TypeVar("_T")
 CANCEL_GRACE_S = 1.0
 #: How long a closing child may take to exit before it is killed, in seconds.
 CLOSE_WAIT_S = 5.0
+#: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
+#: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).
+MIN_MAX_BYTES = 64 * 1024 * 1024
+
+
+def default_max_bytes() -> int:
+    """The memory a sandboxed graph's process may hold by default: half the machine's."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def load_sandboxed(backend: Backend, builders: Builders, encoding: GraphEncoding,
@@ -119,7 +131,7 @@ def _child_env(backend: Backend) -> dict[str, str]:
 class _Child:
     """One process serving one graph, and the sockets to it."""
 
-    def __init__(self, backend: Backend, confined: bool) -> None:
+    def __init__(self, backend: Backend, confined: bool, max_bytes: int | None) -> None:
         self._name = backend.name
         self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
         try:
@@ -136,6 +148,8 @@ class _Child:
         if confined:
             self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
             command.append(self._confine_dir.name)
+            if max_bytes is not None:
+                command.append(str(max_bytes))
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
@@ -264,6 +278,9 @@ class SandboxedGraph(CompiledGraph):
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
+        #: The memory its processes may hold (None: not bounded).
+        self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
+                          if self._confined else None)
         self._load = (encoding, device, options)
         self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
                        for i, b in enumerate(builders)}
@@ -295,7 +312,7 @@ class SandboxedGraph(CompiledGraph):
         return None if child is None else child.process.pid
 
     def _start(self) -> dict[str, Any]:
-        child = _Child(self._backend, self._confined)
+        child = _Child(self._backend, self._confined, self.max_bytes)
         name = self._backend.name
         try:
             payload, _ = child.call(self._load, self._files)

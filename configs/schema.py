@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -70,6 +70,7 @@ from pydantic_core import PydanticCustomError
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import MAX_BATCH, Batching
 from wasinn.backends.base import MAX_THREADS, Device
+from wasinn.backends.sandbox import MIN_MAX_BYTES
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
@@ -300,6 +301,18 @@ MODEL_FILES: dict[str, tuple[tuple[int, ...], str]] = {
 }
 
 
+_T = TypeVar("_T")
+
+
+def _sandbox_bound_checked(table: _T) -> _T:
+    """``table``, unless it sets ``max_sandbox_bytes`` without ``sandbox = true``."""
+    if getattr(table, "max_sandbox_bytes", None) is not None and not getattr(
+            table, "sandbox", False):
+        raise fault("max_sandbox_bytes", "set without sandbox = true: it bounds the process "
+                    "a sandboxed model runs in, and these run in the host's")
+    return table
+
+
 class ModelConfig(_Startup):
     """``[models.NAME]``: a model ``load_by_name`` can load."""
 
@@ -322,10 +335,16 @@ class ModelConfig(_Startup):
     #: Compile and run it in a process of its own (wasinn.backends.sandbox): a library
     #: crash on a guest's inputs then fails that run only.
     sandbox: bool = False
+    #: The memory that process may hold on the CPU, in bytes (None: half the machine's).
+    max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
 
     @property
     def kept(self) -> bool:
         return self.resident or self.at_start
+
+    @model_validator(mode="after")
+    def _bound_needs_sandbox(self) -> ModelConfig:
+        return _sandbox_bound_checked(self)
 
     @model_validator(mode="after")
     def _files_fit_encoding(self) -> ModelConfig:
@@ -392,7 +411,8 @@ class GuestsConfig(_Strict):
     ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
     ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
     ``sandbox`` runs the models a guest loads from its own bytes in a process of their
-    own each (wasinn.backends.sandbox).
+    own each (wasinn.backends.sandbox), which may hold ``max_sandbox_bytes`` of memory on
+    the CPU (None: half the machine's).
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -407,6 +427,11 @@ class GuestsConfig(_Strict):
     max_errors: int = Field(default=1024, ge=1)
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
     sandbox: bool = False
+    max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
+
+    @model_validator(mode="after")
+    def _bound_needs_sandbox(self) -> GuestsConfig:
+        return _sandbox_bound_checked(self)
 
 
 def _default_pools() -> dict[str, PoolConfig]:

@@ -32,7 +32,8 @@ class GuestLimits:
 
     ``sandbox``: the models the guest loads from its own bytes are compiled and run in a
     process of their own each (:mod:`wasinn.backends.sandbox`), so that a library that
-    crashes on them kills that process, not the host.
+    crashes on them kills that process, not the host; ``max_sandbox_bytes`` bounds the
+    memory each such process may hold (None: half the machine's).
     """
 
     max_graphs: int = 64
@@ -47,6 +48,7 @@ class GuestLimits:
     max_errors: int = 1024
     max_live_tensor_bytes: int = 4 * 1024**3
     sandbox: bool = False
+    max_sandbox_bytes: int | None = None
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -59,9 +61,13 @@ class GuestLimits:
         )
 
 
-    def load_options(self) -> dict[str, bool] | None:
+    def load_options(self) -> dict[str, object] | None:
         """The options a guest's ``load`` passes to the runtime."""
-        return {"sandbox": True} if self.sandbox else None
+        if not self.sandbox:
+            return None
+        if self.max_sandbox_bytes is None:
+            return {"sandbox": True}
+        return {"sandbox": True, "max_sandbox_bytes": self.max_sandbox_bytes}
 
 
 def limits_of(runtime: object) -> GuestLimits:
@@ -84,4 +90,5 @@ def limits_of(runtime: object) -> GuestLimits:
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,
         sandbox=getattr(section, "sandbox", False),
+        max_sandbox_bytes=getattr(section, "max_sandbox_bytes", None),
     )

@@ -37,6 +37,7 @@ from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
+from wasinn.backends.sandbox import MIN_MAX_BYTES
 from wasinn.configs import check_precision
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
@@ -94,6 +95,7 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         return LoadOptions()
     if isinstance(options, LoadOptions):
         check_precision(options.precision)
+        _check_max_sandbox_bytes(options.max_sandbox_bytes, options.sandbox)
         threads = _check_threads(options.threads)
         if threads is not options.threads:  # a numpy integer: kept as a Python int
             options = dataclasses.replace(options, threads=threads)
@@ -102,7 +104,7 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         raise InvalidArgumentError(
             f"options must be a mapping or LoadOptions, not {type(options).__name__}"
         )
-    own = ("precision", "threads", "extra", "sandbox")
+    own = ("precision", "threads", "extra", "sandbox", "max_sandbox_bytes")
     extra = {k: v for k, v in options.items() if k not in own}
     nested = options.get("extra", {})
     if not isinstance(nested, Mapping):
@@ -116,8 +118,23 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         raise InvalidArgumentError(
             f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
             "its own) or False")
+    max_bytes = options.get("max_sandbox_bytes")
+    _check_max_sandbox_bytes(max_bytes, sandbox)
     return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra,
-                       sandbox=sandbox)
+                       sandbox=sandbox, max_sandbox_bytes=max_bytes)
+
+
+def _check_max_sandbox_bytes(max_bytes: object, sandbox: bool) -> None:
+    if max_bytes is None:
+        return
+    if type(max_bytes) is not int or max_bytes < MIN_MAX_BYTES:
+        raise InvalidArgumentError(
+            f"options max_sandbox_bytes={max_bytes!r:.60}: expected the bytes a sandboxed "
+            f"graph's process may hold, an integer of at least {MIN_MAX_BYTES}")
+    if not sandbox:
+        raise InvalidArgumentError(
+            f"options max_sandbox_bytes={max_bytes} without sandbox=True: it bounds the "
+            "process a sandboxed graph runs in, and this graph runs in the host's")
 
 
 def _backend_instances(backends: object) -> tuple[Backend, ...]:
@@ -553,7 +570,8 @@ class Runtime:
         # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
                               extra=dict(entry.options), source=str(paths[0]),
-                              sandbox=entry.sandbox)
+                              sandbox=entry.sandbox,
+                              max_sandbox_bytes=entry.max_sandbox_bytes)
         try:
             model, _ = await self._load_model(
                 builders, GraphEncoding.coerce(entry.encoding), entry.target,

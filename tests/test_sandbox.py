@@ -194,6 +194,84 @@ async def test_sandbox_must_be_a_boolean() -> None:
             await rt.load([affine_onnx()], "onnx", options={"sandbox": "yes"})
 
 
+# -- the memory a sandboxed graph's process may hold ---------------------------------------
+def _constant_of_shape_onnx() -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["y"])], "fill",
+        [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)],
+                             ir_version=8).SerializeToString()
+
+
+def _data_limit(pid: int | None) -> tuple[int, int]:
+    assert pid is not None
+    limits: tuple[int, int] = psutil.Process(pid).rlimit(psutil.RLIMIT_DATA)
+    return limits
+
+
+@pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino"])
+def test_a_run_that_needs_more_memory_than_the_bound_fails_and_the_process_goes_on(
+        backend_name: str) -> None:
+    require_backend(backend_name)
+    require_backend("onnx")
+    backend = wasinn.backends.registry.BackendRegistry().get(backend_name)
+    bound = 1 << 30
+    graph = load_sandboxed(backend, [_constant_of_shape_onnx()], GraphEncoding.ONNX, CPU,
+                           LoadOptions(sandbox=True, max_sandbox_bytes=bound))
+    try:
+        pid = graph.pid
+        assert graph.max_bytes == bound and _data_limit(pid) == (bound, bound)
+        with pytest.raises(BackendRuntimeError, match=(
+                rf"(?s)^{backend_name}: .*allocate.* \(a sandboxed graph's process may hold "
+                rf"{bound} bytes: max_sandbox_bytes\)$")):  # 3.6 GB of zeros
+            graph.run({"shape": Tensor.from_numpy(np.array([30_000, 30_000], np.int64))})
+        out = graph.run({"shape": Tensor.from_numpy(np.array([2, 3], np.int64))})
+        np.testing.assert_array_equal(out["y"].numpy(), np.zeros((2, 3), np.float32))
+        assert graph.pid == pid
+    finally:
+        graph.close()
+
+
+def test_the_bound_defaults_to_half_the_machine_and_must_leave_room_to_load() -> None:
+    from wasinn.backends.sandbox import default_max_bytes
+
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    try:
+        half = psutil.virtual_memory().total // 2
+        assert abs(default_max_bytes() - half) <= 1 << 20
+        assert graph.max_bytes == default_max_bytes()
+        assert _data_limit(graph.pid) == (graph.max_bytes, graph.max_bytes)
+    finally:
+        graph.close()
+    with pytest.raises(InvalidArgumentError, match=(
+            r"^max_sandbox_bytes = 67108864: the sandbox process holds \d+ bytes before it "
+            r"loads the model \(Python, the library, the model's bytes\): expected at least "
+            r"\d+, and room for the model's working memory$")):
+        load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                       LoadOptions(sandbox=True, max_sandbox_bytes=64 << 20))
+    assert _sandbox_children() == []
+
+
+@pytest.mark.parametrize(("options", "said"), [
+    ({"max_sandbox_bytes": 1 << 30}, r"^options max_sandbox_bytes=1073741824 without "
+     r"sandbox=True: it bounds the process a sandboxed graph runs in"),
+    ({"sandbox": True, "max_sandbox_bytes": 1000}, r"^options max_sandbox_bytes=1000: "
+     r"expected the bytes a sandboxed graph's process may hold, an integer of at least "
+     r"67108864$"),
+    ({"sandbox": True, "max_sandbox_bytes": True}, r"^options max_sandbox_bytes=True: "),
+    ({"sandbox": True, "max_sandbox_bytes": "1 GiB"}, r"^options max_sandbox_bytes='1 GiB': "),
+    (LoadOptions(max_sandbox_bytes=1 << 30), r"^options max_sandbox_bytes=1073741824 without"),
+])
+async def test_a_bad_memory_bound_is_refused(options: Any, said: str) -> None:
+    async with wasinn.Runtime(cpu_pool()) as rt:
+        with pytest.raises(InvalidArgumentError, match=said):
+            await rt.load([affine_onnx()], "onnx", options=options)
+    assert _sandbox_children() == []
+
+
 # -- from the config ----------------------------------------------------------------------
 async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_path: Any
                                                                             ) -> None:
@@ -201,6 +279,7 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
     (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
     config = tmp_path / "wasinn.toml"
     config.write_text('[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n'
+                      'max_sandbox_bytes = 2147483648\n'
                       '[models.plain]\nfiles = ["affine.onnx"]\n')
     async with wasinn.Runtime(config) as rt:
         plain = await rt.load_by_name("plain")
@@ -209,8 +288,22 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
         graph = await rt.load_by_name("affine")
         out = await graph.compute({"x": np.ones((1, 4), np.float32)})
         np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
-        assert len(_sandbox_children()) == 1
+        (child,) = _sandbox_children()
+        assert child.rlimit(psutil.RLIMIT_DATA) == (2 << 30, 2 << 30)
     assert _sandbox_children() == []
+
+
+@pytest.mark.parametrize("table", ["models.m", "guests"])
+def test_a_memory_bound_without_sandbox_is_a_config_error(table: str) -> None:
+    section = {"files": ["m.onnx"]} if table == "models.m" else {}
+    top, _, name = table.partition(".")
+    body = {**section, "max_sandbox_bytes": 1 << 30}
+    with pytest.raises(wasinn.ConfigError, match=(
+            rf"{table.replace('.', '[.]')}[.]max_sandbox_bytes: set without sandbox = true")):
+        parse_config({top: {name: body} if name else body}, None)
+    with pytest.raises(wasinn.ConfigError, match=r"max_sandbox_bytes: .*67108864"):
+        parse_config({top: {name: {**body, "sandbox": True, "max_sandbox_bytes": 10}}
+                      if name else {**body, "sandbox": True, "max_sandbox_bytes": 10}}, None)
 
 
 def test_guests_sandbox_reaches_the_guests_loads() -> None:
@@ -220,6 +313,9 @@ def test_guests_sandbox_reaches_the_guests_loads() -> None:
     limits = limits_of(type("R", (), {"config": config})())
     assert limits.sandbox and limits.load_options() == {"sandbox": True}
     assert GuestLimits().load_options() is None
+    config = parse_config({"guests": {"sandbox": True, "max_sandbox_bytes": 1 << 30}}, None)
+    limits = limits_of(type("R", (), {"config": config})())
+    assert limits.load_options() == {"sandbox": True, "max_sandbox_bytes": 1 << 30}
 
 
 def test_load_options_default_to_the_host_process() -> None:
