@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import InvalidArgumentError
@@ -130,8 +130,9 @@ class LoadOptions:
     hand-offs, whose event loop OpenVINO takes for the process's CPUs);
     ``sandbox`` whether the graph is compiled and run in a process of its own
     (:mod:`wasinn.backends.sandbox`), so that a library crash on it does not end the
-    host's: honoured by the scheduler, which then calls ``load_sandboxed`` instead of
-    ``load``; backends ignore it. ``max_sandbox_bytes`` bounds the memory such a
+    host's: True on every device, ``"cpu"`` on the CPU only (see :meth:`sandboxed_on`);
+    honoured by the scheduler, which then calls ``load_sandboxed`` instead of ``load``;
+    backends ignore it. ``max_sandbox_bytes`` bounds the memory such a
     process may hold on the CPU (None: half the machine's, see :mod:`.sandbox`).
     """
 
@@ -140,8 +141,13 @@ class LoadOptions:
     extra: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
     thread_pinning: bool = True
-    sandbox: bool = False
+    sandbox: bool | Literal["cpu"] = False
     max_sandbox_bytes: int | None = None
+
+    def sandboxed_on(self, device: Device) -> bool:
+        """Whether a graph with these options runs in a process of its own on ``device``."""
+        return self.sandbox is True or (
+            self.sandbox == "cpu" and device.kind is ExecutionTarget.CPU)
 
 
 class CompiledGraph(abc.ABC):

@@ -60,6 +60,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     PrivateAttr,
     ValidationInfo,
     field_validator,
@@ -125,6 +126,15 @@ def _precision(value: str) -> str:
         raise ValueError(exc.message) from None
 
 
+def _sandbox(value: object) -> bool | Literal["cpu"]:
+    if isinstance(value, bool):
+        return value
+    if value == "cpu":
+        return "cpu"
+    raise fault("", f"{value!r:.60}: expected true (a process of its own on every device), "
+                "\"cpu\" (on the CPU only) or false")
+
+
 def _file(value: str) -> str:
     if not value.strip():
         raise ValueError("an empty file name: expected the path of a model file, relative "
@@ -144,6 +154,7 @@ EncodingName = Annotated[str, AfterValidator(_encoding)]
 DeviceName = Annotated[str, AfterValidator(_device)]
 PrecisionName = Annotated[str, AfterValidator(_precision)]
 FileName = Annotated[str, AfterValidator(_file)]
+Sandbox = Annotated[bool | Literal["cpu"], PlainValidator(_sandbox)]
 #: Model and pipeline names: looked up as keys, so plain identifiers only.
 Name = Annotated[str, AfterValidator(_name)]
 
@@ -333,8 +344,8 @@ class ModelConfig(_Startup):
     #: Keep it loaded for the runtime's lifetime even when no caller holds it.
     resident: bool = False
     #: Compile and run it in a process of its own (wasinn.backends.sandbox): a library
-    #: crash on a guest's inputs then fails that run only.
-    sandbox: bool = False
+    #: crash on a guest's inputs then fails that run only. "cpu": on the CPU only.
+    sandbox: Sandbox = False
     #: The memory that process may hold on the CPU, in bytes (None: half the machine's).
     max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
 
@@ -412,7 +423,8 @@ class GuestsConfig(_Strict):
     ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
     ``sandbox`` runs the models a guest loads from its own bytes in a process of their
     own each (wasinn.backends.sandbox), which may hold ``max_sandbox_bytes`` of memory on
-    the CPU (None: half the machine's).
+    the CPU (None: half the machine's): on the CPU by default (``"cpu"``), on every
+    device (true) or nowhere (false).
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -426,7 +438,7 @@ class GuestsConfig(_Strict):
     max_tensors: int = Field(default=4096, ge=1)
     max_errors: int = Field(default=1024, ge=1)
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
-    sandbox: bool = False
+    sandbox: Sandbox = "cpu"
     max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
 
     @model_validator(mode="after")

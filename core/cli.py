@@ -2,7 +2,7 @@
 
 ::
 
-    wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--sandbox]
+    wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--[no-]sandbox]
                [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
     wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
@@ -120,9 +120,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="preopen a host directory (GUEST:HOST also accepted)")
     run.add_argument("--env", action="append", default=[], metavar="K[=V]",
                      help="set a guest environment variable")
-    run.add_argument("--sandbox", action="store_true",
-                     help="run each model the guest loads from its own bytes in a process "
-                          "of its own ([guests] sandbox = true)")
+    sandbox = run.add_mutually_exclusive_group()
+    sandbox.add_argument("--sandbox", action="store_const", const=True, default=None,
+                         help="run each model the guest loads from its own bytes in a "
+                              "process of its own on every device, not only the CPU "
+                              "([guests] sandbox = true)")
+    sandbox.add_argument("--no-sandbox", dest="sandbox", action="store_const", const=False,
+                         help="run the models the guest loads from its own bytes in this "
+                              "process ([guests] sandbox = false): faster, but a library "
+                              "crash on the guest's model or inputs ends the run")
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
@@ -248,8 +254,8 @@ async def _run(args: argparse.Namespace) -> int:
     dirs = parse_dirs(args.dir)
     env = dict(parse_env(e) for e in args.env)
     config = _registry_config(args)
-    if args.sandbox:
-        guests = config.guests.model_copy(update={"sandbox": True})
+    if args.sandbox is not None:
+        guests = config.guests.model_copy(update={"sandbox": args.sandbox})
         config = config.model_copy(update={"guests": guests})
     async with Runtime(config) as rt:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import SecurityError
@@ -32,8 +33,10 @@ class GuestLimits:
 
     ``sandbox``: the models the guest loads from its own bytes are compiled and run in a
     process of their own each (:mod:`wasinn.backends.sandbox`), so that a library that
-    crashes on them kills that process, not the host; ``max_sandbox_bytes`` bounds the
-    memory each such process may hold (None: half the machine's).
+    crashes on them kills that process, not the host: on the CPU (``"cpu"``, the
+    default: on a GPU a graph keeps its tensors on the device, which a process of its own
+    cannot share), on every device (True) or nowhere (False). ``max_sandbox_bytes``
+    bounds the memory each such process may hold (None: half the machine's).
     """
 
     max_graphs: int = 64
@@ -47,7 +50,7 @@ class GuestLimits:
     max_tensors: int = 4096
     max_errors: int = 1024
     max_live_tensor_bytes: int = 4 * 1024**3
-    sandbox: bool = False
+    sandbox: bool | Literal["cpu"] = "cpu"
     max_sandbox_bytes: int | None = None
 
     def check_target(self, target: ExecutionTarget | None) -> None:
@@ -66,8 +69,8 @@ class GuestLimits:
         if not self.sandbox:
             return None
         if self.max_sandbox_bytes is None:
-            return {"sandbox": True}
-        return {"sandbox": True, "max_sandbox_bytes": self.max_sandbox_bytes}
+            return {"sandbox": self.sandbox}
+        return {"sandbox": self.sandbox, "max_sandbox_bytes": self.max_sandbox_bytes}
 
 
 def limits_of(runtime: object) -> GuestLimits:
@@ -89,6 +92,6 @@ def limits_of(runtime: object) -> GuestLimits:
         max_tensors=section.max_tensors,
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,
-        sandbox=getattr(section, "sandbox", False),
+        sandbox=getattr(section, "sandbox", "cpu"),
         max_sandbox_bytes=getattr(section, "max_sandbox_bytes", None),
     )

@@ -190,7 +190,8 @@ class Scheduler:
             # The actor holds the event loop to one CPU while a run is out: a backend
             # pinning its threads would take that for the process's CPUs.
             options = dataclasses.replace(options, thread_pinning=False)
-        load = functools.partial(load_sandboxed, backend) if options.sandbox else backend.load
+        load = (functools.partial(load_sandboxed, backend) if options.sandboxed_on(actor.device)
+                else backend.load)
         compile_graph = functools.partial(load, model.builders, model.encoding,
                                           actor.device, options)
         try:

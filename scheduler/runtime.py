@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import trio
 
@@ -95,7 +95,7 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
         return LoadOptions()
     if isinstance(options, LoadOptions):
         check_precision(options.precision)
-        _check_max_sandbox_bytes(options.max_sandbox_bytes, options.sandbox)
+        _check_max_sandbox_bytes(options.max_sandbox_bytes, _check_sandbox(options.sandbox))
         threads = _check_threads(options.threads)
         if threads is not options.threads:  # a numpy integer: kept as a Python int
             options = dataclasses.replace(options, threads=threads)
@@ -113,18 +113,24 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
     extra.update(nested)  # {"extra": {...}} is LoadOptions' own spelling: accept it too
     precision = options.get("precision", "f32")
     threads = _check_threads(options.get("threads", 0))
-    sandbox = options.get("sandbox", False)
-    if not isinstance(sandbox, bool):
-        raise InvalidArgumentError(
-            f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
-            "its own) or False")
+    sandbox = _check_sandbox(options.get("sandbox", False))
     max_bytes = options.get("max_sandbox_bytes")
     _check_max_sandbox_bytes(max_bytes, sandbox)
     return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra,
                        sandbox=sandbox, max_sandbox_bytes=max_bytes)
 
 
-def _check_max_sandbox_bytes(max_bytes: object, sandbox: bool) -> None:
+def _check_sandbox(sandbox: object) -> bool | Literal["cpu"]:
+    if isinstance(sandbox, bool):
+        return sandbox
+    if sandbox == "cpu":
+        return "cpu"
+    raise InvalidArgumentError(
+        f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
+        "its own), 'cpu' (so on the CPU only) or False")
+
+
+def _check_max_sandbox_bytes(max_bytes: object, sandbox: object) -> None:
     if max_bytes is None:
         return
     if type(max_bytes) is not int or max_bytes < MIN_MAX_BYTES:

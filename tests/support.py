@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -59,6 +60,13 @@ def require_gpu() -> None:
 def cpu_pool(**pool: Any) -> RuntimeConfig:
     """A config with one pool: the CPU device, with ``pool``'s settings (workers, ...)."""
     return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
+
+
+def in_process_guests(config: RuntimeConfig) -> RuntimeConfig:
+    """``config`` with ``[guests] sandbox = false``: the models guests load from their own
+    bytes run in this process, where a test can watch their runs."""
+    guests = config.guests.model_copy(update={"sandbox": False})
+    return config.model_copy(update={"guests": guests})
 
 
 async def closed_while_running(actor: DeviceActor, job: Callable[[], object]) -> None:
@@ -197,3 +205,34 @@ def armed_cancellation() -> Any:
             return forget
 
     return Armed()
+
+
+def core_nn_guest_wat(memory: bytes, model: bytes, body: str, locals_: str = "") -> str:
+    """A core-module guest (WAT) importing the legacy ``load``, ``init_execution_context``,
+    ``set_input`` (``$set``), ``compute`` and ``proc_exit`` (``$exit``). Its memory holds
+    ``memory`` from address 0, except the graph builder it writes at 0 (``model``, which
+    lies at 4096); the graph's handle goes to 64 and the context's to 68. Its ``_start``
+    loads the model (ONNX, CPU) and makes a context, in the local ``$ctx``, exiting with
+    100 + the error or 200 + the error where either fails; then runs ``body`` (with the
+    locals ``$e``, ``$ctx`` and ``locals_``)."""
+    memory = struct.pack("<2I", 4096, len(model)) + bytes(memory[8:])
+    data = "".join(f"\\{b:02x}" for b in memory)
+    esc = "".join(f"\\{b:02x}" for b in model)
+    return f"""(module
+  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "init_execution_context"
+    (func $init (param i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "set_input" (func $set (param i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 0) "{data}")
+  (data (i32.const 4096) "{esc}")
+  (func (export "_start") (local $e i32) (local $ctx i32) {locals_}
+    (local.set $e (call $load (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 0)
+                              (i32.const 64)))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 100) (local.get $e)))))
+    (local.set $e (call $init (i32.load (i32.const 64)) (i32.const 68)))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 200) (local.get $e)))))
+    (local.set $ctx (i32.load (i32.const 68)))
+    {body}))"""

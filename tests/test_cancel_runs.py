@@ -34,7 +34,14 @@ import wasinn
 from tests.backend_models import affine
 from tests.fake_backend import FakeBackend, FakeGraph
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
-from tests.support import cancelled_runs, cpu_pool, recorded_runs, require_backend
+from tests.support import (
+    cancelled_runs,
+    core_nn_guest_wat,
+    cpu_pool,
+    in_process_guests,
+    recorded_runs,
+    require_backend,
+)
 from wasinn.backends.base import Builders, Device, LoadOptions
 from wasinn.configs.loader import parse_config
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -531,43 +538,28 @@ async def test_close_timeout_is_a_pool_setting_with_a_default() -> None:
 def _hang_guest_wat(model: bytes, trip: int) -> str:
     """A guest that loads ``model`` (the Loop), sets ``m = trip`` and ``x``, computes
     once, and exits with compute's error code."""
-    esc = "".join(f"\\{b:02x}" for b in model)
     mem = bytearray(512)
-    struct.pack_into("<2I", mem, 0, 4096, len(model))          # graph builder
     struct.pack_into("<2IB3xII", mem, 128, 256, 1, 5, 272, 8)   # m: i64[1]
     struct.pack_into("<2IB3xII", mem, 160, 264, 2, 1, 288, 16)  # x: f32[1, 4]
     struct.pack_into("<I", mem, 256, 1)
     struct.pack_into("<2I", mem, 264, 1, 4)
     struct.pack_into("<q", mem, 272, trip)
-    data = "".join(f"\\{b:02x}" for b in mem)
-    return f'''(module
-  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "init_execution_context"
-    (func $init (param i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "set_input" (func $set (param i32 i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
-  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
-  (memory (export "memory") 2)
-  (data (i32.const 0) "{data}")
-  (data (i32.const 4096) "{esc}")
-  (func (export "_start") (local $e i32)
-    (local.set $e (call $load (i32.const 0) (i32.const 1) (i32.const 1) (i32.const 0)
-                              (i32.const 64)))
-    (if (local.get $e) (then (call $exit (i32.add (i32.const 100) (local.get $e)))))
-    (local.set $e (call $init (i32.load (i32.const 64)) (i32.const 68)))
-    (if (local.get $e) (then (call $exit (i32.add (i32.const 200) (local.get $e)))))
-    (drop (call $set (i32.load (i32.const 68)) (i32.const 0) (i32.const 128)))
-    (drop (call $set (i32.load (i32.const 68)) (i32.const 1) (i32.const 160)))
-    (call $exit (call $compute (i32.load (i32.const 68))))))'''
+    return core_nn_guest_wat(mem, model, """
+    (drop (call $set (local.get $ctx) (i32.const 0) (i32.const 128)))
+    (drop (call $set (local.get $ctx) (i32.const 1) (i32.const 160)))
+    (call $exit (call $compute (local.get $ctx)))""")
 
 
+@pytest.mark.parametrize("sandbox", [False, "cpu"])
 async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sandbox: object) -> None:
+    # In the host's process (watched) and in the sandbox process the guest's model runs in
+    # by default (there the run is stopped by the child's own ONNX Runtime, or killed).
     require_backend("onnxruntime")
     runs = recorded_runs(monkeypatch)
     guest = tmp_path / "hang.wat"
     guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
-    config = parse_config({"guests": {"compute_timeout": 0.2},
+    config = parse_config({"guests": {"compute_timeout": 0.2, "sandbox": sandbox},
                            "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
                                              "backends": ["onnxruntime"]}}}, None)
     with trio.fail_after(GUARD_S):
@@ -578,6 +570,9 @@ async def test_a_core_guest_whose_compute_times_out_cannot_hang_the_runtime(
             graph = await rt.load([loop_onnx()], "onnx", "cpu")
             out = await graph.compute(loop_inputs(2))
             assert out["y"].numpy().tolist() == [[2.0] * 4]
+    if sandbox:
+        assert runs == [None]  # the runtime's own load, in this process
+        return
     # The guest's run ended because it was cancelled, not because its Loop ran out.
     (abandoned,) = cancelled_runs(runs)
     assert runs[-2:] == [abandoned, None]
@@ -591,8 +586,9 @@ async def test_cancelling_a_core_guest_interrupts_its_running_inference(
     runs = recorded_runs(monkeypatch)
     guest = tmp_path / "hang.wat"
     guest.write_text(_hang_guest_wat(loop_onnx(), HUGE_LOOP))
+    config = in_process_guests(cpu_pool(workers=1, backends=["onnxruntime"]))
     with trio.fail_after(GUARD_S):
-        async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
+        async with wasinn.Runtime(config) as rt:
             with trio.move_on_after(0.5) as scope:
                 await rt.run_wasm(guest)
             assert scope.cancelled_caught

@@ -81,20 +81,25 @@ def test_run_with_wasmedge_preload(models: GuestModels, classify_named: Path,
     assert re.search(r"top-1: class \d+ score", capfd.readouterr().out)
 
 
-def test_run_with_sandbox_runs_the_guests_model_in_a_process_of_its_own(
+@pytest.mark.parametrize("flag", [None, "--sandbox", "--no-sandbox"])
+def test_a_guests_own_model_runs_sandboxed_on_the_cpu_unless_told_not_to(
         models: GuestModels, tmp_path: Path, capfd: pytest.CaptureFixture[str],
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, flag: str | None) -> None:
     classify = example_guest("classify", tmp_path)
     argv = ["run", "--dir", f"/data:{models.directory}", str(classify), "/data/model.onnx",
             "/data/input.bin"]
-    assert main(argv) == 0
-    plain = capfd.readouterr().out
     with caplog.at_level("DEBUG", logger="wasinn.backends"):
-        assert main(["run", "--sandbox", *argv[1:]]) == 0
-    sandboxed = capfd.readouterr().out
-    assert re.search(r"top-1: class \d+ score", sandboxed)
-    assert sandboxed == plain
-    assert re.search(r"sandbox process \d+ for onnxruntime on cpu", caplog.text)
+        assert main([argv[0], *([flag] if flag else []), *argv[1:]]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"top-1: class \d+ score", out)
+    sandboxed = re.search(r"sandbox process \d+ for onnxruntime on cpu", caplog.text)
+    assert bool(sandboxed) is (flag != "--no-sandbox")
+
+
+def test_sandbox_and_no_sandbox_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--sandbox", "--no-sandbox", "guest.wasm"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,

@@ -12,6 +12,7 @@ Load crashes, cancels a run ignores and the wire's checks use the fake backend o
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ import trio
 
 import wasinn
 from tests.crashing_backend import CRASH, DEAF, CrashingBackend
-from tests.support import cpu_pool, require_backend
+from tests.support import core_nn_guest_wat, cpu_pool, require_backend
 from wasinn import (
     BackendRuntimeError,
     GraphEncoding,
@@ -109,6 +110,47 @@ async def test_a_sandboxed_graph_survives_the_crash_and_runs_again() -> None:
     assert _sandbox_children() == []
 
 
+def _gathernd_guest_wat() -> str:
+    """A core-module guest that loads the GatherND model from its own bytes, computes with
+    the index that crashes OpenVINO, then with a good one, and exits with 10 x the first
+    compute's error code + the second's."""
+    model = _gathernd_onnx()
+    mem = bytearray(640)
+    struct.pack_into("<2IB3xII", mem, 128, 256, 3, 1, 512, 48)    # x: f32[2, 2, 3]
+    struct.pack_into("<2IB3xII", mem, 160, 272, 2, 5, 576, 32)    # i: i64[2, 2]
+    struct.pack_into("<3I", mem, 256, 2, 2, 3)
+    struct.pack_into("<2I", mem, 272, 2, 2)
+    struct.pack_into("<12f", mem, 512, *_gathernd_inputs(0)["x"].reshape(-1))
+    struct.pack_into("<4q", mem, 576, *_gathernd_inputs(INT32_MIN)["i"].reshape(-1))
+    return core_nn_guest_wat(mem, model, """
+    (drop (call $set (local.get $ctx) (i32.const 0) (i32.const 128)))
+    (drop (call $set (local.get $ctx) (i32.const 1) (i32.const 160)))
+    (local.set $first (call $compute (local.get $ctx)))
+    (i64.store (i32.const 576) (i64.const 1))
+    (drop (call $set (local.get $ctx) (i32.const 1) (i32.const 160)))
+    (call $exit (i32.add (i32.mul (local.get $first) (i32.const 10))
+                         (call $compute (local.get $ctx))))""", "(local $first i32)")
+
+
+async def test_a_guest_whose_own_model_crashes_the_library_gets_an_error_by_default(
+        tmp_path: Any) -> None:
+    # The default [guests] sandbox = "cpu": in the host's process this guest kills it
+    # (test_openvino_gathernd_kills_the_process_that_runs_it).
+    require_backend("openvino")
+    require_backend("onnx")
+    from wasinn.host.abi import Errno
+
+    guest = tmp_path / "gathernd.wat"
+    guest.write_text(_gathernd_guest_wat())
+    async with wasinn.Runtime(cpu_pool(backends=["openvino"])) as rt:
+        code = await rt.run_wasm(guest)
+        assert code == 10 * Errno.RUNTIME_ERROR + Errno.SUCCESS
+        assert _sandbox_children() == []  # the guest's graph went with the guest
+        graph = await rt.load([_gathernd_onnx()], "onnx")  # the host's own: in-process
+        out = await graph.compute(_gathernd_inputs(1))
+        assert out["y"].numpy().shape == (2, 3)
+
+
 # -- the same results as in the host's process --------------------------------------------
 @pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino"])
 def test_results_specs_and_errors_are_those_of_the_backend_in_process(
@@ -190,8 +232,12 @@ async def test_a_cancelled_run_that_does_not_stop_has_its_process_killed() -> No
 
 async def test_sandbox_must_be_a_boolean() -> None:
     async with wasinn.Runtime(cpu_pool()) as rt:
-        with pytest.raises(InvalidArgumentError, match=r"^options sandbox='yes': expected True"):
+        with pytest.raises(InvalidArgumentError, match=(
+                r"^options sandbox='yes': expected True \(the graph runs in a process of its "
+                r"own\), 'cpu' \(so on the CPU only\) or False$")):
             await rt.load([affine_onnx()], "onnx", options={"sandbox": "yes"})
+        with pytest.raises(InvalidArgumentError, match=r"^options sandbox='gpu': "):
+            await rt.load([affine_onnx()], "onnx", options=LoadOptions(sandbox="gpu"))  # type: ignore[arg-type]
 
 
 # -- the memory a sandboxed graph's process may hold ---------------------------------------
@@ -293,17 +339,21 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
     assert _sandbox_children() == []
 
 
-@pytest.mark.parametrize("table", ["models.m", "guests"])
+@pytest.mark.parametrize("table", ["models", "guests"])
 def test_a_memory_bound_without_sandbox_is_a_config_error(table: str) -> None:
-    section = {"files": ["m.onnx"]} if table == "models.m" else {}
-    top, _, name = table.partition(".")
-    body = {**section, "max_sandbox_bytes": 1 << 30}
+    def config(**keys: Any) -> Any:
+        body = {"files": ["m.onnx"], **keys} if table == "models" else keys
+        return parse_config({table: {"m": body} if table == "models" else body}, None)
+
+    where = "models[.]m" if table == "models" else "guests"
     with pytest.raises(wasinn.ConfigError, match=(
-            rf"{table.replace('.', '[.]')}[.]max_sandbox_bytes: set without sandbox = true")):
-        parse_config({top: {name: body} if name else body}, None)
-    with pytest.raises(wasinn.ConfigError, match=r"max_sandbox_bytes: .*67108864"):
-        parse_config({top: {name: {**body, "sandbox": True, "max_sandbox_bytes": 10}}
-                      if name else {**body, "sandbox": True, "max_sandbox_bytes": 10}}, None)
+            rf"{where}[.]max_sandbox_bytes: set without sandbox = true")):
+        config(sandbox=False, max_sandbox_bytes=1 << 30)
+    with pytest.raises(wasinn.ConfigError, match=rf"{where}[.]max_sandbox_bytes: .*67108864"):
+        config(sandbox=True, max_sandbox_bytes=10)
+    with pytest.raises(wasinn.ConfigError, match=rf"{where}[.]sandbox: "):
+        config(sandbox="gpu")
+    assert config(sandbox="cpu", max_sandbox_bytes=1 << 30) is not None
 
 
 def test_guests_sandbox_reaches_the_guests_loads() -> None:
@@ -312,7 +362,10 @@ def test_guests_sandbox_reaches_the_guests_loads() -> None:
     config = parse_config({"guests": {"sandbox": True}}, None)
     limits = limits_of(type("R", (), {"config": config})())
     assert limits.sandbox and limits.load_options() == {"sandbox": True}
-    assert GuestLimits().load_options() is None
+    assert GuestLimits().load_options() == {"sandbox": "cpu"}  # the default
+    assert limits_of(None).load_options() == {"sandbox": "cpu"}
+    config = parse_config({"guests": {"sandbox": False}}, None)
+    assert limits_of(type("R", (), {"config": config})()).load_options() is None
     config = parse_config({"guests": {"sandbox": True, "max_sandbox_bytes": 1 << 30}}, None)
     limits = limits_of(type("R", (), {"config": config})())
     assert limits.load_options() == {"sandbox": True, "max_sandbox_bytes": 1 << 30}
