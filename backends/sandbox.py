@@ -28,8 +28,10 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
-  has its process killed. So a sandboxed run can always be stopped, which an in-process
-  one cannot.
+  has its process killed. A cancel while the model is being loaded (a first compile, or
+  the reload before a run after a crash) kills the loading process at once. So a
+  sandboxed run can always be stopped, which an in-process one cannot, and a request's
+  deadline bounds the reload its run waits for.
 
 What it costs (``benchmarks/sandbox_overhead.py``): starting the child and importing the
 library at each load (0.2-0.4 s for ONNX Runtime here, 1.5-2.4 s for torch), a copy of
@@ -168,6 +170,8 @@ class _Child:
         self.seq = 0
         #: The sequence number of the run under way (-1: none).
         self.running = -1
+        #: Whether it is loading the model (a cancel then kills it at once).
+        self.loading = True
         self.killed_for_cancel = False
 
     def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
@@ -204,6 +208,20 @@ class _Child:
         timer = threading.Timer(CANCEL_GRACE_S, self._kill_if_running, (seq,))
         timer.daemon = True
         timer.start()
+
+    def stop_loading(self) -> None:
+        """Kill the process if it is still loading the model: a library's load cannot be
+        interrupted, and one that takes long must not hold the run it is for (a cancel
+        callback; any thread)."""
+        with self._cancel_lock:
+            if self.loading and self.process.poll() is None:
+                self.killed_for_cancel = True
+                with contextlib.suppress(OSError):
+                    self.process.kill()
+
+    def loaded(self) -> None:
+        with self._cancel_lock:
+            self.loading = False
 
     def _kill_if_running(self, seq: int) -> None:
         if self.running == seq and self.process.poll() is None:
@@ -314,17 +332,29 @@ class SandboxedGraph(CompiledGraph):
     def _start(self) -> dict[str, Any]:
         child = _Child(self._backend, self._confined, self.max_bytes)
         name = self._backend.name
+        cancellation = _current_cancellation()
+        forget = (cancellation.on_cancel(child.stop_loading)
+                  if cancellation is not None else None)
         try:
             payload, _ = child.call(self._load, self._files)
+            child.loaded()
             child.arena.release()  # the model's bytes
         except (EOFError, OSError):
+            how = child.ended()
+            if child.killed_for_cancel:
+                raise BackendRuntimeError(
+                    f"{name}: cancelled while a process loaded the model: it was "
+                    "stopped") from None
             raise InvalidEncodingError(
-                f"{name}: the process loading the model {child.ended()}: the library "
+                f"{name}: the process loading the model {how}: the library "
                 "crashed on it (the host goes on)") from None
         except ValueError as exc:
             child.close()
             raise BackendRuntimeError(
                 f"{name}: the process loading the model answered badly: {exc}") from None
+        finally:
+            if forget is not None:
+                forget()
         if "error" in payload:
             child.close()
             raise _error(payload)

@@ -2,7 +2,8 @@
 real crash, OpenVINO's, is in tests/test_sandbox.py).
 
 On :class:`~tests.fake_backend.FakeBackend`'s recipes: ``b"fake:add=1:loadcrash"`` kills
-its process with SIGSEGV while loading; a run whose first input element is 666 kills it
+its process with SIGSEGV while loading; ``b"fake:add=1:slowload-if=PATH"`` takes a minute
+to load while the file PATH exists; a run whose first input element is 666 kills it
 with SIGSEGV, and one whose first element is 777 sleeps for a minute, deaf to
 cancellation (as a TorchScript run between its loops is).
 """
@@ -40,6 +41,11 @@ class CrashingBackend(FakeBackend):
     def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
              options: LoadOptions | None = None) -> CrashingGraph:
         graph = super().load(builders, encoding, device, options)
-        if bytes(builders[0]).endswith(b":loadcrash"):
+        recipe = bytes(builders[0]).decode()
+        if recipe.endswith(":loadcrash"):
             os.kill(os.getpid(), signal.SIGSEGV)
+        slow = [p.removeprefix("slowload-if=") for p in recipe.split(":")
+                if p.startswith("slowload-if=")]
+        if slow and os.path.exists(slow[0]):
+            time.sleep(60)
         return CrashingGraph(self, device, graph.add, gated=False)

@@ -213,6 +213,35 @@ def test_a_crash_while_running_fails_that_run_and_the_next_run_reloads() -> None
         graph.close()
 
 
+def test_a_cancel_stops_the_reload_a_run_waits_for_at_once(tmp_path: Any) -> None:
+    import threading
+    import time
+
+    from wasinn.backends.base import Cancellation, running_under
+
+    slow = tmp_path / "slow"
+    graph = load_sandboxed(CrashingBackend(), [f"fake:add=1:slowload-if={slow}".encode()],
+                           GraphEncoding.GGML, CPU)
+    ones = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    try:
+        with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+            graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
+        slow.touch()  # the next process takes a minute to load the model
+        cancellation = Cancellation()
+        threading.Timer(0.3, cancellation.cancel).start()
+        started = time.monotonic()
+        with running_under(cancellation), pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: cancelled while a process loaded the model: it was stopped$")):
+            graph.run(ones)
+        assert time.monotonic() - started < 20  # not the minute
+        assert graph.pid is None and _sandbox_children() == []
+        slow.unlink()
+        np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+    finally:
+        graph.close()
+
+
 async def test_a_cancelled_run_that_does_not_stop_has_its_process_killed() -> None:
     config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
                                              "backends": ["crashing"]}}}, None)
