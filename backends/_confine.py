@@ -48,6 +48,10 @@ log = logging.getLogger("wasinn.backends")
 
 #: Open files the child may hold: Python and OpenVINO need about 20.
 NOFILE = 256
+#: Each file a confined child writes may hold this many times the model's bytes, plus
+#: the margin (``RLIMIT_FSIZE``: a library's cache, OpenVINO's IR).
+FILE_SIZE_FACTOR = 4
+FILE_SIZE_MARGIN = 64 << 20
 #: The prefix of the child's report line on stderr.
 REPORT_PREFIX = "wasinn-confine: "
 

@@ -183,8 +183,8 @@ CONVERT_TIMEOUT_S = 120.0
 _REFUSED = 3
 #: The IR the child writes may hold this many times the model's bytes, plus
 #: :data:`IR_SIZE_MARGIN`, in each of its two files (``RLIMIT_FSIZE``).
-IR_SIZE_FACTOR = 4
-IR_SIZE_MARGIN = 64 << 20
+IR_SIZE_FACTOR = _confine.FILE_SIZE_FACTOR
+IR_SIZE_MARGIN = _confine.FILE_SIZE_MARGIN
 #: Run by the child with ``python -I -c``: argv = source, IR xml, IR bin, the directory
 #: that holds the ``openvino`` package (``-I`` leaves PYTHONPATH and the cwd out),
 #: :mod:`._confine`'s file, the largest file it may write. It confines itself (its cwd,

@@ -113,14 +113,10 @@ def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | N
     if confine_dir is not None:
         if bound is not None:
             _check_bound(bound)
-        report = _confine.confine(_confine_fsize(builders), confine_dir, data=bound).as_dict()
+        fsize = (_confine.FILE_SIZE_FACTOR * sum(len(b) for b in builders)
+                 + _confine.FILE_SIZE_MARGIN)
+        report = _confine.confine(fsize, confine_dir, data=bound).as_dict()
     return backend.load(builders, encoding, device, options), report
-
-
-def _confine_fsize(builders: Any) -> int:
-    # Each file it writes (a library's cache) at most 4 x the model + 64 MiB, as the
-    # OpenVINO reader's child.
-    return 4 * sum(len(b) for b in builders) + 64 * 1024 * 1024
 
 
 def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current,

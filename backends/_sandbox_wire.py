@@ -44,8 +44,8 @@ ALIGN = 64
 AGAIN = "again"
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
+def _aligned(offset: int, to: int = ALIGN) -> int:
+    return -(-offset // to) * to
 
 
 class Arena:
@@ -94,8 +94,7 @@ class Arena:
     def grow(self, size: int) -> None:
         """Make the arena at least ``size`` bytes (the host only; at least doubling)."""
         if size > self.size:
-            size = max(size, 2 * self.size)
-            size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+            size = _aligned(max(size, 2 * self.size), mmap.PAGESIZE)
             os.ftruncate(self.fd, size)
             self._map_size(size)
 
@@ -127,7 +126,8 @@ class Arena:
 
 def _host_bytes(tensor: Tensor) -> np.ndarray[Any, Any]:
     """A tensor's host data in native byte order and C order (copied only where it is not
-    already): a 0-d array stays 0-d, so the dimensions are the tensor's own."""
+    already). Its bytes only: np.ascontiguousarray makes a 0-d array 1-d, so the
+    dimensions sent are always the tensor's own."""
     return np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
 
 

@@ -150,6 +150,14 @@ class LoadOptions:
             self.sandbox == "cpu" and device.kind is ExecutionTarget.CPU)
 
 
+def sandbox_setting(value: object) -> bool | Literal["cpu"] | None:
+    """``value`` as :attr:`LoadOptions.sandbox` takes it (True, False or ``"cpu"``); None
+    for anything else (each caller says what was wrong in its own terms)."""
+    if isinstance(value, bool):
+        return value
+    return "cpu" if value == "cpu" else None
+
+
 class CompiledGraph(abc.ABC):
     """A model compiled for one device. Thread-safe for concurrent ``run`` calls."""
 

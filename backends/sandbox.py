@@ -51,10 +51,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from wasinn import errors
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
@@ -73,7 +73,6 @@ from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorS
 from .base import current_cancellation as _current_cancellation
 
 log = logging.getLogger("wasinn.backends")
-_T = TypeVar("_T")
 
 #: How long a cancelled run may go on before its process is killed, in seconds.
 CANCEL_GRACE_S = 1.0
@@ -158,6 +157,8 @@ class _Child:
                 pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
                 env=_child_env(backend), cwd=self._confine_dir.name if self._confine_dir else None)
         except OSError as exc:
+            requests.close()
+            cancels.close()
             self._cleanup()
             raise BackendRuntimeError(
                 f"{backend.name}: cannot start a process to run the model in: {exc}") from exc
@@ -180,21 +181,25 @@ class _Child:
         read its reply, growing the arena once if the reply asks. EOFError or OSError when
         the process is gone, ValueError for a reply that is not one, BackendRuntimeError
         when the arena cannot grow."""
-        send(self.conn, self._grown(request, self.arena, payload, tensors, reserve=reserve))
+        with self._growing():
+            header = request(self.arena, payload, tensors, reserve=reserve)
+        send(self.conn, header)
         answer, result = read_reply(self.arena, receive(self.conn))
         if "grow" in answer:
-            self._grown(self.arena.grow, answer["grow"])
+            with self._growing():
+                self.arena.grow(answer["grow"])
             send(self.conn, request(self.arena, (AGAIN, self.running, None)))
             answer, result = read_reply(self.arena, receive(self.conn))
             if "grow" in answer:
                 raise ValueError("a reply asking twice for a larger arena")
         return answer, result
 
-    def _grown(self, grow: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """``grow(*args, **kwargs)``, which may grow the arena: BackendRuntimeError when
-        the system has not the memory."""
+    @contextlib.contextmanager
+    def _growing(self) -> Iterator[None]:
+        """Around what may grow the arena: BackendRuntimeError when the system has not
+        the memory."""
         try:
-            return grow(*args, **kwargs)
+            yield
         except OSError as exc:
             raise BackendRuntimeError(
                 f"{self._name}: the tensors cannot be placed in the memory shared with the "
@@ -214,17 +219,19 @@ class _Child:
         interrupted, and one that takes long must not hold the run it is for (a cancel
         callback; any thread)."""
         with self._cancel_lock:
-            if self.loading and self.process.poll() is None:
-                self.killed_for_cancel = True
-                with contextlib.suppress(OSError):
-                    self.process.kill()
+            if self.loading:
+                self._kill_for_cancel()
 
     def loaded(self) -> None:
         with self._cancel_lock:
             self.loading = False
 
     def _kill_if_running(self, seq: int) -> None:
-        if self.running == seq and self.process.poll() is None:
+        if self.running == seq:
+            self._kill_for_cancel()
+
+    def _kill_for_cancel(self) -> None:
+        if self.process.poll() is None:
             self.killed_for_cancel = True
             with contextlib.suppress(OSError):
                 self.process.kill()

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -70,7 +70,7 @@ from pydantic_core import PydanticCustomError
 
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import MAX_BATCH, Batching
-from wasinn.backends.base import MAX_THREADS, Device
+from wasinn.backends.base import MAX_THREADS, Device, sandbox_setting
 from wasinn.backends.sandbox import MIN_MAX_BYTES
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
@@ -127,10 +127,9 @@ def _precision(value: str) -> str:
 
 
 def _sandbox(value: object) -> bool | Literal["cpu"]:
-    if isinstance(value, bool):
-        return value
-    if value == "cpu":
-        return "cpu"
+    setting = sandbox_setting(value)
+    if setting is not None:
+        return setting
     raise fault("", f"{value!r:.60}: expected true (a process of its own on every device), "
                 "\"cpu\" (on the CPU only) or false")
 
@@ -312,16 +311,11 @@ MODEL_FILES: dict[str, tuple[tuple[int, ...], str]] = {
 }
 
 
-_T = TypeVar("_T")
-
-
-def _sandbox_bound_checked(table: _T) -> _T:
-    """``table``, unless it sets ``max_sandbox_bytes`` without ``sandbox = true``."""
-    if getattr(table, "max_sandbox_bytes", None) is not None and not getattr(
-            table, "sandbox", False):
+def _check_sandbox_bound(max_bytes: int | None, sandbox: bool | str) -> None:
+    """A table may set ``max_sandbox_bytes`` only with ``sandbox`` on."""
+    if max_bytes is not None and not sandbox:
         raise fault("max_sandbox_bytes", "set without sandbox = true: it bounds the process "
                     "a sandboxed model runs in, and these run in the host's")
-    return table
 
 
 class ModelConfig(_Startup):
@@ -355,7 +349,8 @@ class ModelConfig(_Startup):
 
     @model_validator(mode="after")
     def _bound_needs_sandbox(self) -> ModelConfig:
-        return _sandbox_bound_checked(self)
+        _check_sandbox_bound(self.max_sandbox_bytes, self.sandbox)
+        return self
 
     @model_validator(mode="after")
     def _files_fit_encoding(self) -> ModelConfig:
@@ -443,7 +438,8 @@ class GuestsConfig(_Strict):
 
     @model_validator(mode="after")
     def _bound_needs_sandbox(self) -> GuestsConfig:
-        return _sandbox_bound_checked(self)
+        _check_sandbox_bound(self.max_sandbox_bytes, self.sandbox)
+        return self
 
 
 def _default_pools() -> dict[str, PoolConfig]:

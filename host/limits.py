@@ -63,7 +63,6 @@ class GuestLimits:
             f"{allowed} ([guests] allowed_targets)"
         )
 
-
     def load_options(self) -> dict[str, object] | None:
         """The options a guest's ``load`` passes to the runtime."""
         if not self.sandbox:
@@ -92,6 +91,6 @@ def limits_of(runtime: object) -> GuestLimits:
         max_tensors=section.max_tensors,
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,
-        sandbox=getattr(section, "sandbox", "cpu"),
-        max_sandbox_bytes=getattr(section, "max_sandbox_bytes", None),
+        sandbox=section.sandbox,
+        max_sandbox_bytes=section.max_sandbox_bytes,
     )

@@ -35,7 +35,7 @@ from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
-from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions
+from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.backends.sandbox import MIN_MAX_BYTES
 from wasinn.configs import check_precision
@@ -121,10 +121,9 @@ def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOption
 
 
 def _check_sandbox(sandbox: object) -> bool | Literal["cpu"]:
-    if isinstance(sandbox, bool):
-        return sandbox
-    if sandbox == "cpu":
-        return "cpu"
+    setting = sandbox_setting(sandbox)
+    if setting is not None:
+        return setting
     raise InvalidArgumentError(
         f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
         "its own), 'cpu' (so on the CPU only) or False")
