@@ -25,7 +25,13 @@ from typing import Any
 
 from wasinn.backends import _confine
 from wasinn.backends._sandbox_wire import AGAIN, Arena, read_request, receive, reply, send
-from wasinn.backends.base import Backend, Cancellation, CompiledGraph, running_under
+from wasinn.backends.base import (
+    Backend,
+    Cancellation,
+    CompiledGraph,
+    mark_sandbox_process,
+    running_under,
+)
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
 
@@ -151,6 +157,7 @@ def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Curre
 
 
 def main(argv: list[str]) -> int:
+    mark_sandbox_process()
     requests = Connection(int(argv[0]))
     cancels = socket.socket(fileno=int(argv[1]))
     arena = Arena.attach(int(argv[2]))

@@ -150,6 +150,23 @@ class LoadOptions:
             self.sandbox == "cpu" and device.kind is ExecutionTarget.CPU)
 
 
+#: Holds True once this process is a sandbox process (see :mod:`.sandbox`); set by its
+#: main only.
+_sandbox_process: list[bool] = []
+
+
+def in_sandbox() -> bool:
+    """Whether this process is a sandboxed graph's own process: a library crash here ends
+    only it, so a backend may accept a model whose crash it would otherwise refuse to
+    risk in the host's process (a division it cannot guard)."""
+    return bool(_sandbox_process)
+
+
+def mark_sandbox_process() -> None:
+    """Called once by a sandbox process's main (:mod:`._sandbox_child`), never elsewhere."""
+    _sandbox_process.append(True)
+
+
 def sandbox_setting(value: object) -> bool | Literal["cpu"] | None:
     """``value`` as :attr:`LoadOptions.sandbox` takes it (True, False or ``"cpu"``); None
     for anything else (each caller says what was wrong in its own terms)."""
