@@ -1,10 +1,10 @@
 """The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
-wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR [MAX_BYTES]]``.
+wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``.
 
 It imports the backend named by ENTRY (``module:Class``), reads one load request from
-the REQUESTS socket (the model's bytes in the ARENA, see :mod:`._sandbox_wire`),
-confines itself (:mod:`._confine`, when CONFINE_DIR is given; MAX_BYTES bounds the
-memory it may hold) before the library sees the model's bytes, loads it and then answers
+the REQUESTS socket (the model's bytes in the ARENA, see :mod:`._sandbox_wire`, and the
+bytes of memory it may hold, or None), confines itself (:mod:`._confine`, when
+CONFINE_DIR is given) before the library sees the model's bytes, loads it and then answers
 run requests one at a time until the host asks it to close or goes away. A thread reads
 the CANCELS socket: the sequence number of a run to cancel, which it hands to that run's
 Cancellation (the backend's own interruption), if that run is still the current one.
@@ -108,10 +108,11 @@ def _specs(graph: CompiledGraph) -> dict[str, Any]:
             "output_aliases": dict(graph.output_aliases)}
 
 
-def _load(conn: Connection, arena: Arena, backend: Backend, confine_dir: str | None,
-          bound: int | None) -> tuple[CompiledGraph, dict[str, object] | None]:
+def _load(backend: Backend, load: tuple[Any, ...], files: dict[str, Tensor],
+          confine_dir: str | None, bound: int | None
+          ) -> tuple[CompiledGraph, dict[str, object] | None]:
     """The graph, and what confining this process applied (None: not confined)."""
-    (encoding, device, options), files, _ = read_request(arena, receive(conn))
+    encoding, device, options = load
     # Copied out: the library may keep them, and the arena's next request overwrites it.
     builders = [files[str(i)].tobytes() for i in range(len(files))]
     del files
@@ -163,7 +164,7 @@ def main(argv: list[str]) -> int:
     arena = Arena.attach(int(argv[2]))
     module, _, attr = argv[3].partition(":")
     confine_dir = argv[4] if len(argv) > 4 else None
-    bound = int(argv[5]) if len(argv) > 5 else None
+    bound = None
     try:
         try:
             backend: Backend = getattr(importlib.import_module(module), attr)()
@@ -171,7 +172,8 @@ def main(argv: list[str]) -> int:
             raise BackendRuntimeError(
                 f"the sandbox process cannot make the backend {argv[3]}: "
                 f"{type(exc).__name__}: {exc}") from None
-        graph, confined = _load(requests, arena, backend, confine_dir, bound)
+        (*load, bound), files, _ = read_request(arena, receive(requests))
+        graph, confined = _load(backend, tuple(load), files, confine_dir, bound)
     except EOFError:
         return 0
     except Exception as exc:

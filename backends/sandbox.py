@@ -33,27 +33,27 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   sandboxed run can always be stopped, which an in-process one cannot, and a request's
   deadline bounds the reload its run waits for.
 
-What it costs (``benchmarks/sandbox_overhead.py``): starting the child and importing the
-library at each load (0.2-0.4 s for ONNX Runtime here, 1.5-2.4 s for torch), a copy of
-every input into the arena and of every output out of it, and two process wake-ups per
-run. A graph serves one run at a time. Its arena keeps the size of the largest run's
-inputs and outputs.
+* A process is started (:mod:`._sandbox_process`) before it has a model: it imports the
+  library while the host goes on, then waits for its load. ``spares``
+  (:class:`Spares`, the runtime's ``[runtime] sandbox_spares``) keeps such processes
+  started ahead, so that a load or a reload after a crash takes one that has already
+  imported its library.
+
+What it costs (``benchmarks/sandbox_overhead.py``): a process per graph, which imports
+the library unless a spare had (MobileNetV2-like loads, 2026-11-22: ONNX Runtime 0.27 s
+in a new process, 0.08 s in a spare, 0.04 s in the host's process; OpenVINO 0.45 / 0.17 /
+0.12 s); a copy of every input into the arena and of every output out of it; and two
+process wake-ups per run. A graph serves one run at a time. Its arena keeps the size of
+the largest run's inputs and outputs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from multiprocessing.connection import Connection
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from wasinn import errors
@@ -67,17 +67,17 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from . import _confine
-from ._sandbox_child import CANCEL
-from ._sandbox_wire import AGAIN, ALIGN, Arena, read_reply, receive, request, send
+from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
+from ._sandbox_spares import MAX_SPARES, Spares
+from ._sandbox_wire import ALIGN
 from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
 from .base import current_cancellation as _current_cancellation
 
 log = logging.getLogger("wasinn.backends")
 
-#: How long a cancelled run may go on before its process is killed, in seconds.
-CANCEL_GRACE_S = 1.0
-#: How long a closing child may take to exit before it is killed, in seconds.
-CLOSE_WAIT_S = 5.0
+__all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "SandboxedGraph", "Spares",
+           "default_max_bytes", "load_sandboxed"]
+
 #: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
 #: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).
 MIN_MAX_BYTES = 64 * 1024 * 1024
@@ -89,180 +89,17 @@ def default_max_bytes() -> int:
 
 
 def load_sandboxed(backend: Backend, builders: Builders, encoding: GraphEncoding,
-                   device: Device, options: LoadOptions | None = None) -> SandboxedGraph:
-    """``backend.load(...)``, run in a process of its own (see the module docstring).
+                   device: Device, options: LoadOptions | None = None, *,
+                   spares: Spares | None = None) -> SandboxedGraph:
+    """``backend.load(...)``, run in a process of its own (see the module docstring);
+    taken from ``spares`` where it has one started (and then replaced there), else
+    started for it.
 
     Raises what the backend's load raises, InvalidEncodingError when the process dies
     loading the model, and BackendRuntimeError when no process can be started.
     """
-    return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions())
-
-
-def _entry(backend: Backend) -> str:
-    cls = type(backend)
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _died(process: subprocess.Popen[bytes]) -> str:
-    """How ``process`` ended: "was killed by SIGSEGV", "exited with status 1"."""
-    try:
-        code = process.wait(CLOSE_WAIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        code = process.wait()
-    if code < 0:
-        return f"was killed by {_confine.signal_name(-code)}"
-    return f"exited with status {code}"
-
-
-def _child_env(backend: Backend) -> dict[str, str]:
-    """The host's environment, with its import path and the folder the backend's module
-    was imported from: the child imports that module (a plug-in's too) as the host did."""
-    env = dict(os.environ)
-    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
-    module = sys.modules.get(type(backend).__module__)
-    file = getattr(module, "__file__", None)
-    if file is not None:  # the folder holding its top-level package
-        root = Path(file).resolve().parents[type(backend).__module__.count(".")]
-        paths.insert(0, str(root))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if os.path.isdir(p))
-    return env
-
-
-class _Child:
-    """One process serving one graph, and the sockets to it."""
-
-    def __init__(self, backend: Backend, confined: bool, max_bytes: int | None) -> None:
-        self._name = backend.name
-        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
-        try:
-            self.arena = Arena.create()
-        except OSError as exc:
-            raise BackendRuntimeError(
-                f"{backend.name}: cannot make memory to share with a sandbox process: {exc}"
-            ) from exc
-        requests, theirs = socket.socketpair()
-        cancels, their_cancels = socket.socketpair()
-        command = [sys.executable, "-m", "wasinn.backends._sandbox_child",
-                   str(theirs.fileno()), str(their_cancels.fileno()), str(self.arena.fd),
-                   _entry(backend)]
-        if confined:
-            self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
-            command.append(self._confine_dir.name)
-            if max_bytes is not None:
-                command.append(str(max_bytes))
-        try:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
-                env=_child_env(backend), cwd=self._confine_dir.name if self._confine_dir else None)
-        except OSError as exc:
-            requests.close()
-            cancels.close()
-            self._cleanup()
-            raise BackendRuntimeError(
-                f"{backend.name}: cannot start a process to run the model in: {exc}") from exc
-        finally:
-            theirs.close()
-            their_cancels.close()
-        self.conn = Connection(requests.detach())
-        self._cancels = cancels
-        self._cancel_lock = threading.Lock()
-        self.seq = 0
-        #: The sequence number of the run under way (-1: none).
-        self.running = -1
-        #: Whether it is loading the model (a cancel then kills it at once).
-        self.loading = True
-        self.killed_for_cancel = False
-
-    def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
-             reserve: int = 0) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Send a request (``reserve``: bytes its reply's tensors are expected to need) and
-        read its reply, growing the arena once if the reply asks. EOFError or OSError when
-        the process is gone, ValueError for a reply that is not one, BackendRuntimeError
-        when the arena cannot grow."""
-        with self._growing():
-            header = request(self.arena, payload, tensors, reserve=reserve)
-        send(self.conn, header)
-        answer, result = read_reply(self.arena, receive(self.conn))
-        if "grow" in answer:
-            with self._growing():
-                self.arena.grow(answer["grow"])
-            send(self.conn, request(self.arena, (AGAIN, self.running, None)))
-            answer, result = read_reply(self.arena, receive(self.conn))
-            if "grow" in answer:
-                raise ValueError("a reply asking twice for a larger arena")
-        return answer, result
-
-    @contextlib.contextmanager
-    def _growing(self) -> Iterator[None]:
-        """Around what may grow the arena: BackendRuntimeError when the system has not
-        the memory."""
-        try:
-            yield
-        except OSError as exc:
-            raise BackendRuntimeError(
-                f"{self._name}: the tensors cannot be placed in the memory shared with the "
-                f"sandbox process: growing it failed: {exc}") from None
-
-    def cancel(self, seq: int) -> None:
-        """Ask the child to stop run ``seq``; kill it if that run is still going
-        :data:`CANCEL_GRACE_S` later. Called from any thread."""
-        with self._cancel_lock, contextlib.suppress(OSError):
-            self._cancels.sendall(CANCEL.pack(seq))
-        timer = threading.Timer(CANCEL_GRACE_S, self._kill_if_running, (seq,))
-        timer.daemon = True
-        timer.start()
-
-    def stop_loading(self) -> None:
-        """Kill the process if it is still loading the model: a library's load cannot be
-        interrupted, and one that takes long must not hold the run it is for (a cancel
-        callback; any thread)."""
-        with self._cancel_lock:
-            if self.loading:
-                self._kill_for_cancel()
-
-    def loaded(self) -> None:
-        with self._cancel_lock:
-            self.loading = False
-
-    def _kill_if_running(self, seq: int) -> None:
-        if self.running == seq:
-            self._kill_for_cancel()
-
-    def _kill_for_cancel(self) -> None:
-        if self.process.poll() is None:
-            self.killed_for_cancel = True
-            with contextlib.suppress(OSError):
-                self.process.kill()
-
-    def ended(self) -> str:
-        """How the process ended (it has, or is about to: its socket closed)."""
-        how = _died(self.process)
-        self._cleanup()
-        return how
-
-    def close(self) -> None:
-        """Ask the process to exit, wait for it (killing it past :data:`CLOSE_WAIT_S`)."""
-        with contextlib.suppress(OSError, ValueError):
-            send(self.conn, request(self.arena, ("close", -1, None)))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(CLOSE_WAIT_S)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        for closeable in (getattr(self, "conn", None), getattr(self, "_cancels", None)):
-            if closeable is not None:
-                with contextlib.suppress(OSError):
-                    closeable.close()
-        if self._confine_dir is not None:
-            self._confine_dir.cleanup()
-            self._confine_dir = None
-        if getattr(self, "arena", None) is not None:
-            self.arena.close()
+    return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions(),
+                          spares=spares)
 
 
 def _spec(entry: Any) -> TensorSpec:
@@ -297,23 +134,25 @@ class SandboxedGraph(CompiledGraph):
     """A graph compiled and run in a child process (see the module docstring)."""
 
     def __init__(self, backend: Backend, builders: Builders, encoding: GraphEncoding,
-                 device: Device, options: LoadOptions) -> None:
+                 device: Device, options: LoadOptions, *, spares: Spares | None = None
+                 ) -> None:
         self.device = device
         self._backend = backend
+        self._spares = spares
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
         #: The memory its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
-        self._load = (encoding, device, options)
+        self._load = (encoding, device, options, self.max_bytes)
         self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
                        for i, b in enumerate(builders)}
         #: Bytes a run's outputs are expected to need in the arena: the largest so far.
         self._reserve = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._child: _Child | None = None
+        self._child: SandboxProcess | None = None
         try:
             payload = self._start()
             self.inputs = tuple(_spec(e) for e in payload["inputs"])
@@ -337,7 +176,9 @@ class SandboxedGraph(CompiledGraph):
         return None if child is None else child.process.pid
 
     def _start(self) -> dict[str, Any]:
-        child = _Child(self._backend, self._confined, self.max_bytes)
+        spares = self._spares
+        child = (SandboxProcess(self._backend, self._confined) if spares is None
+                 else spares.take(self._backend, self._confined))
         name = self._backend.name
         cancellation = _current_cancellation()
         forget = (cancellation.on_cancel(child.stop_loading)
@@ -368,6 +209,8 @@ class SandboxedGraph(CompiledGraph):
         self._child = child
         log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
                   name, self.device.name)
+        if spares is not None:  # after the load: a spare's imports would slow it
+            spares.replenish(self._backend, self._confined)
         if self._confined:
             confined = payload.get("confined")
             _confine.log_report(confined if isinstance(confined, dict) else None,

@@ -1,14 +1,17 @@
 """What running a graph in a process of its own (``sandbox = true``) costs.
 
-    python benchmarks/sandbox_overhead.py [--iters N] [--width W]
+    python benchmarks/sandbox_overhead.py [--iters N] [--width W] [--loads N]
 
 Each installed backend loads the same model twice on the CPU: in this process
 (``Backend.load``) and sandboxed (``wasinn.backends.sandbox.load_sandboxed``); the native
 figure is the library's own call, as in ``backend_overhead.py``. Calls are timed in
-alternating blocks (see :func:`measure`). Printed: the sandboxed load's time; the
-MobileNetV2-like run (ratio to native, and to the graph in this process); the tiny
-affine graph's run in microseconds, where only the per-run cost shows (the copies into
-and out of the shared arena, the two messages and the two process wake-ups).
+alternating blocks (see :func:`measure`). Printed: the model's load in seconds (median of
+``--loads``), in this process, sandboxed in a process started for it, and sandboxed in a
+spare that had imported the library ahead (:class:`~wasinn.backends.sandbox.Spares`, the
+runtime's default); the MobileNetV2-like run (ratio to native, and to the graph in this
+process); the tiny affine graph's run in microseconds, where only the per-run cost shows
+(the copies into and out of the shared arena, the two messages and the two process
+wake-ups).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import BackendRegistry, Device, LoadOptions
-from wasinn.backends.sandbox import load_sandboxed
+from wasinn.backends.sandbox import Spares, load_sandboxed
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -59,6 +63,36 @@ def measure(native: Call, layer: Call, iters: int, warmup: int, block: int = 20
     native_ms, layer_ms = statistics.median(a), statistics.median(b)
     return native_ms, layer_ms, layer_ms - native_ms
 
+
+def time_loads(backend: Any, model: bytes, encoding: GraphEncoding, count: int,
+               spare_wait: float) -> tuple[float, float, float]:
+    """Median seconds of ``count`` loads of ``model``: in this process, sandboxed in a new
+    process, sandboxed in a spare given ``spare_wait`` seconds to import the library."""
+    inside: list[float] = []
+    cold: list[float] = []
+    warm: list[float] = []
+    for _ in range(count):
+        inside.append(_seconds(lambda: backend.load([model], encoding, CPU)))
+        cold.append(_seconds(lambda: load_sandboxed(backend, [model], encoding, CPU)))
+        spares = Spares(1)
+        try:
+            spares.replenish(backend, True)
+            time.sleep(spare_wait)
+            warm.append(_seconds(functools.partial(load_sandboxed, backend, [model],
+                                                   encoding, CPU, spares=spares)))
+        finally:
+            spares.close()
+    return statistics.median(inside), statistics.median(cold), statistics.median(warm)
+
+
+def _seconds(load: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    graph = load()
+    seconds = time.perf_counter() - start
+    graph.close()
+    return seconds
+
+
 CPU = Device.parse("cpu")
 FILES = {"onnxruntime": ("onnx", GraphEncoding.ONNX), "openvino": ("onnx", GraphEncoding.ONNX),
          "pytorch": ("torchscript", GraphEncoding.PYTORCH)}
@@ -69,14 +103,19 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200, help="timed calls per side")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--width", type=float, default=1.0, help="MobileNetV2 width multiplier")
+    parser.add_argument("--loads", type=int, default=3, help="timed loads of each kind")
+    parser.add_argument("--spare-wait", type=float, default=5.0,
+                        help="seconds a spare may import its library before it is timed "
+                             "(torch takes about 1.5 here)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     registry = BackendRegistry()
     x = sample_image()
     print(f"MobileNetV2-like width {args.width:g}, batch 1, CPU; median of {args.iters} "
           "calls a side, in alternating blocks")
-    print(f"{'backend':<12} {'load s':>7} {'native ms':>10} {'in-proc ms':>11} "
+    print(f"{'backend':<12} {'native ms':>10} {'in-proc ms':>11} "
           f"{'sandbox ms':>11} {'vs native':>10} {'vs in-proc':>11}")
+    loads: dict[str, tuple[float, float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="wasinn-bench-") as tmp:
         files = export_mobilenet(Path(tmp), width=args.width)
         for name, setup in SETUPS.items():
@@ -84,11 +123,11 @@ def main() -> None:
                 print(f"{name}: not installed, skipped")
                 continue
             attr, encoding = FILES[name]
+            model = getattr(files, attr).read_bytes()
+            loads[name] = time_loads(registry.get(name), model, encoding, args.loads,
+                                     args.spare_wait)
             native, in_process = setup(registry, files, x, LoadOptions())
-            start = time.perf_counter()
-            graph = load_sandboxed(registry.get(name), [getattr(files, attr).read_bytes()],
-                                   encoding, CPU)
-            load_s = time.perf_counter() - start
+            graph = load_sandboxed(registry.get(name), [model], encoding, CPU)
             tensor = {graph.inputs[0].name: Tensor.from_numpy(x)}
             try:
                 native_ms, sandbox_ms, _ = measure(native, functools.partial(graph.run, tensor),
@@ -96,9 +135,14 @@ def main() -> None:
                 _, in_ms, _ = measure(native, in_process, args.iters, args.warmup)
             finally:
                 graph.close()
-            print(f"{name:<12} {load_s:>7.2f} {native_ms:>10.3f} {in_ms:>11.3f} "
+            print(f"{name:<12} {native_ms:>10.3f} {in_ms:>11.3f} "
                   f"{sandbox_ms:>11.3f} {sandbox_ms / native_ms - 1:>+10.2%} "
                   f"{sandbox_ms / in_ms - 1:>+11.2%}")
+
+    print(f"\nLoading the model, seconds (median of {args.loads})")
+    print(f"{'backend':<12} {'in-proc':>8} {'new process':>12} {'spare':>8} {'spare / new':>12}")
+    for name, (inside, cold, warm) in loads.items():
+        print(f"{name:<12} {inside:>8.3f} {cold:>12.3f} {warm:>8.3f} {warm / cold:>12.2f}")
 
     print("\nTiny affine ONNX graph (f32[1, 4]): run in microseconds")
     print(f"{'backend':<12} {'in-proc us':>11} {'sandbox us':>11} {'extra us':>9}")

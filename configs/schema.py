@@ -71,7 +71,7 @@ from pydantic_core import PydanticCustomError
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import MAX_BATCH, Batching
 from wasinn.backends.base import MAX_THREADS, Device, sandbox_setting
-from wasinn.backends.sandbox import MIN_MAX_BYTES
+from wasinn.backends.sandbox import MAX_SPARES, MIN_MAX_BYTES
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
@@ -171,6 +171,10 @@ class RuntimeSection(_Strict):
     backends: list[str] = Field(default_factory=list)
     #: Where a target with no device here runs instead (with a warning); None = refuse.
     fallback: TargetName | None = None
+    #: Sandbox processes kept started ahead, per backend, for the next sandboxed load
+    #: (a guest's own model, a reload after a crash): it then loads the model only,
+    #: instead of first importing the library (see wasinn.backends._sandbox_spares).
+    sandbox_spares: int = Field(default=1, ge=0, le=MAX_SPARES)
 
 
 class PoolConfig(_Strict):

@@ -36,7 +36,7 @@ from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
-from wasinn.backends.sandbox import load_sandboxed
+from wasinn.backends.sandbox import Spares, load_sandboxed
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     BackendRuntimeError,
@@ -71,8 +71,12 @@ class Scheduler:
         registries: Mapping[ExecutionTarget, BackendRegistry],
         *,
         fallback: ExecutionTarget | None = None,
+        spares: Spares | None = None,
     ) -> None:
         self.actors = list(actors)
+        #: Sandbox processes started ahead of sandboxed loads (None: each load starts its
+        #: own); the runtime closes them.
+        self.spares = spares
         #: The trio run the actors serve in (None when made outside one, as by tests):
         #: how a thread trio did not start reaches it.
         self.trio_token = (trio.lowlevel.current_trio_token() if trio.lowlevel.in_trio_run()
@@ -190,8 +194,8 @@ class Scheduler:
             # The actor holds the event loop to one CPU while a run is out: a backend
             # pinning its threads would take that for the process's CPUs.
             options = dataclasses.replace(options, thread_pinning=False)
-        load = (functools.partial(load_sandboxed, backend) if options.sandboxed_on(actor.device)
-                else backend.load)
+        load = (functools.partial(load_sandboxed, backend, spares=self.spares)
+                if options.sandboxed_on(actor.device) else backend.load)
         compile_graph = functools.partial(load, model.builders, model.encoding,
                                           actor.device, options)
         try:

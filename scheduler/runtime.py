@@ -37,7 +37,7 @@ from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
-from wasinn.backends.sandbox import MIN_MAX_BYTES
+from wasinn.backends.sandbox import MIN_MAX_BYTES, Spares
 from wasinn.configs import check_precision
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
@@ -232,6 +232,7 @@ class Runtime:
                        [backend.name for backend in self._extra])
         self._host: ActorHost | None = None
         self._scheduler: Scheduler | None = None
+        self._spares: Spares | None = None
         self._started = False
         self._closed = False
         self._names = NameRegistry(
@@ -288,8 +289,10 @@ class Runtime:
         actors, registries = await trio.to_thread.run_sync(self._plan)
         self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
+        self._spares = Spares(self._config.runtime.sandbox_spares)
         scheduler = Scheduler(actors, registries,
-                              fallback=ExecutionTarget.coerce(fallback) if fallback else None)
+                              fallback=ExecutionTarget.coerce(fallback) if fallback else None,
+                              spares=self._spares)
         # Known before it starts, so that an aclose meanwhile stops it.
         self._host = host = ActorHost(actors)
         await host.start()  # a device that cannot be opened: raised, the others stopped
@@ -349,6 +352,8 @@ class Runtime:
             await self._host.stop()  # idempotent: a later caller waits for the same stop
         else:
             await trio.lowlevel.checkpoint()
+        if self._spares is not None:
+            await trio.to_thread.run_sync(self._spares.close)
 
     def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
         # Runs in a worker thread: asking backends for devices may import their libraries.

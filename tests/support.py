@@ -62,6 +62,13 @@ def cpu_pool(**pool: Any) -> RuntimeConfig:
     return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
 
 
+def no_spares(config: RuntimeConfig) -> RuntimeConfig:
+    """``config`` with ``[runtime] sandbox_spares = 0``: every sandbox process there is
+    serves a graph, for tests that count them."""
+    runtime = config.runtime.model_copy(update={"sandbox_spares": 0})
+    return config.model_copy(update={"runtime": runtime})
+
+
 def in_process_guests(config: RuntimeConfig) -> RuntimeConfig:
     """``config`` with ``[guests] sandbox = false``: the models guests load from their own
     bytes run in this process, where a test can watch their runs."""

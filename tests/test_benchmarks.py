@@ -38,8 +38,9 @@ RUNS: dict[str, tuple[list[str], str]] = {
         r"scheduler, queue and context on top: -?[\d.]+ us(.|\n)*^(tiny model round trip "
         r"\(worker thread, pinned hand-offs\): direct [\d.]+ us|pinned hand-offs "
         r"\(pin_handoffs = true\): not measured)"),
-    "sandbox_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25"],
-                            r"^onnxruntime(\s+[\d.]+){4}\s+[+-][\d.]+%\s+[+-][\d.]+%$"),
+    "sandbox_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25", "--loads",
+                             "1", "--spare-wait", "0.2"],
+                            r"^onnxruntime(\s+[\d.]+){3}\s+[+-][\d.]+%\s+[+-][\d.]+%$"),
     "guest_core.py": (["--n", "3", "--rounds", "1", "--mb", "1"],
                       r"native\s+[\d.]+ ms/round"),
     "guest_component.py": (["--n", "2", "--rounds", "1"],

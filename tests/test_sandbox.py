@@ -25,7 +25,7 @@ import trio
 
 import wasinn
 from tests.crashing_backend import CRASH, DEAF, CrashingBackend
-from tests.support import core_nn_guest_wat, cpu_pool, require_backend
+from tests.support import core_nn_guest_wat, cpu_pool, no_spares, require_backend
 from wasinn import (
     BackendRuntimeError,
     GraphEncoding,
@@ -90,7 +90,7 @@ def test_openvino_gathernd_kills_the_process_that_runs_it() -> None:
 async def test_a_sandboxed_graph_survives_the_crash_and_runs_again() -> None:
     require_backend("openvino")
     require_backend("onnx")
-    async with wasinn.Runtime(cpu_pool(backends=["openvino"])) as rt:
+    async with wasinn.Runtime(no_spares(cpu_pool(backends=["openvino"]))) as rt:
         graph = await rt.load([_gathernd_onnx()], "onnx", options={"sandbox": True})
         (first,) = _sandbox_children()
         with pytest.raises(BackendRuntimeError, match=(
@@ -142,7 +142,7 @@ async def test_a_guest_whose_own_model_crashes_the_library_gets_an_error_by_defa
 
     guest = tmp_path / "gathernd.wat"
     guest.write_text(_gathernd_guest_wat())
-    async with wasinn.Runtime(cpu_pool(backends=["openvino"])) as rt:
+    async with wasinn.Runtime(no_spares(cpu_pool(backends=["openvino"]))) as rt:
         code = await rt.run_wasm(guest)
         assert code == 10 * Errno.RUNTIME_ERROR + Errno.SUCCESS
         assert _sandbox_children() == []  # the guest's graph went with the guest
@@ -245,7 +245,7 @@ def test_a_cancel_stops_the_reload_a_run_waits_for_at_once(tmp_path: Any) -> Non
 async def test_a_cancelled_run_that_does_not_stop_has_its_process_killed() -> None:
     config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
                                              "backends": ["crashing"]}}}, None)
-    async with wasinn.Runtime(config, backends=[CrashingBackend()]) as rt:
+    async with wasinn.Runtime(no_spares(config), backends=[CrashingBackend()]) as rt:
         graph = await rt.load([b"fake:add=1"], "ggml", options={"sandbox": True})
         (first,) = _sandbox_children()
         with trio.move_on_after(0.5) as scope:
@@ -355,7 +355,8 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
     config = tmp_path / "wasinn.toml"
     config.write_text('[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n'
                       'max_sandbox_bytes = 2147483648\n'
-                      '[models.plain]\nfiles = ["affine.onnx"]\n')
+                      '[models.plain]\nfiles = ["affine.onnx"]\n'
+                      '[runtime]\nsandbox_spares = 0\n')
     async with wasinn.Runtime(config) as rt:
         plain = await rt.load_by_name("plain")
         await plain.compute({"x": np.ones((1, 4), np.float32)})
@@ -432,16 +433,16 @@ def test_a_model_larger_than_any_message_loads_and_large_outputs_come_back() -> 
 
 
 def test_outputs_larger_than_the_arena_grow_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import wasinn.backends.sandbox as sandbox_module
+    import wasinn.backends._sandbox_process as process_module
 
     verbs: list[object] = []
-    request = sandbox_module.request
+    request = process_module.request
 
     def counted(arena: Any, payload: Any, *args: Any, **kwargs: Any) -> bytes:
         verbs.append(payload[0])
         return request(arena, payload, *args, **kwargs)
 
-    monkeypatch.setattr(sandbox_module, "request", counted)
+    monkeypatch.setattr(process_module, "request", counted)
     graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
     try:
         verbs.clear()

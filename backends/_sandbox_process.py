@@ -1,0 +1,217 @@
+"""A sandbox process (see :mod:`.sandbox`): the child process one sandboxed graph runs in,
+the memory and the sockets shared with it, and how it is cancelled, killed and closed.
+
+It is started by :class:`SandboxProcess`'s constructor, which returns at once: the child
+then imports the backend's library (0.1-1.5 s) while the host goes on, and waits for
+its load request. So a process can be started ahead of the load it will serve (a spare,
+see :mod:`._sandbox_spares`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from wasinn.errors import BackendRuntimeError
+from wasinn.tensor import Tensor
+
+from . import _confine
+from ._sandbox_child import CANCEL
+from ._sandbox_wire import AGAIN, Arena, read_reply, receive, request, send
+from .base import Backend
+
+#: How long a cancelled run may go on before its process is killed, in seconds.
+CANCEL_GRACE_S = 1.0
+#: How long a closing child may take to exit before it is killed, in seconds.
+CLOSE_WAIT_S = 5.0
+
+
+def _entry(backend: Backend) -> str:
+    cls = type(backend)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _died(process: subprocess.Popen[bytes]) -> str:
+    """How ``process`` ended: "was killed by SIGSEGV", "exited with status 1"."""
+    try:
+        code = process.wait(CLOSE_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        code = process.wait()
+    if code < 0:
+        return f"was killed by {_confine.signal_name(-code)}"
+    return f"exited with status {code}"
+
+
+def _child_env(backend: Backend) -> dict[str, str]:
+    """The host's environment, with its import path and the folder the backend's module
+    was imported from: the child imports that module (a plug-in's too) as the host did."""
+    env = dict(os.environ)
+    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
+    module = sys.modules.get(type(backend).__module__)
+    file = getattr(module, "__file__", None)
+    if file is not None:  # the folder holding its top-level package
+        root = Path(file).resolve().parents[type(backend).__module__.count(".")]
+        paths.insert(0, str(root))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if os.path.isdir(p))
+    return env
+
+
+class SandboxProcess:
+    """One process serving one graph (once loaded), and the sockets to it.
+
+    ``confined``: whether it confines itself before the library reads the model (on the
+    CPU; see :mod:`._confine`), in a private folder that is its working directory.
+    """
+
+    def __init__(self, backend: Backend, confined: bool) -> None:
+        self._name = backend.name
+        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
+        try:
+            self.arena = Arena.create()
+        except OSError as exc:
+            raise BackendRuntimeError(
+                f"{backend.name}: cannot make memory to share with a sandbox process: {exc}"
+            ) from exc
+        requests, theirs = socket.socketpair()
+        cancels, their_cancels = socket.socketpair()
+        command = [sys.executable, "-m", "wasinn.backends._sandbox_child",
+                   str(theirs.fileno()), str(their_cancels.fileno()), str(self.arena.fd),
+                   _entry(backend)]
+        if confined:
+            self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
+            command.append(self._confine_dir.name)
+        try:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
+                env=_child_env(backend), cwd=self._confine_dir.name if self._confine_dir else None)
+        except OSError as exc:
+            requests.close()
+            cancels.close()
+            self._cleanup()
+            raise BackendRuntimeError(
+                f"{backend.name}: cannot start a process to run the model in: {exc}") from exc
+        finally:
+            theirs.close()
+            their_cancels.close()
+        self.conn = Connection(requests.detach())
+        self._cancels = cancels
+        self._cancel_lock = threading.Lock()
+        self.seq = 0
+        #: The sequence number of the run under way (-1: none).
+        self.running = -1
+        #: Whether it is loading the model (a cancel then kills it at once).
+        self.loading = True
+        self.killed_for_cancel = False
+
+    @staticmethod
+    def key_of(backend: Backend, confined: bool) -> tuple[str, bool]:
+        """What the processes that can serve the same loads share: the backend's
+        ``module:Class``, and whether they are confined."""
+        return _entry(backend), confined
+
+    def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
+             reserve: int = 0) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Send a request (``reserve``: bytes its reply's tensors are expected to need) and
+        read its reply, growing the arena once if the reply asks. EOFError or OSError when
+        the process is gone, ValueError for a reply that is not one, BackendRuntimeError
+        when the arena cannot grow."""
+        with self._growing():
+            header = request(self.arena, payload, tensors, reserve=reserve)
+        send(self.conn, header)
+        answer, result = read_reply(self.arena, receive(self.conn))
+        if "grow" in answer:
+            with self._growing():
+                self.arena.grow(answer["grow"])
+            send(self.conn, request(self.arena, (AGAIN, self.running, None)))
+            answer, result = read_reply(self.arena, receive(self.conn))
+            if "grow" in answer:
+                raise ValueError("a reply asking twice for a larger arena")
+        return answer, result
+
+    @contextlib.contextmanager
+    def _growing(self) -> Iterator[None]:
+        """Around what may grow the arena: BackendRuntimeError when the system has not
+        the memory."""
+        try:
+            yield
+        except OSError as exc:
+            raise BackendRuntimeError(
+                f"{self._name}: the tensors cannot be placed in the memory shared with the "
+                f"sandbox process: growing it failed: {exc}") from None
+
+    def cancel(self, seq: int) -> None:
+        """Ask the child to stop run ``seq``; kill it if that run is still going
+        :data:`CANCEL_GRACE_S` later. Called from any thread."""
+        with self._cancel_lock, contextlib.suppress(OSError):
+            self._cancels.sendall(CANCEL.pack(seq))
+        timer = threading.Timer(CANCEL_GRACE_S, self._kill_if_running, (seq,))
+        timer.daemon = True
+        timer.start()
+
+    def stop_loading(self) -> None:
+        """Kill the process if it is still loading the model: a library's load cannot be
+        interrupted, and one that takes long must not hold the run it is for (a cancel
+        callback; any thread)."""
+        with self._cancel_lock:
+            if self.loading:
+                self._kill_for_cancel()
+
+    def loaded(self) -> None:
+        with self._cancel_lock:
+            self.loading = False
+
+    def _kill_if_running(self, seq: int) -> None:
+        if self.running == seq:
+            self._kill_for_cancel()
+
+    def _kill_for_cancel(self) -> None:
+        if self.process.poll() is None:
+            self.killed_for_cancel = True
+            with contextlib.suppress(OSError):
+                self.process.kill()
+
+    def ended(self) -> str:
+        """How the process ended (it has, or is about to: its socket closed)."""
+        how = _died(self.process)
+        self._cleanup()
+        return how
+
+    def discard(self) -> None:
+        """Kill a process that has not loaded a model (a spare): it holds nothing."""
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        self._cleanup()
+
+    def close(self) -> None:
+        """Ask the process to exit, wait for it (killing it past :data:`CLOSE_WAIT_S`)."""
+        with contextlib.suppress(OSError, ValueError):
+            send(self.conn, request(self.arena, ("close", -1, None)))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(CLOSE_WAIT_S)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for closeable in (getattr(self, "conn", None), getattr(self, "_cancels", None)):
+            if closeable is not None:
+                with contextlib.suppress(OSError):
+                    closeable.close()
+        if self._confine_dir is not None:
+            self._confine_dir.cleanup()
+            self._confine_dir = None
+        if getattr(self, "arena", None) is not None:
+            self.arena.close()

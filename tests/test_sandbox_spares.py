@@ -1,0 +1,200 @@
+"""Sandbox processes started ahead of sandboxed loads (``[runtime] sandbox_spares``).
+
+What is checked is what makes a spare worth having: it is a real process that has
+imported the library before any load asks for it (its memory maps hold ONNX Runtime's
+native module), the next load of that kind runs in it, it is replaced once that load
+has ended, it takes the bound of the graph it serves, a dead one is never handed out,
+and closing the pool (or the runtime) kills every spare. How much faster a load is, is
+for ``benchmarks/sandbox_overhead.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import trio
+
+import wasinn
+from tests.crashing_backend import CRASH, CrashingBackend
+from tests.support import cpu_pool, require_backend
+from wasinn import BackendRuntimeError, GraphEncoding, Tensor
+from wasinn.backends import Device, LoadOptions
+from wasinn.backends.registry import BackendRegistry
+from wasinn.backends.sandbox import MAX_SPARES, Spares, load_sandboxed
+from wasinn.configs import ConfigError
+from wasinn.configs.loader import parse_config
+from wasinn.modelgen import affine_onnx
+
+CPU = Device.parse("cpu")
+ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if "wasinn.backends._sandbox_child" in " ".join(p.cmdline())}
+
+
+def _has_imported_onnxruntime(pid: int) -> bool:
+    try:
+        return any("onnxruntime_pybind11_state" in m.path
+                   for m in psutil.Process(pid).memory_maps())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_next_load_runs_in_a_spare_that_imported_the_library_ahead() -> None:
+    require_backend("onnxruntime")
+    backend = BackendRegistry().get("onnxruntime")
+    spares = Spares(1)
+    graphs = []
+    try:
+        assert (spares.waiting(), _children()) == (0, set())
+        graphs.append(load_sandboxed(backend, [affine_onnx(2.0, 1.0)], GraphEncoding.ONNX,
+                                     CPU, spares=spares))
+        assert spares.waiting() == 1  # started once the load had ended
+        (spare,) = _children() - {graphs[0].pid}
+        deadline = time.monotonic() + 60
+        while not _has_imported_onnxruntime(spare):  # with no load asked of it
+            assert time.monotonic() < deadline, "the spare never imported ONNX Runtime"
+            time.sleep(0.05)
+        graphs.append(load_sandboxed(backend, [affine_onnx(3.0, 0.0)], GraphEncoding.ONNX,
+                                     CPU, spares=spares))
+        assert graphs[1].pid == spare
+        assert spares.waiting() == 1 and len(_children()) == 3  # two graphs, a new spare
+        for graph, want in zip(graphs, (3.0, 3.0), strict=True):
+            np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
+                                          np.full((1, 4), want, np.float32))
+    finally:
+        for graph in graphs:
+            graph.close()
+        spares.close()
+    assert _children() == set()
+
+
+def test_a_spare_takes_the_memory_bound_of_the_graph_it_serves() -> None:
+    spares = Spares(1)
+    first = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                           LoadOptions(sandbox=True, max_sandbox_bytes=3 << 30),
+                           spares=spares)
+    second = None
+    try:
+        (spare,) = _children() - {first.pid}
+        second = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                                LoadOptions(sandbox=True, max_sandbox_bytes=2 << 30),
+                                spares=spares)
+        assert second.pid == spare
+        assert first.pid is not None
+        assert psutil.Process(first.pid).rlimit(psutil.RLIMIT_DATA) == (3 << 30, 3 << 30)
+        assert psutil.Process(spare).rlimit(psutil.RLIMIT_DATA) == (2 << 30, 2 << 30)
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        spares.close()
+
+
+def test_the_reload_after_a_crash_runs_in_the_spare() -> None:
+    spares = Spares(1)
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=2"], GraphEncoding.GGML, CPU,
+                           spares=spares)
+    try:
+        (spare,) = _children() - {graph.pid}
+        with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+            graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
+        np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
+                                      np.full((1, 4), 3.0, np.float32))
+        assert graph.pid == spare and spares.waiting() == 1
+    finally:
+        graph.close()
+        spares.close()
+
+
+def test_a_spare_that_died_is_not_handed_out() -> None:
+    spares = Spares(1)
+    first = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                           spares=spares)
+    second = None
+    try:
+        (spare,) = _children() - {first.pid}
+        process = psutil.Process(spare)
+        process.kill()
+        process.wait(30)
+        second = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                                spares=spares)
+        assert second.pid not in (None, spare, first.pid)
+        np.testing.assert_array_equal(second.run(ONES)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        spares.close()
+
+
+def test_a_closed_pool_kills_its_spares_and_keeps_no_more() -> None:
+    spares = Spares(2)
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                           spares=spares)
+    try:
+        assert spares.waiting() == 2 and len(_children()) == 3
+        spares.close()
+        spares.close()  # idempotent
+        assert spares.waiting() == 0 and _children() == {graph.pid}
+        with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+            graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
+        graph.run(ONES)  # a process of its own: the pool starts no spare after it
+        assert spares.waiting() == 0 and _children() == {graph.pid}
+    finally:
+        graph.close()
+    assert _children() == set()
+
+
+def test_no_spares_means_each_load_starts_its_own_process() -> None:
+    spares = Spares(0)
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                           spares=spares)
+    try:
+        assert spares.waiting() == 0 and _children() == {graph.pid}
+    finally:
+        graph.close()
+        spares.close()
+
+
+@pytest.mark.parametrize("keep", [-1, MAX_SPARES + 1])
+def test_a_pool_size_out_of_range_is_refused(keep: int) -> None:
+    with pytest.raises(ValueError, match=rf"^keep={keep}: expected 0 to {MAX_SPARES}$"):
+        Spares(keep)
+
+
+# -- in a runtime -------------------------------------------------------------------------
+async def test_a_runtime_keeps_one_spare_by_default_and_closes_it() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(backends=["onnxruntime"])) as rt:
+        graphs = [await rt.load([affine_onnx(2.0, float(i))], "onnx",
+                                options={"sandbox": True}) for i in range(3)]
+        for i, graph in enumerate(graphs):
+            out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+            np.testing.assert_array_equal(out["y"].numpy(),
+                                          np.full((1, 4), 2.0 + i, np.float32))
+        assert len(_children()) == 4  # three graphs and one spare
+        for graph in graphs:
+            await graph.unload()
+        await trio.sleep(0)
+        assert len(_children()) == 1  # the spare
+    assert _children() == set()
+
+
+def _spares_config(value: Any) -> Any:
+    return parse_config({"runtime": {"sandbox_spares": value}}, None)
+
+
+def test_the_config_takes_the_number_of_spares() -> None:
+    assert parse_config({}, None).runtime.sandbox_spares == 1
+    assert _spares_config(0).runtime.sandbox_spares == 0
+    for bad in (-1, MAX_SPARES + 1, True, "1"):
+        with pytest.raises(ConfigError, match=r"runtime\.sandbox_spares"):
+            _spares_config(bad)
