@@ -26,7 +26,7 @@ trap and is left alone.
   included) and wraps like the guarded quotient for integers, and ``x mod 1`` equals
   ``x mod -1`` in both of Mod's modes. ``Where`` selects between int64 values only,
   ``s`` is then cast: ONNX Runtime's CPU ``Where`` has no int16, uint16 or uint64
-  kernel. Before opset 15 such a node is refused: it cannot be guarded without a type.
+  kernel. Before opset 15 such a node cannot be guarded without a type (see below).
 
 Found through ``onnx.shape_inference``, run on a second parse of the model whose weights'
 ``raw_data`` is cleared (inference would serialize and copy them twice; clearing them in
@@ -43,8 +43,15 @@ came, and so is one whose divisions all have safe types.
 Declared types are trusted as ONNX Runtime checks them: a value_info, subgraph input or
 initializer whose type differs from the one ONNX Runtime infers fails the session.
 
-ORT-format models (flatbuffers) cannot be rewritten here: one that has a Div or Mod node
-is refused.
+What cannot be guarded: an ORT-format model's Div and Mod nodes (flatbuffers are not
+rewritten here), and a node of unknown type before opset 15. The caller decides
+(``refuse_unguardable``). In the host's process, where the trap would end every guest
+and caller, the model is refused with UnsupportedOperationError, which names the way out:
+a sandboxed load. In a sandboxed graph's own process (:func:`~.base.in_sandbox`), where
+the trap ends only that process and the host reports it as that run's (or that load's)
+error, those divisions are left as they are, logged at debug level (logger
+``wasinn.backends``); every other division of the model is still guarded, so it gives a
+result instead of a crash.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 from wasinn.errors import InvalidEncodingError, UnsupportedOperationError, WasiNNError
 
 from ._onnx_check import ORT_FORMAT
+from .base import RUN_IT_SANDBOXED, log
 from .formats import protobuf_records
 
 if TYPE_CHECKING:
@@ -83,22 +91,23 @@ _FIRST_DIV_KERNEL, _WHERE, _CASTLIKE = 7, 9, 15
 _CLEARED_ABOVE = 256
 
 
-def guard_integer_division(backend: str, data: bytes) -> bytes:
+def guard_integer_division(backend: str, data: bytes, *, refuse_unguardable: bool) -> bytes:
     """``data`` with every default-domain Div and Mod node guarded against the minimum
     of int32 or int64 divided by -1 (see the module docstring); ``data`` itself (the
     same object) when no node needs a guard.
 
-    Raises UnsupportedOperationError for an ORT-format model with a Div or Mod node, and
-    for such a node whose operands' type is unknown in a model before opset 15;
+    ``refuse_unguardable``: whether a division that cannot be guarded (an ORT-format
+    model's, or one of unknown type before opset 15) refuses the model, as it must in
+    the host's process; else it is left unguarded and logged at debug level.
+
+    Raises UnsupportedOperationError for such a division where ``refuse_unguardable``;
     InvalidEncodingError for bytes ``onnx`` cannot read although they name a Div or Mod.
     """
     if data[4:8] == ORT_FORMAT:
         if any(op in data for op in _ORT_OPS):
-            raise UnsupportedOperationError(
-                f"{backend}: an ORT-format model with a Div or Mod node is not accepted: an "
-                "integer division of the minimum value by -1 would crash the host process, "
-                "and ORT-format models cannot be guarded against it; convert the model to "
-                "ONNX (protobuf) instead")
+            _unguardable(backend, refuse_unguardable,
+                         "an ORT-format model's Div and Mod nodes cannot be guarded (this "
+                         "format cannot be rewritten)", "convert the model to ONNX (protobuf)")
         return data
     if not _may_divide(data):
         return data
@@ -110,7 +119,7 @@ def guard_integer_division(backend: str, data: bytes) -> bytes:
             "guards integer division (pip install 'wasinn[onnxruntime]')") from exc
     try:
         model = onnx.ModelProto.FromString(data)
-        changed = _Guard(backend, data, model).run()
+        changed = _Guard(backend, data, model, refuse_unguardable).run()
     except WasiNNError:
         raise
     except Exception as exc:  # e.g. a name that is not UTF-8: UnicodeDecodeError
@@ -119,6 +128,18 @@ def guard_integer_division(backend: str, data: bytes) -> bytes:
         return data
     rewritten: bytes = model.SerializeToString()
     return rewritten
+
+
+def _unguardable(backend: str, refuse: bool, what: str, remedy: str) -> None:
+    """Refuse (``refuse``) or leave unguarded, logged, the division(s) ``what`` tells of,
+    which cannot be guarded; ``remedy``: how the model could be guarded instead."""
+    if refuse:
+        raise UnsupportedOperationError(
+            f"{backend}: {what}; an integer division of the minimum value by -1 would "
+            "crash the host process, so the model is refused in the host's process: "
+            f"{remedy}, or {RUN_IT_SANDBOXED}")
+    log.debug("%s: %s: left unguarded in this sandbox process (the minimum value divided "
+              "by -1 there ends only it, which the host reports as an error)", backend, what)
 
 
 class _Constants:
@@ -180,9 +201,12 @@ def _names_division(data: bytes | memoryview) -> bool:
 class _Guard:
     """One model's rewrite: fresh names, and the walk over its graphs and functions."""
 
-    def __init__(self, backend: str, data: bytes, model: onnx.ModelProto) -> None:
-        """``model``: ``data`` parsed, to be rewritten in place."""
+    def __init__(self, backend: str, data: bytes, model: onnx.ModelProto,
+                 refuse_unguardable: bool) -> None:
+        """``model``: ``data`` parsed, to be rewritten in place; ``refuse_unguardable``:
+        see :func:`guard_integer_division`."""
         self._backend = backend
+        self._refuse_unguardable = refuse_unguardable
         self._data = data
         self._model = model
         self._names = _all_names(model)
@@ -246,12 +270,12 @@ class _Guard:
         elif opset >= _CASTLIKE:
             before, after = self._any_type(node, constants)
         else:
-            raise UnsupportedOperationError(
-                f"{self._backend}: cannot guard the {node.op_type} node {_describe(node)} "
-                f"in {where} against an integer division of the minimum value by -1, which "
-                "would crash the host process: its operands' element type is unknown and "
-                f"the model's opset {opset} predates CastLike ({_CASTLIKE}); declare the "
-                "operands' types or use opset 15 or later")
+            _unguardable(self._backend, self._refuse_unguardable,
+                         f"the {node.op_type} node {_describe(node)} in {where} cannot be "
+                         "guarded: its operands' element type is unknown and the model's "
+                         f"opset {opset} predates CastLike ({_CASTLIKE})",
+                         "declare the operands' types or use opset 15 or later")
+            return
         for offset, new in enumerate(before):
             nodes.insert(index + offset, new)
         for offset, new in enumerate(after, start=index + len(before) + 1):

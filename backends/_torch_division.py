@@ -32,7 +32,13 @@ program's fx graphs for guarded ones. The guards are TorchScript functions
 
 A TorchScript archive's own code is compiled, its constant expressions folded, inside
 ``torch.jit.load``, before any graph exists to guard: :func:`check_folded_divisions`
-reads the code first and refuses a division whose operands may all be constants.
+reads the code first and finds a division whose operands may all be constants. Its
+caller decides what becomes of such an archive (``refuse_unguardable``): in the host's
+process it is refused (SecurityError, which names the way out: a sandboxed load); in a
+sandboxed graph's own process (:func:`~.base.in_sandbox`) it is logged at debug level
+(logger ``wasinn.backends``) and loaded, so a fold that traps ends only that process,
+which the host reports as an invalid encoding ("the library crashed on it"). The guards
+above apply to the graphs of an archive so loaded as to any other.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from wasinn.errors import InvalidEncodingError, SecurityError
 
 from ._torch_ops import owned_nodes
+from .base import RUN_IT_SANDBOXED, log
 
 #: The guards, in TorchScript (``Union[int, float, complex]`` is TorchScript's Scalar).
 #: Each returns the divisor (or rounding mode) to use instead of the one given, never 0:
@@ -246,15 +253,18 @@ _DIVIDING_CALLS = frozenset({
 })
 
 
-def check_folded_divisions(backend: str, sources: list[tuple[str, str]]) -> None:
-    """SecurityError if the TorchScript code in ``sources`` (file name, text) divides
-    two values that may both be constants.
+def check_folded_divisions(backend: str, sources: list[tuple[str, str]], *,
+                           refuse_unguardable: bool) -> None:
+    """SecurityError, where ``refuse_unguardable`` (in the host's process), if the
+    TorchScript code in ``sources`` (file name, text) divides two values that may both be
+    constants; else each function's first such division is logged at debug level and left
+    to torch.
 
     ``torch.jit.load`` compiles an archive's code and folds its constant expressions
     as it does, before any graph exists to guard: a division of constants by 0, or of
     the minimum by -1, kills the host there. Code torch itself wrote has no such
-    division (scripting folded it before saving), so any is refused, without telling
-    whether it would trap. A value may be a constant if it is a literal, an operation
+    division (scripting folded it before saving), so any is refused there, without
+    telling whether it would trap. A value may be a constant if it is a literal, an operation
     on such values, or a local name last assigned one (on some path); a function's
     arguments, attributes and what is assigned from them are not (their values come at
     run time, where the graph guards apply), nor is a name a loop assigns within the
@@ -270,14 +280,21 @@ def check_folded_divisions(backend: str, sources: list[tuple[str, str]]) -> None
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 site = _folded_division(function)
-                if site is not None:
+                if site is None:
+                    continue
+                found = (f"the TorchScript code {name} divides constants in "
+                         f"{function.name}() (line {getattr(site, 'lineno', '?')}: "
+                         f"{ast.unparse(site)[:120]}): torch.jit.load would compute that "
+                         "division as it compiles the code, where a zero divisor, or the "
+                         "minimum by -1, kills the process")
+                if refuse_unguardable:
                     raise SecurityError(
-                        f"{backend}: the TorchScript code {name} divides constants in "
-                        f"{function.name}() (line {getattr(site, 'lineno', '?')}: "
-                        f"{ast.unparse(site)[:120]}): torch.jit.load would compute that "
-                        "division as it compiles the code, where a zero divisor, or the "
-                        "minimum by -1, kills the host process; expected the divisions "
-                        "of a model torch saved, whose constants it has folded already")
+                        f"{backend}: {found}, so the archive is refused in the host's "
+                        "process: expected the divisions of a model torch saved, whose "
+                        f"constants it has folded already; or {RUN_IT_SANDBOXED}")
+                log.debug("%s: %s: loaded all the same in this sandbox process (a crash "
+                          "there ends only it, which the host reports as an error)",
+                          backend, found)
 
 
 def _folded_division(function: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.AST | None:

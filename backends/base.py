@@ -162,6 +162,15 @@ def in_sandbox() -> bool:
     return bool(_sandbox_process)
 
 
+#: The way out a refusal that only the host's process needs (a division a backend cannot
+#: guard) ends with: in a sandbox process the same model is accepted unguarded.
+RUN_IT_SANDBOXED = (
+    "load it sandboxed to run it unguarded, in a process of its own that a crash ends "
+    "instead of the host's (sandbox = true in its [models.NAME] table or "
+    "options={'sandbox': True} in rt.load; [guests] sandbox for the models guests load "
+    "from their own bytes, sandboxed on the CPU by default)")
+
+
 def mark_sandbox_process() -> None:
     """Called once by a sandbox process's main (:mod:`._sandbox_child`), never elsewhere."""
     _sandbox_process.append(True)

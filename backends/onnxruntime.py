@@ -27,7 +27,10 @@ the host can, relative to its working directory). ORT's Python fallback is off (
 would quietly move a GPU graph to the CPU. An int32 or int64 Div or Mod of the type's
 minimum by minus one killed the host with SIGFPE (at run time, or at load when both were
 constants): every such node is guarded before ORT sees the model (:mod:`._onnx_division`;
-a model without Div or Mod goes through untouched, unparsed).
+a model without Div or Mod goes through untouched, unparsed). One that cannot be guarded
+(an ORT-format model's; one of unknown type before opset 15) is refused in the host's
+process only: loaded sandboxed (:func:`~.base.in_sandbox`), where a trap ends just the
+sandbox process, it is left unguarded and the rest of the model guarded.
 
 Spinning: each session's intra-op threads spin while a run is in progress (ONNX Runtime's
 default), but stop when it returns (``session.force_spinning_stop``; ``extra`` can set it
@@ -62,7 +65,15 @@ from wasinn.tensor import Tensor, numpy_dtype
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import check_external_data, external_data_folder
 from ._onnx_division import guard_integer_division
-from .base import Backend, Builders, Device, LoadOptions, TensorSpec, current_cancellation
+from .base import (
+    Backend,
+    Builders,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    current_cancellation,
+    in_sandbox,
+)
 from .formats import protobuf_records
 
 NAME = "onnxruntime"
@@ -362,7 +373,7 @@ class OnnxRuntimeBackend(Backend):
         included); SecurityError for a model that refers to external data files (see
         :mod:`._onnx_check`); UnsupportedOperationError for a device it lacks, a model
         whose inputs/outputs use a type outside the wasi-nn set, or an integer division
-        that cannot be guarded (see :mod:`._onnx_division`).
+        that cannot be guarded, outside a sandbox process (see :mod:`._onnx_division`).
         """
         expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
@@ -372,7 +383,7 @@ class OnnxRuntimeBackend(Backend):
         options = options or LoadOptions()
         data = bytes(builders[0])
         check_external_data(NAME, data, external_data_folder(options.source))
-        data = guard_integer_division(NAME, data)
+        data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox())
         session = _session(data, device, options)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()

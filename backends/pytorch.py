@@ -32,10 +32,13 @@ archive's code scanned (its ``__setstate__`` methods run as it loads); once load
 graph may call only operators that compute on tensors (:mod:`._torch_ops`: not
 ``aten::from_file``, ``aten::save``, RPC, Python ...), and its integer divisions that
 would trap on a guest's values (by zero, or the minimum by -1: SIGFPE kills the host)
-are guarded (:mod:`._torch_division`). Memory is never shared with the
-caller: an output whose storage is an input's, a parameter's, buffer's or constant's, or
-another output's is cloned, and a model that writes to its inputs (``x.sub_(mean)``,
-detected at load from the graph) runs on copies of them (:mod:`._torch_memory`).
+are guarded (:mod:`._torch_division`); an archive whose code divides constants, which
+``torch.jit.load`` would fold before any guard exists, is refused in the host's process
+and loaded all the same in a sandbox process (:func:`~.base.in_sandbox`), where a crash
+ends only that process. Memory is never shared with the caller: an output whose storage
+is an input's, a parameter's, buffer's or constant's, or another output's is cloned, and
+a model that writes to its inputs (``x.sub_(mean)``, detected at load from the graph)
+runs on copies of them (:mod:`._torch_memory`).
 
 Cancellation: torch offers no way to interrupt an operator, so a ``torch.export``
 program is loaded with a checkpoint (:func:`~wasinn.backends.base.stop_if_cancelled`)
@@ -111,6 +114,7 @@ from .base import (
     LoadOptions,
     TensorSpec,
     current_cancellation,
+    in_sandbox,
     log,
     stop_if_cancelled,
 )
@@ -503,8 +507,9 @@ class TorchBackend(Backend):
         Raises InvalidEncodingError for another encoding, a builder count other than one
         or bytes torch cannot load; UnsupportedOperationError for a device it lacks;
         SecurityError for a model that would run host code as it loads (a pickle, code
-        in a ``.pt2`` program's expressions or names) or call an operator that reaches
-        outside its tensors (``aten::from_file``...), naming what it found.
+        in a ``.pt2`` program's expressions or names), call an operator that reaches
+        outside its tensors (``aten::from_file``...) or, outside a sandbox process, have
+        ``torch.jit.load`` fold a division of constants, naming what it found.
         """
         expect_encoding(NAME, encoding, GraphEncoding.PYTORCH)
         expect_builders(NAME, builders, 1, "one builder holding a TorchScript or .pt2 archive")
@@ -545,7 +550,8 @@ def _load_torchscript(
     interruptible: bool
 ) -> TorchGraph:
     sources = check_torchscript_code(NAME, data)  # before torch.jit.load runs __setstate__
-    check_folded_divisions(NAME, sources)  # before torch.jit.load folds them as it compiles
+    # Before torch.jit.load folds them as it compiles; a sandbox process risks the fold.
+    check_folded_divisions(NAME, sources, refuse_unguardable=not in_sandbox())
     try:
         module = torch.jit.load(  # type: ignore[no-untyped-call]
             io.BytesIO(data), map_location=torch_device

@@ -5,10 +5,13 @@ and ``%``: the type's minimum by -1 traps, and the whole process died of SIGFPE,
 time or (both operands constant) while the session was built. Every computation that did
 so runs here in a child process, so that a regression fails its test instead of killing
 pytest; values that cannot trap, and the guard's rewrites, are checked in this process.
+What cannot be guarded is refused in the host's process, and runs unguarded in a
+sandboxed graph's process, where the trap ends only that process (the last tests).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -19,7 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support import require_backend
+import wasinn
+from tests.support import cpu_pool, require_backend
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor, UnsupportedOperationError
 from wasinn.backends import Device, LoadOptions
 from wasinn.modelgen import affine_onnx, onnx_model_bytes
@@ -45,10 +49,12 @@ def backend() -> Any:
     return OnnxRuntimeBackend()
 
 
-def _guard(data: bytes) -> bytes:
+def _guard(data: bytes, *, refuse_unguardable: bool = True) -> bytes:
+    """``data`` guarded as in the host's process (``refuse_unguardable``), or as in a
+    sandbox process."""
     from wasinn.backends._onnx_division import guard_integer_division
 
-    return guard_integer_division(NAME, data)
+    return guard_integer_division(NAME, data, refuse_unguardable=refuse_unguardable)
 
 
 # -- models ------------------------------------------------------------------------------
@@ -529,14 +535,21 @@ def test_new_names_clash_with_none_in_the_model() -> None:
     np.testing.assert_array_equal(y, [3, 7])
 
 
-# -- what is refused ---------------------------------------------------------------------------
+# -- what is refused in the host's process -----------------------------------------------------
+#: The end of every refusal: how to run the model all the same.
+WAY_OUT = (r"or load it sandboxed to run it unguarded, in a process of its own that a crash "
+           r"ends instead of the host's \(sandbox = true in its \[models\.NAME\] table or "
+           r"options=\{'sandbox': True\} in rt\.load; \[guests\] sandbox .*\)$")
+
+
 def test_an_unknown_type_before_opset_15_is_refused(backend: Any) -> None:
     model = _in_function("Div", np.int64, 3, opset=14)
     with pytest.raises(UnsupportedOperationError, match=(
-            r"^onnxruntime: cannot guard the Div node producing 'q' in function "
-            r"wasinn\.test:Divide against an integer division of the minimum value by -1, "
-            r"which would crash the host process: its operands' element type is unknown "
-            r"and the model's opset 14 predates CastLike \(15\)")):
+            r"^onnxruntime: the Div node producing 'q' in function wasinn\.test:Divide "
+            r"cannot be guarded: its operands' element type is unknown and the model's "
+            r"opset 14 predates CastLike \(15\); an integer division of the minimum value "
+            r"by -1 would crash the host process, so the model is refused in the host's "
+            r"process: declare the operands' types or use opset 15 or later, " + WAY_OUT)):
         backend.load([model], GraphEncoding.ONNX, CPU)
 
 
@@ -555,12 +568,95 @@ def test_ort_format_models_with_a_division_are_refused(backend: Any, tmp_path: P
     divides = _ort_format(_binary("Div", np.float32, [3], [3]), tmp_path / "div.ort")
     assert divides[4:8] == b"ORTM" and b"\x03\x00\x00\x00Div\x00" in divides
     with pytest.raises(UnsupportedOperationError, match=(
-            r"^onnxruntime: an ORT-format model with a Div or Mod node is not accepted: an "
-            r"integer division of the minimum value by -1 would crash the host process.*"
-            r"convert the model to ONNX")):
+            r"^onnxruntime: an ORT-format model's Div and Mod nodes cannot be guarded \(this "
+            r"format cannot be rewritten\); an integer division of the minimum value by -1 "
+            r"would crash the host process, so the model is refused in the host's process: "
+            r"convert the model to ONNX \(protobuf\), " + WAY_OUT)):
         backend.load([divides], GraphEncoding.ONNX, CPU)
     plain = _ort_format(affine_onnx(), tmp_path / "affine.ort")
     assert _guard(plain) is plain
     graph = backend.load([plain], GraphEncoding.ONNX, CPU)
     (y,) = graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}).values()
     np.testing.assert_allclose(y.numpy(), np.full((1, 4), 3.0))
+
+
+# -- what runs unguarded in a sandbox process --------------------------------------------------
+def _typed_then_untyped() -> bytes:
+    """``y = Divide(a / b, b)``: the main graph's Div of declared int64 operands, then
+    the untyped Div of the model-local function Divide, in an opset 14 model."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.ModelProto.FromString(_in_function("Div", np.int64, 3, opset=14))
+    model.graph.node.insert(0, helper.make_node("Div", ["a", "b"], ["d"], name="typed"))
+    model.graph.node[1].input[0] = "d"
+    return bytes(model.SerializeToString())
+
+
+def test_refusal_off_leaves_an_untyped_division_as_it_is_and_guards_the_rest(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import onnx
+    import onnxruntime as ort
+
+    model = _typed_then_untyped()
+    with pytest.raises(UnsupportedOperationError, match=r"predates CastLike.*" + WAY_OUT):
+        _guard(model)
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        data = _guard(model, refuse_unguardable=False)
+    guarded = onnx.ModelProto.FromString(data)
+    original = onnx.ModelProto.FromString(model)
+    assert list(guarded.functions) == list(original.functions)  # its Div as it was
+    typed = next(n for n in guarded.graph.node if n.name == "typed")
+    assert typed.input[0] == "a" and typed.input[1] != "b"  # the divisor is the guard's
+    assert [n.op_type for n in guarded.graph.node].count("Where") == 1
+    (record,) = [r for r in caplog.records if r.name == "wasinn.backends"]
+    assert record.levelno == logging.DEBUG
+    assert record.getMessage() == (
+        "onnxruntime: the Div node producing 'q' in function wasinn.test:Divide cannot be "
+        "guarded: its operands' element type is unknown and the model's opset 14 predates "
+        "CastLike (15): left unguarded in this sandbox process (the minimum value divided "
+        "by -1 there ends only it, which the host reports as an error)")
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    (y,) = session.run(None, {"a": np.array([7, -70, 9]), "b": np.array([2, 3, -1])})
+    np.testing.assert_array_equal(y, [1, -7, 9])  # truncated: 7 / 2 / 2, -70 / 3 / 3, 9 / -1 / -1
+
+
+def test_refusal_off_passes_an_ort_format_model_with_a_division_as_it_came(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    divides = _ort_format(_binary("Mod", np.int32, [3], [3]), tmp_path / "mod.ort")
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        assert _guard(divides, refuse_unguardable=False) is divides
+    assert caplog.messages == [
+        "onnxruntime: an ORT-format model's Div and Mod nodes cannot be guarded (this format "
+        "cannot be rewritten): left unguarded in this sandbox process (the minimum value "
+        "divided by -1 there ends only it, which the host reports as an error)"]
+
+
+def _unguardable(kind: str, tmp_path: Path) -> bytes:
+    """A model whose int64 Div cannot be guarded: ``y = a / b``."""
+    if kind == "ort-format":
+        return _ort_format(_binary("Div", np.int64, [3], [3]), tmp_path / "div.ort")
+    return _in_function("Div", np.int64, 3, opset=14)
+
+
+@pytest.mark.parametrize("kind", ["ort-format", "untyped-before-opset-15"])
+async def test_a_division_refused_in_the_host_runs_sandboxed_and_a_trap_fails_one_run(
+        kind: str, tmp_path: Path) -> None:
+    model = _unguardable(kind, tmp_path)
+    minimum = np.iinfo(np.int64).min
+    good = {"a": np.array([7, -7, minimum]), "b": np.array([2, 2, 1])}
+    traps = {"a": np.array([minimum, 7, 9]), "b": np.array([-1, 2, 3])}
+    async with wasinn.Runtime(cpu_pool(backends=["onnxruntime"])) as rt:
+        with pytest.raises(UnsupportedOperationError, match=WAY_OUT):
+            await rt.load([model], "onnx")
+        graph = await rt.load([model], "onnx", options={"sandbox": True})
+        out = await graph.compute(good)
+        np.testing.assert_array_equal(out["y"].numpy(), [3, -3, minimum])
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^onnxruntime: the process running the model was killed by SIGFPE: the "
+                r"library crashed on this model or these inputs \(the host goes on; the "
+                r"next run starts a new process\)$")):
+            await graph.compute(traps)
+        out = await graph.compute(good)
+        np.testing.assert_array_equal(out["y"].numpy(), [3, -3, minimum])
+        await graph.unload()

@@ -7,18 +7,28 @@ process, so that a regression fails the test instead of killing the test run."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import io
 import json
+import logging
 import random
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.support import require_backend
+import wasinn
+from tests.backend_models import scripted
+from tests.support import cpu_pool, require_backend
 
 MIN64 = -(2**63)
 MIN32 = -(2**31)
@@ -331,28 +341,43 @@ RUN_TIME = {
 }
 
 
+@functools.cache
+def _plain_archive() -> bytes:
+    """PLAIN_MODEL as a TorchScript archive (scripting reads the class from its file)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "plain_model.py")
+        path.write_text(PLAIN_MODEL)
+        spec = importlib.util.spec_from_file_location("plain_model", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return scripted(module.M())
+
+
+def crafted_archive(body: str) -> bytes:
+    """PLAIN_MODEL's archive with ``body`` (one of CRAFTED's, RUN_TIME's) as its forward's
+    serialized code: code torch itself would not write."""
+    source = zipfile.ZipFile(io.BytesIO(_plain_archive()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename.endswith(".py"):
+                data = data.replace(b"    return torch.add(x, 1)", body.encode())
+            archive.writestr(info, data)
+    return out.getvalue()
+
+
 def test_archives_whose_code_folds_a_division_are_refused_before_torch_compiles_it() -> None:
     # Before: torch.jit.load folded torch.remainder(7, 0) as it compiled the code, and the
     # host died (SIGFPE) inside the load.
     require_backend("torch")
     script = f"""
-    import zipfile
-    from wasinn.errors import SecurityError
-    buf = io.BytesIO()
-    torch.jit.save(torch.jit.script(from_source({PLAIN_MODEL!r}).M()), buf)
-    def crafted(body):
-        source = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
-        out = io.BytesIO()
-        with zipfile.ZipFile(out, "w") as archive:
-            for info in source.infolist():
-                data = source.read(info.filename)
-                if info.filename.endswith(".py"):
-                    data = data.replace(b"    return torch.add(x, 1)", body.encode())
-                archive.writestr(info, data)
-        return out.getvalue()
+    from tests.test_torch_division import crafted_archive
     for name, body in {{**{CRAFTED!r}, **{RUN_TIME!r}}}.items():
         try:
-            graph = backend.load([crafted(body)], GraphEncoding.PYTORCH, Device.parse("cpu"))
+            graph = backend.load([crafted_archive(body)], GraphEncoding.PYTORCH,
+                                 Device.parse("cpu"))
         except Exception as exc:
             report(name, {{"error": type(exc).__name__, "message": str(exc)}})
             continue
@@ -367,6 +392,66 @@ def test_archives_whose_code_folds_a_division_are_refused_before_torch_compiles_
         assert results[name]["error"] == "SecurityError", (name, results[name])
         assert "divides constants in forward()" in results[name]["message"]
         assert "torch.jit.load would compute that division" in results[name]["message"]
+        assert re.search(WAY_OUT, results[name]["message"]), results[name]["message"]
     assert results["carried"]["error"] == "BackendRuntimeError"  # 7 % 0 in the first pass
     assert "integer division or modulo by zero" in results["carried"]["message"]
     assert results["argument"] == results["reassigned"] == {"value": [2.0, 3.0]}  # 7 % 2
+
+
+# -- archives whose code folds a division, in a sandbox process ----------------------------------
+
+#: How a refusal in the host's process ends.
+WAY_OUT = (r"; or load it sandboxed to run it unguarded, in a process of its own that a crash "
+           r"ends instead of the host's \(sandbox = true in its \[models\.NAME\] table or "
+           r"options=\{'sandbox': True\} in rt\.load; \[guests\] sandbox .*\)$")
+#: Code folding a division that cannot trap: refused all the same in the host's process.
+FOLDS_SAFELY = "    return torch.add(x, torch.remainder(7, 6))"
+
+
+def test_refusal_off_logs_a_folded_division_instead(caplog: pytest.LogCaptureFixture) -> None:
+    require_backend("torch")
+    from wasinn.backends._torch_division import check_folded_divisions
+    from wasinn.errors import SecurityError
+
+    sources = [("code/__torch__/model.py",
+                f"def forward(self, x):\n{CRAFTED['literal']}\n")]
+    with pytest.raises(SecurityError, match=(
+            r"^pytorch: the TorchScript code code/__torch__/model\.py divides constants in "
+            r"forward\(\) \(line 2: torch\.remainder\(7, 0\)\): torch\.jit\.load would "
+            r"compute that division as it compiles the code, where a zero divisor, or the "
+            r"minimum by -1, kills the process, so the archive is refused in the host's "
+            r"process: expected the divisions of a model torch saved, whose constants it has "
+            r"folded already" + WAY_OUT)):
+        check_folded_divisions("pytorch", sources, refuse_unguardable=True)
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        check_folded_divisions("pytorch", sources, refuse_unguardable=False)
+    assert caplog.messages == [
+        "pytorch: the TorchScript code code/__torch__/model.py divides constants in forward() "
+        "(line 2: torch.remainder(7, 0)): torch.jit.load would compute that division as it "
+        "compiles the code, where a zero divisor, or the minimum by -1, kills the process: "
+        "loaded all the same in this sandbox process (a crash there ends only it, which the "
+        "host reports as an error)"]
+
+
+async def test_a_folded_division_loads_sandboxed_and_a_trapping_fold_fails_that_load_only(
+) -> None:
+    # In the host's process both archives are refused before torch.jit.load runs.
+    require_backend("torch")
+    from wasinn import InvalidEncodingError, SecurityError
+
+    x = np.array([1.0, 2.0], np.float32)
+    sandboxed = {"sandbox": True}
+    async with wasinn.Runtime(cpu_pool(backends=["pytorch"])) as rt:
+        for body in (FOLDS_SAFELY, CRAFTED["literal"]):
+            with pytest.raises(SecurityError, match=WAY_OUT):
+                await rt.load([crafted_archive(body)], "pytorch")
+        graph = await rt.load([crafted_archive(FOLDS_SAFELY)], "pytorch", options=sandboxed)
+        np.testing.assert_array_equal((await graph.compute({"x": x}))["output"].numpy(),
+                                      [2.0, 3.0])  # x + 7 % 6
+        with pytest.raises(InvalidEncodingError, match=(
+                r"^pytorch: the process loading the model was killed by SIGFPE: the library "
+                r"crashed on it \(the host goes on\)$")):
+            await rt.load([crafted_archive(CRAFTED["literal"])], "pytorch", options=sandboxed)
+        np.testing.assert_array_equal((await graph.compute({"x": x}))["output"].numpy(),
+                                      [2.0, 3.0])
+        await graph.unload()
