@@ -24,7 +24,10 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   files and maps its own memory).
 * A child that dies (a signal, an exit) fails the run or the load that was under way
   with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
-  graph starts a new child, and loads the model again, for its next run.
+  graph starts a new child, and loads the model again, for its next run; after the
+  second crash in a row it waits first, longer with each crash (:mod:`._sandbox_backoff`),
+  failing runs at once meanwhile, so that a guest crashing it on purpose cannot keep the
+  host starting processes.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -67,6 +70,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from . import _confine
+from ._sandbox_backoff import CrashBackoff
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_wire import ALIGN
@@ -152,6 +156,7 @@ class SandboxedGraph(CompiledGraph):
         self._reserve = 0
         self._lock = threading.Lock()
         self._closed = False
+        self.backoff = CrashBackoff(backend.name)
         self._child: SandboxProcess | None = None
         try:
             payload = self._start()
@@ -193,6 +198,7 @@ class SandboxedGraph(CompiledGraph):
                 raise BackendRuntimeError(
                     f"{name}: cancelled while a process loaded the model: it was "
                     "stopped") from None
+            self.backoff.crashed(how)
             raise InvalidEncodingError(
                 f"{name}: the process loading the model {how}: the library "
                 "crashed on it (the host goes on)") from None
@@ -225,6 +231,7 @@ class SandboxedGraph(CompiledGraph):
                 raise ClosedResourceError(f"{name}: the graph is closed")
             child = self._child
             if child is None:  # the last one died: a new process, the model loaded again
+                self.backoff.check()
                 self._start()
                 child = self._child
                 assert child is not None
@@ -244,10 +251,13 @@ class SandboxedGraph(CompiledGraph):
                     raise BackendRuntimeError(
                         f"{name}: the run was cancelled and did not stop within "
                         f"{CANCEL_GRACE_S:g} s: its process was killed") from None
+                self.backoff.crashed(how)
+                delay = self.backoff.delay()
+                then = (f"runs resume in {delay:g} s, after {self.backoff.crashes} crashes "
+                        "in a row" if delay else "the next run starts a new process")
                 raise BackendRuntimeError(
                     f"{name}: the process running the model {how}: the library crashed "
-                    "on this model or these inputs (the host goes on; the next run "
-                    "starts a new process)") from None
+                    f"on this model or these inputs (the host goes on; {then})") from None
             except ValueError as exc:
                 self._child = None
                 child.close()
@@ -258,6 +268,7 @@ class SandboxedGraph(CompiledGraph):
                 child.running = -1
                 if forget is not None:
                     forget()
+            self.backoff.succeeded()  # the process answered, with results or an error
         if "error" in payload:
             raise _error(payload)
         self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))

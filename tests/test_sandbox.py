@@ -569,3 +569,52 @@ def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     finally:
         host.close()
         child.close()
+
+
+# -- a graph that keeps crashing -----------------------------------------------------------
+def test_a_graph_that_keeps_crashing_waits_before_starting_another_process() -> None:
+    from wasinn.backends._sandbox_backoff import CrashBackoff
+
+    now = [1000.0]
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    graph.backoff = CrashBackoff("crashing", clock=lambda: now[0])
+    crash = {"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))}
+    ones = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    try:
+        with pytest.raises(BackendRuntimeError, match=r"the next run starts a new process\)$"):
+            graph.run(crash)
+        with pytest.raises(BackendRuntimeError, match=(
+                r"SIGSEGV: the library crashed on this model or these inputs \(the host goes "
+                r"on; runs resume in 0\.5 s, after 2 crashes in a row\)$")):
+            graph.run(crash)
+        now[0] += 0.2
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: the model's process crashed 2 times in a row \(the last was "
+                r"killed by SIGSEGV\): runs resume in 0\.3 s, when a new process is started, "
+                r"and fail at once until then \(the wait doubles with each crash in a row, "
+                r"up to 30 s\)$")):
+            graph.run(ones)
+        assert graph.pid is None and _sandbox_children() == []  # nothing was started
+        now[0] += 0.3
+        np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+        # The run that succeeded ended the streak: the next crash restarts at once.
+        with pytest.raises(BackendRuntimeError, match=r"the next run starts a new process\)$"):
+            graph.run(crash)
+        graph.run(ones)
+    finally:
+        graph.close()
+
+
+def test_the_wait_doubles_with_each_crash_in_a_row_up_to_a_bound() -> None:
+    from wasinn.backends._sandbox_backoff import MAX_DELAY_S, CrashBackoff
+
+    backoff = CrashBackoff("b", clock=lambda: 0.0)
+    delays = []
+    for _ in range(10):
+        backoff.crashed("was killed by SIGFPE")
+        delays.append(backoff.delay())
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_DELAY_S, MAX_DELAY_S, MAX_DELAY_S]
+    backoff.succeeded()
+    assert backoff.delay() == 0.0
+    backoff.check()  # no wait: nothing raised
