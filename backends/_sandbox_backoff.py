@@ -26,7 +26,9 @@ MAX_DELAY_S = 30.0
 
 class CrashBackoff:
     """One graph's crash streak and the time its next process may start (not
-    thread-safe: the graph holds its lock around every call)."""
+    thread-safe: the graph holds its lock around every call). A graph with several
+    processes counts the crashes of all of them; while it waits, runs go to those still
+    alive."""
 
     def __init__(self, backend: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._backend = backend
@@ -51,6 +53,10 @@ class CrashBackoff:
         """A run succeeded (or failed with an error its process reported): the streak
         ends."""
         self.crashes = 0
+
+    def waiting(self) -> bool:
+        """Whether no new process may start now."""
+        return self.crashes >= 2 and self._resume_at > self._clock()
 
     def check(self) -> None:
         """BackendRuntimeError while no new process may start."""

@@ -46,8 +46,10 @@ What it costs (``benchmarks/sandbox_overhead.py``): a process per graph, which i
 the library unless a spare had (MobileNetV2-like loads, 2026-11-22: ONNX Runtime 0.27 s
 in a new process, 0.08 s in a spare, 0.04 s in the host's process; OpenVINO 0.45 / 0.17 /
 0.12 s); a copy of every input into the arena and of every output out of it; and two
-process wake-ups per run. A graph serves one run at a time. Its arena keeps the size of
-the largest run's inputs and outputs.
+process wake-ups per run. A graph runs one run at a time per process, and up to
+``processes`` processes (the scheduler passes its device's workers), each started when
+a run finds every other one busy and each holding its own copy of the model. A
+process's arena keeps the size of the largest run's inputs and outputs.
 """
 
 from __future__ import annotations
@@ -94,16 +96,17 @@ def default_max_bytes() -> int:
 
 def load_sandboxed(backend: Backend, builders: Builders, encoding: GraphEncoding,
                    device: Device, options: LoadOptions | None = None, *,
-                   spares: Spares | None = None) -> SandboxedGraph:
+                   spares: Spares | None = None, processes: int = 1) -> SandboxedGraph:
     """``backend.load(...)``, run in a process of its own (see the module docstring);
     taken from ``spares`` where it has one started (and then replaced there), else
-    started for it.
+    started for it. ``processes``: the most runs at once, each in a process of its own
+    (more are started as concurrent runs need them).
 
     Raises what the backend's load raises, InvalidEncodingError when the process dies
     loading the model, and BackendRuntimeError when no process can be started.
     """
     return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions(),
-                          spares=spares)
+                          spares=spares, processes=processes)
 
 
 def _spec(entry: Any) -> TensorSpec:
@@ -135,18 +138,24 @@ def _error(payload: Mapping[str, Any]) -> WasiNNError:
 
 
 class SandboxedGraph(CompiledGraph):
-    """A graph compiled and run in a child process (see the module docstring)."""
+    """A graph compiled and run in child processes (see the module docstring): up to
+    ``processes`` at once, one per concurrent run, each started when a run first finds
+    every other one busy, and each holding its own copy of the model."""
 
     def __init__(self, backend: Backend, builders: Builders, encoding: GraphEncoding,
-                 device: Device, options: LoadOptions, *, spares: Spares | None = None
-                 ) -> None:
+                 device: Device, options: LoadOptions, *, spares: Spares | None = None,
+                 processes: int = 1) -> None:
+        if processes < 1:
+            raise ValueError(f"processes={processes}: expected at least 1")
         self.device = device
+        #: The most processes (and so runs) at once.
+        self.processes = processes
         self._backend = backend
         self._spares = spares
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
-        #: The memory its processes may hold (None: not bounded).
+        #: The memory each of its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
         self._load = (encoding, device, options, self.max_bytes)
@@ -154,12 +163,20 @@ class SandboxedGraph(CompiledGraph):
                        for i, b in enumerate(builders)}
         #: Bytes a run's outputs are expected to need in the arena: the largest so far.
         self._reserve = 0
-        self._lock = threading.Lock()
+        # Guards what follows; notified when a process becomes idle or goes.
+        self._cond = threading.Condition()
         self._closed = False
         self.backoff = CrashBackoff(backend.name)
-        self._child: SandboxProcess | None = None
+        self._idle: list[SandboxProcess] = []
+        self._busy: set[SandboxProcess] = set()
+        self._starting = 0
         try:
-            payload = self._start()
+            child, payload = self._start()
+        except BaseException:
+            self.close()
+            raise
+        self._idle.append(child)
+        try:
             self.inputs = tuple(_spec(e) for e in payload["inputs"])
             self.outputs = tuple(_spec(e) for e in payload["outputs"])
             self.input_aliases = _aliases(payload["input_aliases"])
@@ -170,17 +187,22 @@ class SandboxedGraph(CompiledGraph):
             raise BackendRuntimeError(
                 f"{backend.name}: the process loading the model answered {exc!r:.200}: "
                 "expected the model's inputs and outputs") from None
-        except BaseException:
-            self.close()
-            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes serving this graph now, idle or running (none after a crash,
+        until the next run)."""
+        with self._cond:
+            return sorted(c.process.pid for c in (*self._idle, *self._busy))
 
     @property
     def pid(self) -> int | None:
-        """The process serving this graph now (None between a crash and the next run)."""
-        child = self._child
-        return None if child is None else child.process.pid
+        """The first of :attr:`pids` (None when there is none)."""
+        pids = self.pids
+        return pids[0] if pids else None
 
-    def _start(self) -> dict[str, Any]:
+    def _start(self) -> tuple[SandboxProcess, dict[str, Any]]:
+        """A process that has loaded the model, and what it said of the model."""
         spares = self._spares
         child = (SandboxProcess(self._backend, self._confined) if spares is None
                  else spares.take(self._backend, self._confined))
@@ -198,7 +220,8 @@ class SandboxedGraph(CompiledGraph):
                 raise BackendRuntimeError(
                     f"{name}: cancelled while a process loaded the model: it was "
                     "stopped") from None
-            self.backoff.crashed(how)
+            with self._cond:
+                self.backoff.crashed(how)
             raise InvalidEncodingError(
                 f"{name}: the process loading the model {how}: the library "
                 "crashed on it (the host goes on)") from None
@@ -212,7 +235,6 @@ class SandboxedGraph(CompiledGraph):
         if "error" in payload:
             child.close()
             raise _error(payload)
-        self._child = child
         log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
                   name, self.device.name)
         if spares is not None:  # after the load: a spare's imports would slow it
@@ -221,63 +243,110 @@ class SandboxedGraph(CompiledGraph):
             confined = payload.get("confined")
             _confine.log_report(confined if isinstance(confined, dict) else None,
                                 "sandboxed model", "sandbox processes")
-        return payload
+        return child, payload
+
+    def _acquire(self) -> SandboxProcess:
+        """An idle process, or a new one where fewer than :attr:`processes` run (after a
+        crash, once the back-off allows); else wait for one to be idle."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
+                if self._idle:
+                    child = self._idle.pop()
+                    self._busy.add(child)
+                    return child
+                live = len(self._busy) + self._starting
+                if live < self.processes and not (live and self.backoff.waiting()):
+                    self.backoff.check()  # with none live: refused while it waits
+                    self._starting += 1
+                    break
+                self._cond.wait()
+        try:
+            child, _ = self._start()
+        except BaseException:
+            with self._cond:
+                self._starting -= 1
+                self._cond.notify()
+            raise
+        with self._cond:
+            self._starting -= 1
+            if not self._closed:
+                self._busy.add(child)
+                return child
+        child.close()
+        raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
+
+    def _release(self, child: SandboxProcess) -> None:
+        """Back to the idle processes after a run, unless it died (it was then waited
+        for) or the graph was closed meanwhile."""
+        alive = child.process.poll() is None
+        with self._cond:
+            self._busy.discard(child)
+            keep = alive and not self._closed
+            if keep:
+                self._idle.append(child)
+            self._cond.notify()
+        if alive and not keep:  # the graph was closed while it ran
+            child.close()
 
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
-        name = self._backend.name
-        with self._lock:
-            if self._closed:
-                raise ClosedResourceError(f"{name}: the graph is closed")
-            child = self._child
-            if child is None:  # the last one died: a new process, the model loaded again
-                self.backoff.check()
-                self._start()
-                child = self._child
-                assert child is not None
-            child.seq += 1
-            seq = child.running = child.seq
-            cancellation = _current_cancellation()
-            forget = (cancellation.on_cancel(lambda: child.cancel(seq))
-                      if cancellation is not None else None)
-            try:
-                payload, result = child.call(
-                    ("run", seq, None if outputs is None else list(outputs)), inputs,
-                    reserve=self._reserve)
-            except (EOFError, OSError):
-                self._child = None
-                how = child.ended()
-                if child.killed_for_cancel:
-                    raise BackendRuntimeError(
-                        f"{name}: the run was cancelled and did not stop within "
-                        f"{CANCEL_GRACE_S:g} s: its process was killed") from None
-                self.backoff.crashed(how)
-                delay = self.backoff.delay()
-                then = (f"runs resume in {delay:g} s, after {self.backoff.crashes} crashes "
-                        "in a row" if delay else "the next run starts a new process")
-                raise BackendRuntimeError(
-                    f"{name}: the process running the model {how}: the library crashed "
-                    f"on this model or these inputs (the host goes on; {then})") from None
-            except ValueError as exc:
-                self._child = None
-                child.close()
-                raise BackendRuntimeError(
-                    f"{name}: the process running the model answered badly: {exc}"
-                ) from None
-            finally:
-                child.running = -1
-                if forget is not None:
-                    forget()
-            self.backoff.succeeded()  # the process answered, with results or an error
+        child = self._acquire()
+        try:
+            payload, result = self._run_in(child, inputs, outputs)
+        finally:
+            self._release(child)
         if "error" in payload:
             raise _error(payload)
         self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))
         return result
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            child, self._child = self._child, None
-        if child is not None:
+    def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor],
+                outputs: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The reply of ``child`` to a run; BackendRuntimeError when it died or answered
+        badly (then it has ended), or when the arena could not grow for the outputs (then
+        it goes on)."""
+        name = self._backend.name
+        child.seq += 1
+        seq = child.running = child.seq
+        cancellation = _current_cancellation()
+        forget = (cancellation.on_cancel(lambda: child.cancel(seq))
+                  if cancellation is not None else None)
+        try:
+            answer = child.call(("run", seq, None if outputs is None else list(outputs)),
+                                inputs, reserve=self._reserve)
+        except (EOFError, OSError):
+            how = child.ended()
+            if child.killed_for_cancel:
+                raise BackendRuntimeError(
+                    f"{name}: the run was cancelled and did not stop within "
+                    f"{CANCEL_GRACE_S:g} s: its process was killed") from None
+            with self._cond:
+                self.backoff.crashed(how)
+                delay, crashes = self.backoff.delay(), self.backoff.crashes
+            then = (f"runs resume in {delay:g} s, after {crashes} crashes in a row"
+                    if delay else "the next run starts a new process")
+            raise BackendRuntimeError(
+                f"{name}: the process running the model {how}: the library crashed "
+                f"on this model or these inputs (the host goes on; {then})") from None
+        except ValueError as exc:
             child.close()
+            raise BackendRuntimeError(
+                f"{name}: the process running the model answered badly: {exc}") from None
+        finally:
+            child.running = -1
+            if forget is not None:
+                forget()
+        with self._cond:
+            self.backoff.succeeded()  # the process answered, with results or an error
+        return answer
 
+    def close(self) -> None:
+        """Close the idle processes now, and those running when their run ends."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for child in idle:
+            child.close()

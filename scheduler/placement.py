@@ -194,7 +194,9 @@ class Scheduler:
             # The actor holds the event loop to one CPU while a run is out: a backend
             # pinning its threads would take that for the process's CPUs.
             options = dataclasses.replace(options, thread_pinning=False)
-        load = (functools.partial(load_sandboxed, backend, spares=self.spares)
+        # A sandboxed graph runs as many processes as its device runs jobs at once.
+        load = (functools.partial(load_sandboxed, backend, spares=self.spares,
+                                  processes=actor.workers)
                 if options.sandboxed_on(actor.device) else backend.load)
         compile_graph = functools.partial(load, model.builders, model.encoding,
                                           actor.device, options)

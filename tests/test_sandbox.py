@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import numpy as np
@@ -618,3 +619,70 @@ def test_the_wait_doubles_with_each_crash_in_a_row_up_to_a_bound() -> None:
     backoff.succeeded()
     assert backoff.delay() == 0.0
     backoff.check()  # no wait: nothing raised
+
+
+# -- several runs at once ------------------------------------------------------------------
+def test_a_graph_with_two_processes_runs_while_the_other_process_is_busy() -> None:
+    import threading
+
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                           processes=2)
+    cancellation = Cancellation()
+    stuck: list[BaseException] = []
+
+    def deaf_run() -> None:  # ignores its cancellation for a minute
+        try:
+            with running_under(cancellation):
+                graph.run({"x": Tensor.from_numpy(np.full((1, 4), DEAF, np.float32))})
+        except BaseException as exc:
+            stuck.append(exc)
+
+    first = graph.pid
+    thread = threading.Thread(target=deaf_run)
+    try:
+        thread.start()
+        while _idle(graph):
+            time.sleep(0.01)  # until the deaf run has taken the first process
+        out = graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
+        assert len(graph.pids) == 2 and first in graph.pids  # a second process ran it
+        cancellation.cancel()  # the deaf one is killed after the grace
+        thread.join(CANCEL_GRACE_S + 30)
+        assert not thread.is_alive()
+        (error,) = stuck
+        assert isinstance(error, BackendRuntimeError) and "did not stop" in error.message
+        assert graph.pids != [] and first not in graph.pids
+        graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))})
+    finally:
+        cancellation.cancel()
+        graph.close()
+        thread.join(CANCEL_GRACE_S + 30)
+    assert _sandbox_children() == []
+
+
+def _idle(graph: SandboxedGraph) -> bool:
+    return bool(graph._idle)
+
+
+def test_a_graph_may_not_have_fewer_than_one_of_its_processes() -> None:
+    with pytest.raises(ValueError, match=r"^processes=0: expected at least 1$"):
+        load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                       processes=0)
+
+
+async def test_a_pool_with_two_workers_runs_a_sandboxed_graph_twice_at_once() -> None:
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 2,
+                                             "backends": ["crashing"]}}}, None)
+    async with wasinn.Runtime(no_spares(config), backends=[CrashingBackend()]) as rt:
+        graph = await rt.load([b"fake:add=1"], "ggml", options={"sandbox": True})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(graph.compute, {"x": np.full((1, 4), DEAF, np.float32)})
+            while rt.stats()[0].running < 1:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)  # its worker thread has taken the first process
+            out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+            np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
+            assert len(_sandbox_children()) == 2
+            nursery.cancel_scope.cancel()  # the deaf run: killed after the grace
