@@ -43,13 +43,14 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   imported its library.
 
 What it costs (``benchmarks/sandbox_overhead.py``): a process per graph, which imports
-the library unless a spare had (MobileNetV2-like loads, 2026-11-22: ONNX Runtime 0.27 s
-in a new process, 0.08 s in a spare, 0.04 s in the host's process; OpenVINO 0.45 / 0.17 /
-0.12 s); a copy of every input into the arena and of every output out of it; and two
-process wake-ups per run. A graph runs one run at a time per process, and up to
-``processes`` processes (the scheduler passes its device's workers), each started when
-a run finds every other one busy and each holding its own copy of the model. A
-process's arena keeps the size of the largest run's inputs and outputs.
+the library unless a spare had (MobileNetV2-like loads, 2026-11-22: ONNX Runtime 0.23 s
+in a new process, 0.08 s in a spare, 0.04 s in the host's process; OpenVINO 0.38 / 0.17 /
+0.13 s; PyTorch 1.40 / 0.44 / 0.69 s); a copy of every input into the arena and of
+every output out of it; and two process wake-ups per run. A graph runs one run at a
+time per process, and up to ``processes`` processes (the scheduler passes its device's
+workers), each started when a run finds every other one busy and each holding its own
+copy of the model. A process's arena keeps the size of the largest run's inputs and
+outputs.
 """
 
 from __future__ import annotations
