@@ -43,11 +43,17 @@ class CrashBackoff:
             return 0.0
         return min(FIRST_DELAY_S * 2.0 ** (self.crashes - 2), MAX_DELAY_S)
 
-    def crashed(self, how: str) -> None:
-        """A process died on its own (``how``: "was killed by SIGSEGV")."""
+    def crashed(self, how: str) -> str:
+        """A process died on its own (``how``: "was killed by SIGSEGV"); what happens
+        next, for the run's error: "the next run starts a new process", or when runs
+        resume."""
         self.crashes += 1
         self._last = how
-        self._resume_at = self._clock() + self.delay()
+        delay = self.delay()
+        self._resume_at = self._clock() + delay
+        if not delay:
+            return "the next run starts a new process"
+        return f"runs resume in {delay:g} s, after {self.crashes} crashes in a row"
 
     def succeeded(self) -> None:
         """A run succeeded (or failed with an error its process reported): the streak
@@ -60,8 +66,8 @@ class CrashBackoff:
 
     def check(self) -> None:
         """BackendRuntimeError while no new process may start."""
-        left = self._resume_at - self._clock()
-        if self.crashes >= 2 and left > 0:
+        if self.waiting():
+            left = self._resume_at - self._clock()
             raise BackendRuntimeError(
                 f"{self._backend}: the model's process crashed {self.crashes} times in a row "
                 f"(the last {self._last}): runs resume in {left:.1f} s, when a new process "

@@ -188,7 +188,8 @@ class SandboxProcess:
         return how
 
     def discard(self) -> None:
-        """Kill a process that has not loaded a model (a spare): it holds nothing."""
+        """Kill the process at once (a spare, which holds nothing; or one that did not
+        exit when asked), wait for it and free what it shared."""
         with contextlib.suppress(OSError):
             self.process.kill()
         self.process.wait()
@@ -200,10 +201,7 @@ class SandboxProcess:
             send(self.conn, request(self.arena, ("close", -1, None)))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(CLOSE_WAIT_S)
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self._cleanup()
+        self.discard()  # kills it if it has not exited by then
 
     def _cleanup(self) -> None:
         for closeable in (getattr(self, "conn", None), getattr(self, "_cancels", None)):

@@ -324,10 +324,7 @@ class SandboxedGraph(CompiledGraph):
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
             with self._cond:
-                self.backoff.crashed(how)
-                delay, crashes = self.backoff.delay(), self.backoff.crashes
-            then = (f"runs resume in {delay:g} s, after {crashes} crashes in a row"
-                    if delay else "the next run starts a new process")
+                then = self.backoff.crashed(how)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
                 f"on this model or these inputs (the host goes on; {then})") from None

@@ -22,9 +22,9 @@ import wasinn
 from tests.crashing_backend import CRASH, CrashingBackend
 from tests.support import cpu_pool, require_backend
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor
-from wasinn.backends import Device, LoadOptions
+from wasinn.backends import Backend, Device, LoadOptions
 from wasinn.backends.registry import BackendRegistry
-from wasinn.backends.sandbox import MAX_SPARES, Spares, load_sandboxed
+from wasinn.backends.sandbox import MAX_SPARES, SandboxedGraph, Spares, load_sandboxed
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
 from wasinn.modelgen import affine_onnx
@@ -46,122 +46,109 @@ def _has_imported_onnxruntime(pid: int) -> bool:
         return False
 
 
+class _Pool:
+    """A pool of ``keep`` spares and the graphs loaded through it, all closed at the end
+    of the ``with`` block."""
+
+    def __init__(self, keep: int) -> None:
+        self.spares = Spares(keep)
+        self._graphs: list[SandboxedGraph] = []
+
+    def load(self, model: bytes = b"fake:add=1", options: LoadOptions | None = None, *,
+             backend: Backend | None = None) -> SandboxedGraph:
+        """``model`` loaded sandboxed through the pool (by default with the fake
+        backend whose recipes ``tests/crashing_backend.py`` reads)."""
+        if backend is None:
+            backend, encoding = CrashingBackend(), GraphEncoding.GGML
+        else:
+            encoding = GraphEncoding.ONNX
+        graph = load_sandboxed(backend, [model], encoding, CPU, options, spares=self.spares)
+        self._graphs.append(graph)
+        return graph
+
+    def __enter__(self) -> _Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for graph in self._graphs:
+            graph.close()
+        self.spares.close()
+
+
 def test_the_next_load_runs_in_a_spare_that_imported_the_library_ahead() -> None:
     require_backend("onnxruntime")
     backend = BackendRegistry().get("onnxruntime")
-    spares = Spares(1)
-    graphs = []
-    try:
-        assert (spares.waiting(), _children()) == (0, set())
-        graphs.append(load_sandboxed(backend, [affine_onnx(2.0, 1.0)], GraphEncoding.ONNX,
-                                     CPU, spares=spares))
-        assert spares.waiting() == 1  # started once the load had ended
-        (spare,) = _children() - {graphs[0].pid}
+    with _Pool(1) as pool:
+        assert (pool.spares.waiting(), _children()) == (0, set())
+        first = pool.load(affine_onnx(2.0, 1.0), backend=backend)
+        assert pool.spares.waiting() == 1  # started once the load had ended
+        (spare,) = _children() - {first.pid}
         deadline = time.monotonic() + 60
         while not _has_imported_onnxruntime(spare):  # with no load asked of it
             assert time.monotonic() < deadline, "the spare never imported ONNX Runtime"
             time.sleep(0.05)
-        graphs.append(load_sandboxed(backend, [affine_onnx(3.0, 0.0)], GraphEncoding.ONNX,
-                                     CPU, spares=spares))
-        assert graphs[1].pid == spare
-        assert spares.waiting() == 1 and len(_children()) == 3  # two graphs, a new spare
-        for graph, want in zip(graphs, (3.0, 3.0), strict=True):
+        second = pool.load(affine_onnx(3.0, 0.0), backend=backend)
+        assert second.pid == spare
+        assert pool.spares.waiting() == 1 and len(_children()) == 3  # a new spare
+        for graph in (first, second):
             np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
-                                          np.full((1, 4), want, np.float32))
-    finally:
-        for graph in graphs:
-            graph.close()
-        spares.close()
+                                          np.full((1, 4), 3.0, np.float32))
     assert _children() == set()
 
 
 def test_a_spare_takes_the_memory_bound_of_the_graph_it_serves() -> None:
-    spares = Spares(1)
-    first = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                           LoadOptions(sandbox=True, max_sandbox_bytes=3 << 30),
-                           spares=spares)
-    second = None
-    try:
+    with _Pool(1) as pool:
+        first = pool.load(options=LoadOptions(sandbox=True, max_sandbox_bytes=3 << 30))
         (spare,) = _children() - {first.pid}
-        second = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                                LoadOptions(sandbox=True, max_sandbox_bytes=2 << 30),
-                                spares=spares)
+        second = pool.load(options=LoadOptions(sandbox=True, max_sandbox_bytes=2 << 30))
         assert second.pid == spare
         assert first.pid is not None
         assert psutil.Process(first.pid).rlimit(psutil.RLIMIT_DATA) == (3 << 30, 3 << 30)
         assert psutil.Process(spare).rlimit(psutil.RLIMIT_DATA) == (2 << 30, 2 << 30)
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
-        spares.close()
 
 
 def test_the_reload_after_a_crash_runs_in_the_spare() -> None:
-    spares = Spares(1)
-    graph = load_sandboxed(CrashingBackend(), [b"fake:add=2"], GraphEncoding.GGML, CPU,
-                           spares=spares)
-    try:
+    with _Pool(1) as pool:
+        graph = pool.load(b"fake:add=2")
         (spare,) = _children() - {graph.pid}
         with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
             graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
         np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
                                       np.full((1, 4), 3.0, np.float32))
-        assert graph.pid == spare and spares.waiting() == 1
-    finally:
-        graph.close()
-        spares.close()
+        assert graph.pid == spare and pool.spares.waiting() == 1
 
 
 def test_a_spare_that_died_is_not_handed_out() -> None:
-    spares = Spares(1)
-    first = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                           spares=spares)
-    second = None
-    try:
+    with _Pool(1) as pool:
+        first = pool.load()
         (spare,) = _children() - {first.pid}
         process = psutil.Process(spare)
         process.kill()
         process.wait(30)
-        second = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                                spares=spares)
+        second = pool.load()
         assert second.pid not in (None, spare, first.pid)
         np.testing.assert_array_equal(second.run(ONES)["y"].numpy(),
                                       np.full((1, 4), 2.0, np.float32))
-    finally:
-        first.close()
-        if second is not None:
-            second.close()
-        spares.close()
 
 
 def test_a_closed_pool_kills_its_spares_and_keeps_no_more() -> None:
-    spares = Spares(2)
-    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                           spares=spares)
-    try:
-        assert spares.waiting() == 2 and len(_children()) == 3
-        spares.close()
-        spares.close()  # idempotent
-        assert spares.waiting() == 0 and _children() == {graph.pid}
+    with _Pool(2) as pool:
+        graph = pool.load()
+        assert pool.spares.waiting() == 2 and len(_children()) == 3
+        pool.spares.close()
+        pool.spares.close()  # idempotent
+        assert pool.spares.waiting() == 0 and _children() == {graph.pid}
         with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
             graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
         graph.run(ONES)  # a process of its own: the pool starts no spare after it
-        assert spares.waiting() == 0 and _children() == {graph.pid}
-    finally:
-        graph.close()
+        assert pool.spares.waiting() == 0 and _children() == {graph.pid}
     assert _children() == set()
 
 
 def test_no_spares_means_each_load_starts_its_own_process() -> None:
-    spares = Spares(0)
-    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
-                           spares=spares)
-    try:
-        assert spares.waiting() == 0 and _children() == {graph.pid}
-    finally:
-        graph.close()
-        spares.close()
+    with _Pool(0) as pool:
+        graph = pool.load()
+        assert pool.spares.waiting() == 0 and _children() == {graph.pid}
 
 
 @pytest.mark.parametrize("keep", [-1, MAX_SPARES + 1])
