@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 import pytest
 import trio
 
@@ -60,6 +62,20 @@ def require_gpu() -> None:
 def cpu_pool(**pool: Any) -> RuntimeConfig:
     """A config with one pool: the CPU device, with ``pool``'s settings (workers, ...)."""
     return parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], **pool}}}, None)
+
+
+def sandbox_children() -> list[psutil.Process]:
+    """This process's sandbox processes (``python -m wasinn.backends._sandbox_child``),
+    one started a moment ago included: right after its exec a process shows an empty
+    command line for a while, which is read again here (for up to 5 s)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        deadline = time.monotonic() + 5
+        while not (cmdline := child.cmdline()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if "wasinn.backends._sandbox_child" in " ".join(cmdline):
+            found.append(child)
+    return found
 
 
 def no_spares(config: RuntimeConfig) -> RuntimeConfig:

@@ -26,7 +26,13 @@ import trio
 
 import wasinn
 from tests.crashing_backend import CRASH, DEAF, CrashingBackend
-from tests.support import core_nn_guest_wat, cpu_pool, no_spares, require_backend
+from tests.support import (
+    core_nn_guest_wat,
+    cpu_pool,
+    no_spares,
+    require_backend,
+    sandbox_children,
+)
 from wasinn import (
     BackendRuntimeError,
     GraphEncoding,
@@ -61,9 +67,6 @@ def _gathernd_inputs(first_index: int) -> dict[str, np.ndarray[Any, Any]]:
     return {"x": x, "i": np.array([[first_index, 1], [1, 0]], np.int64)}
 
 
-def _sandbox_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True)
-            if "wasinn.backends._sandbox_child" in " ".join(p.cmdline())]
 
 
 # -- a real library crash -----------------------------------------------------------------
@@ -93,7 +96,7 @@ async def test_a_sandboxed_graph_survives_the_crash_and_runs_again() -> None:
     require_backend("onnx")
     async with wasinn.Runtime(no_spares(cpu_pool(backends=["openvino"]))) as rt:
         graph = await rt.load([_gathernd_onnx()], "onnx", options={"sandbox": True})
-        (first,) = _sandbox_children()
+        (first,) = sandbox_children()
         with pytest.raises(BackendRuntimeError, match=(
                 r"^openvino: the process running the model was killed by SIGSEGV: the "
                 r"library crashed on this model or these inputs \(the host goes on; the "
@@ -104,11 +107,11 @@ async def test_a_sandboxed_graph_survives_the_crash_and_runs_again() -> None:
         out = await graph.compute(good)
         x, i = good["x"], good["i"]
         np.testing.assert_array_equal(out["y"].numpy(), np.stack([x[tuple(r)] for r in i]))
-        (second,) = _sandbox_children()
+        (second,) = sandbox_children()
         assert second.pid != first.pid
         await graph.unload()
         await trio.sleep(0)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 def _gathernd_guest_wat() -> str:
@@ -146,7 +149,7 @@ async def test_a_guest_whose_own_model_crashes_the_library_gets_an_error_by_defa
     async with wasinn.Runtime(no_spares(cpu_pool(backends=["openvino"]))) as rt:
         code = await rt.run_wasm(guest)
         assert code == 10 * Errno.RUNTIME_ERROR + Errno.SUCCESS
-        assert _sandbox_children() == []  # the guest's graph went with the guest
+        assert sandbox_children() == []  # the guest's graph went with the guest
         graph = await rt.load([_gathernd_onnx()], "onnx")  # the host's own: in-process
         out = await graph.compute(_gathernd_inputs(1))
         assert out["y"].numpy().shape == (2, 3)
@@ -188,7 +191,7 @@ def test_bytes_no_backend_reads_are_an_invalid_encoding_as_in_process() -> None:
     backend = wasinn.backends.registry.BackendRegistry().get("onnxruntime")
     with pytest.raises(InvalidEncodingError, match=r"^onnxruntime: "):
         load_sandboxed(backend, [b"not a model"], GraphEncoding.ONNX, CPU)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 # -- crashes, cancels, bad options (the fake backend) ---------------------------------------
@@ -197,7 +200,7 @@ def test_a_crash_while_loading_is_an_invalid_encoding() -> None:
             r"^crashing: the process loading the model was killed by SIGSEGV: the library "
             r"crashed on it \(the host goes on\)$")):
         load_sandboxed(CrashingBackend(), [b"fake:add=1:loadcrash"], GraphEncoding.GGML, CPU)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 def test_a_crash_while_running_fails_that_run_and_the_next_run_reloads() -> None:
@@ -235,7 +238,7 @@ def test_a_cancel_stops_the_reload_a_run_waits_for_at_once(tmp_path: Any) -> Non
                 r"^crashing: cancelled while a process loaded the model: it was stopped$")):
             graph.run(ones)
         assert time.monotonic() - started < 20  # not the minute
-        assert graph.pid is None and _sandbox_children() == []
+        assert graph.pid is None and sandbox_children() == []
         slow.unlink()
         np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
                                       np.full((1, 4), 2.0, np.float32))
@@ -248,7 +251,7 @@ async def test_a_cancelled_run_that_does_not_stop_has_its_process_killed() -> No
                                              "backends": ["crashing"]}}}, None)
     async with wasinn.Runtime(no_spares(config), backends=[CrashingBackend()]) as rt:
         graph = await rt.load([b"fake:add=1"], "ggml", options={"sandbox": True})
-        (first,) = _sandbox_children()
+        (first,) = sandbox_children()
         with trio.move_on_after(0.5) as scope:
             await graph.compute({"x": np.full((1, 4), DEAF, np.float32)})
         assert scope.cancelled_caught
@@ -328,7 +331,7 @@ def test_the_bound_defaults_to_half_the_machine_and_must_leave_room_to_load() ->
             r"\d+, and room for the model's working memory$")):
         load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
                        LoadOptions(sandbox=True, max_sandbox_bytes=64 << 20))
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 @pytest.mark.parametrize(("options", "said"), [
@@ -345,7 +348,7 @@ async def test_a_bad_memory_bound_is_refused(options: Any, said: str) -> None:
     async with wasinn.Runtime(cpu_pool()) as rt:
         with pytest.raises(InvalidArgumentError, match=said):
             await rt.load([affine_onnx()], "onnx", options=options)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 # -- from the config ----------------------------------------------------------------------
@@ -361,13 +364,13 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
     async with wasinn.Runtime(config) as rt:
         plain = await rt.load_by_name("plain")
         await plain.compute({"x": np.ones((1, 4), np.float32)})
-        assert _sandbox_children() == []
+        assert sandbox_children() == []
         graph = await rt.load_by_name("affine")
         out = await graph.compute({"x": np.ones((1, 4), np.float32)})
         np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
-        (child,) = _sandbox_children()
+        (child,) = sandbox_children()
         assert child.rlimit(psutil.RLIMIT_DATA) == (2 << 30, 2 << 30)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 @pytest.mark.parametrize("table", ["models", "guests"])
@@ -595,7 +598,7 @@ def test_a_graph_that_keeps_crashing_waits_before_starting_another_process() -> 
                 r"and fail at once until then \(the wait doubles with each crash in a row, "
                 r"up to 30 s\)$")):
             graph.run(ones)
-        assert graph.pid is None and _sandbox_children() == []  # nothing was started
+        assert graph.pid is None and sandbox_children() == []  # nothing was started
         now[0] += 0.3
         np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
                                       np.full((1, 4), 2.0, np.float32))
@@ -659,7 +662,7 @@ def test_a_graph_with_two_processes_runs_while_the_other_process_is_busy() -> No
         cancellation.cancel()
         graph.close()
         thread.join(CANCEL_GRACE_S + 30)
-    assert _sandbox_children() == []
+    assert sandbox_children() == []
 
 
 def _idle(graph: SandboxedGraph) -> bool:
@@ -684,5 +687,5 @@ async def test_a_pool_with_two_workers_runs_a_sandboxed_graph_twice_at_once() ->
             await trio.sleep(0.2)  # its worker thread has taken the first process
             out = await graph.compute({"x": np.ones((1, 4), np.float32)})
             np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
-            assert len(_sandbox_children()) == 2
+            assert len(sandbox_children()) == 2
             nursery.cancel_scope.cancel()  # the deaf run: killed after the grace

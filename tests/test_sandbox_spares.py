@@ -20,7 +20,7 @@ import trio
 
 import wasinn
 from tests.crashing_backend import CRASH, CrashingBackend
-from tests.support import cpu_pool, require_backend
+from tests.support import cpu_pool, require_backend, sandbox_children
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor
 from wasinn.backends import Backend, Device, LoadOptions
 from wasinn.backends.registry import BackendRegistry
@@ -34,8 +34,7 @@ ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "wasinn.backends._sandbox_child" in " ".join(p.cmdline())}
+    return {p.pid for p in sandbox_children()}
 
 
 def _has_imported_onnxruntime(pid: int) -> bool:
