@@ -1,21 +1,34 @@
 """The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
-wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``.
+wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``, or
+``python -c SPARE_START`` with the same arguments for a spare.
 
-It imports the backend named by ENTRY (``module:Class``), reads one load request from
-the REQUESTS socket (the model's bytes in the ARENA, see :mod:`._sandbox_wire`, and the
-bytes of memory it may hold, or None), confines itself (:mod:`._confine`, when
-CONFINE_DIR is given) before the library sees the model's bytes, loads it and then answers
-run requests one at a time until the host asks it to close or goes away. A thread reads
-the CANCELS socket: the sequence number of a run to cancel, which it hands to that run's
-Cancellation (the backend's own interruption), if that run is still the current one.
+It imports the backend named by ENTRY (``module:Class``) and says so with one byte
+(:data:`READY`) on the CANCELS socket. A spare (a process started ahead of its load,
+see :mod:`._sandbox_spares`) runs :data:`SPARE_START`: every import, this module's
+(numpy, wasinn) and the library's, happens in a thread of the lowest priority (Linux's
+``SCHED_IDLE``, nice :data:`SPARE_NICE`; on Linux a priority is a thread's own), so
+that it takes only CPU time nobody else wants, while everything after, the load and
+the runs, happens in the main thread at the priority the process was started with.
+
+Then it reads one load request from the REQUESTS socket (the model's bytes in the
+ARENA, see :mod:`._sandbox_wire`, and the bytes of memory it may hold, or None),
+confines itself (:mod:`._confine`, when CONFINE_DIR is given) before the library sees
+the model's bytes, loads it and then answers run requests one at a time until the host
+kills it or goes away. A thread reads the CANCELS socket: the sequence number of a run
+to cancel, which it hands to that run's Cancellation (the backend's own interruption),
+if that run is still the current one.
 
 A library error is answered as ``{"error": [class, message]}``; a crash just ends the
-process, which the host reports.
+process, which the host reports. Once done it leaves through ``os._exit``: it holds
+nothing to write back, and the interpreter's own exit with a library loaded (its
+modules torn down, its thread pools joined) took 0.3 s with torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import socket
 import struct
 import sys
@@ -37,6 +50,37 @@ from wasinn.tensor import Tensor
 
 #: A cancel message: the sequence number of the run to stop.
 CANCEL = struct.Struct("<Q")
+#: What the process sends on the CANCELS socket once it has made its backend.
+READY = b"R"
+#: The nice value of a spare's imports, under SCHED_IDLE (which alone left a guest's
+#: first run as fast as with no spare: nice 19 alone did not).
+SPARE_NICE = 19
+#: A spare's ``python -c`` program (see the module docstring). An import that fails is
+#: left for :func:`main`, which imports again and reports the error. Elsewhere than on
+#: Linux a priority is the whole process's: there it is not lowered.
+SPARE_START = f"""
+import importlib, os, sys, threading
+
+def imports():
+    if sys.platform == "linux":
+        try:
+            tid = threading.get_native_id()
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, {SPARE_NICE})
+        except OSError:
+            pass
+    try:
+        importlib.import_module("wasinn.backends._sandbox_child")
+        importlib.import_module(sys.argv[4].partition(":")[0])
+    except BaseException:
+        pass
+
+thread = threading.Thread(target=imports, name="wasinn spare imports")
+thread.start()
+thread.join()
+from wasinn.backends._sandbox_child import run_main
+run_main(sys.argv[1:])
+"""
 
 
 class _Current:
@@ -137,8 +181,6 @@ def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Curre
         except EOFError:
             return
         (verb, seq, outputs), inputs, reply_at = read_request(arena, header)
-        if verb == "close":
-            return
         if verb == AGAIN and pending is not None:
             send(conn, reply(arena, pending[0], pending[1], at=pending[2])[0])
             pending = None
@@ -157,21 +199,28 @@ def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Curre
         send(conn, message)
 
 
+def _make(entry: str) -> Backend:
+    module, _, attr = entry.partition(":")
+    try:
+        backend: Backend = getattr(importlib.import_module(module), attr)()
+    except Exception as exc:
+        raise BackendRuntimeError(
+            f"the sandbox process cannot make the backend {entry}: "
+            f"{type(exc).__name__}: {exc}") from None
+    return backend
+
+
 def main(argv: list[str]) -> int:
     mark_sandbox_process()
     requests = Connection(int(argv[0]))
     cancels = socket.socket(fileno=int(argv[1]))
     arena = Arena.attach(int(argv[2]))
-    module, _, attr = argv[3].partition(":")
     confine_dir = argv[4] if len(argv) > 4 else None
     bound = None
     try:
-        try:
-            backend: Backend = getattr(importlib.import_module(module), attr)()
-        except Exception as exc:
-            raise BackendRuntimeError(
-                f"the sandbox process cannot make the backend {argv[3]}: "
-                f"{type(exc).__name__}: {exc}") from None
+        backend = _make(argv[3])
+        with contextlib.suppress(OSError):
+            cancels.sendall(READY)
         (*load, bound), files, _ = read_request(arena, receive(requests))
         graph, confined = _load(backend, tuple(load), files, confine_dir, bound)
     except EOFError:
@@ -190,5 +239,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def run_main(argv: list[str]) -> None:
+    """:func:`main`, then leave at once (see the module docstring)."""
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(sys.argv[1:])

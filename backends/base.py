@@ -252,6 +252,26 @@ class Backend(abc.ABC):
         """
 
 
+@dataclass(frozen=True)
+class BackendRef:
+    """A backend named by where its class lives (``module:Class``), without importing
+    it: what a process of its own needs to make the backend there (see
+    :mod:`wasinn.backends.sandbox`), so that the host never imports a library only to
+    have a sandboxed graph run by it elsewhere."""
+
+    name: str
+    entry: str
+
+    @classmethod
+    def of(cls, backend: Backend) -> BackendRef:
+        kind = type(backend)
+        return cls(backend.name, f"{kind.__module__}:{kind.__qualname__}")
+
+    @property
+    def module(self) -> str:
+        return self.entry.partition(":")[0]
+
+
 class Cancellation:
     """A request to stop one run early, and the hooks that carry it into a library.
 

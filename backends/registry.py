@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError, UnsupportedOperationError
 
-from .base import Backend, Device
+from .base import Backend, BackendRef, Device
 
 log = logging.getLogger("wasinn.backends")
 
@@ -137,6 +137,14 @@ class BackendRegistry:
         Returns the backend and its devices of that kind. Raises UnsupportedOperationError
         naming every backend considered and why it was passed over.
         """
+        backend = self.get(self.choose_name(encoding, target))
+        return backend, [d for d in backend.devices() if d.kind is target]
+
+    def choose_name(self, encoding: GraphEncoding, target: ExecutionTarget) -> str:
+        """The name of the backend :meth:`choose` picks, importing only the backends
+        whose devices must be asked (never a built-in one for the CPU, on which every
+        backend runs: a graph run in a process of its own is then chosen without this
+        process importing its library). Raises what :meth:`choose` raises."""
         passed: list[str] = []
         for name in self.names():
             if not self.is_installed(name):
@@ -145,19 +153,33 @@ class BackendRegistry:
             if not self.reads(name, encoding):
                 passed.append(f"{name}: does not read {encoding.value}")
                 continue
-            backend = self.get(name)
-            devices = [d for d in backend.devices() if d.kind is target]
-            if not devices:
+            if not self.has_device(name, target):
                 passed.append(f"{name}: no {target.value} device here")
                 continue
             log.debug(
                 "chose backend %s for %s on %s (preference %s; passed over: %s)",
                 name, encoding.value, target.value, list(self.names()), passed or "none",
             )
-            return backend, devices
+            return name
         raise UnsupportedOperationError(
             f"no backend runs {encoding.value} on {target.value}: " + "; ".join(passed)
         )
+
+    def has_device(self, name: str, target: ExecutionTarget) -> bool:
+        """Whether backend ``name`` has a ``target`` device here; imported to ask,
+        unless it is a built-in one not imported yet and ``target`` is the CPU."""
+        spec = self._spec(name)
+        if (target is ExecutionTarget.CPU and name not in self._instances
+                and any(spec is builtin for builtin in BUILTIN)):
+            return True
+        return any(d.kind is target for d in self.get(name).devices())
+
+    def ref(self, name: str) -> BackendRef:
+        """Backend ``name`` as a process of its own makes it (not imported here)."""
+        backend = self._instances.get(name)
+        if backend is not None:
+            return BackendRef.of(backend)
+        return BackendRef(name, self._spec(name).entry)
 
     def _spec(self, name: str) -> BackendSpec:
         try:

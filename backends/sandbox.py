@@ -41,6 +41,11 @@ compiles a graph in a child process instead (``python -m wasinn.backends._sandbo
   (:class:`Spares`, the runtime's ``[runtime] sandbox_spares``) keeps such processes
   started ahead, so that a load or a reload after a crash takes one that has already
   imported its library.
+* The host never imports the library of a graph it sandboxes: ``backend`` may be a
+  :class:`~.base.BackendRef` (``module:Class``), and the scheduler chooses a built-in
+  backend for the CPU without importing it. A graph closed has its processes killed
+  (they hold nothing to save) and waited for, so its memory is free when ``close``
+  returns.
 
 What it costs (``benchmarks/sandbox_overhead.py``): a process per graph, which imports
 the library unless a spare had (MobileNetV2-like loads, 2026-11-22: ONNX Runtime 0.23 s
@@ -77,7 +82,7 @@ from ._sandbox_backoff import CrashBackoff
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_wire import ALIGN
-from .base import Backend, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
+from .base import Backend, BackendRef, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
 from .base import current_cancellation as _current_cancellation
 
 log = logging.getLogger("wasinn.backends")
@@ -95,17 +100,21 @@ def default_max_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
-def load_sandboxed(backend: Backend, builders: Builders, encoding: GraphEncoding,
-                   device: Device, options: LoadOptions | None = None, *,
-                   spares: Spares | None = None, processes: int = 1) -> SandboxedGraph:
+def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
+                   encoding: GraphEncoding, device: Device, options: LoadOptions | None = None,
+                   *, spares: Spares | None = None, processes: int = 1) -> SandboxedGraph:
     """``backend.load(...)``, run in a process of its own (see the module docstring);
     taken from ``spares`` where it has one started (and then replaced there), else
     started for it. ``processes``: the most runs at once, each in a process of its own
-    (more are started as concurrent runs need them).
+    (more are started as concurrent runs need them). ``backend`` may be a
+    :class:`~wasinn.backends.base.BackendRef`: this process then never imports its
+    library.
 
     Raises what the backend's load raises, InvalidEncodingError when the process dies
     loading the model, and BackendRuntimeError when no process can be started.
     """
+    if isinstance(backend, Backend):
+        backend = BackendRef.of(backend)
     return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions(),
                           spares=spares, processes=processes)
 
@@ -143,7 +152,7 @@ class SandboxedGraph(CompiledGraph):
     ``processes`` at once, one per concurrent run, each started when a run first finds
     every other one busy, and each holding its own copy of the model."""
 
-    def __init__(self, backend: Backend, builders: Builders, encoding: GraphEncoding,
+    def __init__(self, backend: BackendRef, builders: Builders, encoding: GraphEncoding,
                  device: Device, options: LoadOptions, *, spares: Spares | None = None,
                  processes: int = 1) -> None:
         if processes < 1:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from wasinn import GraphEncoding, Tensor
-from wasinn.backends import BackendRegistry, Device, LoadOptions
+from wasinn.backends import BackendRef, BackendRegistry, Device, LoadOptions
 from wasinn.backends.sandbox import Spares, load_sandboxed
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
 
@@ -67,7 +67,7 @@ def measure(native: Call, layer: Call, iters: int, warmup: int, block: int = 20
 def time_loads(backend: Any, model: bytes, encoding: GraphEncoding, count: int,
                spare_wait: float) -> tuple[float, float, float]:
     """Median seconds of ``count`` loads of ``model``: in this process, sandboxed in a new
-    process, sandboxed in a spare given ``spare_wait`` seconds to import the library."""
+    process, sandboxed in a spare given up to ``spare_wait`` seconds to import the library."""
     inside: list[float] = []
     cold: list[float] = []
     warm: list[float] = []
@@ -76,8 +76,10 @@ def time_loads(backend: Any, model: bytes, encoding: GraphEncoding, count: int,
         cold.append(_seconds(lambda: load_sandboxed(backend, [model], encoding, CPU)))
         spares = Spares(1)
         try:
-            spares.replenish(backend, True)
-            time.sleep(spare_wait)
+            spares.replenish(BackendRef.of(backend), True)
+            until = time.monotonic() + spare_wait
+            while spares.ready() < 1 and time.monotonic() < until:
+                time.sleep(0.01)  # a load takes a spare only once it has imported
             warm.append(_seconds(functools.partial(load_sandboxed, backend, [model],
                                                    encoding, CPU, spares=spares)))
         finally:
@@ -105,8 +107,8 @@ def main() -> None:
     parser.add_argument("--width", type=float, default=1.0, help="MobileNetV2 width multiplier")
     parser.add_argument("--loads", type=int, default=3, help="timed loads of each kind")
     parser.add_argument("--spare-wait", type=float, default=5.0,
-                        help="seconds a spare may import its library before it is timed "
-                             "(torch takes about 1.5 here)")
+                        help="the most seconds a spare may take to import its library "
+                             "before a load is timed (torch takes about 1.5 here)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     registry = BackendRegistry()
@@ -150,16 +152,16 @@ def main() -> None:
         if not registry.is_installed(name):
             continue
         backend = registry.get(name)
-        inside = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
+        here = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
         graph = load_sandboxed(backend, [affine_onnx()], GraphEncoding.ONNX, CPU)
         tensor = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
         try:
-            in_ms, sandbox_ms, paired = measure(functools.partial(inside.run, tensor),
+            in_ms, sandbox_ms, paired = measure(functools.partial(here.run, tensor),
                                                 functools.partial(graph.run, tensor),
                                                 args.iters * 5, args.warmup)
         finally:
             graph.close()
-            inside.close()
+            here.close()
         print(f"{name:<12} {in_ms * 1e3:>11.1f} {sandbox_ms * 1e3:>11.1f} {paired * 1e3:>+9.1f}")
 
 

@@ -17,7 +17,7 @@ import trio
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
-from wasinn.backends.base import Backend, LoadOptions, TensorSpec
+from wasinn.backends.base import LoadOptions, TensorSpec
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.tensor import Tensor
 
@@ -111,7 +111,7 @@ class LoadedModel:
         self.options = options
         self.backend_name = backend_name
         #: The backend chosen per device kind (filled on first use of that kind).
-        self.backends: dict[ExecutionTarget, Backend] = {}
+        self.backends: dict[ExecutionTarget, str] = {}
         self.inputs: tuple[TensorSpec, ...] = ()
         self.outputs: tuple[TensorSpec, ...] = ()
         self.input_aliases: Mapping[str, int] = {}
@@ -125,8 +125,7 @@ class LoadedModel:
         self.batching = batching
 
     def backend_for(self, target: ExecutionTarget) -> str:
-        backend = self.backends.get(target)
-        return backend.name if backend is not None else ""
+        return self.backends.get(target, "")
 
     @property
     def trio_token(self) -> trio.lowlevel.TrioToken | None:

@@ -33,7 +33,13 @@ from wasinn.actors.inline import RunProfile
 from wasinn.actors.lease import Lease, settled
 from wasinn.actors.session import Session
 from wasinn.actors.stats import RequestStats
-from wasinn.backends.base import Backend, CompiledGraph, Device, current_cancellation
+from wasinn.backends.base import (
+    Builders,
+    CompiledGraph,
+    Device,
+    LoadOptions,
+    current_cancellation,
+)
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
 from wasinn.backends.sandbox import Spares, load_sandboxed
@@ -158,50 +164,56 @@ class Scheduler:
         return min(actors, key=_load)
 
     # -- compiling ----------------------------------------------------------------------
-    async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> Backend:
-        """The backend that runs ``model`` on ``kind`` (chosen once, in a worker thread,
-        because choosing may import the backend's library)."""
-        backend = model.backends.get(kind)
-        if backend is None:
-            backend = await trio.to_thread.run_sync(self._choose, model, kind)
-            model.backends[kind] = backend
-        return backend
+    async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> str:
+        """The name of the backend that runs ``model`` on ``kind`` (chosen once, in a
+        worker thread, because choosing may import the backend's library)."""
+        name = model.backends.get(kind)
+        if name is None:
+            name = await trio.to_thread.run_sync(self._choose, model, kind)
+            model.backends[kind] = name
+        return name
 
-    def _choose(self, model: LoadedModel, kind: ExecutionTarget) -> Backend:
-        if model.encoding is GraphEncoding.AUTODETECT:
-            model.encoding = detect_encoding(model.builders)
+    def _registry(self, kind: ExecutionTarget) -> BackendRegistry:
         registry = self._registries.get(kind)
         if registry is None:
             raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
+        return registry
+
+    def _choose(self, model: LoadedModel, kind: ExecutionTarget) -> str:
+        if model.encoding is GraphEncoding.AUTODETECT:
+            model.encoding = detect_encoding(model.builders)
+        registry = self._registry(kind)
         if model.backend_name is None:
-            backend, _ = registry.choose(model.encoding, kind)
-            return backend
+            return registry.choose_name(model.encoding, kind)
         name = model.backend_name
         if not registry.reads(name, model.encoding):
             raise InvalidEncodingError(
                 f"backend {name!r} does not read {model.encoding.value} models"
             )
-        backend = registry.get(name)
-        if not any(d.kind is kind for d in backend.devices()):
+        if not registry.has_device(name, kind):
             raise UnsupportedOperationError(f"backend {name!r} has no {kind.value} device here")
-        return backend
+        return name
 
     async def session(self, actor: DeviceActor, model: LoadedModel) -> Session:
         """``model`` compiled on ``actor``'s device (compiled on first use, then cached)."""
-        backend = await self.backend_for(model, actor.device.kind)
+        kind = actor.device.kind
+        backend = await self.backend_for(model, kind)
+        registry = self._registry(kind)
         options = model.options
         if actor.pins_handoffs:
             # The actor holds the event loop to one CPU while a run is out: a backend
             # pinning its threads would take that for the process's CPUs.
             options = dataclasses.replace(options, thread_pinning=False)
-        # A sandboxed graph runs as many processes as its device runs jobs at once.
-        load = (functools.partial(load_sandboxed, backend, spares=self.spares,
+        # A sandboxed graph runs as many processes as its device runs jobs at once, and
+        # its library is imported there only.
+        load = (functools.partial(load_sandboxed, registry.ref(backend), spares=self.spares,
                                   processes=actor.workers)
-                if options.sandboxed_on(actor.device) else backend.load)
+                if options.sandboxed_on(actor.device)
+                else functools.partial(_load_here, registry, backend))
         compile_graph = functools.partial(load, model.builders, model.encoding,
                                           actor.device, options)
         try:
-            session = await actor.session(model.id, compile_graph, backend.name,
+            session = await actor.session(model.id, compile_graph, backend,
                                           wanted=lambda: not model.released)
         except ClosedResourceError:
             if model.released:
@@ -464,6 +476,13 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
         raise
     lease.then(functools.partial(_let_go, sessions))
     return lease
+
+
+def _load_here(registry: BackendRegistry, backend: str, builders: Builders,
+               encoding: GraphEncoding, device: Device, options: LoadOptions
+               ) -> CompiledGraph:
+    # In a worker thread: the first load of a backend imports its library.
+    return registry.get(backend).load(builders, encoding, device, options)
 
 
 def _gathers(batching: Batching | None) -> bool:

@@ -164,15 +164,29 @@ def test_a_plugin_cannot_shadow_a_builtin(monkeypatch: pytest.MonkeyPatch) -> No
     assert spec.entry == "wasinn.backends.onnxruntime:OnnxRuntimeBackend"
 
 
-def test_only_the_chosen_backend_is_imported() -> None:
-    require_backend("openvino")
+def _chosen_in_a_fresh_interpreter(choose: str) -> list[str]:
+    """What ``choose`` (Python, with a BackendRegistry ``r`` and the names ``E``
+    (GraphEncoding) and ``CPU``) prints, then the libraries it imported."""
     code = (
         "import sys; from wasinn.backends import BackendRegistry;"
-        "from wasinn import GraphEncoding, ExecutionTarget;"
-        "r = BackendRegistry(); r.installed();"
-        "b, _ = r.choose(GraphEncoding.TENSORFLOWLITE, ExecutionTarget.CPU);"
-        "print(b.name, sorted(m for m in ('onnxruntime', 'openvino', 'torch') if m in sys.modules))"
+        "from wasinn import GraphEncoding as E, ExecutionTarget;"
+        f"CPU = ExecutionTarget.CPU; r = BackendRegistry(); r.installed(); {choose};"
+        "print([m for m in ('onnxruntime', 'openvino', 'torch') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == "openvino ['openvino']"
+    return out.stdout.split()
+
+
+def test_only_the_chosen_backend_is_imported() -> None:
+    require_backend("openvino")
+    chosen = _chosen_in_a_fresh_interpreter("print(r.choose(E.TENSORFLOWLITE, CPU)[0].name)")
+    assert chosen == ["openvino", "['openvino']"]
+
+
+def test_choosing_a_builtin_backend_for_the_cpu_imports_nothing() -> None:
+    # What a sandboxed graph needs: its backend's name and module:Class, not its library.
+    require_backend("torch")
+    chosen = _chosen_in_a_fresh_interpreter(
+        "name = r.choose_name(E.PYTORCH, CPU); print(name, r.ref(name).entry)")
+    assert chosen == ["pytorch", "wasinn.backends.pytorch:TorchBackend", "[]"]

@@ -186,6 +186,47 @@ def test_results_specs_and_errors_are_those_of_the_backend_in_process(
         sandboxed.run({"x": x})
 
 
+def _torchscript_affine() -> bytes:
+    import io
+
+    import torch
+
+    class Affine(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2.0 + 1.0
+
+    saved = io.BytesIO()
+    torch.jit.save(torch.jit.script(Affine()), saved)
+    return saved.getvalue()
+
+
+@pytest.mark.parametrize(("library", "encoding"), [("onnxruntime", "onnx"),
+                                                   ("torch", "pytorch"),
+                                                   ("onnxruntime", "autodetect")])
+def test_the_host_never_imports_the_library_of_a_graph_it_sandboxes(
+        tmp_path: Any, library: str, encoding: str) -> None:
+    # In a fresh interpreter: this one has imported every library already.
+    require_backend(library)
+    model = tmp_path / "model"
+    model.write_bytes(_torchscript_affine() if library == "torch" else affine_onnx())
+    code = textwrap.dedent(f"""
+        import sys, numpy as np, trio, wasinn
+        async def main():
+            async with wasinn.Runtime() as rt:
+                graph = await rt.load([open({str(model)!r}, "rb").read()], {encoding!r},
+                                      options={{"sandbox": True}})
+                out = await graph.compute({{0: np.ones((1, 4), np.float32)}})
+                print([*out.values()][0].numpy().tolist(), graph.backend,
+                      [m for m in ("onnxruntime", "openvino", "torch") if m in sys.modules])
+        trio.run(main)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    backend = "pytorch" if library == "torch" else library
+    assert out.stdout.split() == ["[[3.0,", "3.0,", "3.0,", "3.0]]", backend, "[]"]
+
+
 def test_bytes_no_backend_reads_are_an_invalid_encoding_as_in_process() -> None:
     require_backend("onnxruntime")
     backend = wasinn.backends.registry.BackendRegistry().get("onnxruntime")

@@ -4,12 +4,16 @@ What is checked is what makes a spare worth having: it is a real process that ha
 imported the library before any load asks for it (its memory maps hold ONNX Runtime's
 native module), the next load of that kind runs in it, it is replaced once that load
 has ended, it takes the bound of the graph it serves, a dead one is never handed out,
-and closing the pool (or the runtime) kills every spare. How much faster a load is, is
+and closing the pool (or the runtime) kills every spare. And what keeps it out of the
+way: it imports at idle priority and runs at the normal one, and a load does not wait
+for a spare still importing. How much faster a load is, is
 for ``benchmarks/sandbox_overhead.py``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any
 
@@ -19,10 +23,11 @@ import pytest
 import trio
 
 import wasinn
-from tests.crashing_backend import CRASH, CrashingBackend
+from tests.crashing_backend import CRASH, IMPORT_GATE, CrashingBackend
 from tests.support import cpu_pool, require_backend, sandbox_children
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor
 from wasinn.backends import Backend, Device, LoadOptions
+from wasinn.backends._sandbox_child import SPARE_NICE
 from wasinn.backends.registry import BackendRegistry
 from wasinn.backends.sandbox import MAX_SPARES, SandboxedGraph, Spares, load_sandboxed
 from wasinn.configs import ConfigError
@@ -65,6 +70,13 @@ class _Pool:
         self._graphs.append(graph)
         return graph
 
+    def wait_ready(self, count: int = 1) -> None:
+        """Until ``count`` spares have imported their library (a load takes no other)."""
+        deadline = time.monotonic() + 60
+        while self.spares.ready() < count:
+            assert time.monotonic() < deadline, "the spares never imported their library"
+            time.sleep(0.02)
+
     def __enter__(self) -> _Pool:
         return self
 
@@ -86,6 +98,7 @@ def test_the_next_load_runs_in_a_spare_that_imported_the_library_ahead() -> None
         while not _has_imported_onnxruntime(spare):  # with no load asked of it
             assert time.monotonic() < deadline, "the spare never imported ONNX Runtime"
             time.sleep(0.05)
+        pool.wait_ready()
         second = pool.load(affine_onnx(3.0, 0.0), backend=backend)
         assert second.pid == spare
         assert pool.spares.waiting() == 1 and len(_children()) == 3  # a new spare
@@ -99,6 +112,7 @@ def test_a_spare_takes_the_memory_bound_of_the_graph_it_serves() -> None:
     with _Pool(1) as pool:
         first = pool.load(options=LoadOptions(sandbox=True, max_sandbox_bytes=3 << 30))
         (spare,) = _children() - {first.pid}
+        pool.wait_ready()
         second = pool.load(options=LoadOptions(sandbox=True, max_sandbox_bytes=2 << 30))
         assert second.pid == spare
         assert first.pid is not None
@@ -110,6 +124,7 @@ def test_the_reload_after_a_crash_runs_in_the_spare() -> None:
     with _Pool(1) as pool:
         graph = pool.load(b"fake:add=2")
         (spare,) = _children() - {graph.pid}
+        pool.wait_ready()
         with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
             graph.run({"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))})
         np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
@@ -148,6 +163,41 @@ def test_no_spares_means_each_load_starts_its_own_process() -> None:
     with _Pool(0) as pool:
         graph = pool.load()
         assert pool.spares.waiting() == 0 and _children() == {graph.pid}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are Linux's")
+def test_a_spare_imports_at_idle_priority_and_serves_at_the_normal_one() -> None:
+    with _Pool(1) as pool:
+        plain = pool.load(b"fake:add=0:priorities")
+        pool.wait_ready()
+        spare = pool.load(b"fake:add=0:priorities")
+        normal = [os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0)]
+        # (policy, nice) of the thread that imported the backend, then of the one running
+        got = plain.run(ONES)["y"].numpy().astype(int).tolist()
+        assert got == [[*normal, *normal]]
+        got = spare.run(ONES)["y"].numpy().astype(int).tolist()
+        assert got == [[os.SCHED_IDLE, SPARE_NICE, *normal]]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are Linux's")
+def test_a_load_does_not_wait_for_a_spare_still_importing(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()  # a spare's import waits while it exists (tests/crashing_backend.py)
+    monkeypatch.setenv(IMPORT_GATE, str(gate))
+    with _Pool(1) as pool:
+        first = pool.load()
+        (spare,) = _children() - {first.pid}
+        second = pool.load()  # the spare has not imported the backend: not taken
+        assert second.pid not in (spare, first.pid)
+        assert (pool.spares.waiting(), pool.spares.ready()) == (1, 0)
+        gate.unlink()
+        pool.wait_ready()
+        third = pool.load()
+        assert third.pid == spare
+        for graph in (first, second, third):
+            np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
+                                          np.full((1, 4), 2.0, np.float32))
 
 
 @pytest.mark.parametrize("keep", [-1, MAX_SPARES + 1])
