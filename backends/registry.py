@@ -108,10 +108,7 @@ class BackendRegistry:
             backend = self._instances.get(name)
             if backend is None:
                 spec = self._spec(name)
-                if not self.is_installed(name):
-                    raise UnsupportedOperationError(
-                        f"backend {name!r} is not installed: install wasinn[{name}]"
-                    )
+                self._check_installed(name)
                 module_name, _, attr = spec.entry.partition(":")
                 cls = getattr(importlib.import_module(module_name), attr)
                 backend = cls()
@@ -167,10 +164,12 @@ class BackendRegistry:
 
     def has_device(self, name: str, target: ExecutionTarget) -> bool:
         """Whether backend ``name`` has a ``target`` device here; imported to ask,
-        unless it is a built-in one not imported yet and ``target`` is the CPU."""
+        unless it is a built-in one not imported yet and ``target`` is the CPU.
+        UnsupportedOperationError when it is not installed."""
         spec = self._spec(name)
         if (target is ExecutionTarget.CPU and name not in self._instances
                 and any(spec is builtin for builtin in BUILTIN)):
+            self._check_installed(name)
             return True
         return any(d.kind is target for d in self.get(name).devices())
 
@@ -180,6 +179,12 @@ class BackendRegistry:
         if backend is not None:
             return BackendRef.of(backend)
         return BackendRef(name, self._spec(name).entry)
+
+    def _check_installed(self, name: str) -> None:
+        if not self.is_installed(name):
+            raise UnsupportedOperationError(
+                f"backend {name!r} is not installed: install wasinn[{name}]"
+            )
 
     def _spec(self, name: str) -> BackendSpec:
         try:

@@ -190,3 +190,14 @@ def test_choosing_a_builtin_backend_for_the_cpu_imports_nothing() -> None:
     chosen = _chosen_in_a_fresh_interpreter(
         "name = r.choose_name(E.PYTORCH, CPU); print(name, r.ref(name).entry)")
     assert chosen == ["pytorch", "wasinn.backends.pytorch:TorchBackend", "[]"]
+
+
+def test_a_backend_that_is_not_installed_is_said_so_without_an_import(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = BackendRegistry(discover_plugins=False)
+    monkeypatch.setattr(registry, "is_installed", lambda name: name != "pytorch")
+    said = r"^backend 'pytorch' is not installed: install wasinn\[pytorch\]$"
+    for ask in (lambda: registry.has_device("pytorch", CPU), lambda: registry.get("pytorch")):
+        with pytest.raises(UnsupportedOperationError, match=said):
+            ask()
+    assert registry.ref("pytorch").entry == "wasinn.backends.pytorch:TorchBackend"
