@@ -62,10 +62,13 @@ SPARE_START = f"""
 import importlib, os, sys, threading
 
 def imports():
-    if sys.platform == "linux":
+    if sys.platform == "linux":  # each as far as this system allows
+        tid = threading.get_native_id()
         try:
-            tid = threading.get_native_id()
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+        try:
             os.setpriority(os.PRIO_PROCESS, tid, {SPARE_NICE})
         except OSError:
             pass
