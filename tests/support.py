@@ -65,8 +65,9 @@ def cpu_pool(**pool: Any) -> RuntimeConfig:
 
 
 def sandbox_children() -> list[psutil.Process]:
-    """This process's sandbox processes (``python -m wasinn.backends._sandbox_child``),
-    one started a moment ago included: right after its exec a process shows an empty
+    """This process's sandbox processes (their command line names
+    ``wasinn.backends._sandbox_child``: ``-m`` for a graph's, the code of
+    ``SPARE_START`` for a spare's), one started a moment ago included: right after its exec a process shows an empty
     command line for a while, which is read again here (for up to 5 s)."""
     found = []
     for child in psutil.Process().children(recursive=True):
