@@ -67,8 +67,9 @@ def cpu_pool(**pool: Any) -> RuntimeConfig:
 def sandbox_children() -> list[psutil.Process]:
     """This process's sandbox processes (their command line names
     ``wasinn.backends._sandbox_child``: ``-m`` for a graph's, the code of
-    ``SPARE_START`` for a spare's), one started a moment ago included: right after its exec a process shows an empty
-    command line for a while, which is read again here (for up to 5 s)."""
+    ``SPARE_START`` for a spare's), one started a moment ago included: right after its
+    exec a process shows an empty command line for a while, which is read again here
+    (for up to 5 s)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         deadline = time.monotonic() + 5
