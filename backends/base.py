@@ -353,6 +353,14 @@ def current_cancellation() -> Cancellation | None:
     return cancellation
 
 
+def on_current_cancel(callback: Callable[[], object]) -> Callable[[], None]:
+    """``callback`` registered (:meth:`Cancellation.on_cancel`) with the cancellation
+    the current thread's job runs under; the function that unregisters it, a no-op
+    where the job has none."""
+    cancellation = current_cancellation()
+    return _nothing if cancellation is None else cancellation.on_cancel(callback)
+
+
 class Cancelled(Exception):
     """Raised by :func:`stop_if_cancelled` in a run whose job was cancelled."""
 

@@ -82,8 +82,16 @@ from ._sandbox_backoff import CrashBackoff
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_wire import ALIGN
-from .base import Backend, BackendRef, Builders, CompiledGraph, Device, LoadOptions, TensorSpec
-from .base import current_cancellation as _current_cancellation
+from .base import (
+    Backend,
+    BackendRef,
+    Builders,
+    CompiledGraph,
+    Device,
+    LoadOptions,
+    TensorSpec,
+    on_current_cancel,
+)
 
 log = logging.getLogger("wasinn.backends")
 
@@ -217,9 +225,7 @@ class SandboxedGraph(CompiledGraph):
         child = (SandboxProcess(self._backend, self._confined) if spares is None
                  else spares.take(self._backend, self._confined))
         name = self._backend.name
-        cancellation = _current_cancellation()
-        forget = (cancellation.on_cancel(child.stop_loading)
-                  if cancellation is not None else None)
+        forget = on_current_cancel(child.stop_loading)
         try:
             payload, _ = child.call(self._load, self._files)
             child.loaded()
@@ -240,8 +246,7 @@ class SandboxedGraph(CompiledGraph):
             raise BackendRuntimeError(
                 f"{name}: the process loading the model answered badly: {exc}") from None
         finally:
-            if forget is not None:
-                forget()
+            forget()
         if "error" in payload:
             child.close()
             raise _error(payload)
@@ -320,9 +325,7 @@ class SandboxedGraph(CompiledGraph):
         name = self._backend.name
         child.seq += 1
         seq = child.running = child.seq
-        cancellation = _current_cancellation()
-        forget = (cancellation.on_cancel(lambda: child.cancel(seq))
-                  if cancellation is not None else None)
+        forget = on_current_cancel(lambda: child.cancel(seq))
         try:
             answer = child.call(("run", seq, None if outputs is None else list(outputs)),
                                 inputs, reserve=self._reserve)
@@ -343,8 +346,7 @@ class SandboxedGraph(CompiledGraph):
                 f"{name}: the process running the model answered badly: {exc}") from None
         finally:
             child.running = -1
-            if forget is not None:
-                forget()
+            forget()
         with self._cond:
             self.backoff.succeeded()  # the process answered, with results or an error
         return answer
