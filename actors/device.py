@@ -295,7 +295,7 @@ class DeviceActor:
             queued=self.queued, queue_limit=self.queue_limit,
             graphs=len(self._sessions), compiles=self._cache.compiles,
             warm_ups=self._warm_ups,
-            abandoned_running=self._threads.abandoned,
+            abandoned_running=self._threads.abandoned, passed_on=self._threads.passed_on,
         )
 
     @property

@@ -38,10 +38,15 @@ class Request:
     queue, ``granted`` when it leaves the queue with a slot reserved for it, ``removed``
     once it is no longer queued (popped or removed), so that removing it again does
     nothing. ``key`` is its place in a queue (:meth:`sort_key` as of its last push).
+
+    ``handoff``: the job the request will run once granted, prepared before it queued,
+    so that the worker thread that frees a slot can start it at once (see
+    :meth:`Slots.pass_on <wasinn.actors.slots.Slots.pass_on>`); ``started`` is set when
+    one did, and the slot is then the job's.
     """
 
-    __slots__ = ("deadline", "event", "granted", "key", "priority", "queued", "removed",
-                 "seq", "tenant")
+    __slots__ = ("deadline", "event", "granted", "handoff", "key", "priority", "queued",
+                 "removed", "seq", "started", "tenant")
 
     _counter = itertools.count()
 
@@ -55,10 +60,20 @@ class Request:
         self.queued = False
         self.removed = False
         self.key: tuple[int, float, int] | None = None
+        self.handoff: Handoff | None = None
+        self.started = False
 
     def sort_key(self) -> tuple[int, float, int]:
         """Higher priority first, then earlier deadline, then arrival order."""
         return (-self.priority, self.deadline, self.seq)
+
+
+class Handoff(Protocol):
+    """A prepared job that a worker thread may start for a queued request."""
+
+    def abandon(self) -> None:
+        """Its caller gave up (in trio) after a worker thread had started it: cancel the
+        run and let the job free its slot once it is over."""
 
 
 class QueuePolicy(Protocol):

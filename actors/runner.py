@@ -3,8 +3,11 @@
 Admission, not a dispatcher task: a caller whose request is granted one of the device's
 slots (:class:`~wasinn.actors.slots.Slots`) hands the job to the worker threads
 (:class:`~wasinn.actors.workers.WorkerThreads`) from its own task, which saves a task
-switch per request. A slot is freed when the worker thread has finished the job
-(abandoned or not), and the next queued request is granted there. A request with a
+switch per request. A request that has to queue brings its job prepared, so that the
+worker thread that frees a slot grants it to the next queued request and starts that
+request's job itself (see :mod:`wasinn.actors.slots`); otherwise a slot is freed when
+trio has taken the worker thread's result (abandoned or not), and the next queued
+request is granted there. A request with a
 deadline runs within it: queued, it leaves the queue; running, its job is abandoned
 (TimeoutError_ either way).
 
@@ -47,7 +50,7 @@ from .jobs import Wrap, backend_failure, in_context
 from .queue import Request
 from .slots import Slots
 from .stats import Outcome, RequestStats, outcome_of
-from .workers import WorkerThreads
+from .workers import Job, WorkerThreads
 
 T = TypeVar("T")
 
@@ -137,16 +140,21 @@ class RequestRunner:
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, label: str) -> tuple[T, float]:
-        await self.take_slot(priority, deadline, tenant)
+        work = self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots)
+        await self.take_slot(priority, deadline, tenant, handoff=work)
         granted = time.perf_counter()
-        return await self.run_in_slot(job, label), granted
+        return await self._run_job(work), granted
 
     async def run_in_slot(self, job: Callable[[], T], label: str) -> T:
-        """``job`` in a worker thread, on a slot already held, which is freed when the
-        worker thread has finished the job (abandoned or not)."""
-        work = in_context(job, self.wrap)
+        """``job`` in a worker thread, on a slot already held, which is passed on or
+        freed when the worker thread has finished the job (abandoned or not)."""
+        result: T = await self._run_job(
+            self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots))
+        return result
+
+    async def _run_job(self, work: Job) -> Any:
         try:
-            return await self._threads.run(work, on_done=self._slots.free, label=label)
+            return await self._threads.run_job(work)
         except WasiNNError:
             raise
         except Exception as exc:
@@ -230,13 +238,20 @@ class RequestRunner:
 
     # -- slots --------------------------------------------------------------------------------
     async def take_slot(self, priority: int, deadline: float, tenant: str, *,
-                        request: Request | None = None) -> None:
+                        request: Request | None = None, handoff: Job | None = None) -> None:
         """Hold one of the device's slots (see :meth:`Slots.take
-        <wasinn.actors.slots.Slots.take>` for the queue, its errors and cancellation);
-        ClosedResourceError when the actor closed meanwhile (the slot is given back)."""
-        await self._slots.take(priority, deadline, tenant, request=request)
+        <wasinn.actors.slots.Slots.take>` for the queue, its errors and cancellation;
+        ``handoff`` is the job a worker thread may start when it grants the slot);
+        ClosedResourceError when the actor closed meanwhile (the slot is given back, or
+        the job already started abandoned)."""
+        started = await self._slots.take(priority, deadline, tenant, request=request,
+                                         handoff=handoff)
         if self._closed:  # closed between the grant and now: nothing may start any more
-            self._slots.free()
+            if started:
+                assert handoff is not None
+                handoff.abandon()  # it frees the slot once it is over
+            else:
+                self._slots.free()
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
 
     async def _take_batch_slot(self, request: Request) -> None:

@@ -98,6 +98,9 @@ class DeviceStats(RequestFigures):
     compiles: int  #: graphs compiled since the actor started
     warm_ups: int  #: warm-up runs at the runtime's start (not requests: counted only here)
     abandoned_running: int  #: abandoned runs still in a worker thread
+    #: Runs a worker thread started on its own as the run before ended (under load: the
+    #: slot passed straight to the next queued request, see :mod:`wasinn.actors.slots`).
+    passed_on: int = 0
 
     def describe(self) -> str:
         """One line for people: the outcomes, the latencies and what the device holds."""

@@ -10,16 +10,27 @@ caller sits with ``trio.lowlevel.wait_readable``: the caller resumes in trio's n
 batch, without the extra task hop of ``TrioToken.run_sync_soon`` (measured: ~25 % less
 per round trip than run_sync_soon + reschedule, ~40 % less than ``to_thread``).
 
+A job that holds one of the device's request slots (a :class:`Relay`: the device's
+:class:`~wasinn.actors.slots.Slots`) passes the slot on from its thread as soon as it
+ends: the thread takes the next queued request (:meth:`Slots.pass_on
+<wasinn.actors.slots.Slots.pass_on>`) and, when that request's job was prepared before it
+queued (:meth:`WorkerThreads.job`), runs it next, without waiting for trio. The byte the
+thread writes for the ended job then also tells trio which job its thread runs now: the
+caller of the ended job (or the task that reaps it) tells the next request that it was
+granted, and that request's caller waits on the same socket for its own byte. Each
+finished job's byte is read once, in order, so one socket serves a thread's whole chain.
+
 Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
 (the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
 into their library's own interruption (ONNX Runtime's terminate flag, OpenVINO's
 ``InferRequest.cancel``, a checkpoint before each operator of a ``torch.export``
 program). A caller that stops waiting (it is cancelled) abandons its job: the job is
-cancelled (a backend call ends at its library's next check where it has one), the
-outcome is dropped, and a trio system task waits for the thread to
-become free. ``on_done`` runs in trio when the thread has really finished the job,
-abandoned or not: the actor frees the job's worker slot there, so a device never
-runs more than ``count`` jobs at once.
+cancelled (a backend call ends at its library's next check where it has one, and a job
+cancelled before its thread reaches it does not start), the outcome is dropped, and a
+trio system task waits for the thread to become free. ``on_done`` (or the relay's
+``free``) runs in trio when the thread has really finished the job, abandoned or not: the
+actor frees the job's worker slot there, so a device never runs more than ``count`` jobs
+at once.
 
 Shutdown: :meth:`stop` cancels and abandons every job handed to a thread (their callers
 get ClosedResourceError at once, even if the job ignores its cancellation) and tells each
@@ -42,30 +53,56 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import outcome
 import trio
 
-from wasinn.backends.base import Cancellation, running_under
+from wasinn.backends.base import Cancellation, Cancelled, running_under
 from wasinn.errors import ClosedResourceError
 
 from .affinity import LoopPin, Mask, loop_pin, pin_current_thread
+from .queue import Request
 
 T = TypeVar("T")
 
 
-class _Job:
-    __slots__ = ("abandoned", "cancellation", "fn", "label", "pin", "result", "started",
-                 "unpinned")
+class Relay(Protocol):
+    """Where the request slot a job holds goes when the job ends (a device's Slots)."""
 
-    def __init__(self, fn: Callable[[], Any], label: str) -> None:
+    def pass_on(self) -> Request | None:
+        """In the job's thread, once it ended: the next request, granted the slot."""
+
+    def free(self) -> None:
+        """In trio: nobody took the slot over; give it back."""
+
+    def granted_on(self, request: Request) -> None:
+        """In trio: tell ``request`` that the slot is its own now."""
+
+
+class Job:
+    """A job for the worker threads, made by :meth:`WorkerThreads.job`; run it with
+    :meth:`WorkerThreads.run_job`. Also what a queued request carries so that a worker
+    thread may start it (``Request.handoff``)."""
+
+    __slots__ = ("abandoned", "cancellation", "fn", "label", "on_done", "pin", "relay",
+                 "result", "started", "successor", "threads", "unpinned", "worker")
+
+    def __init__(self, threads: WorkerThreads, fn: Callable[[], Any], label: str,
+                 on_done: Callable[[], None] | None, relay: Relay | None) -> None:
+        self.threads = threads
         self.fn: Callable[[], Any] | None = fn
         self.result: outcome.Outcome[Any] | None = None
         self.cancellation = Cancellation()
         self.label = label
+        self.on_done = on_done
+        self.relay = relay
         self.started = math.nan  # when handed to a thread
         self.abandoned = False
+        #: The thread that runs it, once trio knows.
+        self.worker: _Worker | None = None
+        #: The request its thread passed its slot on to (set before the thread signals).
+        self.successor: Request | None = None
         #: (the loop's CPU, the mask to run under) for a pinned job (see .affinity).
         self.pin: tuple[Mask, Mask] | None = None
         #: The job keeps the loop unpinned while it is out (LoopPin.suspend).
@@ -75,6 +112,18 @@ class _Job:
         state = ", abandoned" if self.abandoned else ""
         return f"{self.label} (for {time.monotonic() - self.started:.1f} s{state})"
 
+    def abandon(self) -> None:
+        """Its caller gave up on it after a worker thread had started it on its own (in
+        trio; see :class:`~wasinn.actors.queue.Handoff`)."""
+        self.threads._abandon_started(self)
+
+    def release(self) -> None:
+        """In trio, once the job is over (or will never run): its slot goes back."""
+        if self.on_done is not None:
+            self.on_done()
+        elif self.relay is not None:
+            self.relay.free()
+
 
 class _Worker:
     """One thread, its job queue, and the socket pair it signals a finished job on."""
@@ -82,7 +131,7 @@ class _Worker:
     __slots__ = ("_lock", "_sides", "inbox", "reader", "thread", "writer")
 
     def __init__(self, name: str, work: Callable[[_Worker], None]) -> None:
-        self.inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.reader, self.writer = socket.socketpair()
         self.reader.setblocking(False)
         self.thread = threading.Thread(target=work, args=(self,), name=name, daemon=True)
@@ -125,9 +174,11 @@ class WorkerThreads:
         self.busy = 0
         #: Jobs the threads have finished (for tests and metrics).
         self.finished = 0
+        #: Jobs a thread started on its own, passed the slot of the job before them.
+        self.passed_on = 0
         self._abandoned = 0
         self._quiet: trio.Event | None = None
-        self._running: dict[_Worker, _Job] = {}  # jobs handed to a thread, not finished
+        self._running: dict[_Worker, Job] = {}  # jobs handed to a thread, not finished
         self._exited_workers: set[_Worker] = set()
 
     def __repr__(self) -> str:
@@ -162,22 +213,41 @@ class WorkerThreads:
         abandoned or not), for diagnostics."""
         return [job.describe() for job in self._running.values()]
 
+    def job(self, fn: Callable[[], Any], *, label: str = "job",
+            on_done: Callable[[], None] | None = None, relay: Relay | None = None) -> Job:
+        """A job running ``fn``, for :meth:`run_job`. ``relay``: the request slot the job
+        holds, which its thread passes on when the job ends (see the module docstring);
+        ``on_done``: what to call in trio once it is over, for a job without one."""
+        return Job(self, fn, label, on_done, relay)
+
     async def run(self, fn: Callable[[], T], *, on_done: Callable[[], None] | None = None,
                   label: str = "job", pin: bool = True) -> T:
-        """Run ``fn`` in one of the threads; its result, or the exception it raised.
+        """Run ``fn`` in one of the threads; its result, or the exception it raised
+        (:meth:`run_job` of a new :meth:`job`)."""
+        result: T = await self.run_job(Job(self, fn, label, on_done, None), pin=pin)
+        return result
+
+    async def run_job(self, job: Job, *, pin: bool = True) -> Any:
+        """Run ``job`` in one of the threads, or wait for the thread that started it on its
+        own; its result, or the exception it raised.
 
         Raises ClosedResourceError once stopped (or before ``start``), and when
         :meth:`stop` cancelled the job while it ran. Cancelled, the caller abandons the
-        job (see the module docstring); ``on_done`` runs in trio once the job is over:
-        finished by its thread (abandoned or not), or never started (stopped already, or
-        cancelled or stopped while waiting for a free thread). A job handed to a thread
-        always starts (under a cancellation that is already set if it was abandoned
-        meanwhile): callers check for cancellation before they commit to a job.
-        ``label`` names the job in diagnostics. Where the threads pin hand-offs,
-        ``pin=False`` runs the job with the loop unpinned (a compile: see
-        :class:`~wasinn.actors.affinity.LoopPin`).
+        job (see the module docstring); the job's slot is released (``on_done``, or its
+        relay's ``free``) in trio once the job is over: finished by its thread (abandoned
+        or not) and not passed on, or never started (stopped already, or cancelled or
+        stopped while waiting for a free thread). ``label`` names the job in diagnostics.
+        Where the threads pin hand-offs, ``pin=False`` runs the job with the loop
+        unpinned (a compile: see :class:`~wasinn.actors.affinity.LoopPin`).
         """
-        job = _Job(fn, label)
+        worker = job.worker
+        if worker is not None:  # started by a thread that passed its slot on
+            if self._stopped:
+                self._abandon(job, worker)
+                await trio.lowlevel.checkpoint_if_cancelled()
+                raise ClosedResourceError(
+                    f"{self.name}: the device closed while the job ran (it was cancelled)")
+            return await self._wait(job, worker)
         self.busy += 1
         try:
             self._check_running()
@@ -186,10 +256,9 @@ class WorkerThreads:
                 self._check_running()
         except BaseException:
             self.busy -= 1
-            if on_done is not None:
-                on_done()
+            job.release()
             raise
-        worker = self._idle.pop()
+        worker = job.worker = self._idle.pop()
         job.started = time.monotonic()
         if self._loop_pin is not None:
             if pin:
@@ -199,37 +268,50 @@ class WorkerThreads:
                 job.unpinned = True
         self._running[worker] = job
         worker.inbox.put(job)
+        return await self._wait(job, worker)
+
+    async def _wait(self, job: Job, worker: _Worker) -> Any:
+        # The caller's side of a job handed to (or started by) ``worker``.
         try:
             await trio.lowlevel.wait_readable(worker.reader)
         except trio.ClosedResourceError:
             # stop() woke this caller (notify_closing): the device is closing, and the job
             # may go on for a while (a call that ignores its cancellation).
-            self._abandon(job, worker, on_done)
+            self._abandon(job, worker)
             await trio.lowlevel.checkpoint_if_cancelled()  # a caller cancelled meanwhile
             raise ClosedResourceError(
                 f"{self.name}: the device closed while the job ran (it was cancelled)"
             ) from None
         except BaseException:
             # Nobody wants the result: interrupt the backend call where it can be.
-            self._abandon(job, worker, on_done)
+            self._abandon(job, worker)
             raise
-        self._finish(worker, on_done)
+        self._finish(job, worker)
         result, job.result = job.result, None
         assert result is not None
         if isinstance(result, outcome.Error) and job.cancellation.cancelled and self._stopped:
             raise ClosedResourceError(
                 f"{self.name}: the device closed while the job ran (it was cancelled)"
             ) from result.error
-        value: T = result.unwrap()
-        return value
+        return result.unwrap()
 
-    def _abandon(self, job: _Job, worker: _Worker, on_done: Callable[[], None] | None) -> None:
+    def _abandon(self, job: Job, worker: _Worker) -> None:
         # The caller stops waiting: cancel the job; a system task frees its thread later.
         job.abandoned = True
         job.cancellation.cancel()
         self._abandoned += 1
-        trio.lowlevel.spawn_system_task(self._reap, worker, on_done,
+        trio.lowlevel.spawn_system_task(self._reap, job, worker,
                                         name=f"{self.name} abandoned job")
+
+    def _abandon_started(self, job: Job) -> None:
+        # A job a thread started on its own, given up on by its caller (in trio). Until
+        # trio has taken the result of the job before it, nobody knows its thread: the
+        # job is cancelled now and reaped once that result is in (_finish).
+        if job.worker is not None:
+            self._abandon(job, job.worker)
+        else:
+            job.abandoned = True
+            job.cancellation.cancel()
 
     def _check_running(self) -> None:
         if self._stopped or self._token is None:
@@ -239,17 +321,31 @@ class WorkerThreads:
         # The thread's loop. Nothing here may raise: a job's exception is its outcome.
         try:
             while (job := worker.inbox.get()) is not None:
-                fn, job.fn = job.fn, None  # drop the job's references (inputs) once run
-                assert fn is not None
                 pin = job.pin  # trio clears it once the job is back
                 if pin is not None:
                     pin_current_thread(pin[1])  # the job may use every CPU
-                with running_under(job.cancellation):
-                    job.result = outcome.capture(fn)
-                try:
-                    worker.writer.send(b"\0")
-                except OSError:
-                    return  # trio let go of the reader (it is shutting down)
+                while True:
+                    fn, job.fn = job.fn, None  # drop the job's references (inputs) once run
+                    assert fn is not None
+                    if job.cancellation.cancelled:  # abandoned before it started
+                        job.result = outcome.Error(Cancelled(f"{job.label}: cancelled"))
+                    else:
+                        with running_under(job.cancellation):
+                            job.result = outcome.capture(fn)
+                    following: Job | None = None
+                    relay = job.relay
+                    if relay is not None and not self._stopped:
+                        successor = job.successor = relay.pass_on()  # before the send
+                        if successor is not None and successor.started:
+                            following = cast(Job, successor.handoff)
+                    try:
+                        worker.writer.send(b"\0")
+                    except OSError:
+                        return  # trio let go of the reader (it is shutting down)
+                    if following is None:
+                        break
+                    following.started = time.monotonic()
+                    job = following  # under the same mask: trio moves the pin over
                 if pin is not None:
                     # Wait for the next job on the loop's CPU. After the send: a thread
                     # that the run moved to another CPU would otherwise migrate back
@@ -263,22 +359,45 @@ class WorkerThreads:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._exited, worker)
 
-    def _finish(self, worker: _Worker, on_done: Callable[[], None] | None) -> None:
-        # In trio, once the worker signalled: consume the byte, make the thread idle.
+    def _finish(self, job: Job, worker: _Worker) -> None:
+        # In trio, once the worker signalled the end of ``job``: consume its byte (one:
+        # the byte of the job its thread runs next may follow), then pass its slot on
+        # or free it, and the thread with it.
         with contextlib.suppress(BlockingIOError):
-            worker.reader.recv(16)
-        self._unpin(self._running.pop(worker, None))
+            worker.reader.recv(1)
+        self._running.pop(worker, None)
         self.busy -= 1
         self.finished += 1
-        if self._stopped:
+        successor, job.successor = job.successor, None
+        following = successor.handoff if successor is not None and successor.started \
+            else None
+        if following is not None:
+            # The thread runs the next request's job already, on this slot and this pin.
+            assert isinstance(following, Job)
+            following.pin, job.pin = job.pin, None
+            following.worker = worker
+            self._running[worker] = following
+            self.busy += 1
+            self.passed_on += 1
+            if following.abandoned:  # its caller gave up before now
+                self._abandoned += 1
+                trio.lowlevel.spawn_system_task(self._reap, following, worker,
+                                                name=f"{self.name} abandoned job")
+            elif self._stopped:
+                following.cancellation.cancel()
+        elif self._stopped:
             worker.done("trio")  # no job will be handed to it again
         else:
             self._idle.append(worker)
             self._free.unpark()
-        if on_done is not None:
-            on_done()
+        self._unpin(job)
+        if successor is None:
+            job.release()
+        else:
+            assert job.relay is not None
+            job.relay.granted_on(successor)
 
-    async def _reap(self, worker: _Worker, on_done: Callable[[], None] | None) -> None:
+    async def _reap(self, job: Job, worker: _Worker) -> None:
         # A system task: waits for an abandoned job's thread, then frees it (and the
         # job's slot). Cancelled only when trio itself ends: then nobody needs either.
         try:
@@ -288,10 +407,10 @@ class WorkerThreads:
             self._unpin(self._running.pop(worker, None))
             return
         self._abandoned -= 1
-        self._finish(worker, on_done)
+        self._finish(job, worker)
         self._check_quiet()
 
-    def _unpin(self, job: _Job | None) -> None:
+    def _unpin(self, job: Job | None) -> None:
         # In trio: a job is back, or its thread given up on (trio is ending).
         if job is None or self._loop_pin is None:
             return
@@ -320,6 +439,9 @@ class WorkerThreads:
         self._stopped = True
         for worker, job in list(self._running.items()):
             job.cancellation.cancel()
+            successor = job.successor  # (a job its thread may start next: _finish checks)
+            if successor is not None and isinstance(successor.handoff, Job):
+                successor.handoff.cancellation.cancel()
             if not job.abandoned:
                 # Its caller raises ClosedResourceError now, not once the job returns.
                 trio.lowlevel.notify_closing(worker.reader)

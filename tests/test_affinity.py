@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import wasinn
 from tests.support import cpu_pool, require_backend
@@ -123,6 +124,36 @@ async def test_a_compile_sees_the_loop_unpinned_even_while_a_run_is_out(
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert mask_of(0) == own_mask
+
+
+async def test_jobs_a_thread_starts_on_its_own_keep_the_pin_until_the_last_is_back(
+        pinned: DeviceActor, own_mask: frozenset[int]) -> None:
+    """Queued jobs that the worker thread starts one after another, each as the one
+    before ends (the slot passed on): each runs on every CPU, the loop stays on its one
+    while any is out, and gets its own mask back once the last result is in."""
+    gate, first_started = threading.Event(), threading.Event()
+    home = frozenset((min(own_mask),))
+    loop = threading.get_native_id()
+    seen: list[tuple[frozenset[int], frozenset[int]]] = []
+
+    def first() -> None:
+        first_started.set()
+        gate.wait(10)
+
+    def queued() -> None:
+        seen.append((mask_of(0), mask_of(loop)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pinned.execute, first)
+        await trio.to_thread.run_sync(first_started.wait, 10)
+        for _ in range(3):
+            nursery.start_soon(pinned.execute, queued)
+        await trio.testing.wait_all_tasks_blocked()
+        assert pinned.queued == 3
+        gate.set()
+    assert pinned.threads.passed_on == 3
+    assert seen == [(own_mask, home)] * 3
+    assert mask_of(0) == own_mask and pinned.threads.busy == 0
 
 
 async def test_an_abandoned_job_unpins_the_loop_when_its_thread_is_done(

@@ -1,0 +1,212 @@
+"""A worker thread passes its slot on: when a job ends and requests are queued, the
+thread grants the slot to the next one (the queue policy's choice) and, when that
+request brought its job prepared, runs it at once, without waiting for the event loop.
+Real threads, real trio: the tests hold the event loop (a blocking wait in the trio
+thread) to show that the next runs start without it, then check that every caller gets
+its own result, that cancellation and closing still reach a job so started, and that the
+slot counts come back to zero."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from tests.support import cpu_pool, require_backend, serving_actor
+from wasinn import ClosedResourceError
+from wasinn.actors import DeviceActor
+from wasinn.actors.workers import WorkerThreads
+from wasinn.backends.base import Cancelled, Device, current_cancellation
+from wasinn.enums import ExecutionTarget
+
+CPU = Device(ExecutionTarget.CPU)
+GUARD_S = 10.0  # far more than any job here needs
+
+
+@pytest.fixture
+async def actor() -> AsyncIterator[DeviceActor]:
+    async with serving_actor(workers=1, queue_limit=8) as started:
+        yield started
+
+
+def gated(gate: threading.Event, started: threading.Event | None = None) -> Callable[[], str]:
+    def job() -> str:
+        if started is not None:
+            started.set()
+        if not gate.wait(GUARD_S):
+            raise RuntimeError("gate never opened")
+        return "first"
+    return job
+
+
+def recorded(tag: str, log: list[tuple[str, int]], done: threading.Event | None = None,
+             last: int = 0) -> Callable[[], str]:
+    """A job that records (tag, its thread) and sets ``done`` once ``log`` has ``last``
+    entries."""
+    def job() -> str:
+        log.append((tag, threading.get_ident()))
+        if done is not None and len(log) == last:
+            done.set()
+        return tag
+    return job
+
+
+def until_cancelled(started: threading.Event, log: list[str]) -> Callable[[], str]:
+    """A job that runs until its cancellation is cancelled, as an ONNX Runtime run would."""
+    def job() -> str:
+        cancellation = current_cancellation()
+        assert cancellation is not None
+        stop = threading.Event()
+        cancellation.on_cancel(stop.set)
+        started.set()
+        log.append("stopped" if stop.wait(GUARD_S) else "ran out")
+        raise RuntimeError("interrupted")
+    return job
+
+
+async def test_queued_jobs_run_one_after_another_while_the_event_loop_is_held(
+        actor: DeviceActor) -> None:
+    gate, first_started, done = threading.Event(), threading.Event(), threading.Event()
+    log: list[tuple[str, int]] = []
+    results: dict[str, str] = {}
+
+    async def request(tag: str, priority: int) -> None:
+        results[tag] = await actor.execute(recorded(tag, log, done, 3), priority=priority)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gated(gate, first_started))
+        await trio.to_thread.run_sync(first_started.wait, GUARD_S)
+        for tag, priority in [("low", 0), ("high", 5), ("mid", 1)]:
+            nursery.start_soon(request, tag, priority)
+            await trio.testing.wait_all_tasks_blocked()
+        assert actor.queued == 3 and actor.threads.passed_on == 0
+        gate.set()
+        # The event loop is held here: nothing in trio runs until the wait returns, so
+        # each next job is started by the thread that ran the one before it.
+        assert done.wait(GUARD_S), f"the queued jobs did not run without trio: {log}"
+        assert [tag for tag, _ in log] == ["high", "mid", "low"]  # the policy's order
+        assert len({thread for _, thread in log}) == 1
+    assert results == {"high": "high", "mid": "mid", "low": "low"}
+    assert actor.threads.passed_on == 3
+    stats = actor.stats()
+    assert (stats.passed_on, stats.running, stats.queued, stats.completed) == (3, 0, 0, 4)
+
+
+async def test_a_request_without_a_prepared_job_is_granted_the_slot(
+        actor: DeviceActor) -> None:
+    """A lease queued behind a running job: the thread grants it the slot, and it runs
+    in the caller's own thread as leases do."""
+    gate, started = threading.Event(), threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gated(gate, started))
+        await trio.to_thread.run_sync(started.wait, GUARD_S)
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as leasing:
+                leasing.start_soon(trio.to_thread.run_sync, gate.set)
+                lease = await actor.lease(threading.get_ident)
+    assert actor.load == 1  # the lease holds the slot it was passed
+    assert await trio.to_thread.run_sync(lease.run) != threading.get_ident()
+    assert actor.load == 0 and actor.threads.passed_on == 0
+
+
+async def test_a_caller_that_gives_up_after_its_job_was_started_abandons_it(
+        actor: DeviceActor) -> None:
+    gate, first_started, second_started = (threading.Event(), threading.Event(),
+                                            threading.Event())
+    log: list[str] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.execute, gated(gate, first_started))
+        await trio.to_thread.run_sync(first_started.wait, GUARD_S)
+        scope = trio.CancelScope()
+
+        async def second() -> None:
+            with scope:
+                await actor.execute(until_cancelled(second_started, log))
+
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+        # Held loop: the second job starts in the worker thread, then its caller gives
+        # up before trio has even seen the first job's result.
+        assert second_started.wait(GUARD_S)
+        scope.cancel()
+    assert scope.cancelled_caught
+    with trio.fail_after(GUARD_S):  # the second job would otherwise hold the slot 10 s
+        assert await actor.execute(lambda: "next") == "next"
+    assert log == ["stopped"]
+    assert actor.threads.abandoned == 0 and actor.load == 0
+
+
+async def test_closing_reaches_a_job_a_thread_started_on_its_own() -> None:
+    gate, first_started, second_started = (threading.Event(), threading.Event(),
+                                           threading.Event())
+    log: list[str] = []
+    errors: list[BaseException] = []
+    actor = DeviceActor(CPU, workers=1)
+
+    async def second() -> None:
+        try:
+            await actor.execute(until_cancelled(second_started, log))
+        except ClosedResourceError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            outer.start_soon(actor.execute, gated(gate, first_started))
+            await trio.to_thread.run_sync(first_started.wait, GUARD_S)
+            outer.start_soon(second)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+            assert second_started.wait(GUARD_S)  # held loop, as above
+            nursery.cancel_scope.cancel()  # closes the actor
+    assert log == ["stopped"] and len(errors) == 1
+    assert not any(t.is_alive() for t in actor.threads.threads)
+
+
+async def test_a_job_cancelled_before_its_thread_reaches_it_does_not_start() -> None:
+    threads = WorkerThreads("test", 1)
+    threads.start()
+    ran: list[str] = []
+    job = threads.job(lambda: ran.append("ran"), label="doomed")
+    job.cancellation.cancel()
+    with pytest.raises(Cancelled, match="doomed: cancelled"):
+        await threads.run_job(job)
+    assert ran == [] and threads.finished == 1
+    assert await threads.run(lambda: "still serving") == "still serving"
+    threads.stop()
+    assert await threads.wait_stopped(GUARD_S) == []
+
+
+async def test_onnx_runtime_runs_queued_requests_back_to_back() -> None:
+    """A real graph (ONNX Runtime, a Loop that keeps it busy for a while) holds the only
+    worker; the requests queued meanwhile each get their own result, and every one of
+    them was started by the worker thread as the run before it ended."""
+    require_backend("onnxruntime")
+    import wasinn
+    from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
+
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([loop_onnx()], "onnx")
+        (actor,) = rt.actors
+        outputs: dict[int, np.ndarray] = {}
+
+        async def compute(m: int) -> None:
+            outputs[m] = (await graph.compute(loop_inputs(m)))["y"].numpy()
+
+        await compute(1)  # compiled and warm
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute, LONG_LOOP)
+            await trio.testing.wait_all_tasks_blocked()
+            for m in (2, 3, 4):
+                nursery.start_soon(compute, m)
+                await trio.testing.wait_all_tasks_blocked()
+            assert actor.queued == 3, "the long run ended before the others queued"
+        for m, y in outputs.items():
+            np.testing.assert_array_equal(y, np.full((1, 4), m, np.float32))
+        stats = actor.stats()
+        assert (stats.passed_on, stats.completed, stats.running) == (3, 5, 0)
