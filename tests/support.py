@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ import pytest
 import trio
 
 from wasinn.actors import DeviceActor
-from wasinn.backends.base import Device
+from wasinn.backends.base import Device, current_cancellation
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.enums import ExecutionTarget
@@ -92,6 +93,31 @@ def in_process_guests(config: RuntimeConfig) -> RuntimeConfig:
     bytes run in this process, where a test can watch their runs."""
     guests = config.guests.model_copy(update={"sandbox": False})
     return config.model_copy(update={"guests": guests})
+
+
+def gate_job(gate: threading.Event, started: threading.Event | None = None,
+             result: object = "gated") -> Callable[[], object]:
+    def job() -> object:
+        if started is not None:
+            started.set()
+        if not gate.wait(timeout=30):
+            raise RuntimeError("gate never opened")
+        return result
+    return job
+
+
+def cooperative_job(started: threading.Event, log: list[str]) -> Callable[[], str]:
+    """A job that runs until its cancellation is cancelled (as an ORT run would)."""
+    def job() -> str:
+        cancellation = current_cancellation()
+        assert cancellation is not None, "a worker thread's job runs under a cancellation"
+        stop = threading.Event()
+        cancellation.on_cancel(stop.set)
+        started.set()
+        log.append("stopped" if stop.wait(timeout=30) else "ran out")
+        raise RuntimeError("interrupted")
+
+    return job
 
 
 async def closed_while_running(actor: DeviceActor, job: Callable[[], object]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ import trio
 import trio.testing
 
 from tests.fake_backend import FakeBackend, FakeGraph
-from tests.support import closed_while_running, serving_actor
+from tests.support import closed_while_running, cooperative_job, gate_job, serving_actor
 from wasinn import (
     BackendRuntimeError,
     ClosedResourceError,
@@ -35,17 +35,6 @@ CPU = Device(ExecutionTarget.CPU)
 async def actor() -> AsyncIterator[DeviceActor]:
     async with serving_actor(workers=1, queue_limit=8) as started:
         yield started
-
-
-def gate_job(gate: threading.Event, started: threading.Event | None = None,
-             result: object = "gated") -> Callable[[], object]:
-    def job() -> object:
-        if started is not None:
-            started.set()
-        if not gate.wait(timeout=30):
-            raise RuntimeError("gate never opened")
-        return result
-    return job
 
 
 async def test_actor_reports_ready_only_after_start() -> None:
@@ -423,22 +412,6 @@ async def test_evict_defers_close_until_the_running_job_ends(actor: DeviceActor)
 
 
 # -- cancellation of running jobs -----------------------------------------------------------
-def cooperative_job(started: threading.Event, log: list[str]) -> Callable[[], str]:
-    """A job that runs until its cancellation is cancelled (as an ORT run would)."""
-    from wasinn.backends.base import current_cancellation
-
-    def job() -> str:
-        cancellation = current_cancellation()
-        assert cancellation is not None, "a worker thread's job runs under a cancellation"
-        stop = threading.Event()
-        cancellation.on_cancel(stop.set)
-        started.set()
-        log.append("stopped" if stop.wait(timeout=30) else "ran out")
-        raise RuntimeError("interrupted")
-
-    return job
-
-
 async def test_an_abandoned_job_is_cancelled_and_frees_its_slot(actor: DeviceActor) -> None:
     started, log = threading.Event(), []
     with trio.CancelScope() as scope:

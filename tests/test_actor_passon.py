@@ -16,11 +16,17 @@ import pytest
 import trio
 import trio.testing
 
-from tests.support import cpu_pool, require_backend, serving_actor
+from tests.support import (
+    cooperative_job,
+    cpu_pool,
+    gate_job,
+    require_backend,
+    serving_actor,
+)
 from wasinn import ClosedResourceError
 from wasinn.actors import DeviceActor
 from wasinn.actors.workers import WorkerThreads
-from wasinn.backends.base import Cancelled, Device, current_cancellation
+from wasinn.backends.base import Cancelled, Device
 from wasinn.enums import ExecutionTarget
 
 CPU = Device(ExecutionTarget.CPU)
@@ -31,16 +37,6 @@ GUARD_S = 10.0  # far more than any job here needs
 async def actor() -> AsyncIterator[DeviceActor]:
     async with serving_actor(workers=1, queue_limit=8) as started:
         yield started
-
-
-def gated(gate: threading.Event, started: threading.Event | None = None) -> Callable[[], str]:
-    def job() -> str:
-        if started is not None:
-            started.set()
-        if not gate.wait(GUARD_S):
-            raise RuntimeError("gate never opened")
-        return "first"
-    return job
 
 
 def recorded(tag: str, log: list[tuple[str, int]], done: threading.Event | None = None,
@@ -55,19 +51,6 @@ def recorded(tag: str, log: list[tuple[str, int]], done: threading.Event | None 
     return job
 
 
-def until_cancelled(started: threading.Event, log: list[str]) -> Callable[[], str]:
-    """A job that runs until its cancellation is cancelled, as an ONNX Runtime run would."""
-    def job() -> str:
-        cancellation = current_cancellation()
-        assert cancellation is not None
-        stop = threading.Event()
-        cancellation.on_cancel(stop.set)
-        started.set()
-        log.append("stopped" if stop.wait(GUARD_S) else "ran out")
-        raise RuntimeError("interrupted")
-    return job
-
-
 async def test_queued_jobs_run_one_after_another_while_the_event_loop_is_held(
         actor: DeviceActor) -> None:
     gate, first_started, done = threading.Event(), threading.Event(), threading.Event()
@@ -78,7 +61,7 @@ async def test_queued_jobs_run_one_after_another_while_the_event_loop_is_held(
         results[tag] = await actor.execute(recorded(tag, log, done, 3), priority=priority)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, gated(gate, first_started))
+        nursery.start_soon(actor.execute, gate_job(gate, first_started))
         await trio.to_thread.run_sync(first_started.wait, GUARD_S)
         for tag, priority in [("low", 0), ("high", 5), ("mid", 1)]:
             nursery.start_soon(request, tag, priority)
@@ -102,7 +85,7 @@ async def test_a_request_without_a_prepared_job_is_granted_the_slot(
     in the caller's own thread as leases do."""
     gate, started = threading.Event(), threading.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, gated(gate, started))
+        nursery.start_soon(actor.execute, gate_job(gate, started))
         await trio.to_thread.run_sync(started.wait, GUARD_S)
         with trio.fail_after(GUARD_S):
             async with trio.open_nursery() as leasing:
@@ -119,13 +102,13 @@ async def test_a_caller_that_gives_up_after_its_job_was_started_abandons_it(
                                             threading.Event())
     log: list[str] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(actor.execute, gated(gate, first_started))
+        nursery.start_soon(actor.execute, gate_job(gate, first_started))
         await trio.to_thread.run_sync(first_started.wait, GUARD_S)
         scope = trio.CancelScope()
 
         async def second() -> None:
             with scope:
-                await actor.execute(until_cancelled(second_started, log))
+                await actor.execute(cooperative_job(second_started, log))
 
         nursery.start_soon(second)
         await trio.testing.wait_all_tasks_blocked()
@@ -150,14 +133,14 @@ async def test_closing_reaches_a_job_a_thread_started_on_its_own() -> None:
 
     async def second() -> None:
         try:
-            await actor.execute(until_cancelled(second_started, log))
+            await actor.execute(cooperative_job(second_started, log))
         except ClosedResourceError as exc:
             errors.append(exc)
 
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
             await nursery.start(actor.serve)
-            outer.start_soon(actor.execute, gated(gate, first_started))
+            outer.start_soon(actor.execute, gate_job(gate, first_started))
             await trio.to_thread.run_sync(first_started.wait, GUARD_S)
             outer.start_soon(second)
             await trio.testing.wait_all_tasks_blocked()
