@@ -224,7 +224,7 @@ class WorkerThreads:
                   label: str = "job", pin: bool = True) -> T:
         """Run ``fn`` in one of the threads; its result, or the exception it raised
         (:meth:`run_job` of a new :meth:`job`)."""
-        result: T = await self.run_job(Job(self, fn, label, on_done, None), pin=pin)
+        result: T = await self.run_job(self.job(fn, label=label, on_done=on_done), pin=pin)
         return result
 
     async def run_job(self, job: Job, *, pin: bool = True) -> Any:
