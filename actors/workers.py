@@ -63,6 +63,7 @@ from wasinn.errors import ClosedResourceError
 
 from .affinity import LoopPin, Mask, loop_pin, pin_current_thread
 from .queue import Request
+from .wakeup import wake
 
 T = TypeVar("T")
 
@@ -339,7 +340,7 @@ class WorkerThreads:
                         if successor is not None and successor.started:
                             following = cast(Job, successor.handoff)
                     try:
-                        worker.writer.send(b"\0")
+                        wake(worker.writer)  # keeping the GIL: see wasinn.actors.wakeup
                     except OSError:
                         return  # trio let go of the reader (it is shutting down)
                     if following is None:
