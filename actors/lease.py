@@ -243,8 +243,8 @@ def _give_back_dropped(release: Callable[[Outcome], None],
 
 
 def settled(device: str, result: T) -> Lease[T]:
-    """A lease for a request that has already run elsewhere (in a batch, see
-    :mod:`wasinn.actors.batching`): it holds no slot, and :meth:`Lease.run` returns
+    """A lease for a request that has already run elsewhere (in a worker thread, or in a
+    batch, see :mod:`wasinn.actors.batching`): it holds no slot, and :meth:`Lease.run` returns
     ``result`` at once, so a lease holder's code needs no second path."""
     return Lease(device, lambda: result, None, _nothing_to_give_back, math.inf)
 

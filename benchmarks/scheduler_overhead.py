@@ -19,9 +19,12 @@ times as many.
    the medians, through the worker thread and from a caller's thread. Goal: <= 3 %.
 3. Throughput of 1, 4 and 16 concurrent callers on the CPU pool (MobileNetV2-like, each
    backend), each against the native backend's best: the library called from 1 or
-   ``workers`` plain threads, whichever is faster. Under load a worker thread passes its
-   slot straight to the next queued request and starts its run (see
-   ``wasinn.actors.slots``): the line says how many runs started so.
+   ``workers`` plain threads, whichever is faster. Callers are trio tasks
+   (``await ctx.compute``), then as many threads of their own computing as guests do
+   (``ctx.compute_in_caller_thread``: in the guest's thread when a slot is free, else
+   queued). Under load a worker thread passes its slot straight to the next queued
+   request and starts its run (see ``wasinn.actors.slots``): the line says how many runs
+   started so.
 4. Contexts: creation rate (goal >= 100,000/s) and size (tracemalloc, goal <= 2 KB).
 
 Then, on Linux, the same again in a fresh process (``--pin-handoffs``) whose CPU pool
@@ -269,14 +272,17 @@ def wakeup_latency(rounds: int = 2000) -> float:
     return statistics.median(times)
 
 
-def native_throughput(compiled: Any, tensors: dict[str, wasinn.Tensor], threads: int,
-                      seconds: float) -> float:
+def rate_in_threads(threads: int, seconds: float,
+                    step_for: Callable[[], Callable[[], object]]) -> float:
+    """Calls a second from ``threads`` threads, each calling its own ``step_for()`` over and
+    over for ``seconds``."""
     stop = time.perf_counter() + seconds
     counts = [0] * threads
 
     def worker(i: int) -> None:
+        step = step_for()
         while time.perf_counter() < stop:
-            compiled.run(tensors)
+            step()
             counts[i] += 1
 
     pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
@@ -285,6 +291,11 @@ def native_throughput(compiled: Any, tensors: dict[str, wasinn.Tensor], threads:
     for t in pool:
         t.join()
     return sum(counts) / seconds
+
+
+def native_throughput(compiled: Any, tensors: dict[str, wasinn.Tensor], threads: int,
+                      seconds: float) -> float:
+    return rate_in_threads(threads, seconds, lambda: functools.partial(compiled.run, tensors))
 
 
 async def scheduled_throughput(graph: wasinn.Graph, inputs: dict[str, Any], callers: int,
@@ -306,41 +317,69 @@ async def scheduled_throughput(graph: wasinn.Graph, inputs: dict[str, Any], call
     return done / seconds
 
 
+def guest_throughput(graph: wasinn.Graph, inputs: dict[str, Any], guests: int,
+                     seconds: float) -> float:
+    """``guests`` threads of their own, each computing with its own context as guests do
+    (``compute_in_caller_thread``); in a thread, so that trio serves them meanwhile."""
+    def step_for() -> Callable[[], object]:
+        ctx = graph.init_execution_context()
+        return functools.partial(ctx.compute_in_caller_thread, inputs)
+
+    return rate_in_threads(guests, seconds, step_for)
+
+
+class Load(NamedTuple):
+    """One throughput configuration's best round, and how its runs went."""
+
+    rate: float
+    runs: int
+    passed_on: int  #: runs a worker thread started as the run before ended
+    in_callers: int  #: runs in the callers' own threads
+
+
 async def throughput(rt: wasinn.Runtime, graph: wasinn.Graph, image: Any, backend: str,
                      workers: int, args: argparse.Namespace) -> None:
-    """Item 3 for ``graph`` (loaded on ``backend``): 1, 4 and 16 concurrent callers
-    against the library's best from 1 or ``workers`` plain threads, with how many runs a
-    worker thread started on its own as the run before ended (the slot passed on)."""
+    """Item 3 for ``graph`` (loaded on ``backend``): 1, 4 and 16 concurrent callers in
+    trio, and as many guest threads, against the library's best from 1 or ``workers``
+    plain threads, with how many runs a worker thread started on its own as the run
+    before ended (the slot passed on)."""
     compiled = compiled_of(rt).compiled
     tensors = {"input": wasinn.Tensor.from_numpy(image)}
     (actor,) = rt.actors
     # Rounds interleave every configuration, and each keeps its best round, so that a
     # burst of load from other processes does not decide a comparison.
     native: dict[int, float] = {}
-    scheduled: dict[int, float] = {}
-    passed_on: dict[int, tuple[int, int]] = {}
+    loads: dict[tuple[str, int], Load] = {}
     for _ in range(args.rounds):
         for t in sorted({1, workers}):
             native[t] = max(native.get(t, 0.0),
                             native_throughput(compiled, tensors, t, args.seconds))
-        for callers in (1, 4, 16):
-            before = actor.stats()
-            got = await scheduled_throughput(graph, {"input": image}, callers, args.seconds)
-            after = actor.stats()
-            if got > scheduled.get(callers, 0.0):
-                scheduled[callers] = got
-                passed_on[callers] = (after.passed_on - before.passed_on,
-                                      after.completed - before.completed)
+        for how in ("trio", "guest"):
+            for callers in (1, 4, 16):
+                before = actor.stats()
+                if how == "trio":
+                    got = await scheduled_throughput(graph, {"input": image}, callers,
+                                                     args.seconds)
+                else:
+                    got = await trio.to_thread.run_sync(
+                        guest_throughput, graph, {"input": image}, callers, args.seconds)
+                after = actor.stats()
+                if got > loads.get((how, callers), Load(0.0, 0, 0, 0)).rate:
+                    loads[how, callers] = Load(
+                        got, after.completed - before.completed,
+                        after.passed_on - before.passed_on,
+                        after.in_caller_thread - before.in_caller_thread)
     best_threads = max(native, key=lambda t: native[t])
     best = native[best_threads]
     print(f"throughput on {backend}: native best {best:.1f} inferences/s ({best_threads} "
           "thread(s); " + ", ".join(f"{t} thread(s): {v:.1f}/s" for t, v in native.items())
           + ")")
-    for callers, got in scheduled.items():
-        handed, runs = passed_on[callers]
-        print(f"  {callers:2d} concurrent callers: {got:.1f} inferences/s, ratio to native "
-              f"best {got / best:.3f} ({handed} of {runs} runs started by the worker thread "
-              "as the run before ended)")
+    for (how, callers), load in loads.items():
+        who = "concurrent callers" if how == "trio" else "guest threads     "
+        where = "" if how == "trio" else f", {load.in_callers} in the guests' own threads"
+        print(f"  {callers:2d} {who}: {load.rate:.1f} inferences/s, ratio to native best "
+              f"{load.rate / best:.3f} ({load.passed_on} of {load.runs} runs started by the "
+              f"worker thread as the run before ended{where})")
 
 
 def context_figures(graph: wasinn.Graph, count: int) -> tuple[float, float]:

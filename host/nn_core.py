@@ -92,7 +92,6 @@ class _GuestContext:
     graph_handle: int
     inputs_spec: tuple[TensorSpec, ...]
     outputs_spec: tuple[TensorSpec, ...]
-    batches: bool  # its graph merges requests: they may run in a device worker thread
     inputs: dict[str, InputBinding] = field(default_factory=dict)
     #: Two of ``inputs`` lie in overlapping guest bytes (see the module docstring).
     overlapping: bool = False
@@ -243,8 +242,7 @@ class GuestNN:
         handle = self._next_context
         self._next_context += 1
         self.contexts[handle] = _GuestContext(
-            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs),
-            entry.graph.batching is not None)
+            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs))
         entry.contexts.add(handle)
         mem.write_u32(ctx_out, handle)
 
@@ -339,9 +337,10 @@ class GuestNN:
         timeout = self.limits.compute_timeout
         try:
             if timeout is None:
-                # The backend runs in this (the guest's) thread: one trio round trip.
+                # The backend runs in this (the guest's) thread when the device is free,
+                # else in a device worker thread (one trio round trip either way).
                 entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
-                                                      self.in_flight, batches=entry.batches)
+                                                      self.in_flight)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
                 # An abandoned run goes on after the guest resumes (and perhaps after its

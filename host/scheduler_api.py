@@ -9,8 +9,9 @@ scheduler package and a fake can stand in where a test checks routing only.
 so every call on them goes through the portal. The exception is a compute: the guest's
 thread binds the inputs of its own context (used by that thread only), takes a device
 slot with ``try_lease`` (thread-safe; no trio when a slot is free and nobody is queued)
-or else ``lease`` through the portal, and then runs the backend itself
-(``CallerRunLike.run``).
+and then runs the backend itself (``CallerRunLike.run``), or else ``lease`` through the
+portal, which on a busy device runs the request in a device worker thread and returns
+its outputs as a settled ``CallerRunLike``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,6 @@ class GraphLike(Protocol):
     def inputs(self) -> tuple[TensorSpec, ...]: ...
     @property
     def outputs(self) -> tuple[TensorSpec, ...]: ...
-    @property
-    def batching(self) -> object | None: ...
     def init_execution_context(self, target: Any = None) -> Any: ...
     async def unload(self) -> None: ...
 

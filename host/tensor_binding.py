@@ -129,7 +129,7 @@ class InFlight:
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
                           bound: dict[str, np.ndarray[Any, Any]],
-                          in_flight: InFlight, *, batches: bool = False) -> dict[str, Tensor]:
+                          in_flight: InFlight) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a device slot (no trio when one is free and nobody is queued, else one
     trio round trip through ``portal`` to queue), then run the backend here; the slot is
@@ -139,17 +139,17 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     raises trio.Cancelled here); a running request is registered with ``in_flight``, whose
     ``interrupt`` stops it where the backend can (ONNX Runtime, OpenVINO).
 
-    ``inputs`` may be views of guest memory. When the graph ``batches``, a queued request
-    joins a batch that runs in a device worker thread, and a cancelled guest leaves that
-    batch at once: its memory may be gone while the batch still runs, so such a request
-    is handed copies instead (one copy of each input, only on a busy device).
+    ``inputs`` may be views of guest memory. On a busy device the request runs in a
+    device worker thread instead (started by the thread that frees a slot, or merged
+    into a batch), and a cancelled guest leaves it at once: its memory may be gone while
+    that run still reads it, so such a request is handed copies (one copy of each input,
+    only when the device is busy, made while another request runs).
     """
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
     run = ctx.try_lease(inputs)
     if run is None:
-        if batches:
-            inputs = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
+        inputs = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
         run = portal.run(functools.partial(ctx.lease, inputs))
     try:
         return in_flight.run(run)

@@ -19,16 +19,19 @@ A caller that runs in a thread of its own (a guest's ``trio.to_thread`` worker) 
 the backend run in that thread instead of a device worker thread. ``ctx.try_lease(...)``
 (from that thread, no trio) takes a free device slot when the graph is already compiled
 there and nobody is queued; otherwise ``await ctx.lease(...)`` (in trio, e.g. through
-``trio.from_thread.run``) queues the request like ``compute``. Either returns a
-:class:`ContextRun` once a slot is held; its ``run()``, called in the caller's thread,
-runs the model there and gives the slot back without waiting for trio.
-``compute_in_caller_thread`` / ``run_in_caller_thread`` do it all. That is no trio round
-trip per request on an idle device, and one on a busy one, instead of two plus a thread
-hand-off; the price is that a running request cannot be abandoned (the caller's thread
-is the one running it): when its timeout passes, or another thread calls
-``ContextRun.interrupt``, the run is stopped where the backend can stop it (ONNX Runtime,
-OpenVINO, a ``torch.export`` program, a TorchScript loop: see
-:mod:`wasinn.backends.pytorch`).
+``trio.from_thread.run``). Either returns a :class:`ContextRun`, whose ``run()`` is called
+in the caller's thread. ``try_lease``'s holds a slot: it runs the model in that thread
+and gives the slot back without waiting for trio. ``lease`` does the same when the device
+is free; on a busy device it queues the request as ``compute`` does and returns once it
+has run (a settled ContextRun): the worker thread that frees a slot starts the next
+queued request's run at once (see :mod:`wasinn.actors.slots`), whereas a caller's thread
+granted the slot by trio would leave the device idle for two thread wake-ups and a trio
+round trip between runs. ``compute_in_caller_thread`` / ``run_in_caller_thread`` do it
+all: no trio round trip per request on an idle device, and one on a busy one. A request
+run in the caller's thread cannot be abandoned (that thread is the one running it): when
+its timeout passes, or another thread calls ``ContextRun.interrupt``, the run is stopped
+where the backend can stop it (ONNX Runtime, OpenVINO, a ``torch.export`` program, a
+TorchScript loop: see :mod:`wasinn.backends.pytorch`).
 
 Keys are input/output names or their positions. Contexts are not thread-safe: use them
 from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the
@@ -292,13 +295,18 @@ class ExecutionContext:
         tenant: str = "",
         keep_on_device: bool | None = None,
     ) -> ContextRun:
-        """Queue a request on ``inputs`` (None = the staged ones) and return once a device
-        slot is held; the returned :class:`ContextRun` runs it in the caller's thread.
+        """A request on ``inputs`` (None = the staged ones) for the caller's thread: when
+        the device is free, return once a slot is held; the returned :class:`ContextRun`
+        runs it in the caller's thread. On a busy device (or when the request joins a
+        batch), the request runs in a device worker thread as :meth:`compute` runs it, and
+        the ContextRun returned is settled: its ``run()`` returns the outputs at once (see
+        the module docstring).
 
-        Call it in trio. Raises what :meth:`compute` raises while placing and queueing;
-        cancelled while queued, the request is removed. ``timeout`` bounds the wait and the
-        run: a run still going when it passes is stopped where the backend can (see the
-        module docstring) and raises TimeoutError_. A context closed before
+        Call it in trio. Raises what :meth:`compute` raises while placing and queueing
+        (and, on a busy device, while running); cancelled while queued, the request is
+        removed, and while it runs in a worker thread, it is abandoned. ``timeout`` bounds
+        the wait and the run: a run still going when it passes is stopped where the
+        backend can (see the module docstring) and raises TimeoutError_. A context closed before
         :meth:`ContextRun.run` has the slot given back there, unrun (ClosedResourceError).
         """
         self._check_open()
@@ -347,12 +355,13 @@ class ExecutionContext:
         keep_on_device: bool | None = None,
     ) -> dict[str, Tensor]:
         """:meth:`compute` from a thread that is not the trio thread (one started by
-        ``trio.to_thread``, or any other): a free slot is taken here (:meth:`try_lease`),
-        or the request is queued in trio (one ``trio.from_thread.run``); then the backend
-        runs in this thread. Same results and errors as :meth:`compute`, with the
-        ``timeout`` caveat of :meth:`lease`; in a thread started by ``trio.to_thread``,
-        cancelling the trio task it belongs to drops a queued request (``trio.Cancelled``
-        is raised here). Raises RuntimeError in the trio thread, whose event loop the run
+        ``trio.to_thread``, or any other): a free slot is taken here (:meth:`try_lease`) and
+        the backend runs in this thread; on a busy device, the request is queued in trio
+        (one ``trio.from_thread.run``, see :meth:`lease`). Same results and errors as
+        :meth:`compute`, with the ``timeout`` caveat of :meth:`lease`; in a thread started
+        by ``trio.to_thread``, cancelling the trio task it belongs to drops a queued
+        request, or abandons one running in a worker thread (``trio.Cancelled`` is raised
+        here). Raises RuntimeError in the trio thread, whose event loop the run
         would block."""
         if trio.lowlevel.in_trio_run():
             raise RuntimeError(
@@ -470,9 +479,9 @@ def _started_by_trio() -> bool:
 
 class ContextRun:
     """A request on an :class:`ExecutionContext` that holds a device slot and is run by
-    the caller's own thread (see :meth:`ExecutionContext.lease`). End it with :meth:`run`
-    or :meth:`cancel`: one dropped unended gives its slot back only when collected, with
-    a ResourceWarning."""
+    the caller's own thread (see :meth:`ExecutionContext.lease`), or, settled, one that
+    has already run in a device worker thread. End it with :meth:`run` or :meth:`cancel`:
+    one dropped unended gives its slot back only when collected, with a ResourceWarning."""
 
     __slots__ = ("_bound", "_ctx", "_lease")
 

@@ -271,8 +271,9 @@ class Scheduler:
                           tenant: str = "", keep_on_device: bool | None = None
                           ) -> Lease[dict[str, Tensor]]:
         """Like :meth:`run_model`, but return once a device slot is held: the caller's own
-        thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`). A
-        request that joins a batch has run when this returns (a settled lease). The
+        thread runs the model with :meth:`Lease.run` (see :mod:`wasinn.actors.lease`). On
+        a busy device, or when it joins a batch, the request runs as :meth:`run_model`
+        runs it and has run when this returns (a settled lease). The
         compiled graph is held until the lease is over: an unload meanwhile closes it
         after the run."""
         actor, session, run = await self._model_job(model, target, inputs, deadline)
@@ -457,15 +458,17 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                  ) -> Lease[dict[str, Tensor]]:
     # A lease for the caller's thread, whose job runs ``sessions``' graphs held from now
     # until the lease is over (run or cancelled), so that an unload meanwhile closes them
-    # only after it; or, when the request may join a batch (the device is busy, or
-    # batches wait for company), the batch's answer (by ``run``) as a settled lease.
-    if batching is not None and (batching.max_delay or not actor.slot_free()):
-        batch = BatchInputs.of(inputs)
-        if batch is not None:
-            outputs = await actor.execute_batched(
-                key, batch, run, batching, keep_on_device=keep, priority=priority,
-                deadline=deadline, tenant=tenant, label=label, account=account)
-            return settled(str(actor.device), outputs)
+    # only after it. On a busy device, or when the request may join a batch that waits
+    # for company, the request runs as a job instead (batched, or in a worker thread,
+    # started by the thread that frees a slot: see wasinn.actors.slots) and its outputs
+    # come back as a settled lease: a caller's thread that waited for trio to grant it a
+    # slot would leave the device idle for two thread wake-ups and a trio round trip
+    # between runs.
+    if not actor.slot_free() or (_gathers(batching) and BatchInputs.of(inputs) is not None):
+        outputs = await _execute(actor, key, run, keep, batching, inputs, priority=priority,
+                                 deadline=deadline, tenant=tenant, label=label,
+                                 account=account)
+        return settled(str(actor.device), outputs)
     held = _hold(sessions)
     try:
         lease = await actor.lease(functools.partial(run_held, held, inputs, keep),

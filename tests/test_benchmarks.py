@@ -35,7 +35,9 @@ RUNS: dict[str, tuple[list[str], str]] = {
                     r"runs: 0\npipeline in the caller's thread .* ratio [\d.]+"),
     "scheduler_overhead.py": (
         ["--iters", "20", "--width", "0.25", "--seconds", "0.05", "--rounds", "1"],
-        r"scheduler, queue and context on top: -?[\d.]+ us(.|\n)*^(tiny model round trip "
+        r"scheduler, queue and context on top: -?[\d.]+ us(.|\n)*"
+        r"16 guest threads\s+: [\d.]+ inferences/s, ratio to native best [\d.]+ \(\d+ of "
+        r"\d+ runs .*, \d+ in the guests' own threads\)(.|\n)*^(tiny model round trip "
         r"\(worker thread, pinned hand-offs\): direct [\d.]+ us|pinned hand-offs "
         r"\(pin_handoffs = true\): not measured)"),
     "sandbox_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25", "--loads",

@@ -398,3 +398,38 @@ async def test_a_dropped_lease_frees_its_slot_even_when_its_warning_is_an_error(
     await trio.testing.wait_all_tasks_blocked()
     assert cpu.stats().running == 0
     ctx.close()
+
+
+async def test_on_a_busy_device_a_caller_thread_request_runs_where_the_slot_frees() -> None:
+    """A caller's-thread request that finds the device busy queues as compute does: the
+    worker thread that ends the running job starts it at once (passed on, no caller's
+    thread waiting for trio to grant it the slot), and the caller's thread gets its
+    outputs, recorded on the context and written into its bound buffer."""
+    async with wasinn.Runtime(cpu_pool(workers=1, backends=["onnxruntime"])) as rt:
+        graph = await rt.load([affine_onnx()])
+        hog = await rt.load([loop_onnx()])
+        ctx = graph.init_execution_context()
+        await ctx.compute({"x": X})
+        await hog.compute(loop_inputs(1))  # both compiled
+        (actor,) = rt.actors
+        before = actor.stats()
+        out = np.zeros((1, 4), np.float32)
+        ctx.set_input("x", X)
+        ctx.set_output("y", out)
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hog.compute, loop_inputs(LONG_LOOP))
+                while not actor.busy:
+                    await trio.sleep(0.01)
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync,
+                                                     ctx.run_in_caller_thread))
+                while not actor.queued:
+                    await trio.sleep(0.01)
+                assert actor.busy  # the hog still runs: the request waits for its slot
+        after = actor.stats()
+        assert after.passed_on - before.passed_on == 1
+        assert after.in_caller_thread == before.in_caller_thread
+        assert after.completed - before.completed == 2
+        np.testing.assert_array_equal(out, Y)
+        np.testing.assert_array_equal(ctx.get_output("y").numpy(), Y)
+        ctx.close()

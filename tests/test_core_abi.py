@@ -242,8 +242,7 @@ def test_an_output_over_the_tensor_limit_still_reports_its_size(
     nn = GuestNN(runtime=None, portal=None,  # type: ignore[arg-type]
                  limits=GuestLimits(max_tensor_bytes=limit))
     entry = _GuestContext(ctx=None, graph_handle=0, inputs_spec=(),  # type: ignore[arg-type]
-                          outputs_spec=(TensorSpec("y", TensorType.F32, shape),),
-                          batches=False)
+                          outputs_spec=(TensorSpec("y", TensorType.F32, shape),))
     ones = np.broadcast_to(np.float32(1), shape)
     entry.results = {"y": Tensor(shape, TensorType.F32, array=ones)}
     nn.contexts[0] = entry
@@ -269,3 +268,53 @@ def test_only_a_known_shape_has_a_static_output_size() -> None:
     assert static_nbytes(TensorSpec("y", TensorType.F32, (2, 3))) == 24
     assert static_nbytes(TensorSpec("y", TensorType.F32, (None, 3))) is None
     assert static_nbytes(TensorSpec("y", TensorType.F32, (), rank_known=False)) is None
+
+
+def test_a_guest_request_on_a_busy_device_is_handed_copies_of_guest_memory() -> None:
+    # On a busy device the request runs in a device worker thread, which a cancelled
+    # guest leaves at once while the run may still read its inputs: the run must not read
+    # guest memory. On a free slot the guest's own thread runs it on views (no copy).
+    import trio
+
+    from wasinn.host.tensor_binding import InFlight, run_context_in_thread
+    from wasinn.tensor import Tensor
+
+    guest_memory = np.arange(4, dtype=np.float32).reshape(1, 4)
+    y = Tensor.from_numpy(guest_memory * 2)
+    handed: dict[str, Any] = {}
+
+    class Settled:
+        def run(self) -> dict[str, Tensor]:
+            return {"y": y}
+
+    class Context:  # routing only: which inputs reach which path
+        def __init__(self, busy: bool) -> None:
+            self.busy = busy
+
+        def set_output(self, key: str | int, buffer: Any) -> None:
+            raise AssertionError("no output is bound here")
+
+        def try_lease(self, inputs: Any) -> Settled | None:
+            handed["try_lease"] = inputs["x"].numpy()
+            return None if self.busy else Settled()
+
+        async def lease(self, inputs: Any) -> Settled:
+            handed["lease"] = inputs["x"].numpy()
+            return Settled()
+
+    class Portal:
+        def run(self, afn: Any, *args: Any) -> Any:
+            return trio.run(afn, *args)
+
+    inputs = {"x": Tensor.from_numpy(guest_memory)}
+    for busy in (False, True):
+        handed.clear()
+        out = run_context_in_thread(Portal(), Context(busy), dict(inputs),  # type: ignore[arg-type]
+                                    {}, InFlight())
+        assert out["y"] is y
+        assert np.shares_memory(handed["try_lease"], guest_memory)
+        if busy:
+            assert not np.shares_memory(handed["lease"], guest_memory)
+            np.testing.assert_array_equal(handed["lease"], guest_memory)
+        else:
+            assert "lease" not in handed
