@@ -318,24 +318,29 @@ async def test_guest_computes_run_in_the_guest_thread_unless_a_timeout_applies(
     await graph.unload()
 
 
-def batched_mobilenet(guest_models: GuestModels) -> RuntimeConfig:
-    """One worker on the CPU, and the MobileNet model batching up to 8 rows."""
+def batched_mobilenet(guest_models: GuestModels, batching: bool = True) -> RuntimeConfig:
+    """One worker on the CPU, and the MobileNet model batching up to 8 rows (or not)."""
+    model: dict[str, object] = {"files": [str(guest_models.directory / "model.onnx")],
+                                "encoding": "onnx"}
+    if batching:
+        model["batching"] = {"max_batch": 8}
     return parse_config({
         "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
-        "models": {"mobilenet": {"files": [str(guest_models.directory / "model.onnx")],
-                                 "encoding": "onnx", "batching": {"max_batch": 8}}},
+        "models": {"mobilenet": model},
     }, None)
 
 
-async def test_a_guest_cancelled_while_its_batch_runs_leaves_it_safe_inputs(
-        guest_models: GuestModels, guest_dir: Path) -> None:
-    # A guest's compute on a busy device joins a batch that runs in a worker thread. A
-    # cancelled guest leaves it at once and its Store (its linear memory) is freed while
-    # the batch still runs: the batch must hold copies, not views of that memory (which
-    # would be read after it was unmapped: a crash of the whole host).
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_guest_cancelled_while_its_request_runs_in_a_worker_leaves_it_safe_inputs(
+        guest_models: GuestModels, guest_dir: Path, batching: bool) -> None:
+    # A guest's compute on a busy device runs in a worker thread (in a batch, or alone,
+    # started by the thread that frees the slot). A cancelled guest leaves it at once and
+    # its Store (its linear memory) is freed while the run goes on: the run must hold
+    # copies, not views of that memory (which would be read after it was unmapped: a
+    # crash of the whole host).
     wasm = example_guest("classify_named", guest_dir)
     require_backend("onnxruntime")
-    config = batched_mobilenet(guest_models)
+    config = batched_mobilenet(guest_models, batching)
     async with wasinn.Runtime(config) as rt:
         graph = await rt.load_by_name("mobilenet")
         (cpu,) = rt.actors
