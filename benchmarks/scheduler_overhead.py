@@ -375,9 +375,9 @@ async def throughput(rt: wasinn.Runtime, graph: wasinn.Graph, image: Any, backen
           "thread(s); " + ", ".join(f"{t} thread(s): {v:.1f}/s" for t, v in native.items())
           + ")")
     for (how, callers), load in loads.items():
-        who = "concurrent callers" if how == "trio" else "guest threads     "
+        who = "concurrent callers" if how == "trio" else "guest threads"
         where = "" if how == "trio" else f", {load.in_callers} in the guests' own threads"
-        print(f"  {callers:2d} {who}: {load.rate:.1f} inferences/s, ratio to native best "
+        print(f"  {callers:2d} {who:<18}: {load.rate:.1f} inferences/s, ratio to native best "
               f"{load.rate / best:.3f} ({load.passed_on} of {load.runs} runs started by the "
               f"worker thread as the run before ended{where})")
 

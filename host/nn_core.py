@@ -68,6 +68,7 @@ from wasinn.host.tensor_binding import (
     OutputBinding,
     check_against_spec,
     copy_bytes,
+    owned_copies,
     run_context,
     run_context_in_thread,
     spec_at,
@@ -346,7 +347,7 @@ class GuestNN:
                 # An abandoned run goes on after the guest resumes (and perhaps after its
                 # memory is gone), so it must not hold views of guest memory: inputs are
                 # copied and outputs land in host buffers, copied in once it returns.
-                owned = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
+                owned = owned_copies(inputs)
                 staging = {name: np.empty_like(view) for name, view in bound.items()}
                 names = [spec.name for spec in entry.outputs_spec]
                 entry.results = self.portal.run(run_context, entry.ctx, owned, staging, names,

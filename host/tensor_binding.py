@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,13 +132,15 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
                           bound: dict[str, np.ndarray[Any, Any]],
                           in_flight: InFlight) -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
-    alone), take a device slot (no trio when one is free and nobody is queued, else one
-    trio round trip through ``portal`` to queue), then run the backend here; the slot is
-    given back without waiting for trio.
+    alone), take a free device slot (no trio when one is free and nobody is queued) and
+    run the backend here, giving the slot back without waiting for trio; or else queue
+    the request through ``portal`` (one trio round trip), which on a busy device runs it
+    in a device worker thread.
 
     Cancelling the guest's trio task while the request is queued drops it (the portal
-    raises trio.Cancelled here); a running request is registered with ``in_flight``, whose
-    ``interrupt`` stops it where the backend can (ONNX Runtime, OpenVINO).
+    raises trio.Cancelled here), and while it runs in a worker thread abandons it; a
+    request running here is registered with ``in_flight``, whose ``interrupt`` stops it
+    where the backend can (ONNX Runtime, OpenVINO).
 
     ``inputs`` may be views of guest memory. On a busy device the request runs in a
     device worker thread instead (started by the thread that frees a slot, or merged
@@ -149,12 +152,17 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
         ctx.set_output(name, buffer)
     run = ctx.try_lease(inputs)
     if run is None:
-        inputs = {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
-        run = portal.run(functools.partial(ctx.lease, inputs))
+        run = portal.run(functools.partial(ctx.lease, owned_copies(inputs)))
     try:
         return in_flight.run(run)
     except TooLargeError as exc:
         raise _overflowed(exc, ctx, bound) from None
+
+
+def owned_copies(inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Host copies of ``inputs`` (views of guest memory), for a run that may outlive the
+    guest's wait for it: one abandoned when the guest is cancelled or times out."""
+    return {name: Tensor.from_numpy(t.numpy().copy()) for name, t in inputs.items()}
 
 
 def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:

@@ -20,7 +20,7 @@ the backend run in that thread instead of a device worker thread. ``ctx.try_leas
 (from that thread, no trio) takes a free device slot when the graph is already compiled
 there and nobody is queued; otherwise ``await ctx.lease(...)`` (in trio, e.g. through
 ``trio.from_thread.run``). Either returns a :class:`ContextRun`, whose ``run()`` is called
-in the caller's thread. ``try_lease``'s holds a slot: it runs the model in that thread
+in the caller's thread. The one from ``try_lease`` holds a slot: it runs the model there
 and gives the slot back without waiting for trio. ``lease`` does the same when the device
 is free; on a busy device it queues the request as ``compute`` does and returns once it
 has run (a settled ContextRun): the worker thread that frees a slot starts the next
