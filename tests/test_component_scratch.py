@@ -7,6 +7,7 @@ its files with real wasi:filesystem calls (Wasmtime's own WASI host) and calls
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from collections.abc import AsyncIterator
@@ -373,19 +374,51 @@ async def test_guest_without_the_scratch_import_gets_no_directory(rt: Any) -> No
         assert guest.scratch is None
 
 
-async def test_a_guest_over_its_scratch_quota_is_stopped(rt: RecordingRuntime) -> None:
+@contextlib.asynccontextmanager
+async def every_slot_held(rt: RecordingRuntime) -> AsyncIterator[Any]:
+    """Hold every worker slot of the (one) device until the block ends; yields its actor."""
+    graph = await rt.load_by_name("affine")
+    ctx = graph.init_execution_context()
+    x = np.ones((1, 4), np.float32)
+    await ctx.compute({"x": x})  # compiled on the device, so try_lease can hold a slot
+    held = []
+    while (run := ctx.try_lease({"x": x})) is not None:
+        held.append(run)
+    (actor,) = rt.actors
+    assert held and not actor.slot_free()
+    try:
+        yield actor
+    finally:
+        for run in held:
+            run.cancel()
+    assert actor.slot_free()
+    assert (await ctx.compute({"x": x}))["y"].numpy().tolist() == [[3.0] * 4]
+    ctx.close()
+    await graph.unload()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+async def test_a_guest_over_its_scratch_quota_is_stopped(rt: RecordingRuntime,
+                                                         busy: bool) -> None:
     import trio
 
     # Each round of `infer` writes the 602,112-byte image to in.bin: over the 100,000-byte
     # limit from the first round, so the host's watcher must stop the (otherwise very long)
-    # loop; the test would time out if it did not.
-    guest, g = await start(rt, limits=GuestLimits(max_scratch_bytes=100_000))
-    async with guest:
-        image = sample_image(seed=4)
-        assert await g("fill", image.tobytes()) == image.nbytes
-        assert await g("prepare", "mobilenet") == 0
-        with trio.fail_after(60), pytest.raises(GuestTrap, match=r"over the limit of 100000"):
-            await g("infer", 1_000_000, list(IMAGE_SHAPE))
+    # loop; the test would time out if it did not. On a busy device (every slot held
+    # here), the guest's first compute waits in trio, queued: the watcher must stop the
+    # guest there while the slots are still held, not once one frees (none would).
+    async with contextlib.AsyncExitStack() as stack:
+        actor = await stack.enter_async_context(every_slot_held(rt)) if busy else None
+        guest, g = await start(rt, limits=GuestLimits(max_scratch_bytes=100_000))
+        async with guest:
+            image = sample_image(seed=4)
+            assert await g("fill", image.tobytes()) == image.nbytes
+            assert await g("prepare", "mobilenet") == 0
+            with trio.fail_after(30), pytest.raises(GuestTrap, match=r"over the limit of 100000"):
+                await g("infer", 1 if busy else 1_000_000, list(IMAGE_SHAPE))
+        if actor is not None:
+            assert actor.queued == 0  # its request left the queue
+            assert not actor.slot_free()  # stopped while every slot was still held
     assert guest.scratch is not None and guest.scratch.removed
     assert guest.live() == {"tensor": 0, "graph": 0, "graph-execution-context": 0, "error": 0}
 

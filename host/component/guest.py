@@ -207,13 +207,19 @@ class ComponentGuest:
     async def _interruptible(self, fn: Callable[..., T], *args: Any) -> T:
         result: outcome.Outcome[T] | None = None
         finished = False
+        # Cancelled to stop the guest from inside (its scratch quota): the thread keeps
+        # running until the guest traps, but a wasi-nn call it waits on in trio (a
+        # request queued on a busy device, or run in a device worker thread) is cancelled
+        # at once, as when the caller cancels.
+        stopping = trio.CancelScope()
 
         async def guest() -> None:
             nonlocal result, finished
-            # Captured, not raised, so a trap is not wrapped in the nursery's group.
-            result = await outcome.acapture(
-                trio.to_thread.run_sync, fn, *args, abandon_on_cancel=False,
-                limiter=guest_threads())
+            with stopping:
+                # Captured, not raised, so a trap is not wrapped in the nursery's group.
+                result = await outcome.acapture(
+                    trio.to_thread.run_sync, fn, *args, abandon_on_cancel=False,
+                    limiter=guest_threads())
             finished = True
             nursery.cancel_scope.cancel()
 
@@ -237,6 +243,7 @@ class ComponentGuest:
                     over_quota.append(reason)
                     self.interrupter.request()
                     self.service.interrupt()
+                    stopping.cancel()
                     return
                 await trio.sleep(SCRATCH_POLL_SECONDS)
 
