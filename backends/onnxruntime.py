@@ -1,5 +1,7 @@
 """ONNX Runtime behind the wasinn contract: ONNX models on the CPU and, where
-``onnxruntime-gpu`` is installed, on CUDA devices (``gpu:N``).
+``onnxruntime-gpu`` is installed, on CUDA devices (``gpu:N``): one for each device the
+CUDA driver reports (:mod:`.cuda`; ``onnxruntime-gpu`` lists its CUDA provider on hosts
+without a GPU too, so its word alone reports none).
 
 Every wasi-nn element type runs (f16, f32, f64, bf16, u8, i32, i64). numpy has no bf16,
 and ONNX Runtime's Python API cannot build or read bf16 values from ``ml_dtypes``
@@ -18,7 +20,12 @@ between nodes and between a Loop's iterations, and the run raises BackendRuntime
 A thread reuses its ``RunOptions`` for its next run unless a cancellation reached it (a
 late one could otherwise stop a later run): one object less to build per inference.
 
-``LoadOptions.precision`` is not applied: ONNX Runtime computes in the model's own types.
+``LoadOptions.precision``: on the CPU it is not applied (ONNX Runtime computes in the
+model's own types). On CUDA, ``"f32"`` (the default) turns the provider's TF32 off
+(``use_tf32``, on by default in ONNX Runtime: Ampere and later GPUs would round the
+inputs of f32 convolutions and matrix products to a 10-bit mantissa, and outputs would
+differ from the CPU's by about 1e-3), ``"tf32"`` turns it on, and the other values leave
+the provider's default; ``extra["provider_options"]["use_tf32"]`` overrides either.
 
 Hostile bytes: a model whose tensors refer to external data files is refused with
 SecurityError before ONNX Runtime sees it (:mod:`._onnx_check`: ORT would read any file
@@ -62,6 +69,7 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
+from . import cuda
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import check_external_data, external_data_folder
 from ._onnx_division import guard_integer_division
@@ -88,6 +96,7 @@ _TYPES: dict[str, TensorType] = {
     "tensor(int64)": TensorType.I64,
 }
 _ONNX_BFLOAT16 = 16
+_CPU = Device(ExecutionTarget.CPU)
 _BF16 = numpy_dtype(TensorType.BF16)
 
 
@@ -354,8 +363,11 @@ class OnnxRuntimeBackend(Backend):
         with self._lock:
             if self._devices is None:
                 found = [Device(ExecutionTarget.CPU)]
+                # The provider is listed wherever onnxruntime-gpu is installed: the
+                # driver says whether there are GPUs, and how many (see .cuda).
                 if "CUDAExecutionProvider" in ort.get_available_providers():
-                    found += [Device(ExecutionTarget.GPU, i) for i in range(_cuda_count())]
+                    found += [Device(ExecutionTarget.GPU, i)
+                              for i in range(cuda.device_count())]
                 self._devices = found
             return list(self._devices)
 
@@ -377,9 +389,10 @@ class OnnxRuntimeBackend(Backend):
         """
         expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
-        devices = self.devices()
-        if device not in devices:
-            raise no_device(NAME, device, devices)
+        if device != _CPU:  # (a CPU load asks no CUDA driver, not in a sandbox either)
+            devices = self.devices()
+            if device not in devices:
+                raise no_device(NAME, device, devices)
         options = options or LoadOptions()
         data = bytes(builders[0])
         check_external_data(NAME, data, external_data_folder(options.source))
@@ -467,18 +480,20 @@ def session_options(options: LoadOptions) -> Any:
 _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
+#: The CUDA provider's ``use_tf32`` for each ``LoadOptions.precision`` that sets it
+#: (the others leave ONNX Runtime's default, TF32 on).
+_CUDA_TF32: Mapping[str, str] = {"f32": "0", "tf32": "1"}
+
+
 def providers_for(device: Device, options: LoadOptions) -> list[Any]:
-    """The execution providers for ``device`` (``extra["provider_options"]`` for CUDA)."""
+    """The execution providers for ``device``. For CUDA: ``device_id``, ``use_tf32`` by
+    ``options.precision`` (see the module docstring), then ``extra["provider_options"]``,
+    whose entries win."""
     if device.kind is ExecutionTarget.GPU:
-        cuda_options = {"device_id": device.index, **options.extra.get("provider_options", {})}
+        cuda_options: dict[str, Any] = {"device_id": device.index}
+        tf32 = _CUDA_TF32.get(options.precision.strip().lower())
+        if tf32 is not None:
+            cuda_options["use_tf32"] = tf32
+        cuda_options.update(options.extra.get("provider_options", {}))
         return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]
-
-
-def _cuda_count() -> int:
-    """How many CUDA devices the provider sees (1 when ORT cannot enumerate them)."""
-    try:
-        count = sum(1 for d in ort.get_ep_devices() if d.ep_name == "CUDAExecutionProvider")
-    except Exception:
-        count = 0
-    return count or 1

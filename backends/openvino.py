@@ -4,6 +4,8 @@ and NPU (``NPU`` -> ``tpu:0``) plugins where ``Core.available_devices`` lists th
 
 Inference precision defaults to f32 (``LoadOptions.precision``; ``"default"`` leaves the
 plugin's choice, which is bf16 on CPUs with AMX) so that outputs agree across machines.
+``"tf32"`` (NVIDIA's TensorFloat-32, for the CUDA backends) is read as f32: OpenVINO has
+no such mode.
 
 A :class:`OvGraph` owns one ``CompiledModel`` and a pool of ``InferRequest`` s: each run
 borrows a request, so concurrent runs on several threads never share one, and holds the
@@ -655,9 +657,9 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
     """The compile properties wasinn uses; also used by benchmarks for native models.
 
     ``precision`` becomes ``INFERENCE_PRECISION_HINT`` where the device supports it
-    (``"default"`` or ``""`` leaves the plugin's choice); ``threads`` becomes
-    ``INFERENCE_NUM_THREADS``; ``thread_pinning=False`` becomes ``ENABLE_CPU_PINNING``
-    false; ``extra`` entries named after a property the device
+    (``"default"`` or ``""`` leaves the plugin's choice; ``"tf32"`` is f32); ``threads``
+    becomes ``INFERENCE_NUM_THREADS``; ``thread_pinning=False`` becomes
+    ``ENABLE_CPU_PINNING`` false; ``extra`` entries named after a property the device
     supports (``PERFORMANCE_HINT``, ``NUM_STREAMS``...) are passed as given. An OpenVINO
     property this device lacks (another plugin's, such as ``GPU_HOST_TASK_PRIORITY`` on the
     CPU) is left out with a warning; a key in capitals that names no OpenVINO property (a
@@ -667,6 +669,8 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
     supported = core.get_property(ov_device, "SUPPORTED_PROPERTIES")
     config: dict[str, Any] = {}
     precision = options.precision.strip().lower()
+    if precision == "tf32":  # NVIDIA's TensorFloat-32: no OpenVINO mode, so f32
+        precision = "f32"
     if precision not in ("", "default") and "INFERENCE_PRECISION_HINT" in supported:
         config["INFERENCE_PRECISION_HINT"] = precision
     if options.threads and "INFERENCE_NUM_THREADS" in supported:

@@ -76,6 +76,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.export.passes
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,13 +144,37 @@ class _DimRange(NamedTuple):
     high: int | None
 
 
+#: The attribute of a GPU output that holds its ``ready`` event (see :func:`_native`).
+_READY = "_wasinn_ready"
+
+
+def _ready(value: torch.Tensor) -> torch.cuda.Stream | None:
+    """For a GPU output read outside the stream that computes it: the current stream of
+    its device in this thread, made to wait until the output is computed (None for any
+    other tensor). An output stays on its device's actor, whose runs share one stream:
+    every other reader (a copy to the host or to another device) is on another stream,
+    which would not wait for the kernels still writing it."""
+    ready: torch.cuda.Event | None = getattr(value, _READY, None)
+    if ready is None:
+        return None
+    stream = torch.cuda.current_stream(value.device)
+    stream.wait_event(ready)
+    return stream
+
+
 def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tensor:
     """``tensor`` as torch's, sharing its memory unless ``private`` (the model writes to
     it) asks for a copy of its own."""
     native = tensor.native
     if isinstance(native, torch.Tensor):
         if native.device != device:
-            return native.to(device)
+            reader = _ready(native)
+            moved = native.to(device)
+            if reader is not None:
+                # The copy reads it on ``reader``: its memory must not go back to the
+                # producer's stream (and a later run there) before the copy is done.
+                native.record_stream(reader)
+            return moved
         return native.clone() if private else native
     array = tensor.numpy()
     if not array.flags.writeable:
@@ -164,10 +189,33 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
+    _ready(value)  # .cpu() copies on this stream, and waits for it
     value = value.detach().cpu()
     if value.dtype is torch.bfloat16:
         return c_contiguous(value.view(torch.int16).numpy().view(_BF16))
     return c_contiguous(value.numpy())
+
+
+#: ``LoadOptions.precision`` -> whether torch may compute f32 in TF32 on CUDA (other
+#: values leave torch's own setting: TF32 for cuDNN convolutions by default).
+_ALLOW_TF32 = {"f32": False, "tf32": True}
+
+
+def _cuda_allow_tf32(allow: bool) -> None:
+    """Let torch compute f32 cuDNN convolutions and RNNs and CUDA matrix products in
+    TensorFloat-32 (a 10-bit mantissa, on Ampere and later GPUs), or not. These settings
+    are process-wide in torch, so each CUDA run sets its graph's before it starts (a
+    write only where one differs). Through torch's ``allow_tf32`` flags, which keep its
+    newer ``fp32_precision`` settings in step; set through the newer ones alone, the
+    flags would raise when read (torch sees the two APIs mixed)."""
+    flags: Any  # (torch.backends.cudnn's flags are module properties, untyped)
+    for flags in (torch.backends.cudnn, torch.backends.cuda.matmul):
+        try:
+            same = flags.allow_tf32 == allow
+        except RuntimeError:  # mixed already (by the application): set it right
+            same = False
+        if not same:
+            flags.allow_tf32 = allow
 
 
 class TorchGraph(CheckedGraph):
@@ -210,6 +258,10 @@ class TorchGraph(CheckedGraph):
         self._torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
+        #: Whether f32 convolutions and matrix products may compute in TF32 on CUDA, set
+        #: before each run; None leaves torch's setting as it is (see
+        #: :func:`_cuda_allow_tf32`).
+        self.allow_tf32: bool | None = None
 
     @property
     def module(self) -> Callable[..., Any]:
@@ -224,6 +276,9 @@ class TorchGraph(CheckedGraph):
         if self._dim_ranges:
             self._check_ranges(ordered)
         private = self._private
+        on_cuda = device.type == "cuda"
+        if on_cuda and self.allow_tf32 is not None:
+            _cuda_allow_tf32(self.allow_tf32)
         try:
             args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
             with torch.inference_mode():
@@ -272,8 +327,18 @@ class TorchGraph(CheckedGraph):
         # Storages the caller must not get: its inputs' (a guest's memory) and, as they
         # are handed out, earlier outputs'; the model's own are in _model_storages.
         taken = {storage_of(a) for a in args}
-        return {self.outputs[i].name: self._wrap(values[i], taken, keep_on_device)
-                for i in picked}
+        # Outputs left on a GPU are still being computed on this thread's stream when the
+        # run returns; whoever reads them on another stream (a copy to the host or to
+        # another device, in another thread) first waits for this event, recorded once
+        # every output's kernels (clones included) are queued. A later run of this
+        # device's actor, on the same stream, needs no wait.
+        ready = (torch.cuda.Event()  # type: ignore[no-untyped-call]
+                 if on_cuda and keep_on_device else None)
+        outputs = {self.outputs[i].name: self._wrap(values[i], taken, keep_on_device, ready)
+                   for i in picked}
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(device))
+        return outputs
 
     def close(self) -> None:
         super().close()
@@ -292,7 +357,8 @@ class TorchGraph(CheckedGraph):
                     f"{self.inputs[index].describe()})"
                 )
 
-    def _wrap(self, value: Any, taken: set[int], keep: bool) -> Tensor:
+    def _wrap(self, value: Any, taken: set[int], keep: bool,
+              ready: torch.cuda.Event | None) -> Tensor:
         if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
             what = value.layout if isinstance(value, torch.Tensor) else type(value).__name__
             raise BackendRuntimeError(
@@ -320,8 +386,9 @@ class TorchGraph(CheckedGraph):
         else:
             taken.add(storage)
         if keep:
-            return _native(value, ttype, self.device.name if value.device.type != "cpu"
-                           else "cpu")
+            on_device = value.device.type != "cpu"
+            return _native(value, ttype, self.device.name if on_device else "cpu",
+                           ready if on_device else None)
         array = _to_numpy(value)
         return Tensor(array.shape, ttype, array=array)
 
@@ -463,12 +530,16 @@ def _describe_range(low: int, high: int | None) -> str:
     return f"at most {high}" if low == 0 else f"{low} to {high}"
 
 
-def _native(value: torch.Tensor, ttype: TensorType, device: str) -> Tensor:
-    """``value`` left where it is; its rows are views on the same device."""
+def _native(value: torch.Tensor, ttype: TensorType, device: str,
+            ready: torch.cuda.Event | None = None) -> Tensor:
+    """``value`` left where it is; its rows are views on the same device. ``ready``: the
+    event that marks it computed, on a GPU (see :func:`_ready`), kept with it."""
+    if ready is not None:
+        setattr(value, _READY, ready)
     return Tensor.from_native(
         value, tuple(value.shape), ttype, device=device,
         materialize=functools.partial(_to_numpy, value),
-        rows=lambda start, stop: _native(value[start:stop], ttype, device))
+        rows=lambda start, stop: _native(value[start:stop], ttype, device, ready))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -522,10 +593,14 @@ class TorchBackend(Backend):
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
         )
         if _is_exported_program(data):
-            return _load_exported(data, device, torch_device)
-        return _load_torchscript(data, device, torch_device,
-                                 optimize=bool(options.extra.get("optimize", True)),
-                                 interruptible=bool(options.extra.get("interruptible", False)))
+            graph = _load_exported(data, device, torch_device)
+        else:
+            graph = _load_torchscript(
+                data, device, torch_device, optimize=bool(options.extra.get("optimize", True)),
+                interruptible=bool(options.extra.get("interruptible", False)))
+        if device.kind is not ExecutionTarget.CPU:
+            graph.allow_tf32 = _ALLOW_TF32.get(options.precision.strip().lower())
+        return graph
 
 
 def _is_exported_program(data: bytes) -> bool:
@@ -641,8 +716,8 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
         ) from exc
     check_exported_program(NAME, program.graph_module)
     try:
+        program = _program_on(program, torch_device)
         module = program.module()
-        module.to(torch_device)
         guard_exported_divisions(module)
         _interruptible(module)
     except Exception as exc:
@@ -668,6 +743,16 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
         model_storages=module_storages(module),
         dim_ranges=_dim_ranges(program, placeholders),
     )
+
+
+def _program_on(program: Any, torch_device: torch.device) -> Any:
+    """``program`` moved to ``torch_device``: its parameters and buffers, and also its
+    lifted tensor constants and the devices its graph names (``torch.arange(n)`` records
+    ``device=cpu``), which the module's ``.to()`` would leave on the CPU, so that every
+    run on a GPU would fail with tensors on two devices."""
+    if torch_device.type == "cpu":
+        return program
+    return torch.export.passes.move_to_device_pass(program, torch_device)
 
 
 #: Where :class:`_Flattened` passes one of the run's tensors.

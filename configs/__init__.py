@@ -21,8 +21,11 @@ class ConfigError(InvalidArgumentError):
 #: The inference precisions a model may ask for (``precision`` in ``[models.NAME]``, or
 #: ``options={"precision": ...}`` in ``Runtime.load``): OpenVINO's inference precision
 #: hint; ``"default"`` leaves the backend's own choice (OpenVINO: bf16 on CPUs with AMX).
-#: ONNX Runtime and PyTorch compute in the model's own types and ignore it.
-PRECISIONS: tuple[str, ...] = ("f32", "f16", "bf16", "default")
+#: On the CPU, ONNX Runtime and PyTorch compute in the model's own types and ignore it. On
+#: NVIDIA GPUs, ``"f32"`` turns TensorFloat-32 off for f32 convolutions and matrix products
+#: (ONNX Runtime's CUDA provider and torch use it by default on Ampere and later) and
+#: ``"tf32"`` turns it on; OpenVINO, which has no TF32, reads ``"tf32"`` as f32.
+PRECISIONS: tuple[str, ...] = ("f32", "f16", "bf16", "default", "tf32")
 
 
 def check_precision(value: object) -> str:

@@ -333,7 +333,7 @@ class ModelConfig(_Startup):
     target: TargetName = "cpu"
     #: Force a backend (None = the pool's preference order).
     backend: str | None = None
-    #: One of PRECISIONS (OpenVINO's inference precision; the others ignore it).
+    #: One of PRECISIONS (OpenVINO's inference precision; TF32 on or off on NVIDIA GPUs).
     precision: PrecisionName = "f32"
     #: Intra-op threads (0 = the backend's default).
     threads: int = Field(default=0, ge=0, le=MAX_THREADS)

@@ -1,7 +1,10 @@
 """Shared test helpers: skipping what this machine lacks, unless WASINN_REQUIRE says it must run.
 
 ``WASINN_REQUIRE=gpu,openvino`` turns the skip for those features into a failure, so CI
-or a GPU machine can insist that a path really ran.
+or a GPU machine can insist that a path really ran. ``gpu`` is a CUDA GPU as the backend
+under test sees it (torch's for PyTorch tests, the CUDA driver's for ONNX Runtime's);
+``onnxruntime-gpu`` insists on ONNX Runtime's CUDA provider, so a GPU machine that should
+run the ONNX Runtime CUDA tests sets ``WASINN_REQUIRE=gpu,onnxruntime-gpu``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,27 @@ def require_backend(library: str) -> None:
 
 def require_gpu() -> None:
     skip_unless("gpu", has_cuda(), "no CUDA GPU on this machine")
+
+
+def has_ort_cuda_provider() -> bool:
+    """Whether ONNX Runtime is installed with its CUDA provider (``onnxruntime-gpu``);
+    it is listed on machines without a GPU too."""
+    if not has_module("onnxruntime"):
+        return False
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def require_ort_gpu(backend: Any) -> None:
+    """Skip (or fail, under WASINN_REQUIRE) unless ONNX Runtime can run on a CUDA GPU
+    here: its CUDA provider first (``onnxruntime-gpu``), then a ``gpu`` device that
+    ``backend`` (an OnnxRuntimeBackend) reports, which the CUDA driver must see. Asks
+    nothing of torch."""
+    skip_unless("onnxruntime-gpu", has_ort_cuda_provider(),
+                "onnxruntime has no CUDA provider here (install onnxruntime-gpu)")
+    skip_unless("gpu", any(d.kind is ExecutionTarget.GPU for d in backend.devices()),
+                "no CUDA GPU on this machine (the CUDA driver reports none)")
 
 
 def cpu_pool(**pool: Any) -> RuntimeConfig:

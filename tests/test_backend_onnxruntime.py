@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import Any
 
 import ml_dtypes
@@ -11,10 +13,8 @@ import pytest
 from tests.backend_models import scalar_onnx
 from tests.support import (
     armed_cancellation,
-    has_module,
     require_backend,
-    require_gpu,
-    skip_unless,
+    require_ort_gpu,
 )
 from wasinn import (
     GraphEncoding,
@@ -23,7 +23,7 @@ from wasinn import (
     TensorType,
     UnsupportedOperationError,
 )
-from wasinn.backends import Device, LoadOptions
+from wasinn.backends import Device, LoadOptions, cuda
 from wasinn.modelgen import affine_onnx, identity_onnx, onnx_model_bytes
 
 pytestmark = pytest.mark.usefixtures("_ort")
@@ -49,8 +49,157 @@ def test_devices_start_with_the_cpu(backend: Any) -> None:
 
     devices = backend.devices()
     assert devices[0] == CPU
-    has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
-    assert any(d.kind.value == "gpu" for d in devices) == has_cuda
+    # A gpu:N for each device the CUDA driver reports, where the CUDA provider is there.
+    has_provider = "CUDAExecutionProvider" in ort.get_available_providers()
+    gpus = cuda.device_count() if has_provider else 0
+    assert devices[1:] == [Device.parse(f"gpu:{i}") for i in range(gpus)]
+
+
+# -- GPU discovery ------------------------------------------------------------------------
+def _with_cuda(monkeypatch: pytest.MonkeyPatch, provider: bool, count: int) -> None:
+    """ONNX Runtime lists its CUDA provider (as onnxruntime-gpu does, GPU or not) or not,
+    and the CUDA driver reports ``count`` devices."""
+    import onnxruntime as ort
+
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider else [
+        "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(cuda, "device_count", lambda: count)
+
+
+def test_each_device_the_cuda_driver_reports_is_a_gpu(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_cuda(monkeypatch, provider=True, count=2)
+    assert [d.name for d in backend.devices()] == ["cpu", "gpu:0", "gpu:1"]
+
+
+def test_the_cuda_provider_alone_reports_no_gpu_where_the_driver_reports_none(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # onnxruntime-gpu on a machine without a GPU (or without the NVIDIA driver).
+    _with_cuda(monkeypatch, provider=True, count=0)
+    assert backend.devices() == [CPU]
+    with pytest.raises(UnsupportedOperationError, match="no device gpu:0"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, Device.parse("gpu:0"))
+
+
+def test_gpus_without_the_cuda_provider_are_not_reported(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_cuda(monkeypatch, provider=False, count=2)
+    assert backend.devices() == [CPU]
+
+
+def test_a_cpu_load_does_not_ask_the_cuda_driver(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuInit takes a while on a GPU machine: a CPU load (a sandbox process's) skips it.
+    def asked() -> int:
+        raise AssertionError("the CUDA driver was asked")
+
+    monkeypatch.setattr(cuda, "device_count", asked)
+    graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    (y,) = graph.run({"x": Tensor.from_numpy(np.ones((2, 4), np.float32))}).values()
+    np.testing.assert_allclose(y.numpy(), np.full((2, 4), 3.0))
+
+
+def _driver_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_the_cuda_device_count_is_a_count_and_none_without_a_driver() -> None:
+    count = cuda.device_count()
+    assert isinstance(count, int) and count >= 0
+    if not _driver_loads() and ctypes.util.find_library("cuda") is None:
+        assert count == 0  # no NVIDIA driver on this machine
+    assert cuda.device_count() == count  # asked once, then cached
+
+
+def test_a_driver_library_that_does_not_load_or_lacks_the_calls_counts_no_device() -> None:
+    assert cuda.count_devices([]) == 0
+    assert cuda.count_devices(["libwasinn-no-such-cuda-driver.so.1"]) == 0
+    libc = ctypes.util.find_library("c")
+    if libc is not None:  # a real library, loaded through ctypes, without cuInit
+        assert cuda.count_devices([libc]) == 0
+    assert cuda.driver_device_count(object()) == 0
+
+
+class _Driver:
+    """A stand-in for ``libcuda``: each call returns its CUresult (0 is success)."""
+
+    def __init__(self, init: int = 0, get: int = 0, count: int = 0) -> None:
+        self.results = {"cuInit": init, "cuDeviceGetCount": get}
+        self.count = count
+        self.calls: list[tuple[str, Any]] = []
+
+    def cuInit(self, flags: int) -> int:
+        self.calls.append(("cuInit", flags))
+        return self.results["cuInit"]
+
+    def cuDeviceGetCount(self, count: Any) -> int:
+        self.calls.append(("cuDeviceGetCount", type(count).__name__))
+        if self.results["cuDeviceGetCount"] == 0:
+            count.contents.value = self.count
+        return self.results["cuDeviceGetCount"]
+
+
+def test_the_driver_is_initialized_then_asked_for_its_device_count() -> None:
+    driver = _Driver(count=3)
+    assert cuda.driver_device_count(driver) == 3
+    assert driver.calls == [("cuInit", 0), ("cuDeviceGetCount", "LP_c_int")]
+
+
+def test_a_driver_error_counts_no_device() -> None:
+    no_device = _Driver(init=100, count=3)  # CUDA_ERROR_NO_DEVICE, from cuInit
+    assert cuda.driver_device_count(no_device) == 0
+    assert no_device.calls == [("cuInit", 0)]
+    stub = _Driver(init=34, count=3)  # CUDA_ERROR_STUB_LIBRARY: the toolkit's stub
+    assert cuda.driver_device_count(stub) == 0
+    failed = _Driver(get=3, count=3)  # CUDA_ERROR_NOT_INITIALIZED, from the count
+    assert cuda.driver_device_count(failed) == 0
+
+
+# -- providers ----------------------------------------------------------------------------
+def _cuda_options(options: LoadOptions, device: str = "gpu:1") -> dict[str, Any]:
+    """The CUDA provider's options for a load with ``options`` on ``device``."""
+    from wasinn.backends.onnxruntime import providers_for
+
+    (name, cuda_options), fallback = providers_for(Device.parse(device), options)
+    assert (name, fallback) == ("CUDAExecutionProvider", "CPUExecutionProvider")
+    return dict(cuda_options)
+
+
+def test_f32_precision_turns_the_cuda_providers_tf32_off() -> None:
+    # LoadOptions' default: outputs agree with the CPU's, not rounded to a 10-bit mantissa.
+    assert _cuda_options(LoadOptions()) == {"device_id": 1, "use_tf32": "0"}
+    assert _cuda_options(LoadOptions(precision=" F32 ")) == {"device_id": 1, "use_tf32": "0"}
+
+
+def test_tf32_precision_turns_the_cuda_providers_tf32_on() -> None:
+    assert _cuda_options(LoadOptions(precision="tf32"), "gpu:0") == {
+        "device_id": 0, "use_tf32": "1"}
+
+
+def test_other_precisions_leave_the_cuda_providers_tf32_default() -> None:
+    for precision in ("default", "f16", "bf16", ""):
+        assert _cuda_options(LoadOptions(precision=precision)) == {"device_id": 1}
+
+
+def test_provider_options_set_tf32_over_the_precision() -> None:
+    given = {"use_tf32": "1", "gpu_mem_limit": "1048576"}
+    for precision in ("f32", "default"):
+        options = LoadOptions(precision=precision, extra={"provider_options": given})
+        assert _cuda_options(options) == {"device_id": 1, **given}
+    off = LoadOptions(precision="tf32", extra={"provider_options": {"use_tf32": "0"}})
+    assert _cuda_options(off)["use_tf32"] == "0"
+
+
+def test_the_cpu_gets_the_cpu_provider_alone_whatever_the_precision() -> None:
+    from wasinn.backends.onnxruntime import providers_for
+
+    for precision in ("f32", "tf32", "default"):
+        assert providers_for(CPU, LoadOptions(precision=precision)) == ["CPUExecutionProvider"]
 
 
 def test_keep_on_device_returns_ortvalues_that_bind_back(backend: Any) -> None:
@@ -130,12 +279,7 @@ def test_a_missing_device_is_unsupported(backend: Any) -> None:
 
 @pytest.mark.gpu
 def test_cuda_provider_runs_and_keeps_outputs_on_the_gpu(backend: Any) -> None:
-    import onnxruntime as ort
-
-    require_gpu()
-    skip_unless("onnxruntime-gpu", has_module("onnxruntime")
-                and "CUDAExecutionProvider" in ort.get_available_providers(),
-                "onnxruntime has no CUDA provider here (install onnxruntime-gpu)")
+    require_ort_gpu(backend)  # onnxruntime-gpu and a GPU the CUDA driver reports, no torch
     gpu = Device.parse("gpu:0")
     first = backend.load([affine_onnx(2.0, 1.0, out_name="y")], GraphEncoding.ONNX, gpu)
     second = backend.load([affine_onnx(3.0, 0.0, in_name="y", out_name="z")],

@@ -127,6 +127,14 @@ def test_inference_precision_defaults_to_f32(backend: Any) -> None:
     assert plugin_default.compiled_model.get_property("INFERENCE_PRECISION_HINT") == expected
 
 
+def test_tf32_precision_is_read_as_f32(backend: Any) -> None:
+    # NVIDIA's TensorFloat-32 (for the CUDA backends): OpenVINO has no such mode.
+    import openvino as ov
+
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision="TF32"))
+    assert graph.compiled_model.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+
+
 def test_i64_outside_the_i32_range_is_refused_not_truncated(backend: Any) -> None:
     graph = backend.load([identity_onnx(TensorType.I64)], GraphEncoding.ONNX, CPU)
     fits = np.array([[-(2**31), 0, 1, 2**31 - 1]], np.int64)

@@ -228,6 +228,99 @@ def test_cuda_runs_and_chains_on_the_gpu(backend: Any, small_mobilenet: ModelFil
     assert diff <= 1e-3
 
 
+@pytest.mark.gpu
+def test_gpu_outputs_kept_on_the_device_are_complete_when_read_from_another_thread(
+        backend: Any) -> None:
+    # A long chain of large products, left on the GPU: the run returns while its kernels
+    # still run on the actor's stream. Read at once from another thread (the default
+    # stream, as a guest's get-output is), the output must be the finished one.
+    import threading
+
+    import torch
+
+    require_gpu()
+    gpu = Device.parse("gpu:0")
+
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(64):
+                x = torch.tanh(x @ x) + 1
+            return x
+
+    data = _exported(Chain(), (torch.ones(2048, 2048),))
+    on_gpu, on_cpu = backend.load([data], PT, gpu), backend.load([data], PT, CPU)
+    x = Tensor.from_numpy(np.random.default_rng(3).random((2048, 2048), np.float32) / 2048)
+    want = on_cpu.run({"x": x})["output"].numpy()
+    stream = torch.cuda.Stream()
+    for _ in range(3):
+        with torch.cuda.stream(stream):  # as the device's actor runs its jobs
+            (out,) = on_gpu.run({"x": x}, keep_on_device=True).values()
+        read: list[Any] = []
+        reader = threading.Thread(target=lambda out=out, read=read: read.append(out.numpy()))
+        reader.start()
+        reader.join()
+        np.testing.assert_allclose(read[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
+    # torch computes f32 cuDNN convolutions in TF32 by default on Ampere and later GPUs
+    # (a 10-bit mantissa: emulated, up to 0.075 apart on small_mobilenet), whatever precision
+    # says, unless told otherwise; these settings exist, and are process-wide, in every
+    # torch build, so they are checked here without a GPU.
+    import torch
+
+    from wasinn.backends.pytorch import _cuda_allow_tf32
+
+    cudnn: Any = torch.backends.cudnn
+    kinds = (cudnn.conv, cudnn.rnn, torch.backends.cuda.matmul)
+    before = (cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    try:
+        _cuda_allow_tf32(False)
+        assert not cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        # torch's newer per-kernel settings agree: none of the three is TF32.
+        assert all(kind.fp32_precision != "tf32" for kind in kinds)
+        _cuda_allow_tf32(True)
+        assert [kind.fp32_precision for kind in kinds] == ["tf32"] * 3
+        # An application that set the newer API alone left the flags unreadable ("mixed"):
+        # the setting is made all the same.
+        cudnn.conv.fp32_precision = "tf32"
+        cudnn.rnn.fp32_precision = "ieee"
+        with pytest.raises(RuntimeError, match="mix"):
+            _ = cudnn.allow_tf32
+        _cuda_allow_tf32(False)
+        assert not cudnn.allow_tf32 and cudnn.conv.fp32_precision != "tf32"
+    finally:
+        cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_an_exported_program_moves_its_constants_and_devices_with_it(backend: Any) -> None:
+    # The module's .to() leaves a program's lifted tensor constants and the devices its
+    # graph records (torch.arange(n) says device=cpu) behind, so every GPU run would fail
+    # with tensors on two devices. Checked with the meta device, which no CPU tensor may
+    # meet either.
+    import torch
+
+    from wasinn.backends.pytorch import _program_on
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            offsets = torch.tensor([1.0, 2.0, 3.0, 4.0])  # a lifted constant
+            return x * self.scale + offsets + torch.arange(x.shape[1])
+
+    program = torch.export.export(Positions(), (torch.ones(2, 4),))
+    meta = torch.device("meta")
+    x = torch.ones(2, 4, device=meta)
+    with pytest.raises(RuntimeError, match="device"):
+        program.module().to(meta)(x)  # what a GPU load did before
+    out = _program_on(program, meta).module()(x)
+    assert out.device == meta and out.shape == (2, 4)
+    assert _program_on(program, torch.device("cpu")) is program
+
+
 # -- Guests' models are untrusted (each test fails on the code before its fix) ------------
 
 

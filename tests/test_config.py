@@ -160,7 +160,7 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = ["m.onnx"]\nbackend = "onnxrutnime"\n',
      r"models\.m\.backend: unknown backend 'onnxrutnime': expected one of .*openvino"),
     ('[models.m]\nfiles = ["m.onnx"]\nprecision = "f3"\n',
-     r"models\.m\.precision: precision 'f3' .*expected one of f32, f16, bf16, default"),
+     r"models\.m\.precision: precision 'f3' .*expected one of f32, f16, bf16, default, tf32"),
     ('[models.m]\nfiles = ["m.onnx"]\nprecision = 16\n', r"models\.m\.precision: .*string"),
     # Accepted but ignored, before: refused now.
     ('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu:1"]\n',
@@ -340,15 +340,19 @@ files = ["m.onnx"]
 backend = "pytorch"
 precision = "default"
 options = { optimize = false, interruptible = true }
+[models.d]
+files = ["m.onnx"]
+backend = "onnxruntime"
+precision = "TF32"
 '''))
-    assert [m.precision for m in config.models.values()] == ["bf16", "f32", "default"]
+    assert [m.precision for m in config.models.values()] == ["bf16", "f32", "default", "tf32"]
 
 
 async def test_a_bad_precision_given_to_load_is_an_invalid_argument() -> None:
     async with wasinn.Runtime() as rt:
         for options in ({"precision": "f3"}, LoadOptions(precision="fp16")):
             with pytest.raises(InvalidArgumentError, match=r"precision '(f3|fp16)' .*expected one "
-                                                           r"of f32, f16, bf16, default"):
+                                                           r"of f32, f16, bf16, default, tf32"):
                 await rt.load([affine_onnx()], "onnx", options=options)
         for threads in (-1, 100_000_000_000):
             for options in ({"threads": threads}, LoadOptions(threads=threads)):
@@ -392,6 +396,15 @@ async def test_load_options_take_backend_options_as_keys_or_under_extra() -> Non
     (options,) = mine.options
     assert options is not None and options.precision == "f16"
     assert dict(options.extra) == {"a": 1, "b": 2}
+
+
+async def test_tf32_is_a_precision_a_load_may_ask_for() -> None:
+    mine = NamedBackend("mine")
+    async with wasinn.Runtime(backends=[mine]) as rt:
+        await rt.load([b"fake:add=1"], "ggml", backend="mine", options={"precision": " TF32 "})
+        await rt.load([b"fake:add=1"], "ggml", backend="mine",
+                      options=LoadOptions(precision="tf32"))
+    assert [o.precision for o in mine.options if o is not None] == ["tf32", "tf32"]
 
 
 def test_errors_never_dump_a_whole_table(tmp_path: Path) -> None:
