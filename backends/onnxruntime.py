@@ -63,6 +63,7 @@ import onnxruntime as ort
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
+    InvalidArgumentError,
     InvalidEncodingError,
     UnsupportedOperationError,
     WasiNNError,
@@ -424,13 +425,16 @@ def _session(data: bytes, device: Device, options: LoadOptions) -> Any:
     on a GPU would quietly run on the CPU. Both are off here. A GPU session that fails to
     build is tried on the CPU once, only to tell the two failures apart.
 
-    Raises InvalidEncodingError for a model ONNX Runtime cannot load, and
-    UnsupportedOperationError where only the CUDA provider fails on it.
+    Raises InvalidEncodingError for a model ONNX Runtime cannot load,
+    UnsupportedOperationError where only the CUDA provider fails on it, and
+    InvalidArgumentError for provider options that contradict ``device``
+    (:func:`providers_for`).
     """
+    providers = providers_for(device, options)
     try:
         session = ort.InferenceSession(
-            data, sess_options=session_options(options),
-            providers=providers_for(device, options), enable_fallback=0,
+            data, sess_options=session_options(options), providers=providers,
+            enable_fallback=0,
         )
     except Exception as exc:
         if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options):
@@ -488,12 +492,20 @@ _CUDA_TF32: Mapping[str, str] = {"f32": "0", "tf32": "1"}
 def providers_for(device: Device, options: LoadOptions) -> list[Any]:
     """The execution providers for ``device``. For CUDA: ``device_id``, ``use_tf32`` by
     ``options.precision`` (see the module docstring), then ``extra["provider_options"]``,
-    whose entries win."""
+    whose entries win, except a ``device_id`` naming another GPU than ``device``
+    (InvalidArgumentError): the graph would compute there while its outputs, its
+    actor and its stats said ``device``."""
     if device.kind is ExecutionTarget.GPU:
         cuda_options: dict[str, Any] = {"device_id": device.index}
         tf32 = _CUDA_TF32.get(options.precision.strip().lower())
         if tf32 is not None:
             cuda_options["use_tf32"] = tf32
-        cuda_options.update(options.extra.get("provider_options", {}))
+        given = dict(options.extra.get("provider_options", {}))
+        if "device_id" in given and str(given["device_id"]).strip() != str(device.index):
+            raise InvalidArgumentError(
+                f"{NAME}: provider_options device_id = {given['device_id']!r} names another "
+                f"GPU than the one this graph is placed on ({device}): leave device_id out "
+                "(the pool's devices and the context's target choose the GPU)")
+        cuda_options.update(given)
         return [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]

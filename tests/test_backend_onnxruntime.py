@@ -18,6 +18,7 @@ from tests.support import (
 )
 from wasinn import (
     GraphEncoding,
+    InvalidArgumentError,
     InvalidEncodingError,
     Tensor,
     TensorType,
@@ -193,6 +194,19 @@ def test_provider_options_set_tf32_over_the_precision() -> None:
         assert _cuda_options(options) == {"device_id": 1, **given}
     off = LoadOptions(precision="tf32", extra={"provider_options": {"use_tf32": "0"}})
     assert _cuda_options(off)["use_tf32"] == "0"
+
+
+def test_a_provider_device_id_naming_another_gpu_is_refused(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The graph would compute on gpu:0 while its actor, outputs and stats said gpu:1.
+    other = LoadOptions(extra={"provider_options": {"device_id": 0}})
+    with pytest.raises(InvalidArgumentError, match=r"device_id = 0 names another GPU .*gpu:1"):
+        _cuda_options(other)
+    _with_cuda(monkeypatch, provider=True, count=2)  # refused as such by load, before ORT
+    with pytest.raises(InvalidArgumentError, match="names another GPU"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, Device.parse("gpu:1"), other)
+    same = LoadOptions(extra={"provider_options": {"device_id": "1"}})
+    assert _cuda_options(same)["device_id"] == "1"  # the graph's own: accepted as given
 
 
 def test_the_cpu_gets_the_cpu_provider_alone_whatever_the_precision() -> None:
