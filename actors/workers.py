@@ -19,6 +19,10 @@ thread writes for the ended job then also tells trio which job its thread runs n
 caller of the ended job (or the task that reaps it) tells the next request that it was
 granted, and that request's caller waits on the same socket for its own byte. Each
 finished job's byte is read once, in order, so one socket serves a thread's whole chain.
+A thread passes nothing on while a job that holds no slot (a compile, a warm-up) waits
+for a thread: under load the queue never empties, and a thread going from one request
+to the next would never become free for it. The slot is then freed in trio, and the
+thread handed to the job that waited longest before any caller that comes later.
 
 Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
 (the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
@@ -46,6 +50,7 @@ behind as daemons.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import queue
@@ -126,6 +131,16 @@ class Job:
             self.relay.free()
 
 
+class _Waiter:
+    """A caller waiting for a thread: handed one (``worker``), or none once stopped."""
+
+    __slots__ = ("handed", "worker")
+
+    def __init__(self) -> None:
+        self.handed = trio.Event()
+        self.worker: _Worker | None = None
+
+
 class _Worker:
     """One thread, its job queue, and the socket pair it signals a finished job on."""
 
@@ -167,7 +182,9 @@ class WorkerThreads:
         self._loop_pin: LoopPin | None = None
         self._workers: list[_Worker] = []
         self._idle: list[_Worker] = []
-        self._free = trio.lowlevel.ParkingLot()  # callers waiting for an idle thread
+        #: Callers waiting for a thread (every one busy), served first come first served
+        #: (see :meth:`_thread`).
+        self._waiters: collections.deque[_Waiter] = collections.deque()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stopped = False
         self._alive = 0
@@ -251,15 +268,11 @@ class WorkerThreads:
             return await self._wait(job, worker)
         self.busy += 1
         try:
-            self._check_running()
-            while not self._idle:  # every thread busy (compiles, abandoned jobs)
-                await self._free.park()
-                self._check_running()
+            worker = job.worker = await self._thread()
         except BaseException:
             self.busy -= 1
             job.release()
             raise
-        worker = job.worker = self._idle.pop()
         job.started = time.monotonic()
         if self._loop_pin is not None:
             if pin:
@@ -270,6 +283,39 @@ class WorkerThreads:
         self._running[worker] = job
         worker.inbox.put(job)
         return await self._wait(job, worker)
+
+    async def _thread(self) -> _Worker:
+        # An idle thread for a job: at once when one is idle and nobody waits before this
+        # caller, else once a thread is handed over (_give, first come first served).
+        self._check_running()
+        if self._idle and not self._waiters:
+            return self._idle.pop()
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        try:
+            await waiter.handed.wait()
+        except BaseException:
+            if waiter.worker is not None:  # handed over just as the caller gave up
+                self._give(waiter.worker)
+            else:
+                self._waiters.remove(waiter)
+            raise
+        if waiter.worker is None:  # stopped meanwhile
+            self._check_running()
+        assert waiter.worker is not None
+        return waiter.worker
+
+    def _give(self, worker: _Worker) -> None:
+        # In trio: ``worker`` is free; the caller that waited longest gets it, else it
+        # idles. A waiter is served before any newcomer can take the thread.
+        if self._stopped:
+            worker.done("trio")  # no job will be handed to it again
+        elif self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.worker = worker
+            waiter.handed.set()
+        else:
+            self._idle.append(worker)
 
     async def _wait(self, job: Job, worker: _Worker) -> Any:
         # The caller's side of a job handed to (or started by) ``worker``.
@@ -335,10 +381,16 @@ class WorkerThreads:
                             job.result = outcome.capture(fn)
                     following: Job | None = None
                     relay = job.relay
-                    if relay is not None and not self._stopped:
+                    # Not while a job waits for a thread (a compile, a warm-up: they
+                    # hold no slot): passed on from job to job under load, the thread
+                    # would never become free for it. Then the slot is freed in trio,
+                    # and the thread handed to that job first (_give).
+                    if relay is not None and not self._stopped and not self._waiters:
                         successor = job.successor = relay.pass_on()  # before the send
                         if successor is not None and successor.started:
                             following = cast(Job, successor.handoff)
+                            if self._stopped:  # stop() ran meanwhile, and missed it
+                                following.cancellation.cancel()
                     try:
                         wake(worker.writer)  # keeping the GIL: see wasinn.actors.wakeup
                     except OSError:
@@ -389,8 +441,7 @@ class WorkerThreads:
         elif self._stopped:
             worker.done("trio")  # no job will be handed to it again
         else:
-            self._idle.append(worker)
-            self._free.unpark()
+            self._give(worker)
         self._unpin(job)
         if successor is None:
             job.release()
@@ -451,7 +502,8 @@ class WorkerThreads:
         for worker in self._idle:
             worker.done("trio")  # busy ones are let go of once their job is consumed
         self._idle.clear()
-        self._free.unpark_all()
+        while self._waiters:  # (no thread: each raises ClosedResourceError)
+            self._waiters.popleft().handed.set()
 
     async def wait_stopped(self, timeout: float = math.inf) -> list[str]:
         """Wait (after :meth:`stop`) until every thread has exited, for at most

@@ -8,6 +8,7 @@ slot counts come back to zero."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable
 
@@ -149,6 +150,103 @@ async def test_closing_reaches_a_job_a_thread_started_on_its_own() -> None:
             nursery.cancel_scope.cancel()  # closes the actor
     assert log == ["stopped"] and len(errors) == 1
     assert not any(t.is_alive() for t in actor.threads.threads)
+
+
+class _Compiled:
+    """What a compile returns, for the session cache (only closed)."""
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_compile_and_a_warm_up_get_a_thread_while_the_queue_never_empties(
+        workers: int) -> None:
+    # Closed-loop callers keep requests queued, so a thread that ends a job always finds
+    # one to pass its slot on to; a compile or a warm-up (no slot) waits for a thread,
+    # and must get the next one free, not wait until the load stops (it stops here only
+    # once both are done: the guard would fail the test first).
+    actor = DeviceActor(CPU, workers=workers)
+    done = trio.Event()
+    runs = 0
+
+    async def caller() -> None:
+        nonlocal runs
+        while not done.is_set():
+            await actor.execute(lambda: threading.Event().wait(0.001))
+            runs += 1
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            async with trio.open_nursery() as callers:
+                for _ in range(2 * workers + 2):
+                    callers.start_soon(caller)
+                while actor.threads.passed_on < 20:  # saturated: runs go back to back
+                    await trio.sleep(0.001)
+                await actor.warm_up(lambda: None)
+                session = await actor.session("second model", _Compiled, "fake")
+                assert session is not None and not done.is_set()
+                passed = actor.threads.passed_on
+                while actor.threads.passed_on < passed + 20:  # and back to passing on
+                    await trio.sleep(0.001)
+                done.set()
+            nursery.cancel_scope.cancel()
+    assert actor.queued == 0 and actor.busy == 0
+
+
+async def test_a_job_a_thread_passes_its_slot_to_as_the_device_closes_is_cancelled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The thread that ends the first job reads "not stopped", then passes its slot on
+    # after the close has stopped the threads but before it closes the slots (held
+    # here in that window): the job it then starts must be cancelled, as close cancels
+    # every job handed to a thread, not run to its end.
+    import time
+
+    from wasinn.actors.slots import Slots
+
+    actor = DeviceActor(CPU, workers=1)
+    pass_on, entered, passed = Slots.pass_on, threading.Event(), threading.Event()
+
+    def late_pass_on(slots: Slots) -> object:
+        entered.set()  # the thread read "not stopped"
+        deadline = time.monotonic() + GUARD_S
+        while not actor.threads._stopped and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        try:
+            return pass_on(slots)
+        finally:
+            passed.set()
+
+    def close_desk_late(close: Callable[[], None]) -> None:
+        passed.wait(GUARD_S)  # between stopping the threads and closing the slots
+        close()
+
+    monkeypatch.setattr(Slots, "pass_on", late_pass_on)
+    monkeypatch.setattr(actor._desk, "close",
+                        functools.partial(close_desk_late, actor._desk.close))
+    gate, first_started = threading.Event(), threading.Event()
+    second_ran: list[bool] = []
+    errors: list[BaseException] = []
+
+    async def call(job: Callable[[], object]) -> None:
+        try:
+            await actor.execute(job)
+        except ClosedResourceError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as outer, trio.open_nursery() as nursery:
+            await nursery.start(actor.serve)
+            outer.start_soon(call, gate_job(gate, first_started))
+            await trio.to_thread.run_sync(first_started.wait, GUARD_S)
+            outer.start_soon(call, lambda: second_ran.append(True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.queued == 1
+            gate.set()  # the first job ends
+            await trio.to_thread.run_sync(entered.wait, GUARD_S)  # its thread in pass_on
+            nursery.cancel_scope.cancel()  # closes the actor
+    assert second_ran == [] and len(errors) == 2
 
 
 async def test_a_job_cancelled_before_its_thread_reaches_it_does_not_start() -> None:
