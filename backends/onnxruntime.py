@@ -98,6 +98,7 @@ _TYPES: dict[str, TensorType] = {
 }
 _ONNX_BFLOAT16 = 16
 _CPU = Device(ExecutionTarget.CPU)
+_KDL_CPU, _KDL_CUDA = 1, 2  # DLPack's device types
 _BF16 = numpy_dtype(TensorType.BF16)
 
 
@@ -192,16 +193,42 @@ def _owned(value: Any, ttype: TensorType) -> Any:
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
-def _ort_input(tensor: Tensor) -> Any:
-    """An OrtValue for ``tensor`` without copying host data (bf16 tagged as BFLOAT16)."""
+def _ort_input(tensor: Tensor, dl_device: tuple[int, int]) -> Any:
+    """An OrtValue for ``tensor`` without copying host data (bf16 tagged as BFLOAT16),
+    nor another library's native value on this graph's device ``dl_device`` (as DLPack
+    names it: see :func:`_shared`)."""
     native = tensor.native
     if isinstance(native, ort.OrtValue):
         return native
+    if native is not None:
+        shared = _shared(tensor, native, dl_device)
+        if shared is not None:
+            return shared
     array = tensor.numpy()
     if tensor.type is TensorType.BF16:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16),
                                                                _ONNX_BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def _shared(tensor: Tensor, native: object, dl_device: tuple[int, int]) -> Any | None:
+    """Another library's native value (a torch tensor) on ``dl_device``, as an OrtValue
+    over the same memory (DLPack): a chain of models of different libraries keeps its
+    tensors where they are. None where it has no DLPack form there (another device, a
+    strided view, which ONNX Runtime refuses): the caller copies it through the host.
+    The value is computed first (:meth:`Tensor.synchronize`: a GPU value may still be
+    being written on its producer's stream, which ONNX Runtime's does not wait for)."""
+    where = getattr(native, "__dlpack_device__", None)
+    if where is None or not hasattr(native, "__dlpack__"):
+        return None
+    try:
+        kind, index = (int(part) for part in where())
+        if (kind, index) != dl_device:
+            return None
+        tensor.synchronize()
+        return ort.OrtValue.from_dlpack(native)
+    except Exception:
+        return None
 
 
 class OrtGraph(CheckedGraph):
@@ -222,8 +249,10 @@ class OrtGraph(CheckedGraph):
         self._has_bf16 = any(s.type is TensorType.BF16 for s in (*self.inputs, *self.outputs))
         if device.kind is ExecutionTarget.GPU:
             self._ort_device: tuple[str, int] = ("cuda", device.index)
+            self._dl_device = (_KDL_CUDA, device.index)  # as DLPack names it
         else:
             self._ort_device = ("cpu", 0)
+            self._dl_device = (_KDL_CPU, 0)
 
     @property
     def session(self) -> Any:
@@ -291,7 +320,7 @@ class OrtGraph(CheckedGraph):
             binding = session.io_binding()
             fed = []
             for name, tensor in zip(self._input_names, ordered, strict=True):
-                value = _ort_input(tensor)
+                value = _ort_input(tensor, self._dl_device)
                 fed.append(value)
                 binding.bind_ortvalue_input(name, value)
             for i in unique:

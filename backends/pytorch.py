@@ -78,6 +78,7 @@ import numpy as np
 import torch
 import torch.export.passes
 import torch.utils._pytree as pytree
+import torch.utils.dlpack
 from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -176,6 +177,10 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
                 native.record_stream(reader)
             return moved
         return native.clone() if private else native
+    if native is not None:
+        shared = _from_dlpack(tensor, native, device)
+        if shared is not None:
+            return shared.clone() if private else shared
     array = tensor.numpy()
     if not array.flags.writeable:
         array = array.copy()  # torch.from_numpy warns on read-only memory
@@ -186,6 +191,33 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
     else:
         value = torch.from_numpy(array)
     return value if device.type == "cpu" else value.to(device)
+
+
+def _from_dlpack(tensor: Tensor, native: object, device: torch.device) -> torch.Tensor | None:
+    """Another library's native value (an ONNX Runtime ``OrtValue``) on ``device``, as a
+    torch tensor over the same memory (DLPack): a chain of models of different libraries
+    keeps its tensors where they are. None where it has no DLPack form there (another
+    device, a value DLPack cannot carry): the caller copies it through the host."""
+    where = getattr(native, "__dlpack_device__", None)
+    export = getattr(native, "__dlpack__", None)
+    if where is None or export is None:
+        return None
+    try:
+        kind, index = (int(part) for part in where())
+        if (kind, index) != _dlpack_device(device):
+            return None
+        tensor.synchronize()
+        # The capsule itself, not the value: torch would ask a CUDA value for one on its
+        # stream, which not every library takes; a synchronized value needs no stream.
+        shared: torch.Tensor = torch.utils.dlpack.from_dlpack(export())
+    except Exception:
+        return None
+    return shared
+
+
+def _dlpack_device(device: torch.device) -> tuple[int, int]:
+    """``device`` as DLPack names it: (kDLCPU = 1, 0) or (kDLCUDA = 2, its index)."""
+    return (1, 0) if device.type == "cpu" else (2, device.index or 0)
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
@@ -539,7 +571,8 @@ def _native(value: torch.Tensor, ttype: TensorType, device: str,
     return Tensor.from_native(
         value, tuple(value.shape), ttype, device=device,
         materialize=functools.partial(_to_numpy, value),
-        rows=lambda start, stop: _native(value[start:stop], ttype, device, ready))
+        rows=lambda start, stop: _native(value[start:stop], ttype, device, ready),
+        synchronize=None if ready is None else ready.synchronize)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -183,7 +183,8 @@ class Tensor:
     once and caching it.
     """
 
-    __slots__ = ("_array", "_materialize", "_native", "_rows", "device", "dims", "type")
+    __slots__ = ("_array", "_materialize", "_native", "_rows", "_synchronize", "device",
+                 "dims", "type")
 
     def __init__(
         self,
@@ -195,6 +196,7 @@ class Tensor:
         materialize: Callable[[], np.ndarray[Any, Any]] | None = None,
         device: str = "cpu",
         rows: Callable[[int, int], Tensor] | None = None,
+        synchronize: Callable[[], None] | None = None,
     ) -> None:
         if array is not None and (
             array.shape != dims or _TYPES.get(array.dtype) is not type
@@ -207,6 +209,7 @@ class Tensor:
         self._native = native
         self._materialize = materialize
         self._rows = rows
+        self._synchronize = synchronize
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -303,14 +306,17 @@ class Tensor:
         device: str,
         materialize: Callable[[], np.ndarray[Any, Any]],
         rows: Callable[[int, int], Tensor] | None = None,
+        synchronize: Callable[[], None] | None = None,
     ) -> Tensor:
         """A tensor whose data stays in a backend-native value on ``device``.
 
         ``rows(start, stop)``, where the backend can cut its value along the first axis
         without a copy (a view on the same device), returns those rows as a tensor.
+        ``synchronize()`` waits until the value is computed, for a value that may still
+        be being written when the run that made it returns (see :meth:`synchronize`).
         """
         return cls(tuple(int(d) for d in dims), type, native=value, materialize=materialize,
-                   device=device, rows=rows)
+                   device=device, rows=rows, synchronize=synchronize)
 
     # -- access ---------------------------------------------------------------------
     @property
@@ -339,6 +345,15 @@ class Tensor:
             _HOST_COPIES.add()
             self._array = c_contiguous(self._materialize())
         return self._array
+
+    def synchronize(self) -> None:
+        """Wait until the native value is computed. A GPU value (torch's) may still be
+        being written on its producer's stream when the run that made it returns; a
+        reader on another stream (another library sharing its memory through DLPack)
+        waits here first. A no-op for host tensors and for natives that are complete
+        when their run returns (ONNX Runtime's, OpenVINO's)."""
+        if self._synchronize is not None:
+            self._synchronize()
 
     def slice_rows(self, start: int, stop: int) -> Tensor | None:
         """Rows ``start:stop`` of the first axis, sharing this tensor's data: a

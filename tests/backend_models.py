@@ -28,7 +28,7 @@ def scripted(module: Any) -> bytes:
     return buf.getvalue()
 
 
-def _exported(module: Any, example: Any, dynamic_batch: bool = True) -> bytes:
+def exported(module: Any, example: Any, dynamic_batch: bool = True) -> bytes:
     import torch
 
     names = list(inspect.signature(module.forward).parameters)
@@ -59,7 +59,7 @@ def identity(backend: str, ttype: TensorType) -> Model:
                 return x
 
         example = (torch.zeros(2, 4, dtype=_torch_dtype(ttype)),)
-        return [_exported(Identity(), example)], GraphEncoding.PYTORCH
+        return [exported(Identity(), example)], GraphEncoding.PYTORCH
     return [identity_onnx(ttype)], GraphEncoding.ONNX
 
 
@@ -76,7 +76,7 @@ def affine(backend: str, scale: float, bias: float, in_name: str = "x",
             def forward(self, x: Any) -> Any:
                 return x * scale + bias
 
-        return [_exported(Affine(), (torch.zeros(2, 4),))], GraphEncoding.PYTORCH
+        return [exported(Affine(), (torch.zeros(2, 4),))], GraphEncoding.PYTORCH
     return [affine_onnx(scale, bias, in_name=in_name, out_name=out_name)], GraphEncoding.ONNX
 
 
@@ -101,7 +101,7 @@ def two_outputs(backend: str) -> tuple[list[bytes], GraphEncoding, tuple[str, st
             def forward(self, x: Any) -> Any:
                 return x + 0, -x
 
-        return ([_exported(Pair(), (torch.zeros(2, 4),))], GraphEncoding.PYTORCH,
+        return ([exported(Pair(), (torch.zeros(2, 4),))], GraphEncoding.PYTORCH,
                 ("output_0", "output_1"))
     from onnx import TensorProto, helper
 
@@ -137,5 +137,5 @@ def scalar(backend: str, scale: float = 2.0) -> tuple[list[bytes], GraphEncoding
                 return x * scale
 
         example = (torch.tensor(1.0),)
-        return [_exported(Scale(), example, dynamic_batch=False)], GraphEncoding.PYTORCH, "output"
+        return [exported(Scale(), example, dynamic_batch=False)], GraphEncoding.PYTORCH, "output"
     return [scalar_onnx(scale)], GraphEncoding.ONNX, "y"

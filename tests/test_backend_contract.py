@@ -283,16 +283,49 @@ def test_kept_outputs_are_cut_into_rows_in_place_where_the_library_can(
     np.testing.assert_allclose(again.numpy(), (x[1:3] * 2 + 1) * 2 + 1)
 
 
-def test_native_tensor_of_another_backend_is_accepted(registry: BackendRegistry) -> None:
-    require_backend("onnxruntime")
-    require_backend("openvino")
-    ort_graph = registry.get("onnxruntime").load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
-    ov_graph = registry.get("openvino").load([affine_onnx(3.0, 0.0)], GraphEncoding.ONNX, CPU)
-    (mid,) = ort_graph.run({"x": f32([1, 2, 3, 4])}, keep_on_device=True).values()
+@pytest.mark.parametrize(("producer", "consumer"), [
+    ("onnxruntime", "pytorch"), ("pytorch", "onnxruntime"), ("onnxruntime", "openvino"),
+    ("pytorch", "openvino"), ("openvino", "onnxruntime"), ("openvino", "pytorch")])
+def test_native_tensor_of_another_backend_is_accepted(
+        registry: BackendRegistry, producer: str, consumer: str) -> None:
+    # A value one library keeps (an OrtValue, a torch tensor) reaches another over the
+    # same memory (DLPack): no host copy. OpenVINO's tensors have no DLPack form, so
+    # their values are read through the host, and counted.
+    require_backend(LIBRARY[producer])
+    require_backend(LIBRARY[consumer])
+    first = registry.get(producer).load(*backend_models.affine(producer, 2.0, 1.0), CPU)
+    second = registry.get(consumer).load(*backend_models.affine(consumer, 3.0, 0.0), CPU)
+    (mid,) = first.run({"x": f32([1, 2, 3, 4])}, keep_on_device=True).values()
+    assert not mid.is_host
     before = wasinn.host_copies()
-    (out,) = ov_graph.run({"x": mid}).values()
-    assert wasinn.host_copies() == before + 1  # a foreign native value goes through the host
+    (out,) = second.run({"x": mid}).values()
+    assert wasinn.host_copies() == before + (producer == "openvino")
     np.testing.assert_allclose(out.numpy(), [[9, 15, 21, 27]])
+
+
+def test_a_strided_torch_value_reaches_onnx_runtime_through_the_host(
+        registry: BackendRegistry) -> None:
+    # ONNX Runtime takes only contiguous DLPack values: a transposed output is copied.
+    import torch
+
+    require_backend("onnxruntime")
+    require_backend("torch")
+
+    class Transposed(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return (x * 2 + 1).t()
+
+    first = registry.get("pytorch").load(
+        [backend_models.exported(Transposed(), (torch.zeros(4, 2),))], GraphEncoding.PYTORCH,
+        CPU)
+    second = registry.get("onnxruntime").load([affine_onnx(3.0, 0.0)], GraphEncoding.ONNX, CPU)
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    (mid,) = first.run({"x": Tensor.from_numpy(x)}, keep_on_device=True).values()
+    assert not mid.native.is_contiguous()
+    before = wasinn.host_copies()
+    (out,) = second.run({"x": mid}).values()
+    assert wasinn.host_copies() == before + 1
+    np.testing.assert_allclose(out.numpy(), (x * 2 + 1).T * 3)
 
 
 # -- threads and lifetime ------------------------------------------------------------------
