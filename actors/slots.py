@@ -109,6 +109,9 @@ class Slots:
                 granted = request.granted
                 if not granted:
                     self._policy.remove(request)
+                    # The queue forgets it lazily (a heap keeps removed entries for a
+                    # while): let go of its job, and of the inputs the job holds, now.
+                    request.handoff = None
             if granted:  # granted just as we were cancelled: hand it on
                 if request.started:
                     assert handoff is not None

@@ -152,6 +152,37 @@ async def test_closing_reaches_a_job_a_thread_started_on_its_own() -> None:
     assert not any(t.is_alive() for t in actor.threads.threads)
 
 
+async def test_a_request_cancelled_while_queued_lets_go_of_its_job_at_once(
+        actor: DeviceActor) -> None:
+    # The queue drops removed entries lazily; the job a request brought (and the inputs
+    # it holds: a guest's copies) must not wait for that.
+    import gc
+    import weakref
+
+    class Inputs:
+        pass
+
+    gate, started = threading.Event(), threading.Event()
+    inputs = Inputs()
+    held = weakref.ref(inputs)
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(actor.execute, gate_job(gate, started))
+            await trio.to_thread.run_sync(started.wait, GUARD_S)
+            async with trio.open_nursery() as queued:
+                queued.start_soon(actor.execute, functools.partial(id, inputs))
+                await trio.testing.wait_all_tasks_blocked()
+                assert actor.queued == 1
+                queued.cancel_scope.cancel()
+            try:
+                assert actor.queued == 0
+                del inputs
+                gc.collect()
+                assert held() is None  # while the job before it still runs
+            finally:
+                gate.set()
+
+
 class _Compiled:
     """What a compile returns, for the session cache (only closed)."""
 
