@@ -200,11 +200,14 @@ def _ort_input(tensor: Tensor, dl_device: tuple[int, int]) -> Any:
     native = tensor.native
     if isinstance(native, ort.OrtValue):
         return native
+    array = None
     if native is not None:
         shared = _shared(tensor, native, dl_device)
         if shared is not None:
             return shared
-    array = tensor.numpy()
+        array = tensor.host_view()  # an OpenVINO tensor's host memory, as it is
+    if array is None:
+        array = tensor.numpy()
     if tensor.type is TensorType.BF16:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16),
                                                                _ONNX_BFLOAT16)

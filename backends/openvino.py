@@ -261,7 +261,26 @@ def _native(value: Any, ttype: TensorType, device: str, owner: object) -> Tensor
     return Tensor.from_native(
         value, tuple(value.get_shape()), ttype, device=device,
         materialize=functools.partial(_host_array, value, ttype, owner),
-        rows=lambda start, stop: _native(_rows(value, start, stop), ttype, device, owner))
+        rows=lambda start, stop: _native(_rows(value, start, stop), ttype, device, owner),
+        host_view=(functools.partial(_host_memory, value, ttype, owner)
+                   if isinstance(value, ov.Tensor) else None))
+
+
+def _host_memory(value: Any, ttype: TensorType, owner: object) -> np.ndarray[Any, Any] | None:
+    """An ``ov.Tensor``'s data over its own memory (the request ``owner`` retires it with
+    the tensor instead of reusing it), as another library reads it; None where numpy
+    cannot show it as the tensor's type without a copy."""
+    del owner  # (kept alive by the partial, with the memory it owns)
+    try:
+        data = value.data
+        if ttype is TensorType.BF16:
+            data = data.view(numpy_dtype(TensorType.BF16))
+    except Exception:
+        return None
+    if data.dtype != numpy_dtype(ttype) or not data.flags.c_contiguous:
+        return None
+    view: np.ndarray[Any, Any] = data
+    return view
 
 
 def _rows(value: Any, start: int, stop: int) -> Any:

@@ -177,11 +177,13 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
                 native.record_stream(reader)
             return moved
         return native.clone() if private else native
+    view = None
     if native is not None:
         shared = _from_dlpack(tensor, native, device)
         if shared is not None:
             return shared.clone() if private else shared
-    array = tensor.numpy()
+        view = tensor.host_view()  # an OpenVINO tensor's host memory, as it is
+    array = tensor.numpy() if view is None else view
     if not array.flags.writeable:
         array = array.copy()  # torch.from_numpy warns on read-only memory
     elif private and device.type == "cpu":

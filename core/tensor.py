@@ -183,8 +183,8 @@ class Tensor:
     once and caching it.
     """
 
-    __slots__ = ("_array", "_materialize", "_native", "_rows", "_synchronize", "device",
-                 "dims", "type")
+    __slots__ = ("_array", "_host_view", "_materialize", "_native", "_rows", "_synchronize",
+                 "device", "dims", "type")
 
     def __init__(
         self,
@@ -197,6 +197,7 @@ class Tensor:
         device: str = "cpu",
         rows: Callable[[int, int], Tensor] | None = None,
         synchronize: Callable[[], None] | None = None,
+        host_view: Callable[[], np.ndarray[Any, Any] | None] | None = None,
     ) -> None:
         if array is not None and (
             array.shape != dims or _TYPES.get(array.dtype) is not type
@@ -210,6 +211,7 @@ class Tensor:
         self._materialize = materialize
         self._rows = rows
         self._synchronize = synchronize
+        self._host_view = host_view
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -307,6 +309,7 @@ class Tensor:
         materialize: Callable[[], np.ndarray[Any, Any]],
         rows: Callable[[int, int], Tensor] | None = None,
         synchronize: Callable[[], None] | None = None,
+        host_view: Callable[[], np.ndarray[Any, Any] | None] | None = None,
     ) -> Tensor:
         """A tensor whose data stays in a backend-native value on ``device``.
 
@@ -314,9 +317,11 @@ class Tensor:
         without a copy (a view on the same device), returns those rows as a tensor.
         ``synchronize()`` waits until the value is computed, for a value that may still
         be being written when the run that made it returns (see :meth:`synchronize`).
+        ``host_view()``, for a value in host memory that has no DLPack form, returns it as
+        a numpy array over that memory (see :meth:`host_view`).
         """
         return cls(tuple(int(d) for d in dims), type, native=value, materialize=materialize,
-                   device=device, rows=rows, synchronize=synchronize)
+                   device=device, rows=rows, synchronize=synchronize, host_view=host_view)
 
     # -- access ---------------------------------------------------------------------
     @property
@@ -354,6 +359,13 @@ class Tensor:
         when their run returns (ONNX Runtime's, OpenVINO's)."""
         if self._synchronize is not None:
             self._synchronize()
+
+    def host_view(self) -> np.ndarray[Any, Any] | None:
+        """The native value's data as a numpy array over its own memory, where that memory
+        is the host's and its backend can show it without a copy (an OpenVINO tensor on
+        the CPU): for another library to read while this tensor lives, not counted as a
+        host copy. None otherwise (use :meth:`numpy`)."""
+        return None if self._host_view is None else self._host_view()
 
     def slice_rows(self, start: int, stop: int) -> Tensor | None:
         """Rows ``start:stop`` of the first axis, sharing this tensor's data: a
