@@ -140,7 +140,7 @@ class RequestRunner:
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, label: str) -> tuple[T, float]:
-        work = self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots)
+        work = self._slot_job(job, label)
         await self.take_slot(priority, deadline, tenant, handoff=work)
         granted = time.perf_counter()
         return await self._run_job(work), granted
@@ -148,9 +148,13 @@ class RequestRunner:
     async def run_in_slot(self, job: Callable[[], T], label: str) -> T:
         """``job`` in a worker thread, on a slot already held, which is passed on or
         freed when the worker thread has finished the job (abandoned or not)."""
-        result: T = await self._run_job(
-            self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots))
+        result: T = await self._run_job(self._slot_job(job, label))
         return result
+
+    def _slot_job(self, job: Callable[[], Any], label: str) -> Job:
+        # ``job`` for the worker threads, holding one of the device's slots, which its
+        # thread passes on (or trio frees) when it ends.
+        return self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots)
 
     async def _run_job(self, work: Job) -> Any:
         try:

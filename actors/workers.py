@@ -438,10 +438,8 @@ class WorkerThreads:
                                                 name=f"{self.name} abandoned job")
             elif self._stopped:
                 following.cancellation.cancel()
-        elif self._stopped:
-            worker.done("trio")  # no job will be handed to it again
         else:
-            self._give(worker)
+            self._give(worker)  # (to nobody once stopped)
         self._unpin(job)
         if successor is None:
             job.release()

@@ -71,6 +71,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, numpy_dtype
 
 from . import cuda
+from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import check_external_data, external_data_folder
 from ._onnx_division import guard_integer_division
@@ -98,7 +99,6 @@ _TYPES: dict[str, TensorType] = {
 }
 _ONNX_BFLOAT16 = 16
 _CPU = Device(ExecutionTarget.CPU)
-_KDL_CPU, _KDL_CUDA = 1, 2  # DLPack's device types
 _BF16 = numpy_dtype(TensorType.BF16)
 
 
@@ -202,7 +202,7 @@ def _ort_input(tensor: Tensor, dl_device: tuple[int, int]) -> Any:
         return native
     array = None
     if native is not None:
-        shared = _shared(tensor, native, dl_device)
+        shared = _shared(tensor, dl_device)
         if shared is not None:
             return shared
         array = tensor.host_view()  # an OpenVINO tensor's host memory, as it is
@@ -214,21 +214,16 @@ def _ort_input(tensor: Tensor, dl_device: tuple[int, int]) -> Any:
     return ort.OrtValue.ortvalue_from_numpy(array)
 
 
-def _shared(tensor: Tensor, native: object, dl_device: tuple[int, int]) -> Any | None:
+def _shared(tensor: Tensor, dl_device: tuple[int, int]) -> Any | None:
     """Another library's native value (a torch tensor) on ``dl_device``, as an OrtValue
-    over the same memory (DLPack): a chain of models of different libraries keeps its
-    tensors where they are. None where it has no DLPack form there (another device, a
-    strided view, which ONNX Runtime refuses): the caller copies it through the host.
-    The value is computed first (:meth:`Tensor.synchronize`: a GPU value may still be
-    being written on its producer's stream, which ONNX Runtime's does not wait for)."""
-    where = getattr(native, "__dlpack_device__", None)
-    if where is None or not hasattr(native, "__dlpack__"):
+    over the same memory (DLPack, see :mod:`._dlpack`): a chain of models of different
+    libraries keeps its tensors where they are. None where it has no DLPack form there,
+    or is a strided view (ONNX Runtime refuses those): the caller copies it through the
+    host."""
+    native = shareable(tensor, dl_device)
+    if native is None:
         return None
     try:
-        kind, index = (int(part) for part in where())
-        if (kind, index) != dl_device:
-            return None
-        tensor.synchronize()
         return ort.OrtValue.from_dlpack(native)
     except Exception:
         return None
@@ -252,10 +247,10 @@ class OrtGraph(CheckedGraph):
         self._has_bf16 = any(s.type is TensorType.BF16 for s in (*self.inputs, *self.outputs))
         if device.kind is ExecutionTarget.GPU:
             self._ort_device: tuple[str, int] = ("cuda", device.index)
-            self._dl_device = (_KDL_CUDA, device.index)  # as DLPack names it
+            self._dl_device = (KDL_CUDA, device.index)  # as DLPack names it
         else:
             self._ort_device = ("cpu", 0)
-            self._dl_device = (_KDL_CPU, 0)
+            self._dl_device = (KDL_CPU, 0)
 
     @property
     def session(self) -> Any:

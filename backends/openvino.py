@@ -88,6 +88,7 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
+from ._dlpack import KDL_CPU, shareable
 from ._graphio import CheckedGraph, no_device, uncarried_type
 from ._ovread import NAME, read_model
 from .base import (
@@ -151,25 +152,20 @@ def _specs(ports: Sequence[Any], is_output: bool
     return tuple(specs), aliases
 
 
-def _host_view(native: object) -> np.ndarray[Any, Any] | None:
+def _host_view(tensor: Tensor) -> np.ndarray[Any, Any] | None:
     """Another library's native value in host memory (an ``OrtValue`` or a torch tensor
-    on the CPU) as a numpy array over the same memory (DLPack), so that a CPU chain of
-    models of different libraries copies nothing; None where it has no such form (device
-    memory, bf16, which numpy lacks): the caller reads it through ``Tensor.numpy``."""
-    where = getattr(native, "__dlpack_device__", None)
-    if where is None or not hasattr(native, "__dlpack__"):
+    on the CPU) as a numpy array over the same memory (DLPack, see :mod:`._dlpack`), so
+    that a CPU chain of models of different libraries copies nothing; None where it has
+    no such form (device memory, bf16, which numpy lacks): the caller reads it through
+    ``Tensor.numpy``."""
+    native = shareable(tensor, (KDL_CPU, 0))
+    if native is None:
         return None
     try:
-        kind, _ = (int(part) for part in where())
-        if kind != _KDL_CPU:
-            return None
         view: np.ndarray[Any, Any] = np.from_dlpack(native)
     except Exception:
         return None
     return view
-
-
-_KDL_CPU = 1  # DLPack's device type of host memory
 
 
 def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
@@ -184,7 +180,7 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
         return native
     if isinstance(native, ov.RemoteTensor) and tensor.device == device:
         return native  # device memory, on this device: set as it is
-    array = _host_view(native) if native is not None and device == "cpu" else None
+    array = _host_view(tensor) if native is not None and device == "cpu" else None
     if array is None:
         array = tensor.numpy()
     if array.dtype != _CARRIERS[tensor.type] or not array.flags.c_contiguous:

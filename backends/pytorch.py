@@ -92,6 +92,7 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, c_contiguous, numpy_dtype
 
+from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._pt2_check import check_pt2_archive
 from ._torch_division import (
@@ -179,7 +180,7 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
         return native.clone() if private else native
     view = None
     if native is not None:
-        shared = _from_dlpack(tensor, native, device)
+        shared = _from_dlpack(tensor, device)
         if shared is not None:
             return shared.clone() if private else shared
         view = tensor.host_view()  # an OpenVINO tensor's host memory, as it is
@@ -195,31 +196,22 @@ def _to_torch(tensor: Tensor, device: torch.device, private: bool) -> torch.Tens
     return value if device.type == "cpu" else value.to(device)
 
 
-def _from_dlpack(tensor: Tensor, native: object, device: torch.device) -> torch.Tensor | None:
+def _from_dlpack(tensor: Tensor, device: torch.device) -> torch.Tensor | None:
     """Another library's native value (an ONNX Runtime ``OrtValue``) on ``device``, as a
-    torch tensor over the same memory (DLPack): a chain of models of different libraries
-    keeps its tensors where they are. None where it has no DLPack form there (another
-    device, a value DLPack cannot carry): the caller copies it through the host."""
-    where = getattr(native, "__dlpack_device__", None)
-    export = getattr(native, "__dlpack__", None)
-    if where is None or export is None:
+    torch tensor over the same memory (DLPack, see :mod:`._dlpack`): a chain of models of
+    different libraries keeps its tensors where they are. None where it has no DLPack
+    form there: the caller copies it through the host."""
+    where = (KDL_CPU, 0) if device.type == "cpu" else (KDL_CUDA, device.index or 0)
+    native = shareable(tensor, where)
+    if native is None:
         return None
     try:
-        kind, index = (int(part) for part in where())
-        if (kind, index) != _dlpack_device(device):
-            return None
-        tensor.synchronize()
         # The capsule itself, not the value: torch would ask a CUDA value for one on its
-        # stream, which not every library takes; a synchronized value needs no stream.
-        shared: torch.Tensor = torch.utils.dlpack.from_dlpack(export())
+        # stream, which not every library takes; a computed value needs no stream.
+        shared: torch.Tensor = torch.utils.dlpack.from_dlpack(native.__dlpack__())
     except Exception:
         return None
     return shared
-
-
-def _dlpack_device(device: torch.device) -> tuple[int, int]:
-    """``device`` as DLPack names it: (kDLCPU = 1, 0) or (kDLCUDA = 2, its index)."""
-    return (1, 0) if device.type == "cpu" else (2, device.index or 0)
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
