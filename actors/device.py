@@ -48,6 +48,12 @@ OpenVINO run within milliseconds (torch where it can: see its backend), the resu
 and the worker thread keeps the job's slot until the backend call has returned, so a
 device never runs more than ``workers`` jobs. A job's exception fails that request only.
 
+A lost device (a CUDA error that leaves the process's CUDA context unusable, see
+:mod:`wasinn.actors.devicectx`): the request that hit it fails with DeviceLostError, and
+the actor closes itself as if the runtime had closed it, except that every request it
+refuses from then on, queued or new, gets that DeviceLostError (:attr:`DeviceActor.lost`)
+instead of ClosedResourceError. Placement sends new requests to the kind's other devices.
+
 Closing cancels every running job (worker threads' and leases'; their callers get
 ClosedResourceError) and waits for them at most ``close_timeout`` seconds. Past it (a
 backend call that ignores cancellation), an error is logged naming the device and the
@@ -67,7 +73,12 @@ from typing import Any, TypeVar
 import trio
 
 from wasinn.backends.base import CompiledGraph, Device
-from wasinn.errors import ClosedResourceError, UnsupportedOperationError, WasiNNError
+from wasinn.errors import (
+    ClosedResourceError,
+    DeviceLostError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
 from wasinn.tensor import Tensor
 
 from .batching import Batching, BatchInputs, RunInputs
@@ -122,6 +133,7 @@ class DeviceActor:
         self._ready = False
         self._serving = False  # worker threads started and not yet waited for
         self._closed = False
+        self._lost: DeviceLostError | None = None
         self._warm_ups = 0
         self._stats = RequestStats()
         self._nursery: trio.Nursery | None = None  # batches' and compiles' tasks, while serving
@@ -173,6 +185,7 @@ class DeviceActor:
             raise UnsupportedOperationError(f"{self.device}: cannot open the device: {exc}"
                                             ) from exc
         self._context = context
+        context.on_lost = self._device_lost
         if type(context) is not DeviceContext:
             self._runner.wrap = context.wrap
         self._desk.open(self._runner.wrap)
@@ -209,6 +222,29 @@ class DeviceActor:
         context = context_for(self.device)
         context.open()
         return context
+
+    def _device_lost(self, error: DeviceLostError) -> None:
+        # From the thread whose job found the device lost (see the module docstring):
+        # placement avoids it and its slots go to nobody at once (its worker thread would
+        # pass its slot on to a queued request as the job ends); the actor closes in trio.
+        self._lost = error
+        self._slots.refuse()
+        self._soon(self._close_lost)
+
+    def _close_lost(self) -> None:
+        if not self._closed:
+            log.error("%s", self._lost)
+            self.close()
+
+    @property
+    def lost(self) -> DeviceLostError | None:
+        """Why this device can run nothing more in this process, or None while it can."""
+        return self._lost
+
+    def _raise_if_lost(self) -> None:
+        # A request refused because the actor closed: say why, if the device was lost.
+        if self._lost is not None:
+            raise self._lost.for_another_caller()
 
     def close(self) -> None:
         """Stop serving: fail queued requests and refuse new ones, tell the worker threads
@@ -296,6 +332,7 @@ class DeviceActor:
             graphs=len(self._sessions), compiles=self._cache.compiles,
             warm_ups=self._warm_ups,
             abandoned_running=self._threads.abandoned, passed_on=self._threads.passed_on,
+            lost=None if self._lost is None else self._lost.message,
         )
 
     @property
@@ -320,7 +357,11 @@ class DeviceActor:
         call tries again. Raises ClosedResourceError once the actor is closed (a compile
         under way is abandoned then).
         """
-        return await self._cache.session(key, compile_graph, backend, wanted=wanted)
+        try:
+            return await self._cache.session(key, compile_graph, backend, wanted=wanted)
+        except ClosedResourceError:
+            self._raise_if_lost()
+            raise
 
     async def warm_up(self, job: Callable[[], object], *, label: str = "warm-up") -> None:
         """Run ``job`` once in a worker thread, outside the request accounting: it takes
@@ -332,7 +373,11 @@ class DeviceActor:
         Raises ClosedResourceError once the actor is closed, BackendRuntimeError for a
         backend's own exception; cancelled, the run is abandoned.
         """
-        await self._unslotted(job, label=label, failure="the backend failed")
+        try:
+            await self._unslotted(job, label=label, failure="the backend failed")
+        except ClosedResourceError:
+            self._raise_if_lost()
+            raise
         self._warm_ups += 1
 
     def cached(self, key: Hashable) -> bool:
@@ -380,8 +425,12 @@ class DeviceActor:
         names the job in diagnostics (the close-timeout error). The request is counted in
         the device's stats and, when given, in ``account`` too (its model's).
         """
-        return await self._counted(account, self._request, job, priority, deadline, tenant,
-                                   profile, nbytes, label)
+        try:
+            return await self._counted(account, self._request, job, priority, deadline,
+                                       tenant, profile, nbytes, label)
+        except ClosedResourceError:
+            self._raise_if_lost()
+            raise
 
     async def execute_batched(
         self,
@@ -405,9 +454,13 @@ class DeviceActor:
         that runs alone (a free slot with nobody queued and no ``max_delay``, or more rows
         than ``max_batch``) runs exactly as :meth:`execute` runs it.
         """
-        return await self._counted(account, self._batched, key, inputs, run, batching,
-                                   keep_on_device, priority, deadline, tenant, label,
-                                   account)
+        try:
+            return await self._counted(account, self._batched, key, inputs, run, batching,
+                                       keep_on_device, priority, deadline, tenant, label,
+                                       account)
+        except ClosedResourceError:
+            self._raise_if_lost()
+            raise
 
     def _start_task(self, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:
         # A task that lives as long as the actor serves (a batch's, a compile's).
@@ -448,6 +501,8 @@ class DeviceActor:
             expires = await self._lease_slot(priority, deadline, tenant)
         except BaseException as exc:
             self._record(account, outcome_of(exc), time.perf_counter() - start, leased=True)
+            if isinstance(exc, ClosedResourceError):
+                self._raise_if_lost()
             raise
         lease = self._new_lease(job, expires, start, time.perf_counter(), account)
         if deadline != math.inf:

@@ -1,9 +1,18 @@
-"""What a device needs around the work its actor runs: nothing on the CPU, a CUDA stream
-on a torch-visible GPU.
+"""What a device needs around the work its actor runs: nothing on the CPU; on a CUDA
+GPU, a watch for the errors that lose it, and its own stream where torch sees it.
 
 A :class:`DeviceContext` is opened once in a worker thread when the actor starts (that is
 the readiness probe: a device that cannot be opened fails the actor's start), entered
-around every job in the actor's worker threads, and closed when the actor stops.
+around every job the actor runs (in its worker threads, a caller's thread or inline), and
+closed when the actor stops.
+
+A lost device: some CUDA errors (a device-side assert, an illegal memory access: see
+:data:`wasinn.backends.cuda.STICKY_ERRORS`) leave the process's CUDA context unusable,
+and every later call on that GPU fails the same way until the process restarts. A
+malformed input can cause one (an out-of-range index in a gather). A job that raises
+one raises :class:`~wasinn.errors.DeviceLostError` instead, which says so plainly,
+and the context records the loss once (:attr:`DeviceContext.lost`) and tells its
+``on_lost`` callback, from the thread that ran the job.
 """
 
 from __future__ import annotations
@@ -13,8 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 from wasinn.backends.base import Device
+from wasinn.backends.cuda import device_count, sticky_error
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import UnsupportedOperationError
+from wasinn.errors import DeviceLostError, UnsupportedOperationError
+
+#: Told, from the thread that ran the job, that the device is lost.
+OnLost = Callable[[DeviceLostError], None]
 
 
 class DeviceContext:
@@ -22,6 +35,10 @@ class DeviceContext:
 
     def __init__(self, device: Device) -> None:
         self.device = device
+        #: Why the device can run nothing more (the first such error), or None.
+        self.lost: DeviceLostError | None = None
+        #: Called once, from the thread that found it, when the device is lost.
+        self.on_lost: OnLost | None = None
 
     def open(self) -> None:
         """Make the device usable; raise UnsupportedOperationError if it is not."""
@@ -34,7 +51,42 @@ class DeviceContext:
         """Release what ``open`` created. Idempotent."""
 
 
-class TorchCudaContext(DeviceContext):
+class CudaContext(DeviceContext):
+    """A CUDA device: a job that fails with an error that loses the device raises
+    DeviceLostError, and the loss is recorded (see the module docstring)."""
+
+    def wrap(self, job: Callable[[], Any]) -> Callable[[], Any]:
+        def watched() -> Any:
+            try:
+                return job()
+            except Exception as exc:
+                lost = self.loss(exc)
+                if lost is None:
+                    raise
+                raise lost from exc
+
+        return watched
+
+    def loss(self, exc: BaseException) -> DeviceLostError | None:
+        """The DeviceLostError for a job's exception ``exc`` if it lost the device (the
+        first loss is recorded and told to ``on_lost``); None when the device is fine."""
+        cause = sticky_error(exc)
+        if cause is None:
+            return None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        error = DeviceLostError(
+            f"{self.device} is lost: {cause} ({type(exc).__name__}: {first_line}). A CUDA "
+            "error of this kind leaves the process's CUDA context unusable: nothing more "
+            f"can run on {self.device} until the process restarts; other devices keep "
+            "serving")
+        if self.lost is None:
+            self.lost = error
+            if self.on_lost is not None:
+                self.on_lost(error)
+        return error
+
+
+class TorchCudaContext(CudaContext):
     """A CUDA device seen through torch: jobs run on the actor's own stream.
 
     One stream per actor keeps chained torch work ordered on the device without host
@@ -63,16 +115,17 @@ class TorchCudaContext(DeviceContext):
             with torch.cuda.device(self.device.index), torch.cuda.stream(stream):
                 return job()
 
-        return on_stream
+        return super().wrap(on_stream)
 
     def close(self) -> None:
         self.stream = None
 
 
 def context_for(device: Device) -> DeviceContext:
-    """The context an actor for ``device`` owns: a CUDA stream where torch sees that GPU;
-    none for a GPU only another backend reports (an Intel GPU seen by OpenVINO beside an
-    NVIDIA one: ``gpu:1`` with one CUDA device)."""
+    """The context an actor for ``device`` owns: a CUDA stream where torch sees that GPU,
+    the watch for lost devices on any CUDA GPU (ONNX Runtime's alone); none for a GPU
+    only another backend reports (an Intel GPU seen by OpenVINO beside an NVIDIA one:
+    ``gpu:1`` with one CUDA device)."""
     if device.kind is ExecutionTarget.GPU:
         import importlib.util
 
@@ -82,4 +135,6 @@ def context_for(device: Device) -> DeviceContext:
 
                 if torch.cuda.is_available() and device.index < torch.cuda.device_count():
                     return TorchCudaContext(device)
+        if device.index < device_count():
+            return CudaContext(device)
     return DeviceContext(device)

@@ -163,6 +163,12 @@ class Slots:
             request.event.set()  # not granted: the waiter raises ClosedResourceError
 
     # -- from any thread --------------------------------------------------------------------
+    def refuse(self) -> None:
+        """Grant nothing more, from now on (any thread): no slot is taken, passed on or
+        granted; queued requests wait until :meth:`close` (in trio) tells them."""
+        with self._lock:
+            self._closed = True
+
     def would_take(self) -> bool:
         """Whether :meth:`try_take` would succeed now (read without the lock: a hint that
         another thread may make stale at once)."""

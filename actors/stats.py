@@ -101,13 +101,16 @@ class DeviceStats(RequestFigures):
     #: Runs a worker thread started on its own as the run before ended (under load: the
     #: slot passed straight to the next queued request, see :mod:`wasinn.actors.slots`).
     passed_on: int = 0
+    #: Why the device can run nothing more in this process (see DeviceLostError), or None.
+    lost: str | None = None
 
     def describe(self) -> str:
         """One line for people: the outcomes, the latencies and what the device holds."""
         return (f"{self.device}: {self.describe_requests()}; "
                 f"{self.running}/{self.workers} running, {self.queued} queued, "
                 f"{self.graphs} graph(s) held, {self.compiles} compiled"
-                + (f", {self.warm_ups} warm-up run(s)" if self.warm_ups else ""))
+                + (f", {self.warm_ups} warm-up run(s)" if self.warm_ups else "")
+                + (f"; LOST: {self.lost}" if self.lost else ""))
 
 
 @dataclass(frozen=True, slots=True)

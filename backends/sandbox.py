@@ -92,6 +92,7 @@ from .base import (
     TensorSpec,
     on_current_cancel,
 )
+from .cuda import happened_elsewhere, sticky_error
 
 log = logging.getLogger("wasinn.backends")
 
@@ -153,6 +154,20 @@ def _error(payload: Mapping[str, Any]) -> WasiNNError:
     if not (isinstance(cls, type) and issubclass(cls, WasiNNError)):
         cls = BackendRuntimeError
     return cls(str(message))
+
+
+def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNError:
+    """The error a run's process reported. One that lost that process's CUDA context
+    (see :data:`wasinn.backends.cuda.STICKY_ERRORS`) retires the process, whose every
+    later run would fail the same way, and is marked as another process's: the host's
+    own context, and the device, are fine."""
+    error = _error(payload)
+    if sticky_error(error) is None:
+        return error
+    child.close()  # the next run starts a fresh process
+    return happened_elsewhere(error.suffixed(
+        "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
+        "was retired, the next run starts a fresh one)"))
 
 
 class SandboxedGraph(CompiledGraph):
@@ -310,10 +325,10 @@ class SandboxedGraph(CompiledGraph):
         child = self._acquire()
         try:
             payload, result = self._run_in(child, inputs, outputs)
+            if "error" in payload:
+                raise _child_error(child, payload)
         finally:
             self._release(child)
-        if "error" in payload:
-            raise _error(payload)
         self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))
         return result
 

@@ -12,6 +12,7 @@ from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
+    DeviceLostError,
     ErrorCode,
     InvalidArgumentError,
     InvalidEncodingError,
@@ -65,6 +66,7 @@ __all__ = [
     "BatchingError",
     "ClosedResourceError",
     "ConfigError",
+    "DeviceLostError",
     "ErrorCode",
     "ExecutionContext",
     "ExecutionTarget",

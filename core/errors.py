@@ -9,6 +9,7 @@ bindings) can raise the precise leaf and the guest ABIs translate it without gue
     ├── InvalidEncodingError      invalid-encoding      model bytes a backend cannot read
     ├── TimeoutError_             timeout               a deadline passed
     ├── BackendRuntimeError       runtime-error         the backend failed while running
+    │   └── DeviceLostError                             the device can run nothing more here
     ├── UnsupportedOperationError unsupported-operation no backend/device can do this here
     ├── TooLargeError             too-large             a tensor, buffer or quota is exceeded
     ├── NotFoundError             not-found             unknown name, handle or index
@@ -102,6 +103,12 @@ class TimeoutError_(WasiNNError):
 
 class BackendRuntimeError(WasiNNError):
     code = ErrorCode.RUNTIME_ERROR
+
+
+class DeviceLostError(BackendRuntimeError):
+    """A device this process can no longer use (a CUDA error that poisons the process's
+    context, such as a device-side assert): the request that hit it failed, and so does
+    every later request placed on that device until the process restarts."""
 
 
 class UnsupportedOperationError(WasiNNError):

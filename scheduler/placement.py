@@ -8,6 +8,12 @@ plus queued requests). The actor compiles the model on first use and caches it.
 A target no actor provides raises UnsupportedOperationError, unless the runtime allows a
 fallback: then a RuntimeWarning names both targets, once per runtime and target.
 
+A lost device (see :class:`~wasinn.errors.DeviceLostError`) is placed on last: requests
+go to the kind's other devices. Once every device of a kind is lost, its requests get
+DeviceLostError, or, where the runtime allows a fallback, run there (a RuntimeWarning
+names the lost device and the fallback, once per runtime and kind). A request whose
+native input lives on a lost device gets its DeviceLostError: that tensor is gone.
+
 Once the runtime is closed (its actors closed), every request placed here raises
 ClosedResourceError saying so. A lease (a request run by the caller's own thread) holds
 the compiled graphs its job runs until it is over, run or cancelled: unloading the model
@@ -96,6 +102,7 @@ class Scheduler:
         self._resolved: dict[ExecutionTarget, ExecutionTarget] = {
             kind: kind for kind in self._by_kind
         }
+        self._lost_warned: set[ExecutionTarget] = set()
 
     @property
     def devices(self) -> list[Device]:
@@ -103,8 +110,9 @@ class Scheduler:
 
     @property
     def closed(self) -> bool:
-        """Whether the runtime is closed: its device actors stopped serving."""
-        return any(not actor.ready for actor in self.actors)
+        """Whether the runtime is closed: its device actors stopped serving (a lost
+        device's actor stops on its own: that does not close the runtime)."""
+        return any(not actor.ready and actor.lost is None for actor in self.actors)
 
     def actors_of(self, kind: ExecutionTarget) -> list[DeviceActor]:
         return list(self._by_kind.get(kind, ()))
@@ -155,13 +163,35 @@ class Scheduler:
         if not actors:
             raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
         if len(actors) == 1:
-            return actors[0]
-        for value in inputs.values():
-            if isinstance(value, Tensor) and value.native is not None:
-                holder = self._by_name.get(value.device)
-                if holder is not None and holder.device.kind is kind:
-                    return holder
-        return min(actors, key=_load)
+            actor = actors[0]
+        else:
+            for value in inputs.values():
+                if isinstance(value, Tensor) and value.native is not None:
+                    holder = self._by_name.get(value.device)
+                    if holder is not None and holder.device.kind is kind:
+                        return holder
+            actor = min(actors, key=_rank)
+        if actor.lost is not None:
+            return self._instead_of_lost(kind, actor, inputs)
+        return actor
+
+    def _instead_of_lost(self, kind: ExecutionTarget, lost: DeviceActor, inputs: Inputs
+                         ) -> DeviceActor:
+        # Every ``kind`` device is lost: the fallback's device where the runtime allows
+        # one and has one serving, else ``lost`` (whose requests get its DeviceLostError).
+        fallback = self.fallback
+        if fallback is None or fallback is kind or fallback not in self._by_kind:
+            return lost
+        instead = self.pick(fallback, inputs)
+        if instead.lost is not None:
+            return lost
+        if kind not in self._lost_warned:
+            self._lost_warned.add(kind)
+            warnings.warn(
+                f"wasinn: every {kind.value} device here is lost ({lost.lost}): target "
+                f"{kind.value} falls back to {fallback.value}",
+                RuntimeWarning, stacklevel=_callers_level())
+        return instead
 
     # -- compiling ----------------------------------------------------------------------
     async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> str:
@@ -340,7 +370,7 @@ class Scheduler:
         except WasiNNError:
             return None
         if not actor.ready:
-            raise _runtime_closed()
+            raise _unavailable(actor)
         return actor
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
@@ -349,7 +379,7 @@ class Scheduler:
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
         if not actor.ready:
-            raise _runtime_closed()
+            raise _unavailable(actor)
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
@@ -421,7 +451,7 @@ class Scheduler:
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
         if not actor.ready:
-            raise _runtime_closed()
+            raise _unavailable(actor)
         sessions = []
         for model in models:
             if model.released:
@@ -505,8 +535,9 @@ def _label(model: LoadedModel, session: Session) -> str:
     return f"run of {model.name} ({session.backend})"
 
 
-def _load(actor: DeviceActor) -> int:
-    return actor.load
+def _rank(actor: DeviceActor) -> tuple[bool, int]:
+    # Least loaded first, a lost device last.
+    return actor.lost is not None, actor.load
 
 
 def _input_bytes(inputs: Inputs) -> int | None:
@@ -610,7 +641,11 @@ def _held_by(lease: Lease[dict[str, Tensor]] | None, sessions: Sequence[Session]
     return lease
 
 
-def _runtime_closed() -> ClosedResourceError:
+def _unavailable(actor: DeviceActor) -> WasiNNError:
+    # Why a request placed on ``actor``, which does not serve, cannot run.
+    lost = actor.lost
+    if lost is not None:
+        return lost.for_another_caller()
     return ClosedResourceError("the runtime is closed: requests can no longer run")
 
 

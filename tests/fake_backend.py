@@ -3,7 +3,10 @@ order on devices this machine lacks). Every model-path test uses the real backen
 
 Model bytes are a tiny recipe: ``b"fake:add=1"`` makes a graph computing ``y = x + 1`` on
 ``x: f32[n, 4]``; ``b"fake:bad"`` fails to compile. A run whose input has a negative first
-element raises a library-style RuntimeError (to test error containment); a graph built
+element raises a library-style RuntimeError (to test error containment); one of 710 on a
+device other than the CPU raises torch's message for a CUDA device-side assert, and so
+does every later run on that device (``backend.lost``), as a real lost GPU would; a graph
+built
 with ``b"fake:add=1:gate"`` blocks each run until ``backend.gate`` is set; one built with
 ``b"fake:add=1:slowload"`` blocks its compile on a device other than the CPU until
 ``backend.load_gate`` is set (``backend.loading`` is set when such a compile starts).
@@ -24,6 +27,14 @@ from wasinn.backends.base import Backend, Builders, CompiledGraph, Device, LoadO
 from wasinn.enums import GraphEncoding, TensorType
 from wasinn.errors import InvalidEncodingError
 from wasinn.tensor import Tensor, as_tensor
+
+#: The first input value that makes a run on a GPU fail as a CUDA device-side assert.
+DEVICE_ASSERT = 710
+#: torch's message for a CUDA device-side assert (c10's CUDA check).
+CUDA_ASSERT_MESSAGE = (
+    "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously "
+    "reported at some other API call, so the stacktrace below might be incorrect.\nFor "
+    "debugging consider passing CUDA_LAUNCH_BLOCKING=1")
 
 
 class FakeNative:
@@ -69,6 +80,11 @@ class FakeGraph(CompiledGraph):
             raise RuntimeError("gate never opened")
         if x.size and x.reshape(-1)[0] < 0:
             raise RuntimeError("fake library exploded on a negative input")
+        device = self.device.name
+        if device != "cpu" and (device in self.backend.lost or
+                                (x.size and x.reshape(-1)[0] == DEVICE_ASSERT)):
+            self.backend.lost.add(device)
+            raise RuntimeError(CUDA_ASSERT_MESSAGE)
         y = (x + self.add).astype(np.float32)
         if keep_on_device:
             value = FakeNative(y, self.device.name)
@@ -92,6 +108,7 @@ class FakeBackend(Backend):
         self.loads: list[str] = []
         self.runs: list[tuple[str, float]] = []
         self.closed: list[str] = []
+        self.lost: set[str] = set()  # devices whose runs all fail as a lost GPU's do
         self.gate = threading.Event()
         self.started = threading.Event()  # set when any graph's run starts
         self.load_gate = threading.Event()

@@ -14,7 +14,7 @@ PUBLIC = {
     "WasiNNError", "ErrorCode", "InvalidArgumentError", "InvalidEncodingError", "TimeoutError_",
     "BackendRuntimeError", "BatchingError", "UnsupportedOperationError", "TooLargeError",
     "NotFoundError", "ClosedResourceError", "SecurityError", "UnknownError", "ConfigError",
-    "UnknownNameError",
+    "UnknownNameError", "DeviceLostError",
 }
 
 

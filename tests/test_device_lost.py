@@ -1,0 +1,324 @@
+"""A lost GPU: a CUDA error that leaves the process's CUDA context unusable (a device-side
+assert, an illegal memory access) fails its request with DeviceLostError, takes that
+device out of service, and leaves every other device serving.
+
+The error classifier is checked against the messages torch and ONNX Runtime build; the
+actor and placement behaviour with the fake device backend (routing only: this machine
+has no GPU), whose runs on a GPU fail with torch's message for a device-side assert and
+keep failing, as a real lost GPU's do. The test with a real device-side assert is marked
+``gpu``: it runs in a process of its own, whose CUDA context it loses.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import wasinn
+from tests.fake_backend import CUDA_ASSERT_MESSAGE, DEVICE_ASSERT, FakeBackend
+from tests.test_scheduler_routing import fake_config
+from wasinn import BackendRuntimeError, DeviceLostError, ErrorCode
+from wasinn.actors import devicectx
+from wasinn.backends.cuda import STICKY_ERRORS, sticky_error
+from wasinn.backends.sandbox import _child_error
+
+RECIPE = [b"fake:add=1"]
+
+#: ONNX Runtime's CUDA provider's message for the same error (CudaCall in cuda_call.cc),
+#: as onnxruntime's Python binding raises it.
+ORT_ASSERT_MESSAGE = (
+    "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 710: device-side assert triggered ; "
+    "GPU=0 ; hostname=host ; file=cuda_execution_provider.cc ; line=453 ; "
+    "expr=cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); ")
+
+
+def x(value: float) -> np.ndarray[Any, Any]:
+    return np.full((1, 4), value, np.float32)
+
+
+# -- which errors lose a device -------------------------------------------------------------
+@pytest.mark.parametrize("message", [CUDA_ASSERT_MESSAGE, ORT_ASSERT_MESSAGE])
+def test_a_device_side_assert_is_recognised_in_either_librarys_words(message: str) -> None:
+    assert sticky_error(RuntimeError(message)) == (
+        "cudaErrorAssert (710): device-side assert triggered")
+
+
+def test_every_sticky_error_is_recognised_by_its_code_text_or_name() -> None:
+    for code, (name, text) in STICKY_ERRORS.items():
+        assert sticky_error(RuntimeError(f"CUDA error: {text}")) is not None, text
+        assert sticky_error(RuntimeError(f"failed: {name}")) is not None, name
+        coded = RuntimeError("CUDA error")
+        coded.error_code = code  # type: ignore[attr-defined]  # torch.AcceleratorError's
+        assert sticky_error(coded) == f"{name} ({code}): {text}"
+
+
+def test_a_sticky_error_is_found_behind_the_backends_wrapper() -> None:
+    wrapped = BackendRuntimeError("torch: run failed")
+    wrapped.__cause__ = RuntimeError(CUDA_ASSERT_MESSAGE)
+    assert sticky_error(wrapped) == "cudaErrorAssert (710): device-side assert triggered"
+    assert sticky_error(wrapped.prefixed("gpu:0")) is not None  # through wasinn's copies
+
+
+def test_a_sandboxed_graphs_lost_context_retires_its_process_not_the_device() -> None:
+    class Child:  # stands for the SandboxProcess that ran the model
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    child = Child()
+    error = _child_error(child, {"error": [  # type: ignore[arg-type]
+        "BackendRuntimeError", f"RuntimeError: {CUDA_ASSERT_MESSAGE}"]})
+    assert child.closed  # its every later run would fail the same way
+    assert isinstance(error, BackendRuntimeError) and not isinstance(error, DeviceLostError)
+    assert "device-side assert triggered" in error.message and "retired" in error.message
+    assert sticky_error(error) is None  # the host's own CUDA context is fine
+    assert sticky_error(error.prefixed("gpu:0")) is None
+    context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
+
+    def fails() -> None:
+        raise error
+
+    with pytest.raises(BackendRuntimeError, match="retired"):
+        context.wrap(fails)()
+    assert context.lost is None
+
+    other = Child()
+    plain = _child_error(other, {"error": ["BackendRuntimeError", "fake: exploded"]})
+    assert not other.closed and plain.message == "fake: exploded"
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA out of memory. Tried to allocate 2.00 GiB",  # recoverable: the context survives
+    "CUDA error: invalid argument",
+    "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x",
+    "fake library exploded on a negative input",
+])
+def test_errors_a_gpu_survives_do_not_lose_it(message: str) -> None:
+    assert sticky_error(RuntimeError(message)) is None
+
+
+def test_a_cuda_context_turns_a_sticky_error_into_device_lost_once() -> None:
+    context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
+    told: list[DeviceLostError] = []
+    context.on_lost = told.append
+
+    def fails() -> None:
+        raise RuntimeError(CUDA_ASSERT_MESSAGE)
+
+    for _ in range(2):
+        with pytest.raises(DeviceLostError) as lost:
+            context.wrap(fails)()
+        assert lost.value.code is ErrorCode.RUNTIME_ERROR
+        assert "gpu:0 is lost: cudaErrorAssert (710)" in lost.value.message
+        assert "until the process restarts" in lost.value.message
+        assert isinstance(lost.value.__cause__, RuntimeError)
+    assert len(told) == 1 and context.lost is told[0]  # recorded and told once
+
+    def explodes() -> None:
+        raise ValueError("an ordinary failure")
+
+    with pytest.raises(ValueError, match="ordinary"):  # any other error passes unchanged
+        devicectx.CudaContext(context.device).wrap(explodes)()
+
+
+# -- the actors and placement (fake CUDA devices) -------------------------------------------
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
+    # The fake's GPUs stand for CUDA devices: their actors watch for lost devices.
+    monkeypatch.setattr(devicectx, "device_count", lambda: 2)
+    return FakeBackend()
+
+
+def actor(rt: wasinn.Runtime, name: str) -> Any:
+    return next(a for a in rt.actors if a.device.name == name)
+
+
+async def test_a_lost_gpu_fails_its_request_and_the_other_gpu_takes_the_next(
+        fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
+        await lose_one_gpu_then_serve_on(rt, fake)
+
+
+async def lose_one_gpu_then_serve_on(rt: wasinn.Runtime, fake: FakeBackend) -> None:
+    graph = await rt.load(RECIPE, "ggml", "gpu")
+    with pytest.raises(DeviceLostError, match=r"gpu:\d is lost: cudaErrorAssert") as lost:
+        await graph.compute({"x": x(DEVICE_ASSERT)})
+    (gone,) = fake.lost
+    await trio.testing.wait_all_tasks_blocked()  # the actor closes itself in trio
+    other = "gpu:1" if gone == "gpu:0" else "gpu:0"
+    stats = {s.device: s for s in rt.stats()}
+    assert stats[gone].lost is not None and "cudaErrorAssert" in stats[gone].lost
+    assert "LOST: " in stats[gone].describe()
+    assert stats[other].lost is None and stats["cpu"].lost is None
+    assert not actor(rt, gone).ready and actor(rt, gone).lost is not None
+
+    fake.runs.clear()
+    for _ in range(3):  # new contexts and one-shot computes: all on the other GPU
+        ctx = graph.init_execution_context(target="gpu")
+        out = await ctx.compute({"x": x(1)}, keep_on_device=False)
+        assert out["y"].numpy().tolist() == [[2.0] * 4]
+        await graph.compute({"x": x(2)})
+    assert {device for device, _ in fake.runs} == {other}
+    cpu = await graph.compute({"x": x(3)}, target="cpu")  # the runtime is not closed
+    assert cpu["y"].numpy().tolist() == [[4.0] * 4]
+    assert "restart" in str(lost.value)
+
+
+async def test_a_tensor_left_on_a_lost_gpu_is_gone(fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
+        await lose_the_gpu_a_tensor_lives_on(rt, fake)
+
+
+async def lose_the_gpu_a_tensor_lives_on(rt: wasinn.Runtime, fake: FakeBackend) -> None:
+    graph = await rt.load(RECIPE, "ggml", "gpu")
+    kept = (await graph.compute({"x": x(DEVICE_ASSERT - 1)}, keep_on_device=True))["y"]
+    home = kept.device
+    with pytest.raises(DeviceLostError, match=f"{home} is lost"):
+        await graph.compute({"x": kept})  # runs where its input lives: 710 there
+    assert fake.lost == {home}
+    await trio.testing.wait_all_tasks_blocked()
+    runs = len(fake.runs)
+    with pytest.raises(DeviceLostError, match=f"{home} is lost"):
+        await graph.compute({"x": kept})  # its value lived on that GPU only
+    assert len(fake.runs) == runs  # refused, not run
+
+
+async def test_requests_queued_on_a_gpu_when_it_is_lost_get_its_error(
+        fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
+        errors: list[BaseException] = []
+
+        async def compute(value: float) -> None:
+            try:
+                await graph.compute({"x": x(value)})
+            except BackendRuntimeError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute, DEVICE_ASSERT)
+            await trio.to_thread.run_sync(fake.started.wait)
+            for value in (1, 2, 3):
+                nursery.start_soon(compute, value)
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor(rt, "gpu:0").queued == 3
+            fake.gate.set()
+        assert len(errors) == 4
+        assert all(isinstance(e, DeviceLostError) and "gpu:0 is lost" in str(e)
+                   for e in errors), errors
+        # Refused, not run: the queued requests never reached the poisoned device.
+        assert [value for _, value in fake.runs] == [DEVICE_ASSERT]
+        with pytest.raises(DeviceLostError, match="gpu:0 is lost"):
+            await graph.compute({"x": x(1)})
+        cpu = await graph.compute({"x": x(1)}, target="cpu")  # the runtime serves on
+        assert cpu["y"].numpy().tolist() == [[2.0] * 4]
+        with pytest.raises(DeviceLostError, match="gpu:0 is lost"):  # compiling there too
+            await rt.load([b"fake:add=2"], "ggml", "gpu")
+
+
+async def test_a_guest_thread_that_loses_the_gpu_gets_its_error(fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        ctx = graph.init_execution_context(target="gpu")
+        await ctx.compute({"x": x(1)})  # compiled there: the next run is leased
+
+        def in_thread(value: float) -> BaseException | None:
+            try:
+                ctx.compute_in_caller_thread({"x": x(value)})
+            except BaseException as exc:
+                return exc
+            return None
+
+        first = await trio.to_thread.run_sync(in_thread, DEVICE_ASSERT)
+        assert isinstance(first, DeviceLostError), first
+        assert threading.current_thread() is threading.main_thread()
+        await trio.testing.wait_all_tasks_blocked()
+        again = await trio.to_thread.run_sync(in_thread, 1)
+        assert isinstance(again, DeviceLostError) and "gpu:0 is lost" in str(again)
+        assert [value for _, value in fake.runs] == [1, DEVICE_ASSERT]
+
+
+async def test_with_every_gpu_lost_requests_fail_or_fall_back_as_configured(
+        fake: FakeBackend) -> None:
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        for _ in range(2):
+            with pytest.raises(DeviceLostError):
+                await graph.compute({"x": x(DEVICE_ASSERT)})
+            await trio.testing.wait_all_tasks_blocked()
+        assert fake.lost == {"gpu:0", "gpu:1"}
+        with pytest.raises(DeviceLostError, match="is lost"):
+            await graph.compute({"x": x(1)})
+
+    fake = FakeBackend()
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"], fallback="cpu"),
+                              backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        with pytest.raises(DeviceLostError):
+            await graph.compute({"x": x(DEVICE_ASSERT)})
+        await trio.testing.wait_all_tasks_blocked()
+        fake.runs.clear()
+        with pytest.warns(RuntimeWarning, match=r"every gpu device here is lost .*falls "
+                                                r"back to cpu"):
+            out = await graph.compute({"x": x(1)})
+        assert out["y"].numpy().tolist() == [[2.0] * 4]
+        assert fake.runs == [("cpu", 1.0)]
+
+
+# -- a real device-side assert ----------------------------------------------------------------
+_REAL_ASSERT = textwrap.dedent("""
+    import numpy as np, torch, trio, wasinn
+    from wasinn.configs.loader import parse_config
+
+    CONFIG = parse_config({"pools": {
+        "cpu": {"kind": "cpu", "devices": ["cpu"], "backends": ["pytorch"]},
+        "gpu": {"kind": "gpu", "devices": "auto", "backends": ["pytorch"]},
+    }}, None)  # no fallback: a request for the lost GPU fails
+
+    class Gather(torch.nn.Module):
+        def forward(self, table, index):
+            return table[index]  # an index out of range: a device-side assert on CUDA
+
+    async def main():
+        traced = torch.jit.trace(Gather(), (torch.zeros(4, 3), torch.zeros(2, dtype=torch.int64)))
+        traced.save("gather.pt")
+        model = open("gather.pt", "rb").read()
+        async with wasinn.Runtime(CONFIG) as rt:
+            graph = await rt.load([model], "torchscript", "gpu")
+            table = np.arange(12, dtype=np.float32).reshape(4, 3)
+            ok = await graph.compute({0: table, 1: np.array([1, 3])}, keep_on_device=False)
+            assert ok[0].numpy().tolist() == [[3, 4, 5], [9, 10, 11]]
+            try:
+                await graph.compute({0: table, 1: np.array([1, 99])}, keep_on_device=False)
+            except wasinn.DeviceLostError as exc:
+                print("LOST", exc)
+            else:
+                raise SystemExit("no DeviceLostError")
+            try:
+                await graph.compute({0: table, 1: np.array([0, 1])})
+            except wasinn.DeviceLostError:
+                print("STILL LOST")
+            cpu = await graph.compute({0: table, 1: np.array([2])}, target="cpu")
+            print("CPU", cpu[0].numpy().tolist())
+
+    trio.run(main)
+""")
+
+
+@pytest.mark.gpu
+def test_a_real_device_side_assert_loses_only_the_gpu(gpu: None, tmp_path: Any) -> None:
+    done = subprocess.run([sys.executable, "-c", _REAL_ASSERT], cwd=tmp_path, check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("LOST gpu:0 is lost: cudaErrorAssert") for line in lines), lines
+    assert "STILL LOST" in lines
+    assert "CPU [[6.0, 7.0, 8.0]]" in lines
