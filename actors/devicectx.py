@@ -90,7 +90,16 @@ class TorchCudaContext(CudaContext):
     """A CUDA device seen through torch: jobs run on the actor's own stream.
 
     One stream per actor keeps chained torch work ordered on the device without host
-    synchronisation between steps; ONNX Runtime's CUDA provider ignores it.
+    synchronisation between steps; ONNX Runtime's CUDA provider ignores it (its runs
+    synchronise their own stream before they return).
+
+    A job ends when the kernels it queued have run: a torch call returns once its
+    kernels are queued, so without the wait at the end of each job (one
+    ``stream.synchronize()``, not one per step of a pipeline) a run would hand its slot
+    to the next request while the GPU still computed it, ``workers`` would bound launches
+    rather than runs, a deadline and the inline-run timings would measure the launch, and
+    the first ``.numpy()`` of a kept output, in the event loop, would wait there for the
+    GPU. A run's kept outputs are complete when its caller gets them.
     """
 
     def __init__(self, device: Device) -> None:
@@ -113,7 +122,9 @@ class TorchCudaContext(CudaContext):
 
         def on_stream() -> Any:
             with torch.cuda.device(self.device.index), torch.cuda.stream(stream):
-                return job()
+                result = job()
+            stream.synchronize()  # its kernels have run (see the class docstring)
+            return result
 
         return super().wrap(on_stream)
 

@@ -603,6 +603,36 @@ async def test_gpu_compute_keeps_outputs_on_the_device(small_mobilenet: ModelFil
         np.testing.assert_allclose(second["output"].numpy(), np.full((2, 4), 7, np.float32))
 
 
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu")
+async def test_a_gpu_run_ends_when_the_gpu_has_computed_it() -> None:
+    # A long chain of large products: torch queues it in well under the time the GPU
+    # takes. The compute returns (and frees its slot) only once the actor's stream has
+    # run it, so the output's completion event has fired already.
+    import io
+
+    import torch
+
+    from wasinn.configs.loader import packaged_config
+
+    class Chain(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(64):
+                x = torch.tanh(x @ x) + 1
+            return x
+
+    buf = io.BytesIO()
+    torch.export.save(torch.export.export(Chain(), (torch.ones(2048, 2048),)), buf)
+    x = np.random.default_rng(3).random((2048, 2048), np.float32) / 2048
+    async with wasinn.Runtime(packaged_config("pools.toml")) as rt:
+        graph = await rt.load([buf.getvalue()], "pytorch", target="gpu")
+        ctx = graph.init_execution_context(target="gpu")
+        for _ in range(3):
+            (out,) = (await ctx.compute({"x": x}, keep_on_device=True)).values()
+            ready = out.native._wasinn_ready  # recorded after the run's last kernel
+            assert ready.query(), "the compute returned before the GPU had computed it"
+
+
 def test_the_scheduler_names_are_public() -> None:
     for name in ("Runtime", "Graph", "ExecutionContext", "Pipeline", "RuntimeConfig",
                  "ConfigError"):
