@@ -297,10 +297,15 @@ class WorkerThreads:
         except BaseException:
             if waiter.worker is not None:  # handed over just as the caller gave up
                 self._give(waiter.worker)
-            else:
+            elif waiter in self._waiters:  # (stop() has taken every waiter out)
                 self._waiters.remove(waiter)
             raise
-        if waiter.worker is None:  # stopped meanwhile
+        if self._stopped:
+            # Stopped meanwhile, a thread handed over first or not: a job put in its
+            # inbox now would sit behind the exit stop() sent it, never run, and its
+            # caller would wait for ever. Let go of the thread, refuse the job.
+            if waiter.worker is not None:
+                self._give(waiter.worker)
             self._check_running()
         assert waiter.worker is not None
         return waiter.worker

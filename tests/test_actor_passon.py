@@ -322,3 +322,70 @@ async def test_onnx_runtime_runs_queued_requests_back_to_back() -> None:
             np.testing.assert_array_equal(y, np.full((1, 4), m, np.float32))
         stats = actor.stats()
         assert (stats.passed_on, stats.completed, stats.running) == (3, 5, 0)
+
+
+async def test_a_caller_handed_a_thread_as_the_threads_stop_is_refused_not_left_waiting(
+        ) -> None:
+    # The job that ends frees its thread, which goes to the waiting caller; the task
+    # that ran the job stops the threads in the same trio step, before that caller
+    # resumes. Its job would sit behind the thread's exit and its caller wait for ever.
+    threads = WorkerThreads("test", 1)
+    threads.start()
+    gate = threading.Event()
+    outcome: dict[str, object] = {}
+
+    async def running_then_stop() -> None:
+        outcome["first"] = await threads.run(lambda: gate.wait(GUARD_S), label="first")
+        threads.stop()
+
+    async def waiting() -> None:
+        try:
+            outcome["second"] = await threads.run(lambda: "ran", label="second", pin=False)
+        except ClosedResourceError as exc:
+            outcome["second"] = exc
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(running_then_stop)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(waiting)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        assert await threads.wait_stopped(GUARD_S) == []
+    assert outcome["first"] is True
+    assert isinstance(outcome["second"], ClosedResourceError)
+    assert threads.busy == 0 and threads.abandoned == 0
+
+
+async def test_a_waiting_caller_cancelled_as_the_threads_stop_sees_its_cancellation(
+        ) -> None:
+    # Cancelled, then the threads stop (and take every waiter out) before it resumes.
+    threads = WorkerThreads("test", 1)
+    threads.start()
+    gate = threading.Event()
+    seen: list[BaseException] = []
+
+    async def waiting(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await threads.run(lambda: "ran", label="waiting")
+            except BaseException as exc:
+                seen.append(exc)
+                raise
+
+    async def running() -> None:
+        with pytest.raises(ClosedResourceError, match="closed while the job ran"):
+            await threads.run(lambda: gate.wait(GUARD_S), label="running")
+
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(running)
+            await trio.testing.wait_all_tasks_blocked()
+            scope = await nursery.start(waiting)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            threads.stop()
+            gate.set()
+        assert await threads.wait_stopped(GUARD_S) == []
+    assert len(seen) == 1 and isinstance(seen[0], trio.Cancelled)
