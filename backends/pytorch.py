@@ -214,6 +214,13 @@ def _from_dlpack(tensor: Tensor, device: torch.device) -> torch.Tensor | None:
     return shared
 
 
+def _foreign(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is another library's native value (read over DLPack or through
+    the host), not torch's."""
+    native = tensor.native
+    return native is not None and not isinstance(native, torch.Tensor)
+
+
 def _to_numpy(value: torch.Tensor) -> np.ndarray[Any, Any]:
     _ready(value)  # .cpu() copies on this stream, and waits for it
     value = value.detach().cpu()
@@ -364,6 +371,12 @@ class TorchGraph(CheckedGraph):
                    for i in picked}
         if ready is not None:
             ready.record(torch.cuda.current_stream(device))
+        if on_cuda and any(_foreign(t) for t in ordered):
+            # An input over another library's CUDA memory (DLPack): that library gives
+            # the memory back to its own allocator once the value is dropped, which
+            # knows nothing of this stream, so its next run (on its own stream) could
+            # overwrite it while these kernels still read it. Wait for them here.
+            torch.cuda.current_stream(device).synchronize()
         return outputs
 
     def close(self) -> None:

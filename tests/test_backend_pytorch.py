@@ -262,6 +262,48 @@ def test_gpu_outputs_kept_on_the_device_are_complete_when_read_from_another_thre
         np.testing.assert_allclose(read[0], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_a_run_over_onnx_runtime_cuda_memory_ends_before_that_memory_can_be_reused(
+        backend: Any) -> None:
+    # torch reads an OrtValue on the GPU over DLPack, late in a long run (its kernels are
+    # queued when run() returns). The OrtValue is dropped at once, and ONNX Runtime's
+    # next run (on its own stream) takes the freed memory for its output: had the torch
+    # run not waited for its kernels, that write would race its read.
+    import torch
+
+    from tests.backend_models import affine
+    from tests.support import require_ort_gpu
+    from wasinn.backends.onnxruntime import OnnxRuntimeBackend
+
+    require_gpu()
+    ort = OnnxRuntimeBackend()
+    require_ort_gpu(ort)
+    gpu = Device.parse("gpu:0")
+
+    class ReadsLate(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            square = x.reshape(2048, 2048)
+            busy = square
+            for _ in range(64):
+                busy = torch.tanh(busy @ busy)
+            return square * 2 + busy * 0  # x is read after the 64 products
+
+    rows = 2048 * 2048 // 4
+    builders, encoding = affine("onnxruntime", 1.0, 0.0)
+    producer = ort.load(builders, encoding, gpu)
+    consumer = backend.load([_exported(ReadsLate(), (torch.ones(rows, 4),))], PT, gpu)
+    first = np.random.default_rng(4).random((rows, 4), np.float32)
+    other = Tensor.from_numpy(np.full((rows, 4), 1000, np.float32))
+    stream = torch.cuda.Stream()
+    for _ in range(3):
+        (middle,) = producer.run({"x": Tensor.from_numpy(first)}, keep_on_device=True).values()
+        with torch.cuda.stream(stream):  # as the device's actor runs its jobs
+            (out,) = consumer.run({"x": middle}, keep_on_device=True).values()
+        del middle
+        producer.run({"x": other}, keep_on_device=True)  # may take the freed memory
+        np.testing.assert_allclose(out.numpy(), first.reshape(2048, 2048) * 2, rtol=1e-6)
+
+
 def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
     # torch computes f32 cuDNN convolutions in TF32 by default on Ampere and later GPUs
     # (a 10-bit mantissa: emulated, up to 0.075 apart on small_mobilenet), whatever precision
