@@ -260,7 +260,9 @@ class Batcher:
     priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
     back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held slot (which
     it frees when the thread is done); ``start`` starts a task that lives as long as the
-    actor; ``stats`` counts the device's batches.
+    actor; ``stats`` counts the device's batches. A run whose exception ``fatal`` says
+    the device cannot survive (a lost GPU) ends the whole batch with it: nothing more is
+    run there, and the job raises it, for the device context to see.
     """
 
     def __init__(self, device: str,
@@ -269,8 +271,10 @@ class Batcher:
                  free_slot: Callable[[], None],
                  run_in_slot: Callable[[Callable[[], Any], str], Awaitable[Any]],
                  start: Callable[[Callable[[_Batch], Awaitable[None]], _Batch], None],
-                 stats: RequestStats) -> None:
+                 stats: RequestStats,
+                 fatal: Callable[[BaseException], bool] = lambda exc: False) -> None:
         self._device = device
+        self._fatal = fatal
         self._take_slot = take_slot
         self._requeue_slot = requeue_slot
         self._free_slot = free_slot
@@ -419,7 +423,7 @@ class Batcher:
         for member in members:
             member.granted = granted
         self.waiting -= len(members)
-        job = _BatchJob(batch.run, members, batch.label)
+        job = _BatchJob(batch.run, members, batch.label, self._fatal)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
             job, batch.label)
         if job.unsplittable:
@@ -462,10 +466,12 @@ class _BatchJob:
     that fails or cannot be split) one run per member. ``merged`` says which happened;
     ``unsplittable``, that the merged run's outputs could not be split by rows."""
 
-    __slots__ = ("label", "members", "merged", "run", "unsplittable")
+    __slots__ = ("fatal", "label", "members", "merged", "run", "unsplittable")
 
-    def __init__(self, run: RunInputs, members: Sequence[_Member], label: str) -> None:
+    def __init__(self, run: RunInputs, members: Sequence[_Member], label: str,
+                 fatal: Callable[[BaseException], bool]) -> None:
         self.run = run
+        self.fatal = fatal
         self.members = members
         self.label = label
         self.merged = False
@@ -479,7 +485,7 @@ class _BatchJob:
         members = [self.members[i] for i in alive]
         if len(members) == 1:
             only = members[0]
-            results[alive[0]] = outcome.capture(self.run, only.inputs.tensors, only.keep)
+            results[alive[0]] = self._alone(only)
             return results
         if not members:
             return results
@@ -490,7 +496,9 @@ class _BatchJob:
         except _Unsplittable as exc:
             self.unsplittable = True
             _warn_once(self.label, str(exc))
-        except Exception:  # each request is re-run alone below, and fails alone
+        except Exception as exc:  # each request is re-run alone below, and fails alone
+            if self.fatal(exc):
+                raise  # the device is lost: no run more there
             log.debug("%s: a merged run failed; its requests run one by one", self.label,
                       exc_info=True)
         else:
@@ -507,8 +515,17 @@ class _BatchJob:
                     f"{self.label}: the batch was cancelled (its device is closing) before "
                     "this request ran"))
                 continue
-            results[i] = outcome.capture(self.run, member.inputs.tensors, member.keep)
+            results[i] = self._alone(member)
         return results
+
+    def _alone(self, member: _Member) -> outcome.Outcome[dict[str, Tensor]]:
+        # One member's run; an exception the device cannot survive ends the batch.
+        try:
+            return outcome.Value(self.run(member.inputs.tensors, member.keep))
+        except BaseException as exc:
+            if self.fatal(exc):
+                raise
+            return outcome.Error(exc)
 
     @property
     def _left(self) -> outcome.Outcome[dict[str, Tensor]]:

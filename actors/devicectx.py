@@ -10,7 +10,9 @@ A lost device: some CUDA errors (a device-side assert, an illegal memory access:
 :data:`wasinn.backends.cuda.STICKY_ERRORS`) leave the process's CUDA context unusable,
 and every later call on that GPU fails the same way until the process restarts. A
 malformed input can cause one (an out-of-range index in a gather). A job that raises
-one raises :class:`~wasinn.errors.DeviceLostError` instead, which says so plainly,
+one (in the library's own words, and, where the CUDA driver can be asked, confirmed by
+synchronizing the context in the job's thread) raises
+:class:`~wasinn.errors.DeviceLostError` instead, which says so plainly,
 and the context records the loss once (:attr:`DeviceContext.lost`) and tells its
 ``on_lost`` callback, from the thread that ran the job.
 """
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from wasinn.backends.base import Device
-from wasinn.backends.cuda import device_count, sticky_error
+from wasinn.backends.cuda import context_failure, device_count, sticky_error
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import DeviceLostError, UnsupportedOperationError
 
@@ -47,6 +49,12 @@ class DeviceContext:
         """``job`` made to run under this device's context (unchanged here)."""
         return job
 
+    def fatal(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a run inside a job, may have lost the device: the
+        job must then raise it rather than go on (a batch's other runs), for
+        :meth:`wrap` to see. Never, here."""
+        return False
+
     def close(self) -> None:
         """Release what ``open`` created. Idempotent."""
 
@@ -67,12 +75,15 @@ class CudaContext(DeviceContext):
 
         return watched
 
+    def fatal(self, exc: BaseException) -> bool:
+        return sticky_error(exc) is not None
+
     def loss(self, exc: BaseException) -> DeviceLostError | None:
         """The DeviceLostError for a job's exception ``exc`` if it lost the device (the
         first loss is recorded and told to ``on_lost``); None when the device is fine."""
         cause = sticky_error(exc)
-        if cause is None:
-            return None
+        if cause is None or context_failure() == 0:
+            return None  # (the driver, where it can be asked, says the context is fine)
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         error = DeviceLostError(
             f"{self.device} is lost: {cause} ({type(exc).__name__}: {first_line}). A CUDA "

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import re
 import sys
 from collections.abc import Iterable
-from typing import Any, Final, TypeVar
+from typing import Any, Final
+
+from wasinn.errors import WasiNNError
 
 #: The CUDA driver library, by its soname (the unversioned ``libcuda.so`` is a toolkit
 #: link, or the toolkit's stub, which reports no device).
@@ -92,42 +95,96 @@ STICKY_ERRORS: Final[dict[int, tuple[str, str]]] = {
 }
 
 
-#: The attribute that marks an exception whose CUDA error happened in another process (a
-#: sandboxed graph's): this process's own CUDA context is not lost.
-_ELSEWHERE = "_wasinn_cuda_error_elsewhere"
-
-E = TypeVar("E", bound=BaseException)
-
-
-def happened_elsewhere(exc: E) -> E:
-    """``exc``, marked as reporting a CUDA error of another process: :func:`sticky_error`
-    does not take it for a loss of this process's context."""
-    setattr(exc, _ELSEWHERE, True)
-    return exc
+#: How the libraries word one of them in their own exceptions: torch's c10 CUDA check
+#: opens its message with "CUDA error: device-side assert triggered"; ONNX Runtime's
+#: CudaCall writes "CUDA failure 710: device-side assert triggered ; GPU=0 ; ..." after
+#: the failing node's name and the throwing function's signature (the code must agree
+#: with the text).
+_TORCH_WORDS = re.compile(r"^\s*CUDA error: (?P<said>[^\n]+?)\s*(?:\n|$)")
+_ORT_WORDS = re.compile(r"CUDA failure (?P<code>\d+): (?P<said>[^;\n]+?) ; GPU=")
 
 
 def sticky_error(exc: BaseException) -> str | None:
     """``name (code): description`` when ``exc``, or an exception it was raised from, is
     one of the :data:`STICKY_ERRORS` (the CUDA context of this process is lost: every
-    later call on it fails the same way); None otherwise, and for an error that
-    :func:`happened_elsewhere`. Never raises."""
+    later call on it fails the same way); None otherwise. Never raises.
+
+    Only the libraries' own exceptions are read (the code torch's ``AcceleratorError``
+    carries, or their message's opening words, exactly as they write it), never a
+    wasinn error's message: that may quote what a caller sent (an input's name, a
+    model's bytes), and a caller's text must not take a GPU out of service."""
     seen: set[int] = set()
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if getattr(error, _ELSEWHERE, False):
-            return None
         code = getattr(error, "error_code", None)
         if isinstance(code, int) and code in STICKY_ERRORS:
             return _describe(code)
-        try:
-            text = str(error)
-        except Exception:  # a broken __str__: nothing to read
-            text = ""
-        for code, (name, description) in STICKY_ERRORS.items():
-            if description in text or name in text:
-                return _describe(code)
+        if not isinstance(error, WasiNNError):
+            found = _in_library_words(error)
+            if found is not None:
+                return found
         error = error.__cause__ or error.__context__
+    return None
+
+
+def mentions_sticky_error(text: str) -> str | None:
+    """``name (code): description`` for the first of the :data:`STICKY_ERRORS` that
+    ``text`` names anywhere, or None: a loose reading, for where a wrong guess costs
+    little (a sandbox process retired for nothing)."""
+    for code, (name, description) in STICKY_ERRORS.items():
+        if description in text or name in text:
+            return _describe(code)
+    return None
+
+
+def _in_library_words(error: BaseException) -> str | None:
+    try:
+        text = str(error)
+    except Exception:  # a broken __str__: nothing to read
+        return None
+    torch_words = _TORCH_WORDS.match(text)
+    if torch_words is not None:
+        for code, (_, description) in STICKY_ERRORS.items():
+            if torch_words["said"] == description:
+                return _describe(code)
+    for ort_words in _ORT_WORDS.finditer(text):
+        code = int(ort_words["code"])
+        known = STICKY_ERRORS.get(code)
+        if known is not None and known[1] == ort_words["said"]:
+            return _describe(code)
+    return None
+
+
+def context_failure(driver: Any = None) -> int | None:
+    """What the CUDA context current in this thread says when synchronized: 0 when it is
+    fine, the CUDA error code when it is not (a code in :data:`STICKY_ERRORS` when it is
+    lost), None when it cannot be asked (no driver library, no context current here).
+    Asks ``driver`` (a loaded driver library) or this host's. Never raises.
+
+    The thread that ran a job on a GPU has that GPU's context current (torch and ONNX
+    Runtime both make the primary context current), so this tells a lost context from
+    an exception that only reads like one."""
+    try:
+        if driver is None:
+            driver = _driver()
+            if driver is None:
+                return None
+        context = ctypes.c_void_p(None)
+        if driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_SUCCESS or not context.value:
+            return None
+        return int(driver.cuCtxSynchronize())
+    except Exception:  # a library without those symbols
+        return None
+
+
+@functools.cache
+def _driver() -> Any:
+    for name in _DRIVER_LIBRARIES:
+        try:
+            return ctypes.CDLL(name)
+        except Exception:
+            continue
     return None
 
 

@@ -92,7 +92,7 @@ from .base import (
     TensorSpec,
     on_current_cancel,
 )
-from .cuda import happened_elsewhere, sticky_error
+from .cuda import mentions_sticky_error
 
 log = logging.getLogger("wasinn.backends")
 
@@ -157,17 +157,18 @@ def _error(payload: Mapping[str, Any]) -> WasiNNError:
 
 
 def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNError:
-    """The error a run's process reported. One that lost that process's CUDA context
-    (see :data:`wasinn.backends.cuda.STICKY_ERRORS`) retires the process, whose every
-    later run would fail the same way, and is marked as another process's: the host's
-    own context, and the device, are fine."""
+    """The error a run's process reported. One that names an error that loses a CUDA
+    context (see :data:`wasinn.backends.cuda.STICKY_ERRORS`) retires the process, whose
+    every later run would fail the same way. The host's own context is fine: the error
+    is a wasinn error carrying the child's text, which the host's device watch does not
+    read (see :func:`wasinn.backends.cuda.sticky_error`)."""
     error = _error(payload)
-    if sticky_error(error) is None:
+    if mentions_sticky_error(error.message) is None:
         return error
     child.close()  # the next run starts a fresh process
-    return happened_elsewhere(error.suffixed(
+    return error.suffixed(
         "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
-        "was retired, the next run starts a fresh one)"))
+        "was retired, the next run starts a fresh one)")
 
 
 class SandboxedGraph(CompiledGraph):

@@ -103,6 +103,9 @@ class Scheduler:
             kind: kind for kind in self._by_kind
         }
         self._lost_warned: set[ExecutionTarget] = set()
+        #: Set when the runtime closes (before its actors have all stopped, and when
+        #: every one of them was lost already).
+        self.stopped = False
 
     @property
     def devices(self) -> list[Device]:
@@ -112,7 +115,8 @@ class Scheduler:
     def closed(self) -> bool:
         """Whether the runtime is closed: its device actors stopped serving (a lost
         device's actor stops on its own: that does not close the runtime)."""
-        return any(not actor.ready and actor.lost is None for actor in self.actors)
+        return self.stopped or any(not actor.ready and actor.lost is None
+                                   for actor in self.actors)
 
     def actors_of(self, kind: ExecutionTarget) -> list[DeviceActor]:
         return list(self._by_kind.get(kind, ()))
@@ -182,6 +186,10 @@ class Scheduler:
         fallback = self.fallback
         if fallback is None or fallback is kind or fallback not in self._by_kind:
             return lost
+        for value in inputs.values():
+            if (isinstance(value, Tensor) and value.native is not None
+                    and value.device == lost.device.name):
+                return lost  # its value lived there only: it is gone
         instead = self.pick(fallback, inputs)
         if instead.lost is not None:
             return lost

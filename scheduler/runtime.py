@@ -347,6 +347,8 @@ class Runtime:
         self._check_trio("aclose")
         if not self._closed:
             self._closed = True
+            if self._scheduler is not None:
+                self._scheduler.stopped = True
             self._names.drop_all()
         if self._host is not None:
             await self._host.stop()  # idempotent: a later caller waits for the same stop

@@ -11,6 +11,7 @@ keep failing, as a real lost GPU's do. The test with a real device-side assert i
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -43,6 +44,14 @@ def x(value: float) -> np.ndarray[Any, Any]:
     return np.full((1, 4), value, np.float32)
 
 
+async def compute_failing_into(errors: list[BaseException], graph: wasinn.Graph,
+                               value: float) -> None:
+    try:
+        await graph.compute({"x": x(value)})
+    except BackendRuntimeError as exc:
+        errors.append(exc)
+
+
 # -- which errors lose a device -------------------------------------------------------------
 @pytest.mark.parametrize("message", [CUDA_ASSERT_MESSAGE, ORT_ASSERT_MESSAGE])
 def test_a_device_side_assert_is_recognised_in_either_librarys_words(message: str) -> None:
@@ -50,13 +59,64 @@ def test_a_device_side_assert_is_recognised_in_either_librarys_words(message: st
         "cudaErrorAssert (710): device-side assert triggered")
 
 
-def test_every_sticky_error_is_recognised_by_its_code_text_or_name() -> None:
+def test_every_sticky_error_is_recognised_by_its_code_or_in_either_librarys_words() -> None:
     for code, (name, text) in STICKY_ERRORS.items():
-        assert sticky_error(RuntimeError(f"CUDA error: {text}")) is not None, text
-        assert sticky_error(RuntimeError(f"failed: {name}")) is not None, name
+        want = f"{name} ({code}): {text}"
+        assert sticky_error(RuntimeError(f"CUDA error: {text}\nCUDA kernel errors")) == want
+        ort = (f"[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+               f"while running Gather node. Name:'g' Status Message: cuda_call.cc:129 "
+               f"CudaCall(...) CUDA failure {code}: {text} ; GPU=0 ; hostname=h ; expr=x; ")
+        assert sticky_error(RuntimeError(ort)) == want
         coded = RuntimeError("CUDA error")
         coded.error_code = code  # type: ignore[attr-defined]  # torch.AcceleratorError's
-        assert sticky_error(coded) == f"{name} ({code}): {text}"
+        assert sticky_error(coded) == want
+
+
+@pytest.mark.parametrize("error", [
+    # wasinn's own errors may quote what a caller sent: an input's name, a model's bytes
+    wasinn.UnknownNameError("the graph has no input 'misaligned address': expected x"),
+    wasinn.InvalidEncodingError("cannot read b'CUDA error: unspecified launch failure'"),
+    BackendRuntimeError("CUDA error: device-side assert triggered"),
+    # a library's text that names one without being one
+    RuntimeError("input 'CUDA error: device-side assert triggered' is unknown"),
+    RuntimeError("CUDA failure 700: device-side assert triggered ; GPU=0"),  # code != text
+    RuntimeError("cudaErrorAssert"),
+])
+def test_text_that_only_quotes_a_sticky_error_does_not_lose_a_gpu(error: Exception) -> None:
+    assert sticky_error(error) is None
+
+
+def test_the_driver_has_the_last_word_where_it_can_be_asked() -> None:
+    from wasinn.backends.cuda import context_failure
+
+    class Driver:  # stands for libcuda: a context current in this thread, in a state
+        def __init__(self, current: int, state: int) -> None:
+            self.current, self.state = current, state
+
+        def cuCtxGetCurrent(self, out: Any) -> int:
+            out._obj.value = self.current
+            return 0
+
+        def cuCtxSynchronize(self) -> int:
+            return self.state
+
+    assert context_failure(Driver(0x1000, 710)) == 710  # lost
+    assert context_failure(Driver(0x1000, 0)) == 0  # fine: the text misled
+    assert context_failure(Driver(0, 0)) is None  # no context here: cannot tell
+    assert context_failure(object()) is None  # not a driver library
+    context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(devicectx, "context_failure", lambda: 0)
+
+        def fails() -> None:
+            raise RuntimeError(CUDA_ASSERT_MESSAGE)
+
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            context.wrap(fails)()  # raised as it is: the device is fine
+        assert context.lost is None
+        patch.setattr(devicectx, "context_failure", lambda: 710)
+        with pytest.raises(DeviceLostError):
+            context.wrap(fails)()
 
 
 def test_a_sticky_error_is_found_behind_the_backends_wrapper() -> None:
@@ -196,12 +256,7 @@ async def test_requests_queued_on_a_gpu_when_it_is_lost_get_its_error(
     async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
         graph = await rt.load([b"fake:add=1:gate"], "ggml", "gpu")
         errors: list[BaseException] = []
-
-        async def compute(value: float) -> None:
-            try:
-                await graph.compute({"x": x(value)})
-            except BackendRuntimeError as exc:
-                errors.append(exc)
+        compute = functools.partial(compute_failing_into, errors, graph)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(compute, DEVICE_ASSERT)
@@ -222,6 +277,30 @@ async def test_requests_queued_on_a_gpu_when_it_is_lost_get_its_error(
         assert cpu["y"].numpy().tolist() == [[2.0] * 4]
         with pytest.raises(DeviceLostError, match="gpu:0 is lost"):  # compiling there too
             await rt.load([b"fake:add=2"], "ggml", "gpu")
+
+
+async def test_a_batch_that_loses_the_gpu_stops_there_and_every_member_is_told(
+        fake: FakeBackend) -> None:
+    # A batch job answers each member itself (a merged run that fails is re-run member
+    # by member): a lost device must end it, not be run on again, and reach the watch.
+    from wasinn.actors.batching import Batching
+
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu",
+                              batching=Batching(max_batch=4, max_delay=0.05))
+        errors: list[BaseException] = []
+        compute = functools.partial(compute_failing_into, errors, graph)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(compute, DEVICE_ASSERT)
+        assert len(errors) == 3 and all(isinstance(e, DeviceLostError) for e in errors)
+        assert len(fake.runs) == 1  # the merged run only: no member ran on alone
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor(rt, "gpu:0").lost is not None
+        with pytest.raises(DeviceLostError):
+            await graph.compute({"x": x(1)})
+        assert len(fake.runs) == 1
 
 
 async def test_a_guest_thread_that_loses_the_gpu_gets_its_error(fake: FakeBackend) -> None:
