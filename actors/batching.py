@@ -260,9 +260,9 @@ class Batcher:
     priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
     back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held slot (which
     it frees when the thread is done); ``start`` starts a task that lives as long as the
-    actor; ``stats`` counts the device's batches. A run whose exception ``fatal`` says
-    the device cannot survive (a lost GPU) ends the whole batch with it: nothing more is
-    run there, and the job raises it, for the device context to see.
+    actor; ``stats`` counts the device's batches. A run whose exception :attr:`fatal`
+    says the device cannot survive (a lost GPU) ends the whole batch with it: nothing
+    more is run there, and the job raises it, for the device context to see.
     """
 
     def __init__(self, device: str,
@@ -271,10 +271,11 @@ class Batcher:
                  free_slot: Callable[[], None],
                  run_in_slot: Callable[[Callable[[], Any], str], Awaitable[Any]],
                  start: Callable[[Callable[[_Batch], Awaitable[None]], _Batch], None],
-                 stats: RequestStats,
-                 fatal: Callable[[BaseException], bool] = lambda exc: False) -> None:
+                 stats: RequestStats) -> None:
         self._device = device
-        self._fatal = fatal
+        #: Whether a run's exception leaves the device unusable (set by the actor from
+        #: its device context once the device is open; never, until then).
+        self.fatal: Callable[[BaseException], bool] = _survivable
         self._take_slot = take_slot
         self._requeue_slot = requeue_slot
         self._free_slot = free_slot
@@ -423,7 +424,7 @@ class Batcher:
         for member in members:
             member.granted = granted
         self.waiting -= len(members)
-        job = _BatchJob(batch.run, members, batch.label, self._fatal)
+        job = _BatchJob(batch.run, members, batch.label, self.fatal)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
             job, batch.label)
         if job.unsplittable:
@@ -531,6 +532,10 @@ class _BatchJob:
     def _left(self) -> outcome.Outcome[dict[str, Tensor]]:
         # The outcome of a member that left: never handed to anyone.
         return outcome.Error(ClosedResourceError(f"{self.label}: the request left its batch"))
+
+
+def _survivable(exc: BaseException) -> bool:
+    return False
 
 
 class _Unsplittable(Exception):

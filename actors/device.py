@@ -188,7 +188,7 @@ class DeviceActor:
         context.on_lost = self._device_lost
         if type(context) is not DeviceContext:
             self._runner.wrap = context.wrap
-            self._runner.fatal = context.fatal
+            self._batcher.fatal = context.fatal
         self._desk.open(self._runner.wrap)
         self._serving = True
         self._threads.start()

@@ -84,7 +84,8 @@ class CudaContext(DeviceContext):
         cause = sticky_error(exc)
         if cause is None or context_failure() == 0:
             return None  # (the driver, where it can be asked, says the context is fine)
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        said = str(exc).strip()
+        first_line = said.splitlines()[0] if said else ""
         error = DeviceLostError(
             f"{self.device} is lost: {cause} ({type(exc).__name__}: {first_line}). A CUDA "
             "error of this kind leaves the process's CUDA context unusable: nothing more "

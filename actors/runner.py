@@ -69,17 +69,12 @@ class RequestRunner:
         self.inline_below = inline_below
         #: The device context's wrapper, once the device is open (None: none needed).
         self.wrap: Wrap | None = None
-        #: Whether a job's exception leaves the device unusable (see DeviceContext.fatal).
-        self.fatal: Callable[[BaseException], bool] = _survivable
         self._threads = threads
         self._slots = slots
         self._stats = stats
         self._closed = False
         self.batcher = Batcher(device, self._take_batch_slot, slots.requeue, slots.free,
-                               self.run_in_slot, start_task, stats, self._fatal)
-
-    def _fatal(self, exc: BaseException) -> bool:
-        return self.fatal(exc)  # (read at each call: set once the device is open)
+                               self.run_in_slot, start_task, stats)
 
     def close(self) -> None:
         """Start nothing more: a request granted a slot from now on, or that would run
@@ -267,7 +262,3 @@ class RequestRunner:
         # A batch waits in the queue as ``request``, whose terms change as members leave.
         await self.take_slot(request.priority, request.deadline, request.tenant,
                              request=request)
-
-
-def _survivable(exc: BaseException) -> bool:
-    return False

@@ -43,19 +43,31 @@ def device_count() -> int:
     """How many CUDA devices the driver reports to this process: 0 where there is no
     driver library or any call fails. Asked once per process (the answer is cached);
     never raises."""
-    return count_devices(_DRIVER_LIBRARIES)
+    driver = _driver()
+    return 0 if driver is None else driver_device_count(driver)
 
 
 def count_devices(libraries: Iterable[str]) -> int:
     """The device count reported by the first of ``libraries`` (CUDA driver libraries,
     by name) that loads; 0 where none loads or its calls fail. Never raises."""
+    driver = _first_loadable(libraries)
+    return 0 if driver is None else driver_device_count(driver)
+
+
+def _first_loadable(libraries: Iterable[str]) -> Any:
+    # The first of ``libraries`` that loads, or None.
     for name in libraries:
         try:
-            driver = ctypes.CDLL(name)
+            return ctypes.CDLL(name)
         except Exception:  # OSError: not there, or not loadable
             continue
-        return driver_device_count(driver)
-    return 0
+    return None
+
+
+@functools.cache
+def _driver() -> Any:
+    # This host's CUDA driver library (loaded once), or None.
+    return _first_loadable(_DRIVER_LIBRARIES)
 
 
 def driver_device_count(driver: Any) -> int:
@@ -71,7 +83,6 @@ def driver_device_count(driver: Any) -> int:
         return max(int(count.value), 0)
     except Exception:  # AttributeError: no such symbol
         return 0
-
 
 
 #: The CUDA runtime errors after which "the process is left in an inconsistent state and
@@ -176,16 +187,6 @@ def context_failure(driver: Any = None) -> int | None:
         return int(driver.cuCtxSynchronize())
     except Exception:  # a library without those symbols
         return None
-
-
-@functools.cache
-def _driver() -> Any:
-    for name in _DRIVER_LIBRARIES:
-        try:
-            return ctypes.CDLL(name)
-        except Exception:
-            continue
-    return None
 
 
 def _describe(code: int) -> str:
