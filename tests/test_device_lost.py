@@ -401,3 +401,34 @@ def test_a_real_device_side_assert_loses_only_the_gpu(gpu: None, tmp_path: Any) 
     assert any(line.startswith("LOST gpu:0 is lost: cudaErrorAssert") for line in lines), lines
     assert "STILL LOST" in lines
     assert "CPU [[6.0, 7.0, 8.0]]" in lines
+
+
+async def test_a_tensor_on_the_lost_gpu_does_not_fall_back(fake: FakeBackend) -> None:
+    # The fallback serves requests for the lost GPU's kind, but a value that lived on
+    # that GPU only is gone: running its graph on the CPU would read nothing.
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"], fallback="cpu"),
+                              backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        kept = (await graph.compute({"x": x(1)}, keep_on_device=True))["y"]
+        with pytest.raises(DeviceLostError):
+            await graph.compute({"x": x(DEVICE_ASSERT)})
+        await trio.testing.wait_all_tasks_blocked()
+        runs = len(fake.runs)
+        with pytest.raises(DeviceLostError, match="gpu:0 is lost"):
+            await graph.compute({"x": kept})
+        assert len(fake.runs) == runs
+
+
+async def test_a_runtime_whose_every_device_was_lost_still_closes(fake: FakeBackend) -> None:
+    from wasinn.configs.loader import parse_config
+
+    config = parse_config({"pools": {
+        "gpu": {"kind": "gpu", "devices": ["gpu:0"], "backends": ["fake"]}}}, None)
+    async with wasinn.Runtime(config, backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        with pytest.raises(DeviceLostError):
+            await graph.compute({"x": x(DEVICE_ASSERT)})
+        await trio.testing.wait_all_tasks_blocked()
+        graph.init_execution_context()  # lost, not closed: a ticket is still issued
+    with pytest.raises(wasinn.ClosedResourceError, match="runtime is closed"):
+        graph.init_execution_context()
