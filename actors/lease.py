@@ -10,16 +10,17 @@ gives the slot back without waiting: at most one round trip into trio per reques
 when a slot is free and nobody is queued (:meth:`DeviceActor.try_lease`, see
 :mod:`wasinn.actors.slots`).
 
-A lease cannot be abandoned: its job runs in the caller's own thread, which waits for
-it. Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`; ONNX Runtime
-and OpenVINO stop within milliseconds, torch where it can) when its deadline passes
+A lease cannot be abandoned: its job runs in the caller's own thread, which waits for it.
+Its run is cancelled (see :class:`~wasinn.backends.base.Cancellation`; ONNX Runtime and
+OpenVINO stop within milliseconds, torch where it can) when its deadline passes
 (TimeoutError_: the device actor watches leases that have one), when another thread
 interrupts it (:meth:`Lease.interrupt`: BackendRuntimeError), or when the device actor
-closes (ClosedResourceError). Whoever holds one must call :meth:`Lease.run` (or
-:meth:`Lease.cancel`) exactly once. One dropped without either (its holder's bug) does not
-hold its slot for ever: once collected, its slot and graphs are given back in trio and a
-ResourceWarning says so, as an unclosed file's does (a lease with a deadline is kept by
-the device's deadline watcher until that deadline has passed).
+closes (ClosedResourceError; DeviceLostError when it closed because its device was lost).
+Whoever holds one must call :meth:`Lease.run` (or :meth:`Lease.cancel`) exactly once. One
+dropped without either (its holder's bug) does not hold its slot for ever: once collected,
+its slot and graphs are given back in trio and a ResourceWarning says so, as an unclosed
+file's does (a lease with a deadline is kept by the device's deadline watcher until that
+deadline has passed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from wasinn.backends.base import Cancellation, running_under
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
+    DeviceLostError,
     InvalidArgumentError,
     TimeoutError_,
     WasiNNError,
@@ -67,17 +69,20 @@ class Lease(Generic[T]):
     closed (run then raises ClosedResourceError at once): until then the lease holds its
     slot and whatever it was given to hold (:meth:`then`), a compiled graph included.
     ``later`` hands a call to trio (the actor's ``TrioToken.run_sync_soon``): a lease
-    dropped unended gives its slot back through it (see the module docstring).
+    dropped unended gives its slot back through it (see the module docstring). ``lost``
+    says why the device can run nothing more, if it was lost: the error a run the device's
+    close cut off raises, rather than ClosedResourceError.
     """
 
-    __slots__ = ("_done", "_interrupted", "_later", "_lock", "_over", "_release", "_then",
-                 "_wrap", "cancellation", "device", "expires", "job", "timeout")
+    __slots__ = ("_done", "_interrupted", "_later", "_lock", "_lost", "_over", "_release",
+                 "_then", "_wrap", "cancellation", "device", "expires", "job", "timeout")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
                  release: Callable[[Outcome], None], expires: float,
                  cancellation: Cancellation | None = None,
-                 later: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 later: Callable[[Callable[[], None]], None] | None = None,
+                 lost: Callable[[], DeviceLostError | None] | None = None) -> None:
         #: Cancelled when the device closes during the run (None: never).
         self.cancellation = cancellation
         self.device = device
@@ -96,6 +101,7 @@ class Lease(Generic[T]):
         self._interrupted = ""  # why interrupt() stopped the run: "deadline" or "interrupt"
         self._then: Callable[[], object] | None = None  # see then()
         self._later = later
+        self._lost = lost
 
     def __del__(self) -> None:
         # Dropped unended. A collection may run this in any thread, even inside a lock
@@ -120,7 +126,8 @@ class Lease(Generic[T]):
         RuntimeError (the run would block the event loop), and the lease stays unused.
         Raises what the job raises (a WasiNNError as it is, any other exception as
         BackendRuntimeError), TimeoutError_ when the run ended past ``expires``,
-        ClosedResourceError when the device closed and cancelled the run, and
+        ClosedResourceError when the device closed and cancelled the run (DeviceLostError
+        when it closed because the device was lost), and
         InvalidArgumentError when the lease was already used or cancelled.
         """
         if trio.lowlevel.in_trio_run():
@@ -146,6 +153,8 @@ class Lease(Generic[T]):
             else:
                 outcome = Outcome.TIMED_OUT
         except Exception as exc:
+            if isinstance(exc, DeviceLostError):
+                raise  # this run found the device lost: the close that follows is its own
             if cancellation is not None and cancellation.cancelled:
                 outcome = self._stopped_outcome()
                 raise self._stopped("while it ran") from exc
@@ -165,6 +174,9 @@ class Lease(Generic[T]):
             return self._timed_out(f"{when}; the run was stopped")
         if self._interrupted:
             return BackendRuntimeError(f"{self.device}: the request was interrupted {when}")
+        lost = None if self._lost is None else self._lost()
+        if lost is not None:
+            return lost.for_another_caller()
         return ClosedResourceError(f"{self.device}: the device closed {when}")
 
     def _timed_out(self, when: str) -> TimeoutError_:

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from wasinn.backends.base import Cancellation
-from wasinn.errors import TimeoutError_
+from wasinn.errors import DeviceLostError, TimeoutError_
 
 from .jobs import Wrap
 from .lease import Lease
@@ -55,12 +55,15 @@ class LeaseDesk:
     """The leases lent on ``device`` (see the module docstring).
 
     ``take_slot(priority, deadline, tenant)`` waits in trio for one of the device's slots;
-    ``free_slot`` gives one back from any thread; ``record`` counts a request.
+    ``free_slot`` gives one back from any thread; ``record`` counts a request; ``lost``
+    says why the device can run nothing more, if it was lost (see :class:`Lease`).
     """
 
     def __init__(self, device: str, take_slot: Callable[[int, float, str], Awaitable[None]],
-                 free_slot: Callable[[], None], record: Record) -> None:
+                 free_slot: Callable[[], None], record: Record,
+                 lost: Callable[[], DeviceLostError | None] | None = None) -> None:
         self.device = device
+        self._lost = lost
         self._take_slot = take_slot
         self._free_slot = free_slot
         self._record = record
@@ -83,8 +86,9 @@ class LeaseDesk:
         self._token = trio.lowlevel.current_trio_token()
 
     def close(self) -> None:
-        """Cancel every lease's run in progress (its holder gets ClosedResourceError);
-        a lease lent from now on is cancelled at once. From any thread; idempotent."""
+        """Cancel every lease's run in progress (its holder gets ClosedResourceError, or
+        the device's DeviceLostError if it was lost); a lease lent from now on is cancelled
+        at once. From any thread; idempotent."""
         with self._lock:
             self._closed = True
             leases = list(self._running)
@@ -128,7 +132,8 @@ class LeaseDesk:
                                        granted - start),
                      expires,
                      cancellation,
-                     self.soon)
+                     self.soon,
+                     self._lost)
 
     def _given_back(self, cancellation: Cancellation, account: RequestStats | None,
                     start: float, queued: float, outcome: Outcome) -> None:

@@ -162,22 +162,34 @@ class Scheduler:
         return fallback
 
     def pick(self, kind: ExecutionTarget, inputs: Inputs) -> DeviceActor:
-        """The actor of ``kind`` that should run a request with ``inputs``."""
+        """The actor of ``kind`` that should run a request with ``inputs``.
+
+        A request with a native input on a lost device goes to that device, whatever
+        ``kind``, so it gets its DeviceLostError: the tensor is gone, and reading it from
+        another device's job would only raise the lost context's error there (and have
+        that device taken for lost too)."""
         actors = self._by_kind.get(kind)
         if not actors:
             raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
+        holders = [holder for holder in map(self._holder, inputs.values())
+                   if holder is not None]
+        for holder in holders:
+            if holder.lost is not None:
+                return holder
         if len(actors) == 1:
             actor = actors[0]
         else:
-            for value in inputs.values():
-                if isinstance(value, Tensor) and value.native is not None:
-                    holder = self._by_name.get(value.device)
-                    if holder is not None and holder.device.kind is kind:
-                        return holder
-            actor = min(actors, key=_rank)
+            actor = next((holder for holder in holders if holder.device.kind is kind),
+                         None) or min(actors, key=_rank)
         if actor.lost is not None:
             return self._instead_of_lost(kind, actor, inputs)
         return actor
+
+    def _holder(self, value: object) -> DeviceActor | None:
+        # The actor whose device holds ``value``'s native value, if it has one here.
+        if isinstance(value, Tensor) and value.native is not None:
+            return self._by_name.get(value.device)
+        return None
 
     def _instead_of_lost(self, kind: ExecutionTarget, lost: DeviceActor, inputs: Inputs
                          ) -> DeviceActor:
@@ -186,10 +198,6 @@ class Scheduler:
         fallback = self.fallback
         if fallback is None or fallback is kind or fallback not in self._by_kind:
             return lost
-        for value in inputs.values():
-            if (isinstance(value, Tensor) and value.native is not None
-                    and value.device == lost.device.name):
-                return lost  # its value lived there only: it is gone
         instead = self.pick(fallback, inputs)
         if instead.lost is not None:
             return lost

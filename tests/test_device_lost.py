@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -432,3 +433,77 @@ async def test_a_runtime_whose_every_device_was_lost_still_closes(fake: FakeBack
         graph.init_execution_context()  # lost, not closed: a ticket is still issued
     with pytest.raises(wasinn.ClosedResourceError, match="runtime is closed"):
         graph.init_execution_context()
+
+
+async def test_a_request_with_any_tensor_on_a_lost_gpu_gets_its_error_wherever_sent(
+        fake: FakeBackend) -> None:
+    # Placement reads every native input, not the first: a request that also holds a
+    # tensor on the healthy GPU (or names another target) must not run where reading the
+    # lost GPU's tensor would raise its error and take that device for lost as well.
+    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        gone = (await graph.compute({"x": x(1)}, keep_on_device=True))["y"]
+        with pytest.raises(DeviceLostError):  # on the same GPU: both idle, the first wins
+            await graph.compute({"x": x(DEVICE_ASSERT)})
+        await trio.testing.wait_all_tasks_blocked()
+        assert fake.lost == {gone.device}
+        kept = (await graph.compute({"x": x(2)}, keep_on_device=True))["y"]
+        assert kept.device != gone.device
+        runs = len(fake.runs)
+        with pytest.raises(DeviceLostError, match=f"{gone.device} is lost"):
+            await graph.compute({"x": kept, "z": gone})
+        with pytest.raises(DeviceLostError, match=f"{gone.device} is lost"):
+            await graph.compute({"x": gone}, target="cpu")
+        assert len(fake.runs) == runs  # refused, not run
+        assert fake.lost == {gone.device} and actor(rt, kept.device).lost is None
+        out = await graph.compute({"x": kept}, keep_on_device=False)
+        assert out["y"].numpy().tolist() == [[4.0] * 4]
+
+
+def _lease_run(lease: Any) -> BaseException | None:
+    try:
+        lease.run()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+async def test_leases_cut_off_by_the_loss_get_its_error_not_a_closed_device(
+        fake: FakeBackend) -> None:
+    # A guest thread's lease: the one that hit the assert, one granted before the loss
+    # and run after it, and one running on the other slot as the device was lost.
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"], gpu_workers=3),
+                              backends=[fake]) as rt:
+        fake.gate.set()
+        gated = (await rt.load([b"fake:add=1:gate"], "ggml", "gpu")).init_execution_context()
+        plain = (await rt.load(RECIPE, "ggml", "gpu")).init_execution_context()
+        await gated.compute({"x": x(1)})
+        await plain.compute({"x": x(1)})  # both compiled there: the next runs are leased
+        fake.gate.clear()
+        fake.started.clear()
+        granted = await trio.to_thread.run_sync(plain.try_lease, {"x": x(2)})
+        assert granted is not None
+        running: list[BaseException | None] = []
+        thread = threading.Thread(
+            target=lambda: running.append(_lease_run(gated.try_lease({"x": x(3)}))))
+        thread.start()
+        await trio.to_thread.run_sync(fake.started.wait)  # on the gate, holding a slot
+
+        # Trio closing the lost actor before this thread reaches Lease.run's except:
+        context = actor(rt, "gpu:0")._context
+        on_lost = context.on_lost
+
+        def slowly(error: DeviceLostError) -> None:
+            on_lost(error)
+            time.sleep(0.2)  # the guest thread descheduled here; trio closes the actor
+
+        context.on_lost = slowly
+        hit = await trio.to_thread.run_sync(
+            lambda: _lease_run(plain.try_lease({"x": x(DEVICE_ASSERT)})))
+        assert not actor(rt, "gpu:0").ready
+        fake.gate.set()
+        await trio.to_thread.run_sync(thread.join)
+        after = await trio.to_thread.run_sync(_lease_run, granted)
+        for error in (hit, running[0], after):
+            assert isinstance(error, DeviceLostError), error
+            assert "gpu:0 is lost: cudaErrorAssert" in str(error)
