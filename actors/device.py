@@ -112,7 +112,6 @@ class DeviceActor:
         inline_below: float = 0.0,
         close_timeout: float = 10.0,
         pin_handoffs: bool = False,
-        torch_stream: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
@@ -124,10 +123,6 @@ class DeviceActor:
             raise ValueError("inline_below must be >= 0 seconds")
         self.device = device
         self.workers = workers
-        #: Whether its jobs run on a torch CUDA stream of the actor's own (where torch
-        #: sees the GPU; see :func:`~wasinn.actors.devicectx.context_for`): False for a
-        #: pool that runs no torch, so that no torch CUDA context is made for it.
-        self.torch_stream = torch_stream
         self.queue_limit = queue_limit
         self._threads = WorkerThreads(str(device), workers, pin=pin_handoffs)
         self._slots = Slots(str(device), workers, queue_limit,
@@ -226,7 +221,7 @@ class DeviceActor:
             self._release_all(close_context=not stragglers)
 
     def _open_context(self) -> DeviceContext:
-        context = context_for(self.device, torch_stream=self.torch_stream)
+        context = context_for(self.device)
         context.open()
         return context
 

@@ -144,19 +144,15 @@ class TorchCudaContext(CudaContext):
         self.stream = None
 
 
-def context_for(device: Device, *, torch_stream: bool = True) -> DeviceContext:
-    """The context an actor for ``device`` owns: a CUDA stream where torch sees that GPU
-    and ``torch_stream`` (its pool runs torch), the watch for lost devices on any CUDA GPU
-    (ONNX Runtime's alone); none for a GPU only another backend reports (an Intel GPU
-    seen by OpenVINO beside an NVIDIA one: ``gpu:1`` with one CUDA device).
-
-    Without ``torch_stream`` torch is not asked about the GPU at all: a pool of ONNX
-    Runtime alone does not pay for a torch CUDA context (some hundreds of MiB of device
-    memory, and seconds to create) it would never use."""
+def context_for(device: Device) -> DeviceContext:
+    """The context an actor for ``device`` owns: a CUDA stream where torch sees that GPU,
+    the watch for lost devices on any CUDA GPU (ONNX Runtime's alone); none for a GPU
+    only another backend reports (an Intel GPU seen by OpenVINO beside an NVIDIA one:
+    ``gpu:1`` with one CUDA device)."""
     if device.kind is ExecutionTarget.GPU:
         import importlib.util
 
-        if torch_stream and importlib.util.find_spec("torch") is not None:
+        if importlib.util.find_spec("torch") is not None:
             with contextlib.suppress(Exception):
                 import torch
 

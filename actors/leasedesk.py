@@ -6,7 +6,7 @@ The actor grants a lease its worker slot (:meth:`DeviceActor.lease
 :class:`~wasinn.actors.lease.Lease` on it and keeps track of it until it is over:
 
 * every run in progress, so that closing the actor cancels them (:meth:`LeaseDesk.close`:
-  their holders get ClosedResourceError);
+  their holders get ClosedResourceError, or the device's DeviceLostError if it was lost);
 * the deadlines of the leases that have one, in a heap watched by one task while the
   actor serves (:meth:`LeaseDesk.watch_deadlines`): a run still going when its deadline
   passes is stopped (:meth:`Lease.interrupt <wasinn.actors.lease.Lease.interrupt>`);

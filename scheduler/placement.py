@@ -171,25 +171,20 @@ class Scheduler:
         actors = self._by_kind.get(kind)
         if not actors:
             raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
-        holders = [holder for holder in map(self._holder, inputs.values())
-                   if holder is not None]
-        for holder in holders:
-            if holder.lost is not None:
-                return holder
-        if len(actors) == 1:
-            actor = actors[0]
-        else:
-            actor = next((holder for holder in holders if holder.device.kind is kind),
-                         None) or min(actors, key=_rank)
+        home = None  # the first native input's device of ``kind``: no copy there
+        for value in inputs.values():  # (one loop: this runs on every request)
+            if isinstance(value, Tensor) and value.native is not None:
+                holder = self._by_name.get(value.device)
+                if holder is None:
+                    continue
+                if holder.lost is not None:
+                    return holder
+                if home is None and holder.device.kind is kind:
+                    home = holder
+        actor = actors[0] if len(actors) == 1 else home or min(actors, key=_rank)
         if actor.lost is not None:
             return self._instead_of_lost(kind, actor, inputs)
         return actor
-
-    def _holder(self, value: object) -> DeviceActor | None:
-        # The actor whose device holds ``value``'s native value, if it has one here.
-        if isinstance(value, Tensor) and value.native is not None:
-            return self._by_name.get(value.device)
-        return None
 
     def _instead_of_lost(self, kind: ExecutionTarget, lost: DeviceActor, inputs: Inputs
                          ) -> DeviceActor:
@@ -385,8 +380,8 @@ class Scheduler:
             actor = self.pick(target, inputs)
         except WasiNNError:
             return None
-        if not actor.ready:
-            raise _unavailable(actor)
+        if not actor.ready or actor.lost is not None:
+            raise _unavailable(actor, self.stopped)
         return actor
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
@@ -394,8 +389,8 @@ class Scheduler:
         # The actor that runs it, its session there, and how to run it on inputs.
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
-        if not actor.ready:
-            raise _unavailable(actor)
+        if not actor.ready or actor.lost is not None:
+            raise _unavailable(actor, self.stopped)
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
@@ -466,8 +461,8 @@ class Scheduler:
         # The actor that runs the chain and each step's session there.
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self.pick(target, inputs)
-        if not actor.ready:
-            raise _unavailable(actor)
+        if not actor.ready or actor.lost is not None:
+            raise _unavailable(actor, self.stopped)
         sessions = []
         for model in models:
             if model.released:
@@ -657,10 +652,11 @@ def _held_by(lease: Lease[dict[str, Tensor]] | None, sessions: Sequence[Session]
     return lease
 
 
-def _unavailable(actor: DeviceActor) -> WasiNNError:
-    # Why a request placed on ``actor``, which does not serve, cannot run.
+def _unavailable(actor: DeviceActor, stopped: bool) -> WasiNNError:
+    # Why a request placed on ``actor``, which does not serve (or is lost, and about to
+    # close), cannot run: ``stopped``, the runtime is closed, whatever else happened.
     lost = actor.lost
-    if lost is not None:
+    if lost is not None and not stopped:
         return lost.for_another_caller()
     return ClosedResourceError("the runtime is closed: requests can no longer run")
 

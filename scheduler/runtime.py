@@ -376,7 +376,6 @@ class Runtime:
                 raise ConfigError(f"{config.source or '<config>'}: {key}: {exc.message}"
                                   ) from None
             devices = self._pool_devices(pool_name, pool, kind, registry)
-            runs_torch = "pytorch" in (pool.backends or registry.installed())
             if devices:
                 registries[kind] = registry
             else:
@@ -394,8 +393,7 @@ class Runtime:
                                    policy=POLICIES[pool.policy](),
                                    inline_below=pool.inline_below_us * 1e-6,
                                    close_timeout=pool.close_timeout,
-                                   pin_handoffs=pool.pin_handoffs,
-                                   torch_stream=runs_torch)
+                                   pin_handoffs=pool.pin_handoffs)
                        for d in devices]
         if not actors:
             log.warning("no pool found a device: this runtime can run no model (pools: %s)",

@@ -433,6 +433,8 @@ async def test_a_runtime_whose_every_device_was_lost_still_closes(fake: FakeBack
         graph.init_execution_context()  # lost, not closed: a ticket is still issued
     with pytest.raises(wasinn.ClosedResourceError, match="runtime is closed"):
         graph.init_execution_context()
+    with pytest.raises(wasinn.ClosedResourceError, match="runtime is closed"):
+        await graph.compute({"x": x(1)})  # closed first: the loss is old news
 
 
 async def test_a_request_with_any_tensor_on_a_lost_gpu_gets_its_error_wherever_sent(
@@ -451,6 +453,8 @@ async def test_a_request_with_any_tensor_on_a_lost_gpu_gets_its_error_wherever_s
         assert kept.device != gone.device
         runs = len(fake.runs)
         with pytest.raises(DeviceLostError, match=f"{gone.device} is lost"):
+            # (The fake's one input is "x": placement decides before the inputs' names
+            # are checked, so a second one shows it reads past the first.)
             await graph.compute({"x": kept, "z": gone})
         with pytest.raises(DeviceLostError, match=f"{gone.device} is lost"):
             await graph.compute({"x": gone}, target="cpu")
@@ -507,3 +511,51 @@ async def test_leases_cut_off_by_the_loss_get_its_error_not_a_closed_device(
         for error in (hit, running[0], after):
             assert isinstance(error, DeviceLostError), error
             assert "gpu:0 is lost: cudaErrorAssert" in str(error)
+
+
+async def test_a_lease_past_its_deadline_that_then_loses_the_gpu_says_so(
+        fake: FakeBackend) -> None:
+    # The deadline watcher interrupted the run (the fake goes on: not every run can be
+    # cut short), which then hit the assert: the device's loss is the news, not the
+    # deadline.
+    async with wasinn.Runtime(fake_config(gpu_devices=["gpu:0"]), backends=[fake]) as rt:
+        fake.gate.set()
+        gated = (await rt.load([b"fake:add=1:gate"], "ggml", "gpu")).init_execution_context()
+        await gated.compute({"x": x(1)})
+        fake.gate.clear()
+        fake.started.clear()
+        lease = await trio.to_thread.run_sync(
+            functools.partial(gated.try_lease, {"x": x(DEVICE_ASSERT)}, timeout=0.05))
+        assert lease is not None
+        result: list[BaseException | None] = []
+        thread = threading.Thread(target=lambda: result.append(_lease_run(lease)))
+        thread.start()
+        await trio.to_thread.run_sync(fake.started.wait)
+        await trio.sleep(0.3)  # its deadline passes while it runs: the watcher interrupts it
+        fake.gate.set()
+        await trio.to_thread.run_sync(thread.join)
+        assert isinstance(result[0], DeviceLostError), result[0]
+        assert actor(rt, "gpu:0").lost is not None
+
+
+async def test_a_request_is_refused_between_the_loss_and_the_close(fake: FakeBackend) -> None:
+    # The loss is found in a job's thread; the actor closes in trio a moment later. A
+    # request placed there meanwhile (its input lives there) gets the loss, not what
+    # compiling its graph there would say (a backend with no GPU: unsupported).
+    from wasinn.configs.loader import parse_config
+
+    class CpuOnly(FakeBackend):
+        name = "cpuonly"
+
+    config = parse_config({"pools": {
+        "cpu": {"kind": "cpu", "devices": ["cpu"], "backends": ["cpuonly", "fake"]},
+        "gpu": {"kind": "gpu", "devices": ["gpu:0", "gpu:1"], "backends": ["fake"]}}}, None)
+    async with wasinn.Runtime(config, backends=[fake, CpuOnly(devices=("cpu",))]) as rt:
+        graph = await rt.load(RECIPE, "ggml", "gpu", backend="fake")
+        kept = (await graph.compute({"x": x(1)}, keep_on_device=True))["y"]
+        cpu_only = await rt.load(RECIPE, "ggml", "cpu", backend="cpuonly")
+        home = actor(rt, kept.device)
+        home._device_lost(DeviceLostError(f"{kept.device} is lost: (as a job finds it)"))
+        assert home.ready  # not closed yet: that is trio's, at its next turn
+        with pytest.raises(DeviceLostError, match="as a job finds it"):
+            await cpu_only.compute({"x": kept}, target="cpu")

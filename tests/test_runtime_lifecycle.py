@@ -103,7 +103,7 @@ async def test_a_start_that_fails_stops_the_actors_that_started(
                 raise RuntimeError("driver says no")
             opened.append(self.device.name)
 
-    monkeypatch.setattr(device_module, "context_for", lambda device, **_: Broken(device))
+    monkeypatch.setattr(device_module, "context_for", Broken)
     rt = wasinn.Runtime(fake_config(), backends=[FakeBackend()])
     with pytest.raises(wasinn.UnsupportedOperationError, match="gpu:1: cannot open the device"):
         await rt.start()

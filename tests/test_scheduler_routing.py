@@ -16,7 +16,6 @@ import trio.testing
 
 import wasinn
 from tests.fake_backend import FakeBackend
-from tests.support import require_backend
 from wasinn import (
     BackendRuntimeError,
     ExecutionTarget,
@@ -60,18 +59,6 @@ def x(value: float) -> np.ndarray[Any, Any]:
 async def test_one_actor_per_reported_device(rt: wasinn.Runtime) -> None:
     assert [d.name for d in rt.devices] == ["cpu", "gpu:0", "gpu:1"]
     assert all(a.ready for a in rt.actors)
-
-
-async def test_only_pools_that_run_torch_get_a_torch_stream(fake: FakeBackend) -> None:
-    async with wasinn.Runtime(fake_config(), backends=[fake]) as rt:
-        assert not any(a.torch_stream for a in rt.actors)
-    require_backend("torch")
-    config = parse_config({"pools": {
-        "cpu": {"kind": "cpu", "devices": ["cpu"], "backends": ["fake"]},
-        "gpu": {"kind": "gpu", "devices": "auto", "backends": ["fake", "pytorch"]}}}, None)
-    async with wasinn.Runtime(config, backends=[fake]) as rt:
-        assert {a.device.name: a.torch_stream for a in rt.actors} == {
-            "cpu": False, "gpu:0": True, "gpu:1": True}
 
 
 async def test_load_compiles_on_the_default_target_and_contexts_do_no_work(
@@ -386,7 +373,7 @@ async def test_a_device_that_cannot_be_opened_fails_the_start(
             if self.device.name == "gpu:1":
                 raise RuntimeError("driver says no")
 
-    monkeypatch.setattr(device_module, "context_for", lambda device, **_: Broken(device))
+    monkeypatch.setattr(device_module, "context_for", Broken)
     with pytest.raises(UnsupportedOperationError, match="gpu:1: cannot open the device: driver"):
         async with wasinn.Runtime(fake_config(), backends=[fake]):
             pass
