@@ -460,11 +460,23 @@ class RuntimeConfig(_Strict):
     guests: GuestsConfig = Field(default_factory=GuestsConfig)
 
     _source: Path | None = PrivateAttr(default=None)
+    _given: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @property
     def source(self) -> Path | None:
         """The file this config was read from (None when built in code)."""
         return self._source
+
+    def model_key(self, name: str) -> str:
+        """Where model ``name`` of the registry was written, for its errors:
+        ``FILE: models.NAME``, or the command-line flag that gave it."""
+        return self._given.get(name) or f"{self._source or 'the config'}: models.{key_name(name)}"
+
+    def with_given(self, flags: dict[str, str]) -> RuntimeConfig:
+        """This config, its models ``flags`` names given by those flags (see
+        :meth:`model_key`), not by its file."""
+        self._given = {**self._given, **flags}
+        return self
 
     @property
     def base_dir(self) -> Path:

@@ -40,6 +40,8 @@ log = logging.getLogger("wasinn.cli")
 
 #: Exit status when wasinn itself fails before or around the guest.
 EXIT_ERROR = 1
+#: Exit status after a Ctrl-C (SIGINT), as a shell reports a process it ended: 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 class UsageError(Exception):
@@ -132,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
-    run.set_defaults(run_parser=run)
+    run.set_defaults(command_parser=run)
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                      help="arguments passed to the guest")
 
@@ -159,10 +161,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="each request's timeout (default: none)")
     infer.add_argument("--save", metavar="FILE.npz",
                        help="write the last request's outputs to a numpy archive")
+    infer.set_defaults(command_parser=infer)
 
     sub.add_parser("devices", parents=[common, config],
                    help="list the devices and backends found")
-    sub.add_parser("models", parents=[common, registry], help="list the model registry")
+    models = sub.add_parser("models", parents=[common, registry],
+                            help="list the model registry")
+    models.set_defaults(command_parser=models)
     demo = sub.add_parser("demo", parents=[common],
                           help="classify a generated image with the C example guest")
     demo.add_argument("--width", type=_width, default=0.35,
@@ -210,10 +215,28 @@ def _load_config(path: str | None) -> RuntimeConfig:
 
 
 def _registry_config(args: argparse.Namespace) -> RuntimeConfig:
-    """``--config``'s registry, with the models ``--nn-preload`` and ``--wasi`` add."""
+    """``--config``'s registry, with the models ``--nn-preload`` and ``--wasi`` add
+    (parsed already: :func:`_parse_values`)."""
     from wasinn.host.preload import with_preloads
 
-    return with_preloads(_load_config(args.config), _preloads(args))
+    return with_preloads(_load_config(args.config), args.preloads)
+
+
+def _parse_values(args: argparse.Namespace) -> None:
+    """Parse the options whose values have a syntax of their own, before anything
+    starts: one that cannot be parsed is a usage error (status 2, as argparse's own),
+    not a failure of the run (1)."""
+    try:
+        if hasattr(args, "nn_preload"):
+            args.preloads = _preloads(args)
+        if args.command == "infer":
+            from wasinn.infer import Load, check_input_specs, parse_shapes
+
+            args.load = Load(args.requests, args.concurrency, args.timeout)
+            args.shapes = parse_shapes(args.shape)
+            check_input_specs(args.input)
+    except InvalidArgumentError as exc:
+        raise UsageError(exc.message) from None
 
 
 def _preloads(args: argparse.Namespace) -> list[Preload]:
@@ -253,6 +276,11 @@ async def _run(args: argparse.Namespace) -> int:
 
     dirs = parse_dirs(args.dir)
     env = dict(parse_env(e) for e in args.env)
+    guest = Path(args.guest)
+    if not guest.is_file():
+        said = "not a file" if guest.exists() else "no such file"
+        raise InvalidArgumentError(
+            f"{args.guest}: {said}: expected a guest module (.wasm, or .wat text)")
     config = _registry_config(args)
     if args.sandbox is not None:
         guests = config.guests.model_copy(update={"sandbox": args.sandbox})
@@ -276,14 +304,13 @@ async def _infer(args: argparse.Namespace) -> int:
         check_save_path,
         describe_output,
         infer,
-        parse_shapes,
         read_inputs,
         save_outputs,
     )
     from wasinn.scheduler import Runtime
 
-    load = Load(args.requests, args.concurrency, args.timeout)
-    shapes = parse_shapes(args.shape)
+    load: Load = args.load
+    shapes = args.shapes
     given = read_inputs(args.input)
     if args.save:
         check_save_path(Path(args.save))
@@ -349,8 +376,8 @@ def _models(args: argparse.Namespace) -> int:
     ]
     if not rows:
         where = args.config or "the embedded default config"
-        print(f"no models registered in {where}: add a [models] table, or use "
-              "--nn-preload / --wasi nn-graph with `wasinn run`")
+        print(f"no models registered in {where}: add a [models] table, or give "
+              "--nn-preload / --wasi nn-graph (to run, infer or models)")
         return 0
     print(_table(("NAME", "KIND", "ENCODING", "TARGET", "LOADED", "BATCHING", "FILES / STEPS"),
                  rows))
@@ -396,9 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "run" and args.guest is None:
-        args.run_parser.error("the following arguments are required: GUEST.wasm")
+        args.command_parser.error("the following arguments are required: GUEST.wasm")
     _configure_logging(args.verbose)
     try:
+        _parse_values(args)
         if args.command == "run":
             return int(trio.run(_run, args))
         if args.command == "infer":
@@ -408,15 +436,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "models":
             return _models(args)
         return int(trio.run(_demo, args))
-    except UsageError as exc:  # with the subcommand's usage line (run: --dir, --env)
-        getattr(args, "run_parser", parser).error(str(exc))
-    except (WasiNNError, OSError, RuntimeError) as exc:
-        message = exc.message if isinstance(exc, WasiNNError) else str(exc)
-        print(f"wasinn: error: {message}", file=sys.stderr)
+    except UsageError as exc:  # with the subcommand's usage line
+        getattr(args, "command_parser", parser).error(str(exc))
+    except _FAILURES as exc:
+        _say(exc)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BaseExceptionGroup as group:
+        # What trio's nurseries raise: a Ctrl-C, or the errors of tasks run side by side.
+        if group.subgroup(KeyboardInterrupt) is not None:
+            return EXIT_INTERRUPTED
+        failures, rest = group.split(_FAILURES)
+        if failures is None or rest is not None:
+            raise
+        for failure in _leaves(failures):
+            _say(failure)
+        return EXIT_ERROR
     return EXIT_ERROR  # pragma: no cover - parser.error exits
+
+
+#: What ends a command with ``wasinn: error: ...`` and status 1.
+_FAILURES = (WasiNNError, OSError, RuntimeError)
+
+
+def _say(exc: BaseException) -> None:
+    message = exc.message if isinstance(exc, WasiNNError) else str(exc)
+    print(f"wasinn: error: {message}", file=sys.stderr)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    # The exceptions a (nested) group holds, in order.
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return leaves
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -90,6 +90,15 @@ def parse_shape(spec: str) -> tuple[str, tuple[int, ...]]:
     return name, shape
 
 
+def check_input_specs(specs: Sequence[str]) -> None:
+    """InvalidArgumentError for an ``--input`` that is neither ``NAME=FILE.npy`` nor a
+    file name (its files are read by :func:`read_inputs`)."""
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if (sep and (not name or not path)) or not spec:
+            raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
+
+
 def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
     """The arrays ``--input`` names: ``NAME=FILE.npy`` or a whole ``FILE.npz``.
 
@@ -98,11 +107,10 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
     an archive member that is no array), for one that cannot be read and for one whose
     header declares an array too large to allocate, naming the file.
     """
+    check_input_specs(specs)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if sep and (not name or not path):
-            raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
         file = Path(path if sep else spec)
         # Opened here, not by np.load: it leaves the file open when an archive is corrupt.
         try:
@@ -112,6 +120,11 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
                 f"--input {spec}: cannot read {file}: {exc.strerror or exc}: expected a "
                 f"readable .npy or .npz file") from exc
         with stream:
+            if not stream.read(len(_NPY_MAGIC)).startswith((_NPY_MAGIC, *_ZIP_MAGIC)):
+                raise InvalidArgumentError(
+                    f"--input {spec}: {file} is not a .npy or .npz file: expected one "
+                    "written by numpy.save or numpy.savez")
+            stream.seek(0)
             try:
                 read = _read_arrays(stream, spec, name if sep else None)
             except _UNREADABLE as exc:  # not numpy's format, object arrays, a bad archive
@@ -163,6 +176,9 @@ def _read_arrays(stream: BinaryIO, spec: str, name: str | None
 #: not numpy's format or object arrays (ValueError), a corrupt or truncated zip archive
 #: (BadZipFile; EOFError, zlib.error inside a member), an empty file (EOFError).
 _UNREADABLE = (ValueError, zipfile.BadZipFile, EOFError, zlib.error)
+#: How a .npy file and a zip archive (a .npz) begin.
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # (the second: an empty archive)
 
 
 def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[Any, Any]],

@@ -13,7 +13,7 @@ it between guests; a missing file is reported to the guest that asks as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,8 @@ class Preload:
     encoding: GraphEncoding
     target: ExecutionTarget | None  # None = "auto": the model's default (cpu)
     paths: tuple[Path, ...]
+    #: How the command line gave it (``--nn-preload 'SPEC'``), named in its errors.
+    flag: str = field(default="", compare=False)
 
 
 def parse_nn_preload(spec: str) -> Preload:
@@ -51,7 +53,7 @@ def parse_nn_preload(spec: str) -> Preload:
         enc = GraphEncoding.coerce(encoding)
     except InvalidArgumentError as exc:
         raise exc.prefixed(f"--nn-preload {spec!r}") from None
-    return Preload(name, enc, tgt, tuple(Path(p) for p in paths))
+    return Preload(name, enc, tgt, tuple(Path(p) for p in paths), f"--nn-preload {spec!r}")
 
 
 #: Files a Wasmtime-style graph directory may hold, by encoding.
@@ -68,7 +70,8 @@ def parse_nn_graph(spec: str) -> Preload:
     key, sep, value = spec.partition("=")
     encoding, sep2, directory = value.partition("::")
     if key.strip() != "nn-graph" or not sep or not sep2 or not directory:
-        raise InvalidArgumentError(f"--wasi {spec!r}: expected nn-graph=ENCODING::DIR")
+        raise InvalidArgumentError(f"--wasi {spec!r}: expected nn-graph=ENCODING::DIR "
+                                   "(or nn, or common: both always on)")
     try:
         enc = GraphEncoding.coerce(encoding)
     except InvalidArgumentError as exc:
@@ -84,7 +87,7 @@ def parse_nn_graph(spec: str) -> Preload:
     problem = name_problem(name)
     if problem is not None:
         raise InvalidArgumentError(f"--wasi {spec!r}: the folder's name is the model's: {problem}")
-    return Preload(name, enc, None, tuple(path / f for f in files))
+    return Preload(name, enc, None, tuple(path / f for f in files), f"--wasi {spec!r}")
 
 
 def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> RuntimeConfig:
@@ -109,5 +112,6 @@ def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> Runtime
             model["target"] = preload.target.value
         data["models"][preload.name] = model
     label = str(config.source) if config.source else "<command line>"
-    return parse_config(data, config.source, label=f"{label} + preloads")
+    merged = parse_config(data, config.source, label=f"{label} + preloads")
+    return merged.with_given({p.name: p.flag for p in preloads if p.flag})
 

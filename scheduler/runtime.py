@@ -637,10 +637,9 @@ class Runtime:
 
 
 def _model_key(config: RuntimeConfig, name: str) -> str:
-    # Where a registry model is written, for its load's errors.
-    from wasinn.configs.schema import key_name
-
-    return f"{config.source or 'the config'}: models.{key_name(name)}"
+    # Where a registry model is written (its file's key, or a command-line flag), for its
+    # load's errors.
+    return config.model_key(name)
 
 
 def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:

@@ -147,11 +147,33 @@ def test_trap_prints_message_and_exits_nonzero(capfd: pytest.CaptureFixture[str]
 
 def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["run", str(tmp_path / "absent.wasm")]) == 1
-    assert "absent.wasm" in capfd.readouterr().err
-    assert main(["run", "--nn-preload", "x:onnx:/y", str(WAT_DIR / "exit_code.wat")]) == 1
-    assert "NAME:ENCODING:TARGET:PATH" in capfd.readouterr().err
+    assert capfd.readouterr().err == (
+        f"wasinn: error: {tmp_path / 'absent.wasm'}: no such file: expected a guest module "
+        "(.wasm, or .wat text)\n")
     assert main(["run", "--dir", str(tmp_path / "nope"), str(WAT_DIR / "exit_code.wat")]) == 1
     assert "expected an existing host directory" in capfd.readouterr().err
+    # A value with a syntax of its own that does not parse is a usage error (2), with the
+    # subcommand's usage line, whichever option it came with.
+    guest = str(WAT_DIR / "exit_code.wat")
+    for argv, said in (
+            (["run", "--nn-preload", "x:onnx:/y", guest],
+             "wasinn run: error: --nn-preload 'x:onnx:/y': expected NAME:ENCODING:TARGET:PATH"),
+            (["run", "-S", "foo=1", guest],
+             "wasinn run: error: --wasi 'foo=1': expected nn-graph=ENCODING::DIR (or nn"),
+            (["models", "--nn-preload", "a:b"],
+             "wasinn models: error: --nn-preload 'a:b': expected NAME:ENCODING"),
+            (["infer", "m", "--shape", "x=2,x"], "wasinn infer: error: --shape 'x=2,x': expected"),
+            (["infer", "m", "--shape", "x=1,4", "--shape", "x=2,4"],
+             "--shape 'x=2,4': x already has the shape 1,4: expected one --shape per input"),
+            (["infer", "m", "--requests", "0"], "wasinn infer: error: --requests 0: expected"),
+            (["infer", "m", "--timeout", "-1"], "wasinn infer: error: --timeout -1.0: expected"),
+            (["infer", "m", "--input", "=x.npy"],
+             "wasinn infer: error: --input '=x.npy': expected NAME=FILE.npy or FILE.npz")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        err = capfd.readouterr().err
+        assert err.startswith(f"usage: wasinn {argv[0]}") and said in err, err
     with pytest.raises(SystemExit) as exc:
         main(["run", "--env", "=x", str(WAT_DIR / "exit_code.wat")])
     assert exc.value.code == 2
@@ -255,3 +277,27 @@ def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
     rows = re.findall(r"^(?:ONNX|OpenVINO IR|TorchScript)\s+\w+\s+(\d+)\s+(\S+)", proc.stdout,
                       re.M)
     assert {c for c, _ in rows} == {guests[0][0]}  # host checks agree with the guests
+
+
+def test_ctrl_c_ends_a_run_with_status_130(tmp_path: Path) -> None:
+    # SIGINT reaches trio as a KeyboardInterrupt that its nurseries wrap in an exception
+    # group: the command still ends quietly with the shell's status for it, 128 + 2.
+    import signal
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / "spin.wat")],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    assert child.stderr is not None
+    said = []
+    try:
+        for line in child.stderr:  # until the guest spins
+            said.append(line)
+            if "instantiated spin.wat" in line:
+                break
+        child.send_signal(signal.SIGINT)
+        rest = child.communicate(timeout=60)[1]
+    finally:
+        child.kill()
+    assert child.returncode == 130, "".join(said) + rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
