@@ -69,6 +69,12 @@ def _check_content(builders: Builders, encoding: GraphEncoding) -> None:
         )
 
 
+def _xml(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` opens as XML does (``<``, after a byte order mark and blanks)."""
+    head = bytes(data[:64]).removeprefix(b"\xef\xbb\xbf").lstrip()
+    return head.startswith(b"<")
+
+
 def _is_saved_model(data: bytes | bytearray | memoryview) -> bool:
     try:
         fields = protobuf_fields(data)
@@ -89,6 +95,10 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     """
     if encoding is GraphEncoding.OPENVINO:
         expect_builders(NAME, builders, 2, "two builders: the IR XML and its weights")
+        if not _xml(builders[0]) and _xml(builders[1]):
+            raise InvalidEncodingError(
+                f"{NAME}: the IR's two builders are the wrong way round (the second is "
+                "the XML): expected the .xml first, then the .bin")
         _check_content(builders, encoding)
         return _read_ir(core, builders[0], builders[1], "IR")
     if encoding is GraphEncoding.ONNX:

@@ -83,6 +83,7 @@ from .base import (
     TensorSpec,
     current_cancellation,
     in_sandbox,
+    log,
 )
 from .formats import protobuf_records
 
@@ -422,6 +423,11 @@ class OnnxRuntimeBackend(Backend):
             if device not in devices:
                 raise no_device(NAME, device, devices)
         options = options or LoadOptions()
+        precision = options.precision.strip().lower()
+        if precision in _NOT_APPLIED:
+            log.warning("%s: precision %r is not applied: ONNX Runtime computes in the "
+                        "model's own types (export the model in %s to compute in it)",
+                        NAME, precision, precision)
         data = bytes(builders[0])
         check_external_data(NAME, data, external_data_folder(options.source))
         data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox())
@@ -510,6 +516,9 @@ def session_options(options: LoadOptions) -> Any:
 #: Where ONNX Runtime reads the external data of a model given as bytes.
 _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
+
+#: Precisions ONNX Runtime has no switch for (it computes in the model's own types).
+_NOT_APPLIED = frozenset({"f16", "bf16"})
 
 #: The CUDA provider's ``use_tf32`` for each ``LoadOptions.precision`` that sets it
 #: (the others leave ONNX Runtime's default, TF32 on).

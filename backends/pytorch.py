@@ -583,8 +583,16 @@ def _native(value: torch.Tensor, ttype: TensorType, device: str,
 
 
 def _first_line(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else type(exc).__name__
+    # The line of torch's message that says what went wrong: its last. A bare
+    # "RuntimeError:" (TorchScript's interpreter, in a graph loaded ``interruptible``,
+    # can lose the reason) is said to be one, rather than shown as if cut short.
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    last = lines[-1]
+    if last.endswith(":") and last[:-1].replace(".", "").isidentifier():
+        return f"{last[:-1]}, with no message from torch"
+    return last
 
 
 class TorchBackend(Backend):

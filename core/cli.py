@@ -216,9 +216,12 @@ def _load_config(path: str | None) -> RuntimeConfig:
 
 def _registry_config(args: argparse.Namespace) -> RuntimeConfig:
     """``--config``'s registry, with the models ``--nn-preload`` and ``--wasi`` add
-    (parsed already: :func:`_parse_values`)."""
+    (parsed already: :func:`_parse_values`), each checked as a config's model is
+    (InvalidArgumentError, ConfigError naming the flag)."""
     from wasinn.host.preload import with_preloads
 
+    for preload in args.preloads:
+        _check_preload(preload.flag, preload)
     return with_preloads(_load_config(args.config), args.preloads)
 
 
@@ -240,8 +243,8 @@ def _parse_values(args: argparse.Namespace) -> None:
 
 
 def _preloads(args: argparse.Namespace) -> list[Preload]:
-    """The models ``--nn-preload`` and ``--wasi nn-graph`` register, each checked as a
-    config's model is (InvalidArgumentError, ConfigError naming the flag)."""
+    """The models ``--nn-preload`` and ``--wasi nn-graph`` register (InvalidArgumentError
+    for a malformed one, or a name given twice)."""
     from wasinn.host.preload import parse_nn_graph, parse_nn_preload
 
     given = [(f"--nn-preload {s!r}", parse_nn_preload(s)) for s in args.nn_preload]
@@ -256,7 +259,6 @@ def _preloads(args: argparse.Namespace) -> list[Preload]:
             raise InvalidArgumentError(
                 f"{flag}: the name {preload.name!r} is already given by "
                 f"{flags[preload.name]}: expected each name once")
-        _check_preload(flag, preload)
     return [preload for _, preload in given]
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 import time
 import warnings
@@ -49,6 +50,7 @@ from wasinn.backends.base import (
 from wasinn.backends.formats import detect_encoding
 from wasinn.backends.registry import BackendRegistry
 from wasinn.backends.sandbox import Spares, load_sandboxed
+from wasinn.configs import BACKEND_OPTIONS
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     BackendRuntimeError,
@@ -63,6 +65,8 @@ from wasinn.tensor import Tensor
 
 from .model import Inputs, LoadedModel
 from .triorun import check_trio_run
+
+log = logging.getLogger("wasinn.scheduler")
 
 #: How one pipeline step feeds the next: (previous output name, next input name) pairs.
 Link = tuple[tuple[str, str], ...]
@@ -212,6 +216,7 @@ class Scheduler:
         if name is None:
             name = await trio.to_thread.run_sync(self._choose, model, kind)
             model.backends[kind] = name
+            _warn_unread_options(model, name)
         return name
 
     def _registry(self, kind: ExecutionTarget) -> BackendRegistry:
@@ -650,6 +655,19 @@ def _held_by(lease: Lease[dict[str, Tensor]] | None, sessions: Sequence[Session]
     else:
         lease.then(functools.partial(_let_go, sessions))
     return lease
+
+
+def _warn_unread_options(model: LoadedModel, backend: str) -> None:
+    # A model that names no backend may carry options for another (the config accepts a
+    # key some backend here reads): say which ones the chosen backend leaves unread.
+    reads = BACKEND_OPTIONS.get(backend)
+    if reads is None:
+        return  # not built in: it may read anything
+    unread = sorted(key for key in model.options.extra if not reads[1](key))
+    if unread:
+        log.warning("%s runs on %s, which does not read option(s) %s: they are ignored "
+                    "(%s reads %s)", model.name, backend, ", ".join(unread), backend,
+                    reads[0])
 
 
 def _unavailable(actor: DeviceActor, stopped: bool) -> WasiNNError:

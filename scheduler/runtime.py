@@ -55,7 +55,7 @@ from .actorhost import ActorHost
 from .graph import Graph
 from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
-from .pipeline import Pipeline, PipelineModel, resolve_wiring
+from .pipeline import Pipeline, PipelineModel, check_chain_batchable, resolve_wiring
 from .placement import Scheduler
 from .triorun import check_trio_run
 from .warmup import WarmUp, preload
@@ -599,7 +599,10 @@ class Runtime:
         # anything fails (or the load is cancelled), the steps are let go again, which
         # frees those nobody else holds: a failed load leaves nothing compiled.
         scheduler = self._sched
-        kind = scheduler.resolve_target(pipeline.target)
+        try:
+            kind = scheduler.resolve_target(pipeline.target)
+        except WasiNNError as exc:
+            raise exc.prefixed(_pipeline_key(self._config, name, "target")) from exc
         steps: list[LoadedModel] = []
         try:
             for step in pipeline.steps:
@@ -613,7 +616,11 @@ class Runtime:
                                    functools.partial(_wire_key, self._config, name))
             batching = pipeline.batching_spec()
             if batching is not None:
-                check_batchable(f"pipeline {name!r}", steps[0].inputs, steps[-1].outputs)
+                try:  # (before compiling anything more)
+                    check_chain_batchable(name, steps, links)
+                except WasiNNError as exc:
+                    raise exc.prefixed(_pipeline_key(self._config, name, "batching")
+                                       ) from exc
             # Compile every step on one device of the kind now, so errors surface at load.
             actor = scheduler.pick(kind, {})
             for step_model in steps:
@@ -640,6 +647,13 @@ def _model_key(config: RuntimeConfig, name: str) -> str:
     # Where a registry model is written (its file's key, or a command-line flag), for its
     # load's errors.
     return config.model_key(name)
+
+
+def _pipeline_key(config: RuntimeConfig, pipeline: str, key: str) -> str:
+    # Where a pipeline's ``key`` is written, for the errors it causes.
+    from wasinn.configs.schema import key_name
+
+    return f"{config.source or 'the config'}: pipelines.{key_name(pipeline)}.{key}"
 
 
 def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 from typing import Any
 
 import ml_dtypes
@@ -496,3 +497,17 @@ def test_sessions_do_not_fall_back_to_another_provider(backend: Any) -> None:
     # Before: ORT's wrapper could swap a failing provider for the CPU one at run time.
     graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU)
     assert graph.session._enable_fallback is False
+
+
+@pytest.mark.parametrize("precision", ["f16", "bf16"])
+def test_a_precision_onnx_runtime_cannot_apply_is_said_so(
+        backend: Any, precision: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision=precision))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"onnxruntime: precision {precision!r} is not applied: ONNX Runtime computes in the "
+        f"model's own types (export the model in {precision} to compute in it)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision="f32"))
+    assert not caplog.records

@@ -52,6 +52,14 @@ def test_ir_runs_from_xml_and_weights(backend: Any) -> None:
     np.testing.assert_allclose(out.numpy(), X * 2 + 1)
 
 
+def test_ir_files_given_the_wrong_way_round_are_named_so(backend: Any) -> None:
+    (xml, weights), encoding = backend_models.affine_ir(2.0, 1.0)
+    with pytest.raises(InvalidEncodingError,
+                       match=r"the IR's two builders are the wrong way round \(the second is "
+                             r"the XML\): expected the \.xml first, then the \.bin"):
+        backend.load([weights, xml], encoding, CPU)
+
+
 @pytest.mark.parametrize(
     ("make", "encoding", "in_name", "out_name"),
     [

@@ -775,3 +775,15 @@ def test_an_unreadable_zip_is_invalid_encoding(backend: Any) -> None:
     data[at + 6:at + 8] = struct.pack("<H", 255)
     with pytest.raises(wasinn.InvalidEncodingError, match="pytorch: cannot read the model's zip"):
         backend.load([bytes(data)], PT, CPU)
+
+
+def test_a_torch_error_without_a_reason_is_said_to_have_none() -> None:
+    # TorchScript's interpreter (a graph loaded interruptible) can end its message with a
+    # bare "RuntimeError:": not to be shown as if the message were cut short.
+    from wasinn.backends.pytorch import _first_line
+
+    assert _first_line(RuntimeError(
+        "The following operation failed in the TorchScript interpreter.\n"
+        "Traceback of TorchScript (most recent call last):\nRuntimeError: \n")) == (
+        "RuntimeError, with no message from torch")
+    assert _first_line(RuntimeError("a\nValueError: bad thing\n")) == "ValueError: bad thing"

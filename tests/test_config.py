@@ -4,6 +4,7 @@ lazily once for concurrent callers, and never resolves outside the config direct
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import trio
 import wasinn
 from tests.example_configs import example_config, packaged_dir
 from tests.fake_backend import FakeBackend
+from tests.support import require_backend
 from wasinn import ConfigError, InvalidArgumentError, NotFoundError, SecurityError
 from wasinn.backends import LoadOptions
 from wasinn.configs.loader import load_config, packaged_config, packaged_configs, parse_config
@@ -632,3 +634,19 @@ async def test_registered_external_data_stays_in_the_models_folder(
     async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
         with pytest.raises(error, match=message):
             await rt.load_by_name("ext")
+
+
+async def test_options_the_chosen_backend_does_not_read_are_said_to_be_ignored(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A model that names no backend may carry another backend's options (the config
+    # takes a key some backend here reads); the one chosen leaves them unread: say so.
+    require_backend("onnxruntime")
+    require_backend("openvino")
+    async with wasinn.Runtime() as rt:
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            await rt.load([affine_onnx()], "onnx", name="aff",
+                          options={"PERFORMANCE_HNT": "LATENCY", "session.x": "1"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "aff runs on onnxruntime, which does not read option(s) PERFORMANCE_HNT: they are "
+        "ignored (onnxruntime reads session config entries (\"session.NAME\") or "
+        "provider_options)"]

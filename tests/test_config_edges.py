@@ -126,9 +126,11 @@ def test_a_preload_name_given_twice_is_refused(tmp_path: Path,
              f"--nn-preload 'a:onnx:cpu:{first}'")):
         for command in (["models"], ["run"]):
             tail = [GUEST] if command == ["run"] else []
-            assert main([*command, *argv, *tail]) == 1
+            with pytest.raises(SystemExit) as exc:  # a usage error, as for --dir
+                main([*command, *argv, *tail])
+            assert exc.value.code == 2
             err = capfd.readouterr().err
-            assert err.startswith(f"wasinn: error: {said}"), err
+            assert f"wasinn {command[0]}: error: {said}" in err, err
 
 
 def test_a_preload_no_backend_reads_names_the_flag_not_the_config(

@@ -32,7 +32,8 @@ X = np.ones((1, 4), np.float32)
 
 
 def three_steps(directory: Path, middle: bytes, *, batching: dict[str, Any] | None = None,
-                last_wire: dict[str, str] | None = None) -> RuntimeConfig:
+                last_wire: dict[str, str] | None = None, target: str = "cpu"
+                ) -> RuntimeConfig:
     """Pipeline ``p`` = ``a`` (y = 2x + 1), ``m`` (``middle``, x -> y), ``c`` (y = 3x; fed
     along ``last_wire``), all ONNX Runtime, on one CPU worker; read as if from
     ``directory/wasinn.toml``."""
@@ -43,6 +44,7 @@ def three_steps(directory: Path, middle: bytes, *, batching: dict[str, Any] | No
                                           {"model": "c", "wire": last_wire or {"y": "x"}}]}
     if batching is not None:
         pipeline["batching"] = batching
+    pipeline["target"] = target
     return parse_config({
         "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
         "models": {name: {"files": [f"{name}.onnx"]} for name in files},
@@ -160,6 +162,16 @@ async def test_wiring_errors_in_a_config_name_the_file_and_key(tmp_path: Path) -
         assert actor.stats().graphs == 0
 
 
+async def test_a_pipeline_target_no_device_serves_names_the_file_and_key(
+        tmp_path: Path) -> None:
+    config = three_steps(tmp_path, affine_onnx(), target="gpu")
+    async with wasinn.Runtime(config) as rt:
+        with pytest.raises(wasinn.UnsupportedOperationError) as err:
+            await rt.load_by_name("p")
+        assert str(err.value).startswith(
+            f"{tmp_path / 'wasinn.toml'}: pipelines.p.target: no gpu device in this runtime")
+
+
 # -- batching across steps -----------------------------------------------------------------
 async def test_batching_is_refused_when_a_middle_step_fixes_the_batch_dimension(
         tmp_path: Path) -> None:
@@ -169,10 +181,12 @@ async def test_batching_is_refused_when_a_middle_step_fixes_the_batch_dimension(
     async with wasinn.Runtime(three_steps(tmp_path, neg_onnx(1),
                                           batching={"max_batch": 4})) as rt:
         (actor,) = rt.actors
-        with pytest.raises(InvalidArgumentError,
-                           match=r"pipeline 'p' step 1 \(m\): batching merges requests along "
-                                 r"the first dimension, but input x: f32\[1, 4\] fixes it"):
+        with pytest.raises(InvalidArgumentError) as err:
             await rt.load_by_name("p")
+        assert str(err.value).startswith(  # the file, the key, the step
+            f"{tmp_path / 'wasinn.toml'}: pipelines.p.batching: pipeline 'p' step 1 (m): "
+            "batching merges requests along the first dimension, but input x: f32[1, 4] "
+            "fixes it")
         assert actor.stats().graphs == 0  # the steps compiled for the check are freed
 
 
