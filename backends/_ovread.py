@@ -147,7 +147,7 @@ def _read_ir(core: Any, xml: bytes | bytearray | memoryview,
         tensor = ov.Tensor(shared, ov.Shape([shared.size]), ov.Type.u8)
         model = core.read_model(bytes(xml), tensor)
     except Exception as exc:
-        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {_short(exc)}") from exc
+        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {ov_message(exc)}") from exc
     return model, shared
 
 
@@ -155,7 +155,7 @@ def _read(reader: Any, what: str) -> Any:
     try:
         return reader()
     except Exception as exc:
-        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {_short(exc)}") from exc
+        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {ov_message(exc)}") from exc
 
 
 def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
@@ -268,7 +268,7 @@ def _size(path: Path) -> int:
 def _child_failure(returncode: int, message: bytes, log: bytes) -> str:
     """Why the child failed, for the error message."""
     if returncode == _REFUSED:
-        return _short(message.decode("utf-8", "replace"))
+        return ov_message(message.decode("utf-8", "replace"))
     if returncode < 0:
         name = _confine.signal_name(-returncode)
         return (f"OpenVINO's frontend crashed on it ({name}) in the throw-away process "
@@ -278,7 +278,7 @@ def _child_failure(returncode: int, message: bytes, log: bytes) -> str:
         f": {last}" if last else "")
 
 
-def _short(exc: BaseException | str) -> str:
+def ov_message(exc: BaseException | str) -> str:
     """OpenVINO's messages carry C++ source locations; keep the lines that explain."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     useful = [ln for ln in lines if not ln.startswith(("Exception from", "Check '"))]

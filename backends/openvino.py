@@ -90,7 +90,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._dlpack import KDL_CPU, shareable
 from ._graphio import CheckedGraph, no_device, uncarried_type
-from ._ovread import NAME, read_model
+from ._ovread import NAME, ov_message, read_model
 from .base import (
     Backend,
     Builders,
@@ -608,8 +608,8 @@ class OpenVinoBackend(Backend):
             else:
                 named = ", ".join(f"{key}={options.extra[key]!r:.40}" for key in given)
                 return InvalidArgumentError(
-                    f"{NAME}: {ov_device} refused option(s) {named}: {exc}: expected values "
-                    "the device takes for them")
+                    f"{NAME}: {ov_device} refused option(s) {named}: {ov_message(exc)}: "
+                    "expected values the device takes for them")
         return InvalidEncodingError(f"{NAME}: cannot compile {what}: {exc}")
 
 

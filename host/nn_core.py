@@ -167,7 +167,7 @@ class GuestNN:
             raise TooLargeError(
                 f"loading {model_bytes} bytes of model would bring this guest to "
                 f"{self.model_bytes + model_bytes} bytes: the limit is "
-                f"{self.limits.max_model_bytes}"
+                f"{self.limits.max_model_bytes} ([guests] max_model_bytes)"
             )
 
     # -- graphs -------------------------------------------------------------------

@@ -368,7 +368,7 @@ class NNService:
             raise TooLargeError(
                 f"loading {size} bytes of model would bring this guest to "
                 f"{self._model_bytes + size} bytes of loaded models, over its limit of "
-                f"{self.limits.max_model_bytes}"
+                f"{self.limits.max_model_bytes} ([guests] max_model_bytes)"
             )
 
     def _add_graph(self, graph: Any, label: str, size: int) -> int:
