@@ -130,7 +130,7 @@ class InputChecker:
             if tensor.type is not spec.type and index not in self._any_type:
                 raise InvalidArgumentError(
                     f"{self._backend}: input {spec.name!r} is {tensor.type.value} but the "
-                    f"model expects {spec.describe()}"
+                    f"model expects {spec.describe()}{_conversion_hint(tensor.type, spec.type)}"
                 )
             rank, fixed = self._fixed[index]
             dims = tensor.dims
@@ -260,3 +260,12 @@ class CheckedGraph(CompiledGraph):
 
     def close(self) -> None:
         self._handle = None
+
+
+def _conversion_hint(given: TensorType, expected: TensorType) -> str:
+    """A hint for the usual mix-up: Python floats (and numpy's default) are f64."""
+    if given is TensorType.F64 and expected in (TensorType.F32, TensorType.F16):
+        name = "float32" if expected is TensorType.F32 else "float16"
+        return (f" (Python floats and numpy's default are f64: convert with "
+                f".astype(np.{name}))")
+    return ""

@@ -48,7 +48,8 @@ def name_problem(name: str) -> str | None:
     """What is wrong with ``name`` as a model's or pipeline's name, or None."""
     if NAME_FORM.fullmatch(name):
         return None
-    return (f"name {name!r:.60} is not a plain identifier: expected at most 128 letters, "
+    shown = name if len(name) <= 60 else f"{name[:57]}..."  # (quoted whole, even cut)
+    return (f"name {shown!r} is not a plain identifier: expected at most 128 letters, "
             "digits, '_', '.' and '-', not starting with '.' or '-' (a name is looked up, "
             "never used as a path)")
 

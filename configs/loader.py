@@ -130,12 +130,27 @@ def _describe(errors: list[Any], data: object) -> str:
         where = _key_path(tuple(err["loc"]), data)
         if err["type"] == "extra_forbidden":
             msg = _unknown_key(_user_loc(tuple(err["loc"]), data))
+        elif err["type"] in ("model_type", "dict_type"):  # (not the schema's class names)
+            msg = "expected a table: a [section], or { key = value, ... }"
+        elif err["type"] == "missing":
+            msg = _missing_key(_user_loc(tuple(err["loc"]), data))
         # The bad value, if short enough to help: never a whole table.
         if (err["type"] not in ("extra_forbidden", "missing") and "input" in err
                 and not isinstance(err["input"], dict) and _got(err["input"]) not in msg):
             msg += f" (got {_got(err['input'])})"
         lines.append(f"{where}: {msg}")
     return "; ".join(lines)
+
+
+def _missing_key(loc: tuple[int | str, ...]) -> str:
+    """The message for a required key left out (``loc``: the user's keys only), with
+    the values it takes where they are few."""
+    table = _table_at(RuntimeConfig, loc[:-1])
+    field = None if table is None else table.model_fields.get(str(loc[-1]))
+    if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+        choices = ", ".join(repr(c) for c in typing.get_args(field.annotation))
+        return f"required, and missing: expected one of {choices}"
+    return "required, and missing"
 
 
 def _unknown_key(loc: tuple[int | str, ...]) -> str:

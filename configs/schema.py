@@ -148,6 +148,15 @@ def _name(value: str) -> str:
     return value
 
 
+def _once_each(backends: list[str]) -> list[str]:
+    # A preference order names each backend once: a second mention would mean nothing.
+    for i, name in enumerate(backends):
+        if name in backends[:i]:
+            raise fault(f"[{i}]", f"backend {name!r} is listed twice: expected each once "
+                                  "(the list is a preference order)")
+    return backends
+
+
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
 DeviceName = Annotated[str, AfterValidator(_device)]
@@ -156,6 +165,8 @@ FileName = Annotated[str, AfterValidator(_file)]
 Sandbox = Annotated[bool | Literal["cpu"], PlainValidator(_sandbox)]
 #: Model and pipeline names: looked up as keys, so plain identifiers only.
 Name = Annotated[str, AfterValidator(_name)]
+#: A backend preference order.
+Backends = Annotated[list[str], AfterValidator(_once_each)]
 
 
 class _Strict(BaseModel):
@@ -168,7 +179,7 @@ class RuntimeSection(_Strict):
     """``[runtime]``: runtime-wide settings."""
 
     #: Backend preference order for every pool that names none (empty = wasinn's default).
-    backends: list[str] = Field(default_factory=list)
+    backends: Backends = Field(default_factory=list)
     #: Where a target with no device here runs instead (with a warning); None = refuse.
     fallback: TargetName | None = None
     #: Sandbox processes kept started ahead, per backend, for the next sandboxed load
@@ -189,7 +200,7 @@ class PoolConfig(_Strict):
     #: Requests allowed to wait per device before callers get too-large.
     queue_limit: int = Field(default=1024, ge=1)
     #: Backend preference order on this pool (empty = [runtime] backends).
-    backends: list[str] = Field(default_factory=list)
+    backends: Backends = Field(default_factory=list)
     #: Which waiting request runs next: "priority" (priority, then deadline, then
     #: arrival) or "fair" (tenants in turn, priority order within each tenant).
     policy: Literal["priority", "fair"] = "priority"

@@ -199,10 +199,11 @@ class Tensor:
         synchronize: Callable[[], None] | None = None,
         host_view: Callable[[], np.ndarray[Any, Any] | None] | None = None,
     ) -> None:
-        if array is not None and (
-            array.shape != dims or _TYPES.get(array.dtype) is not type
-        ):
-            dims = _checked_dims(array, dims, type)
+        if array is not None:
+            if array.shape != dims or _TYPES.get(array.dtype) is not type:
+                dims = _checked_dims(array, dims, type)
+            else:
+                dims = array.shape  # ints, even where equal floats were given
         self.dims = dims
         self.type = type
         self.device = device

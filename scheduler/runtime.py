@@ -192,7 +192,8 @@ def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
             raise NotFoundError(
                 f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
                 f"{exc.strerror or exc}" + (": expected a model file"
-                                            if exc.errno == errno.EINVAL else "")
+                                            if exc.errno in (errno.EINVAL, errno.EISDIR)
+                                            else "")
             ) from None
     return tuple(out)
 
@@ -578,7 +579,10 @@ class Runtime:
             return await self._load_pipeline(name, pipeline)
         entry = config.models[name]
         paths = [model_file(config, f) for f in entry.files]
-        builders = await trio.to_thread.run_sync(_read_files, paths, name)
+        try:
+            builders = await trio.to_thread.run_sync(_read_files, paths, name)
+        except WasiNNError as exc:  # say which registry entry names it
+            raise exc.prefixed(_model_key(config, name)) from exc
         # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
                               extra=dict(entry.options), source=str(paths[0]),

@@ -145,6 +145,8 @@ def test_affine_runs(affine_graph: CompiledGraph) -> None:
     [
         ({"nope": np.zeros((1, 4), np.float32)}, "no input 'nope'"),
         ({"x": np.zeros((1, 4), np.float64)}, "input 'x' is f64"),
+        ({"x": [[0.0, 1.0, 2.0, 3.0]]},
+         "(Python floats and numpy's default are f64: convert with .astype(np.float32))"),
         ({"x": np.zeros((1, 4), np.int32)}, "input 'x' is i32"),
         ({"x": np.zeros((1, 5), np.float32)}, "has shape [1, 5]"),
         ({"x": np.zeros((4,), np.float32)}, "has shape [4]"),

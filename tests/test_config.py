@@ -97,6 +97,12 @@ def test_default_runtime_needs_no_files() -> None:
      r"pipelines\.p\.steps\[0\]\.wires: unknown key: did you mean wire\? expected one of "
      r"model, wire"),
     ('[guests]\nzzz = 1\n', r"guests\.zzz: unknown key: expected one of max_graphs, "),
+    ('runtime = 3\n', r"^\S+: runtime: expected a table: a \[section\], or \{ key = value, "
+                      r"\.\.\. \} \(got 3\)$"),
+    ('[runtime]\nbackends = ["onnxruntime", "openvino", "onnxruntime"]\n',
+     r"runtime\.backends\[2\]: backend 'onnxruntime' is listed twice: expected each once"),
+    ('[pools.cpu]\ndevices = ["cpu"]\n',
+     r"pools\.cpu\.kind: required, and missing: expected one of 'cpu', 'gpu', 'tpu'$"),
     # Numbers and booleans are not read from strings (a count never from a float).
     ('[models.m]\nfiles = ["m.onnx"]\npreload = "no"\n',
      r"models\.m\.preload: Input should be a valid boolean \(got 'no'\)$"),
@@ -132,7 +138,8 @@ def test_default_runtime_needs_no_files() -> None:
      r"models\.\"a/b\": name 'a/b' is not a plain identifier: expected at most 128 "
      r"letters, digits, '_', '\.' and '-', not starting with '\.' or '-' \(a name is looked "
      r"up, never used as a path\)$"),
-    (f'[pipelines.{"p" * 129}]\nsteps = [{{ model = "m" }}]\n', r"is not a plain identifier"),
+    (f'[pipelines.{"p" * 129}]\nsteps = [{{ model = "m" }}]\n',
+     rf"name '{'p' * 57}\.\.\.' is not a plain identifier"),  # cut, still quoted whole
     ('[pipelines.p]\nsteps = [{ model = "nope" }]\n',
      r"pipelines\.p\.steps\[0\]\.model: pipeline 'p' step 0 uses model 'nope', which is not "
      r"in \[models\] \(models: none\)$"),
@@ -449,9 +456,17 @@ async def test_names_are_looked_up_never_used_as_paths(tmp_path: Path) -> None:
 
 
 async def test_a_missing_registered_file_is_not_found_until_it_appears(tmp_path: Path) -> None:
-    async with wasinn.Runtime.from_config(registry_config(tmp_path)) as rt:
-        with pytest.raises(NotFoundError, match=r"absent\.onnx"):
+    config = registry_config(tmp_path)
+    async with wasinn.Runtime.from_config(config) as rt:
+        with pytest.raises(NotFoundError) as missing:
             await rt.load_by_name("absent")
+        assert str(missing.value).startswith(  # the file and key that name it
+            f"{config}: models.absent: model 'absent' is registered but its file ")
+        (tmp_path / "models" / "absent.onnx").mkdir()
+        with pytest.raises(NotFoundError, match=r"absent\.onnx' cannot be read: Is a "
+                                                r"directory: expected a model file"):
+            await rt.load_by_name("absent")
+        (tmp_path / "models" / "absent.onnx").rmdir()
         (tmp_path / "models" / "absent.onnx").write_bytes(affine_onnx(1.0, 0.0))
         graph = await rt.load_by_name("absent")
         assert graph.inputs[0].name == "x"

@@ -263,3 +263,9 @@ def test_the_constructor_takes_any_strides_or_byte_order_and_a_list_of_dims() ->
         assert tensor.numpy() is array
     listed = Tensor([2, 4], TensorType.F32, array=swapped)  # type: ignore[arg-type]
     assert listed.dims == (2, 4) and type(listed.dims) is tuple
+
+
+def test_dims_given_as_equal_floats_are_kept_as_the_arrays_ints() -> None:
+    tensor = Tensor((1.0, 4.0), TensorType.F32,  # type: ignore[arg-type]
+                    array=np.ones((1, 4), np.float32))
+    assert tensor.dims == (1, 4) and all(type(d) is int for d in tensor.dims)
