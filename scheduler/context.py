@@ -45,7 +45,7 @@ import math
 import numbers
 import operator
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,7 @@ from wasinn.tensor import Tensor, as_tensor
 
 from .binding import OutputBuffer, fill
 from .model import Executable, Inputs
+from .triorun import yields_when_refused
 
 if TYPE_CHECKING:
     from wasinn.actors.lease import Lease
@@ -221,6 +222,7 @@ class ExecutionContext:
         return self._closed
 
     # -- one call -----------------------------------------------------------------------
+    @yields_when_refused
     async def compute(
         self,
         inputs: Inputs,
@@ -286,6 +288,7 @@ class ExecutionContext:
         return dict(self._inputs) if self._inputs else {}
 
     # -- in the caller's thread -------------------------------------------------------------
+    @yields_when_refused
     async def lease(
         self,
         inputs: Inputs | None = None,
@@ -378,8 +381,19 @@ class ExecutionContext:
             if _started_by_trio():
                 run = trio.from_thread.run(queue)
             else:  # a thread of the application's own: reach the runtime's trio run
-                run = trio.from_thread.run(queue, trio_token=self._executable.trio_token)
+                run = self._queue_from_outside(queue)
         return run.run()  # a ContextRun: its timeout is named (see lease)
+
+    def _queue_from_outside(self, queue: Callable[[], Awaitable[ContextRun]]) -> ContextRun:
+        # A thread trio did not start has no trio task to be cancelled with: a trio run
+        # that ends (its tasks cancelled, or finished) under its request means the
+        # runtime went away, and says so as the runtime's close would.
+        try:
+            return trio.from_thread.run(queue, trio_token=self._executable.trio_token)
+        except (trio.Cancelled, trio.RunFinishedError):
+            raise ClosedResourceError(
+                f"{self._executable.name}: the trio run serving the runtime ended while "
+                "the request was queued") from None
 
     def run_in_caller_thread(self, *, priority: int = 0, timeout: float | None = None,
                              tenant: str = "") -> None:
@@ -423,6 +437,7 @@ class ExecutionContext:
         # A new dict: requests already made keep the buffers bound when they were made.
         self._bound = {**(self._bound or {}), name: OutputBuffer(name, buffer)}
 
+    @yields_when_refused
     async def run(self, *, priority: int = 0, timeout: float | None = None,
                   tenant: str = "") -> None:
         """Run on the staged inputs (see :meth:`compute` for what is raised)."""

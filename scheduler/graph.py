@@ -28,7 +28,7 @@ from .context import (
 )
 from .model import Executable, Inputs
 from .placement import Scheduler
-from .triorun import check_trio_run
+from .triorun import check_trio_run, yields_when_refused
 
 
 class Graph:
@@ -108,6 +108,7 @@ class Graph:
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         return ExecutionContext(self._executable, kind)
 
+    @yields_when_refused
     async def compute(
         self,
         inputs: Inputs,
@@ -134,6 +135,7 @@ class Graph:
         finally:
             executable.release()
 
+    @yields_when_refused
     async def lease(
         self,
         inputs: Inputs,

@@ -11,7 +11,38 @@ one thread-local read (well under a microsecond), so the request paths call it t
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
 import trio
+
+from wasinn.errors import WasiNNError
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def yields_when_refused(call: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """``call`` made to yield to trio before it raises a WasiNNError.
+
+    A request refused at once (a full queue, a closed context or runtime, a bad
+    argument) would otherwise raise without a checkpoint, and a caller that retries at
+    once (a full queue says "retry later") would hold the event loop for ever: nothing
+    else runs, the queue never drains, and not even ``trio.fail_after`` can end the loop.
+    Trio's own functions checkpoint on every path for this reason. Free when nothing is
+    raised."""
+
+    @functools.wraps(call)
+    async def yielding(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await call(*args, **kwargs)
+        except WasiNNError:
+            if trio.lowlevel.in_trio_run():  # (else the caller's own error says more)
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            raise
+
+    return yielding
 
 
 def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:

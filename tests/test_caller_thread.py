@@ -433,3 +433,70 @@ async def test_on_a_busy_device_a_caller_thread_request_runs_where_the_slot_free
         np.testing.assert_array_equal(out, Y)
         np.testing.assert_array_equal(ctx.get_output("y").numpy(), Y)
         ctx.close()
+
+
+def test_a_thread_trio_did_not_start_hears_the_runtime_went_away_with_its_trio_run() -> None:
+    """Its trio run ended (the runtime never closed) while the thread's request was
+    queued: ClosedResourceError, as after a close, not trio.Cancelled (a BaseException
+    such a thread has no trio task to expect)."""
+    import threading
+
+    require_backend("onnxruntime")
+    got: list[BaseException] = []
+    held: list[Any] = []
+    thread: list[threading.Thread] = []
+
+    def own_thread(ctx: wasinn.ExecutionContext) -> None:
+        try:
+            ctx.compute_in_caller_thread({"x": X})
+        except BaseException as exc:
+            got.append(exc)
+
+    async def main() -> None:
+        rt = wasinn.Runtime(cpu_pool(workers=1))
+        await rt.start()  # never closed: it stops when trio.run ends
+        graph = await rt.load([affine_onnx()])
+        held.append(await graph.init_execution_context().lease({"x": X}))  # the one slot
+        thread.append(threading.Thread(target=own_thread,
+                                       args=(graph.init_execution_context(),)))
+        thread[0].start()
+        await wait_for_load(rt.actors[0], 2)  # its request is queued
+
+    trio.run(main)
+    thread[0].join(30)
+    held[0].cancel()
+    assert len(got) == 1 and isinstance(got[0], wasinn.ClosedResourceError), got
+    assert "the trio run serving the runtime ended" in str(got[0])
+
+
+async def test_a_request_refused_at_once_lets_the_event_loop_run() -> None:
+    # A full queue says "retry later": a caller that retries at once must not hold the
+    # loop (a refusal without a checkpoint would: nothing else could run, the queue
+    # would never drain, and no timeout could end it).
+    from wasinn.configs.loader import parse_config
+
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "workers": 1, "queue_limit": 2}}}, None)
+    async with wasinn.Runtime(config) as full:
+        graph = await full.load([affine_onnx()])
+        ctx = graph.init_execution_context()
+        run = await ctx.lease({"x": X})  # holds the only slot
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):  # and two queued: the queue is full
+                nursery.start_soon(ctx.compute, {"x": X})
+            await wait_for_load(full.actors[0], 3)
+            run.cancel()  # the slot is free; trio grants it at its next turn
+            for _ in range(1000):
+                try:
+                    out = await ctx.compute({"x": X})
+                    break
+                except wasinn.TooLargeError:
+                    continue
+            else:
+                pytest.fail("1000 refusals in a row: the queued requests never ran")
+        assert out["y"].numpy().tolist() == Y.tolist()
+        closed = graph.init_execution_context()
+        closed.close()
+        for _ in range(3):  # closed: refused at once, every time, yet the loop runs
+            with pytest.raises(wasinn.ClosedResourceError), trio.testing.assert_checkpoints():
+                await closed.compute({"x": X})
