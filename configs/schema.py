@@ -478,10 +478,14 @@ class RuntimeConfig(_Strict):
         """The file this config was read from (None when built in code)."""
         return self._source
 
+    def where(self, key: str) -> str:
+        """``FILE: KEY``: where ``key`` (a dotted path) is written, for its errors."""
+        return f"{self._source or 'the config'}: {key}"
+
     def model_key(self, name: str) -> str:
         """Where model ``name`` of the registry was written, for its errors:
         ``FILE: models.NAME``, or the command-line flag that gave it."""
-        return self._given.get(name) or f"{self._source or 'the config'}: models.{key_name(name)}"
+        return self._given.get(name) or self.where(f"models.{key_name(name)}")
 
     def with_given(self, flags: dict[str, str]) -> RuntimeConfig:
         """This config, its models ``flags`` names given by those flags (see

@@ -378,6 +378,16 @@ class Scheduler:
         job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device))
         return _held_by(actor.try_lease(job, timeout=timeout, account=account), sessions)
 
+    def _serving(self, actor: DeviceActor) -> DeviceActor:
+        # ``actor``, a request was placed on, if it serves; else why it cannot run there:
+        # the runtime closed, or the device was lost (even before trio has closed it).
+        if actor.ready and actor.lost is None:
+            return actor
+        lost = actor.lost
+        if lost is not None and not self.stopped:
+            raise lost.for_another_caller()
+        raise ClosedResourceError("the runtime is closed: requests can no longer run")
+
     def _placed_here(self, target: ExecutionTarget, inputs: Inputs) -> DeviceActor | None:
         if target not in self._by_kind:
             return None
@@ -385,17 +395,13 @@ class Scheduler:
             actor = self.pick(target, inputs)
         except WasiNNError:
             return None
-        if not actor.ready or actor.lost is not None:
-            raise _unavailable(actor, self.stopped)
-        return actor
+        return self._serving(actor)
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                          deadline: float) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
         check_trio_run(self.trio_token, _A_REQUEST)
-        actor = self.pick(target, inputs)
-        if not actor.ready or actor.lost is not None:
-            raise _unavailable(actor, self.stopped)
+        actor = self._serving(self.pick(target, inputs))
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
@@ -465,9 +471,7 @@ class Scheduler:
                          account: RequestStats | None) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
         check_trio_run(self.trio_token, _A_REQUEST)
-        actor = self.pick(target, inputs)
-        if not actor.ready or actor.lost is not None:
-            raise _unavailable(actor, self.stopped)
+        actor = self._serving(self.pick(target, inputs))
         sessions = []
         for model in models:
             if model.released:
@@ -668,15 +672,6 @@ def _warn_unread_options(model: LoadedModel, backend: str) -> None:
         log.warning("%s runs on %s, which does not read option(s) %s: they are ignored "
                     "(%s reads %s)", model.name, backend, ", ".join(unread), backend,
                     reads[0])
-
-
-def _unavailable(actor: DeviceActor, stopped: bool) -> WasiNNError:
-    # Why a request placed on ``actor``, which does not serve (or is lost, and about to
-    # close), cannot run: ``stopped``, the runtime is closed, whatever else happened.
-    lost = actor.lost
-    if lost is not None and not stopped:
-        return lost.for_another_caller()
-    return ClosedResourceError("the runtime is closed: requests can no longer run")
 
 
 def _callers_level() -> int:

@@ -582,7 +582,7 @@ class Runtime:
         try:
             builders = await trio.to_thread.run_sync(_read_files, paths, name)
         except WasiNNError as exc:  # say which registry entry names it
-            raise exc.prefixed(_model_key(config, name)) from exc
+            raise exc.prefixed(config.model_key(name)) from exc
         # The file the host read: where an ONNX model's external data may lie.
         options = LoadOptions(precision=entry.precision, threads=entry.threads,
                               extra=dict(entry.options), source=str(paths[0]),
@@ -594,7 +594,7 @@ class Runtime:
                 backend=entry.backend, options=options, name=name,
                 batching=entry.batching_spec(), compile_on=run_on)
         except WasiNNError as exc:  # say which registry entry would not load
-            raise exc.prefixed(_model_key(config, name)) from exc
+            raise exc.prefixed(config.model_key(name)) from exc
         return model, entry.target
 
     async def _load_pipeline(self, name: str, pipeline: PipelineConfig) -> Entry:
@@ -647,22 +647,13 @@ class Runtime:
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)
 
 
-def _model_key(config: RuntimeConfig, name: str) -> str:
-    # Where a registry model is written (its file's key, or a command-line flag), for its
-    # load's errors.
-    return config.model_key(name)
-
-
 def _pipeline_key(config: RuntimeConfig, pipeline: str, key: str) -> str:
     # Where a pipeline's ``key`` is written, for the errors it causes.
     from wasinn.configs.schema import key_name
 
-    return f"{config.source or 'the config'}: pipelines.{key_name(pipeline)}.{key}"
+    return config.where(f"pipelines.{key_name(pipeline)}.{key}")
 
 
 def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:
     # Where a pipeline step's wire is written, for resolve_wiring's errors.
-    from wasinn.configs.schema import key_name
-
-    return (f"{config.source or 'the config'}: "
-            f"pipelines.{key_name(pipeline)}.steps[{step}].wire")
+    return _pipeline_key(config, pipeline, f"steps[{step}].wire")
