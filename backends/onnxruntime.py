@@ -54,7 +54,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,8 @@ from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import check_external_data, external_data_folder
 from ._onnx_division import guard_integer_division
+from ._ort_config_keys import is_config_key
+from ._ort_config_keys import unknown as unknown_config_keys
 from .base import (
     Backend,
     Builders,
@@ -496,7 +498,9 @@ SESSION_DEFAULTS: Mapping[str, str] = {"session.force_spinning_stop": "1"}
 def session_options(options: LoadOptions) -> Any:
     """The ``SessionOptions`` wasinn uses; also used by benchmarks for native sessions.
 
-    ``options.extra`` keys starting with ``session.`` become session config entries.
+    ``options.extra`` keys of the form ``AREA.NAME`` (``session.``, ``optimization.``,
+    ``mlas.``, ``ep.``) become session config entries; one ONNX Runtime is not known to
+    read is logged once (:mod:`._ort_config_keys`).
     """
     so = ort.SessionOptions()
     so.log_severity_level = 3  # errors only: warnings go to the exception, not stderr
@@ -507,10 +511,25 @@ def session_options(options: LoadOptions) -> Any:
     if folder is not None:  # a registered model's own file: its external data, checked
         entries[_EXTERNAL_DATA_FOLDER] = str(folder)
     for key, value in entries.items():
-        if key.startswith("session."):  # ONNX Runtime reads "1" and "0" for flags
+        if is_config_key(key):  # ONNX Runtime reads "1" and "0" for flags
             text = ("1" if value else "0") if isinstance(value, bool) else str(value)
             so.add_session_config_entry(key, text)
+    _warn_unknown_keys(entries)
     return so
+
+
+#: The unknown session config keys already warned about (once each in a process).
+_warned: set[str] = set()
+
+
+def _warn_unknown_keys(keys: Iterable[str]) -> None:
+    for key, alike in unknown_config_keys(keys):
+        if key not in _warned:
+            _warned.add(key)
+            hint = f" (did you mean {alike[0]!r}?)" if alike else ""
+            log.warning("%s: %r is not a session config entry ONNX Runtime reads (as of "
+                        "version 1.31; this is %s)%s: it is passed on, and ignored unless "
+                        "this version reads it", NAME, key, ort.__version__, hint)
 
 
 #: Where ONNX Runtime reads the external data of a model given as bytes.

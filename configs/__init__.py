@@ -54,11 +54,18 @@ def name_problem(name: str) -> str | None:
             "never used as a path)")
 
 
+def _ort_entry(key: str) -> bool:
+    from wasinn.backends._ort_config_keys import is_config_key  # (`import wasinn` stays light)
+
+    return is_config_key(key)
+
+
 #: What each built-in backend reads from a model's ``options``: a description, and a key
 #: test.
 BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
-    "onnxruntime": ("session config entries (\"session.NAME\") or provider_options",
-                    lambda key: key.startswith("session.") or key == "provider_options"),
+    "onnxruntime": ("session config entries (\"session.NAME\", \"optimization.NAME\", "
+                    "\"mlas.NAME\", \"ep.NAME\") or provider_options",
+                    lambda key: _ort_entry(key) or key == "provider_options"),
     "openvino": ("OpenVINO property names in capitals (PERFORMANCE_HINT, NUM_STREAMS...)",
                  lambda key: re.fullmatch(r"[A-Z][A-Z0-9_]*", key) is not None),
     "pytorch": ("optimize or interruptible = true or false",
@@ -73,9 +80,16 @@ def option_problem(backend: str | None, key: str, value: object) -> str | None:
     built in may read any key."""
     if not isinstance(key, str):
         return f"expected an option's name (a str), not {type(key).__name__}"
-    if key.startswith("session.") and not isinstance(value, str | int | float):
-        return (f"expected a string, number or boolean (an ONNX Runtime session config "
-                f"entry), got {value!r:.40}")
+    if _ort_entry(key):
+        from wasinn.backends._ort_config_keys import unknown
+
+        if not isinstance(value, str | int | float):
+            return (f"expected a string, number or boolean (an ONNX Runtime session config "
+                    f"entry), got {value!r:.40}")
+        for _, alike in unknown([key]):
+            if alike:  # (a key alike to none may be newer: the backend warns at load)
+                return (f"ONNX Runtime reads no session config entry {key!r} (it would "
+                        f"ignore it): expected one it reads, such as {alike[0]!r}")
     if key in ("optimize", "interruptible") and not isinstance(value, bool):
         return f"expected true or false, got {value!r:.40}"
     if key == "provider_options" and not isinstance(value, dict):

@@ -33,7 +33,8 @@ key). What can be checked without a backend is: ``precision``/``threads`` (keys 
 model's own table, not options) and ``extra`` are refused; ``optimize`` and
 ``interruptible`` must be booleans and ``provider_options`` a table; and a model that names
 a built-in ``backend`` may only give the keys that backend reads (onnxruntime:
-``"session.*"`` session config entries and ``provider_options``; openvino: OpenVINO
+session config entries (``session.``, ``optimization.``, ``mlas.``, ``ep.``; a misspelt
+one, alike to an entry ONNX Runtime reads, is refused) and ``provider_options``; openvino: OpenVINO
 property names in capitals, such as ``PERFORMANCE_HINT``; pytorch: ``optimize`` and
 ``interruptible``).
 

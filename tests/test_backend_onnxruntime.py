@@ -277,6 +277,31 @@ def test_options_reach_the_session(backend: Any) -> None:
     assert graph.session.get_providers() == ["CPUExecutionProvider"]
 
 
+def test_every_area_of_session_config_entries_reaches_the_session(backend: Any) -> None:
+    extra = {"optimization.enable_gelu_approximation": True, "mlas.use_lut_gemm": "0",
+             "ep.context_enable": "0"}
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(extra=extra))
+    so = graph.session.get_session_options()
+    assert [so.get_session_config_entry(key) for key in extra] == ["1", "0", "0"]
+
+
+def test_an_entry_onnx_runtime_is_not_known_to_read_is_passed_on_with_a_warning(
+        backend: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A newer ONNX Runtime may read it; this one would ignore it without a word.
+    from wasinn.backends import onnxruntime as module
+    monkeypatch.setattr(module, "_warned", set())
+    key = "session.an_entry_from_the_future"
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU,
+                             LoadOptions(extra={key: "1"}))
+        backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(extra={key: "1"}))
+    assert graph.session.get_session_options().get_session_config_entry(key) == "1"
+    said = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert len(said) == 1  # once in a process
+    assert "is not a session config entry ONNX Runtime reads (as of version 1.31" in said[0]
+    assert "ignored unless this version reads it" in said[0]
+
+
 def test_intra_op_threads_stop_spinning_when_a_run_returns_unless_told_otherwise(
         backend: Any) -> None:
     # Spinning threads left behind by one session slow the next model's run (module doc).

@@ -196,7 +196,7 @@ def test_default_runtime_needs_no_files() -> None:
      r"models\.m\.options\.performance_hint: backend 'openvino' does not read this option: "
      r"expected OpenVINO property names in capitals"),
     ('[models.m]\nfiles = ["m.onnx"]\nbackend = "onnxruntime"\n'
-     'options = { "session.intra_op.spinning" = "0", NUM_STREAMS = 2 }\n',
+     'options = { "session.intra_op.allow_spinning" = "0", NUM_STREAMS = 2 }\n',
      r"models\.m\.options\.NUM_STREAMS: backend 'onnxruntime' does not read this option"),
     ('[models.m]\nfiles = ["m.onnx"]\noptions = { bogus = 1 }\n',
      r"models\.m\.options\.bogus: no backend here reads this option: expected a key one of "
@@ -383,6 +383,13 @@ async def test_bad_load_options_name_the_option(tmp_path: Path) -> None:
                                      r"number or boolean"):
                 await rt.load([affine_onnx()], "onnx",
                               options={"session.intra_op.allow_spinning": value})
+        # A misspelt entry is refused: ONNX Runtime would ignore it without a word.
+        with pytest.raises(InvalidArgumentError,
+                           match=r"^options 'session.intra_op.allow_spining': ONNX Runtime "
+                                 r"reads no session config entry .* such as "
+                                 r"'session.intra_op.allow_spinning'$"):
+            await rt.load([affine_onnx()], "onnx",
+                          options={"session.intra_op.allow_spining": "0"})
         # A boolean is ONNX Runtime's "0" or "1" (str(False) would be "False").
         graph = await rt.load([affine_onnx()], "onnx", backend="onnxruntime",
                               options={"session.intra_op.allow_spinning": False})
@@ -391,6 +398,13 @@ async def test_bad_load_options_name_the_option(tmp_path: Path) -> None:
         # numpy integers count as integers
         graph = await rt.load([affine_onnx()], "onnx", options={"threads": np.int64(1)})
         assert graph.inputs[0].name == "x"
+    with pytest.raises(ConfigError, match=r"models\.m\.options\.\"session\.force_spining_stop\": "
+                                          r"ONNX Runtime reads no session config entry "
+                                          r"'session\.force_spining_stop' \(it would ignore it\): "
+                                          r"expected one it reads, such as "
+                                          r"'session\.force_spinning_stop'"):
+        load_config(write(tmp_path, '[models.m]\nfiles = ["m.onnx"]\n'
+                                    'options = { "session.force_spining_stop" = "1" }\n'))
     with pytest.raises(ConfigError, match=r"models\.m\.options\.\"session\.x\": expected a "
                                           r"string, number or boolean"):
         load_config(write(tmp_path, '[models.m]\nfiles = ["m.onnx"]\n'
@@ -660,8 +674,8 @@ async def test_options_the_chosen_backend_does_not_read_are_said_to_be_ignored(
     async with wasinn.Runtime() as rt:
         with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
             await rt.load([affine_onnx()], "onnx", name="aff",
-                          options={"PERFORMANCE_HNT": "LATENCY", "session.x": "1"})
+                          options={"PERFORMANCE_HNT": "LATENCY", "session.use_env_allocators": "0"})
     assert [r.getMessage() for r in caplog.records] == [
         "aff runs on onnxruntime, which does not read option(s) PERFORMANCE_HNT: they are "
-        "ignored (onnxruntime reads session config entries (\"session.NAME\") or "
-        "provider_options)"]
+        "ignored (onnxruntime reads session config entries (\"session.NAME\", "
+        "\"optimization.NAME\", \"mlas.NAME\", \"ep.NAME\") or provider_options)"]
