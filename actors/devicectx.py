@@ -2,7 +2,8 @@
 GPU, a watch for the errors that lose it, and its own stream where torch sees it.
 
 A :class:`DeviceContext` is opened once in a worker thread when the actor starts (that is
-the readiness probe: a device that cannot be opened fails the actor's start), entered
+the readiness probe: a device that cannot be opened fails the actor's start; on a CUDA
+GPU it opens the device's primary context, which torch and ONNX Runtime share), entered
 around every job the actor runs (in its worker threads, a caller's thread or inline), and
 closed when the actor stops.
 
@@ -24,7 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 from wasinn.backends.base import Device
-from wasinn.backends.cuda import context_failure, device_count, sticky_error
+from wasinn.backends.cuda import (
+    context_failure,
+    device_count,
+    retain_primary_context,
+    sticky_error,
+)
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import DeviceLostError, UnsupportedOperationError
 
@@ -60,8 +66,21 @@ class DeviceContext:
 
 
 class CudaContext(DeviceContext):
-    """A CUDA device: a job that fails with an error that loses the device raises
-    DeviceLostError, and the loss is recorded (see the module docstring)."""
+    """A CUDA device: opened by retaining its primary context through the driver (the
+    one ONNX Runtime's CUDA provider then uses: a device that cannot take a context fails
+    the actor's start, not its first request), held until the actor stops; a job that
+    fails with an error that loses the device raises DeviceLostError, and the loss is
+    recorded (see the module docstring)."""
+
+    _release: Callable[[], None] | None = None
+
+    def open(self) -> None:
+        self._release = retain_primary_context(self.device.index)
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def wrap(self, job: Callable[[], Any]) -> Callable[[], Any]:
         def watched() -> Any:
@@ -118,7 +137,7 @@ class TorchCudaContext(CudaContext):
         super().__init__(device)
         self.stream: Any = None
 
-    def open(self) -> None:
+    def open(self) -> None:  # (torch opens the primary context: none retained here)
         import torch
 
         if not torch.cuda.is_available() or self.device.index >= torch.cuda.device_count():

@@ -18,14 +18,15 @@ some. Not through NVML: it counts every GPU on the host, ignoring
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
-from wasinn.errors import WasiNNError
+from wasinn.errors import UnsupportedOperationError, WasiNNError
 
 #: The CUDA driver library, by its soname (the unversioned ``libcuda.so`` is a toolkit
 #: link, or the toolkit's stub, which reports no device).
@@ -187,6 +188,61 @@ def context_failure(driver: Any = None) -> int | None:
         return int(driver.cuCtxSynchronize())
     except Exception:  # a library without those symbols
         return None
+
+
+def retain_primary_context(index: int, driver: Any = None) -> Callable[[], None]:
+    """Open the primary CUDA context of device ``index`` (``cuDevicePrimaryCtxRetain``:
+    the context the CUDA runtime, and so ONNX Runtime's CUDA provider and torch, use on
+    that device), which proves the device usable, and return the call that releases it
+    again (``cuDevicePrimaryCtxRelease``; safe to call more than once). Asks ``driver``
+    (a loaded driver library) or this host's.
+
+    Raises UnsupportedOperationError, with the driver's name for the error, where the
+    device cannot take a context: held by another process in exclusive mode, out of
+    memory, or no such device."""
+    if driver is None:
+        driver = _driver()
+        if driver is None:
+            raise UnsupportedOperationError(f"gpu:{index}: no CUDA driver library here")
+    device = ctypes.c_int(0)
+    context = ctypes.c_void_p(None)
+    try:
+        failed = int(driver.cuDeviceGet(ctypes.byref(device), int(index)))
+        if failed == _CUDA_SUCCESS:
+            failed = int(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+        release = getattr(driver, "cuDevicePrimaryCtxRelease_v2", None)
+        if release is None:
+            release = driver.cuDevicePrimaryCtxRelease
+    except AttributeError as exc:  # not a driver library, or one without those calls
+        raise UnsupportedOperationError(
+            f"gpu:{index}: the CUDA driver library lacks a call it needs ({exc})") from exc
+    if failed != _CUDA_SUCCESS:
+        raise UnsupportedOperationError(
+            f"gpu:{index}: CUDA could not open a context on it: {_error_name(driver, failed)}")
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            with contextlib.suppress(Exception):
+                release(device)
+
+    return release_once
+
+
+def _error_name(driver: Any, code: int) -> str:
+    # The driver's own name and description for CUresult ``code`` (or just the number).
+    name, text = ctypes.c_char_p(None), ctypes.c_char_p(None)
+    try:
+        driver.cuGetErrorName(code, ctypes.byref(name))
+        driver.cuGetErrorString(code, ctypes.byref(text))
+    except Exception:  # a library without those calls
+        pass
+    if not name.value:
+        return f"CUresult {code}"
+    what = f"{text.value.decode(errors='replace')}, " if text.value else ""
+    return f"{name.value.decode(errors='replace')} ({what}CUresult {code})"
 
 
 def _describe(code: int) -> str:

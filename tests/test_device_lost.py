@@ -26,9 +26,9 @@ import trio
 import wasinn
 from tests.fake_backend import CUDA_ASSERT_MESSAGE, DEVICE_ASSERT, FakeBackend
 from tests.test_scheduler_routing import fake_config
-from wasinn import BackendRuntimeError, DeviceLostError, ErrorCode
+from wasinn import BackendRuntimeError, DeviceLostError, ErrorCode, UnsupportedOperationError
 from wasinn.actors import devicectx
-from wasinn.backends.cuda import STICKY_ERRORS, sticky_error
+from wasinn.backends.cuda import STICKY_ERRORS, retain_primary_context, sticky_error
 from wasinn.backends.sandbox import _child_error
 
 RECIPE = [b"fake:add=1"]
@@ -190,11 +190,92 @@ def test_a_cuda_context_turns_a_sticky_error_into_device_lost_once() -> None:
         devicectx.CudaContext(context.device).wrap(explodes)()
 
 
+class _PrimaryContexts:
+    """Stands for libcuda's primary-context calls: each returns its CUresult."""
+
+    def __init__(self, retain: int = 0) -> None:
+        self.retain = retain
+        self.calls: list[tuple[str, int]] = []
+
+    def cuDeviceGet(self, device: Any, ordinal: int) -> int:
+        device._obj.value = 10 + ordinal  # a CUdevice is the driver's own handle
+        self.calls.append(("cuDeviceGet", ordinal))
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, context: Any, device: Any) -> int:
+        self.calls.append(("cuDevicePrimaryCtxRetain", device.value))
+        if self.retain == 0:
+            context._obj.value = 0x1000
+        return self.retain
+
+    def cuDevicePrimaryCtxRelease_v2(self, device: Any) -> int:
+        self.calls.append(("cuDevicePrimaryCtxRelease_v2", device.value))
+        return 0
+
+    def cuGetErrorName(self, code: int, out: Any) -> int:
+        out._obj.value = b"CUDA_ERROR_OUT_OF_MEMORY"
+        return 0
+
+    def cuGetErrorString(self, code: int, out: Any) -> int:
+        out._obj.value = b"out of memory"
+        return 0
+
+
+def test_a_cuda_device_is_opened_by_retaining_its_primary_context_until_closed() -> None:
+    driver = _PrimaryContexts()
+    release = retain_primary_context(1, driver)
+    assert driver.calls == [("cuDeviceGet", 1), ("cuDevicePrimaryCtxRetain", 11)]
+    release()
+    release()  # once only
+    assert driver.calls[2:] == [("cuDevicePrimaryCtxRelease_v2", 11)]
+
+
+def test_a_cuda_device_that_cannot_take_a_context_is_not_opened() -> None:
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"^gpu:0: CUDA could not open a context on it: "
+                             r"CUDA_ERROR_OUT_OF_MEMORY \(out of memory, CUresult 2\)$"):
+        retain_primary_context(0, _PrimaryContexts(retain=2))
+    with pytest.raises(UnsupportedOperationError, match=r"lacks a call it needs"):
+        retain_primary_context(0, object())
+
+
+async def test_a_cuda_gpu_actor_holds_its_context_while_it_serves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = _PrimaryContexts()
+    monkeypatch.setattr(devicectx, "device_count", lambda: 2)
+    monkeypatch.setattr(devicectx, "retain_primary_context",
+                        lambda index: retain_primary_context(index, driver))
+    async with wasinn.Runtime(fake_config(), backends=[FakeBackend()]) as rt:
+        assert sorted(driver.calls) == [("cuDeviceGet", 0), ("cuDeviceGet", 1),
+                                        ("cuDevicePrimaryCtxRetain", 10),
+                                        ("cuDevicePrimaryCtxRetain", 11)]
+        graph = await rt.load(RECIPE, "ggml", "gpu")
+        await graph.compute({"x": x(1)})
+        driver.calls.clear()
+    assert sorted(driver.calls) == [("cuDevicePrimaryCtxRelease_v2", 10),
+                                    ("cuDevicePrimaryCtxRelease_v2", 11)]
+
+
+async def test_a_gpu_that_cannot_take_a_context_fails_the_start_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ready means usable: the error comes at the start, not at the first request.
+    monkeypatch.setattr(devicectx, "device_count", lambda: 2)
+    monkeypatch.setattr(devicectx, "retain_primary_context",
+                        lambda index: retain_primary_context(index, _PrimaryContexts(retain=2)))
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"^gpu:\d: CUDA could not open a context on it: "
+                             r"CUDA_ERROR_OUT_OF_MEMORY"):
+        async with wasinn.Runtime(fake_config(), backends=[FakeBackend()]):
+            pass  # pragma: no cover
+
+
 # -- the actors and placement (fake CUDA devices) -------------------------------------------
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
-    # The fake's GPUs stand for CUDA devices: their actors watch for lost devices.
+    # The fake's GPUs stand for CUDA devices: their actors watch for lost devices (and
+    # open a context with no driver to ask).
     monkeypatch.setattr(devicectx, "device_count", lambda: 2)
+    monkeypatch.setattr(devicectx, "retain_primary_context", lambda index: lambda: None)
     return FakeBackend()
 
 
