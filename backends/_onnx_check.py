@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from wasinn.errors import InvalidEncodingError, NotFoundError, SecurityError
+from wasinn.files import OutsideError, read_regular
 
 from .formats import protobuf_records, protobuf_values
 
@@ -68,23 +70,30 @@ ORT_FORMAT = b"ORTM"
 
 
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,
-                        folder: Path | None = None) -> bool:
-    """Whether the ONNX model ``data`` keeps tensor data in external files, where it may:
-    with no ``folder``, SecurityError (naming the tensor) if any tensor refers to external
-    data; with one, SecurityError for a location that is absolute or leads outside it,
+                        folder: Path | None = None) -> frozenset[str]:
+    """The external data files the ONNX model ``data`` names (their locations, as the
+    model writes them; empty for a model that embeds its weights), where it may: with no
+    ``folder``, SecurityError (naming the tensor) if any tensor refers to external data;
+    with one, SecurityError for a location that is absolute or leads outside it,
     NotFoundError for one that names no file there. InvalidEncodingError if ``data`` is
-    no protobuf message."""
+    no protobuf message.
+
+    The files are checked by their paths here; read them with :func:`read_external_data`,
+    which checks the files it opened, and hand the library their bytes: a library that
+    opens them itself later would open whatever the paths name by then."""
     view = memoryview(data).cast("B")
     if bytes(view[4:8]) == ORT_FORMAT:
-        return False
+        return frozenset()
     inside = None if folder is None else os.path.realpath(folder)
-    found = False
+    found: set[str] = set()
     stack: list[tuple[_Kind, memoryview]] = [(_Kind.MODEL, view)]
     try:
         while stack:
             kind, message = stack.pop()
             if kind is _Kind.TENSOR:
-                found = _check_tensor(backend, message, inside) or found
+                location = _check_tensor(backend, message, inside)
+                if location is not None:
+                    found.add(location)
                 continue
             children = _CHILDREN[kind]
             for number, _, value in protobuf_records(message):
@@ -95,13 +104,35 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
         raise InvalidEncodingError(
             f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
         ) from exc
-    return found
+    return frozenset(found)
 
 
-def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> bool:
-    """Whether this TensorProto refers to external data (entries, or a data location
-    other than DEFAULT: any encoding of that field but a zero varint counts); with no
-    folder ``inside``, SecurityError if it does, else the location's checks."""
+def read_external_data(backend: str, folder: Path, locations: Iterable[str]
+                       ) -> dict[str, bytes]:
+    """The bytes of each external data file at ``locations`` (checked by
+    :func:`check_external_data`) in ``folder``, each checked once opened: a file swapped
+    since for a link leading out of the folder is SecurityError, not read."""
+    inside = os.path.realpath(folder)
+    files = {}
+    for location in sorted(locations):
+        path = os.path.join(inside, location)
+        try:
+            files[location] = read_regular(path, inside=inside)
+        except OutsideError as exc:
+            raise SecurityError(f"{backend}: external data {location!r}: {exc.strerror}"
+                                ) from None
+        except OSError as exc:
+            raise NotFoundError(
+                f"{backend}: external data {location!r} in {inside} cannot be read: "
+                f"{exc.strerror or exc}: expected the model's external data file") from None
+    return files
+
+
+def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> str | None:
+    """This TensorProto's external data location, or None where it embeds its data
+    (external: entries, or a data location other than DEFAULT: any encoding of that
+    field but a zero varint counts); with no folder ``inside``, SecurityError if it is
+    external, else the location's checks."""
     name = b""
     location: bytes | None = None
     external = False
@@ -115,7 +146,7 @@ def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> bool:
         elif number == _DATA_LOCATION and value != 0:
             external = True
     if not external:
-        return False
+        return None
     tensor_name = name.decode("utf-8", "replace")
     if inside is None:
         where = f" (location {location.decode('utf-8', 'replace')!r})" if location else ""
@@ -124,18 +155,23 @@ def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> bool:
             "be read from the host's files: a model from a guest or a caller must embed "
             "its weights (only a registered model's file may keep them next to it)"
         )
-    _check_location(backend, tensor_name, location, inside)
-    return True
+    return _check_location(backend, tensor_name, location, inside)
 
 
-def _check_location(backend: str, tensor: str, location: bytes | None, inside: str) -> None:
+def _check_location(backend: str, tensor: str, location: bytes | None, inside: str) -> str:
     # A registered model's external data file: relative, inside the model's folder.
     if not location:
         raise InvalidEncodingError(
             f"{backend}: tensor {tensor!r} is marked as external data but names no "
             "location: expected a file next to the model")
     text = location.decode("utf-8", "replace")
-    resolved = os.path.realpath(os.path.join(inside, text))
+    try:
+        resolved = os.path.realpath(os.path.join(inside, text))
+    except OSError as exc:  # (a link that changed while it was followed)
+        raise NotFoundError(
+            f"{backend}: tensor {tensor!r} keeps its data in {text!r}, which cannot be "
+            f"resolved in {inside} ({exc.strerror}): expected the model's external data "
+            "file next to it") from None
     if "\0" in text or os.path.isabs(text) or os.path.commonpath([inside, resolved]) != inside:
         raise SecurityError(
             f"{backend}: tensor {tensor!r} keeps its data in {text!r}, outside the model's "
@@ -144,6 +180,7 @@ def _check_location(backend: str, tensor: str, location: bytes | None, inside: s
         raise NotFoundError(
             f"{backend}: tensor {tensor!r} keeps its data in {text!r}, which is no file in "
             f"{inside}: expected the model's external data file next to it")
+    return text
 
 
 def external_data_folder(source: str) -> Path | None:

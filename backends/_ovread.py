@@ -48,7 +48,7 @@ from wasinn.files import read_regular
 
 from . import _confine
 from ._graphio import expect_builders
-from ._onnx_check import check_external_data, external_data_folder
+from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._tflite_check import check_tflite
 from .base import Builders
 from .formats import detect_encoding, protobuf_fields
@@ -104,14 +104,11 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
         _check_content(builders, encoding)
-        if check_external_data(NAME, builders[0], external_data_folder(source)):
-            # OpenVINO finds external data only next to a model it reads from a file:
-            # the one checked, unless it changed since (then refused, not read unchecked).
-            if Path(source).read_bytes() != bytes(builders[0]):
-                raise InvalidEncodingError(
-                    f"{NAME}: {source} changed since it was read: expected the same file "
-                    "(load it again)")
-            return _read(lambda: core.read_model(source), "ONNX model"), None
+        folder = external_data_folder(source)
+        locations = check_external_data(NAME, builders[0], folder)
+        if locations and folder is not None:
+            external = read_external_data(NAME, folder, locations)
+            return _read_onnx_beside(core, builders[0], external), None
         return _read(lambda: core.read_model(bytes(builders[0])), "ONNX model"), None
     if encoding is GraphEncoding.TENSORFLOWLITE:
         expect_builders(NAME, builders, 1, "one builder holding a TensorFlow Lite flatbuffer")
@@ -136,6 +133,28 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
         f"{NAME}: cannot read {encoding.value} models: expected openvino, onnx, "
         "tensorflow or tensorflowlite"
     )
+
+
+def _read_onnx_beside(core: Any, model: bytes | bytearray | memoryview,
+                      external: dict[str, bytes]) -> Any:
+    """An ONNX model with external data files (location -> the bytes the host read and
+    checked). OpenVINO reads external data only next to a model file, so both are
+    written to a private directory and read from there: the model's own folder could
+    hold other files by the time OpenVINO opened them. When ``read_model`` returns,
+    OpenVINO has read the weights or mapped them (a mapping outlives the files, removed
+    with the directory then)."""
+    taken = {os.path.normpath(location) for location in external}
+    name = "model.onnx"
+    while name in taken:
+        name = f"_{name}"
+    with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
+        root = Path(tmp)
+        for location, data in external.items():  # (checked to stay inside)
+            path = root / location
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        (root / name).write_bytes(memoryview(model).cast("B"))
+        return _read(lambda: core.read_model(str(root / name)), "ONNX model")
 
 
 def _read_ir(core: Any, xml: bytes | bytearray | memoryview,

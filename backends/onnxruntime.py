@@ -73,7 +73,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 from . import cuda
 from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
-from ._onnx_check import check_external_data, external_data_folder
+from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._onnx_division import guard_integer_division
 from ._ort_config_keys import is_config_key
 from ._ort_config_keys import unknown as unknown_config_keys
@@ -431,9 +431,13 @@ class OnnxRuntimeBackend(Backend):
                         "model's own types (export the model in %s to compute in it)",
                         NAME, precision, precision)
         data = bytes(builders[0])
-        check_external_data(NAME, data, external_data_folder(options.source))
+        folder = external_data_folder(options.source)
+        locations = check_external_data(NAME, data, folder)
+        external = (read_external_data(NAME, folder, locations)
+                    if locations and folder is not None else {})
         data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox())
-        session = _session(data, device, options)
+        session = _session(data, device, options, external)
+        del external  # (ONNX Runtime has copied what it needs)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
         ):
@@ -450,7 +454,8 @@ class OnnxRuntimeBackend(Backend):
                 f"{NAME}: cannot read the ONNX model's inputs and outputs: {exc}") from exc
 
 
-def _session(data: bytes, device: Device, options: LoadOptions) -> Any:
+def _session(data: bytes, device: Device, options: LoadOptions,
+             external: Mapping[str, bytes]) -> Any:
     """An ``InferenceSession`` for ``data`` on ``device``, with ORT's provider fallback off.
 
     ORT's Python wrapper treats any ValueError or RuntimeError while it builds a session
@@ -463,16 +468,16 @@ def _session(data: bytes, device: Device, options: LoadOptions) -> Any:
     Raises InvalidEncodingError for a model ONNX Runtime cannot load,
     UnsupportedOperationError where only the CUDA provider fails on it, and
     InvalidArgumentError for provider options that contradict ``device``
-    (:func:`providers_for`).
+    (:func:`providers_for`). ``external``: the model's external data files, by location.
     """
     providers = providers_for(device, options)
     try:
         session = ort.InferenceSession(
-            data, sess_options=session_options(options), providers=providers,
+            data, sess_options=session_options(options, external), providers=providers,
             enable_fallback=0,
         )
     except Exception as exc:
-        if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options):
+        if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options, external):
             raise UnsupportedOperationError(
                 f"{NAME}: the CUDA provider failed on {device}: {exc}") from exc
         raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
@@ -480,10 +485,10 @@ def _session(data: bytes, device: Device, options: LoadOptions) -> Any:
     return session
 
 
-def _loads_on_cpu(data: bytes, options: LoadOptions) -> bool:
+def _loads_on_cpu(data: bytes, options: LoadOptions, external: Mapping[str, bytes]) -> bool:
     """Whether a CPU-only session can be built for ``data`` (the model is readable)."""
     try:
-        ort.InferenceSession(data, sess_options=session_options(options),
+        ort.InferenceSession(data, sess_options=session_options(options, external),
                              providers=["CPUExecutionProvider"], enable_fallback=0)
     except Exception:
         return False
@@ -495,8 +500,13 @@ def _loads_on_cpu(data: bytes, options: LoadOptions) -> bool:
 SESSION_DEFAULTS: Mapping[str, str] = {"session.force_spinning_stop": "1"}
 
 
-def session_options(options: LoadOptions) -> Any:
+def session_options(options: LoadOptions, external: Mapping[str, bytes] | None = None) -> Any:
     """The ``SessionOptions`` wasinn uses; also used by benchmarks for native sessions.
+
+    ``external``: a registered model's external data files (location -> bytes, read and
+    checked by the host), handed to ONNX Runtime in memory, so that it opens no file
+    itself (the paths may name other files by the time it would). An ONNX Runtime without
+    that call (older versions) is told the model's folder and reads them there.
 
     ``options.extra`` keys of the form ``AREA.NAME`` (``session.``, ``optimization.``,
     ``mlas.``, ``ep.``) become session config entries; one ONNX Runtime is not known to
@@ -507,9 +517,13 @@ def session_options(options: LoadOptions) -> Any:
     if options.threads:
         so.intra_op_num_threads = options.threads
     entries = {**SESSION_DEFAULTS, **options.extra}
-    folder = external_data_folder(options.source)
-    if folder is not None:  # a registered model's own file: its external data, checked
-        entries[_EXTERNAL_DATA_FOLDER] = str(folder)
+    if external:
+        in_memory = getattr(so, "add_external_initializers_from_files_in_memory", None)
+        if in_memory is not None:
+            in_memory(list(external), list(external.values()),
+                      [len(data) for data in external.values()])
+        else:
+            entries[_EXTERNAL_DATA_FOLDER] = str(external_data_folder(options.source))
     for key, value in entries.items():
         if is_config_key(key):  # ONNX Runtime reads "1" and "0" for flags
             text = ("1" if value else "0") if isinstance(value, bool) else str(value)

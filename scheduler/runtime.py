@@ -45,10 +45,11 @@ from wasinn.errors import (
     InvalidArgumentError,
     InvalidEncodingError,
     NotFoundError,
+    SecurityError,
     UnsupportedOperationError,
     WasiNNError,
 )
-from wasinn.files import read_regular
+from wasinn.files import OutsideError, read_regular
 from wasinn.tensor import as_int
 
 from .actorhost import ActorHost
@@ -183,11 +184,16 @@ def _check_backend_options(options: LoadOptions, backend: str | None,
             raise InvalidArgumentError(f"options {key!r}: {problem}")
 
 
-def _read_files(paths: Sequence[Path], name: str) -> tuple[bytes, ...]:
+def _read_files(paths: Sequence[Path], name: str, inside: Sequence[Path | None]
+                ) -> tuple[bytes, ...]:
+    # ``inside``: for each path, the directory the file opened must lie in, or None.
     out = []
-    for path in paths:
-        try:
-            out.append(read_regular(path))  # a FIFO or a device would block the load
+    for path, folder in zip(paths, inside, strict=True):
+        try:  # (a FIFO or a device would block the load)
+            out.append(read_regular(path, inside=folder))
+        except OutsideError as exc:
+            raise SecurityError(f"model {name!r}: its file {str(path)!r}: {exc.strerror}"
+                                ) from None
         except OSError as exc:
             raise NotFoundError(
                 f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
@@ -578,9 +584,12 @@ class Runtime:
         if pipeline is not None:
             return await self._load_pipeline(name, pipeline)
         entry = config.models[name]
-        paths = [model_file(config, f) for f in entry.files]
         try:
-            builders = await trio.to_thread.run_sync(_read_files, paths, name)
+            paths = [model_file(config, f) for f in entry.files]
+            # A relative file must still lie in the config directory once opened.
+            inside = [None if Path(f).is_absolute() else config.base_dir.resolve()
+                      for f in entry.files]
+            builders = await trio.to_thread.run_sync(_read_files, paths, name, inside)
         except WasiNNError as exc:  # say which registry entry names it
             raise exc.prefixed(config.model_key(name)) from exc
         # The file the host read: where an ONNX model's external data may lie.

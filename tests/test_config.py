@@ -4,6 +4,7 @@ lazily once for concurrent callers, and never resolves outside the config direct
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -662,6 +663,89 @@ async def test_registered_external_data_stays_in_the_models_folder(
     write(tmp_path, '[models.ext]\nfiles = ["models/ext.onnx"]\n')
     async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
         with pytest.raises(error, match=message):
+            await rt.load_by_name("ext")
+
+
+def swap_for_a_link_out(path: Path, outside: Path) -> None:
+    """Put a symbolic link to ``outside`` where ``path`` is, as another process could
+    between a check of the path and its open."""
+    os.replace(path, outside)
+    path.symlink_to(outside)
+
+
+async def test_a_model_file_swapped_after_its_check_is_refused_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The path is checked, then opened in a thread: what was opened is checked again.
+    from wasinn.configs import loader
+
+    require_backend("onnxruntime")
+    models = tmp_path / "config" / "models"
+    models.mkdir(parents=True)
+    (models / "m.onnx").write_bytes(affine_onnx())
+    secret = tmp_path / "secret.onnx"
+    checked = loader.model_file
+
+    def checked_then_swapped(config: Any, file: str) -> Path:
+        path = checked(config, file)
+        swap_for_a_link_out(path, secret)
+        return path
+
+    config = write(tmp_path / "config", '[models.m]\nfiles = ["models/m.onnx"]\n')
+    async with wasinn.Runtime.from_config(config) as rt:
+        monkeypatch.setattr(loader, "model_file", checked_then_swapped)
+        with pytest.raises(SecurityError, match=r"wasinn\.toml: models\.m: model 'm': its file "
+                                                r".*m\.onnx': the file opened is not the one "
+                                                r"inside .*config that the path named"):
+            await rt.load_by_name("m")
+
+
+def test_a_file_replaced_between_its_open_and_the_check_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The path then names a file inside, but not the one that was opened.
+    from wasinn import files
+
+    (tmp_path / "m.onnx").write_bytes(b"opened")
+    (tmp_path / "other.onnx").write_bytes(b"other")
+    assert files.read_regular(tmp_path / "m.onnx", inside=tmp_path) == b"opened"
+    real_open = os.open
+
+    def open_then_replaced(path: Any, flags: int) -> int:
+        fd = real_open(path, flags)
+        os.replace(tmp_path / "other.onnx", path)
+        return fd
+
+    monkeypatch.setattr(files.os, "open", open_then_replaced)
+    with pytest.raises(files.OutsideError, match="the file opened is not the one inside"):
+        files.read_regular(tmp_path / "m.onnx", inside=tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+async def test_external_data_swapped_after_its_check_is_refused_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    # The library is handed the bytes the host read, never the path to open itself.
+    require_backend(backend)
+    module = importlib.import_module("wasinn.backends." + (
+        "onnxruntime" if backend == "onnxruntime" else "_ovread"))
+    models = tmp_path / "models"
+    models.mkdir()
+    external_weights_model(models)
+    checked = module.check_external_data
+
+    def checked_then_swapped(*args: Any) -> frozenset[str]:
+        locations = checked(*args)
+        swap_for_a_link_out(models / "w.data", tmp_path / "secret.data")
+        return locations
+
+    write(tmp_path, f'[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "{backend}"\n')
+    async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
+        graph = await rt.load_by_name("ext")  # unswapped: read from the model's folder
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 8), 8.0))
+        await graph.unload()
+        monkeypatch.setattr(module, "check_external_data", checked_then_swapped)
+        with pytest.raises(SecurityError, match=rf"models\.ext: {backend}: external data "
+                                                r"'w\.data': the file opened is not the one "
+                                                r"inside .*models that the path named"):
             await rt.load_by_name("ext")
 
 
