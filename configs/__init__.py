@@ -44,12 +44,17 @@ def check_precision(value: object) -> str:
 NAME_FORM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
+def shown_name(name: str) -> str:
+    """``name`` quoted for a message (``repr``: control characters escaped), its first
+    57 characters and ``...`` where it is longer than 60 (quoted whole, even cut)."""
+    return repr(name if len(name) <= 60 else f"{name[:57]}...")
+
+
 def name_problem(name: str) -> str | None:
     """What is wrong with ``name`` as a model's or pipeline's name, or None."""
     if NAME_FORM.fullmatch(name):
         return None
-    shown = name if len(name) <= 60 else f"{name[:57]}..."  # (quoted whole, even cut)
-    return (f"name {shown!r} is not a plain identifier: expected at most 128 letters, "
+    return (f"name {shown_name(name)} is not a plain identifier: expected at most 128 letters, "
             "digits, '_', '.' and '-', not starting with '.' or '-' (a name is looked up, "
             "never used as a path)")
 
@@ -113,4 +118,4 @@ def read_by_no_backend(key: str, backends: Iterable[str]) -> str | None:
 
 
 __all__ = ["BACKEND_OPTIONS", "NAME_FORM", "PRECISIONS", "ConfigError", "check_precision",
-           "name_problem", "option_problem", "read_by_no_backend"]
+           "name_problem", "option_problem", "read_by_no_backend", "shown_name"]

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from wasinn.errors import InvalidArgumentError, NotFoundError, SecurityError
 
-from . import ConfigError, read_by_no_backend
+from . import ConfigError, read_by_no_backend, shown_name
 from .schema import FAULT, RuntimeConfig, _Startup, key_name
 
 DEFAULT_NAME = "default.toml"
@@ -84,6 +84,11 @@ def _key_path(loc: tuple[int | str, ...], data: object, key: str = "") -> str:
     return out or "(top level)"
 
 
+def _quoted_in(value: object, msg: str) -> bool:
+    # Whether ``msg`` already quotes ``value`` (as _got does, or cut as a name is).
+    return _got(value) in msg or (isinstance(value, str) and shown_name(value) in msg)
+
+
 def _got(value: object) -> str:
     text = repr(value)
     return text if len(text) <= GOT_LIMIT else text[:GOT_LIMIT - 3] + "..."
@@ -136,7 +141,7 @@ def _describe(errors: list[Any], data: object) -> str:
             msg = _missing_key(_user_loc(tuple(err["loc"]), data))
         # The bad value, if short enough to help: never a whole table.
         if (err["type"] not in ("extra_forbidden", "missing") and "input" in err
-                and not isinstance(err["input"], dict) and _got(err["input"]) not in msg):
+                and not isinstance(err["input"], dict) and not _quoted_in(err["input"], msg)):
             msg += f" (got {_got(err['input'])})"
         lines.append(f"{where}: {msg}")
     return "; ".join(lines)

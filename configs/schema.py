@@ -52,6 +52,7 @@ the config directory itself, is refused.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -90,8 +91,12 @@ def fault(key: str, message: str) -> PydanticCustomError:
 
 
 def key_name(name: str) -> str:
-    """``name`` as one part of a key path: quoted unless it is a plain identifier."""
-    return name if re.fullmatch(r"[A-Za-z0-9_\-]+", name) else f'"{name}"'
+    """``name`` as one part of a key path: as it is where it is a plain identifier of at
+    most 60 characters, else quoted as TOML writes it (control characters escaped), its
+    first 57 characters and ``...`` where it is longer."""
+    if len(name) <= 60 and re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+        return name
+    return json.dumps(name if len(name) <= 60 else f"{name[:57]}...", ensure_ascii=False)
 
 
 def _target(value: str) -> str:

@@ -14,10 +14,14 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from wasinn.actors.pending import Pending
 from wasinn.actors.stats import RequestStats
+from wasinn.configs import shown_name
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import NotFoundError, WasiNNError
+from wasinn.errors import InvalidArgumentError, NotFoundError, WasiNNError
 
 from .model import Executable
+
+#: How many registered names a NotFoundError lists.
+_LISTED = 20
 
 #: A loaded name and its default target as configured (each caller resolves it: a
 #: fallback is warned about at the caller's line, a missing device raised to the caller).
@@ -57,9 +61,15 @@ class NameRegistry:
         (InvalidEncodingError, NotFoundError for a missing file, ...) when loading fails;
         every caller waiting on that load gets an error of the same type and message.
         """
-        if not isinstance(name, str) or name not in self._known:
-            known = ", ".join(self._names) or "none"
-            raise NotFoundError(f"no model or pipeline named {name!r}: registered: {known}")
+        if not isinstance(name, str):
+            raise InvalidArgumentError(
+                f"a model's or pipeline's name is a str, not {type(name).__name__}")
+        if name not in self._known:
+            known = ", ".join(self._names[:_LISTED]) or "none"
+            if len(self._names) > _LISTED:
+                known += f" and {len(self._names) - _LISTED} more (rt.model_names())"
+            raise NotFoundError(
+                f"no model or pipeline named {shown_name(name)}: registered: {known}")
         while True:
             entry = self._loaded.get(name)
             if entry is not None and not getattr(entry[0], "released", False):

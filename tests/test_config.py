@@ -466,8 +466,27 @@ async def test_names_are_looked_up_never_used_as_paths(tmp_path: Path) -> None:
         for name in ("../models/affine.onnx", "models/affine.onnx", "/etc/passwd", "nope", ""):
             with pytest.raises(NotFoundError, match="no model or pipeline named"):
                 await rt.load_by_name(name)
-        with pytest.raises(NotFoundError):
-            await rt.load_by_name(3)  # type: ignore[arg-type]
+        for wrong in (3, None, b"affine"):
+            with pytest.raises(InvalidArgumentError,
+                               match=r"^a model's or pipeline's name is a str, not "):
+                await rt.load_by_name(wrong)  # type: ignore[arg-type]
+        with pytest.raises(NotFoundError) as long:  # quoted, escaped, cut
+            await rt.load_by_name("y" * 5_000_000 + "\n")
+        assert str(long.value) == (f"no model or pipeline named {'y' * 57 + '...'!r}: "
+                                   "registered: affine, absent")
+
+
+@pytest.mark.parametrize(("name", "where"), [
+    ("a\n", 'models."a\\n": name \'a\\n\' '),
+    ("a\x00b", 'models."a\\u0000b": name \'a\\x00b\' '),
+    ("x" * 129, f'models."{"x" * 57}...": name \'{"x" * 57}...\' '),
+])
+def test_a_bad_name_is_shown_escaped_and_cut_once(name: str, where: str) -> None:
+    with pytest.raises(ConfigError) as bad:
+        parse_config({"models": {name: {"files": ["m.onnx"]}}}, None)
+    message = str(bad.value)
+    assert message.startswith(f"<config>: {where}is not a plain identifier")
+    assert "\n" not in message and "\0" not in message and "(got" not in message
 
 
 async def test_a_missing_registered_file_is_not_found_until_it_appears(tmp_path: Path) -> None:
