@@ -323,8 +323,12 @@ class Runtime:
         # The config's preload/warmup entries, readied before start returns; a failure
         # stops the runtime again (see wasinn.scheduler.warmup).
         config = self._config
+        keys = {**{name: f"{config.model_key(name)}.warmup_inputs" for name in config.models},
+                **{name: _pipeline_key(config, name, "warmup_inputs")
+                   for name in config.pipelines}}
         plan = {name: WarmUp(entry.warmup,
-                             {k: tuple(dims) for k, dims in entry.warmup_inputs.items()})
+                             {k: tuple(dims) for k, dims in entry.warmup_inputs.items()},
+                             keys[name])
                 for name, entry in [*config.models.items(), *config.pipelines.items()]
                 if entry.at_start}
         if not plan:

@@ -45,10 +45,12 @@ log = logging.getLogger("wasinn.scheduler")
 
 class WarmUp(NamedTuple):
     """What to do at start for one name: ``runs`` warm-up runs per device (0: only
-    preload), on inputs of these ``shapes`` where given."""
+    preload), on inputs of these ``shapes`` where given; ``key``: where the shapes are
+    written (``FILE: models.NAME.warmup_inputs``), for their errors."""
 
     runs: int = 0
     shapes: Mapping[str, tuple[int, ...]] = {}
+    key: str = ""
 
 
 #: How a config gives the shape of an input that declares none (``{name}``: the input).
@@ -133,7 +135,10 @@ async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
     else:
         assert isinstance(executable, LoadedModel)
         models, links = (executable,), ()
-    inputs = zero_inputs(executable.inputs, warm.shapes) if warm.runs else {}
+    try:
+        inputs = zero_inputs(executable.inputs, warm.shapes) if warm.runs else {}
+    except WasiNNError as exc:
+        raise (exc.prefixed(warm.key) if warm.key else exc) from exc
     for actor in scheduler.actors_of(kind):
         job = await scheduler.chain_on(actor, models, links, inputs)
         for _ in range(warm.runs):

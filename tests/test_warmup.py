@@ -196,7 +196,8 @@ def warmed_on(directory: Path, shape: str) -> Path:
 async def test_a_warm_up_shape_too_large_to_allocate_fails_the_start_naming_it(
         tmp_path: Path, rows: int) -> None:
     await refused_start(warmed_on(tmp_path, f"[{rows}, 4]"), TooLargeError,
-                        rf"preloading 'a': input 'x': a zero-filled f32 value of shape "
+                        rf"preloading 'a': .*: models\.a\.warmup_inputs: input 'x': a "
+                        rf"zero-filled f32 value of shape "
                         rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
                         rf"allocated here \(.*\): expected a smaller shape")
 
@@ -209,10 +210,12 @@ async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
     model = '[models.net]\nfiles = ["net.pt"]\nencoding = "pytorch"\nwarmup = 1\n'
     path.write_text(model)  # TorchScript declares no input shapes
     await refused_start(path, InvalidArgumentError,
-                        r"preloading 'net': input 'x' declares no shape, .*warmup_inputs")
+                        r"preloading 'net': .*wasinn\.toml: models\.net\.warmup_inputs: "
+                        r"input 'x' declares no shape, .*warmup_inputs")
     path.write_text(model + "warmup_inputs = { image = [1, 3, 224, 224] }\n")
-    await refused_start(path, InvalidArgumentError, r"preloading 'net': warmup_inputs names "
-                                                    r"'image', which is not an input: .*'x'")
+    await refused_start(path, InvalidArgumentError,
+                        r"preloading 'net': .*wasinn\.toml: models\.net\.warmup_inputs: "
+                        r"warmup_inputs names 'image', which is not an input: .*'x'")
     path.write_text(model + "warmup_inputs = { x = [2, 3, 224, 224] }\n")
     async with wasinn.Runtime.from_config(path) as rt:
         (actor,) = rt.actors
@@ -344,7 +347,8 @@ async def test_a_pipelines_warmup_inputs_name_its_own_inputs_only(tmp_path: Path
     # 'y' is an input of the second step, fed by the first: not the pipeline's.
     path = chain_config(tmp_path, "warmup = 1\nwarmup_inputs = { y = [2, 4] }")
     await refused_start(path, InvalidArgumentError,
-                        r"^preloading 'chain': warmup_inputs names 'y', which is not an "
+                        r"^preloading 'chain': .*: pipelines\.chain\.warmup_inputs: "
+                        r"warmup_inputs names 'y', which is not an "
                         r"input: expected one of 'x'$")
 
 
