@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,3 +203,22 @@ def check_apart(buffer_ptr: int, buffer_len: int, written_ptr: int, what: str) -
             f"{buffer_ptr:#x} of {buffer_len} bytes: expected the 4-byte size outside the "
             "buffer"
         )
+
+
+#: A range of guest memory a call names: what it is, its address, its length.
+Span = tuple[str, int, int]
+
+
+def check_disjoint(mine: Sequence[Span], theirs: Sequence[Span]) -> None:
+    """InvalidArgumentError when one of ``mine`` overlaps one of ``theirs`` (empty ranges
+    overlap nothing): ranges one call writes, each of which would corrupt the other."""
+    for what, *mine_at in mine:
+        start, length = map(u32, mine_at)
+        for other, *theirs_at in theirs:
+            other_start, other_length = map(u32, theirs_at)
+            if (length and other_length and start < other_start + other_length
+                    and other_start < start + length):
+                raise InvalidArgumentError(
+                    f"the {what} at guest address {start:#x} ({length} bytes) overlaps "
+                    f"{other} at {other_start:#x} ({other_length} bytes); compute writes "
+                    "both: expected separate ranges")

@@ -57,7 +57,7 @@ from wasinn.host.abi import (
     decode_encoding,
     decode_target,
 )
-from wasinn.host.guest_memory import GuestMemory, check_apart, u32
+from wasinn.host.guest_memory import GuestMemory, check_apart, check_disjoint, u32
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
@@ -299,6 +299,12 @@ class GuestNN:
         mem.span(out_ptr, out_max_len, f"output buffer for {name!r}")
         mem.check_writable_u32(written_ptr, "bytes-written result")
         check_apart(out_ptr, out_max_len, written_ptr, f"output buffer for {name!r}")
+        check_disjoint(  # every bound output is written by one compute
+            [(f"output buffer for {name!r}", out_ptr, out_max_len),
+             (f"bytes_written for {name!r}", written_ptr, 4)],
+            [span for other, bound in entry.bound_outputs.items() if other != spec.name
+             for span in ((f"the buffer bound to output {other!r}", bound.ptr, bound.max_len),
+                          (f"the bytes_written of output {other!r}", bound.written_ptr, 4))])
         entry.bound_outputs[spec.name] = OutputBinding(out_ptr, u32(out_max_len), written_ptr,
                                                        static_nbytes(spec))
 

@@ -30,6 +30,7 @@ import trio
 import wasmtime
 
 import wasinn
+from tests.backend_models import two_outputs
 from tests.guest_support import WAT_DIR, sub_onnx
 from tests.support import require_backend
 from wasinn import TensorType
@@ -56,10 +57,11 @@ MODELS = {
     "dyn3": lambda: identity_onnx(TensorType.F32, shape=("a", "b", "c")),
     "big": lambda: identity_onnx(TensorType.F32, shape=(65536, 65536)),   # 16 GiB output
     "sub": sub_onnx,                                                        # y = a - b
+    "pair": lambda: two_outputs("onnxruntime")[0][0],                       # a = x, b = -x
 }
 #: Per model: the record (lay_out's) that fits its inputs, and how many inputs it has.
 GOOD_INPUTS = {"identity": (0, 1), "identity_static": (0, 1), "dyn3": (2, 1), "big": (0, 0),
-               "sub": (0, 2)}
+               "sub": (0, 2), "pair": (0, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -627,6 +629,35 @@ async def test_bytes_written_inside_the_output_buffer_is_refused(
     assert host_log.bugs() == []
     assert host_log.said("bytes_written at guest address 0x500c overlaps the output buffer "
                          "at 0x5000 of 16 bytes: expected the 4-byte size outside the buffer")
+
+
+async def test_bound_outputs_that_overlap_each_other_are_refused(
+        rt: wasinn.Runtime, host_log: HostLog) -> None:
+    # Was: accepted; compute wrote one output's size into another's data, or one output
+    # over another, and said success.
+    def body(guest: Guest) -> None:
+        ctx = ready(guest, "pair")
+        a, b = guest.name(0x100, "a"), guest.name(0x120, "b")
+        assert guest.call("set_output_by_name", ctx, *a, 0x6000, 16, 0x40) == SUCCESS
+        for buffer, written in ((0x6100, 0x6004),   # b's size inside a's buffer
+                                (0x6008, 0x44),     # the buffers overlap
+                                (0x6000, 0x44),     # one buffer for both
+                                (0x38, 0x48),       # b's buffer over a's size
+                                (0x6100, 0x42)):    # the sizes overlap
+            assert guest.call("set_output_by_name", ctx, *b, buffer, 16, written) == \
+                INVALID_ARGUMENT, (hex(buffer), hex(written))
+        assert guest.call("set_output_by_name", ctx, *b, 0x6010, 16, 0x44) == SUCCESS
+        assert guest.call("set_output_by_name", ctx, *a, 0x6000, 16, 0x40) == SUCCESS  # again
+        assert guest.call("compute", ctx) == SUCCESS
+        assert np.frombuffer(guest.read(0x6000, 32), np.float32).tolist() == [
+            1, 2, 3, 4, -1, -2, -3, -4]
+        assert (guest.u32(0x40), guest.u32(0x44)) == (16, 16)
+
+    await in_guest(rt, body)
+    assert host_log.bugs() == []
+    assert host_log.said("the bytes_written for 'b' at guest address 0x6004 (4 bytes) "
+                         "overlaps the buffer bound to output 'a' at 0x6000 (16 bytes); "
+                         "compute writes both: expected separate ranges")
 
 
 async def test_a_compute_that_fails_early_leaves_no_outputs_of_an_earlier_one(
