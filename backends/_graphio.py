@@ -22,6 +22,7 @@ from wasinn.errors import (
     InvalidEncodingError,
     UnknownNameError,
     UnsupportedOperationError,
+    quoted,
 )
 from wasinn.tensor import Tensor, as_tensor
 
@@ -79,6 +80,12 @@ def _keys(specs: Sequence[TensorSpec], aliases: Mapping[str, int] | None) -> dic
     return keys
 
 
+
+def _shown(key: object) -> str:
+    # An input or output key as a message repeats it: a name quoted and cut (a guest's
+    # name can be as long as its memory), an index as it is.
+    return quoted(key) if isinstance(key, str) else repr(key)
+
 class InputChecker:
     """Validates a mapping of inputs against a graph's input specs.
 
@@ -122,7 +129,7 @@ class InputChecker:
             index = by_key.get(key)
             if index is None:
                 raise UnknownNameError(
-                    f"{self._backend}: the model has no input {key!r}: expected inputs "
+                    f"{self._backend}: the model has no input {_shown(key)}: expected inputs "
                     f"{_describe_all(self._specs)}"
                 )
             tensor = value if type(value) is Tensor else as_tensor(value)
@@ -183,7 +190,7 @@ class OutputSelector:
             index = self._by_key.get(key)
             if index is None:
                 raise UnknownNameError(
-                    f"{self._backend}: the model has no output {key!r}: expected outputs "
+                    f"{self._backend}: the model has no output {_shown(key)}: expected outputs "
                     f"{_describe_all(self._specs)}"
                 )
             picked.append(index)

@@ -151,3 +151,15 @@ _BY_CODE: dict[ErrorCode, type[WasiNNError]] = {
 def error_for_code(code: ErrorCode) -> type[WasiNNError]:
     """The exception class that stands for ``code``."""
     return _BY_CODE[code]
+
+
+#: Most characters of a caller's or guest's string that a message repeats (:func:`quoted`).
+MAX_QUOTED_CHARS = 200
+
+
+def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """``text`` quoted (``repr``) for a message, cut after ``limit`` characters with a
+    note of its full length: a guest's string can be as long as its memory."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters in all)"

@@ -67,6 +67,30 @@ MAX_NAME_BYTES = 1024
 _U32_MAX = 0xFFFFFFFF
 
 
+def _check_name_bytes(length: int, what: str) -> None:
+    if length > MAX_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"{what} is {length} bytes long: expected at most {MAX_NAME_BYTES} bytes of "
+            "UTF-8 (no model, input or output has a longer name)")
+
+
+def check_name_length(name: str, what: str) -> None:
+    """The bound :meth:`GuestMemory.read_str` sets, for a name a component guest passed as
+    a string: InvalidArgumentError beyond MAX_NAME_BYTES bytes of UTF-8 (the same answer
+    in both ABIs)."""
+    if len(name) > MAX_NAME_BYTES // 4:  # (only a name that could be too long is encoded)
+        _check_name_bytes(len(name.encode("utf-8", "surrogatepass")), what)
+
+
+def check_model_name(name: str) -> None:
+    """A model name a guest asks for: InvalidArgumentError when it is empty or longer
+    than any name (both ABIs)."""
+    if not name:
+        raise InvalidArgumentError("model name is empty: expected the name of a registered "
+                                   "model or pipeline")
+    check_name_length(name, "model name")
+
+
 class GuestMemory:
     """The guest's linear memory during one host call (see the module docstring)."""
 
@@ -124,11 +148,7 @@ class GuestMemory:
         """A UTF-8 name of at most MAX_NAME_BYTES bytes; InvalidArgumentError when it is
         longer or not valid UTF-8."""
         length &= 0xFFFFFFFF
-        if length > MAX_NAME_BYTES:
-            raise InvalidArgumentError(
-                f"{what} is {length} bytes long: expected at most {MAX_NAME_BYTES} bytes "
-                "of UTF-8 (no model, input or output has a longer name)"
-            )
+        _check_name_bytes(length, what)
         raw = self.span(ptr, length, what).tobytes()
         try:
             return raw.decode("utf-8")

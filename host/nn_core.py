@@ -57,7 +57,13 @@ from wasinn.host.abi import (
     decode_encoding,
     decode_target,
 )
-from wasinn.host.guest_memory import GuestMemory, check_apart, check_disjoint, u32
+from wasinn.host.guest_memory import (
+    GuestMemory,
+    check_apart,
+    check_disjoint,
+    check_model_name,
+    u32,
+)
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
@@ -197,6 +203,7 @@ class GuestNN:
                      graph_out: int) -> None:
         mem.check_writable_u32(graph_out, "graph handle result")
         name = mem.read_str(name_ptr, name_len, "model name")
+        check_model_name(name)
         self._check_graph_quota()
         start = time.perf_counter()
         graph = load_registered(self.portal, self.runtime, name)

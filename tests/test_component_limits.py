@@ -19,16 +19,20 @@ from tests.component_guests import RecordingRuntime
 from tests.test_component_host import CODES, CPU, FP32, ONNX, start_shim
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
-from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError
+from wasinn.errors import (
+    MAX_QUOTED_CHARS,
+    InvalidArgumentError,
+    NotFoundError,
+    TooLargeError,
+    quoted,
+)
 from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.service import NNService
 from wasinn.host.component.tables import (
     MAX_ERROR_MESSAGE_BYTES,
-    MAX_QUOTED_CHARS,
     ErrorEntry,
     ResourceExhausted,
     bounded_message,
-    quoted,
 )
 from wasinn.host.limits import GuestLimits, limits_of
 from wasinn.host.runner import GuestTrap
@@ -72,10 +76,17 @@ def test_an_invalid_tensor_is_not_written_to_scratch(tmp_path: Path) -> None:
     short = svc.tensor_new([2, 4], "FP32", b"\0" * 5)
     with pytest.raises(InvalidArgumentError, match="5 bytes"):
         svc.tensor_to_scratch(short, "x.bin")
-    huge = svc.tensor_new([2**20, 2**20], "FP32", b"")
-    with pytest.raises(TooLargeError):
-        svc.tensor_to_scratch(huge, "y.bin")
-    assert not any(path.name in ("x.bin", "y.bin") for path in tmp_path.rglob("*"))
+    # Dimensions that would need 4 TiB, with no data: the mismatch is the mistake (as in
+    # the legacy ABI), not the size.
+    mismatched = svc.tensor_new([2**20, 2**20], "FP32", b"")
+    with pytest.raises(InvalidArgumentError, match="0 bytes but dimensions"):
+        svc.tensor_to_scratch(mismatched, "y.bin")
+    small = NNService(None, None, GuestLimits(max_tensor_bytes=16),  # type: ignore[arg-type]
+                      scratch=ScratchDir(tmp_path))
+    huge = small.tensor_new([2, 4], "FP32", b"\0" * 32)
+    with pytest.raises(TooLargeError, match="32 bytes exceeds this guest's limit of 16"):
+        small.tensor_to_scratch(huge, "z.bin")
+    assert not any(path.name in ("x.bin", "y.bin", "z.bin") for path in tmp_path.rglob("*"))
 
 
 async def test_a_guest_tensor_of_huge_rank_reports_invalid_argument(rt: RecordingRuntime
@@ -189,6 +200,31 @@ def test_an_error_keeps_its_code_and_a_bounded_message_not_the_exception() -> No
     assert "bytes elided" in str(trap.value)
 
 
+async def test_a_component_guest_gets_the_legacy_abis_answers_to_the_same_mistakes(
+        rt: RecordingRuntime) -> None:
+    # Each answer as tests/test_core_fuzz.py checks it for a core-module guest.
+    guest, shim = await start_shim(rt)
+    async with guest:
+        assert await shim.err("load-by-name", "") == (
+            "invalid-argument", "model name is empty: expected the name of a registered model "
+                                "or pipeline")
+        _graph, ctx = await shim.context("affine")
+        ones = np.ones((1, 4), np.float32)
+        code, message = await shim.err("compute", ctx, [("x" * 1025, await shim.tensor(ones))])
+        assert (code, message) == ("invalid-argument", "input name is 1025 bytes long: "
+                                   "expected at most 1024 bytes of UTF-8 (no model, input or "
+                                   "output has a longer name)")
+        # A name that can be one, but is not: quoted and cut, in the backend's words too.
+        code, message = await shim.err("compute", ctx, [("q" * 1000, await shim.tensor(ones))])
+        assert code == "not-found" and "(1000 characters in all)" in message
+        assert len(message) < 500
+        # 16 bytes for dimensions that would need 4 PiB: the mismatch, not the size.
+        wrong = await shim("tensor-new", [65536] * 3, FP32, b"\0" * 16)
+        code, message = await shim.err("compute", ctx, [("x", wrong)])
+        assert code == "invalid-argument"
+        assert "tensor data is 16 bytes but dimensions [65536, 65536, 65536]" in message
+
+
 async def test_errors_echoing_a_huge_guest_name_stay_small_on_the_host(
         rt: RecordingRuntime) -> None:
     guest, shim = await start_shim(rt)
@@ -204,11 +240,15 @@ async def test_errors_echoing_a_huge_guest_name_stay_small_on_the_host(
         assert sum(len(m.encode()) for m in messages) <= 5 * (MAX_ERROR_MESSAGE_BYTES + 40)
         code, message = CODES[await shim("error-code", held[0])], await shim("error-data",
                                                                               held[0])
-        assert code == "not-found"
-        # what was wrong (the start of the name) and what was expected (the end: the
-        # registered names) both survive the cut
-        assert message.startswith("no model or pipeline named 'nnn")
-        assert "bytes elided" in message and "affine" in message.rsplit("…", 1)[1]
+        # longer than any name: refused as the legacy ABI refuses it, not repeated
+        assert code == "invalid-argument"
+        assert message == ("model name is 2000000 bytes long: expected at most 1024 bytes of "
+                           "UTF-8 (no model, input or output has a longer name)")
+        result = await shim("load-by-name", "n" * 1000)  # a name that can be one: quoted, cut
+        assert result.tag == "err"
+        message = await shim("error-data", result.payload)
+        assert message.startswith(f"no model or pipeline named '{'n' * 57}...': registered: ")
+        await shim("error-drop", result.payload)
         for handle in held:
             await shim("error-drop", handle)
     assert guest.live() == NOTHING

@@ -631,6 +631,16 @@ async def test_bytes_written_inside_the_output_buffer_is_refused(
                          "at 0x5000 of 16 bytes: expected the 4-byte size outside the buffer")
 
 
+async def test_an_empty_model_name_is_invalid_as_for_a_component_guest(
+        rt: wasinn.Runtime, host_log: HostLog) -> None:
+    def body(guest: Guest) -> None:
+        assert guest.call("load_by_name", 0x100, 0, 0x40) == INVALID_ARGUMENT
+
+    await in_guest(rt, body)
+    assert host_log.said("model name is empty: expected the name of a registered model or "
+                         "pipeline")
+
+
 async def test_bound_outputs_that_overlap_each_other_are_refused(
         rt: wasinn.Runtime, host_log: HostLog) -> None:
     # Was: accepted; compute wrote one output's size into another's data, or one output

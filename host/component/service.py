@@ -53,6 +53,7 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
     error_for_code,
+    quoted,
 )
 from wasinn.host.component.scratch import ScratchDir, Usage, check_name, quota_exceeded
 from wasinn.host.component.tables import (
@@ -62,8 +63,8 @@ from wasinn.host.component.tables import (
     GuestTables,
     ResourceExhausted,
     TensorEntry,
-    quoted,
 )
+from wasinn.host.guest_memory import check_model_name, check_name_length
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
@@ -275,12 +276,14 @@ class NNService:
 
     def _make_tensor(self, shape: tuple[int, ...], type_name: str, data: Any) -> Tensor:
         ttype = self._tensor_type(type_name)
-        nbytes = math.prod(shape) * ttype.itemsize
-        if nbytes > self.limits.max_tensor_bytes or len(data) > self.limits.max_tensor_bytes:
+        if len(data) > self.limits.max_tensor_bytes:
             raise TooLargeError(
-                f"tensor of {max(nbytes, len(data))} bytes exceeds this guest's limit of "
+                f"tensor of {len(data)} bytes exceeds this guest's limit of "
                 f"{self.limits.max_tensor_bytes} bytes per tensor"
             )
+        # Data and dimensions that disagree are the mistake (invalid-argument, as in the
+        # legacy ABI), whatever size the dimensions would need; once they agree, the size
+        # is the data's, within the limit.
         return Tensor.from_bytes(shape, ttype, data)
 
     def tensor_dims(self, rep: int) -> list[int]:
@@ -343,8 +346,7 @@ class NNService:
         return self.load(data, encoding, target)
 
     def load_by_name(self, name: str) -> int:
-        if not name:
-            raise InvalidArgumentError("load-by-name needs a model name; got an empty string")
+        check_model_name(name)
         self._check_graph_room()
         start = time.perf_counter()
         graph = load_registered(self.portal, self.runtime, name)
@@ -453,6 +455,7 @@ class NNService:
     def _inputs(self, named: Sequence[tuple[str, TensorEntry]]) -> dict[str | int, Tensor]:
         inputs: dict[str | int, Tensor] = {}
         for name, entry in named:
+            check_name_length(name, "input name")
             if name in inputs:
                 raise InvalidArgumentError(
                     f"input {quoted(name)} is given twice: expected each input at most once")
@@ -553,6 +556,7 @@ class NNService:
         context is dropped.
         """
         entry = self.tables.contexts.get(ctx_rep)
+        check_name_length(name, "input name")
         key = self._input_name(entry, name)
         (_, value), = self._inputs([(key, tensor)]).items()
         old = entry.inputs.get(key)
@@ -599,6 +603,7 @@ class NNService:
 
     def get_output(self, ctx_rep: int, name: str) -> int:
         entry = self.tables.contexts.get(ctx_rep)
+        check_name_length(name, "output name")
         if entry.outputs is None:
             raise InvalidArgumentError(
                 f"get-output({quoted(name)}) called before a successful compute on this "

@@ -37,8 +37,6 @@ _MAX_REP = 0xFFFF_FFFF
 DIM_BYTES = 36
 #: Most UTF-8 bytes of message an ``error`` resource keeps (:func:`bounded_message`).
 MAX_ERROR_MESSAGE_BYTES = 4096
-#: Most characters of a guest's string that a host message repeats (:func:`quoted`).
-MAX_QUOTED_CHARS = 200
 
 
 def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_BYTES) -> str:
@@ -60,13 +58,6 @@ def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_BYTES) -> str:
         tail.encode("utf-8", "surrogatepass"))
     return f"{head}… ({elided} bytes elided) …{tail}"
 
-
-def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
-    """``text`` quoted (``repr``) for a message, cut after ``limit`` characters with a
-    note of its full length: a guest's string can be as long as its memory."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}… ({len(text)} characters in all)"
 
 
 class ResourceExhausted(Exception):
