@@ -51,22 +51,9 @@ from ._graphio import expect_builders
 from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._tflite_check import check_tflite
 from .base import Builders
-from .formats import detect_encoding, protobuf_fields
+from .formats import check_declared, protobuf_fields
 
 NAME = "openvino"
-
-
-def _check_content(builders: Builders, encoding: GraphEncoding) -> None:
-    """Refuse bytes that are recognisably another format than the one declared."""
-    try:
-        seen = detect_encoding(builders[:1])
-    except InvalidEncodingError:
-        return  # unknown to the sniffer: let OpenVINO's frontend judge and explain
-    if seen is not encoding:
-        raise InvalidEncodingError(
-            f"{NAME}: the model was declared {encoding.value} but its first builder is "
-            f"{seen.value} bytes"
-        )
 
 
 def _xml(data: bytes | bytearray | memoryview) -> bool:
@@ -99,11 +86,11 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
             raise InvalidEncodingError(
                 f"{NAME}: the IR's two builders are the wrong way round (the second is "
                 "the XML): expected the .xml first, then the .bin")
-        _check_content(builders, encoding)
+        check_declared(NAME, builders, encoding)
         return _read_ir(core, builders[0], builders[1], "IR")
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
-        _check_content(builders, encoding)
+        check_declared(NAME, builders, encoding)
         folder = external_data_folder(source)
         locations = check_external_data(NAME, builders[0], folder)
         if locations and folder is not None:
@@ -112,7 +99,7 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
         return _read(lambda: core.read_model(bytes(builders[0])), "ONNX model"), None
     if encoding is GraphEncoding.TENSORFLOWLITE:
         expect_builders(NAME, builders, 1, "one builder holding a TensorFlow Lite flatbuffer")
-        _check_content(builders, encoding)
+        check_declared(NAME, builders, encoding)
         try:
             check_tflite(builders[0])
         except ValueError as exc:
@@ -125,7 +112,7 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
             return _read_files(core, files, ".")
         expect_builders(NAME, builders, 1, "one builder holding a frozen GraphDef or a "
                         "SavedModel (or three: saved_model.pb, variables.index, variables.data)")
-        _check_content(builders, encoding)
+        check_declared(NAME, builders, encoding)
         if _is_saved_model(builders[0]):
             return _read_files(core, {"saved_model.pb": builders[0]}, ".")
         return _read_files(core, {"model.pb": builders[0]}, "model.pb")

@@ -185,3 +185,18 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
         "known format: expected ONNX, OpenVINO IR (xml + bin), TorchScript, TensorFlow Lite "
         "or a TensorFlow GraphDef/SavedModel"
     )
+
+
+def check_declared(backend: str, builders: Builders, encoding: GraphEncoding) -> None:
+    """InvalidEncodingError, saying so plainly, when the first builder is recognisably
+    another format than the ``encoding`` declared (bytes the sniffer does not know are
+    left for the library to judge and explain)."""
+    try:
+        seen = detect_encoding(builders[:1])
+    except InvalidEncodingError:
+        return
+    if seen is not encoding:
+        raise InvalidEncodingError(
+            f"{backend}: the model was declared {encoding.value} but its first builder is "
+            f"{seen.value} bytes"
+        )

@@ -87,7 +87,7 @@ from .base import (
     in_sandbox,
     log,
 )
-from .formats import protobuf_records
+from .formats import check_declared, protobuf_records
 
 NAME = "onnxruntime"
 
@@ -420,6 +420,7 @@ class OnnxRuntimeBackend(Backend):
         """
         expect_encoding(NAME, encoding, GraphEncoding.ONNX)
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
+        check_declared(NAME, builders, GraphEncoding.ONNX)
         if device != _CPU:  # (a CPU load asks no CUDA driver, not in a sandbox either)
             devices = self.devices()
             if device not in devices:

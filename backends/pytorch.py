@@ -121,6 +121,7 @@ from .base import (
     log,
     stop_if_cancelled,
 )
+from .formats import check_declared
 
 NAME = "pytorch"
 
@@ -632,6 +633,7 @@ class TorchBackend(Backend):
         """
         expect_encoding(NAME, encoding, GraphEncoding.PYTORCH)
         expect_builders(NAME, builders, 1, "one builder holding a TorchScript or .pt2 archive")
+        check_declared(NAME, builders, GraphEncoding.PYTORCH)
         devices = self.devices()
         if device not in devices:
             raise no_device(NAME, device, devices)

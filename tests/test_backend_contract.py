@@ -133,6 +133,20 @@ def affine_graph(backend: Backend) -> CompiledGraph:
     return load(backend, backend_models.affine(backend.name, 2.0, 1.0))
 
 
+def test_bytes_of_another_format_than_declared_are_refused_plainly(backend: Backend) -> None:
+    # Not the library's own words for bytes it cannot parse (torch's "miniz" advice, a
+    # "not a well-formed protobuf"): what was declared and what the bytes are.
+    reads = next(e for e in (GraphEncoding.ONNX, GraphEncoding.PYTORCH)
+                 if e in backend.encodings)
+    other, seen = ((backend_models.affine("pytorch", 2.0, 1.0)[0], "pytorch")
+                   if reads is GraphEncoding.ONNX
+                   else (backend_models.affine("onnxruntime", 2.0, 1.0)[0], "onnx"))
+    with pytest.raises(InvalidEncodingError,
+                       match=rf"^{backend.name}: the model was declared {reads.value} but its "
+                             rf"first builder is {seen} bytes$"):
+        backend.load(other, reads, CPU)
+
+
 def test_affine_runs(affine_graph: CompiledGraph) -> None:
     (out,) = affine_graph.run({"x": f32([1, 2, 3, 4], [0, 0, 0, 0])}).values()
     np.testing.assert_allclose(out.numpy(), [[3, 5, 7, 9], [1, 1, 1, 1]])
