@@ -243,7 +243,7 @@ class PipelineModel:
                   keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
         if self.released:
             return None
-        return self.scheduler.try_lease_chain(self.steps, self.links, target, inputs,
+        return self.scheduler.try_lease_chain(self.name, self.steps, self.links, target, inputs,
                                               timeout=timeout, keep_on_device=keep_on_device,
                                               account=self.requests, batching=self.batching)
 

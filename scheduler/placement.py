@@ -353,7 +353,7 @@ class Scheduler:
         return _held_by(actor.try_lease(job, timeout=timeout, account=model.requests),
                         sessions)
 
-    def try_lease_chain(self, models: Sequence[LoadedModel], links: Sequence[Link],
+    def try_lease_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
                         timeout: float | None = None, keep_on_device: bool | None = None,
                         account: RequestStats | None = None,
@@ -375,7 +375,8 @@ class Scheduler:
             held = _hold(sessions)
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_chain says so
-        job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device))
+        job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device),
+                                steps=step_labels(name, models))
         return _held_by(actor.try_lease(job, timeout=timeout, account=account), sessions)
 
     def _serving(self, actor: DeviceActor) -> DeviceActor:
@@ -444,7 +445,7 @@ class Scheduler:
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
-        run = functools.partial(_run_chain, sessions, links)
+        run = functools.partial(_run_chain, sessions, links, steps=step_labels(name, models))
         return await _execute(actor, _chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
@@ -459,12 +460,14 @@ class Scheduler:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
+        steps = step_labels(name, models)
         return await _lease(actor, _chain_key(name, models, links),
-                            functools.partial(_run_chain, sessions, links),
+                            functools.partial(_run_chain, sessions, links, steps=steps),
                             _keep(actor, keep_on_device), batching, inputs,
                             priority=priority, deadline=deadline, tenant=tenant,
                             label=f"run of pipeline {name!r}", account=account,
-                            sessions=sessions, run_held=functools.partial(_chain, links))
+                            sessions=sessions,
+                            run_held=functools.partial(_chain, links, steps=steps))
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
@@ -599,36 +602,48 @@ def _run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool
 
 
 def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
-               keep: bool) -> dict[str, Tensor]:
+               keep: bool, *, steps: Sequence[str] = ()) -> dict[str, Tensor]:
     # Runs in the actor's worker thread; the in-use counts defer an unload's close.
     held = _hold(sessions)  # raises before any run if one was unloaded
     try:
-        return _chain(links, held, inputs, keep)
+        return _chain(links, held, inputs, keep, steps=steps)
     finally:
         _let_go(sessions)
 
 
+def step_labels(name: str, models: Sequence[LoadedModel]) -> tuple[str, ...]:
+    """How a pipeline's errors name each of its steps: the pipeline, the step's number and
+    model, and, after the first, the step that fed it (its inputs came from there, not
+    from the caller)."""
+    return tuple(f"pipeline {name!r} step {i} ({model.name!r}"
+                 + (f", fed by step {i - 1})" if i else ")")
+                 for i, model in enumerate(models))
+
+
 def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inputs,
-           keep: bool) -> dict[str, Tensor]:
+           keep: bool, *, steps: Sequence[str] = ()) -> dict[str, Tensor]:
     # Every step on this device, natives passed along. A cancelled job (abandoned, or its
-    # device closing) stops between steps, whatever its backends can interrupt.
+    # device closing) stops between steps, whatever its backends can interrupt. A step's
+    # error is prefixed with its label in ``steps`` (a pipeline's: step_labels).
     cancellation = current_cancellation()
     last = len(compiled) - 1
-    current = compiled[0].run(inputs, keep_on_device=keep or last > 0)  # type: ignore[arg-type]
-    for step, (graph, link) in enumerate(zip(compiled[1:], links, strict=True), 1):
-        if cancellation is not None and cancellation.cancelled:
+    current: dict[str, Tensor] = {}
+    for step, graph in enumerate(compiled):
+        if step and cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(
                 f"pipeline cancelled after step {step} of {len(compiled)}")
+        fed = inputs if step == 0 else {inp: current[out] for out, inp in links[step - 1]}
         try:
-            current = graph.run({inp: current[out] for out, inp in link},
-                                keep_on_device=keep or step < last)
+            current = graph.run(fed, keep_on_device=keep or step < last)  # type: ignore[arg-type]
         except WasiNNError as exc:
-            # Its inputs came from the step before, not from the caller: say where.
-            raise exc.prefixed(f"pipeline step {step} (fed by step {step - 1})") from exc
+            if step < len(steps):
+                raise exc.prefixed(steps[step]) from exc
+            raise
         except Exception as exc:  # the backend's library's own, as backend_failure says
+            if step >= len(steps):
+                raise
             raise BackendRuntimeError(
-                f"pipeline step {step} (fed by step {step - 1}): the backend failed: "
-                f"{type(exc).__name__}: {exc}") from exc
+                f"{steps[step]}: the backend failed: {type(exc).__name__}: {exc}") from exc
     return current
 
 

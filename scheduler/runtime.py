@@ -548,7 +548,12 @@ class Runtime:
         self._check_trio("load_by_name")
         scheduler = self._sched
         executable, target = await self._names.get(name)
-        kind = scheduler.resolve_target(target)
+        try:  # (a model loaded first as a pipeline's step was compiled on its device)
+            kind = scheduler.resolve_target(target)
+        except WasiNNError as exc:
+            raise exc.prefixed(f"{self._config.model_key(name)}.target"
+                               if name in self._config.models
+                               else _pipeline_key(self._config, name, "target")) from exc
         if isinstance(executable, PipelineModel):
             return Pipeline(executable, scheduler, kind)
         return Graph(executable, scheduler, kind)
@@ -622,9 +627,12 @@ class Runtime:
             raise exc.prefixed(_pipeline_key(self._config, name, "target")) from exc
         steps: list[LoadedModel] = []
         try:
-            for step in pipeline.steps:
+            for i, step in enumerate(pipeline.steps):
                 # Compiled on the pipeline's device, whatever the model's own target.
-                executable, _ = await self._names.get(step.model, run_on=kind)
+                try:
+                    executable, _ = await self._names.get(step.model, run_on=kind)
+                except WasiNNError as exc:
+                    raise exc.prefixed(_step_key(self._config, name, i, kind)) from exc
                 assert isinstance(executable, LoadedModel)
                 executable.retain()  # no checkpoint since the registry returned it
                 steps.append(executable)
@@ -640,8 +648,11 @@ class Runtime:
                                        ) from exc
             # Compile every step on one device of the kind now, so errors surface at load.
             actor = scheduler.pick(kind, {})
-            for step_model in steps:
-                await scheduler.session(actor, step_model)
+            for i, step_model in enumerate(steps):
+                try:
+                    await scheduler.session(actor, step_model)
+                except WasiNNError as exc:
+                    raise exc.prefixed(_step_key(self._config, name, i, kind)) from exc
             made: Executable = PipelineModel(name, steps, links, scheduler, batching=batching)
         finally:
             # PipelineModel holds the steps itself now (or nothing does): let ours go.
@@ -658,6 +669,14 @@ class Runtime:
 
         self._sched  # noqa: B018 - raises when the runtime is not running
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)
+
+
+def _step_key(config: RuntimeConfig, pipeline: str, index: int, kind: ExecutionTarget
+              ) -> str:
+    # Where a pipeline's step is written, and the device kind it runs on, for its errors.
+    model = config.pipelines[pipeline].steps[index].model
+    return (f"{_pipeline_key(config, pipeline, f'steps[{index}]')} (model {model!r}, on "
+            f"the pipeline's {kind.value} device)")
 
 
 def _pipeline_key(config: RuntimeConfig, pipeline: str, key: str) -> str:

@@ -369,7 +369,8 @@ async def test_a_later_step_failing_on_its_fed_input_says_which_step(tmp_path: P
     async with wasinn.Runtime.from_config(path) as rt:
         pipeline = await rt.load_by_name("p")
         with pytest.raises(InvalidArgumentError,
-                           match=r"^pipeline step 1 \(fed by step 0\): onnxruntime: input 'y' "
+                           match=r"^pipeline 'p' step 1 \('b', fed by step 0\): onnxruntime: "
+                                 r"input 'y' "
                                  r"has shape \[1, 4\]"):
             await pipeline.compute({"x": X})
 

@@ -218,7 +218,8 @@ async def test_a_step_failing_mid_pipeline_names_it_and_leaks_nothing(tmp_path: 
         out = await pipeline.compute({"x": X})  # 2 * 1 + 1 = 3: table[3] = 3, then 9
         np.testing.assert_allclose(out["y"].numpy(), 9 * X)
         with pytest.raises(wasinn.BackendRuntimeError,
-                           match=r"^pipeline step 1 \(fed by step 0\): onnxruntime: .*Gather"):
+                           match=r"^pipeline 'p' step 1 \('m', fed by step 0\): "
+                                 r"onnxruntime: .*Gather"):
             await pipeline.compute({"x": 5 * X})  # 11: past the table's end
         # The device goes on serving, and the pipeline with it.
         out = await pipeline.compute({"x": 0 * X})
@@ -236,9 +237,35 @@ async def test_a_later_steps_plain_exception_names_the_step(tmp_path: Path) -> N
     async with wasinn.Runtime(config, backends=[FakeBackend()]) as rt:
         pipeline = await rt.load_by_name("p")
         with pytest.raises(wasinn.BackendRuntimeError,
-                           match=r"^pipeline step 1 \(fed by step 0\): the backend failed: "
-                                 r"RuntimeError: "):
+                           match=r"^pipeline 'p' step 1 \('minus', fed by step 0\): the "
+                                 r"backend failed: RuntimeError: "):
             await pipeline.compute({"x": np.full((1, 4), 1.5, np.float32)})
+        # The first step is named too: the error is a pipeline's, not a lone model's.
+        for run in (pipeline.compute, lambda inputs: lease_run(pipeline, inputs)):
+            with pytest.raises(wasinn.BackendRuntimeError,
+                               match=r"^pipeline 'p' step 0 \('minus'\): the backend failed: "
+                                     r"RuntimeError: "):
+                await run({"x": np.full((1, 4), -1.0, np.float32)})
+
+
+async def test_a_step_whose_own_target_has_no_device_names_its_key_either_way(
+        tmp_path: Path) -> None:
+    # 'g' wants a GPU this runtime lacks; pipeline 'p' runs it on the CPU. Loaded first
+    # as a step, its later load on its own still says which key asks for the GPU.
+    config = fake_models(tmp_path, {"c": "add=1", "g": "add=2"}, ["c", "g"], on_gpus=("g",))
+    config.pools.pop("gpu")
+    async with wasinn.Runtime(config, backends=[FakeBackend()]) as rt:
+        await rt.load_by_name("p")
+        with pytest.raises(wasinn.UnsupportedOperationError,
+                           match=r"^.*wasinn\.toml: models\.g\.target: no gpu device in this "
+                                 r"runtime"):
+            await rt.load_by_name("g")
+
+
+async def lease_run(graph: Any, inputs: dict[str, Any]) -> Any:
+    # The same request through a lease, as a guest's thread makes it.
+    lease = await graph.lease(inputs)
+    return await trio.to_thread.run_sync(lease.run)
 
 
 async def test_a_pipeline_cancelled_during_a_step_runs_no_later_step(
