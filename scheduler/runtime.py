@@ -58,7 +58,7 @@ from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
 from .pipeline import Pipeline, PipelineModel, check_chain_batchable, resolve_wiring
 from .placement import Scheduler
-from .triorun import check_trio_run
+from .triorun import check_trio_run, yields_when_refused
 from .warmup import WarmUp, preload
 
 if TYPE_CHECKING:
@@ -492,6 +492,7 @@ class Runtime:
         return self._names
 
     # -- loading --------------------------------------------------------------------------
+    @yields_when_refused
     async def load(
         self,
         builders: Sequence[bytes | bytearray | memoryview],
@@ -535,6 +536,7 @@ class Runtime:
         )
         return Graph(model, self._sched, kind)
 
+    @yields_when_refused
     async def load_by_name(self, name: str) -> Graph:
         """The registry's model or pipeline called ``name`` (a :class:`Pipeline` for a
         pipeline), loaded on first use and shared by every caller. The model stays loaded

@@ -30,8 +30,10 @@ def yields_when_refused(call: Callable[P, Awaitable[T]]) -> Callable[P, Coroutin
     argument) would otherwise raise without a checkpoint, and a caller that retries at
     once (a full queue says "retry later") would hold the event loop for ever: nothing
     else runs, the queue never drains, and not even ``trio.fail_after`` can end the loop.
-    Trio's own functions checkpoint on every path for this reason. Free when nothing is
-    raised."""
+    Trio's own functions checkpoint on every path for this reason. The checkpoint is a
+    cancellation point too: a caller whose deadline has passed gets trio.Cancelled (the
+    refusal as its context), so ``trio.fail_after`` ends a loop retrying a request that
+    is refused for good (a closed context). Free when nothing is raised."""
 
     @functools.wraps(call)
     async def yielding(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -39,7 +41,7 @@ def yields_when_refused(call: Callable[P, Awaitable[T]]) -> Callable[P, Coroutin
             return await call(*args, **kwargs)
         except WasiNNError:
             if trio.lowlevel.in_trio_run():  # (else the caller's own error says more)
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await trio.lowlevel.checkpoint()
             raise
 
     return yielding

@@ -4,6 +4,7 @@ by the device actor's counters: its worker threads count every job they finish."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import warnings
@@ -500,3 +501,13 @@ async def test_a_request_refused_at_once_lets_the_event_loop_run() -> None:
         for _ in range(3):  # closed: refused at once, every time, yet the loop runs
             with pytest.raises(wasinn.ClosedResourceError), trio.testing.assert_checkpoints():
                 await closed.compute({"x": X})
+        # ...and a deadline ends a loop that retries a request refused for good.
+        with trio.move_on_after(0.05) as scope:
+            while True:
+                with contextlib.suppress(wasinn.ClosedResourceError):
+                    await closed.compute({"x": X})
+        assert scope.cancelled_caught
+        # Loads refused at once yield too (a name not registered, bytes no backend reads).
+        for refused in (lambda: full.load_by_name("nope"), lambda: full.load([b"junk"])):
+            with pytest.raises(wasinn.WasiNNError), trio.testing.assert_checkpoints():
+                await refused()
