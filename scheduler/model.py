@@ -140,6 +140,9 @@ class LoadedModel:
             self.released = True
             if self.on_release is not None:
                 self.on_release(self)
+            # Nothing compiles it again (a compile under way holds its own reference):
+            # its bytes go now, though the registry keeps the model for its stats.
+            self.builders = ()
 
     async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                       deadline: float, tenant: str, keep_on_device: bool | None

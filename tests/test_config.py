@@ -476,6 +476,23 @@ async def test_names_are_looked_up_never_used_as_paths(tmp_path: Path) -> None:
                                    "registered: affine, absent")
 
 
+async def test_a_released_registry_model_keeps_its_stats_not_its_bytes(tmp_path: Path) -> None:
+    # The registry keeps a released model for model_stats(); its file's bytes (a 200 MB
+    # model stayed until the runtime closed) go with the last handle.
+    async with wasinn.Runtime.from_config(registry_config(tmp_path)) as rt:
+        graph = await rt.load_by_name("affine")
+        await graph.compute({"x": np.ones((1, 4), np.float32)})
+        (model,) = rt.name_registry.loaded()
+        assert sum(len(b) for b in model.builders) > 0  # type: ignore[attr-defined]
+        await graph.unload()
+        assert model.builders == ()  # type: ignore[attr-defined]
+        (stats,) = rt.model_stats()
+        assert (stats.name, stats.completed) == ("affine", 1)
+        again = await rt.load_by_name("affine")  # a later load reads the file again
+        out = await again.compute({"x": np.ones((1, 4), np.float32)})
+        assert out["y"].numpy().shape == (1, 4)
+
+
 @pytest.mark.parametrize(("name", "where"), [
     ("a\n", 'models."a\\n": name \'a\\n\' '),
     ("a\x00b", 'models."a\\u0000b": name \'a\\x00b\' '),
