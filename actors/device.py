@@ -43,8 +43,9 @@ Every request the actor admits is counted by how it ended, with its latency (see
 
 Cancellation: a caller cancelled while queued is removed from the queue and never runs;
 cancelled while running (or past its deadline), its job is abandoned: the job's
-:class:`~wasinn.backends.base.Cancellation` is cancelled, which ends an ONNX Runtime or
-OpenVINO run within milliseconds (torch where it can: see its backend), the result is dropped,
+:class:`~wasinn.backends.base.Cancellation` is cancelled, which ends an ONNX Runtime run
+within milliseconds, an OpenVINO run at its next node outside a Loop (torch where it
+can: see its backend), the result is dropped,
 and the worker thread keeps the job's slot until the backend call has returned, so a
 device never runs more than ``workers`` jobs. A job's exception fails that request only.
 
