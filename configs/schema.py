@@ -539,9 +539,12 @@ class RuntimeConfig(_Strict):
             for i, step in enumerate(pipeline.steps):
                 if step.model not in self.models:
                     known = ", ".join(sorted(self.models)) or "none"
+                    what = (" but a pipeline: a step is one model (list the other "
+                            "pipeline's steps instead)" if step.model in self.pipelines
+                            else "")
                     raise fault(
                         f"pipelines.{key_name(name)}.steps[{i}].model",
                         f"pipeline {name!r} step {i} uses model {step.model!r}, which is "
-                        f"not in [models] (models: {known})"
+                        f"not in [models]{what} (models: {known})"
                     )
         return self

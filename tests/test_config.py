@@ -144,6 +144,11 @@ def test_default_runtime_needs_no_files() -> None:
     ('[pipelines.p]\nsteps = [{ model = "nope" }]\n',
      r"pipelines\.p\.steps\[0\]\.model: pipeline 'p' step 0 uses model 'nope', which is not "
      r"in \[models\] \(models: none\)$"),
+    ('[models.a]\nfiles = ["a.onnx"]\n[pipelines.p]\nsteps = [{ model = "a" }]\n'
+     '[pipelines.q]\nsteps = [{ model = "p" }]\n',
+     r"pipelines\.q\.steps\[0\]\.model: .* uses model 'p', which is not in \[models\] but a "
+     r"pipeline: a step is one model \(list the other pipeline's steps instead\) "
+     r"\(models: a\)$"),
     ('[models.m]\nfiles = ["m.onnx"]\nwarmup = -1\n',
      r"models\.m\.warmup: .*greater than or equal to 0"),
     ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1000\n',
