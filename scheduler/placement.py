@@ -72,6 +72,8 @@ log = logging.getLogger("wasinn.scheduler")
 Link = tuple[tuple[str, str], ...]
 #: A lease's job on graphs held for it: (graphs, inputs, keep_on_device) -> outputs.
 RunHeld = Callable[[Sequence[CompiledGraph], Inputs, bool], dict[str, Tensor]]
+#: A pipeline's name and its steps' models, for its errors (see :func:`_step_label`).
+Named = tuple[str, Sequence[LoadedModel]]
 
 
 #: How :func:`check_trio_run` names a request awaited outside the runtime's trio run.
@@ -376,7 +378,7 @@ class Scheduler:
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_chain says so
         job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device),
-                                steps=step_labels(name, models))
+                                named=(name, models))
         return _held_by(actor.try_lease(job, timeout=timeout, account=account), sessions)
 
     def _serving(self, actor: DeviceActor) -> DeviceActor:
@@ -445,7 +447,7 @@ class Scheduler:
         stats, where the request is counted too; ``batching``: the pipeline's, if any."""
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
-        run = functools.partial(_run_chain, sessions, links, steps=step_labels(name, models))
+        run = functools.partial(_run_chain, sessions, links, named=(name, models))
         return await _execute(actor, _chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
@@ -460,14 +462,14 @@ class Scheduler:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
-        steps = step_labels(name, models)
+        named = (name, models)
         return await _lease(actor, _chain_key(name, models, links),
-                            functools.partial(_run_chain, sessions, links, steps=steps),
+                            functools.partial(_run_chain, sessions, links, named=named),
                             _keep(actor, keep_on_device), batching, inputs,
                             priority=priority, deadline=deadline, tenant=tenant,
                             label=f"run of pipeline {name!r}", account=account,
                             sessions=sessions,
-                            run_held=functools.partial(_chain, links, steps=steps))
+                            run_held=functools.partial(_chain, links, named=named))
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
@@ -602,29 +604,32 @@ def _run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool
 
 
 def _run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
-               keep: bool, *, steps: Sequence[str] = ()) -> dict[str, Tensor]:
+               keep: bool, *, named: Named | None = None) -> dict[str, Tensor]:
     # Runs in the actor's worker thread; the in-use counts defer an unload's close.
     held = _hold(sessions)  # raises before any run if one was unloaded
     try:
-        return _chain(links, held, inputs, keep, steps=steps)
+        return _chain(links, held, inputs, keep, named=named)
     finally:
         _let_go(sessions)
 
 
-def step_labels(name: str, models: Sequence[LoadedModel]) -> tuple[str, ...]:
-    """How a pipeline's errors name each of its steps: the pipeline, the step's number and
+def _step_label(named: Named | None, step: int) -> str | None:
+    """How a pipeline's errors name its step ``step``: the pipeline, the step's number and
     model, and, after the first, the step that fed it (its inputs came from there, not
-    from the caller)."""
-    return tuple(f"pipeline {name!r} step {i} ({model.name!r}"
-                 + (f", fed by step {i - 1})" if i else ")")
-                 for i, model in enumerate(models))
+    from the caller). None for a chain with no name (a warm-up's). Made only for an
+    error: nothing is formatted on a request's way."""
+    if named is None:
+        return None
+    name, models = named
+    fed = f", fed by step {step - 1}" if step else ""
+    return f"pipeline {name!r} step {step} ({models[step].name!r}{fed})"
 
 
 def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inputs,
-           keep: bool, *, steps: Sequence[str] = ()) -> dict[str, Tensor]:
+           keep: bool, *, named: Named | None = None) -> dict[str, Tensor]:
     # Every step on this device, natives passed along. A cancelled job (abandoned, or its
     # device closing) stops between steps, whatever its backends can interrupt. A step's
-    # error is prefixed with its label in ``steps`` (a pipeline's: step_labels).
+    # error is prefixed with its label (_step_label).
     cancellation = current_cancellation()
     last = len(compiled) - 1
     current: dict[str, Tensor] = {}
@@ -636,14 +641,16 @@ def _chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inp
         try:
             current = graph.run(fed, keep_on_device=keep or step < last)  # type: ignore[arg-type]
         except WasiNNError as exc:
-            if step < len(steps):
-                raise exc.prefixed(steps[step]) from exc
-            raise
+            label = _step_label(named, step)
+            if label is None:
+                raise
+            raise exc.prefixed(label) from exc
         except Exception as exc:  # the backend's library's own, as backend_failure says
-            if step >= len(steps):
+            label = _step_label(named, step)
+            if label is None:
                 raise
             raise BackendRuntimeError(
-                f"{steps[step]}: the backend failed: {type(exc).__name__}: {exc}") from exc
+                f"{label}: the backend failed: {type(exc).__name__}: {exc}") from exc
     return current
 
 
