@@ -80,11 +80,11 @@ def _keys(specs: Sequence[TensorSpec], aliases: Mapping[str, int] | None) -> dic
     return keys
 
 
-
 def _shown(key: object) -> str:
     # An input or output key as a message repeats it: a name quoted and cut (a guest's
     # name can be as long as its memory), an index as it is.
     return quoted(key) if isinstance(key, str) else repr(key)
+
 
 class InputChecker:
     """Validates a mapping of inputs against a graph's input specs.

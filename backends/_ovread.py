@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +137,7 @@ def _read_onnx_beside(core: Any, model: bytes | bytearray | memoryview,
         name = f"_{name}"
     with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
         root = Path(tmp)
-        for location, data in external.items():  # (checked to stay inside)
-            path = root / location
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        (root / name).write_bytes(memoryview(model).cast("B"))
+        _write_into(root, {**external, name: model})  # (locations checked to stay inside)
         return _read(lambda: core.read_model(str(root / name)), "ONNX model")
 
 
@@ -171,14 +168,20 @@ def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
     what = "SavedModel" if main == "." else main
     with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
         root = Path(tmp)
-        for name, data in files.items():
-            path = root / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(memoryview(data).cast("B"))
+        _write_into(root, files)
         size = sum(memoryview(data).nbytes for data in files.values())
         xml, weights = _convert_in_child(root, main, what, IR_SIZE_FACTOR * size + IR_SIZE_MARGIN)
         return _read_ir(core, _read_written(xml, what), _read_written(weights, what),
                         f"{what} (as IR)")
+
+
+def _write_into(root: Path, files: Mapping[str, bytes | bytearray | memoryview]) -> None:
+    """Write each of ``files`` (relative path -> bytes) under the private directory
+    ``root``, making the folders on its way."""
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(memoryview(data).cast("B"))
 
 
 def _read_written(path: Path, what: str) -> bytes:

@@ -44,10 +44,16 @@ def check_precision(value: object) -> str:
 NAME_FORM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
+def cut_name(name: str) -> str:
+    """``name`` as a message shows it: whole up to 60 characters, else its first 57 and
+    ``...`` (quote the result, so that a cut name is still quoted whole)."""
+    return name if len(name) <= 60 else f"{name[:57]}..."
+
+
 def shown_name(name: str) -> str:
-    """``name`` quoted for a message (``repr``: control characters escaped), its first
-    57 characters and ``...`` where it is longer than 60 (quoted whole, even cut)."""
-    return repr(name if len(name) <= 60 else f"{name[:57]}...")
+    """``name`` quoted for a message (``repr``: control characters escaped), cut as
+    :func:`cut_name` cuts it."""
+    return repr(cut_name(name))
 
 
 def name_problem(name: str) -> str | None:
@@ -118,4 +124,5 @@ def read_by_no_backend(key: str, backends: Iterable[str]) -> str | None:
 
 
 __all__ = ["BACKEND_OPTIONS", "NAME_FORM", "PRECISIONS", "ConfigError", "check_precision",
-           "name_problem", "option_problem", "read_by_no_backend", "shown_name"]
+           "cut_name", "name_problem", "option_problem", "read_by_no_backend",
+           "shown_name"]

@@ -77,7 +77,7 @@ from wasinn.backends.sandbox import MAX_SPARES, MIN_MAX_BYTES
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError
 
-from . import BACKEND_OPTIONS, check_precision, name_problem, option_problem
+from . import BACKEND_OPTIONS, check_precision, cut_name, name_problem, option_problem
 
 #: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
 FAULT = "wasinn_config"
@@ -94,9 +94,10 @@ def key_name(name: str) -> str:
     """``name`` as one part of a key path: as it is where it is a plain identifier of at
     most 60 characters, else quoted as TOML writes it (control characters escaped), its
     first 57 characters and ``...`` where it is longer."""
-    if len(name) <= 60 and re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+    shown = cut_name(name)
+    if shown == name and re.fullmatch(r"[A-Za-z0-9_\-]+", name):
         return name
-    return json.dumps(name if len(name) <= 60 else f"{name[:57]}...", ensure_ascii=False)
+    return json.dumps(shown, ensure_ascii=False)
 
 
 def _target(value: str) -> str:

@@ -598,8 +598,8 @@ class Runtime:
         try:
             paths = [model_file(config, f) for f in entry.files]
             # A relative file must still lie in the config directory once opened.
-            inside = [None if Path(f).is_absolute() else config.base_dir.resolve()
-                      for f in entry.files]
+            base = config.base_dir.resolve()
+            inside = [None if Path(f).is_absolute() else base for f in entry.files]
             builders = await trio.to_thread.run_sync(_read_files, paths, name, inside)
         except WasiNNError as exc:  # say which registry entry names it
             raise exc.prefixed(config.model_key(name)) from exc

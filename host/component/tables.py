@@ -59,7 +59,6 @@ def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_BYTES) -> str:
     return f"{head}… ({elided} bytes elided) …{tail}"
 
 
-
 class ResourceExhausted(Exception):
     """The host cannot create a resource that a call must return (the tensor constructor,
     which has no error case, or an ``error`` resource itself). Not a WasiNNError on
