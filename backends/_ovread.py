@@ -82,12 +82,12 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     external data files where it may not (see :mod:`._onnx_check`).
     """
     if encoding is GraphEncoding.OPENVINO:
+        check_declared(NAME, builders, encoding)  # first: ONNX bytes are one builder
         expect_builders(NAME, builders, 2, "two builders: the IR XML and its weights")
         if not _xml(builders[0]) and _xml(builders[1]):
             raise InvalidEncodingError(
                 f"{NAME}: the IR's two builders are the wrong way round (the second is "
                 "the XML): expected the .xml first, then the .bin")
-        check_declared(NAME, builders, encoding)
         return _read_ir(core, builders[0], builders[1], "IR")
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")

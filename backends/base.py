@@ -150,6 +150,17 @@ class LoadOptions:
             self.sandbox == "cpu" and device.kind is ExecutionTarget.CPU)
 
 
+def warn_precision_not_applied(backend: str, options: LoadOptions, library: str) -> None:
+    """Log that ``options.precision`` is f16 or bf16 where ``backend``'s library has no
+    switch for it and computes in the model's own element types (ONNX Runtime, torch):
+    the model loads, and a warning says why its outputs are f32's."""
+    precision = options.precision.strip().lower()
+    if precision in ("f16", "bf16"):
+        log.warning("%s: precision %r is not applied: %s computes in the model's own "
+                    "types (save the model in %s to compute in it)",
+                    backend, precision, library, precision)
+
+
 #: Holds True once this process is a sandbox process (see :mod:`.sandbox`); set by its
 #: main only.
 _sandbox_process: list[bool] = []

@@ -86,10 +86,14 @@ from .base import (
     current_cancellation,
     in_sandbox,
     log,
+    warn_precision_not_applied,
 )
 from .formats import check_declared, protobuf_records
 
 NAME = "onnxruntime"
+
+#: What ONNX Runtime raises for a well-formed model it has no kernel for.
+_NotImplemented: type[Exception] = ort.capi.onnxruntime_pybind11_state.NotImplemented
 
 _TYPES: dict[str, TensorType] = {
     "tensor(float16)": TensorType.F16,
@@ -426,11 +430,7 @@ class OnnxRuntimeBackend(Backend):
             if device not in devices:
                 raise no_device(NAME, device, devices)
         options = options or LoadOptions()
-        precision = options.precision.strip().lower()
-        if precision in _NOT_APPLIED:
-            log.warning("%s: precision %r is not applied: ONNX Runtime computes in the "
-                        "model's own types (export the model in %s to compute in it)",
-                        NAME, precision, precision)
+        warn_precision_not_applied(NAME, options, "ONNX Runtime")
         data = bytes(builders[0])
         folder = external_data_folder(options.source)
         locations = check_external_data(NAME, data, folder)
@@ -467,7 +467,8 @@ def _session(data: bytes, device: Device, options: LoadOptions,
     build is tried on the CPU once, only to tell the two failures apart.
 
     Raises InvalidEncodingError for a model ONNX Runtime cannot load,
-    UnsupportedOperationError where only the CUDA provider fails on it, and
+    UnsupportedOperationError where only the CUDA provider fails on it or where ONNX
+    Runtime has no kernel for what a well-formed model uses (NOT_IMPLEMENTED), and
     InvalidArgumentError for provider options that contradict ``device``
     (:func:`providers_for`). ``external``: the model's external data files, by location.
     """
@@ -481,6 +482,10 @@ def _session(data: bytes, device: Device, options: LoadOptions,
         if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options, external):
             raise UnsupportedOperationError(
                 f"{NAME}: the CUDA provider failed on {device}: {exc}") from exc
+        if isinstance(exc, _NotImplemented):  # a kernel this build lacks (bf16 Add)
+            raise UnsupportedOperationError(
+                f"{NAME}: ONNX Runtime cannot run the model on {device}: {exc}: expected "
+                "operators and element types it implements there") from exc
         raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
     session.disable_fallback()  # enable_fallback=0 did so already; said again for run()
     return session
@@ -550,9 +555,6 @@ def _warn_unknown_keys(keys: Iterable[str]) -> None:
 #: Where ONNX Runtime reads the external data of a model given as bytes.
 _EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
-
-#: Precisions ONNX Runtime has no switch for (it computes in the model's own types).
-_NOT_APPLIED = frozenset({"f16", "bf16"})
 
 #: The CUDA provider's ``use_tf32`` for each ``LoadOptions.precision`` that sets it
 #: (the others leave ONNX Runtime's default, TF32 on).

@@ -138,7 +138,9 @@ def _specs(ports: Sequence[Any], is_output: bool
         name = _port_name(port, is_output) if port.get_names() else f"{role}_{i}"
         ttype = _TYPES.get(port.get_element_type().get_type_name())
         if ttype is None:
-            raise uncarried_type(NAME, role, name, f"has element type {port.get_element_type()}")
+            raise uncarried_type(
+                NAME, role, name,
+                f"has element type {port.get_element_type().get_type_name()}")
         pshape = port.get_partial_shape()
         if pshape.rank.is_dynamic:  # any number of dimensions
             specs.append(TensorSpec(name, ttype, (), rank_known=False))
@@ -183,7 +185,7 @@ def _ov_tensor(tensor: Tensor, device: str, name: str) -> Any:
     array = _host_view(tensor) if native is not None and device == "cpu" else None
     if array is None:
         array = tensor.numpy()
-    if array.dtype != _CARRIERS[tensor.type] or not array.flags.c_contiguous:
+    if array.dtype is not _CARRIERS[tensor.type] or not array.flags.c_contiguous:
         array = _shareable(array, tensor.type)
     if tensor.type is TensorType.I64 and array.size and (
         array.min() < _I32.min or array.max() > _I32.max
@@ -209,9 +211,12 @@ def _shareable(array: np.ndarray[Any, Any], ttype: TensorType) -> np.ndarray[Any
     """``array`` (of a Tensor built around it, not by ``from_numpy``) as memory OpenVINO
     can share. OpenVINO takes a pointer with the shape and element type it is told: a
     strided array it refuses with a bare RuntimeError, and bytes in the other order it
-    reads as they lie. Copied C-contiguous, in native byte order (a Tensor's array holds
-    elements of its type: its constructor checks that)."""
-    return np.ascontiguousarray(array, dtype=_CARRIERS[ttype])
+    reads as they lie, and ``np.longlong`` (which numpy counts as equal to int64, and
+    another library's int64 array may be) it refuses. Copied C-contiguous, in native
+    byte order, relabelled as the type's own dtype (a Tensor's array holds elements of
+    its type: its constructor checks that)."""
+    carrier = _CARRIERS[ttype]
+    return np.ascontiguousarray(array, dtype=carrier).view(carrier)
 
 
 def _beyond_f32(array: np.ndarray[Any, Any]) -> bool:
@@ -696,7 +701,8 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
 
     ``precision`` becomes ``INFERENCE_PRECISION_HINT`` where the device supports it
     (``"default"`` or ``""`` leaves the plugin's choice; ``"tf32"`` is f32); ``threads``
-    becomes ``INFERENCE_NUM_THREADS``; ``thread_pinning=False`` becomes
+    becomes ``INFERENCE_NUM_THREADS`` (an ``extra`` entry setting either of those two as
+    well is InvalidArgumentError); ``thread_pinning=False`` becomes
     ``ENABLE_CPU_PINNING`` false; ``extra`` entries named after a property the device
     supports (``PERFORMANCE_HINT``, ``NUM_STREAMS``...) are passed as given. An OpenVINO
     property this device lacks (another plugin's, such as ``GPU_HOST_TASK_PRIORITY`` on the
@@ -720,6 +726,10 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
             raise InvalidArgumentError(
                 f"{NAME}: option {key!r} is a property {ov_device} reports, not one it is "
                 f"given: expected one it reads ({', '.join(_settable(supported))})")
+        if key in config and key in _FROM_OPTIONS:
+            raise InvalidArgumentError(
+                f"{NAME}: option {key!r} = {value!r:.40} and {_FROM_OPTIONS[key]!r} both set "
+                f"it (to {config[key]!r}): expected {_FROM_OPTIONS[key]!r} alone")
         if key in supported:
             config[key] = value
         elif key in known_properties():
@@ -731,6 +741,9 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
 
 
 _PROPERTY_FORM = re.compile(r"[A-Z][A-Z0-9_]*")
+
+#: The properties :func:`compile_config` sets from LoadOptions' own fields.
+_FROM_OPTIONS = {"INFERENCE_PRECISION_HINT": "precision", "INFERENCE_NUM_THREADS": "threads"}
 
 @functools.cache
 def _supported_properties(core: Any, ov_device: str) -> Any:

@@ -120,6 +120,7 @@ from .base import (
     in_sandbox,
     log,
     stop_if_cancelled,
+    warn_precision_not_applied,
 )
 from .formats import check_declared
 
@@ -638,6 +639,7 @@ class TorchBackend(Backend):
         if device not in devices:
             raise no_device(NAME, device, devices)
         options = options or LoadOptions()
+        warn_precision_not_applied(NAME, options, "torch")
         data = bytes(builders[0])
         torch_device = torch.device(
             "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"

@@ -173,14 +173,30 @@ def _checked_dims(array: np.ndarray[Any, Any], dims: Sequence[int], ttype: Tenso
     return shape
 
 
+def _canonical(array: np.ndarray[Any, Any], ttype: TensorType) -> np.ndarray[Any, Any]:
+    """``array`` (whose elements are of ``ttype``) as a Tensor keeps it: C-contiguous, in
+    native byte order, of the one dtype object that carries ``ttype``. The values are
+    kept: the other byte order is converted (a copy, which every backend needs: each
+    reads the bytes as native), a strided array copied, and a dtype numpy counts as equal
+    but libraries tell apart (``np.longlong``, what ONNX Runtime returns for int64, which
+    OpenVINO refuses) only relabelled (a view)."""
+    dtype = _DTYPES[ttype]
+    if not array.dtype.isnative:
+        array = array.astype(dtype)
+    elif array.dtype is not dtype:
+        array = array.view(dtype)
+    return c_contiguous(array)
+
+
 class Tensor:
     """An n-dimensional tensor of one wasi-nn element type.
 
     Build one with :meth:`from_numpy`, :meth:`from_bytes` or (backends only)
     :meth:`from_native`. The constructor itself takes an array of any strides or byte
     order whose shape is ``dims`` and whose elements are of ``type`` (InvalidArgumentError
-    otherwise). ``numpy()`` returns host data, materializing a device-resident value
-    once and caching it.
+    otherwise), and keeps it as :meth:`from_numpy` does: zero-copy when C-contiguous and
+    in native byte order, else a C-contiguous copy in native order. ``numpy()`` returns
+    host data, materializing a device-resident value once and caching it.
     """
 
     __slots__ = ("_array", "_host_view", "_materialize", "_native", "_rows", "_synchronize",
@@ -200,8 +216,10 @@ class Tensor:
         host_view: Callable[[], np.ndarray[Any, Any] | None] | None = None,
     ) -> None:
         if array is not None:
-            if array.shape != dims or _TYPES.get(array.dtype) is not type:
+            if (array.shape != dims or array.dtype is not _DTYPES.get(type)
+                    or not array.flags.c_contiguous):
                 dims = _checked_dims(array, dims, type)
+                array = _canonical(array, type)
             else:
                 dims = array.shape  # ints, even where equal floats were given
         self.dims = dims
@@ -349,7 +367,7 @@ class Tensor:
             if self._materialize is None:
                 raise InvalidArgumentError("tensor has neither host data nor a materializer")
             _HOST_COPIES.add()
-            self._array = c_contiguous(self._materialize())
+            self._array = _canonical(self._materialize(), self.type)
         return self._array
 
     def synchronize(self) -> None:

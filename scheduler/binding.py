@@ -36,24 +36,33 @@ class OutputBuffer:
         """Raises InvalidArgumentError for anything but a writable contiguous buffer, or
         a numpy array whose dtype carries no wasi-nn element type."""
         what = f"output {name!r}"
-        try:
-            view = memoryview(buffer)
-        except TypeError:
-            raise InvalidArgumentError(
-                f"{what}: {type(buffer).__name__} is not a buffer: expected a writable numpy "
-                "array, bytearray or memoryview"
-            ) from None
-        if view.readonly:
-            raise InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
-        if not view.c_contiguous:
-            raise InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
         # A buffer of typed elements (a numpy array other than u8, an array.array, a cast
         # memoryview) is checked as an array of them; one of bytes is filled as bytes.
+        # A numpy array is taken as it is, not through a memoryview: the buffer protocol
+        # has no format for some of the dtypes that carry wasi-nn types (bf16's).
         array: np.ndarray[Any, Any] | None = None
         if isinstance(buffer, np.ndarray):
+            if not buffer.flags.writeable:
+                raise _read_only(what)
+            if not buffer.flags.c_contiguous:
+                raise _not_contiguous(what)
             array = buffer if buffer.dtype != np.uint8 else None
-        elif view.format not in _BYTE_FORMATS:
-            array = np.asarray(view)  # the same memory, with its element type and shape
+            raw = buffer.reshape(-1).view(np.uint8)
+        else:
+            try:
+                view = memoryview(buffer)
+            except TypeError:
+                raise InvalidArgumentError(
+                    f"{what}: {type(buffer).__name__} is not a buffer: expected a writable "
+                    "numpy array, bytearray or memoryview"
+                ) from None
+            if view.readonly:
+                raise _read_only(what)
+            if not view.c_contiguous:
+                raise _not_contiguous(what)
+            if view.format not in _BYTE_FORMATS:
+                array = np.asarray(view)  # the same memory, with its element type and shape
+            raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
         if array is not None:
             try:
                 tensor_type_of(array.dtype)
@@ -61,7 +70,7 @@ class OutputBuffer:
                 raise InvalidArgumentError(f"{what}: {exc.message}") from None
         self.name = name
         self.array = array
-        self.raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
+        self.raw = raw
 
     def check(self, tensor: Tensor) -> None:
         """InvalidArgumentError (a typed buffer of another dtype or shape) or TooLargeError
@@ -92,6 +101,14 @@ class OutputBuffer:
         """Copy ``tensor`` in (after :meth:`check`)."""
         raw = tensor.numpy().reshape(-1).view(np.uint8)
         self.raw[: raw.nbytes] = raw
+
+
+def _read_only(what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{what}: the buffer is read-only: expected a writable one")
+
+
+def _not_contiguous(what: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{what}: the buffer is not contiguous: expected one block")
 
 
 def fill(bound: dict[str, OutputBuffer], outputs: dict[str, Tensor]) -> None:

@@ -243,9 +243,53 @@ class Scheduler:
         return name
 
     async def session(self, actor: DeviceActor, model: LoadedModel) -> Session:
-        """``model`` compiled on ``actor``'s device (compiled on first use, then cached)."""
+        """``model`` compiled on ``actor``'s device (compiled on first use, then cached).
+
+        A model that names no backend, which the chosen one cannot run there
+        (UnsupportedOperationError: a kernel its library lacks), is compiled by the next
+        backend of the preference order that reads its encoding on that device, with a
+        warning; where none can, the first backend's error is raised."""
         kind = actor.device.kind
         backend = await self.backend_for(model, kind)
+        try:
+            return await self._session_with(actor, model, backend)
+        except UnsupportedOperationError as exc:
+            if model.backend_name is not None or model.released:
+                raise
+            return await self._session_with_another(actor, model, backend, exc)
+
+    async def _session_with_another(self, actor: DeviceActor, model: LoadedModel,
+                                    failed: str, exc: UnsupportedOperationError) -> Session:
+        # The backends after ``failed`` in the preference order that read the model's
+        # encoding on ``actor``'s device (asking may import them: in a worker thread).
+        kind = actor.device.kind
+        others = await trio.to_thread.run_sync(self._others, model, kind, failed)
+        tried = [failed]
+        for other in others:
+            try:
+                session = await self._session_with(actor, model, other)
+            except WasiNNError:  # (what the first backend said is what the caller hears)
+                tried.append(other)
+                continue
+            log.warning("%s: backend %s cannot run it on %s (%s): it runs on %s instead",
+                        model.name, failed, actor.device, exc.message, other)
+            model.backends[kind] = other
+            _warn_unread_options(model, other)
+            return session
+        if len(tried) == 1:
+            raise exc
+        raise exc.suffixed(f"(nor could {', '.join(tried[1:])})")
+
+    def _others(self, model: LoadedModel, kind: ExecutionTarget, failed: str) -> list[str]:
+        registry = self._registry(kind)
+        names = registry.candidates(model.encoding)
+        later = names[names.index(failed) + 1:] if failed in names else []
+        return [name for name in later if registry.has_device(name, kind)]
+
+    async def _session_with(self, actor: DeviceActor, model: LoadedModel, backend: str
+                            ) -> Session:
+        # ``model`` compiled on ``actor`` by ``backend`` (cached under the model's id).
+        kind = actor.device.kind
         registry = self._registry(kind)
         options = model.options
         if actor.pins_handoffs:

@@ -38,7 +38,7 @@ from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.backends.sandbox import MIN_MAX_BYTES, Spares
-from wasinn.configs import check_precision
+from wasinn.configs import check_precision, shown_name
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     ClosedResourceError,
@@ -530,10 +530,15 @@ class Runtime:
                 "in stats, logs and errors")
         load_options = _load_options(options)
         _check_backend_options(load_options, backend, lambda: self._backend_names)
-        model, kind = await self._load_model(
-            owned, GraphEncoding.coerce(encoding), target, backend=backend,
-            options=load_options, name=name, batching=batching,
-        )
+        try:
+            model, kind = await self._load_model(
+                owned, GraphEncoding.coerce(encoding), target, backend=backend,
+                options=load_options, name=name, batching=batching,
+            )
+        except WasiNNError as exc:
+            if not name:
+                raise
+            raise exc.prefixed(f"model {shown_name(name)}") from exc
         return Graph(model, self._sched, kind)
 
     @yields_when_refused

@@ -127,6 +127,33 @@ def test_every_element_type_round_trips(backend: Backend, ttype: TensorType) -> 
         np.testing.assert_array_equal(got, arr)
 
 
+@pytest.mark.parametrize(("producer", "consumer"), [
+    (p, c) for p in BACKENDS for c in BACKENDS if p != c])
+def test_an_int64_host_output_feeds_every_other_backend(
+        registry: BackendRegistry, producer: str, consumer: str) -> None:
+    # ONNX Runtime's int64 host outputs are numpy longlong ('q'), which numpy counts equal
+    # to int64 ('l') and OpenVINO refused ("Unsupported data type: int64").
+    require_backend(LIBRARY[producer])
+    require_backend(LIBRARY[consumer])
+    first = load(registry.get(producer), backend_models.identity(producer, TensorType.I64))
+    second = load(registry.get(consumer), backend_models.identity(consumer, TensorType.I64))
+    arr = _values(TensorType.I64)
+    (mid,) = first.run({"x": Tensor.from_numpy(arr)}).values()
+    (out,) = second.run({"x": mid}).values()
+    np.testing.assert_array_equal(out.numpy(), arr)
+    (out,) = second.run({"x": Tensor.from_numpy(arr.astype(np.longlong))}).values()
+    np.testing.assert_array_equal(out.numpy(), arr)
+
+
+def test_a_tensor_over_a_big_endian_array_holds_its_values(backend: Backend) -> None:
+    # Before, the constructor kept the array as given: ONNX Runtime read its bytes as
+    # native (2.0 came back as 9.2e-41) and torch refused it.
+    graph = load(backend, backend_models.affine(backend.name, 2.0, 0.0))
+    big = np.array([[1, 2, 3, 4]], ">f4")
+    (out,) = graph.run({"x": Tensor((1, 4), TensorType.F32, array=big)}).values()
+    np.testing.assert_array_equal(out.numpy(), [[2, 4, 6, 8]])
+
+
 # -- bad input -----------------------------------------------------------------------------
 @pytest.fixture
 def affine_graph(backend: Backend) -> CompiledGraph:

@@ -531,7 +531,7 @@ def test_a_precision_onnx_runtime_cannot_apply_is_said_so(
         backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision=precision))
     assert [r.getMessage() for r in caplog.records] == [
         f"onnxruntime: precision {precision!r} is not applied: ONNX Runtime computes in the "
-        f"model's own types (export the model in {precision} to compute in it)"]
+        f"model's own types (save the model in {precision} to compute in it)"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
         backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision="f32"))

@@ -91,7 +91,8 @@ def test_tensorflow_frontends_run(
     [
         (lambda: [affine_onnx(), b""], GraphEncoding.OPENVINO,
          "declared openvino but its first builder is onnx"),
-        (lambda: [affine_onnx()], GraphEncoding.OPENVINO, "1 builder given: expected two builders"),
+        (lambda: [affine_onnx()], GraphEncoding.OPENVINO, "declared openvino but its first "
+                                                          "builder is onnx bytes"),
         (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0]], GraphEncoding.ONNX,
          "declared onnx but its first builder is openvino"),
         (lambda: [backend_models.affine_ir(2.0, 1.0)[0][0], b"\x00" * 4], GraphEncoding.OPENVINO,
@@ -647,3 +648,38 @@ def test_a_devices_properties_are_asked_once_per_core(backend: Any) -> None:
         config = openvino.compile_config(core, "CPU", LoadOptions(extra={"NUM_STREAMS": 1}))
         assert config["NUM_STREAMS"] == 1
     assert core.asked == 1
+
+
+def test_an_option_setting_what_precision_or_threads_set_is_refused(backend: Any) -> None:
+    # Before: INFERENCE_PRECISION_HINT = "bf16" beside precision "f16" compiled in bf16,
+    # without a word.
+    for options, own in ((LoadOptions(precision="f16",
+                                      extra={"INFERENCE_PRECISION_HINT": "bf16"}), "precision"),
+                         (LoadOptions(threads=1, extra={"INFERENCE_NUM_THREADS": 2}), "threads")):
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"^openvino: option 'INFERENCE_\w+' = .* and '{own}' both "
+                                 rf"set it \(to .*\): expected '{own}' alone$"):
+            backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, options)
+    # Where wasinn's own key leaves it alone, the property passes as given.
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU,
+                         LoadOptions(extra={"INFERENCE_NUM_THREADS": 1}))
+    assert int(graph.compiled_model.get_property("INFERENCE_NUM_THREADS")) == 1
+
+
+def test_onnx_bytes_declared_as_ir_are_named_onnx(backend: Any) -> None:
+    # Before: "1 builder given: expected two builders", which did not say what the bytes were.
+    with pytest.raises(InvalidEncodingError, match=r"^openvino: the model was declared openvino "
+                                                   r"but its first builder is onnx bytes$"):
+        backend.load([affine_onnx()], GraphEncoding.OPENVINO, CPU)
+
+
+def test_a_boolean_output_is_refused_by_its_type_name(backend: Any) -> None:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Greater", ["x", "x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.BOOL, [3])])
+    with pytest.raises(UnsupportedOperationError,
+                       match="output 'y' has element type boolean, which wasi-nn cannot carry"):
+        backend.load([onnx_model_bytes(graph)], GraphEncoding.ONNX, CPU)

@@ -787,3 +787,23 @@ def test_a_torch_error_without_a_reason_is_said_to_have_none() -> None:
         "Traceback of TorchScript (most recent call last):\nRuntimeError: \n")) == (
         "RuntimeError, with no message from torch")
     assert _first_line(RuntimeError("a\nValueError: bad thing\n")) == "ValueError: bad thing"
+
+
+@pytest.mark.parametrize("precision", ["f16", "bf16"])
+def test_a_precision_torch_cannot_apply_is_said_so(
+        backend: Any, precision: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the model loaded and computed in f32 without a word.
+    import logging
+
+    import torch
+
+    module = scripted(torch.nn.Linear(4, 2))
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        backend.load([module], GraphEncoding.PYTORCH, CPU, LoadOptions(precision=precision))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"pytorch: precision {precision!r} is not applied: torch computes in the model's own "
+        f"types (save the model in {precision} to compute in it)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        backend.load([module], GraphEncoding.PYTORCH, CPU, LoadOptions(precision="f32"))
+    assert not caplog.records

@@ -417,6 +417,22 @@ async def test_bad_load_options_name_the_option(tmp_path: Path) -> None:
                                     'options = { "session.x" = [1] }\n'))
 
 
+async def test_openvino_properties_wasinn_sets_itself_are_refused_as_options(
+        tmp_path: Path) -> None:
+    # Before: INFERENCE_PRECISION_HINT = "bf16" overrode precision = "f16" without a word.
+    for key, own in (("INFERENCE_PRECISION_HINT", "precision"),
+                     ("INFERENCE_NUM_THREADS", "threads")):
+        said = (rf"options\.{key}: wasinn sets this OpenVINO property from the model's "
+                rf"'{own}': expected {own} = \.\.\. instead of the option")
+        with pytest.raises(ConfigError, match=f"models\\.m\\.{said}"):
+            load_config(write(tmp_path, f'[models.m]\nfiles = ["m.onnx"]\n'
+                                        f'options = {{ {key} = "1" }}\n'))
+        async with wasinn.Runtime() as rt:
+            with pytest.raises(InvalidArgumentError, match=f"^options '{key}': "):
+                await rt.load([affine_onnx()], "onnx", backend="openvino",
+                              options={key: "bf16"})
+
+
 async def test_load_options_take_backend_options_as_keys_or_under_extra() -> None:
     mine = NamedBackend("mine")
     async with wasinn.Runtime(backends=[mine]) as rt:

@@ -164,6 +164,34 @@ async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
     assert list(floats) == [3.0] * 8
 
 
+async def test_a_bf16_output_fills_a_bf16_array_in_place(rt: wasinn.Runtime) -> None:
+    # Before: binding an ml_dtypes bfloat16 array raised a bare ValueError ("cannot
+    # include dtype 'E' in a buffer"): numpy arrays went through a memoryview, which has
+    # no format for bf16.
+    import ml_dtypes
+
+    from tests.backend_models import identity
+    from wasinn import TensorType
+
+    builders, encoding = identity("onnxruntime", TensorType.BF16)
+    graph = await rt.load(builders, encoding)
+    ctx = graph.init_execution_context()
+    values = np.arange(8, dtype=ml_dtypes.bfloat16).reshape(2, 4)
+    buffer = np.zeros((2, 4), ml_dtypes.bfloat16)
+    ctx.set_output(0, buffer)
+    await ctx.compute({"x": values})
+    np.testing.assert_array_equal(buffer, values)
+    with pytest.raises(InvalidArgumentError, match="is bf16 but its bound buffer is float16"):
+        ctx.set_output(0, np.zeros((2, 4), np.float16))
+        await ctx.compute({"x": values})
+    frozen = np.zeros((2, 4), ml_dtypes.bfloat16)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="the buffer is read-only"):
+        ctx.set_output(0, frozen)
+    with pytest.raises(InvalidArgumentError, match="the buffer is not contiguous"):
+        ctx.set_output(0, np.zeros((4, 2), ml_dtypes.bfloat16).T)
+
+
 async def test_a_run_whose_outputs_do_not_all_fit_writes_no_bound_buffer(
         rt: wasinn.Runtime) -> None:
     # Before: the first output was written, then the second's buffer was found too small.
@@ -885,3 +913,47 @@ async def test_an_alias_names_the_same_input_and_output_in_every_form(
     assert buffer.tolist() == [[0, 2, 0, 4]]
     with pytest.raises(InvalidArgumentError, match="has no input 'z'"):
         ctx.set_input("z", x)
+
+
+def _bf16_add_onnx() -> bytes:
+    # ONNX Runtime 1.31 has no bf16 Add kernel on the CPU; OpenVINO runs it.
+    from onnx import TensorProto, helper
+
+    from wasinn.modelgen import onnx_model_bytes
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [3])])
+    return onnx_model_bytes(graph)
+
+
+async def test_a_model_its_first_backend_cannot_run_runs_on_the_next_with_a_warning(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the load failed as invalid-encoding (ONNX Runtime's NOT_IMPLEMENTED), though
+    # the model is well formed and OpenVINO, next in the preference order, runs it.
+    import logging
+
+    import ml_dtypes
+
+    require_backend("onnxruntime")
+    require_backend("openvino")
+    model = _bf16_add_onnx()
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"^model 'adder': onnxruntime: ONNX Runtime cannot run the model "
+                             r"on cpu: .*NOT_IMPLEMENTED.*Add.*: expected operators and "
+                             r"element types it implements there$"):
+        await rt.load([model], backend="onnxruntime", name="adder")  # named: no other
+    x = np.array([1, 2, 3], ml_dtypes.bfloat16)
+    for options in ({}, {"sandbox": True}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            graph = await rt.load([model], options=options, name="adder")
+        assert graph.backend == "openvino"
+        (said,) = [r.getMessage() for r in caplog.records]
+        assert said.startswith("adder: backend onnxruntime cannot run it on cpu (onnxruntime: "
+                               "ONNX Runtime cannot run the model on cpu: ")
+        assert said.endswith("): it runs on openvino instead")
+        out = await graph.compute({"x": x})
+        assert out["y"].numpy().tolist() == [2, 4, 6]
+

@@ -398,3 +398,55 @@ async def test_a_pool_that_finds_devices_logs_nothing(caplog: pytest.LogCaptureF
         async with wasinn.Runtime(fake_config(), backends=[fake]):
             pass
     assert not [r for r in caplog.records if r.name == "wasinn.scheduler"]
+
+
+class _Unable(FakeBackend):
+    """A fake backend under another name that lacks a kernel for every model on the
+    CPU, as ONNX Runtime lacks one for a bf16 Add."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def load(self, builders: Any, encoding: Any, device: Any, options: Any = None) -> Any:
+        if device.name == "cpu":
+            self.loads.append("refused")
+            raise UnsupportedOperationError(f"{self.name}: no kernel for it on {device}")
+        return super().load(builders, encoding, device, options)
+
+
+async def test_the_next_backend_that_reads_a_model_compiles_what_the_first_cannot(
+        caplog: pytest.LogCaptureFixture) -> None:
+    first, second, third = _Unable("first"), _Unable("second"), FakeBackend()
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["first", "second", "fake"]},
+                                     "gpu": {"kind": "gpu", "devices": "auto",
+                                             "backends": ["first", "second", "fake"]}}},
+                          None)
+    async with wasinn.Runtime(config, backends=[first, second, third]) as rt:
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            graph = await rt.load(RECIPE, "ggml")
+        assert graph.backend == "fake" and first.loads == second.loads == ["refused"]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{graph.name}: backend first cannot run it on cpu (first: no kernel for it on "
+            "cpu): it runs on fake instead"]
+        out = await graph.compute({"x": x(1)})
+        assert out["y"].numpy().tolist() == [[2.0] * 4]
+        # Another device of the kind asks again from the first backend: gpu is fine.
+        ctx = graph.init_execution_context(target="gpu")
+        await ctx.compute({"x": x(1)})
+        assert first.loads[-1].startswith("gpu")
+        # A model that names its backend gets that backend's error, and no other.
+        with pytest.raises(UnsupportedOperationError, match=r"^first: no kernel for it on cpu$"):
+            await rt.load(RECIPE, "ggml", backend="first")
+        assert third.loads.count("cpu") == 1
+
+
+async def test_where_no_backend_can_compile_a_model_the_first_ones_error_is_raised() -> None:
+    first, second = _Unable("first"), _Unable("second")
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["first", "second"]}}}, None)
+    async with wasinn.Runtime(config, backends=[first, second]) as rt:
+        with pytest.raises(UnsupportedOperationError,
+                           match=r"^first: no kernel for it on cpu \(nor could second\)$"):
+            await rt.load(RECIPE, "ggml")

@@ -256,13 +256,37 @@ def test_the_constructor_refuses_an_array_of_another_element_type_or_shape() -> 
 
 
 def test_the_constructor_takes_any_strides_or_byte_order_and_a_list_of_dims() -> None:
+    # Kept as from_numpy keeps them: C-contiguous, in native order. Before, the array was
+    # kept as given: ONNX Runtime read a big-endian one's bytes as native (2.0 became
+    # 9.2e-41) and torch refused it, and tobytes() was big-endian.
     strided = np.arange(16, dtype=np.float32).reshape(2, 8)[:, ::2]
     swapped = np.arange(8, dtype=">f4").reshape(2, 4)
-    for array in (strided, swapped):
+    fortran = np.asfortranarray(np.arange(8, dtype=np.float32).reshape(2, 4))
+    for array in (strided, swapped, fortran):
         tensor = Tensor((2, 4), TensorType.F32, array=array)
-        assert tensor.numpy() is array
+        kept = tensor.numpy()
+        assert kept.flags.c_contiguous and kept.dtype.isnative
+        np.testing.assert_array_equal(kept, array)
+        assert tensor.tobytes() == array.astype("<f4").tobytes()
+    scalar = Tensor((), TensorType.F32, array=np.array(2.5, ">f4"))
+    assert scalar.numpy().shape == () and scalar.numpy() == 2.5
     listed = Tensor([2, 4], TensorType.F32, array=swapped)  # type: ignore[arg-type]
     assert listed.dims == (2, 4) and type(listed.dims) is tuple
+    native = np.ones((2, 4), np.float32)
+    assert Tensor((2, 4), TensorType.F32, array=native).numpy() is native  # no copy
+
+
+def test_int64_arrays_numpy_counts_equal_are_kept_as_int64() -> None:
+    # numpy counts longlong ('q', what ONNX Runtime returns for int64) equal to int64
+    # ('l'); OpenVINO refused it ("Unsupported data type: int64"). Relabelled, not copied.
+    values = np.array([1, -2, 3], np.longlong)
+    for tensor in (Tensor((3,), TensorType.I64, array=values), Tensor.from_numpy(values)):
+        kept = tensor.numpy()
+        assert kept.dtype is np.dtype(np.int64) and kept.dtype.char == "l"
+        assert np.shares_memory(kept, values) and kept.tolist() == [1, -2, 3]
+    native = Tensor.from_native(object(), (3,), TensorType.I64, device="cpu",
+                                materialize=lambda: values)
+    assert native.numpy().dtype is np.dtype(np.int64)
 
 
 def test_dims_given_as_equal_floats_are_kept_as_the_arrays_ints() -> None:
