@@ -441,7 +441,8 @@ class GuestsConfig(_Strict):
     ``sandbox`` runs the models a guest loads from its own bytes in a process of their
     own each (wasinn.backends.sandbox), which may hold ``max_sandbox_bytes`` of memory on
     the CPU (None: half the machine's): on the CPU by default (``"cpu"``), on every
-    device (true) or nowhere (false).
+    device (true) or nowhere (false). ``max_memory_bytes`` bounds each of a guest's
+    linear memories (a ``memory.grow`` past it fails).
     """
 
     max_graphs: int = Field(default=64, ge=1)
@@ -457,6 +458,8 @@ class GuestsConfig(_Strict):
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
     sandbox: Sandbox = "cpu"
     max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
+    #: Bytes each of a guest's linear memories may grow to (4 GiB: a 32-bit memory's all).
+    max_memory_bytes: int = Field(default=4 * 1024**3, ge=64 * 1024, le=4 * 1024**3)
 
     @model_validator(mode="after")
     def _bound_needs_sandbox(self) -> GuestsConfig:

@@ -22,10 +22,13 @@ trap prints its message and exits with 134; an error before the guest starts pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +36,8 @@ from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError, WasiNNError
 
 if TYPE_CHECKING:
+    import trio
+
     from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
     from wasinn.host.preload import Preload
 
@@ -272,6 +277,60 @@ def _check_preload(flag: str, preload: Preload) -> None:
     parse_config({"models": {preload.name: model}}, None, label=flag, backends=())
 
 
+#: How long ``wasinn run`` waits for a guest to stop after Ctrl-C before it exits anyway.
+CTRL_C_GRACE_S = 2.0
+
+
+@contextlib.asynccontextmanager
+async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
+    """A scope that Ctrl-C cancels: the guest is stopped and its models released, and
+    the command exits with 130. A guest blocked in a host call that its cancellation
+    cannot reach (a read of a stdin that sends nothing) would hold the command for as
+    long as it chose: :data:`CTRL_C_GRACE_S` seconds after Ctrl-C, or at a second
+    Ctrl-C, the process exits at once (status 130), saying so."""
+    import trio
+
+    if threading.current_thread() is not threading.main_thread():
+        with trio.CancelScope() as scope:  # (signals reach the main thread only)
+            yield scope
+        return
+    timers: list[threading.Timer] = []
+    with trio.CancelScope() as scope, trio.open_signal_receiver(signal.SIGINT) as signals:
+
+        async def watch() -> None:
+            async for _ in signals:
+                if timers:
+                    _exit_now("a second Ctrl-C")
+                scope.cancel()
+                timer = threading.Timer(CTRL_C_GRACE_S, _exit_now, (
+                    f"the guest did not stop within {CTRL_C_GRACE_S:g} s of Ctrl-C (it is "
+                    "blocked in a host call, such as a read of its stdin)",))
+                timer.daemon = True
+                timer.start()
+                timers.append(timer)
+
+        watching = trio.CancelScope()
+
+        async def watch_until_done() -> None:
+            with watching:
+                await watch()
+
+        # A system task, not a nursery: the guest's own errors (a trap) reach the
+        # caller as they are, not in an exception group.
+        trio.lowlevel.spawn_system_task(watch_until_done)
+        try:
+            yield scope
+        finally:
+            watching.cancel()
+            for timer in timers:
+                timer.cancel()
+
+
+def _exit_now(why: str) -> None:
+    print(f"wasinn: {why}: exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
 async def _run(args: argparse.Namespace) -> int:
     from wasinn.host.runner import TRAP_EXIT_STATUS, GuestTrap
     from wasinn.scheduler import Runtime
@@ -289,7 +348,9 @@ async def _run(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"guests": guests})
     async with Runtime(config) as rt:
         try:
-            return await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
+            async with _stopped_by_ctrl_c() as stop:
+                code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
+            return EXIT_INTERRUPTED if stop.cancelled_caught else code
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)
             return TRAP_EXIT_STATUS

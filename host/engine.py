@@ -38,13 +38,17 @@ _BLOCK_COMMENT_MARK = re.compile(rb"\(;|;\)")
 
 
 def shared_engine() -> wasmtime.Engine:
-    """The process-wide Engine: epoch interruption and the component model enabled."""
+    """The process-wide Engine: epoch interruption and the component model enabled,
+    64-bit memories not."""
     global _engine  # noqa: PLW0603 - one Engine per process, created on first use
     with _lock:
         if _engine is None:
             config = wasmtime.Config()
             config.epoch_interruption = True
             config.wasm_component_model = True
+            # Guests' ABIs are 32-bit (wasi_ephemeral_nn's pointers are i32, the component
+            # model's lists too): a 64-bit memory could only grow past every bound.
+            config.wasm_memory64 = False
             _engine = wasmtime.Engine(config)
         return _engine
 

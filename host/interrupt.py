@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from typing import Any
 
 import wasmtime
@@ -48,6 +49,7 @@ class Interrupter:
         self._lock = threading.Lock()
         self._requested = False
         self._finished = False
+        self._stop = threading.Event()  # set with _requested: wakes a guest's sleep
         self._callback: Any = None  # kept alive as long as the store may call it
 
     @property
@@ -80,7 +82,20 @@ class Interrupter:
             if self._finished or self._requested:
                 return
             self._requested = True
+        self._stop.set()
         self._engine.increment_epoch()
+
+    def sleep(self, seconds: float) -> bool:
+        """Block the guest's thread for ``seconds`` (a WASI sleep), or until the guest is
+        asked to stop; True when it was (the caller then traps the guest)."""
+        stop = self._stop
+        end = time.monotonic() + seconds
+        while not stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            stop.wait(min(left, threading.TIMEOUT_MAX))
+        return True
 
     def finish(self) -> None:
         """The guest has stopped: later requests are no-ops."""

@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import wasmtime
+
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import SecurityError
+
+#: The most a 32-bit linear memory can hold (65,536 pages of 64 KiB): the default bound.
+WASM32_MEMORY_BYTES = 4 * 1024**3
+#: How many linear memories and tables one guest's store may create (a component has a
+#: few core instances, each with its own), and elements each table may hold.
+MAX_MEMORIES, MAX_TABLES, MAX_TABLE_ELEMENTS = 16, 64, 10_000_000
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,11 @@ class GuestLimits:
     default: on a GPU a graph keeps its tensors on the device, which a process of its own
     cannot share), on every device (True) or nowhere (False). ``max_sandbox_bytes``
     bounds the memory each such process may hold (None: half the machine's).
+
+    ``max_memory_bytes`` bounds each linear memory of the guest (a ``memory.grow`` beyond
+    it fails, as when a machine has no more: the guest's allocator sees -1); a guest may
+    have at most :data:`MAX_MEMORIES` memories and :data:`MAX_TABLES` tables of at most
+    :data:`MAX_TABLE_ELEMENTS` elements each (a table's elements take host memory too).
     """
 
     max_graphs: int = 64
@@ -52,6 +65,7 @@ class GuestLimits:
     max_live_tensor_bytes: int = 4 * 1024**3
     sandbox: bool | Literal["cpu"] = "cpu"
     max_sandbox_bytes: int | None = None
+    max_memory_bytes: int = WASM32_MEMORY_BYTES
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -70,6 +84,12 @@ class GuestLimits:
         if self.max_sandbox_bytes is None:
             return {"sandbox": self.sandbox}
         return {"sandbox": self.sandbox, "max_sandbox_bytes": self.max_sandbox_bytes}
+
+
+def limit_store(store: wasmtime.Store, limits: GuestLimits) -> None:
+    """Bound what ``store``'s guest may allocate in wasm (see :class:`GuestLimits`)."""
+    store.set_limits(memory_size=limits.max_memory_bytes, table_elements=MAX_TABLE_ELEMENTS,
+                     memories=MAX_MEMORIES, tables=MAX_TABLES)
 
 
 def limits_of(runtime: object) -> GuestLimits:
@@ -93,4 +113,5 @@ def limits_of(runtime: object) -> GuestLimits:
         max_live_tensor_bytes=section.max_live_tensor_bytes,
         sandbox=section.sandbox,
         max_sandbox_bytes=section.max_sandbox_bytes,
+        max_memory_bytes=section.max_memory_bytes,
     )

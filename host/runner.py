@@ -10,8 +10,11 @@ in parallel); the Engine and compiled modules are shared and cached on disk
 Cancellation: cancelling ``run_wasm`` interrupts the guest wherever it is. A guest
 computing in wasm traps at its next epoch check (:mod:`wasinn.host.interrupt`); a guest
 waiting in a wasi-nn call has that call cancelled in trio (which drops its queued
-tickets), then traps. Whatever way the guest ends, every context it still holds is
-closed and every graph unloaded before ``run_wasm`` returns or raises.
+tickets), then traps; a guest sleeping in WASI's ``poll_oneoff`` wakes and traps
+(:mod:`wasinn.host.wasi_poll`). Whatever way the guest ends, every context it still
+holds is closed and every graph unloaded before ``run_wasm`` returns or raises. A guest
+blocked reading a stdin that sends nothing cannot be reached (wasmtime reads it in
+Rust): it stops when its input comes (``wasinn run`` exits after a grace).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import math
 import os
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +36,11 @@ from wasinn.errors import InvalidArgumentError
 from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import compile_module, is_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
-from wasinn.host.limits import GuestLimits, limits_of
+from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.nn_core import GuestNN
 from wasinn.host.scheduler_api import RuntimeLike, TrioPortal
 from wasinn.host.wasi import Dirs, wasi_config
+from wasinn.host.wasi_poll import define_interruptible_poll
 
 log = logging.getLogger("wasinn.host")
 
@@ -164,23 +169,47 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     """The guest's worker thread: its own Store and Linker, then ``_start``."""
     start_time = time.perf_counter()
     store = wasmtime.Store(engine)
+    wasi_started = time.monotonic_ns()  # (the guest's monotonic clock counts from here)
     store.set_wasi(config)
+    limit_store(store, nn.limits)
     interrupter.install(store)
     linker = wasmtime.Linker(engine)
     linker.define_wasi()
+    define_interruptible_poll(linker, interrupter, wasi_started)
     define_nn(linker, nn, interrupter.request)
+    trap: str | None = None
     try:
         _instantiate_and_start(linker, store, module, program, start_time)
         code = 0
     except wasmtime.ExitTrap as exc:
         code = exc.code
     except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-        if interrupter.requested:
-            raise GuestTrap(INTERRUPTED) from None
-        raise GuestTrap(f"{program} trapped: {_trap_message(exc)}") from None
+        trap = INTERRUPTED if interrupter.requested else (
+            f"{program} trapped: {_trap_message(exc)}")
+        forget_frames(exc)
     finally:
         log.info("%s ran for %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
+    if trap is not None:
+        del store, linker  # the guest's memory goes now (see forget_frames)
+        raise GuestTrap(trap)
     return code
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the finished frames of ``exc``'s traceback (and of the exceptions it was
+    raised from or during). A trap's frames hold the guest's Store, its whole memory,
+    and wasmtime-py's own frames hold the trap in a reference cycle: without this, a
+    trapped guest's memory stays allocated until Python's next cyclic collection, and
+    guests trapping in a loop pile it up."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += (current.__cause__, current.__context__)
 
 
 def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,

@@ -301,3 +301,32 @@ def test_ctrl_c_ends_a_run_with_status_130(tmp_path: Path) -> None:
         child.kill()
     assert child.returncode == 130, "".join(said) + rest
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+
+
+def test_ctrl_c_ends_a_run_whose_guest_waits_for_its_stdin(tmp_path: Path) -> None:
+    # Before: a guest blocked reading a stdin that sent nothing held the command until
+    # input came (its cancellation cannot reach a read in wasmtime's WASI).
+    import signal
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / "read_stdin.wat")],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    assert child.stderr is not None and child.stdin is not None
+    said = []
+    try:
+        for line in child.stderr:  # until the guest reads
+            said.append(line)
+            if "instantiated read_stdin.wat" in line:
+                break
+        child.send_signal(signal.SIGINT)
+        child.wait(timeout=60)  # (not communicate(), which would close the guest's stdin)
+        rest = child.stderr.read()
+    finally:
+        child.kill()
+        child.stdin.close()
+        child.stderr.close()
+    assert child.returncode == 130, "".join(said) + rest
+    assert ("wasinn: the guest did not stop within 2 s of Ctrl-C (it is blocked in a host "
+            "call, such as a read of its stdin): exiting") in rest
+    assert "Traceback" not in rest

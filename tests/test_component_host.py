@@ -521,6 +521,12 @@ async def test_a_trap_with_live_handles_is_contained(rt: RecordingRuntime) -> No
         await shim.ok("compute", ctx, [("x", await shim.tensor(X))])
         with pytest.raises(GuestTrap, match="unreachable"):
             await shim("trap")
+        # Its Store (the guest's memory) is let go at once, not at Python's next cyclic
+        # collection; a later call says why the guest is dead.
+        assert guest.store is None and guest.instance is None
+        with pytest.raises(GuestTrap, match=r"shim_1028 cannot be called again: it trapped "
+                                            r"\(shim_1028 trapped: (?s:.*)unreachable"):
+            await shim("trap")
     await assert_contained(guest, rt)
 
 

@@ -11,6 +11,7 @@ import wasinn
 from tests.support import require_backend
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
+from wasinn.errors import InvalidArgumentError
 from wasinn.host.limits import GuestLimits, limits_of
 from wasinn.host.runner import run_wasm
 from wasinn.host.tensor_binding import run_context
@@ -127,3 +128,66 @@ async def test_load_by_name_respects_allowed_targets(
         table["guests"] = {"allowed_targets": allowed}
     async with wasinn.Runtime(parse_config(table, tmp_path / "wasinn.toml")) as rt:
         assert await run_wasm(rt, guest) == errno
+
+
+# A guest whose exit code is 1 when growing its memory by GROW pages fails (-1), else 0.
+GROW = """
+(module
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    (call $exit (i32.eq (memory.grow (i32.const PAGES)) (i32.const -1)))))
+"""
+
+
+async def test_memory_grows_up_to_max_memory_bytes(tmp_path: Path) -> None:
+    # Before: nothing bounded a guest's memory (one grew to 4 GiB and touched it all).
+    guest = tmp_path / "grow.wat"
+    async with wasinn.Runtime(parse_config({}, None)) as rt:
+        limits = GuestLimits(max_memory_bytes=16 * 65536)
+        for pages, code in ((15, 0), (16, 1), (1000, 1)):
+            guest.write_text(GROW.replace("PAGES", str(pages)))
+            assert await run_wasm(rt, guest, limits=limits) == code
+        guest.write_text(GROW.replace("PAGES", "1000"))
+        assert await run_wasm(rt, guest) == 0  # the default: 4 GiB, reserved, not touched
+    config = parse_config({"guests": {"max_memory_bytes": 1048576}}, None)
+    assert limits_of(wasinn.Runtime(config)).max_memory_bytes == 1048576
+    with pytest.raises(ConfigError, match=r"guests\.max_memory_bytes"):
+        parse_config({"guests": {"max_memory_bytes": 2**33}}, None)
+
+
+async def test_a_64_bit_memory_is_refused(tmp_path: Path) -> None:
+    # Before: a memory64 guest grew to 64 GiB (more than this machine has).
+    guest = tmp_path / "mem64.wat"
+    guest.write_text('(module (memory i64 1) (func (export "_start")))')
+    async with wasinn.Runtime(parse_config({}, None)) as rt:
+        with pytest.raises(InvalidArgumentError,
+                           match=r"(?s)mem64\.wat is not a valid WebAssembly module: "
+                                 r".*memory64 must be enabled"):
+            await run_wasm(rt, guest)
+
+
+async def test_a_trapped_guests_memory_is_freed_when_run_wasm_raises(tmp_path: Path) -> None:
+    # Before: the trap's traceback held the frames that held the Store, so a trapped
+    # guest's whole memory stayed allocated until Python's next cyclic collection.
+    import gc
+
+    import wasmtime
+
+    from wasinn.host.runner import GuestTrap
+
+    guest = tmp_path / "trap.wat"
+    guest.write_text('(module (memory 2) (func (export "_start") unreachable))')
+    async with wasinn.Runtime(parse_config({}, None)) as rt:
+        gc.collect()
+        gc.disable()
+        try:
+            # (other tests' stores may still be alive: only this guest's is looked for)
+            before = {id(o) for o in gc.get_objects() if isinstance(o, wasmtime.Store)}
+            with pytest.raises(GuestTrap, match=r"trap\.wat trapped"):
+                await run_wasm(rt, guest)
+            stores = [o for o in gc.get_objects()
+                      if isinstance(o, wasmtime.Store) and id(o) not in before]
+        finally:
+            gc.enable()
+    assert stores == []

@@ -34,8 +34,8 @@ from wasinn.host.component.scratch import GUEST_PATH, ScratchDir, quota_exceeded
 from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, shared_engine
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
-from wasinn.host.limits import GuestLimits, limits_of
-from wasinn.host.runner import GuestTrap, guest_threads
+from wasinn.host.limits import GuestLimits, limit_store, limits_of
+from wasinn.host.runner import GuestTrap, forget_frames, guest_threads
 from wasinn.host.scheduler_api import TrioPortal
 from wasinn.host.wasi import Dirs, wasi_config
 
@@ -92,6 +92,8 @@ class ComponentGuest:
         self._busy = False
         #: Why the host stopped this guest for good (its scratch quota), if it did.
         self._stopped: str | None = None
+        #: The trap that ended this guest, if one did.
+        self._trapped: str | None = None
 
     @classmethod
     async def start(
@@ -141,19 +143,26 @@ class ComponentGuest:
         started = time.perf_counter()
         store = wasmtime.Store(self.engine)
         store.set_wasi(config)
+        limit_store(store, self.service.limits)
         self.interrupter.install(store)
         linker = nn_linker(self.engine, self.service, self.interrupter)
+        failure: Exception | None = None
         try:
             self.instance = linker.instantiate(store, component)
         except wasmtime.ExitTrap:
             raise
         except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
             if self.interrupter.requested:
-                raise GuestTrap(INTERRUPTED) from None
-            if _raised_in_wasm(exc):
-                raise GuestTrap(
-                    f"{self.program} trapped while starting: {_trap_message(exc)}") from None
-            raise InvalidArgumentError(f"cannot instantiate {self.program}: {exc}") from None
+                failure = GuestTrap(INTERRUPTED)
+            elif _raised_in_wasm(exc):
+                failure = GuestTrap(
+                    f"{self.program} trapped while starting: {_trap_message(exc)}")
+            else:
+                failure = InvalidArgumentError(f"cannot instantiate {self.program}: {exc}")
+            forget_frames(exc)
+        if failure is not None:
+            del store, linker  # the guest's memory goes now (see forget_frames)
+            raise failure
         self.store = store
         log.info("instantiated %s in %.1f ms", self.program, (time.perf_counter() - started) * 1e3)
 
@@ -170,6 +179,7 @@ class ComponentGuest:
 
     def _invoke(self, func: wc.Func, args: Sequence[Any]) -> Any:
         assert self.store is not None
+        trap: str | None = None
         with fastlist.words_as_bytes():
             try:
                 result = func(self.store, *args)
@@ -177,10 +187,21 @@ class ComponentGuest:
             except wasmtime.ExitTrap:
                 raise
             except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-                if self.interrupter.requested:
-                    raise GuestTrap(INTERRUPTED) from None
-                raise GuestTrap(f"{self.program} trapped: {_trap_message(exc)}") from None
+                trap = INTERRUPTED if self.interrupter.requested else (
+                    f"{self.program} trapped: {_trap_message(exc)}")
+                forget_frames(exc)
+        if trap is not None:
+            self._forget_store(trap)
+            raise GuestTrap(trap)
         return result
+
+    def _forget_store(self, trap: str) -> None:
+        # A trapped instance cannot be entered again: its Store (the guest's memory) is
+        # let go now, not at Python's next cyclic collection (see forget_frames); a
+        # later call says why the guest is dead.
+        self._trapped = trap
+        self.instance = None
+        self.store = None
 
     async def call(self, name: str | Sequence[str], *args: Any) -> Any:
         """Call an export in a worker thread and return its (converted) result.
@@ -191,6 +212,8 @@ class ComponentGuest:
         """
         if self._stopped is not None:
             raise GuestTrap(self._stopped)
+        if self._trapped is not None:
+            raise GuestTrap(f"{self.program} cannot be called again: it trapped ({self._trapped})")
         if self._closed or self.store is None:
             raise InvalidArgumentError(f"{self.program} is closed")
         if self._busy:
