@@ -279,54 +279,46 @@ def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
     assert {c for c, _ in rows} == {guests[0][0]}  # host checks agree with the guests
 
 
-def test_ctrl_c_ends_a_run_with_status_130(tmp_path: Path) -> None:
-    # SIGINT reaches trio as a KeyboardInterrupt that its nurseries wrap in an exception
-    # group: the command still ends quietly with the shell's status for it, 128 + 2.
+def interrupted_run(tmp_path: Path, guest: str) -> tuple[int, str]:
+    """``wasinn run -v guest`` (a .wat of tests/wat) sent SIGINT once the guest started,
+    its stdin a pipe that stays open and sends nothing: its status and what it said."""
     import signal
 
     child = subprocess.Popen(
-        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / "spin.wat")],
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
-    assert child.stderr is not None
-    said = []
-    try:
-        for line in child.stderr:  # until the guest spins
-            said.append(line)
-            if "instantiated spin.wat" in line:
-                break
-        child.send_signal(signal.SIGINT)
-        rest = child.communicate(timeout=60)[1]
-    finally:
-        child.kill()
-    assert child.returncode == 130, "".join(said) + rest
-    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
-
-
-def test_ctrl_c_ends_a_run_whose_guest_waits_for_its_stdin(tmp_path: Path) -> None:
-    # Before: a guest blocked reading a stdin that sent nothing held the command until
-    # input came (its cancellation cannot reach a read in wasmtime's WASI).
-    import signal
-
-    child = subprocess.Popen(
-        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / "read_stdin.wat")],
+        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / guest)],
         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     assert child.stderr is not None and child.stdin is not None
     said = []
     try:
-        for line in child.stderr:  # until the guest reads
+        for line in child.stderr:  # until the guest runs
             said.append(line)
-            if "instantiated read_stdin.wat" in line:
+            if f"instantiated {guest}" in line:
                 break
         child.send_signal(signal.SIGINT)
         child.wait(timeout=60)  # (not communicate(), which would close the guest's stdin)
-        rest = child.stderr.read()
+        said.append(child.stderr.read())
     finally:
         child.kill()
         child.stdin.close()
         child.stderr.close()
-    assert child.returncode == 130, "".join(said) + rest
+    return child.returncode, "".join(said)
+
+
+def test_ctrl_c_ends_a_run_with_status_130(tmp_path: Path) -> None:
+    # SIGINT reaches trio as a KeyboardInterrupt that its nurseries wrap in an exception
+    # group: the command still ends quietly with the shell's status for it, 128 + 2.
+    code, said = interrupted_run(tmp_path, "spin.wat")
+    assert code == 130, said
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said
+    assert "did not stop" not in said  # a spinning guest stops at once
+
+
+def test_ctrl_c_ends_a_run_whose_guest_waits_for_its_stdin(tmp_path: Path) -> None:
+    # Before: a guest blocked reading a stdin that sent nothing held the command until
+    # input came (its cancellation cannot reach a read in wasmtime's WASI).
+    code, said = interrupted_run(tmp_path, "read_stdin.wat")
+    assert code == 130, said
     assert ("wasinn: the guest did not stop within 2 s of Ctrl-C (it is blocked in a host "
-            "call, such as a read of its stdin): exiting") in rest
-    assert "Traceback" not in rest
+            "call, such as a read of its stdin): exiting") in said
+    assert "Traceback" not in said
