@@ -1,34 +1,55 @@
 """Confining a child process that reads untrusted bytes, before it reads them.
 
 OpenVINO's TensorFlow and TensorFlow Lite frontends run in a throw-away child (see
-:mod:`._ovread`) because malformed models crashed them. A crash kills only the child; this
-module is the defence against worse (code run by a memory-safety bug), applied by the
-child to itself, single-threaded, before the frontend sees the model:
+:mod:`._ovread`) because malformed models crashed them, and sandboxed graphs run in a
+process of their own (:mod:`.sandbox`). A crash kills only the child; this module is the
+defence against worse (code run by a memory-safety bug), applied by the child to itself
+before the library sees the model, in two parts.
 
-* ``no_new_privs``; resource limits: no core files, a bound on each file it writes
-  (``RLIMIT_FSIZE``), few open files (``RLIMIT_NOFILE``), and where the caller gives
-  one a bound on the memory it allocates (``RLIMIT_DATA``: private writable memory,
-  which glibc's reserved but unused malloc arenas are not; an allocation past it fails
-  in the library, which reports it). ``RLIMIT_AS`` is left alone: glibc reserves 64 MiB
-  of address space per malloc arena and TBB starts a thread per core, so any bound that
-  holds on a many-core host bounds little.
-* ``seccomp``: a deny-list filter (x86-64 only) under which starting programs or
-  processes (``execve``, ``fork``, ``clone`` without ``CLONE_THREAD`` or with a
-  namespace flag), sockets, ``ptrace`` and cross-process memory access, mounts,
-  namespaces, keyrings, ``bpf``, ``perf_event_open`` and ``io_uring`` fail with EPERM;
-  ``clone3``, whose flags a filter cannot read, fails with ENOSYS, which glibc answers
-  by creating its threads with ``clone``. Everything else is allowed, so that a new
-  OpenVINO version keeps working.
+:func:`lock_down`, before the process starts any thread (so before it imports the
+library: ONNX Runtime and OpenVINO each start one as they are imported, numpy's OpenBLAS
+one per core unless ``OPENBLAS_NUM_THREADS`` is 1), because landlock binds the calling
+thread and the threads it starts later only:
+
+* ``no_new_privs``; every capability dropped (the bounding, ambient, effective,
+  permitted and inheritable sets: a child of a root host is no longer root's equal).
 * ``landlock`` (Linux 5.13 and later, where enabled): the file system is read-only in
-  the Python installation, the directories on ``sys.path`` and the system's libraries,
-  and writable only in the child's own temporary directory; nothing may be executed;
-  where the kernel can, TCP, abstract Unix sockets and signals to processes outside the
+  the Python installation, the directories on ``sys.path`` (a sandbox process is given
+  only its backend's and wasinn's own folders, not the host's working directory or
+  script folder: see :mod:`._sandbox_process`) and the system's libraries, and
+  writable only in the child's own temporary directory; nothing may be executed; where
+  the kernel can, TCP, abstract Unix sockets and signals to processes outside the
   sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host).
+* ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
+  (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
+  these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
+  without ``CLONE_THREAD`` or with a namespace flag), sockets, ``ptrace`` and
+  cross-process memory access, mounts, namespaces, keyrings, ``bpf``,
+  ``perf_event_open``, ``io_uring``, the machine's own settings (``reboot``, kernel
+  modules, clocks, swap, host names, port I/O), opening files by handle, and acting on
+  another process: its resource limits (``prlimit64``), priority and scheduling
+  (``setpriority``, ``sched_set*``, ``ioprio_set``) and signals (``kill``,
+  ``tgkill``, ``rt_sigqueueinfo``, pidfds). The process may do these to itself: the
+  scheduling calls (which libraries make on their own threads' ids) to the calling
+  thread or the process as a whole. ``clone3``, whose flags a filter cannot read, fails
+  with ENOSYS, which glibc answers by creating its threads with ``clone``. Everything
+  else is allowed, so that a new library version keeps working.
 
-The child loads this file by path (it runs with ``python -I`` and imports nothing of
-wasinn), so it uses the standard library only. :func:`confine` returns a report, which
-the child writes to stderr as one line (:func:`report_line`); the host reads it back
-with :func:`take_report` and logs it with :func:`log_report`.
+Then :func:`limit`, once the model's size is known, the resource limits, which hold for
+the whole process: no core files, a bound on each file it writes (``RLIMIT_FSIZE``),
+few open files (``RLIMIT_NOFILE``), and where the caller gives one a bound on the memory
+it allocates (``RLIMIT_DATA``: private writable memory, which glibc's reserved but
+unused malloc arenas are not; an allocation past it fails in the library, which reports
+it). ``RLIMIT_AS`` is left alone: glibc reserves 64 MiB of address space per malloc
+arena and TBB starts a thread per core, so any bound that holds on a many-core host
+bounds little. :func:`confine` does both at once (the frontend child, which starts no
+thread before it).
+
+The frontend child loads this file by path (it runs with ``python -I`` and imports
+nothing of wasinn), and so does a spare sandbox process, before its imports: it uses
+the standard library only. The reports say what was applied: the frontend child writes
+its one to stderr as a line (:func:`report_line`), which the host reads back with
+:func:`take_report` and logs with :func:`log_report`.
 """
 
 from __future__ import annotations
@@ -42,6 +63,7 @@ import resource
 import signal
 import struct
 import sys
+import threading
 from collections.abc import Iterable
 
 log = logging.getLogger("wasinn.backends")
@@ -59,6 +81,12 @@ REPORT_PREFIX = "wasinn-confine: "
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
+_NR_SECCOMP = 317
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_NR_CAPSET = 126
+_CAPABILITY_VERSION_3 = 0x20080522
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_SYSCALL_BIT = 0x40000000
 _RET_ALLOW = 0x7FFF0000
@@ -74,6 +102,24 @@ _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x100000
     | 0x20000000 | 0x40000000
 _NR_CLONE = 56
 _NR_CLONE3 = 435
+#: Stands for the process's own pid in :data:`ON_ITSELF_X86_64`.
+_ITSELF = -1
+#: x86-64 system calls allowed only on the process itself: name -> (number, checks),
+#: each check (argument index, the values it may take). 0 is the caller (a pid, a
+#: ``who``); ``_ITSELF`` the process's pid (its main thread, or all of it).
+ON_ITSELF_X86_64: dict[str, tuple[int, tuple[tuple[int, tuple[int, ...]], ...]]] = {
+    "prlimit64": (302, ((0, (0, _ITSELF)),)),
+    "setpriority": (141, ((0, (0,)), (1, (0, _ITSELF)))),  # PRIO_PROCESS only
+    "ioprio_set": (251, ((0, (1,)), (1, (0, _ITSELF)))),  # IOPRIO_WHO_PROCESS only
+    "sched_setaffinity": (203, ((0, (0, _ITSELF)),)),
+    "sched_setscheduler": (144, ((0, (0, _ITSELF)),)),
+    "sched_setparam": (142, ((0, (0, _ITSELF)),)),
+    "sched_setattr": (314, ((0, (0, _ITSELF)),)),
+    "kill": (62, ((0, (_ITSELF,)),)),
+    "tgkill": (234, ((0, (_ITSELF,)),)),
+    "rt_sigqueueinfo": (129, ((0, (_ITSELF,)),)),
+    "rt_tgsigqueueinfo": (297, ((0, (_ITSELF,)),)),
+}
 #: x86-64 system calls that fail with EPERM.
 DENIED_X86_64 = {
     "execve": 59, "execveat": 322, "fork": 57, "vfork": 58,
@@ -87,6 +133,14 @@ DENIED_X86_64 = {
     "keyctl": 250, "add_key": 248, "request_key": 249,
     "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "tkill": 200, "pidfd_open": 434, "pidfd_send_signal": 424, "process_madvise": 440,
+    "kcmp": 312, "reboot": 169, "kexec_load": 246, "kexec_file_load": 320,
+    "init_module": 175, "finit_module": 313, "delete_module": 176,
+    "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "quotactl_fd": 443,
+    "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
+    "sethostname": 170, "setdomainname": 171, "iopl": 172, "ioperm": 173,
+    "syslog": 103, "vhangup": 153, "name_to_handle_at": 303, "open_by_handle_at": 304,
+    "fanotify_init": 300, "lookup_dcookie": 212,
 }
 
 # -- landlock ---------------------------------------------------------------------------
@@ -123,6 +177,19 @@ class Report:
         return {"applied": self.applied, "unsupported": self.unsupported,
                 "failed": self.failed}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Report:
+        """The report :meth:`as_dict` gave (as another copy of this module wrote it)."""
+        report = cls()
+        applied, unsupported, failed = (data.get(k) for k in ("applied", "unsupported",
+                                                              "failed"))
+        report.applied = [str(a) for a in applied] if isinstance(applied, list) else []
+        report.unsupported = ({str(k): str(v) for k, v in unsupported.items()}
+                              if isinstance(unsupported, dict) else {})
+        report.failed = ({str(k): str(v) for k, v in failed.items()}
+                         if isinstance(failed, dict) else {})
+        return report
+
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
@@ -139,21 +206,21 @@ def _call(libc: ctypes.CDLL, name: str, *args: object) -> int:
 
 def confine(fsize: int, writable: str, readable: Iterable[str] = (),
             data: int | None = None) -> Report:
-    """Confine this process (see the module's docstring); never raises.
+    """:func:`lock_down`, then :func:`limit`; never raises."""
+    report = lock_down(writable, readable)
+    limit(report, fsize, data)
+    return report
 
-    ``fsize``: the most bytes a file it writes may hold. ``writable``: the one directory
-    it may write in. ``readable``: directories it may read besides the defaults.
-    ``data``: the most private writable memory it may hold, in bytes (None: no bound).
-    Call it while the process has one thread: landlock applies to the calling thread only.
-    """
+
+def lock_down(writable: str, readable: Iterable[str] = ()) -> Report:
+    """Confine this process but for its resource limits (see the module's docstring);
+    never raises. ``writable``: the one directory it may write in. ``readable``:
+    directories it may read besides the defaults. Call it before the process starts a
+    thread: landlock binds the calling thread and those it starts later only (one
+    started before is named in the report's failures)."""
     report = Report()
-    _limit(report, "core", resource.RLIMIT_CORE, 0)
-    _limit(report, "fsize", resource.RLIMIT_FSIZE, fsize)
-    _limit(report, "nofile", resource.RLIMIT_NOFILE, NOFILE)
-    if data is not None:
-        _limit(report, "data", resource.RLIMIT_DATA, data)
     if not sys.platform.startswith("linux"):
-        for name in ("no_new_privs", "landlock", "seccomp"):
+        for name in ("no_new_privs", "capabilities", "landlock", "seccomp"):
             report.unsupported[name] = f"not Linux ({sys.platform})"
         return report
     libc = _libc()
@@ -162,9 +229,47 @@ def confine(fsize: int, writable: str, readable: Iterable[str] = (),
         report.applied.append("no_new_privs")
     except OSError as exc:
         report.failed["no_new_privs"] = str(exc)
+    _drop_capabilities(report, libc)
     _landlock(report, libc, writable, readable)
     _seccomp(report, libc)
     return report
+
+
+def limit(report: Report, fsize: int, data: int | None = None) -> None:
+    """Set this process's resource limits, noting them in ``report``; never raises.
+    ``fsize``: the most bytes a file it writes may hold. ``data``: the most private
+    writable memory it may hold, in bytes (None: no bound)."""
+    _limit(report, "core", resource.RLIMIT_CORE, 0)
+    _limit(report, "fsize", resource.RLIMIT_FSIZE, fsize)
+    _limit(report, "nofile", resource.RLIMIT_NOFILE, NOFILE)
+    if data is not None:
+        _limit(report, "data", resource.RLIMIT_DATA, data)
+
+
+def _drop_capabilities(report: Report, libc: ctypes.CDLL) -> None:
+    # The bounding set needs CAP_SETPCAP to shrink (a process without it has nothing to
+    # drop there that it could use); the effective, permitted and inheritable sets are
+    # cleared through capset (version 3: two 32-bit words of each).
+    try:
+        with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as last:
+            last_cap = int(last.read())
+    except (OSError, ValueError):
+        last_cap = 63
+    for cap in range(last_cap + 1):
+        try:
+            _call(libc, "prctl", ctypes.c_int(_PR_CAPBSET_DROP), ctypes.c_ulong(cap),
+                  *map(ctypes.c_ulong, (0, 0, 0)))
+        except OSError:
+            break  # EPERM (no CAP_SETPCAP) or EINVAL (past the last): nothing more to do
+    try:
+        _call(libc, "prctl", ctypes.c_int(_PR_CAP_AMBIENT),
+              ctypes.c_ulong(_PR_CAP_AMBIENT_CLEAR_ALL), *map(ctypes.c_ulong, (0, 0, 0)))
+        header = struct.pack("=Ii", _CAPABILITY_VERSION_3, 0)
+        _syscall(libc, "capset", _NR_CAPSET, ctypes.c_char_p(header),
+                 ctypes.c_char_p(bytes(24)))
+        report.applied.append("capabilities")
+    except OSError as exc:
+        report.failed["capabilities"] = str(exc)
 
 
 def data_in_use() -> int | None:
@@ -190,8 +295,12 @@ def _limit(report: Report, name: str, which: int, value: int) -> None:
         report.failed[name] = str(exc)
 
 
-def seccomp_program() -> bytes:
-    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions."""
+def seccomp_program(pid: int | None = None) -> bytes:
+    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions, for the
+    process ``pid`` (this one by default): the calls that act on a process are allowed
+    on it only (see :data:`ON_ITSELF_X86_64`)."""
+    pid = os.getpid() if pid is None else pid
+
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)
 
@@ -212,6 +321,18 @@ def seccomp_program() -> bytes:
         op(_RET, _RET_ALLOW),  # a thread
         op(_RET, eperm),  # a process
     ]
+    for number, checks in ON_ITSELF_X86_64.values():
+        # Allowed when each checked argument's low 32 bits are one of its values (a pid
+        # is an int: its upper bits may be a sign's), else EPERM.
+        block: list[bytes] = []
+        for arg, values in checks:
+            allowed = tuple(pid if v is _ITSELF else v for v in values)
+            block.append(op(_LD_ABS_W, 16 + 8 * arg))  # seccomp_data.args[arg], low half
+            for i, value in enumerate(allowed):  # on a match: the next check
+                block.append(op(_JEQ, value, len(allowed) - i, 0))
+            block.append(op(_RET, eperm))
+        block.append(op(_RET, _RET_ALLOW))
+        prog += [op(_JEQ, number, 0, len(block)), *block]
     for number in sorted(DENIED_X86_64.values()):
         prog += [op(_JEQ, number, 0, 1), op(_RET, eperm)]
     prog.append(op(_RET, _RET_ALLOW))
@@ -230,9 +351,15 @@ def _seccomp(report: Report, libc: ctypes.CDLL) -> None:
     filters = ctypes.create_string_buffer(code, len(code))
     prog = struct.pack("=HxxxxxxQ", len(code) // 8, ctypes.addressof(filters))
     try:
-        _call(libc, "prctl", ctypes.c_int(_PR_SET_SECCOMP), ctypes.c_ulong(_SECCOMP_MODE_FILTER),
-              ctypes.c_char_p(prog), ctypes.c_ulong(0), ctypes.c_ulong(0))
-        report.applied.append("seccomp")
+        # Every thread gets it (TSYNC): one a library started before it (a thread the
+        # lock-down came too late for) could otherwise make any call. A positive result
+        # is a thread that could not take it.
+        thread = _syscall(libc, "seccomp", _NR_SECCOMP, ctypes.c_uint(_SECCOMP_SET_MODE_FILTER),
+                          ctypes.c_uint(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.c_char_p(prog))
+        if thread:
+            report.failed["seccomp"] = f"thread {thread} could not take the filter"
+        else:
+            report.applied.append("seccomp")
     except OSError as exc:
         report.failed["seccomp"] = str(exc)
 
@@ -288,10 +415,24 @@ def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
         _syscall(libc, "landlock_restrict_self", _NR_LANDLOCK_RESTRICT_SELF,
                  ctypes.c_int(ruleset), ctypes.c_uint32(0))
         report.applied.append(f"landlock(abi={abi})")
+        others = _other_threads()
+        if others:
+            report.failed["landlock"] = (f"{len(others)} thread(s) started before it are not "
+                                         f"bound by it ({', '.join(others)})")
     except OSError as exc:
         report.failed["landlock"] = str(exc)
     finally:
         os.close(ruleset)
+
+
+def _other_threads() -> list[str]:
+    """The ids of this process's threads other than the calling one (Linux)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    me = str(threading.get_native_id())
+    return sorted(t for t in tasks if t != me)
 
 
 def _readable(extra: Iterable[str]) -> list[str]:

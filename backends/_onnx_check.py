@@ -33,9 +33,15 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from wasinn.errors import InvalidEncodingError, NotFoundError, SecurityError
+from wasinn.errors import (
+    InvalidEncodingError,
+    NotFoundError,
+    SecurityError,
+    UnsupportedOperationError,
+)
 from wasinn.files import OutsideError, read_regular
 
+from .base import in_sandbox
 from .formats import protobuf_records, protobuf_values
 
 
@@ -121,11 +127,22 @@ def read_external_data(backend: str, folder: Path, locations: Iterable[str]
         except OutsideError as exc:
             raise SecurityError(f"{backend}: external data {location!r}: {exc.strerror}"
                                 ) from None
+        except PermissionError as exc:
+            if in_sandbox():  # landlock: a confined process may read no model folder
+                raise UnsupportedOperationError(
+                    f"{backend}: external data {location!r}: a sandboxed model's process "
+                    f"may not read its folder {inside}: expected the model loaded without "
+                    "sandbox, or with its weights inside the .onnx file") from None
+            raise _unreadable(backend, location, inside, exc) from None
         except OSError as exc:
-            raise NotFoundError(
-                f"{backend}: external data {location!r} in {inside} cannot be read: "
-                f"{exc.strerror or exc}: expected the model's external data file") from None
+            raise _unreadable(backend, location, inside, exc) from None
     return files
+
+
+def _unreadable(backend: str, location: str, inside: str, exc: OSError) -> NotFoundError:
+    return NotFoundError(
+        f"{backend}: external data {location!r} in {inside} cannot be read: "
+        f"{exc.strerror or exc}: expected the model's external data file")
 
 
 def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> str | None:

@@ -1,6 +1,7 @@
-"""The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -m
-wasinn.backends._sandbox_child REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``, or
-``python -c SPARE_START`` with the same arguments for a spare.
+"""The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -c
+CHILD_START REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``, or ``python -c SPARE_START``
+with the same arguments for a spare. A confined one locks itself down first, before it
+imports anything that starts a thread (:data:`CHILD_START`).
 
 It imports the backend named by ENTRY (``module:Class``) and says so with one byte
 (:data:`READY`) on the CANCELS socket. A spare (a process started ahead of its load,
@@ -11,9 +12,9 @@ that it takes only CPU time nobody else wants, while everything after, the load 
 the runs, happens in the main thread at the priority the process was started with.
 
 Then it reads one load request from the REQUESTS socket (the model's bytes in the
-ARENA, see :mod:`._sandbox_wire`, and the bytes of memory it may hold, or None),
-confines itself (:mod:`._confine`, when CONFINE_DIR is given) before the library sees
-the model's bytes, loads it and then answers run requests one at a time until the host
+ARENA, see :mod:`._sandbox_wire`, and the bytes of memory it may hold, or None), sets
+its resource limits (:func:`._confine.limit`, when CONFINE_DIR is given) before the
+library sees the model's bytes, loads it and then answers run requests one at a time until the host
 kills it or goes away. A thread reads the CANCELS socket: the sequence number of a run
 to cancel, which it hands to that run's Cancellation (the backend's own interruption),
 if that run is still the current one.
@@ -48,6 +49,12 @@ from wasinn.backends.base import (
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
 
+#: The environment variable that holds the path of :mod:`._confine`'s file, which a
+#: confined spare loads by path to lock itself down before it imports anything.
+CONFINE_MODULE = "WASINN_CONFINE_MODULE"
+#: The environment variable that lists (``os.pathsep``-separated) the folders the files
+#: a confined process imports really are in (an editable install links them).
+CODE_FOLDERS = "WASINN_SANDBOX_CODE"
 #: A cancel message: the sequence number of the run to stop.
 CANCEL = struct.Struct("<Q")
 #: What the process sends on the CANCELS socket once it has made its backend.
@@ -55,21 +62,40 @@ READY = b"R"
 #: The nice value of a spare's imports, under SCHED_IDLE (which alone left a guest's
 #: first run as fast as with no spare: nice 19 alone did not).
 SPARE_NICE = 19
+#: How every sandbox process starts (``python -c``): a confined one locks itself down
+#: (:func:`._confine.lock_down`, its file loaded by path) before it imports anything
+#: that starts a thread (numpy's OpenBLAS starts one per core as it is imported, the
+#: libraries theirs): landlock binds only the threads started after it.
+_LOCK_DOWN = f"""
+import importlib, importlib.util, os, sys, threading
+
+locked = None
+if len(sys.argv) > 5:  # confined
+    spec = importlib.util.spec_from_file_location("_wasinn_confine",
+                                                  os.environ["{CONFINE_MODULE}"])
+    confine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(confine)
+    code = os.environ.get("{CODE_FOLDERS}", "").split(os.pathsep)
+    locked = confine.lock_down(sys.argv[5], code).as_dict()
+"""
+_RUN = """
+from wasinn.backends._sandbox_child import run_main
+run_main(sys.argv[1:], locked)
+"""
+#: A process's ``python -c`` program.
+CHILD_START = _LOCK_DOWN + _RUN
 #: A spare's ``python -c`` program (see the module docstring). An import that fails is
 #: left for :func:`main`, which imports again and reports the error. Elsewhere than on
 #: Linux a priority is the whole process's: there it is not lowered.
-SPARE_START = f"""
-import importlib, os, sys, threading
-
+SPARE_START = _LOCK_DOWN + f"""
 def imports():
-    if sys.platform == "linux":  # each as far as this system allows
-        tid = threading.get_native_id()
+    if sys.platform == "linux":  # each as far as this system allows; 0: this thread
         try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except OSError:
             pass
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, {SPARE_NICE})
+            os.setpriority(os.PRIO_PROCESS, 0, {SPARE_NICE})
         except OSError:
             pass
     try:
@@ -81,9 +107,7 @@ def imports():
 thread = threading.Thread(target=imports, name="wasinn spare imports")
 thread.start()
 thread.join()
-from wasinn.backends._sandbox_child import run_main
-run_main(sys.argv[1:])
-"""
+""" + _RUN
 
 
 class _Current:
@@ -108,13 +132,15 @@ class _Current:
 
 
 def _read_cancels(sock: socket.socket, current: _Current) -> None:
+    # The host's end closes when it is gone, killed too: this process then leaves at
+    # once, a run under way with it, instead of running on for nobody.
     while True:
         try:
             data = sock.recv(CANCEL.size, socket.MSG_WAITALL)
         except OSError:
-            return
+            data = b""
         if len(data) != CANCEL.size:
-            return  # the host is gone
+            os._exit(0)
         current.cancel(CANCEL.unpack(data)[0])
 
 
@@ -156,21 +182,20 @@ def _specs(graph: CompiledGraph) -> dict[str, Any]:
 
 
 def _load(backend: Backend, load: tuple[Any, ...], files: dict[str, Tensor],
-          confine_dir: str | None, bound: int | None
-          ) -> tuple[CompiledGraph, dict[str, object] | None]:
-    """The graph, and what confining this process applied (None: not confined)."""
+          locked: _confine.Report | None, bound: int | None) -> CompiledGraph:
+    """The graph, loaded once this process's resource limits are set (a confined one's,
+    whose lock-down ``locked`` notes them)."""
     encoding, device, options = load
     # Copied out: the library may keep them, and the arena's next request overwrites it.
     builders = [files[str(i)].tobytes() for i in range(len(files))]
     del files
-    report = None
-    if confine_dir is not None:
+    if locked is not None:
         if bound is not None:
             _check_bound(bound)
         fsize = (_confine.FILE_SIZE_FACTOR * sum(len(b) for b in builders)
                  + _confine.FILE_SIZE_MARGIN)
-        report = _confine.confine(fsize, confine_dir, data=bound).as_dict()
-    return backend.load(builders, encoding, device, options), report
+        _confine.limit(locked, fsize, data=bound)
+    return backend.load(builders, encoding, device, options)
 
 
 def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current,
@@ -213,28 +238,34 @@ def _make(entry: str) -> Backend:
     return backend
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], locked: dict[str, Any] | None = None) -> int:
+    """Serve one graph (see the module docstring). ``locked``: the report of the
+    lock-down a spare applied before its imports (None: this process has not locked
+    itself down yet, and does so now, where CONFINE_DIR is given)."""
     mark_sandbox_process()
     requests = Connection(int(argv[0]))
     cancels = socket.socket(fileno=int(argv[1]))
     arena = Arena.attach(int(argv[2]))
-    confine_dir = argv[4] if len(argv) > 4 else None
+    report: _confine.Report | None = None
+    if len(argv) > 4:  # confined: locked down by CHILD_START or SPARE_START already
+        report = _confine.Report.from_dict(locked or {})
+    current = _Current()
+    # Started after the lock-down, which binds the threads started after it.
+    threading.Thread(target=_read_cancels, args=(cancels, current), daemon=True).start()
     bound = None
     try:
         backend = _make(argv[3])
         with contextlib.suppress(OSError):
             cancels.sendall(READY)
         (*load, bound), files, _ = read_request(arena, receive(requests))
-        graph, confined = _load(backend, tuple(load), files, confine_dir, bound)
+        graph = _load(backend, tuple(load), files, report, bound)
     except EOFError:
         return 0
     except Exception as exc:
         send(requests, reply(arena, _error(exc, bound))[0])
         return 0
+    confined = None if report is None else report.as_dict()
     send(requests, reply(arena, {"ok": True, "confined": confined, **_specs(graph)})[0])
-    current = _Current()
-    # Started after confining: Landlock binds the calling thread and those it starts.
-    threading.Thread(target=_read_cancels, args=(cancels, current), daemon=True).start()
     try:
         _serve(requests, arena, graph, current, bound)
     finally:
@@ -242,9 +273,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run_main(argv: list[str]) -> None:
+def run_main(argv: list[str], locked: dict[str, Any] | None = None) -> None:
     """:func:`main`, then leave at once (see the module docstring)."""
-    code = main(argv)
+    code = main(argv, locked)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

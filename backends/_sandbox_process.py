@@ -27,7 +27,14 @@ from wasinn.errors import BackendRuntimeError
 from wasinn.tensor import Tensor
 
 from . import _confine
-from ._sandbox_child import CANCEL, READY, SPARE_START
+from ._sandbox_child import (
+    CANCEL,
+    CHILD_START,
+    CODE_FOLDERS,
+    CONFINE_MODULE,
+    READY,
+    SPARE_START,
+)
 from ._sandbox_wire import AGAIN, Arena, read_reply, receive, request, send
 from .base import BackendRef
 
@@ -50,20 +57,45 @@ def _died(process: subprocess.Popen[bytes]) -> str:
 
 
 def _child_env(backend: BackendRef) -> dict[str, str]:
-    """The host's environment, with its import path and the folder the backend's module
-    is found in: the child imports that module (a plug-in's too) as the host would,
-    whether or not the host has imported it."""
+    """The host's environment, with an import path of two folders: the one the backend's
+    module is found in and wasinn's own (the child imports that module, a plug-in's too,
+    as the host would, whether or not the host has imported it). Not the rest of the
+    host's ``sys.path``: a confined child may read the folders on its path, and the
+    host's holds its working directory or its script's folder (a home directory, with
+    its keys)."""
     env = dict(os.environ)
-    paths = [os.path.abspath(p or os.curdir) for p in sys.path]
-    try:
-        spec = importlib.util.find_spec(backend.module)  # imports its parents only
-    except (ImportError, ValueError):
-        spec = None  # the child then says what is missing
-    if spec is not None and spec.origin is not None:  # the folder of its top package
-        root = Path(spec.origin).resolve().parents[backend.module.count(".")]
-        paths.insert(0, str(root))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if os.path.isdir(p))
+    tops = [_top_folder(backend.module), _top_folder("wasinn")]
+    env["PYTHONPATH"] = os.pathsep.join(str(top) for top in tops if top is not None)
+    env[CONFINE_MODULE] = str(Path(_confine.__file__).resolve())
+    env[CODE_FOLDERS] = os.pathsep.join(_code_folders(tops))
     return env
+
+
+def _top_folder(module: str) -> Path | None:
+    """The folder ``module``'s top package is found in (None: not found; the child then
+    says what is missing)."""
+    try:
+        spec = importlib.util.find_spec(module)  # imports its parents only
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    # (a package's origin is its __init__.py: one folder deeper than a module's file)
+    depth = module.count(".") + (spec.submodule_search_locations is not None)
+    root = Path(os.path.abspath(spec.origin)).parents[depth]
+    return root if root.is_dir() else None
+
+
+def _code_folders(tops: list[Path | None]) -> list[str]:
+    """Where the files a confined child imports from ``tops`` and wasinn really are: an
+    editable install's are links into the source tree, whose folders landlock must let
+    it read (it checks the file a link leads to)."""
+    folders = {os.path.realpath(top) for top in tops if top is not None}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if (name == "wasinn" or name.startswith("wasinn.")) and path:
+            folders.add(os.path.dirname(os.path.realpath(path)))
+    return sorted(folders)
 
 
 class SandboxProcess:
@@ -85,17 +117,21 @@ class SandboxProcess:
             ) from exc
         requests, theirs = socket.socketpair()
         cancels, their_cancels = socket.socketpair()
-        start = ["-c", SPARE_START] if spare else ["-m", "wasinn.backends._sandbox_child"]
+        start = ["-c", SPARE_START if spare else CHILD_START]
         command = [sys.executable, *start, str(theirs.fileno()), str(their_cancels.fileno()),
                    str(self.arena.fd), backend.entry]
+        env = _child_env(backend)
         if confined:
             self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
             command.append(self._confine_dir.name)
+            # Its home too: what libraries write there (OpenVINO writes a telemetry id
+            # as it starts) it may write only in its own folder.
+            env["HOME"] = env["XDG_CACHE_HOME"] = self._confine_dir.name
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
-                env=_child_env(backend), cwd=self._confine_dir.name if self._confine_dir else None)
+                env=env, cwd=self._confine_dir.name if self._confine_dir else None)
         except OSError as exc:
             requests.close()
             cancels.close()

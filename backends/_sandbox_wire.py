@@ -202,10 +202,18 @@ def reply(arena: Arena, payload: dict[str, Any], tensors: Mapping[str, Tensor] |
 
 def read_reply(arena: Arena, header: bytes) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A child's reply, checked, its tensors copied out of the arena: ValueError for
-    anything that is not one. A reply ``{"grow": N}`` comes back as it is, N checked."""
-    payload = json.loads(header)
+    anything that is not one (an ``error`` that is not ``[class, message]`` included).
+    A reply ``{"grow": N}`` comes back as it is, N checked."""
+    try:
+        payload = json.loads(header)
+    except RecursionError:  # ("[" * 100_000: json nests by recursion)
+        raise ValueError("a reply nested too deeply") from None
     if not isinstance(payload, dict):
         raise ValueError("a reply that is no JSON object")  # noqa: TRY004 - one kind
+    error = payload.get("error")
+    if "error" in payload and not (isinstance(error, list) and len(error) == 2
+                                   and all(isinstance(part, str) for part in error)):
+        raise ValueError(f"an error reported as {error!r:.80}: expected [class, message]")
     if "grow" in payload:
         size = payload["grow"]
         if type(size) is not int or not arena.size < size <= MAX_ARENA:

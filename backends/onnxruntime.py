@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
@@ -522,6 +524,12 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
     so.log_severity_level = 3  # errors only: warnings go to the exception, not stderr
     if options.threads:
         so.intra_op_num_threads = options.threads
+    elif in_sandbox():
+        # Left to choose, ONNX Runtime starts a thread per physical core and pins each
+        # to a CPU, which a sandbox process may not do to a thread other than the
+        # calling one (see _confine): the same number, given, leaves them unpinned,
+        # instead of a logged failure per thread.
+        so.intra_op_num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     entries = {**SESSION_DEFAULTS, **options.extra}
     if external:
         in_memory = getattr(so, "add_external_initializers_from_files_in_memory", None)

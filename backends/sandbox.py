@@ -7,7 +7,7 @@ out-of-range indices, pads or steps as *inputs* (SIGSEGV, SIGABRT, SIGFPE); ONNX
 Runtime's ``RoiAlign`` and ``MaxRoiPool`` given bad boxes or batch indices; torch's
 ``ctc_loss``, ``cummax``/``cummin`` helpers and ``linalg.eigvals`` on NaN. In the host's
 process each of those kills every guest and caller with it. :func:`load_sandboxed`
-compiles a graph in a child process instead (``python -m wasinn.backends._sandbox_child``):
+compiles a graph in a child process instead (:mod:`._sandbox_child`):
 
 * The child imports the same backend, loads the model and answers runs one at a time.
   The model's bytes, inputs and outputs lie in memory both processes map (an arena, a
@@ -149,11 +149,19 @@ def _aliases(value: Any) -> Mapping[str, int]:
 def _error(payload: Mapping[str, Any]) -> WasiNNError:
     """The wasinn error a child reported (BackendRuntimeError for a class it may not
     name)."""
-    kind, message = payload["error"]
-    cls = getattr(errors, str(kind), None)
+    kind, message = payload["error"]  # (two strs: checked by read_reply)
+    cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, WasiNNError)):
         cls = BackendRuntimeError
-    return cls(str(message))
+    if len(message) > MAX_MESSAGE:  # its start and end say what it is about
+        half = MAX_MESSAGE // 2
+        message = (f"{message[:half]} ... [{len(message) - MAX_MESSAGE} characters cut] "
+                   f"... {message[-half:]}")
+    return cls(message)
+
+
+#: The most of a child's error message an error keeps.
+MAX_MESSAGE = 16 * 1024
 
 
 def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNError:
@@ -189,6 +197,9 @@ class SandboxedGraph(CompiledGraph):
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
+        #: What the latest process to load the model reported of its confinement
+        #: (applied, unsupported, failed; None: not confined, or it said nothing).
+        self.confinement: dict[str, Any] | None = None
         #: The memory each of its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
@@ -272,8 +283,8 @@ class SandboxedGraph(CompiledGraph):
             spares.replenish(self._backend, self._confined)
         if self._confined:
             confined = payload.get("confined")
-            _confine.log_report(confined if isinstance(confined, dict) else None,
-                                "sandboxed model", "sandbox processes")
+            self.confinement = confined if isinstance(confined, dict) else None
+            _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
         return child, payload
 
     def _acquire(self) -> SandboxProcess:
@@ -285,6 +296,11 @@ class SandboxedGraph(CompiledGraph):
                     raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
                 if self._idle:
                     child = self._idle.pop()
+                    if child.process.poll() is not None:  # died while idle (OOM killer)
+                        log.warning("%s: sandbox process %d %s while idle: a new one runs "
+                                    "the next run", self._backend.name, child.process.pid,
+                                    child.ended())
+                        continue
                     self._busy.add(child)
                     return child
                 live = len(self._busy) + self._starting

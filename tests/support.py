@@ -91,7 +91,7 @@ def cpu_pool(**pool: Any) -> RuntimeConfig:
 
 def sandbox_children() -> list[psutil.Process]:
     """This process's sandbox processes (their command line names
-    ``wasinn.backends._sandbox_child``: ``-m`` for a graph's, the code of
+    ``wasinn.backends._sandbox_child``: the code of ``CHILD_START`` for a graph's, of
     ``SPARE_START`` for a spare's), one started a moment ago included: right after its
     exec a process shows an empty command line for a while, which is read again here
     (for up to 5 s)."""

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -693,6 +694,31 @@ async def test_a_registered_onnx_model_may_keep_its_weights_in_external_data(
         with pytest.raises(SecurityError, match=r"tensor 'w' refers to external data "
                                                 r"\(location 'w.data'\).*must embed its weights"):
             await rt.load([path.read_bytes()], "onnx", backend=backend)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="landlock is Linux's")
+async def test_a_sandboxed_registered_model_with_external_data_says_it_cannot_load(
+        tmp_path: Path) -> None:
+    # Before: NotFoundError "... cannot be read: Permission denied: expected the model's
+    # external data file", which did not say that the sandbox was why.
+    from tests.support import require_backend
+    from tests.test_confine import HAS_LANDLOCK
+    from wasinn import UnsupportedOperationError
+
+    require_backend("onnxruntime")
+    if not HAS_LANDLOCK:
+        pytest.skip("landlock (Linux 5.13 or later, enabled)")
+    models = tmp_path / "models"
+    models.mkdir()
+    external_weights_model(models)
+    write(tmp_path, '[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "onnxruntime"\n'
+                    'sandbox = true\n')
+    async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
+        with pytest.raises(UnsupportedOperationError, match=(
+                r"external data 'w\.data': a sandboxed model's process may not read its "
+                r"folder .*: expected the model loaded without sandbox, or with its weights "
+                r"inside the \.onnx file")):
+            await rt.load_by_name("ext")
 
 
 @pytest.mark.parametrize(("location", "error", "message"), [

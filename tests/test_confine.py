@@ -1,5 +1,6 @@
-"""The confinement of the throw-away process that reads TensorFlow and TFLite models
-(wasinn.backends._confine), in real child processes, with real OpenVINO."""
+"""The confinement of the throw-away process that reads TensorFlow and TFLite models and
+of sandbox processes (wasinn.backends._confine), in real child processes, with real
+OpenVINO."""
 
 from __future__ import annotations
 
@@ -111,7 +112,26 @@ attempt("write_past_bound", lambda: write("big.bin", fsize + 1))
 attempt("read_outside", read_outside)
 attempt("write_outside", lambda: write(os.path.join(sys.argv[4], "x"), 1))
 attempt("symlink", lambda: os.symlink(sys.argv[3], "link"))
-print(json.dumps({"report": report.as_dict(), "results": results}))
+# Acting on another process (the parent, with values that change nothing there) is
+# refused; on itself it is not.
+import resource
+host = os.getppid()
+attempt("prlimit_other", lambda: resource.prlimit(host, resource.RLIMIT_NOFILE))
+attempt("prlimit_self", lambda: resource.prlimit(0, resource.RLIMIT_CORE, (0, 0)))
+attempt("setpriority_other", lambda: os.setpriority(
+    os.PRIO_PROCESS, host, os.getpriority(os.PRIO_PROCESS, host)))
+attempt("setpriority_user", lambda: os.setpriority(
+    os.PRIO_USER, 0, os.getpriority(os.PRIO_USER, 0)))
+attempt("setpriority_self", lambda: os.setpriority(
+    os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0)))
+attempt("affinity_other", lambda: os.sched_setaffinity(host, os.sched_getaffinity(host)))
+attempt("affinity_self", lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))
+attempt("kill_other", lambda: os.kill(host, 0))
+attempt("kill_self", lambda: os.kill(os.getpid(), 0))
+attempt("reboot", lambda: syscall(169, 0, 0, 0, 0))  # bad magic numbers: EINVAL if let by
+with open("/proc/self/status") as status:
+    caps = {line.split(":")[0]: line.split()[1] for line in status if line.startswith("Cap")}
+print(json.dumps({"report": report.as_dict(), "results": results, "caps": caps}))
 """
 
 
@@ -160,6 +180,79 @@ def test_seccomp_refuses_processes_programs_sockets_and_tracing(
     assert probe["results"][call] == "PermissionError:EPERM"
 
 
+@pytest.mark.skipif(not (X86_64 and HAS_SECCOMP), reason="seccomp filters on x86-64 Linux")
+@pytest.mark.parametrize("call", [
+    "prlimit_other", "setpriority_other", "setpriority_user", "affinity_other", "kill_other",
+    "reboot"])
+def test_seccomp_refuses_acting_on_another_process_or_the_machine(
+    probe: dict[str, Any], call: str
+) -> None:
+    # Before: a confined process lowered the host's open-file and memory limits (the
+    # host then failed with "Too many open files" and MemoryError), reniced it and
+    # pinned it to one CPU; reboot(2) reached its argument check.
+    assert probe["results"][call] == "PermissionError:EPERM"
+
+
+@pytest.mark.parametrize("call", ["prlimit_self", "setpriority_self", "affinity_self",
+                                  "kill_self"])
+def test_the_process_may_still_act_on_itself(probe: dict[str, Any], call: str) -> None:
+    assert probe["results"][call] == "ok"
+
+
+@pytest.mark.skipif(not LINUX, reason="capabilities are Linux's")
+def test_every_capability_is_dropped(probe: dict[str, Any]) -> None:
+    # Before: a child of a root host kept root's capabilities (CapEff 000001fffeffffff).
+    assert "capabilities" in probe["report"]["applied"]
+    for kind in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        assert int(probe["caps"][kind], 16) == 0, probe["caps"]
+    if os.geteuid() == 0:  # (without CAP_SETPCAP the bounding set cannot shrink)
+        assert int(probe["caps"]["CapBnd"], 16) == 0, probe["caps"]
+
+
+#: Starts a thread, then locks itself down (argv: _confine.py): the thread's attempt to
+#: open a socket afterwards, and the lock-down's report.
+_EARLY_THREAD = """
+import importlib.util, json, os, socket, sys, threading
+spec = importlib.util.spec_from_file_location("_wasinn_confine", sys.argv[1])
+confine = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(confine)
+go, said = threading.Event(), []
+
+def early():
+    go.wait()
+    try:
+        socket.socket()
+        said.append("ok")
+    except OSError as exc:
+        said.append(type(exc).__name__)
+
+thread = threading.Thread(target=early)
+thread.start()
+report = confine.lock_down(os.getcwd())
+go.set()
+thread.join()
+print(json.dumps({"report": report.as_dict(), "socket": said[0]}))
+"""
+
+
+@pytest.mark.skipif(not (X86_64 and HAS_SECCOMP), reason="seccomp filters on x86-64 Linux")
+def test_a_thread_started_before_the_lock_down_gets_the_filter_and_is_named(
+        tmp_path: Path) -> None:
+    # Before: the filter bound the calling thread only (prctl): threads a library had
+    # started (ONNX Runtime's, OpenVINO's, OpenBLAS's) could open sockets, exec and
+    # write the host's files.
+    done = subprocess.run([sys.executable, "-I", "-c", _EARLY_THREAD, CONFINE_FILE],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          check=False, env={"PATH": os.environ.get("PATH", "")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["socket"] == "PermissionError"
+    assert "seccomp" in result["report"]["applied"]
+    if HAS_LANDLOCK:  # landlock cannot bind it: the report says so
+        assert result["report"]["failed"]["landlock"].startswith(
+            "1 thread(s) started before it are not bound by it (")
+
+
 def test_threads_and_numpy_still_work(probe: dict[str, Any]) -> None:
     assert probe["results"]["threads"] == "ok"
     assert probe["results"]["numpy"] == "ok"
@@ -180,7 +273,9 @@ def test_landlock_keeps_reads_and_writes_to_the_private_directory(
 def test_seccomp_program_is_a_whole_number_of_instructions() -> None:
     program = confine.seccomp_program()
     assert len(program) % 8 == 0
-    assert len(program) // 8 == 15 + 2 * len(confine.DENIED_X86_64)
+    on_itself = sum(2 + sum(2 + len(values) for _, values in checks)
+                    for _, checks in confine.ON_ITSELF_X86_64.values())
+    assert len(program) // 8 == 15 + 2 * len(confine.DENIED_X86_64) + on_itself
 
 
 # -- through the backend ------------------------------------------------------------------

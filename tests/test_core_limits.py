@@ -182,12 +182,13 @@ async def test_a_trapped_guests_memory_is_freed_when_run_wasm_raises(tmp_path: P
         gc.collect()
         gc.disable()
         try:
-            # (other tests' stores may still be alive: only this guest's is looked for)
-            before = {id(o) for o in gc.get_objects() if isinstance(o, wasmtime.Store)}
+            # (other tests' stores may still be alive: only this guest's is looked for;
+            # type(), not isinstance(), which would ask deprecated modules for __class__)
+            before = {id(o) for o in gc.get_objects() if type(o) is wasmtime.Store}
             with pytest.raises(GuestTrap, match=r"trap\.wat trapped"):
                 await run_wasm(rt, guest)
             stores = [o for o in gc.get_objects()
-                      if isinstance(o, wasmtime.Store) and id(o) not in before]
+                      if type(o) is wasmtime.Store and id(o) not in before]
         finally:
             gc.enable()
     assert stores == []

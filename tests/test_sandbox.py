@@ -11,12 +11,15 @@ Load crashes, cancels a run ignores and the wire's checks use the fake backend o
 
 from __future__ import annotations
 
+import os
+import platform
 import signal
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -258,6 +261,36 @@ def test_a_crash_while_running_fails_that_run_and_the_next_run_reloads() -> None
         graph.close()
 
 
+def test_a_process_that_died_while_idle_is_replaced_without_failing_a_run(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the next run failed, blaming "this model or these inputs", and the death
+    # counted towards the crash back-off.
+    import logging
+
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=2"], GraphEncoding.GGML, CPU)
+    try:
+        x = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+        graph.run(x)
+        first = graph.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        # Until it can be waited for (all its threads gone), not reaped here: the graph
+        # reads its status. (A process in the middle of dying is not seen as dead.)
+        deadline = time.monotonic() + 10
+        while os.waitid(os.P_PID, first, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+            out = graph.run(x)
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert graph.pid not in (None, first)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"crashing: sandbox process {first} was killed by SIGKILL while idle: a new "
+            "one runs the next run"]
+    finally:
+        graph.close()
+
+
 def test_a_cancel_stops_the_reload_a_run_waits_for_at_once(tmp_path: Any) -> None:
     import threading
     import time
@@ -345,8 +378,9 @@ def test_a_run_that_needs_more_memory_than_the_bound_fails_and_the_process_goes_
         pid = graph.pid
         assert graph.max_bytes == bound and _data_limit(pid) == (bound, bound)
         with pytest.raises(BackendRuntimeError, match=(
-                rf"(?s)^{backend_name}: .*allocate.* \(a sandboxed graph's process may hold "
-                rf"{bound} bytes: max_sandbox_bytes\)$")):  # 3.6 GB of zeros
+                rf"(?s)^{backend_name}: .*alloc.* \(a sandboxed graph's process may hold "
+                rf"{bound} bytes: max_sandbox_bytes\)$")):  # 3.6 GB of zeros (ONNX
+            # Runtime: "Failed to allocate memory" or "std::bad_alloc", as it fails)
             graph.run({"shape": Tensor.from_numpy(np.array([30_000, 30_000], np.int64))})
         out = graph.run({"shape": Tensor.from_numpy(np.array([2, 3], np.int64))})
         np.testing.assert_array_equal(out["y"].numpy(), np.zeros((2, 3), np.float32))
@@ -603,6 +637,12 @@ def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
      r"its 4096 and at most 1099511627776$"),
     (b'{"grow": 1099511627777}', r"^a reply asking for an arena of "),
     (b'{"grow": "more"}', r"^a reply asking for an arena of 'more' bytes"),
+    # Before: these escaped as a TypeError, a ValueError and a RecursionError, the
+    # process stayed in service, and every later run got the previous run's outputs.
+    (b'{"error": 5}', r"^an error reported as 5: expected \[class, message\]$"),
+    (b'{"error": ["BackendRuntimeError"]}', r"^an error reported as \['Backend"),
+    (b'{"error": ["BackendRuntimeError", 7]}', r"^an error reported as "),
+    (b"[" * 100_000, r"^a reply nested too deeply$"),
 ])
 def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     from wasinn.backends._sandbox_wire import read_reply
@@ -730,3 +770,91 @@ async def test_a_pool_with_two_workers_runs_a_sandboxed_graph_twice_at_once() ->
             np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
             assert len(sandbox_children()) == 2
             nursery.cancel_scope.cancel()  # the deaf run: killed after the grace
+
+
+# -- confinement of the process --------------------------------------------------------------
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc")
+@pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino", "pytorch"])
+def test_every_thread_of_a_sandbox_process_is_confined(backend_name: str) -> None:
+    # Before: the threads numpy's OpenBLAS and the libraries start as they are imported
+    # ran before the process confined itself: no seccomp filter, no no_new_privs, no
+    # landlock (they could exec, open sockets and write the host's files).
+    from tests.backend_models import affine
+
+    require_backend({"pytorch": "torch"}.get(backend_name, backend_name))
+    backend = wasinn.backends.registry.BackendRegistry().get(backend_name)
+    builders, encoding = affine(backend_name, 2.0, 1.0)
+    graph = load_sandboxed(backend, builders, encoding, CPU, LoadOptions(sandbox=True))
+    try:
+        graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        assert graph.pid is not None
+        statuses = [t.read_text() for t in
+                    sorted(Path(f"/proc/{graph.pid}/task").glob("*/status"))]
+        assert len(statuses) > 1  # (the libraries' threads)
+        for status in statuses:
+            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            assert fields["NoNewPrivs"].strip() == "1", status
+            if "Seccomp" in fields and platform.machine() in ("x86_64", "AMD64"):
+                assert fields["Seccomp"].strip() == "2", status
+            assert int(fields["CapEff"], 16) == 0, status
+        report = graph.confinement
+        assert report is not None and "landlock" not in report["failed"], report
+    finally:
+        graph.close()
+
+
+def test_a_sandbox_process_reads_no_folder_of_the_hosts_path_but_wasinns_and_its_backends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: every folder on the host's sys.path was on the child's import path and
+    # readable under landlock: the host's working directory or script folder (a home
+    # directory, with its .ssh) included.
+    from wasinn.backends._sandbox_process import _child_env
+    from wasinn.backends.base import BackendRef
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    env = _child_env(BackendRef("onnxruntime", "wasinn.backends.onnxruntime:OnnxRuntimeBackend"))
+    for variable in ("PYTHONPATH", "WASINN_SANDBOX_CODE"):
+        folders = env[variable].split(os.pathsep)
+        assert str(tmp_path) not in folders and "" not in folders, folders
+        assert os.getcwd() not in folders
+    wasinn_root = Path(wasinn.__file__).parents[1]
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(wasinn_root)] * 2
+    assert os.path.dirname(os.path.realpath(wasinn.backends.__file__)) in env[
+        "WASINN_SANDBOX_CODE"].split(os.pathsep)
+
+
+_HOST_THAT_DIES = """
+import sys, numpy as np
+from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
+from wasinn import GraphEncoding, Tensor
+from wasinn.backends import Device, LoadOptions
+from wasinn.backends.registry import BackendRegistry
+from wasinn.backends.sandbox import load_sandboxed
+backend = BackendRegistry().get("onnxruntime")
+graph = load_sandboxed(backend, [loop_onnx()], GraphEncoding.ONNX, Device.parse("cpu"),
+                       LoadOptions(sandbox=True))
+print(graph.pid, flush=True)
+graph.run({k: Tensor.from_numpy(v) for k, v in loop_inputs(LONG_LOOP).items()})
+"""
+
+
+def test_a_sandbox_process_ends_with_its_host_even_in_a_run(tmp_path: Path) -> None:
+    # Before: a host killed (as the OOM killer kills) left the process of a run under way
+    # running on at full CPU for nobody, reparented to init.
+    require_backend("onnxruntime")
+    host = subprocess.Popen([sys.executable, "-c", _HOST_THAT_DIES], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).parents[1])
+    try:
+        assert host.stdout is not None
+        child = psutil.Process(int(host.stdout.readline()))
+        time.sleep(0.5)  # (in its run)
+        assert child.status() != psutil.STATUS_ZOMBIE
+    finally:
+        host.kill()
+        host.wait()
+        if host.stdout is not None:
+            host.stdout.close()
+    _, alive = psutil.wait_procs([child], timeout=30)
+    assert alive == [], "the sandbox process outlived its host"
