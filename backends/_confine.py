@@ -79,8 +79,6 @@ REPORT_PREFIX = "wasinn-confine: "
 
 # -- seccomp ----------------------------------------------------------------------------
 _PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
 _NR_SECCOMP = 317
 _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 _PR_CAPBSET_DROP = 24
@@ -295,11 +293,11 @@ def _limit(report: Report, name: str, which: int, value: int) -> None:
         report.failed[name] = str(exc)
 
 
-def seccomp_program(pid: int | None = None) -> bytes:
-    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions, for the
-    process ``pid`` (this one by default): the calls that act on a process are allowed
-    on it only (see :data:`ON_ITSELF_X86_64`)."""
-    pid = os.getpid() if pid is None else pid
+def seccomp_program() -> bytes:
+    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions, for this
+    process: the calls that act on a process are allowed on it only (see
+    :data:`ON_ITSELF_X86_64`)."""
+    pid = os.getpid()
 
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)

@@ -240,8 +240,8 @@ def _make(entry: str) -> Backend:
 
 def main(argv: list[str], locked: dict[str, Any] | None = None) -> int:
     """Serve one graph (see the module docstring). ``locked``: the report of the
-    lock-down a spare applied before its imports (None: this process has not locked
-    itself down yet, and does so now, where CONFINE_DIR is given)."""
+    lock-down :data:`CHILD_START` or :data:`SPARE_START` applied before the imports,
+    where CONFINE_DIR is given (this process's resource limits are added to it)."""
     mark_sandbox_process()
     requests = Connection(int(argv[0]))
     cancels = socket.socket(fileno=int(argv[1]))

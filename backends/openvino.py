@@ -90,6 +90,7 @@ from wasinn.tensor import Tensor, numpy_dtype
 
 from ._dlpack import KDL_CPU, shareable
 from ._graphio import CheckedGraph, no_device, uncarried_type
+from ._ov_options import SET_FROM_OPTIONS
 from ._ovread import NAME, ov_message, read_model
 from .base import (
     Backend,
@@ -726,10 +727,11 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
             raise InvalidArgumentError(
                 f"{NAME}: option {key!r} is a property {ov_device} reports, not one it is "
                 f"given: expected one it reads ({', '.join(_settable(supported))})")
-        if key in config and key in _FROM_OPTIONS:
+        if key in config and key in SET_FROM_OPTIONS:
+            own = SET_FROM_OPTIONS[key]
             raise InvalidArgumentError(
-                f"{NAME}: option {key!r} = {value!r:.40} and {_FROM_OPTIONS[key]!r} both set "
-                f"it (to {config[key]!r}): expected {_FROM_OPTIONS[key]!r} alone")
+                f"{NAME}: option {key!r} = {value!r:.40} and {own!r} both set it (to "
+                f"{config[key]!r}): expected {own!r} alone")
         if key in supported:
             config[key] = value
         elif key in known_properties():
@@ -741,9 +743,6 @@ def compile_config(core: Any, ov_device: str, options: LoadOptions) -> dict[str,
 
 
 _PROPERTY_FORM = re.compile(r"[A-Z][A-Z0-9_]*")
-
-#: The properties :func:`compile_config` sets from LoadOptions' own fields.
-_FROM_OPTIONS = {"INFERENCE_PRECISION_HINT": "precision", "INFERENCE_NUM_THREADS": "threads"}
 
 @functools.cache
 def _supported_properties(core: Any, ov_device: str) -> Any:

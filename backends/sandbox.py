@@ -74,6 +74,7 @@ from wasinn.errors import (
     ClosedResourceError,
     InvalidEncodingError,
     WasiNNError,
+    bounded_message,
 )
 from wasinn.tensor import Tensor
 
@@ -153,15 +154,11 @@ def _error(payload: Mapping[str, Any]) -> WasiNNError:
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, WasiNNError)):
         cls = BackendRuntimeError
-    if len(message) > MAX_MESSAGE:  # its start and end say what it is about
-        half = MAX_MESSAGE // 2
-        message = (f"{message[:half]} ... [{len(message) - MAX_MESSAGE} characters cut] "
-                   f"... {message[-half:]}")
-    return cls(message)
+    return cls(bounded_message(message, MAX_MESSAGE_BYTES))
 
 
-#: The most of a child's error message an error keeps.
-MAX_MESSAGE = 16 * 1024
+#: The most UTF-8 bytes of a child's error message an error keeps (its start and end).
+MAX_MESSAGE_BYTES = 16 * 1024
 
 
 def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNError:

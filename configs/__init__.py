@@ -84,10 +84,6 @@ BACKEND_OPTIONS: dict[str, tuple[str, Callable[[str], bool]]] = {
 }
 
 
-#: Backend options wasinn sets from keys of its own (which every backend reads).
-_SET_BY_WASINN = {"INFERENCE_PRECISION_HINT": "precision", "INFERENCE_NUM_THREADS": "threads"}
-
-
 def option_problem(backend: str | None, key: str, value: object) -> str | None:
     """What is wrong with the backend option ``key = value`` for a model that names
     ``backend`` (None: names none), or None: the same rules for a config's
@@ -105,7 +101,9 @@ def option_problem(backend: str | None, key: str, value: object) -> str | None:
             if alike:  # (a key alike to none may be newer: the backend warns at load)
                 return (f"ONNX Runtime reads no session config entry {key!r} (it would "
                         f"ignore it): expected one it reads, such as {alike[0]!r}")
-    own = _SET_BY_WASINN.get(key)
+    from wasinn.backends._ov_options import SET_FROM_OPTIONS  # (`import wasinn` stays light)
+
+    own = SET_FROM_OPTIONS.get(key)
     if own is not None:
         return (f"wasinn sets this OpenVINO property from the model's {own!r}: expected "
                 f"{own} = ... instead of the option (two settings could contradict)")

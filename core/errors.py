@@ -163,3 +163,28 @@ def quoted(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}… ({len(text)} characters in all)"
+
+
+#: The UTF-8 bytes of message :func:`bounded_message` keeps unless told otherwise (a
+#: component guest's ``error`` resource keeps this many).
+MAX_MESSAGE_BYTES = 4096
+
+
+def bounded_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` when it is at most ``limit`` UTF-8 bytes; else its first and last
+    ``limit // 2`` bytes (whole characters only) around a note of how many were elided.
+
+    The end is kept because host messages put what was expected last ("... expected one
+    of ...") while a long guest string sits in the middle.
+    """
+    if len(message) * 4 <= limit:  # no character is longer than 4 bytes in UTF-8
+        return message
+    data = message.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return message
+    half = limit // 2
+    head = data[:half].decode("utf-8", "ignore")
+    tail = data[-half:].decode("utf-8", "ignore")
+    elided = len(data) - len(head.encode("utf-8", "surrogatepass")) - len(
+        tail.encode("utf-8", "surrogatepass"))
+    return f"{head}… ({elided} bytes elided) …{tail}"

@@ -36,7 +36,9 @@ _SUBSCRIPTION_FORM = struct.Struct("<QB7xIIQQH6x")
 #: bytes of fd_readwrite (nbytes, flags), all zero here.
 _EVENT_FORM = struct.Struct("<QHB21x")
 _SUCCESS, _FAULT, _INTR, _INVAL, _NOTSUP = 0, 21, 27, 28, 58
-_CLOCK, _REALTIME, _MONOTONIC, _ABSTIME = 0, 0, 1, 1
+_CLOCK, _FD_WRITE = 0, 2  # subscription tags (1 is fd_read)
+_REALTIME, _MONOTONIC, _CPU_TIME = 0, 1, (2, 3)  # clock ids (process, thread)
+_ABSTIME = 1  # a clock subscription's flag
 
 
 def define_interruptible_poll(linker: wasmtime.Linker, interrupter: Interrupter,
@@ -65,13 +67,13 @@ def define_interruptible_poll(linker: wasmtime.Linker, interrupter: Interrupter,
             userdata, tag, clock, _, timeout, _, flags = _SUBSCRIPTION_FORM.unpack_from(
                 data, offset)
             if tag != _CLOCK:
-                if tag > 2:
+                if tag > _FD_WRITE:
                     return _INVAL
                 ready.append((userdata, tag))
                 continue
             due = _due(clock, timeout, flags, started)
             if due is None:
-                return _NOTSUP if clock in (2, 3) else _INVAL
+                return _NOTSUP if clock in _CPU_TIME else _INVAL
             clocks.append((userdata, due))
         if not ready and clocks:
             wait = min(due for _, due in clocks) - time.monotonic_ns()

@@ -25,7 +25,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from wasinn.errors import ClosedResourceError, ErrorCode, TooLargeError, WasiNNError
+from wasinn.errors import (
+    MAX_MESSAGE_BYTES,
+    ClosedResourceError,
+    ErrorCode,
+    TooLargeError,
+    WasiNNError,
+    bounded_message,
+)
 from wasinn.host.limits import GuestLimits
 from wasinn.tensor import Tensor
 
@@ -36,27 +43,7 @@ _MAX_REP = 0xFFFF_FFFF
 #: Host bytes one stored dimension of an invalid tensor costs (a Python int and its slot).
 DIM_BYTES = 36
 #: Most UTF-8 bytes of message an ``error`` resource keeps (:func:`bounded_message`).
-MAX_ERROR_MESSAGE_BYTES = 4096
-
-
-def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE_BYTES) -> str:
-    """``message`` when it is at most ``limit`` UTF-8 bytes; else its first and last
-    ``limit // 2`` bytes (whole characters only) around a note of how many were elided.
-
-    The end is kept because host messages put what was expected last ("... expected one
-    of ...") while a long guest string sits in the middle.
-    """
-    if len(message) * 4 <= limit:  # no character is longer than 4 bytes in UTF-8
-        return message
-    data = message.encode("utf-8", "surrogatepass")
-    if len(data) <= limit:
-        return message
-    half = limit // 2
-    head = data[:half].decode("utf-8", "ignore")
-    tail = data[-half:].decode("utf-8", "ignore")
-    elided = len(data) - len(head.encode("utf-8", "surrogatepass")) - len(
-        tail.encode("utf-8", "surrogatepass"))
-    return f"{head}… ({elided} bytes elided) …{tail}"
+MAX_ERROR_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 
 
 class ResourceExhausted(Exception):
@@ -246,7 +233,7 @@ class ErrorEntry:
 
     @classmethod
     def of(cls, error: WasiNNError) -> ErrorEntry:
-        return cls(error.code, bounded_message(error.message))
+        return cls(error.code, bounded_message(error.message, MAX_ERROR_MESSAGE_BYTES))
 
 
 @dataclass
