@@ -192,3 +192,28 @@ async def test_a_trapped_guests_memory_is_freed_when_run_wasm_raises(tmp_path: P
         finally:
             gc.enable()
     assert stores == []
+
+
+async def test_tables_and_memories_are_bounded_in_number_and_size(tmp_path: Path) -> None:
+    # A table's elements take host memory (a guest grew one without bound before), and
+    # each memory may grow to max_memory_bytes: their number is bounded too.
+    from wasinn.host.limits import MAX_MEMORIES, MAX_TABLE_ELEMENTS
+
+    guest = tmp_path / "table.wat"
+    grow = ('(module (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32))) '
+            '(memory (export "memory") 1) (table 0 funcref) (func (export "_start") '
+            '(call $exit (i32.eq (i32.const -1) (table.grow (ref.null func) (i32.const N))))))')
+    memories = tmp_path / "memories.wat"
+    async with wasinn.Runtime(parse_config({}, None)) as rt:
+        for elements, code in ((MAX_TABLE_ELEMENTS, 0), (MAX_TABLE_ELEMENTS + 1, 1)):
+            guest.write_text(grow.replace("N", str(elements)))
+            assert await run_wasm(rt, guest) == code
+        for count, fits in ((MAX_MEMORIES, True), (MAX_MEMORIES + 1, False)):
+            memories.write_text("(module " + "(memory 0) " * count
+                                + '(func (export "_start")))')
+            if fits:
+                assert await run_wasm(rt, memories) == 0
+            else:
+                with pytest.raises(InvalidArgumentError,
+                                   match=r"^cannot instantiate memories\.wat: .*memor"):
+                    await run_wasm(rt, memories)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import struct
+import time
 from pathlib import Path
 
 import pytest
 import trio
+import wasmtime
 
 import wasinn
 from tests.guest_support import WAT_DIR
@@ -51,3 +54,82 @@ async def test_cancelling_a_sleeping_guest_stops_it_at_once(
             await run_wasm(rt, guest)
     assert scope.cancelled_caught
     assert await run_wasm(rt, sleeper(tmp_path, 1000)) == SUCCESS + ONE_EVENT  # serves on
+
+
+# -- poll_oneoff's answers, called directly ---------------------------------------------------
+_POLLER = """
+(module
+  (import "wasi_snapshot_preview1" "poll_oneoff"
+    (func $poll (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "poll") (param i32 i32 i32 i32) (result i32)
+    (call $poll (local.get 0) (local.get 1) (local.get 2) (local.get 3))))
+"""
+#: WASI errno values.
+FAULT, INVAL, NOTSUP = 21, 28, 58
+SUBSCRIPTIONS, EVENTS, NEVENTS = 0x100, 0x800, 0xF00
+
+
+def subscription(userdata: int, tag: int, clock: int = 1, timeout: int = 0,
+                 flags: int = 0) -> bytes:
+    return struct.pack("<QB7xIIQQH6x", userdata, tag, clock, 0, timeout, 0, flags)
+
+
+class Poller:
+    """wasinn's poll_oneoff in a store of its own, called with records written here."""
+
+    def __init__(self) -> None:
+        from wasinn.host.engine import shared_engine
+        from wasinn.host.interrupt import Interrupter
+        from wasinn.host.wasi_poll import define_interruptible_poll
+
+        engine = shared_engine()
+        self.store = wasmtime.Store(engine)
+        self.store.set_wasi(wasmtime.WasiConfig())
+        Interrupter(engine).install(self.store)
+        linker = wasmtime.Linker(engine)
+        linker.define_wasi()
+        define_interruptible_poll(linker, Interrupter(engine), time.monotonic_ns())
+        instance = linker.instantiate(self.store, wasmtime.Module(engine, _POLLER))
+        exports = instance.exports(self.store)
+        self.memory, self.poll = exports["memory"], exports["poll"]
+
+    def __call__(self, *records: bytes, count: int | None = None,
+                 at: int = SUBSCRIPTIONS) -> tuple[int, list[tuple[int, int, int]]]:
+        """poll_oneoff's errno, and the events it reported: (userdata, errno, type)."""
+        assert isinstance(self.memory, wasmtime.Memory)
+        assert isinstance(self.poll, wasmtime.Func)
+        if records:
+            self.memory.write(self.store, b"".join(records), at)
+        n = len(records) if count is None else count
+        errno = self.poll(self.store, at, EVENTS, n, NEVENTS)
+        (got,) = struct.unpack("<I", self.memory.read(self.store, NEVENTS, NEVENTS + 4))
+        events = [struct.unpack_from("<QHB", self.memory.read(
+            self.store, EVENTS + 32 * i, EVENTS + 32 * i + 11)) for i in range(got)]
+        return errno, events if errno == SUCCESS else []
+
+
+def test_bad_subscriptions_get_wasis_errors() -> None:
+    poll = Poller()
+    assert poll(count=0)[0] == INVAL  # no subscription
+    assert poll(count=1, at=65536 - 40)[0] == FAULT  # a record past the memory's end
+    assert poll(subscription(1, 0), count=2000)[0] == FAULT  # the events would be too
+    assert poll(subscription(1, 5))[0] == INVAL  # no such tag
+    assert poll(subscription(1, 0, clock=9))[0] == INVAL  # no such clock
+    for cpu_time in (2, 3):  # wasmtime has no CPU-time clocks either
+        assert poll(subscription(1, 0, clock=cpu_time, timeout=10))[0] == NOTSUP
+
+
+def test_a_file_descriptor_is_ready_at_once_and_only_due_clocks_fire() -> None:
+    poll = Poller()
+    hour = 3600 * 10**9
+    started = time.monotonic()
+    errno, events = poll(subscription(7, 1), subscription(8, 0, timeout=hour),
+                         subscription(9, 2))
+    assert time.monotonic() - started < 60  # (not the hour)
+    assert (errno, events) == (SUCCESS, [(7, 0, 1), (9, 0, 2)])
+    errno, events = poll(subscription(5, 0, timeout=hour), subscription(6, 0, timeout=0))
+    assert (errno, events) == (SUCCESS, [(6, 0, 0)])
+    # An absolute realtime in the past is due at once.
+    errno, events = poll(subscription(4, 0, clock=0, timeout=1, flags=1))
+    assert (errno, events) == (SUCCESS, [(4, 0, 0)])
