@@ -285,9 +285,9 @@ CTRL_C_GRACE_S = 2.0
 async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
     """A scope that Ctrl-C cancels: the guest is stopped and its models released, and
     the command exits with 130. A guest blocked in a host call that its cancellation
-    cannot reach (a read of a stdin that sends nothing) would hold the command for as
-    long as it chose: :data:`CTRL_C_GRACE_S` seconds after Ctrl-C, or at a second
-    Ctrl-C, the process exits at once (status 130), saying so."""
+    cannot reach (a component's WASI sleep) would hold the command for as long as it
+    chose: :data:`CTRL_C_GRACE_S` seconds after Ctrl-C, or at a second Ctrl-C, the
+    process exits at once (status 130), saying so."""
     import trio
 
     if threading.current_thread() is not threading.main_thread():
@@ -304,7 +304,7 @@ async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
                 scope.cancel()
                 timer = threading.Timer(CTRL_C_GRACE_S, _exit_now, (
                     f"the guest did not stop within {CTRL_C_GRACE_S:g} s of Ctrl-C (it is "
-                    "blocked in a host call, such as a read of its stdin)",))
+                    "blocked in a host call, such as a component's WASI sleep)",))
                 timer.daemon = True
                 timer.start()
                 timers.append(timer)
@@ -349,7 +349,8 @@ async def _run(args: argparse.Namespace) -> int:
     async with Runtime(config) as rt:
         try:
             async with _stopped_by_ctrl_c() as stop:
-                code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env)
+                code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
+                                         stdin="inherit")
             return EXIT_INTERRUPTED if stop.cancelled_caught else code
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)

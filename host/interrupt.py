@@ -18,6 +18,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import wasmtime
@@ -51,6 +52,7 @@ class Interrupter:
         self._finished = False
         self._stop = threading.Event()  # set with _requested: wakes a guest's sleep
         self._callback: Any = None  # kept alive as long as the store may call it
+        self._also: list[Callable[[], None]] = []
 
     @property
     def requested(self) -> bool:
@@ -82,8 +84,21 @@ class Interrupter:
             if self._finished or self._requested:
                 return
             self._requested = True
+            also = list(self._also)
         self._stop.set()
         self._engine.increment_epoch()
+        for action in also:
+            action()
+
+    def also_stop(self, action: Callable[[], None]) -> None:
+        """Call ``action`` (once) when the guest is asked to stop, at once if it already
+        was: how a host call that blocks outside wasm, such as a read of the guest's
+        stdin (:mod:`wasinn.host.guest_stdin`), is ended."""
+        with self._lock:
+            if not self._requested:
+                self._also.append(action)
+                return
+        action()
 
     def sleep(self, seconds: float) -> bool:
         """Block the guest's thread for ``seconds`` (a WASI sleep), or until the guest is

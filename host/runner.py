@@ -13,8 +13,8 @@ waiting in a wasi-nn call has that call cancelled in trio (which drops its queue
 tickets), then traps; a guest sleeping in WASI's ``poll_oneoff`` wakes and traps
 (:mod:`wasinn.host.wasi_poll`). Whatever way the guest ends, every context it still
 holds is closed and every graph unloaded before ``run_wasm`` returns or raises. A guest
-blocked reading a stdin that sends nothing cannot be reached (wasmtime reads it in
-Rust): it stops when its input comes (``wasinn run`` exits after a grace).
+reading its stdin reads a pipe the host fills (:mod:`wasinn.host.guest_stdin`): its
+cancellation closes the pipe, so a read that waits for input returns and the guest traps.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import wasmtime
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import compile_module, is_component, shared_engine
+from wasinn.host.guest_stdin import GuestStdin, guest_stdin
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.nn_core import GuestNN
@@ -80,10 +81,13 @@ async def run_wasm(
     dirs: Dirs | None = None,
     env: Mapping[str, str] | None = None,
     limits: GuestLimits | None = None,
+    stdin: GuestStdin = None,
 ) -> int:
     """Run the guest at ``path`` (``.wasm`` binary or ``.wat`` text) and return its exit code.
 
-    ``argv``, ``dirs`` and ``env`` are as in :mod:`wasinn.host.wasi`. ``limits`` defaults
+    ``argv``, ``dirs`` and ``env`` are as in :mod:`wasinn.host.wasi`; ``stdin`` is the
+    guest's standard input, empty by default (:mod:`wasinn.host.guest_stdin`: bytes, a
+    file's path, or ``"inherit"`` for the host's own). ``limits`` defaults
     to the runtime's ``guest_limits`` (from its config) or :class:`GuestLimits`' defaults.
     Returns the code the guest passed to ``proc_exit`` (0 when ``_start`` returns).
     Raises :class:`GuestTrap` when the guest traps, InvalidArgumentError for a file that
@@ -97,11 +101,13 @@ async def run_wasm(
         from wasinn.host.component import run_component
 
         return await run_component(rt, wasm, argv=argv, dirs=dirs, env=env, limits=limits,
-                                   program=program)
+                                   program=program, stdin=stdin)
     module = await trio.to_thread.run_sync(_compile, wasm, program)
     config = wasi_config(program, argv, dirs, env)
     nn = GuestNN(rt, TrioPortal(), limits)
-    return await run_core_module(module, config, nn, program)
+    with guest_stdin(stdin, config) as end_stdin:
+        return await run_core_module(module, config, nn, program,
+                                     stop_also=[end_stdin] if end_stdin else [])
 
 
 def _compile(wasm: bytes, program: str) -> wasmtime.Module:
@@ -122,10 +128,16 @@ def _compile(wasm: bytes, program: str) -> wasmtime.Module:
 
 
 async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, nn: GuestNN,
-                          program: str) -> int:
-    """Instantiate ``module`` with WASI ``config`` and wasi-nn ``nn``; run ``_start``."""
+                          program: str, *, stop_also: Sequence[Callable[[], None]] = ()
+                          ) -> int:
+    """Instantiate ``module`` with WASI ``config`` and wasi-nn ``nn``; run ``_start``.
+
+    ``stop_also``: what else to call when the guest is interrupted (ending its stdin).
+    """
     engine = shared_engine()
     interrupter = Interrupter(engine)
+    for action in stop_also:
+        interrupter.also_stop(action)
     result: outcome.Outcome[int] | None = None
 
     async def run_in_thread() -> int:

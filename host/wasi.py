@@ -9,7 +9,8 @@ Shared by the core-module runner and the component runner so both see the same
   (``{"/models": "/srv/models"}``); a host directory that does not exist is an
   InvalidArgumentError before the guest starts.
 - ``env`` is the guest's whole environment: nothing of the host's is inherited.
-- stdin, stdout and stderr are the host process's own.
+- stdout and stderr are the host process's own; stdin is empty unless the caller gives
+  one (:mod:`wasinn.host.guest_stdin`, which sets it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def wasi_config(program: str, argv: Sequence[str] = (), dirs: Dirs | None = None
             )
         config.preopen_dir(_utf8("a preopened host directory", str(path)),
                            _utf8("a preopened directory's guest path", str(guest)))
-    config.inherit_stdin()
     config.inherit_stdout()
     config.inherit_stderr()
     return config

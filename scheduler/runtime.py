@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -670,12 +671,16 @@ class Runtime:
     # -- guests -----------------------------------------------------------------------------
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
                        dirs: Mapping[str, Any] | None = None,
-                       env: Mapping[str, str] | None = None) -> int:
-        """Run a WebAssembly guest against this runtime; its exit code (see wasinn.host)."""
+                       env: Mapping[str, str] | None = None,
+                       stdin: bytes | os.PathLike[str] | Literal["inherit"] | None = None
+                       ) -> int:
+        """Run a WebAssembly guest against this runtime; its exit code (see
+        wasinn.host.runner.run_wasm: ``stdin`` is empty unless given)."""
         import wasinn.host.runner
 
         self._sched  # noqa: B018 - raises when the runtime is not running
-        return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env)
+        return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env,
+                                                 stdin=stdin)
 
 
 def _step_key(config: RuntimeConfig, pipeline: str, index: int, kind: ExecutionTarget

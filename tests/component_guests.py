@@ -3,7 +3,8 @@
 - ``shim_1028.wat`` / ``shim_legacy.wat``: hand-written components (component text
   format) that export every wasi-nn function over handle numbers; wasmtime compiles
   them directly, no tool needed.
-- ``chain/``: a WAT core module turned into a component with ``wasm-tools``.
+- ``chain/``, ``read_stdin/``, ``sleep/``: WAT core modules turned into components with
+  ``wasm-tools``.
 - ``classifier/``: the Python classifier example, built with ``componentize-py``.
 
 Built components are cached under the session's temporary directory and, keyed by the
@@ -118,22 +119,42 @@ def _cached(key: str, build_dir: Path, build: Callable[[Path], bytes]) -> bytes:
 
 def build_chain(work: Path) -> bytes:
     """The chaining guest: chain/chain.wat + chain/world.wit through wasm-tools."""
+    return _wat_component(work, "chain", "chain")
+
+
+def build_read_stdin(work: Path) -> bytes:
+    """A command reading its stdin: read_stdin/read_stdin.wat + world.wit (WASI 0.2)."""
+    return _wat_component(work, "read_stdin", "read-stdin",
+                          [WIT_DEPS / "wasi-cli-0.2.0", WIT_DEPS / "wasi-io-0.2.0"])
+
+
+def build_sleep(work: Path) -> bytes:
+    """A command sleeping 600 s in WASI 0.2: sleep/sleep.wat + world.wit."""
+    return _wat_component(work, "sleep", "sleep",
+                          [WIT_DEPS / "wasi-cli-0.2.0", WIT_DEPS / "wasi-io-0.2.0",
+                           WIT_DEPS / "wasi-clocks-0.2.0"])
+
+
+def _wat_component(work: Path, name: str, world: str, extra_deps: list[Path] | None = None
+                   ) -> bytes:
+    """``components/NAME/NAME.wat``, a core module, made a component of ``world`` (in
+    ``NAME/world.wit``) with wasm-tools."""
     exe = require_tool("wasm-tools")
-    folder = COMPONENTS / "chain"
+    folder = COMPONENTS / name
 
     def build(out: Path) -> bytes:
-        witdir = wit.assemble(out / "wit", folder / "world.wit")
-        core, embedded = out / "chain.core.wasm", out / "chain.embed.wasm"
-        component = out / "chain.wasm"
-        for args in (["parse", str(folder / "chain.wat"), "-o", str(core)],
-                     ["component", "embed", str(witdir), "--world", "chain", str(core),
+        witdir = wit.assemble(out / "wit", folder / "world.wit", extra_deps=extra_deps or [])
+        core, embedded = out / f"{name}.core.wasm", out / f"{name}.embed.wasm"
+        component = out / f"{name}.wasm"
+        for args in (["parse", str(folder / f"{name}.wat"), "-o", str(core)],
+                     ["component", "embed", str(witdir), "--world", world, str(core),
                       "-o", str(embedded)],
                      ["component", "new", str(embedded), "-o", str(component)]):
             subprocess.run([exe, *args], check=True, capture_output=True)
         return component.read_bytes()
 
-    key = "chain-" + _digest(_sources(folder), _version(exe))
-    return _cached(key, work / "chain", build)
+    key = f"{name}-" + _digest(_sources(folder), _version(exe))
+    return _cached(key, work / name, build)
 
 
 def build_classifier(work: Path) -> bytes:
@@ -143,7 +164,7 @@ def build_classifier(work: Path) -> bytes:
 
     def build(out: Path) -> bytes:
         witdir = wit.assemble(out / "wit", folder / "world.wit",
-                              extra_deps=[WIT_DEPS / "wasi-cli-0.2.0"])
+                              extra_deps=[WIT_DEPS / "wasi-cli-0.2.0", WIT_DEPS / "wasi-io-0.2.0"])
         app = out / "app"
         shutil.copytree(folder, app, ignore=shutil.ignore_patterns("__pycache__", "*.wit"))
         target = out / "classifier.wasm"

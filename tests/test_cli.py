@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.component_guests import build_sleep
 from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models
 from tests.support import require_backend
 from wasinn.cli import main, parse_dir, parse_env
@@ -279,13 +280,17 @@ def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
     assert {c for c, _ in rows} == {guests[0][0]}  # host checks agree with the guests
 
 
-def interrupted_run(tmp_path: Path, guest: str) -> tuple[int, str]:
-    """``wasinn run -v guest`` (a .wat of tests/wat) sent SIGINT once the guest started,
-    its stdin a pipe that stays open and sends nothing: its status and what it said."""
+def interrupted_run(tmp_path: Path, guest: str | Path, settle_s: float = 0.0
+                    ) -> tuple[int, str]:
+    """``wasinn run -v guest`` (a .wat of tests/wat, or a path) sent SIGINT ``settle_s``
+    after the guest started, its stdin a pipe that stays open and sends nothing: its
+    status and what it said."""
     import signal
+    import time
 
+    path = WAT_DIR / guest if isinstance(guest, str) else guest
     child = subprocess.Popen(
-        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(WAT_DIR / guest)],
+        [sys.executable, "-m", "wasinn.cli", "run", "-v", str(path)],
         stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     assert child.stderr is not None and child.stdin is not None
@@ -293,8 +298,9 @@ def interrupted_run(tmp_path: Path, guest: str) -> tuple[int, str]:
     try:
         for line in child.stderr:  # until the guest runs
             said.append(line)
-            if f"instantiated {guest}" in line:
+            if f"instantiated {path.name}" in line:
                 break
+        time.sleep(settle_s)
         child.send_signal(signal.SIGINT)
         child.wait(timeout=60)  # (not communicate(), which would close the guest's stdin)
         said.append(child.stderr.read())
@@ -315,10 +321,29 @@ def test_ctrl_c_ends_a_run_with_status_130(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_ends_a_run_whose_guest_waits_for_its_stdin(tmp_path: Path) -> None:
-    # Before: a guest blocked reading a stdin that sent nothing held the command until
-    # input came (its cancellation cannot reach a read in wasmtime's WASI).
-    code, said = interrupted_run(tmp_path, "read_stdin.wat")
+    # The guest reads a pipe the host fills from its stdin, which Ctrl-C closes. Before
+    # the pipe: its read went on in wasmtime, which the cancellation cannot reach, and
+    # the command left after a grace of 2 s; before the grace, it waited for input.
+    code, said = interrupted_run(tmp_path, "read_stdin.wat", settle_s=1.0)
+    assert code == 130, said
+    assert "did not stop" not in said and "Traceback" not in said, said
+
+
+def test_ctrl_c_ends_a_run_whose_guest_is_blocked_in_a_host_call(tmp_path: Path) -> None:
+    # A component's WASI sleep runs in wasmtime, which the cancellation cannot reach:
+    # the command exits 2 s after Ctrl-C, saying why. (Ctrl-C comes 1 s after the start:
+    # one that came before the guest called its sleep would stop it at once.)
+    component = tmp_path / "sleep.wasm"
+    component.write_bytes(build_sleep(tmp_path))
+    code, said = interrupted_run(tmp_path, component, settle_s=1.0)
     assert code == 130, said
     assert ("wasinn: the guest did not stop within 2 s of Ctrl-C (it is blocked in a host "
-            "call, such as a read of its stdin): exiting") in said
+            "call, such as a component's WASI sleep): exiting") in said
     assert "Traceback" not in said
+
+
+def test_run_gives_the_guest_the_commands_stdin() -> None:
+    proc = subprocess.run([sys.executable, "-m", "wasinn.cli", "run",
+                           str(WAT_DIR / "read_stdin.wat")],
+                          input=b"hello\n", capture_output=True, check=False, timeout=120)
+    assert proc.returncode == 6, proc.stderr  # the number of bytes it read

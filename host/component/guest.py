@@ -33,6 +33,7 @@ from wasinn.host.component.linking import nn_linker
 from wasinn.host.component.scratch import GUEST_PATH, ScratchDir, quota_exceeded
 from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, shared_engine
+from wasinn.host.guest_stdin import GuestStdin, guest_stdin
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.runner import GuestTrap, forget_frames, guest_threads
@@ -105,6 +106,7 @@ class ComponentGuest:
         wasi: wasmtime.WasiConfig | None = None,
         program: str = "component",
         scratch: bool = True,
+        stop_also: Sequence[Callable[[], None]] = (),
     ) -> ComponentGuest:
         """Compile (cached) and instantiate ``wasm`` with WASI 0.2 and every wasi-nn version.
 
@@ -116,7 +118,8 @@ class ComponentGuest:
         Raises InvalidArgumentError when it is not a component or imports something the
         host does not provide, and GuestTrap when one of its start functions traps.
         Cancellation interrupts a start function that is running; whatever a failed start
-        loaded is released.
+        loaded is released. ``stop_also``: what else to call when the guest is
+        interrupted (ending the stdin ``wasi`` reads: :mod:`wasinn.host.guest_stdin`).
         """
         limits = limits or limits_of(rt)
         component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
@@ -127,6 +130,8 @@ class ComponentGuest:
         wants_scratch = scratch and _imports_scratch(component)
         scratch_dir = _scratch_dir(program) if wants_scratch else None
         guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir), program)
+        for action in stop_also:
+            guest.interrupter.also_stop(action)
         try:
             if scratch_dir is not None:
                 config.preopen_dir(str(scratch_dir.path), GUEST_PATH)
@@ -373,19 +378,29 @@ async def run_component(
     env: Mapping[str, str] | None = None,
     limits: GuestLimits | None = None,
     program: str = "component.wasm",
+    stdin: GuestStdin = None,
 ) -> int:
     """Run a WASI 0.2 command component (its ``wasi:cli/run`` export); return its exit code.
 
     0 when ``run`` returns ok, 1 when it returns an error, the status given to
     ``wasi:cli/exit`` otherwise. ``argv``/``dirs``/``env`` are as in
-    :mod:`wasinn.host.wasi`. Raises :class:`GuestTrap` when the guest traps and
+    :mod:`wasinn.host.wasi`, ``stdin`` as in :mod:`wasinn.host.guest_stdin` (empty by
+    default). Raises :class:`GuestTrap` when the guest traps and
     InvalidArgumentError for bytes that are not a runnable component. Cancellation
     interrupts the guest; every graph and context it held is released either way.
     """
     config = wasi_config(program, argv, dirs, env)
+    with guest_stdin(stdin, config) as end_stdin:
+        return await _run_command(rt, wasm, config, limits, program,
+                                  [end_stdin] if end_stdin else [])
+
+
+async def _run_command(rt: Any, wasm: bytes, config: wasmtime.WasiConfig,
+                       limits: GuestLimits | None, program: str,
+                       stop_also: Sequence[Callable[[], None]]) -> int:
     try:
         guest = await ComponentGuest.start(rt, wasm, limits=limits, wasi=config,
-                                           program=program)
+                                           program=program, stop_also=stop_also)
     except wasmtime.ExitTrap as exc:  # a start function called wasi:cli/exit
         return int(exc.code)
     async with guest:
