@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +23,8 @@ from tests.component_guests import COMPONENTS, RecordingRuntime
 from wasinn.errors import InvalidArgumentError, NotFoundError, TooLargeError
 from wasinn.host.component import ComponentGuest
 from wasinn.host.component import guest as guest_module
-from wasinn.host.component.scratch import GUEST_PATH, SHM, ScratchDir, default_base
+from wasinn.host.component import scratch as scratch_module
+from wasinn.host.component.scratch import GUEST_PATH, SHM, ScratchDir, Usage, default_base
 from wasinn.host.limits import GuestLimits
 from wasinn.host.runner import GuestTrap
 from wasinn.modelgen import IMAGE_SHAPE, ModelFiles, sample_image
@@ -474,3 +476,130 @@ async def test_tensor_to_scratch_refuses_to_grow_past_the_quota(rt: RecordingRun
         assert code == "too-large" and "max_scratch_bytes" in message
         assert not (guest.scratch.path / "copy.bin").exists()  # type: ignore[union-attr]
         await g("tensor-drop", t)
+
+
+# -- files unlinked but kept open ----------------------------------------------------------
+class Unlinker:
+    """scratch_unlink: a guest that unlinks its scratch file and writes on through the
+    descriptor it kept open; every call must return 0 (success)."""
+
+    def __init__(self, guest: ComponentGuest) -> None:
+        self.guest = guest
+
+    async def __call__(self, name: str, *args: Any) -> None:
+        code = await self.guest.call(name, *args)
+        assert code == 0, f"{name}{args} failed with {code} (1 + wasi:filesystem error-code)"
+
+    async def hidden_file(self, name: str, size: int, rounds: int = 1) -> None:
+        """Create scratch file ``name``, unlink it, then write ``rounds`` x ``size`` bytes."""
+        await self("create", name)
+        await self("unlink", name)
+        await self("append", size, rounds)
+
+
+async def start_unlinker(rt: Any, max_scratch_bytes: int) -> tuple[ComponentGuest, Unlinker]:
+    guest = await ComponentGuest.start(
+        rt, (COMPONENTS / "scratch_unlink.wat").read_text(), program="scratch_unlink",
+        limits=GuestLimits(max_scratch_bytes=max_scratch_bytes))
+    return guest, Unlinker(guest)
+
+
+async def test_a_file_unlinked_but_kept_open_counts_against_the_quota(
+        rt: RecordingRuntime) -> None:
+    guest, u = await start_unlinker(rt, max_scratch_bytes=1_000_000)
+    async with guest:
+        scratch = guest.scratch
+        assert scratch is not None
+        await u.hidden_file("hidden.bin", 262_144, rounds=3)
+        assert list(scratch.path.iterdir()) == []  # nothing a directory listing can see
+        assert scratch.usage().nbytes >= 3 * 262_144
+        # A fourth write through the kept descriptor brings it to 1,048,576 bytes.
+        with pytest.raises(GuestTrap, match=r"holds \d+ bytes, over the limit of 1000000"):
+            await u("append", 262_144, 1)
+        with pytest.raises(GuestTrap, match=r"max_scratch_bytes"):
+            await u("close")
+    assert scratch.removed
+
+
+async def test_a_file_unlinked_and_closed_is_not_counted(rt: RecordingRuntime) -> None:
+    guest, u = await start_unlinker(rt, max_scratch_bytes=1_000_000)
+    async with guest:
+        scratch = guest.scratch
+        assert scratch is not None
+        await u.hidden_file("a.bin", 262_144, rounds=3)
+        await u("close")
+        assert scratch.usage() == Usage(0, 0)
+        # Both files together would be over the limit: only the open one counts.
+        await u.hidden_file("b.bin", 262_144, rounds=3)
+        assert scratch.usage().nbytes >= 3 * 262_144
+        await u("close")
+
+
+def _hidden(directory: Path, name: str, nbytes: int) -> int:
+    """A descriptor of a file of ``nbytes`` written in ``directory`` and then unlinked."""
+    fd = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(directory / name)
+    os.write(fd, bytes(nbytes))
+    return fd
+
+
+def test_usage_counts_unlinked_open_files_of_this_directory_only(tmp_path: Path) -> None:
+    scratch, other = ScratchDir(tmp_path), ScratchDir(tmp_path)
+    sibling = Path(f"{scratch.path}-sibling")  # the same prefix, another directory
+    sibling.mkdir()
+    (scratch.path / "sub").mkdir()
+    fds = [_hidden(scratch.path / "sub", "mine.bin", 40_000),
+           _hidden(other.path, "theirs.bin", 80_000),
+           _hidden(sibling, "beside.bin", 80_000)]
+    fds.append(os.open(f"/proc/self/fd/{fds[0]}", os.O_RDONLY))  # the same file twice
+    try:
+        usage = scratch.usage()
+        assert usage.entries == 2  # sub/ and the unlinked file, once
+        assert 40_000 <= usage.nbytes < 80_000
+        for fd in fds:
+            os.close(fd)
+        assert scratch.usage().entries == 1
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        scratch.remove()
+        other.remove()
+
+
+def test_usage_skips_a_descriptor_closed_after_it_was_listed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = ScratchDir(tmp_path)
+    fd = _hidden(scratch.path, "hidden.bin", 40_000)
+    listdir = os.listdir
+    closed = str(max(int(n) for n in listdir("/proc/self/fd")) + 1000)  # open by nobody
+
+    def listed_then_closed(path: Any) -> list[str]:
+        return [closed, *listdir(path)]  # as if closed between the listing and its fstat
+
+    monkeypatch.setattr(os, "listdir", listed_then_closed)
+    try:
+        usage = scratch.usage()
+        assert usage.entries == 1 and 40_000 <= usage.nbytes < 80_000
+    finally:
+        os.close(fd)
+        scratch.remove()
+
+
+def test_usage_without_proc_counts_what_it_sees_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(scratch_module, "PROC_FD", str(tmp_path / "no-proc"))  # new: not warned yet
+    scratch = ScratchDir(tmp_path)
+    fd = _hidden(scratch.path, "unseen.bin", 40_000)
+    try:
+        (scratch.path / "seen.bin").write_bytes(bytes(10_000))
+        with caplog.at_level(logging.WARNING, logger="wasinn.host.component"):
+            usage = scratch.usage()
+            scratch.usage()
+        assert usage.entries == 1 and 10_000 <= usage.nbytes < 40_000
+        (warning,) = caplog.messages  # said once, not on every measurement
+        assert "no-proc" in warning and "unlinked" in warning and "not counted" in warning
+    finally:
+        os.close(fd)
+        scratch.remove()

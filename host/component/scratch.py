@@ -27,17 +27,26 @@ measured instead (:meth:`ScratchDir.usage`, :func:`quota_exceeded`): the guest r
 when each call returns, and stops for good a guest over ``[guests] max_scratch_bytes``
 or ``max_scratch_files``; ``tensor-to-scratch`` refuses a write that would go over. A
 guest can therefore exceed its quota only by what it writes between two measurements.
+
+A guest can also unlink a file and keep writing through the descriptor it holds open: a
+directory listing no longer shows such a file, but it still takes memory or disk. The guest
+runs in this process, so its descriptors are this process's: the measurement also counts
+the files listed in ``/proc/self/fd`` as unlinked (``st_nlink`` 0) from under this guest's
+directory, each once, until the guest closes them. Without ``/proc`` (not Linux, or not
+mounted) they cannot be seen: a warning says so once, and only visible entries count.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import shutil
 import stat
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +73,15 @@ MAX_NAME_BYTES = 255
 _PREFIX = "wasinn-scratch-"
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+#: This process's open file descriptors, each a link to what it has open (Linux procfs).
+PROC_FD = "/proc/self/fd"
+#: How procfs ends the link of a descriptor whose file was unlinked.
+_DELETED = " (deleted)"
+#: The PROC_FD paths already reported unreadable: the warning is given once, not per poll.
+_unreadable_proc: set[str] = set()
+
+log = logging.getLogger("wasinn.host.component")
 
 
 def default_base() -> Path:
@@ -128,6 +146,65 @@ class Usage:
     nbytes: int
     entries: int
 
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.nbytes + other.nbytes, self.entries + other.entries)
+
+
+def _open_proc_fd() -> int | None:
+    """A descriptor of :data:`PROC_FD`, or None (warned once) when it cannot be read."""
+    try:
+        return os.open(PROC_FD, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        if PROC_FD not in _unreadable_proc:
+            _unreadable_proc.add(PROC_FD)
+            log.warning(
+                "cannot list this process's open files in %s (%s): files that a component "
+                "guest unlinked from its scratch directory but keeps open are not counted "
+                "against [guests] max_scratch_bytes; expected a mounted Linux procfs",
+                PROC_FD, exc.strerror or exc)
+        return None
+
+
+def _is_unlinked_under(target: str, prefix: str) -> bool:
+    return target.startswith(prefix) and target.endswith(_DELETED)
+
+
+def _pinned_stat(proc: int, name: str, prefix: str) -> os.stat_result | None:
+    """The status of the file open as descriptor ``name`` (of ``proc``, a PROC_FD
+    descriptor) when it is an unlinked file under ``prefix``; else None.
+
+    The file is pinned with an ``O_PATH`` descriptor of our own, so a descriptor closed
+    meanwhile and its number reused for another file is not mistaken for it: the link
+    target and the link count are those of the pinned file."""
+    try:
+        pin = os.open(name, os.O_PATH | os.O_CLOEXEC, dir_fd=proc)
+    except OSError:  # closed since it was listed
+        return None
+    try:
+        info = os.fstat(pin)
+        target = os.readlink(str(pin), dir_fd=proc)
+    except OSError:
+        return None
+    finally:
+        os.close(pin)
+    return info if info.st_nlink == 0 and _is_unlinked_under(target, prefix) else None
+
+
+def _unlinked_open_files(proc: int, dev: int, prefix: str) -> Iterator[os.stat_result]:
+    """The status of each descriptor of this process open on an unlinked file under
+    ``prefix`` (on device ``dev``); one per descriptor: a file open twice comes twice."""
+    for name in os.listdir(proc):
+        try:
+            info = os.fstat(int(name))
+        except OSError:  # closed since it was listed
+            continue
+        # The cheap test first (one fstat, no path): nearly every descriptor is a linked
+        # file, a socket or a pipe, or lives on another file system.
+        if info.st_nlink == 0 and info.st_dev == dev:
+            pinned = _pinned_stat(proc, name, prefix)
+            if pinned is not None:
+                yield pinned
+
 
 def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int) -> str | None:
     """Why ``usage`` is over the guest's scratch limits, or None when it is within them."""
@@ -169,8 +246,19 @@ class ScratchDir:
     def usage(self, max_entries: int | None = None) -> Usage:
         """What the guest keeps here: bytes of every entry (files, directories, links,
         counted in allocated blocks) and the number of entries, at any depth, links not
-        followed. With ``max_entries`` the scan stops once more than that many are seen
+        followed, plus the files it unlinked from here but keeps open (see the module's
+        docstring). With ``max_entries`` the scan stops once more than that many are seen
         (so a guest cannot make the host's measurement itself slow)."""
+        seen: set[tuple[int, int]] = set()
+        visible = self._visible_usage(max_entries, seen)
+        if max_entries is not None and visible.entries > max_entries:
+            return visible
+        left = None if max_entries is None else max_entries - visible.entries
+        return visible + self._unlinked_usage(left, seen)
+
+    def _visible_usage(self, max_entries: int | None, seen: set[tuple[int, int]]) -> Usage:
+        """The entries a directory listing shows; adds each one's (device, inode) to
+        ``seen``."""
         nbytes = entries = 0
         stack = [str(self.path)]
         while stack:
@@ -183,11 +271,42 @@ class ScratchDir:
                 if max_entries is not None and entries > max_entries:
                     return Usage(nbytes, entries)
                 try:
-                    nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
+                    info = entry.stat(follow_symlinks=False)
+                    nbytes += info.st_blocks * 512
+                    seen.add((info.st_dev, info.st_ino))
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
                 except OSError:
                     continue
+        return Usage(nbytes, entries)
+
+    def _unlinked_usage(self, max_entries: int | None, seen: set[tuple[int, int]]) -> Usage:
+        """The files unlinked from under this directory that this process still has open,
+        each counted once and not again if in ``seen``; stops past ``max_entries``."""
+        if self.removed:
+            return Usage(0, 0)
+        proc = _open_proc_fd()
+        if proc is None:
+            return Usage(0, 0)
+        nbytes = entries = 0
+        try:
+            # The directory's path as procfs spells the links (symbolic links resolved).
+            path = os.readlink(str(self._fd), dir_fd=proc)
+            if path.endswith(_DELETED):  # removed meanwhile: the guest has ended
+                return Usage(0, 0)
+            dev = os.fstat(self._fd).st_dev
+            for info in _unlinked_open_files(proc, dev, path + os.sep):
+                if (info.st_dev, info.st_ino) in seen:
+                    continue
+                seen.add((info.st_dev, info.st_ino))
+                nbytes += info.st_blocks * 512
+                entries += 1
+                if max_entries is not None and entries > max_entries:
+                    break
+        except OSError:  # our directory descriptor closed meanwhile: removed, none to count
+            return Usage(0, 0)
+        finally:
+            os.close(proc)
         return Usage(nbytes, entries)
 
     def _require_open(self) -> None:
