@@ -11,7 +11,9 @@ tensor that refers to external data, before either backend parses the model. A m
 host itself read from a file (a registry entry: ``LoadOptions.source``) may keep its
 weights next to it, as models beyond protobuf's 2 GB must: each location must then be a
 relative path that stays inside that file's folder once resolved (no ``..`` or symlink
-leading out), naming a file there.
+leading out), naming a file there. A sandboxed graph's process may not read that folder
+(Landlock): the host reads and checks the files, and the process is handed their bytes
+(``LoadOptions.external_data``, :func:`given_external_data`).
 
 Every place onnx.proto lets a ``TensorProto`` appear is walked (field numbers checked
 against onnx 1.23's descriptors): ModelProto.graph (7), .training_info (20) and
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from wasinn.errors import (
@@ -76,13 +78,16 @@ ORT_FORMAT = b"ORTM"
 
 
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,
-                        folder: Path | None = None) -> frozenset[str]:
+                        folder: Path | None = None, *,
+                        given: Collection[str] | None = None) -> frozenset[str]:
     """The external data files the ONNX model ``data`` names (their locations, as the
     model writes them; empty for a model that embeds its weights), where it may: with no
     ``folder``, SecurityError (naming the tensor) if any tensor refers to external data;
     with one, SecurityError for a location that is absolute or leads outside it,
-    NotFoundError for one that names no file there. InvalidEncodingError if ``data`` is
-    no protobuf message.
+    NotFoundError for one that names no file there; with ``given`` (the locations of the
+    files the host read and checked for a sandbox process, see
+    :func:`given_external_data`), SecurityError for a location not among them.
+    InvalidEncodingError if ``data`` is no protobuf message.
 
     The files are checked by their paths here; read them with :func:`read_external_data`,
     which checks the files it opened, and hand the library their bytes: a library that
@@ -97,7 +102,7 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
         while stack:
             kind, message = stack.pop()
             if kind is _Kind.TENSOR:
-                location = _check_tensor(backend, message, inside)
+                location = _check_tensor(backend, message, inside, given)
                 if location is not None:
                     found.add(location)
                 continue
@@ -111,6 +116,17 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
             f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
         ) from exc
     return frozenset(found)
+
+
+def given_external_data(backend: str, data: bytes | bytearray | memoryview,
+                        given: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The bytes of each external data file the ONNX model ``data`` names, from ``given``
+    (location -> bytes): in a sandboxed graph's process, which may not read the model's
+    folder, the files the host read there and checked (``LoadOptions.external_data``).
+    SecurityError for a location the host did not read, InvalidEncodingError as
+    :func:`check_external_data` raises it."""
+    return {location: given[location]
+            for location in check_external_data(backend, data, given=given.keys())}
 
 
 def read_external_data(backend: str, folder: Path, locations: Iterable[str]
@@ -145,11 +161,13 @@ def _unreadable(backend: str, location: str, inside: str, exc: OSError) -> NotFo
         f"{exc.strerror or exc}: expected the model's external data file")
 
 
-def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> str | None:
+def _check_tensor(backend: str, tensor: memoryview, inside: str | None,
+                  given: Collection[str] | None) -> str | None:
     """This TensorProto's external data location, or None where it embeds its data
     (external: entries, or a data location other than DEFAULT: any encoding of that
-    field but a zero varint counts); with no folder ``inside``, SecurityError if it is
-    external, else the location's checks."""
+    field but a zero varint counts); with locations ``given``, SecurityError for one not
+    among them; else with no folder ``inside``, SecurityError if it is external, else
+    the location's checks."""
     name = b""
     location: bytes | None = None
     external = False
@@ -165,6 +183,8 @@ def _check_tensor(backend: str, tensor: memoryview, inside: str | None) -> str |
     if not external:
         return None
     tensor_name = name.decode("utf-8", "replace")
+    if given is not None:
+        return _given_location(backend, tensor_name, location, given)
     if inside is None:
         where = f" (location {location.decode('utf-8', 'replace')!r})" if location else ""
         raise SecurityError(
@@ -197,6 +217,17 @@ def _check_location(backend: str, tensor: str, location: bytes | None, inside: s
         raise NotFoundError(
             f"{backend}: tensor {tensor!r} keeps its data in {text!r}, which is no file in "
             f"{inside}: expected the model's external data file next to it")
+    return text
+
+
+def _given_location(backend: str, tensor: str, location: bytes | None,
+                    given: Collection[str]) -> str:
+    # A sandbox process's: the host read the model's files, from the same bytes.
+    text = (location or b"").decode("utf-8", "replace")
+    if text not in given:
+        raise SecurityError(
+            f"{backend}: tensor {tensor!r} keeps its data in {text!r}, which the host did "
+            f"not read for this process: expected one of {sorted(given)!r:.200}")
     return text
 
 

@@ -49,7 +49,12 @@ from wasinn.files import read_regular
 
 from . import _confine
 from ._graphio import expect_builders
-from ._onnx_check import check_external_data, external_data_folder, read_external_data
+from ._onnx_check import (
+    check_external_data,
+    external_data_folder,
+    given_external_data,
+    read_external_data,
+)
 from ._tflite_check import check_tflite
 from .base import Builders
 from .formats import check_declared, protobuf_fields
@@ -73,13 +78,16 @@ def _is_saved_model(data: bytes | bytearray | memoryview) -> bool:
 
 
 def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
-               source: str = "") -> tuple[Any, object]:
+               source: str = "", given: Mapping[str, bytes] | None = None
+               ) -> tuple[Any, object]:
     """The ``ov.Model`` for ``builders``, and a value the caller must keep alive with it.
 
     ``source``: the file an ONNX model was read from by the host (``LoadOptions.source``),
-    whose folder may hold its external data. Raises InvalidEncodingError for bytes
-    OpenVINO cannot read as ``encoding``, SecurityError for an ONNX model that names
-    external data files where it may not (see :mod:`._onnx_check`).
+    whose folder may hold its external data; ``given``: those files, read by the host
+    already (``LoadOptions.external_data``, in a sandbox process). Raises
+    InvalidEncodingError for bytes OpenVINO cannot read as ``encoding``, SecurityError
+    for an ONNX model that names external data files where it may not (see
+    :mod:`._onnx_check`).
     """
     if encoding is GraphEncoding.OPENVINO:
         check_declared(NAME, builders, encoding)  # first: ONNX bytes are one builder
@@ -92,10 +100,8 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     if encoding is GraphEncoding.ONNX:
         expect_builders(NAME, builders, 1, "one builder holding an ONNX model")
         check_declared(NAME, builders, encoding)
-        folder = external_data_folder(source)
-        locations = check_external_data(NAME, builders[0], folder)
-        if locations and folder is not None:
-            external = read_external_data(NAME, folder, locations)
+        external = _external_data(builders[0], source, given)
+        if external:
             return _read_onnx_beside(core, builders[0], external), None
         return _read(lambda: core.read_model(bytes(builders[0])), "ONNX model"), None
     if encoding is GraphEncoding.TENSORFLOWLITE:
@@ -123,6 +129,17 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
     )
 
 
+def _external_data(model: bytes | bytearray | memoryview, source: str,
+                   given: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """The external data files of the ONNX ``model`` (see :func:`read_model`), checked."""
+    if given:  # in a sandbox process: read by the host
+        return given_external_data(NAME, model, given)
+    folder = external_data_folder(source)
+    locations = check_external_data(NAME, model, folder)
+    return (read_external_data(NAME, folder, locations)
+            if locations and folder is not None else {})
+
+
 def _read_onnx_beside(core: Any, model: bytes | bytearray | memoryview,
                       external: dict[str, bytes]) -> Any:
     """An ONNX model with external data files (location -> the bytes the host read and
@@ -130,14 +147,23 @@ def _read_onnx_beside(core: Any, model: bytes | bytearray | memoryview,
     written to a private directory and read from there: the model's own folder could
     hold other files by the time OpenVINO opened them. When ``read_model`` returns,
     OpenVINO has read the weights or mapped them (a mapping outlives the files, removed
-    with the directory then)."""
+    with the directory then). A location that leads out of the model's folder by its
+    ``..`` (``../models/w.data``, which the checks let through: it ends inside once
+    resolved) is InvalidEncodingError, before anything is written: OpenVINO refuses it,
+    and it would be written outside the private directory."""
     taken = {os.path.normpath(location) for location in external}
+    for location in sorted(external):
+        if os.path.normpath(location).split(os.sep)[0] == os.pardir:
+            raise InvalidEncodingError(
+                f"{NAME}: cannot read the ONNX model: its external data {location!r} leads "
+                "out of the model's folder through '..', which OpenVINO refuses: expected "
+                "a path below the folder")
     name = "model.onnx"
     while name in taken:
         name = f"_{name}"
     with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
         root = Path(tmp)
-        _write_into(root, {**external, name: model})  # (locations checked to stay inside)
+        _write_into(root, {**external, name: model})  # (below root: checked above)
         return _read(lambda: core.read_model(str(root / name)), "ONNX model")
 
 

@@ -12,12 +12,14 @@ that it takes only CPU time nobody else wants, while everything after, the load 
 the runs, happens in the main thread at the priority the process was started with.
 
 Then it reads one load request from the REQUESTS socket (the model's bytes in the
-ARENA, see :mod:`._sandbox_wire`, and the bytes of memory it may hold, or None), sets
-its resource limits (:func:`._confine.limit`, when CONFINE_DIR is given) before the
-library sees the model's bytes, loads it and then answers run requests one at a time until the host
-kills it or goes away. A thread reads the CANCELS socket: the sequence number of a run
-to cancel, which it hands to that run's Cancellation (the backend's own interruption),
-if that run is still the current one.
+ARENA, see :mod:`._sandbox_wire`, with a registered ONNX model's external data files,
+which it may not read itself: :data:`EXTERNAL`; and the bytes of memory it may hold, or
+None), sets its resource limits (:func:`._confine.limit`, when CONFINE_DIR is given)
+before the library sees the model's bytes, loads it and then answers run requests one
+at a time (their outputs checked against what the graph declared, see :func:`_run`)
+until the host kills it or goes away. A thread reads the CANCELS socket: the sequence
+number of a run to cancel, which it hands to that run's Cancellation (the backend's own
+interruption), if that run is still the current one.
 
 A library error is answered as ``{"error": [class, message]}``; a crash just ends the
 process, which the host reports. Once done it leaves through ``os._exit``: it holds
@@ -28,6 +30,7 @@ modules torn down, its thread pools joined) took 0.3 s with torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import socket
@@ -38,7 +41,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from wasinn.backends import _confine
-from wasinn.backends._sandbox_wire import AGAIN, Arena, read_request, receive, reply, send
+from wasinn.backends._sandbox_wire import (
+    AGAIN,
+    Arena,
+    DeclaredOutputs,
+    read_request,
+    receive,
+    reply,
+    send,
+)
 from wasinn.backends.base import (
     Backend,
     Cancellation,
@@ -55,6 +66,9 @@ CONFINE_MODULE = "WASINN_CONFINE_MODULE"
 #: The environment variable that lists (``os.pathsep``-separated) the folders the files
 #: a confined process imports really are in (an editable install links them).
 CODE_FOLDERS = "WASINN_SANDBOX_CODE"
+#: The names of a load request's tensors that hold the model's external data files (this,
+#: then the file's location; the builders' are their positions: "0", "1" ...).
+EXTERNAL = "external:"
 #: A cancel message: the sequence number of the run to stop.
 CANCEL = struct.Struct("<Q")
 #: What the process sends on the CANCELS socket once it has made its backend.
@@ -178,28 +192,56 @@ def _specs(graph: CompiledGraph) -> dict[str, Any]:
     return {"inputs": [spec(s) for s in graph.inputs],
             "outputs": [spec(s) for s in graph.outputs],
             "input_aliases": dict(graph.input_aliases),
-            "output_aliases": dict(graph.output_aliases)}
+            "output_aliases": dict(graph.output_aliases),
+            "output_types_declared": bool(graph.output_types_declared)}
 
 
 def _load(backend: Backend, load: tuple[Any, ...], files: dict[str, Tensor],
           locked: _confine.Report | None, bound: int | None) -> CompiledGraph:
     """The graph, loaded once this process's resource limits are set (a confined one's,
-    whose lock-down ``locked`` notes them)."""
+    whose lock-down ``locked`` notes them). Each file it writes may hold
+    :data:`~._confine.FILE_SIZE_FACTOR` times the model's bytes, its external data's
+    included (which OpenVINO writes to this process's folder to read them), plus the
+    margin."""
     encoding, device, options = load
     # Copied out: the library may keep them, and the arena's next request overwrites it.
-    builders = [files[str(i)].tobytes() for i in range(len(files))]
+    external = {name.removeprefix(EXTERNAL): tensor.tobytes()
+                for name, tensor in files.items() if name.startswith(EXTERNAL)}
+    builders = [files[str(i)].tobytes() for i in range(len(files) - len(external))]
     del files
+    if external:
+        options = dataclasses.replace(options, external_data=external)
     if locked is not None:
         if bound is not None:
             _check_bound(bound)
-        fsize = (_confine.FILE_SIZE_FACTOR * sum(len(b) for b in builders)
-                 + _confine.FILE_SIZE_MARGIN)
-        _confine.limit(locked, fsize, data=bound)
+        size = sum(map(len, builders)) + sum(map(len, external.values()))
+        _confine.limit(locked, _confine.FILE_SIZE_FACTOR * size + _confine.FILE_SIZE_MARGIN,
+                       data=bound)
     return backend.load(builders, encoding, device, options)
 
 
+def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | None,
+         declared: DeclaredOutputs, bound: int | None
+         ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The reply to a run: its outputs, or the error it raised; outputs that are not what
+    the graph declared (a model that declares a shape it does not compute: ONNX Runtime
+    only logs that) are an error here, so that the host, which checks them too, does not
+    take this process for a compromised one."""
+    try:
+        result = graph.run(inputs, outputs=outputs)
+    except Exception as exc:
+        return _error(exc, bound), {}
+    problem = declared.problem(result, outputs)
+    if problem is not None:
+        return {"error": ["BackendRuntimeError", f"{declared.backend}: the run's outputs are "
+                          f"not those the model declares: {problem}"]}, {}
+    return {"ok": True}, result
+
+
 def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current,
-           bound: int | None) -> None:
+           backend: str, bound: int | None) -> None:
+    declared = DeclaredOutputs(backend, graph.outputs, graph.output_aliases,
+                               graph.output_types_declared)
     # A reply that did not fit in the arena, kept until the host has grown it and asks
     # again: its payload, tensors and place.
     pending: tuple[dict[str, Any], dict[str, Tensor], int] | None = None
@@ -214,13 +256,8 @@ def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Curre
             pending = None
             continue
         pending = None
-        cancellation = current.start(seq)
-        try:
-            with running_under(cancellation):
-                result = graph.run(inputs, outputs=outputs)
-            payload: dict[str, Any] = {"ok": True}
-        except Exception as exc:
-            payload, result = _error(exc, bound), {}
+        with running_under(current.start(seq)):
+            payload, result = _run(graph, inputs, outputs, declared, bound)
         message, fits = reply(arena, payload, result, at=reply_at)
         if not fits:
             pending = payload, result, reply_at
@@ -267,7 +304,7 @@ def main(argv: list[str], locked: dict[str, Any] | None = None) -> int:
     confined = None if report is None else report.as_dict()
     send(requests, reply(arena, {"ok": True, "confined": confined, **_specs(graph)})[0])
     try:
-        _serve(requests, arena, graph, current, bound)
+        _serve(requests, arena, graph, current, backend.name, bound)
     finally:
         graph.close()
     return 0

@@ -124,9 +124,10 @@ class SandboxProcess:
         if confined:
             self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
             command.append(self._confine_dir.name)
-            # Its home too: what libraries write there (OpenVINO writes a telemetry id
-            # as it starts) it may write only in its own folder.
-            env["HOME"] = env["XDG_CACHE_HOME"] = self._confine_dir.name
+            # Its home and temporary folder too: what libraries write there (OpenVINO
+            # writes a telemetry id as it starts, and an ONNX model's external data files
+            # to read them) it may write only in its own folder.
+            env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.name
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,

@@ -11,9 +11,10 @@ for the same reply again (:data:`AGAIN`).
 The host trusts what it sends, so its requests are pickled. It does not trust the child:
 a library bug that let a model run code in the child must not reach the host through
 its replies, so the child answers in JSON (never unpickled), and the host checks every
-tensor's description against the arena (:func:`read_reply`) before copying it out. On
-Linux the arena is a ``memfd`` sealed against shrinking, so nothing the child does to it
-can make the host's mapping fault.
+tensor's description against the arena (:func:`read_reply`) before copying it out, and
+then a run's outputs against what the graph declared when it was loaded
+(:class:`DeclaredOutputs`). On Linux the arena is a ``memfd`` sealed against shrinking, so
+nothing the child does to it can make the host's mapping fault.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import mmap
 import os
 import pickle
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from wasinn.enums import TensorType
-from wasinn.errors import InvalidArgumentError
+from wasinn.errors import InvalidArgumentError, UnknownNameError, quoted
 from wasinn.tensor import Tensor, check_dims, numpy_dtype
+
+from ._graphio import OutputSelector
+from .base import TensorSpec
 
 #: The longest header, and the largest arena, a child may ask the host to believe.
 MAX_HEADER = 16 * 1024 * 1024
@@ -226,6 +230,8 @@ def read_reply(arena: Arena, header: bytes) -> tuple[dict[str, Any], dict[str, T
     tensors = {}
     for entry in described:
         name, tensor = tensor_from_arena(arena, entry)
+        if name in tensors:
+            raise ValueError(f"tensor {quoted(name)} described twice")
         tensors[name] = tensor
     return payload, tensors
 
@@ -248,3 +254,70 @@ def tensor_from_arena(arena: Arena, entry: object) -> tuple[str, Tensor]:
         raise ValueError(f"tensor {name!r:.80}: {nbytes} bytes at offset {offset}, outside "
                          f"the arena's {arena.size}")
     return name, Tensor.from_bytes(shape, ttype, bytearray(arena.view(offset, nbytes)))
+
+
+# -- a run's outputs against the graph's declaration ------------------------------------------
+class DeclaredOutputs:
+    """What a graph declared of its outputs when it was loaded (``specs``, ``aliases``, and
+    whether its element types hold: ``typed``), which every run's outputs must match: the
+    host checks a child's replies against it (a compromised child could answer anything
+    that fits the arena), and the child its library's outputs before it answers (a model
+    that declares a shape it does not compute then fails its run, instead of its process
+    being retired for answering badly)."""
+
+    def __init__(self, backend: str, specs: Sequence[TensorSpec], aliases: Mapping[str, int],
+                 typed: bool) -> None:
+        self.backend = backend
+        self._specs = tuple(specs)
+        self._selector = OutputSelector(backend, self._specs, aliases=aliases)
+        self._typed = typed
+        #: What a run that names no outputs gets: every one (once per run: made once).
+        self._every = {spec.name: spec for spec in self._specs}
+
+    def problem(self, outputs: Mapping[str, Tensor], asked: Sequence[str] | None
+                ) -> str | None:
+        """What is wrong with ``outputs``, a run's, for a run that asked for ``asked``
+        (names, aliases or positions; None: every output), or None: they must be the
+        outputs asked for, each once under its declared name, each of its declared element
+        type (where the graph's types hold) and rank, each static dimension of its
+        declared size (a dynamic one may take any size; a spec of unknown rank, any
+        shape)."""
+        try:
+            wanted = self._every if asked is None else {
+                self._specs[i].name: self._specs[i] for i in self._selector.select(asked)}
+        except UnknownNameError as exc:
+            return f"outputs for a run that asked for one the model lacks ({exc.message})"
+        for name, tensor in outputs.items():
+            spec = wanted.get(name)
+            if spec is None:
+                why = ("the run did not ask for" if self._declared(name)
+                       else "the model does not declare")
+                return (f"output {quoted(name)}, which {why}: expected outputs "
+                        f"{_describe(wanted.values())}")
+            if not self._fits(tensor, spec):
+                return (f"output {quoted(name)} is {tensor.type.value}{list(tensor.dims)}: "
+                        f"expected {spec.describe()}, as the model declares")
+        if len(outputs) == len(wanted):  # (each of them is one it wanted: checked above)
+            return None
+        missing = [spec for name, spec in wanted.items() if name not in outputs]
+        return f"no output {_describe(missing)}: expected outputs {_describe(wanted.values())}"
+
+    def _declared(self, name: str) -> bool:
+        return any(spec.name == name for spec in self._specs)
+
+    def _fits(self, tensor: Tensor, spec: TensorSpec) -> bool:
+        if self._typed and tensor.type is not spec.type:
+            return False
+        if not spec.rank_known:
+            return True
+        dims = tensor.dims
+        if len(dims) != len(spec.shape):
+            return False
+        for want, got in zip(spec.shape, dims, strict=True):  # (a loop: once per run)
+            if want is not None and want != got:
+                return False
+        return True
+
+
+def _describe(specs: Iterable[TensorSpec]) -> str:
+    return ", ".join(spec.describe() for spec in specs) or "none"

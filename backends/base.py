@@ -134,6 +134,10 @@ class LoadOptions:
     honoured by the scheduler, which then calls ``load_sandboxed`` instead of ``load``;
     backends ignore it. ``max_sandbox_bytes`` bounds the memory such a
     process may hold on the CPU (None: half the machine's, see :mod:`.sandbox`).
+    ``external_data``: the external data files of the ONNX model of ``source`` (location
+    -> bytes), read and checked by the host and handed over in memory, in a sandboxed
+    graph's process (set there only, see :mod:`.sandbox`), which may not read the model's
+    folder: ONNX Runtime and OpenVINO then take these instead of reading that folder.
     """
 
     precision: str = "f32"
@@ -143,6 +147,7 @@ class LoadOptions:
     thread_pinning: bool = True
     sandbox: bool | Literal["cpu"] = False
     max_sandbox_bytes: int | None = None
+    external_data: Mapping[str, bytes] = field(default_factory=dict, repr=False)
 
     def sandboxed_on(self, device: Device) -> bool:
         """Whether a graph with these options runs in a process of its own on ``device``."""
@@ -205,6 +210,10 @@ class CompiledGraph(abc.ABC):
     #: for ``x:0``, an OpenVINO port's other names); read-only.
     input_aliases: Mapping[str, int] = MappingProxyType({})
     output_aliases: Mapping[str, int] = MappingProxyType({})
+    #: Whether a run's outputs have the element types :attr:`outputs` declare: False
+    #: where those are placeholders (a TorchScript module records no types: its specs
+    #: say f32 of unknown rank, whatever it returns).
+    output_types_declared: bool = True
 
     @abc.abstractmethod
     def run(

@@ -75,7 +75,12 @@ from wasinn.tensor import Tensor, numpy_dtype
 from . import cuda
 from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
-from ._onnx_check import check_external_data, external_data_folder, read_external_data
+from ._onnx_check import (
+    check_external_data,
+    external_data_folder,
+    given_external_data,
+    read_external_data,
+)
 from ._onnx_division import guard_integer_division
 from ._ort_config_keys import is_config_key
 from ._ort_config_keys import unknown as unknown_config_keys
@@ -434,10 +439,13 @@ class OnnxRuntimeBackend(Backend):
         options = options or LoadOptions()
         warn_precision_not_applied(NAME, options, "ONNX Runtime")
         data = bytes(builders[0])
-        folder = external_data_folder(options.source)
-        locations = check_external_data(NAME, data, folder)
-        external = (read_external_data(NAME, folder, locations)
-                    if locations and folder is not None else {})
+        if options.external_data:  # in a sandbox process: read by the host
+            external = given_external_data(NAME, data, options.external_data)
+        else:
+            folder = external_data_folder(options.source)
+            locations = check_external_data(NAME, data, folder)
+            external = (read_external_data(NAME, folder, locations)
+                        if locations and folder is not None else {})
         data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox())
         session = _session(data, device, options, external)
         del external  # (ONNX Runtime has copied what it needs)
@@ -514,7 +522,8 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
     ``external``: a registered model's external data files (location -> bytes, read and
     checked by the host), handed to ONNX Runtime in memory, so that it opens no file
     itself (the paths may name other files by the time it would). An ONNX Runtime without
-    that call (older versions) is told the model's folder and reads them there.
+    that call (older versions) is told the model's folder and reads them there, except
+    in a sandbox process, which may not read it (UnsupportedOperationError).
 
     ``options.extra`` keys of the form ``AREA.NAME`` (``session.``, ``optimization.``,
     ``mlas.``, ``ep.``) become session config entries; one ONNX Runtime is not known to
@@ -536,6 +545,12 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
         if in_memory is not None:
             in_memory(list(external), list(external.values()),
                       [len(data) for data in external.values()])
+        elif options.external_data:
+            raise UnsupportedOperationError(
+                f"{NAME}: ONNX Runtime {ort.__version__} cannot take a model's external data "
+                "in memory (no SessionOptions.add_external_initializers_from_files_in_memory), "
+                "and a sandboxed model's process may not read the model's folder: expected "
+                "a newer ONNX Runtime, or the model loaded without sandbox")
         else:
             entries[_EXTERNAL_DATA_FOLDER] = str(external_data_folder(options.source))
     for key, value in entries.items():

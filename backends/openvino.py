@@ -578,7 +578,8 @@ class OpenVinoBackend(Backend):
         if ov_device is None:
             raise no_device(NAME, device, self.devices())
         options = options or LoadOptions()
-        model, keep_alive = read_model(self.core, builders, encoding, options.source)
+        model, keep_alive = read_model(self.core, builders, encoding, options.source,
+                                       options.external_data)
         config = compile_config(self.core, ov_device, options)
         try:
             compiled = self.core.compile_model(model, ov_device, config)

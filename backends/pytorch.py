@@ -284,6 +284,7 @@ class TorchGraph(CheckedGraph):
         unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
         super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
         self._checked = checked
+        self.output_types_declared = checked
         self._private = private
         self._model_storages = model_storages
         self._dim_ranges = dim_ranges

@@ -14,7 +14,17 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   ``memfd`` on Linux); a Unix socket pair carries the messages that place them (the
   host's requests pickled, the child's replies JSON, checked before use: see
   :mod:`._sandbox_wire`). Outputs are host tensors, copied out of the arena: a sandboxed
-  graph keeps nothing on its device between runs of different graphs.
+  graph keeps nothing on its device between runs of different graphs. They must be the
+  outputs the run asked for, as the graph declared them when it was loaded (names,
+  element types, static dimensions: :class:`~._sandbox_wire.DeclaredOutputs`); other
+  outputs are a reply that is not one, which retires the process, like any reply that
+  is not one. The child checks its library's outputs too, and fails the run (keeping
+  the process) where a model computes other than it declares.
+* A registered ONNX model's external data (``LoadOptions.source``'s folder, see
+  :mod:`._onnx_check`) is read and checked by the host, for each load, and sent with
+  the model: a confined process may not read the model's folder. It hands the bytes to
+  its backend (``LoadOptions.external_data``): ONNX Runtime takes them in memory,
+  OpenVINO writes them into the process's private folder and reads them there.
 * On CPU the child confines itself before the library reads the model (:mod:`._confine`:
   no new privileges, no core files, bounded file sizes, seccomp, Landlock where the
   kernel has it) and bounds the memory it may hold (``RLIMIT_DATA``: the options'
@@ -60,6 +70,7 @@ outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -79,10 +90,12 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from . import _confine
+from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._sandbox_backoff import CrashBackoff
+from ._sandbox_child import EXTERNAL
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
-from ._sandbox_wire import ALIGN
+from ._sandbox_wire import ALIGN, DeclaredOutputs
 from .base import (
     Backend,
     BackendRef,
@@ -94,6 +107,7 @@ from .base import (
     on_current_cancel,
 )
 from .cuda import mentions_sticky_error
+from .formats import detect_encoding
 
 log = logging.getLogger("wasinn.backends")
 
@@ -135,6 +149,44 @@ def _spec(entry: Any) -> TensorSpec:
                       tuple(None if d is None else int(d) for d in shape), bool(rank_known))
 
 
+def _external_files(backend: str, builders: Builders, encoding: GraphEncoding,
+                    options: LoadOptions) -> dict[str, Tensor]:
+    """The external data files of a registered ONNX model, for its process, which may not
+    read the model's folder: tensors named :data:`EXTERNAL` + their location, which the
+    process hands its backend (``LoadOptions.external_data``). Those the caller gave in
+    ``options.external_data``, else read and checked here (see :func:`_read_external`)."""
+    files = options.external_data or _read_external(backend, builders, encoding,
+                                                    options.source)
+    return {EXTERNAL + location: Tensor.from_bytes([len(data)], TensorType.U8, data)
+            for location, data in files.items()}
+
+
+def _read_external(backend: str, builders: Builders, encoding: GraphEncoding, source: str
+                   ) -> dict[str, bytes]:
+    """The external data files of the ONNX model the host read from the file ``source``,
+    read and checked (see :mod:`._onnx_check`); again for each load (as a load in this
+    process reads them), so that the host keeps no copy. Empty for another model, and
+    for bytes that are no ONNX model (the process's backend says what is wrong with
+    them)."""
+    folder = external_data_folder(source)
+    if folder is None or len(builders) != 1 or not _onnx(builders, encoding):
+        return {}
+    try:
+        locations = check_external_data(backend, builders[0], folder)
+    except InvalidEncodingError:
+        return {}
+    return read_external_data(backend, folder, locations) if locations else {}
+
+
+def _onnx(builders: Builders, encoding: GraphEncoding) -> bool:
+    if encoding is GraphEncoding.AUTODETECT:
+        try:
+            encoding = detect_encoding(builders)
+        except InvalidEncodingError:
+            return False
+    return encoding is GraphEncoding.ONNX
+
+
 def _static_nbytes(spec: TensorSpec) -> int:
     """The bytes a tensor of ``spec`` takes, where its shape is known (else 0)."""
     dims = [d for d in spec.shape if d is not None]
@@ -145,6 +197,12 @@ def _static_nbytes(spec: TensorSpec) -> int:
 
 def _aliases(value: Any) -> Mapping[str, int]:
     return {str(k): int(v) for k, v in dict(value).items()}
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"a flag of {value!r:.40}: expected true or false")
+    return value
 
 
 def _error(payload: Mapping[str, Any]) -> WasiNNError:
@@ -200,9 +258,14 @@ class SandboxedGraph(CompiledGraph):
         #: The memory each of its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
-        self._load = (encoding, device, options, self.max_bytes)
+        # (external data goes in the arena, as the model's bytes do: see _start)
+        self._load = (encoding, device, dataclasses.replace(options, external_data={}),
+                      self.max_bytes)
         self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
                        for i, b in enumerate(builders)}
+        #: Where a registered ONNX model's external data is read from for each load: the
+        #: builders, encoding and options (see _external_files).
+        self._external_of = (builders, encoding, options)
         #: Bytes a run's outputs are expected to need in the arena: the largest so far.
         self._reserve = 0
         # Guards what follows; notified when a process becomes idle or goes.
@@ -223,6 +286,10 @@ class SandboxedGraph(CompiledGraph):
             self.outputs = tuple(_spec(e) for e in payload["outputs"])
             self.input_aliases = _aliases(payload["input_aliases"])
             self.output_aliases = _aliases(payload["output_aliases"])
+            self.output_types_declared = _flag(payload["output_types_declared"])
+            #: What every run's outputs are checked against (see :meth:`_run_in`).
+            self._declared = DeclaredOutputs(backend.name, self.outputs, self.output_aliases,
+                                             self.output_types_declared)
             self._reserve = sum(_static_nbytes(spec) + ALIGN for spec in self.outputs)
         except (KeyError, TypeError, ValueError) as exc:
             self.close()
@@ -245,13 +312,14 @@ class SandboxedGraph(CompiledGraph):
 
     def _start(self) -> tuple[SandboxProcess, dict[str, Any]]:
         """A process that has loaded the model, and what it said of the model."""
+        files = {**self._files, **_external_files(self._backend.name, *self._external_of)}
         spares = self._spares
         child = (SandboxProcess(self._backend, self._confined) if spares is None
                  else spares.take(self._backend, self._confined))
         name = self._backend.name
         forget = on_current_cancel(child.stop_loading)
         try:
-            payload, _ = child.call(self._load, self._files)
+            payload, _ = child.call(self._load, files)
             child.loaded()
             child.arena.release()  # the model's bytes
         except (EOFError, OSError):
@@ -349,15 +417,15 @@ class SandboxedGraph(CompiledGraph):
     def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor],
                 outputs: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """The reply of ``child`` to a run; BackendRuntimeError when it died or answered
-        badly (then it has ended), or when the arena could not grow for the outputs (then
-        it goes on)."""
+        badly (then it has ended: a reply that is not one, or outputs other than those
+        the run asked for as the graph declared them), or when the arena could not grow
+        for the outputs (then it goes on)."""
         name = self._backend.name
         child.seq += 1
         seq = child.running = child.seq
         forget = on_current_cancel(lambda: child.cancel(seq))
         try:
-            answer = child.call(("run", seq, None if outputs is None else list(outputs)),
-                                inputs, reserve=self._reserve)
+            answer = self._call(child, seq, inputs, outputs)
         except (EOFError, OSError):
             how = child.ended()
             if child.killed_for_cancel:
@@ -379,6 +447,18 @@ class SandboxedGraph(CompiledGraph):
         with self._cond:
             self.backoff.succeeded()  # the process answered, with results or an error
         return answer
+
+    def _call(self, child: SandboxProcess, seq: int, inputs: Mapping[str, Tensor],
+              outputs: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """Run ``seq`` in ``child``: its reply, as :meth:`SandboxProcess.call` raises; and
+        ValueError for outputs other than those the run asked for, as the graph declared
+        them (see :class:`~._sandbox_wire.DeclaredOutputs`)."""
+        payload, result = child.call(("run", seq, None if outputs is None else list(outputs)),
+                                     inputs, reserve=self._reserve)
+        problem = None if "error" in payload else self._declared.problem(result, outputs)
+        if problem is not None:
+            raise ValueError(problem)
+        return payload, result
 
     def close(self) -> None:
         """Close the idle processes now, and those running when their run ends."""

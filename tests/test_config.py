@@ -697,28 +697,33 @@ async def test_a_registered_onnx_model_may_keep_its_weights_in_external_data(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="landlock is Linux's")
-async def test_a_sandboxed_registered_model_with_external_data_says_it_cannot_load(
-        tmp_path: Path) -> None:
-    # Before: NotFoundError "... cannot be read: Permission denied: expected the model's
-    # external data file", which did not say that the sandbox was why.
-    from tests.support import require_backend
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+async def test_a_sandboxed_registered_model_gets_its_external_data_from_the_host(
+        tmp_path: Path, backend: str) -> None:
+    # Before: UnsupportedOperationError "external data 'w.data': a sandboxed model's
+    # process may not read its folder": the confined process read the files itself. The
+    # host reads them now and hands their bytes over; the process still may not read
+    # the model's folder (landlock).
+    from tests.support import no_spares, sandbox_children
     from tests.test_confine import HAS_LANDLOCK
-    from wasinn import UnsupportedOperationError
 
-    require_backend("onnxruntime")
+    require_backend(backend)
     if not HAS_LANDLOCK:
         pytest.skip("landlock (Linux 5.13 or later, enabled)")
     models = tmp_path / "models"
     models.mkdir()
     external_weights_model(models)
-    write(tmp_path, '[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "onnxruntime"\n'
-                    'sandbox = true\n')
-    async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
-        with pytest.raises(UnsupportedOperationError, match=(
-                r"external data 'w\.data': a sandboxed model's process may not read its "
-                r"folder .*: expected the model loaded without sandbox, or with its weights "
-                r"inside the \.onnx file")):
-            await rt.load_by_name("ext")
+    entry = f'files = ["models/ext.onnx"]\nbackend = "{backend}"\n'
+    config = write(tmp_path, f"[models.ext]\n{entry}sandbox = true\n[models.plain]\n{entry}")
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    async with wasinn.Runtime(no_spares(load_config(config))) as rt:
+        plain = await (await rt.load_by_name("plain")).compute({"x": x})
+        assert sandbox_children() == []
+        sandboxed = await (await rt.load_by_name("ext")).compute({"x": x})
+        assert len(sandbox_children()) == 1
+        np.testing.assert_array_equal(sandboxed["y"].numpy(), plain["y"].numpy())
+        np.testing.assert_allclose(plain["y"].numpy(), x @ np.full((4, 8), 2.0, np.float32),
+                                   rtol=1e-6)
 
 
 @pytest.mark.parametrize(("location", "error", "message"), [
@@ -747,6 +752,33 @@ async def test_registered_external_data_stays_in_the_models_folder(
     async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
         with pytest.raises(error, match=message):
             await rt.load_by_name("ext")
+
+
+async def test_openvino_refuses_external_data_leading_out_through_dotdot_writing_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # '../models/w.data' ends inside the model's folder once resolved, so the checks let
+    # it through (ONNX Runtime, handed the bytes, loads it). Before: OpenVINO's private
+    # copy wrote it beside its private directory, into the system's temporary folder
+    # (../models/w.data there, left behind), and then refused it.
+    import tempfile
+
+    from wasinn import InvalidEncodingError
+
+    require_backend("openvino")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    models = tmp_path / "models"
+    models.mkdir()
+    external_weights_model(models, "../models/w.data")
+    write(tmp_path, '[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "openvino"\n')
+    async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
+        with pytest.raises(InvalidEncodingError, match=(
+                r"models\.ext: openvino: cannot read the ONNX model: its external data "
+                r"'\.\./models/w\.data' leads out of the model's folder through '\.\.', "
+                r"which OpenVINO refuses: expected a path below the folder$")):
+            await rt.load_by_name("ext")
+    assert list(temporary.iterdir()) == []
 
 
 def swap_for_a_link_out(path: Path, outside: Path) -> None:
@@ -802,13 +834,15 @@ def test_a_file_replaced_between_its_open_and_the_check_is_refused(
         files.read_regular(tmp_path / "m.onnx", inside=tmp_path)
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize(("backend", "sandbox"), [("onnxruntime", False), ("openvino", False),
+                                                 ("onnxruntime", True), ("openvino", True)])
 async def test_external_data_swapped_after_its_check_is_refused_not_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
-    # The library is handed the bytes the host read, never the path to open itself.
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, sandbox: bool) -> None:
+    # The library is handed the bytes the host read, never the path to open itself; a
+    # sandboxed model's are read by the host's side of the sandbox.
     require_backend(backend)
     module = importlib.import_module("wasinn.backends." + (
-        "onnxruntime" if backend == "onnxruntime" else "_ovread"))
+        "sandbox" if sandbox else "onnxruntime" if backend == "onnxruntime" else "_ovread"))
     models = tmp_path / "models"
     models.mkdir()
     external_weights_model(models)
@@ -819,7 +853,8 @@ async def test_external_data_swapped_after_its_check_is_refused_not_read(
         swap_for_a_link_out(models / "w.data", tmp_path / "secret.data")
         return locations
 
-    write(tmp_path, f'[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "{backend}"\n')
+    write(tmp_path, f'[models.ext]\nfiles = ["models/ext.onnx"]\nbackend = "{backend}"\n'
+                    f'sandbox = {str(sandbox).lower()}\n')
     async with wasinn.Runtime.from_config(tmp_path / "wasinn.toml") as rt:
         graph = await rt.load_by_name("ext")  # unswapped: read from the model's folder
         out = await graph.compute({"x": np.ones((1, 4), np.float32)})

@@ -28,7 +28,15 @@ import pytest
 import trio
 
 import wasinn
-from tests.crashing_backend import CRASH, DEAF, CrashingBackend
+from tests.crashing_backend import (
+    CRASH,
+    DEAF,
+    EXTRA_OUTPUT,
+    NO_OUTPUT,
+    WRONG_DIM,
+    WRONG_TYPE,
+    CrashingBackend,
+)
 from tests.support import (
     core_nn_guest_wat,
     cpu_pool,
@@ -426,6 +434,101 @@ async def test_a_bad_memory_bound_is_refused(options: Any, said: str) -> None:
     assert sandbox_children() == []
 
 
+# -- a registered model's external data ----------------------------------------------------
+def _large_external_model(folder: Path, size: int) -> Path:
+    """``y = x + sum(w)`` (x: f32[1, 4]) saved as ``folder/big.onnx``, with ``w``, f32[size]
+    (all zeros but 1 and 2 at its ends), in the external data file ``w.data``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.zeros(size, np.float32)
+    w[0], w[-1] = 1.0, 2.0
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["w"], ["s"], keepdims=0),
+         helper.make_node("Add", ["x", "s"], ["y"])], "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / "big.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="w.data",
+              size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize("given", [False, True])
+def test_external_data_larger_than_the_file_bound_of_the_models_bytes_loads_sandboxed(
+        tmp_path: Path, backend_name: str, given: bool) -> None:
+    # The process's files may hold 4 x what it was sent + 64 MiB: its external data
+    # counts (OpenVINO writes it to the process's folder to read it; before, only the
+    # .onnx file's bytes counted, and writing 68 MB of weights failed there). Read from
+    # the model's folder by the host, or given by the caller in memory (which goes in
+    # the shared memory too, not in the load request's header of at most 16 MiB).
+    require_backend(backend_name)
+    require_backend("onnx")
+    from wasinn.backends._confine import FILE_SIZE_MARGIN
+
+    size = (FILE_SIZE_MARGIN + (4 << 20)) // 4
+    path = _large_external_model(tmp_path, size)
+    assert (tmp_path / "w.data").stat().st_size > FILE_SIZE_MARGIN + 4 * path.stat().st_size
+    backend = wasinn.backends.registry.BackendRegistry().get(backend_name)
+    options = (LoadOptions(sandbox=True, external_data={"w.data": (tmp_path / "w.data")
+                                                        .read_bytes()})
+               if given else LoadOptions(sandbox=True, source=str(path)))
+    model = path.read_bytes()
+    x = {"x": Tensor.from_numpy(np.arange(4, dtype=np.float32).reshape(1, 4))}
+    inside = backend.load([model], GraphEncoding.ONNX, CPU, options)
+    sandboxed = load_sandboxed(backend, [model], GraphEncoding.ONNX, CPU, options)
+    try:
+        assert sandboxed.confinement is not None
+        assert "fsize" not in sandboxed.confinement["failed"]
+        np.testing.assert_array_equal(sandboxed.run(x)["y"].numpy(), inside.run(x)["y"].numpy())
+        np.testing.assert_array_equal(sandboxed.run(x)["y"].numpy(),
+                                      np.array([[3.0, 4.0, 5.0, 6.0]], np.float32))
+    finally:
+        sandboxed.close()
+        inside.close()
+
+
+def test_an_onnx_runtime_that_cannot_take_external_data_in_memory_says_so_sandboxed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # ONNX Runtime before add_external_initializers_from_files_in_memory reads external
+    # data from the model's folder only, which a sandbox process may not read.
+    require_backend("onnxruntime")
+    import onnxruntime as ort
+
+    from wasinn import UnsupportedOperationError
+    from wasinn.backends import onnxruntime as ort_backend
+
+    real = ort.SessionOptions
+
+    class Older:  # its SessionOptions, without that call
+        def __init__(self) -> None:
+            object.__setattr__(self, "_options", real())
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "add_external_initializers_from_files_in_memory":
+                raise AttributeError(name)
+            return getattr(self._options, name)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            setattr(self._options, name, value)
+
+    monkeypatch.setattr(ort, "SessionOptions", Older)
+    external = {"w.data": b"\0" * 16}
+    with pytest.raises(UnsupportedOperationError, match=(
+            r"^onnxruntime: ONNX Runtime \S+ cannot take a model's external data in memory "
+            r"\(no SessionOptions\.add_external_initializers_from_files_in_memory\), and a "
+            r"sandboxed model's process may not read the model's folder: expected a newer "
+            r"ONNX Runtime, or the model loaded without sandbox$")):
+        ort_backend.session_options(LoadOptions(external_data=external), external)
+    in_process = ort_backend.session_options(LoadOptions(source="/models/m.onnx"), external)
+    assert in_process.get_session_config_entry(
+        "session.model_external_initializers_file_folder_path") == "/models"
+
+
 # -- from the config ----------------------------------------------------------------------
 async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_path: Any
                                                                             ) -> None:
@@ -643,6 +746,8 @@ def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
     (b'{"error": ["BackendRuntimeError"]}', r"^an error reported as \['Backend"),
     (b'{"error": ["BackendRuntimeError", 7]}', r"^an error reported as "),
     (b"[" * 100_000, r"^a reply nested too deeply$"),
+    (b'{"ok": true, "tensors": [["y", "f32", [1], 0], ["y", "f32", [1], 64]]}',
+     r"^tensor 'y' described twice$"),
 ])
 def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     from wasinn.backends._sandbox_wire import read_reply
@@ -654,6 +759,128 @@ def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     finally:
         host.close()
         child.close()
+
+
+@pytest.mark.parametrize(("first", "said"), [
+    (EXTRA_OUTPUT, r"output 'z', which the model does not declare: expected outputs "
+                   r"y: f32\[\?, 4\]"),
+    (WRONG_TYPE, r"output 'y' is i32\[1, 4\]: expected y: f32\[\?, 4\], as the model declares"),
+    (WRONG_DIM, r"output 'y' is f32\[1, 5\]: expected y: f32\[\?, 4\], as the model declares"),
+    (NO_OUTPUT, r"no output y: f32\[\?, 4\]: expected outputs y: f32\[\?, 4\]"),
+])
+def test_a_child_answering_other_outputs_than_the_graph_declares_is_retired(
+        first: float, said: str) -> None:
+    # Before: the host passed on whatever outputs a compromised child named, of whatever
+    # type and shape, or none. This child's own check of its outputs is off (hostile).
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1:hostile"], GraphEncoding.GGML, CPU)
+    ones = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    try:
+        hostile = graph.pid
+        with pytest.raises(BackendRuntimeError, match=(
+                rf"^crashing: the process running the model answered badly: {said}$")):
+            graph.run({"x": Tensor.from_numpy(np.full((1, 4), first, np.float32))})
+        assert graph.pid is None  # retired
+        np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+        assert graph.pid not in (None, hostile)
+    finally:
+        graph.close()
+    assert sandbox_children() == []
+
+
+def test_outputs_a_model_declares_otherwise_fail_that_run_in_the_process_that_goes_on(
+        ) -> None:
+    # ONNX Runtime returns what the model computed where that contradicts a static
+    # dimension the model declares (it logs a warning): the sandbox process says so as
+    # the run's error instead of answering what the host would refuse (before the
+    # process checked its outputs itself, the host retired it for each such run).
+    require_backend("onnxruntime")
+    require_backend("onnx")
+    from onnx import TensorProto, helper
+
+    graph_proto = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "declared",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    backend = wasinn.backends.registry.BackendRegistry().get("onnxruntime")
+    graph = load_sandboxed(backend, [onnx_model_bytes(graph_proto)], GraphEncoding.ONNX, CPU)
+    try:
+        pid = graph.pid
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^onnxruntime: the run's outputs are not those the model declares: output "
+                r"'y' is f32\[2, 4\]: expected y: f32\[1, 4\], as the model declares$")):
+            graph.run({"x": Tensor.from_numpy(np.ones((2, 4), np.float32))})
+        out = graph.run({"x": Tensor.from_numpy(np.full((1, 4), 3.0, np.float32))})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert graph.pid == pid
+    finally:
+        graph.close()
+
+
+def _torchscript_argmax() -> bytes:
+    import io
+
+    import torch
+
+    class TwoOutputs(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2.0, x.argmax()
+
+    saved = io.BytesIO()
+    torch.jit.save(torch.jit.script(TwoOutputs()), saved)
+    return saved.getvalue()
+
+
+def test_a_torchscript_models_outputs_may_be_of_any_type_and_shape_sandboxed() -> None:
+    # TorchScript records no types or shapes: its specs' f32 of unknown rank is a
+    # placeholder, which an output of another type (i64 here) does not contradict.
+    require_backend("torch")
+    backend = wasinn.backends.registry.BackendRegistry().get("pytorch")
+    graph = load_sandboxed(backend, [_torchscript_argmax()], GraphEncoding.PYTORCH, CPU)
+    try:
+        assert [s.describe() for s in graph.outputs] == ["output_0: f32[...]",
+                                                         "output_1: f32[...]"]
+        assert graph.output_types_declared is False
+        x = np.array([[1.0, 5.0, 2.0]], np.float32)
+        out = graph.run({"x": Tensor.from_numpy(x)})
+        np.testing.assert_array_equal(out["output_0"].numpy(), x * 2)
+        assert out["output_1"].type is wasinn.TensorType.I64 and out["output_1"].dims == ()
+        assert int(out["output_1"].numpy()) == 1
+    finally:
+        graph.close()
+
+
+def test_a_runs_outputs_are_checked_against_what_it_asked_for() -> None:
+    # A run may ask for an output by an alias or its position: the library answers it
+    # under its declared name.
+    from wasinn.backends._sandbox_wire import DeclaredOutputs
+    from wasinn.backends.base import TensorSpec
+
+    specs = (TensorSpec("y", wasinn.TensorType.F32, (None, 4)),
+             TensorSpec("s", wasinn.TensorType.I64, (), rank_known=False))
+    declared = DeclaredOutputs("b", specs, {"y:0": 0}, typed=True)
+    y = Tensor.from_numpy(np.zeros((3, 4), np.float32))
+    s = Tensor.from_numpy(np.zeros((2, 2, 2), np.int64))  # unknown rank: any shape
+    assert declared.problem({"y": y, "s": s}, None) is None
+    assert declared.problem({"y": y}, ["y:0"]) is None
+    assert declared.problem({"y": y}, [0]) is None  # type: ignore[list-item]
+    assert declared.problem({}, []) is None
+    assert declared.problem({"y": y, "s": s}, ["y"]) == (
+        "output 's', which the run did not ask for: expected outputs y: f32[?, 4]")
+    assert declared.problem({"y:0": y}, ["y:0"]) == (
+        "output 'y:0', which the model does not declare: expected outputs y: f32[?, 4]")
+    assert declared.problem({"y": y}, ["w"]) == (
+        "outputs for a run that asked for one the model lacks (b: the model has no output "
+        "'w': expected outputs y: f32[?, 4], s: i64[...])")
+    wrong = Tensor.from_numpy(np.zeros((2, 2), np.float32))
+    assert declared.problem({"y": y, "s": wrong}, None) == (
+        "output 's' is f32[2, 2]: expected s: i64[...], as the model declares")
+    assert declared.problem({"y": wrong}, ["y"]) == (
+        "output 'y' is f32[2, 2]: expected y: f32[?, 4], as the model declares")
+    untyped = DeclaredOutputs("b", specs, {}, typed=False)
+    assert untyped.problem({"y": y, "s": wrong}, None) is None
+    assert untyped.problem({"y": Tensor.from_numpy(np.zeros((3, 4), np.int64))}, ["y"]) is None
+    assert untyped.problem({"y": wrong}, ["y"]) is not None  # a declared rank still holds
 
 
 def test_a_childs_long_error_message_keeps_its_start_and_end() -> None:
