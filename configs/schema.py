@@ -14,8 +14,9 @@ A config has five tables::
                                    # target, preload, warmup, warmup_inputs, batching
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
-                                   # compute_timeout, max_scratch_bytes, max_scratch_files,
-                                   # max_tensors, max_errors, max_live_tensor_bytes
+                                   # compute_timeout, run_timeout, max_scratch_bytes,
+                                   # max_scratch_files, max_tensors, max_errors,
+                                   # max_live_tensor_bytes
 
 Unknown keys are errors (a typo must not be ignored silently), and so are settings that
 would be accepted but have no effect: a CPU pool's ``devices`` other than ``["cpu"]`` (or
@@ -434,6 +435,8 @@ class GuestsConfig(_Strict):
     ABI has no security errno); it applies to graphs loaded by name too.
     ``compute_timeout`` bounds one compute in seconds (None = no bound); past it the guest
     gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
+    ``run_timeout`` bounds a guest's whole run in seconds (None = no bound); past it the
+    guest is stopped and ``run_wasm`` raises GuestTrap (``wasinn run`` exits with 134).
     ``max_scratch_bytes``/``max_scratch_files`` bound a component guest's
     ``wasinn:nn/scratch`` directory (bytes, entries);
     ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
@@ -451,6 +454,7 @@ class GuestsConfig(_Strict):
     max_tensor_bytes: int = Field(default=1024**3, ge=1)
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
+    run_timeout: float | None = Field(default=None, gt=0)
     max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
     max_scratch_files: int = Field(default=10_000, ge=1)
     max_tensors: int = Field(default=4096, ge=1)

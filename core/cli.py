@@ -3,7 +3,7 @@
 ::
 
     wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--[no-]sandbox]
-               [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
+               [--timeout SECONDS] [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
     wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
                  [--requests N] [--concurrency C] [--save FILE.npz] ...
@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
                          help="run the models the guest loads from its own bytes in this "
                               "process ([guests] sandbox = false): faster, but a library "
                               "crash on the guest's model or inputs ends the run")
+    run.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                     help="stop the guest if it runs longer (a trap: status 134; "
+                          "[guests] run_timeout)")
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
@@ -188,6 +192,18 @@ def _target(text: str) -> str:
         return ExecutionTarget.coerce(text).value
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _seconds(text: str) -> float:
+    # --timeout: a finite number of seconds > 0.
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a number of seconds > 0, such as 30 or 0.5")
+    return value
 
 
 def _width(text: str) -> float:
@@ -326,9 +342,29 @@ async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
                 timer.cancel()
 
 
-def _exit_now(why: str) -> None:
+def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:
     print(f"wasinn: {why}: exiting", file=sys.stderr, flush=True)
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(status)
+
+
+@contextlib.contextmanager
+def _exits_after_run_timeout(timeout: float | None, status: int) -> Iterator[None]:
+    """Exit (``status``) :data:`CTRL_C_GRACE_S` seconds after ``timeout`` if the block
+    has not ended by then: a guest past its ``run_timeout`` is stopped, but one blocked in
+    a host call its interruption cannot reach would hold the command."""
+    if timeout is None:
+        yield
+        return
+    timer = threading.Timer(timeout + CTRL_C_GRACE_S, _exit_now, (
+        f"the guest did not stop within {CTRL_C_GRACE_S:g} s of its run_timeout "
+        f"({timeout:g} s; it is blocked in a host call, such as a component's WASI sleep)",
+        status))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -343,14 +379,18 @@ async def _run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"{args.guest}: {said}: expected a guest module (.wasm, or .wat text)")
     config = _registry_config(args)
-    if args.sandbox is not None:
-        guests = config.guests.model_copy(update={"sandbox": args.sandbox})
+    overrides = {key: value for key, value in (("sandbox", args.sandbox),
+                                               ("run_timeout", args.timeout))
+                 if value is not None}
+    if overrides:
+        guests = config.guests.model_copy(update=overrides)
         config = config.model_copy(update={"guests": guests})
     async with Runtime(config) as rt:
         try:
-            async with _stopped_by_ctrl_c() as stop:
-                code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
-                                         stdin="inherit")
+            with _exits_after_run_timeout(config.guests.run_timeout, TRAP_EXIT_STATUS):
+                async with _stopped_by_ctrl_c() as stop:
+                    code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
+                                             stdin="inherit")
             return EXIT_INTERRUPTED if stop.cancelled_caught else code
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)

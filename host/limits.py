@@ -46,6 +46,11 @@ class GuestLimits:
     cannot share), on every device (True) or nowhere (False). ``max_sandbox_bytes``
     bounds the memory each such process may hold (None: half the machine's).
 
+    ``run_timeout``: seconds a guest's whole run (``run_wasm``: its start functions and
+    ``_start`` or ``wasi:cli/run``) may take (None = unbounded); past it the guest is
+    stopped wherever it is, as a cancelled one is, and ``run_wasm`` raises GuestTrap
+    naming the limit.
+
     ``max_memory_bytes`` bounds each linear memory of the guest (a ``memory.grow`` beyond
     it fails, as when a machine has no more: the guest's allocator sees -1); a guest may
     have at most :data:`MAX_MEMORIES` memories and :data:`MAX_TABLES` tables of at most
@@ -58,6 +63,7 @@ class GuestLimits:
     max_tensor_bytes: int = 1024**3
     allowed_targets: frozenset[ExecutionTarget] | None = None
     compute_timeout: float | None = None
+    run_timeout: float | None = None
     max_scratch_bytes: int = 2 * 1024**3
     max_scratch_files: int = 10_000
     max_tensors: int = 4096
@@ -106,6 +112,7 @@ def limits_of(runtime: object) -> GuestLimits:
         allowed_targets=None if targets is None
         else frozenset(ExecutionTarget.coerce(t) for t in targets),
         compute_timeout=getattr(section, "compute_timeout", None),
+        run_timeout=getattr(section, "run_timeout", None),
         max_scratch_bytes=section.max_scratch_bytes,
         max_scratch_files=section.max_scratch_files,
         max_tensors=section.max_tensors,

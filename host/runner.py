@@ -19,12 +19,13 @@ cancellation closes the pipe, so a read that waits for input returns and the gue
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,20 @@ def guest_threads() -> trio.CapacityLimiter:
         return limiter
 
 
+@contextlib.contextmanager
+def stopped_after(timeout: float | None, program: str) -> Iterator[None]:
+    """Cancel the block (a guest's run) after ``timeout`` seconds (None: never); a block
+    so cancelled raises :class:`GuestTrap` naming ``[guests] run_timeout``."""
+    if timeout is None:
+        yield
+        return
+    with trio.move_on_after(timeout) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise GuestTrap(f"{program} ran out of time: it ran for more than {timeout:g} s "
+                        "([guests] run_timeout)")
+
+
 class GuestTrap(Exception):
     """The guest trapped (``unreachable``, out-of-bounds access, stack overflow ...).
 
@@ -90,8 +105,9 @@ async def run_wasm(
     file's path, or ``"inherit"`` for the host's own). ``limits`` defaults
     to the runtime's ``guest_limits`` (from its config) or :class:`GuestLimits`' defaults.
     Returns the code the guest passed to ``proc_exit`` (0 when ``_start`` returns).
-    Raises :class:`GuestTrap` when the guest traps, InvalidArgumentError for a file that
-    is not a runnable guest (naming what is wrong), and OSError if it cannot be read.
+    Raises :class:`GuestTrap` when the guest traps or runs past ``limits.run_timeout``,
+    InvalidArgumentError for a file that is not a runnable guest (naming what is wrong),
+    and OSError if it cannot be read.
     Cancellation interrupts the guest and releases its graphs and contexts.
     """
     wasm = await trio.Path(path).read_bytes()
@@ -105,7 +121,7 @@ async def run_wasm(
     module = await trio.to_thread.run_sync(_compile, wasm, program)
     config = wasi_config(program, argv, dirs, env)
     nn = GuestNN(rt, TrioPortal(), limits)
-    with guest_stdin(stdin, config) as end_stdin:
+    with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):
         return await run_core_module(module, config, nn, program,
                                      stop_also=[end_stdin] if end_stdin else [])
 

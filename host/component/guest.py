@@ -36,7 +36,7 @@ from wasinn.host.engine import compile_component, shared_engine
 from wasinn.host.guest_stdin import GuestStdin, guest_stdin
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
-from wasinn.host.runner import GuestTrap, forget_frames, guest_threads
+from wasinn.host.runner import GuestTrap, forget_frames, guest_threads, stopped_after
 from wasinn.host.scheduler_api import TrioPortal
 from wasinn.host.wasi import Dirs, wasi_config
 
@@ -385,12 +385,14 @@ async def run_component(
     0 when ``run`` returns ok, 1 when it returns an error, the status given to
     ``wasi:cli/exit`` otherwise. ``argv``/``dirs``/``env`` are as in
     :mod:`wasinn.host.wasi`, ``stdin`` as in :mod:`wasinn.host.guest_stdin` (empty by
-    default). Raises :class:`GuestTrap` when the guest traps and
+    default). Raises :class:`GuestTrap` when the guest traps or runs past
+    ``limits.run_timeout`` and
     InvalidArgumentError for bytes that are not a runnable component. Cancellation
     interrupts the guest; every graph and context it held is released either way.
     """
     config = wasi_config(program, argv, dirs, env)
-    with guest_stdin(stdin, config) as end_stdin:
+    limits = limits or limits_of(rt)
+    with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):
         return await _run_command(rt, wasm, config, limits, program,
                                   [end_stdin] if end_stdin else [])
 
