@@ -4,6 +4,10 @@ An actor owns, for one device (``cpu``, ``gpu:0``, ...):
 
 * the compiled graphs run there (:meth:`DeviceActor.session`: compiled lazily at first use,
   once, however many contexts share them; :meth:`DeviceActor.evict` frees them);
+* its compile thread (``COMPILE_THREADS``, a :class:`~wasinn.actors.workers.WorkerThreads`
+  of its own), where compiles and warm-ups run, one at a time, in the order they came:
+  never in a worker thread, so a graph compiling (seconds, minutes for a big model)
+  keeps no request for another graph waiting, however few workers the device has;
 * its request queue and ``workers`` persistent worker threads
   (:class:`~wasinn.actors.workers.WorkerThreads`, started by :meth:`DeviceActor.serve` and
   stopped when the actor closes): a job runs in one of them, so the event loop never
@@ -55,11 +59,12 @@ the actor closes itself as if the runtime had closed it, except that every reque
 refuses from then on, queued or new, gets that DeviceLostError (:attr:`DeviceActor.lost`)
 instead of ClosedResourceError. Placement sends new requests to the kind's other devices.
 
-Closing cancels every running job (worker threads' and leases'; their callers get
-ClosedResourceError) and waits for them at most ``close_timeout`` seconds. Past it (a
-backend call that ignores cancellation), an error is logged naming the device and the
-jobs still running, and the actor returns anyway: the graphs those jobs run on are closed
-only when each job ends (by its daemon thread), and the device context is left open.
+Closing cancels every running job (worker threads', leases' and the compile thread's;
+their callers get ClosedResourceError) and waits for them at most ``close_timeout``
+seconds. Past it (a backend call that ignores cancellation), an error is logged naming
+the device and the jobs still running, and the actor returns anyway: the graphs those
+jobs run on are closed only when each job ends (by its daemon thread), and the device
+context is left open.
 """
 
 from __future__ import annotations
@@ -99,6 +104,13 @@ T = TypeVar("T")
 
 log = logging.getLogger("wasinn.actors")
 
+#: Threads per device for compiles and warm-ups (jobs that hold no request slot). One: a
+#: compile is heavy on memory (a model's weights, held more than once while the library
+#: converts them) and on CPU (graph optimisers), so two at once on a device would mostly
+#: slow each other down and raise the peak; torch.export archives load one at a time
+#: anyway. The price: a device's compiles wait for each other, first come first served.
+COMPILE_THREADS = 1
+
 
 class DeviceActor:
     """The owner of one device. Start it with ``await nursery.start(actor.serve)``."""
@@ -126,6 +138,11 @@ class DeviceActor:
         self.workers = workers
         self.queue_limit = queue_limit
         self._threads = WorkerThreads(str(device), workers, pin=pin_handoffs)
+        # Its jobs see the loop unpinned (the runner hands them over with pin=False): a
+        # pinned pool's compile thread only suspends the loop's pinning while one is out
+        # (see wasinn.actors.affinity); the thread itself is never pinned.
+        self._compiler = WorkerThreads(str(device), COMPILE_THREADS, pin=pin_handoffs,
+                                       role="compiler")
         self._slots = Slots(str(device), workers, queue_limit,
                             policy if policy is not None else PriorityDeadlinePolicy())
         #: Requests placed here that wait for their graph to be compiled on this device.
@@ -138,8 +155,8 @@ class DeviceActor:
         self._warm_ups = 0
         self._stats = RequestStats()
         self._nursery: trio.Nursery | None = None  # batches' and compiles' tasks, while serving
-        self._runner = runner = RequestRunner(str(device), self._threads, self._slots,
-                                              self._stats, self._start_task,
+        self._runner = runner = RequestRunner(str(device), self._threads, self._compiler,
+                                              self._slots, self._stats, self._start_task,
                                               inline_below=inline_below)
         self._batcher = runner.batcher
         self._cache = SessionCache(
@@ -168,15 +185,15 @@ class DeviceActor:
     # -- lifetime -----------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[DeviceActor] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        """Open the device, start the worker threads, report ready, then hold it until
-        cancelled.
+        """Open the device, start the worker threads and the compile thread, report
+        ready, then hold it until cancelled.
 
         Raises UnsupportedOperationError (before reporting ready) when the device cannot be
         opened. On exit (shielded from cancellation, bounded by ``close_timeout``): queued
-        callers get ClosedResourceError, running jobs are cancelled, the worker threads
-        finish them and are joined, and only then are the cached graphs and the device
-        context closed (see :meth:`close` and the module docstring for jobs that outlive
-        ``close_timeout``).
+        callers get ClosedResourceError, running jobs (compiles and warm-ups included) are
+        cancelled, the threads finish them and are joined, and only then are the cached
+        graphs and the device context closed (see :meth:`close` and the module docstring
+        for jobs that outlive ``close_timeout``).
         """
         try:
             # In a worker thread: finding out what the device needs may import torch.
@@ -194,6 +211,7 @@ class DeviceActor:
         self._desk.open(self._runner.wrap)
         self._serving = True
         self._threads.start()
+        self._compiler.start()
         self._slots.open()
         self._ready = True
         try:
@@ -210,7 +228,7 @@ class DeviceActor:
                 # job, and never left to a thread the interpreter would kill inside
                 # native code at exit. A call that ignores cancellation may never end,
                 # so the wait is bounded.
-                stragglers = await self._threads.wait_stopped(self.close_timeout)
+                stragglers = await self._wait_stopped()
             self._serving = False
             if stragglers:
                 log.error(
@@ -220,6 +238,19 @@ class DeviceActor:
                     "device context is left open", self.device, len(stragglers),
                     self.close_timeout, "; ".join(stragglers))
             self._release_all(close_context=not stragglers)
+
+    async def _wait_stopped(self) -> list[str]:
+        # The worker threads and the compile thread, each for at most close_timeout (at
+        # once: neither wait eats into the other's): the jobs still running past it.
+        stragglers: list[str] = []
+
+        async def wait(threads: WorkerThreads) -> None:
+            stragglers.extend(await threads.wait_stopped(self.close_timeout))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait, self._threads)
+            nursery.start_soon(wait, self._compiler)
+        return stragglers
 
     def _open_context(self) -> DeviceContext:
         context = context_for(self.device)
@@ -265,6 +296,7 @@ class DeviceActor:
         self._runner.close()  # a request granted a slot from now on does not start
         self._cache.close()  # a compile that ends from now on is not cached
         self._threads.stop()  # cancels the jobs running in the worker threads
+        self._compiler.stop()  # and the compile or warm-up under way
         self._desk.close()  # cancels the runs of leases
         self._slots.close()
         if not self._serving:
@@ -294,9 +326,10 @@ class DeviceActor:
 
     @property
     def busy(self) -> int:
-        """Jobs (runs and compiles) handed to the worker threads and not finished yet,
-        abandoned ones included."""
-        return self._threads.busy
+        """Jobs handed to the device's threads and not finished yet, abandoned ones
+        included: runs (worker threads), compiles and warm-ups (its compile thread),
+        those waiting for the compile thread included."""
+        return self._threads.busy + self._compiler.busy
 
     @property
     def pins_handoffs(self) -> bool:
@@ -308,6 +341,12 @@ class DeviceActor:
     def threads(self) -> WorkerThreads:
         """The worker threads (for diagnostics and tests)."""
         return self._threads
+
+    @property
+    def compiler(self) -> WorkerThreads:
+        """The compile thread, where compiles and warm-ups run (for diagnostics and
+        tests)."""
+        return self._compiler
 
     @property
     def load(self) -> int:
@@ -351,14 +390,16 @@ class DeviceActor:
         """The graph cached under ``key``, compiling it on first use (once, however many
         callers ask at the same time; see :mod:`wasinn.actors.sessioncache`).
 
-        The compile runs in a task of the actor's own (a worker thread, no request slot),
-        not in the caller's: a caller cancelled meanwhile (its deadline passed) stops
-        waiting at once, and the compile goes on and is cached for the next caller,
-        unless ``wanted()`` is false once it ends (its graph was unloaded meanwhile: it
-        is closed, and the callers still waiting get ClosedResourceError). A failed
-        compile is not cached: its error reaches every caller waiting for it, and a later
-        call tries again. Raises ClosedResourceError once the actor is closed (a compile
-        under way is abandoned then).
+        The compile runs in a task of the actor's own (in the device's compile thread:
+        neither a worker thread nor a request slot, so the device's requests go on
+        meanwhile), not in the caller's: a caller cancelled meanwhile (its deadline
+        passed) stops waiting at once, and the compile goes on and is cached for the next
+        caller, unless its graph is unloaded meanwhile (``wanted()`` false, then
+        :meth:`evict`): the compile is then cancelled (a backend that can stop a load
+        stops), one that ends all the same is closed, and the callers still waiting get
+        ClosedResourceError. A failed compile is not cached: its error reaches every
+        caller waiting for it, and a later call tries again. Raises ClosedResourceError
+        once the actor is closed (a compile under way is cancelled and abandoned then).
         """
         try:
             return await self._cache.session(key, compile_graph, backend, wanted=wanted)
@@ -367,12 +408,15 @@ class DeviceActor:
             raise
 
     async def warm_up(self, job: Callable[[], object], *, label: str = "warm-up") -> None:
-        """Run ``job`` once in a worker thread, outside the request accounting: it takes
-        no slot and is not a request in :meth:`stats` (only ``warm_ups`` counts it).
+        """Run ``job`` once in the device's compile thread, outside the request
+        accounting: it takes no slot and is not a request in :meth:`stats` (only
+        ``warm_ups`` counts it).
 
         For start-up work done before requests are served (see
-        :mod:`wasinn.scheduler.warmup`): like a compile, it takes one of the worker
-        threads but no slot, so a run in a caller's own thread (a lease) may overlap it.
+        :mod:`wasinn.scheduler.warmup`): it finishes what a compile began (a backend's
+        first-run work), so it runs where compiles run, in their order, and like them it
+        holds neither a slot nor a worker thread: requests (worker threads, callers' own
+        threads) may overlap it.
         Raises ClosedResourceError once the actor is closed, BackendRuntimeError for a
         backend's own exception; cancelled, the run is abandoned.
         """
@@ -395,7 +439,9 @@ class DeviceActor:
         return list(self._sessions)
 
     def evict(self, key: Hashable) -> None:
-        """Free the graph cached under ``key`` (now, or when its running jobs end)."""
+        """Free the graph cached under ``key`` (now, or when its running jobs end), and
+        cancel a compile of it under way that is no longer ``wanted`` (see
+        :meth:`session`)."""
         self._cache.evict(key)
 
     # -- running work ---------------------------------------------------------------------

@@ -58,11 +58,14 @@ T = TypeVar("T")
 class RequestRunner:
     """The request paths of one device (see the module docstring).
 
-    ``start_task`` runs a task as long as the actor serves (a batch's). ``inline_below``:
-    jobs of graphs whose runs take less (seconds) may run inline (0 = never).
+    ``threads`` run the requests; ``compiler`` runs the jobs that hold no slot (compiles,
+    warm-ups: see :meth:`unslotted`). ``start_task`` runs a task as long as the actor
+    serves (a batch's). ``inline_below``: jobs of graphs whose runs take less (seconds)
+    may run inline (0 = never).
     """
 
-    def __init__(self, device: str, threads: WorkerThreads, slots: Slots, stats: RequestStats,
+    def __init__(self, device: str, threads: WorkerThreads, compiler: WorkerThreads,
+                 slots: Slots, stats: RequestStats,
                  start_task: Callable[[Callable[[Any], Awaitable[None]], Any], None], *,
                  inline_below: float) -> None:
         self.device = device
@@ -70,6 +73,7 @@ class RequestRunner:
         #: The device context's wrapper, once the device is open (None: none needed).
         self.wrap: Wrap | None = None
         self._threads = threads
+        self._compiler = compiler
         self._slots = slots
         self._stats = stats
         self._closed = False
@@ -165,13 +169,17 @@ class RequestRunner:
             raise backend_failure(self.device, exc) from exc
 
     async def unslotted(self, job: Callable[[], T], *, label: str, failure: str) -> T:
-        """``job`` in one of the worker threads, holding no request slot (a compile, a
-        warm-up). Raises ClosedResourceError once the threads have stopped,
-        BackendRuntimeError (saying ``failure``) for a backend's own exception."""
+        """``job`` in the device's compile thread, holding no request slot (a compile, a
+        warm-up): never in a worker thread, which a request would then wait for (a
+        compile can take minutes). Such jobs wait for that thread first come first
+        served, and run with the event loop unpinned (see
+        :class:`~wasinn.actors.affinity.LoopPin`). Raises ClosedResourceError once the
+        threads have stopped, BackendRuntimeError (saying ``failure``) for a backend's
+        own exception."""
         work = in_context(job, self.wrap)
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            return await self._threads.run(work, label=label, pin=False)
+            return await self._compiler.run(work, label=label, pin=False)
         except WasiNNError:
             raise
         except Exception as exc:

@@ -9,16 +9,21 @@ with it, and the next caller finds the graph cached.
 
 A session is freed by :meth:`SessionCache.evict` (its model unloaded, the actor closing):
 at once, or when the last job running it ends (see :class:`~wasinn.actors.session.Session`).
+A graph unloaded while it compiles (every caller gone: a guest killed while its model
+loaded) is not kept: its compile is cancelled, which stops it where the backend can stop
+a load (a sandboxed one: its process is killed), and a compile that lands all the same is
+closed at once, never cached.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 import trio
 
-from wasinn.backends.base import CompiledGraph
+from wasinn.backends.base import Cancellation, CompiledGraph, current_cancellation
 from wasinn.errors import ClosedResourceError, WasiNNError
 
 from .pending import Pending
@@ -26,15 +31,47 @@ from .session import Session
 
 #: Runs a task as long as the actor serves (ClosedResourceError once it does not).
 StartTask = Callable[[Callable[[Any], Awaitable[None]], Any], None]
-#: Runs a compile in one of the device's worker threads, without a request slot.
+#: Runs a compile in the device's compile thread (no worker thread, no request slot).
 CompileInThread = Callable[[Callable[[], CompiledGraph]], Awaitable[CompiledGraph]]
+
+
+class _Compile:
+    """One compile under way: what its callers wait on (``pending``), whether its graph
+    is still wanted, and ``stop``, cancelled once it is not (see :meth:`SessionCache.evict`)."""
+
+    __slots__ = ("compile_graph", "pending", "stop", "wanted")
+
+    def __init__(self, compile_graph: Callable[[], CompiledGraph],
+                 wanted: Callable[[], bool]) -> None:
+        self.compile_graph = compile_graph
+        self.wanted = wanted
+        self.pending = Pending()
+        self.stop = Cancellation()
+
+    def run(self, device: str) -> CompiledGraph:
+        """The backend's compile call, in the compile thread, under that job's
+        cancellation, which ``stop`` cancels too."""
+        job = current_cancellation()
+        forget = None if job is None else self.stop.on_cancel(job.cancel)
+        try:
+            # Checked once the compile thread is free, after ``stop`` is linked (a graph
+            # unloaded from now on cancels the call): ``wanted`` reads a flag, safe from
+            # any thread. Callers that keep giving up while others compile must not
+            # leave a compile queued for each of them.
+            if not self.wanted():
+                raise ClosedResourceError(
+                    f"{device}: the graph was unloaded before it compiled")
+            return self.compile_graph()
+        finally:
+            if forget is not None:
+                forget()
 
 
 class SessionCache:
     """The sessions compiled on ``device``, by key (see the module docstring).
 
     ``start_task`` runs each compile as a task of the actor's; ``compile_in_thread`` runs
-    the backend's compile call in one of the actor's worker threads. Used in trio only.
+    the backend's compile call in the actor's compile thread. Used in trio only.
     """
 
     def __init__(self, device: str, start_task: StartTask,
@@ -45,7 +82,7 @@ class SessionCache:
         self.sessions: dict[Hashable, Session] = {}
         #: Compiles that succeeded (cached or not).
         self.compiles = 0
-        self._compiling: dict[Hashable, Pending] = {}
+        self._compiling: dict[Hashable, _Compile] = {}
         self._start_task = start_task
         self._compile_in_thread = compile_in_thread
         self._closed = False
@@ -60,46 +97,36 @@ class SessionCache:
             session = self.sessions.get(key)
             if session is not None:
                 return session
-            pending = self._compiling.get(key)
-            if pending is None:
-                pending = self._compiling[key] = Pending()
+            compiling = self._compiling.get(key)
+            if compiling is None:
+                compiling = self._compiling[key] = _Compile(compile_graph, wanted)
                 try:
-                    self._start_task(self._compile_task,
-                                     (key, pending, compile_graph, backend, wanted))
+                    self._start_task(self._compile_task, (key, compiling, backend))
                 except ClosedResourceError:
                     del self._compiling[key]
                     raise
-            await pending.wait()
+            await compiling.pending.wait()
 
-    async def _compile_task(self, job: tuple[Hashable, Pending,
-                                             Callable[[], CompiledGraph], str,
-                                             Callable[[], bool]]) -> None:
+    async def _compile_task(self, job: tuple[Hashable, _Compile, str]) -> None:
         # In the actor's nursery: compile, cache, tell the waiting callers.
-        key, pending, compile_graph, backend, wanted = job
-
-        def compile_if_wanted() -> CompiledGraph:
-            # Checked again once a worker thread is free (``wanted`` reads a flag: safe
-            # from any thread): callers that keep giving up while others compile must
-            # not leave a compile queued for each of them.
-            if not wanted():
-                raise ClosedResourceError(
-                    f"{self.device}: the graph was unloaded before it compiled")
-            return compile_graph()
-
+        key, compiling, backend = job
+        pending, wanted = compiling.pending, compiling.wanted
         try:
-            compiled = await self._compile_in_thread(compile_if_wanted)
+            compiled = await self._compile_in_thread(
+                functools.partial(compiling.run, self.device))
             self.compiles += 1
             session = Session(compiled, backend)
             if self._closed:
                 session.evict()
                 raise ClosedResourceError(f"{self.device}: the device actor is closed")
-            if not wanted():
+            if not wanted():  # (a compile its stop could not interrupt)
                 session.evict()
-                raise ClosedResourceError(
-                    f"{self.device}: the graph was unloaded while it compiled")
+                raise self._unloaded()
             self.sessions[key] = session
         except WasiNNError as exc:
-            pending.error = exc
+            # A compile stopped because its graph was unloaded says so, not how the
+            # backend took the cancel.
+            pending.error = exc if wanted() else self._unloaded()
         except trio.Cancelled:  # the actor is closing: the compile is abandoned
             pending.error = ClosedResourceError(
                 f"{self.device}: the device actor closed while the graph compiled")
@@ -108,11 +135,20 @@ class SessionCache:
             del self._compiling[key]
             pending.done.set()
 
+    def _unloaded(self) -> ClosedResourceError:
+        return ClosedResourceError(f"{self.device}: the graph was unloaded while it compiled")
+
     def evict(self, key: Hashable) -> None:
-        """Free the graph cached under ``key`` (now, or when its running jobs end)."""
+        """Free the graph cached under ``key`` (now, or when its running jobs end). A
+        compile of it under way whose graph is no longer wanted (its model was
+        unloaded) is cancelled: stopped where the backend can stop a load, closed when
+        it lands otherwise (see the module docstring)."""
         session = self.sessions.pop(key, None)
         if session is not None:
             session.evict()
+        compiling = self._compiling.get(key)
+        if compiling is not None and not compiling.wanted():
+            compiling.stop.cancel()
 
     def close(self) -> None:
         """Cache nothing more: a compile that ends from now on is closed at once, and its

@@ -19,10 +19,12 @@ thread writes for the ended job then also tells trio which job its thread runs n
 caller of the ended job (or the task that reaps it) tells the next request that it was
 granted, and that request's caller waits on the same socket for its own byte. Each
 finished job's byte is read once, in order, so one socket serves a thread's whole chain.
-A thread passes nothing on while a job that holds no slot (a compile, a warm-up) waits
-for a thread: under load the queue never empties, and a thread going from one request
-to the next would never become free for it. The slot is then freed in trio, and the
-thread handed to the job that waited longest before any caller that comes later.
+A thread passes nothing on while a job that holds no slot waits for a thread: under
+load the queue never empties, and a thread going from one request to the next would
+never become free for it. The slot is then freed in trio, and the thread handed to the
+job that waited longest before any caller that comes later. (A device actor runs its
+compiles and warm-ups in a thread of their own, a second instance, so that its request
+threads never have such a waiter; the rule keeps one instance safe for both kinds.)
 
 Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
 (the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
@@ -169,14 +171,18 @@ class _Worker:
 class WorkerThreads:
     """``count`` long-lived threads running one device's jobs (see the module docstring).
 
-    Everything but the threads' own loop is called from the trio thread.
+    ``role`` names what the threads are for in their names (``wasinn cpu worker 0``: a
+    device's request threads; a device's compile thread is another instance). Everything
+    but the threads' own loop is called from the trio thread.
     """
 
-    def __init__(self, name: str, count: int, *, pin: bool = False) -> None:
+    def __init__(self, name: str, count: int, *, pin: bool = False,
+                 role: str = "worker") -> None:
         if count < 1:
             raise ValueError("count must be >= 1")
         self.name = name
         self.count = count
+        self.role = role
         #: Hand-offs kept on the event loop's CPU (see :mod:`wasinn.actors.affinity`).
         self.pin = pin
         self._loop_pin: LoopPin | None = None
@@ -220,7 +226,7 @@ class WorkerThreads:
         if self.pin:
             self._loop_pin = loop_pin()
         for i in range(self.count):
-            worker = _Worker(f"wasinn {self.name} worker {i}", self._work)
+            worker = _Worker(f"wasinn {self.name} {self.role} {i}", self._work)
             worker.thread.start()  # counted only once started: wait_stopped joins these
             self._workers.append(worker)
             self._idle.append(worker)

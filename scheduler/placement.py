@@ -332,8 +332,9 @@ class Scheduler:
 
     def release(self, model: LoadedModel) -> None:
         """Free ``model``'s compiled graphs on every device (now or after running jobs).
-        Marks it released first: a compile of it still under way is then closed when it
-        ends instead of being cached (see DeviceActor.session's ``wanted``)."""
+        Marks it released first: a compile of it still under way is then cancelled (a
+        sandboxed load's process is killed), and one that ends all the same is closed
+        instead of being cached (see DeviceActor.session's ``wanted``)."""
         model.released = True
         for actor in self.actors:
             actor.evict(model.id)

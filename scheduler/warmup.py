@@ -12,9 +12,9 @@ on its first run (allocating its memory arena, choosing kernels; TorchScript pro
 optimises the graph on its first calls). An input's shape is the model's, dynamic
 dimensions as 1 (a scalar input gets a scalar), or the one ``warmup_inputs`` gives
 (``[]`` for a scalar): it must give every input whose rank the model does not declare
-(a TorchScript module declares none). Warm-ups take a worker thread but no request slot,
-and they are not requests: a device's stats count them only in ``warm_ups``, so they do
-not skew its latency percentiles.
+(a TorchScript module declares none). Warm-ups run in the device's compile thread (no
+worker thread, no request slot), and they are not requests: a device's stats count them
+only in ``warm_ups``, so they do not skew its latency percentiles.
 
 Everything is preloaded concurrently; when something fails, the start fails with the
 first failure in config order (the others are logged), raised as the same error type

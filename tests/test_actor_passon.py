@@ -194,9 +194,11 @@ class _Compiled:
 async def test_a_compile_and_a_warm_up_get_a_thread_while_the_queue_never_empties(
         workers: int) -> None:
     # Closed-loop callers keep requests queued, so a thread that ends a job always finds
-    # one to pass its slot on to; a compile or a warm-up (no slot) waits for a thread,
-    # and must get the next one free, not wait until the load stops (it stops here only
-    # once both are done: the guard would fail the test first).
+    # one to pass its slot on to; a compile or a warm-up (no slot) must still run, not
+    # wait until the load stops (it stops here only once both are done: the guard would
+    # fail the test first). They run in the device's compile thread, which the worker
+    # threads' passing on never holds; the worker threads' rule (a job that waits for a
+    # thread gets the next one free) is kept for jobs handed to them without a slot.
     actor = DeviceActor(CPU, workers=workers)
     done = trio.Event()
     runs = 0

@@ -304,7 +304,7 @@ async def test_guest_computes_run_in_the_guest_thread_unless_a_timeout_applies(
     # device slot (no hand-off to the actor's worker thread); with one, each compute runs
     # in the worker thread so that it can be abandoned when the timeout passes.
     wasm = example_guest("classify_named", guest_dir)
-    graph = await rt.load_by_name("mobilenet")  # compiled (in the worker thread) first
+    graph = await rt.load_by_name("mobilenet")  # compiled (in the compile thread) first
     (cpu,) = rt.actors
     finished, completed = cpu.threads.finished, cpu.completed
     code = await run_wasm(rt, wasm, argv=["--repeat", "4", "mobilenet", "/d/input.bin"],

@@ -95,7 +95,8 @@ async def test_warm_up_runs_are_done_at_start_and_are_not_requests(tmp_path: Pat
         stats = actor.stats()
         assert (stats.warm_ups, stats.compiles) == (3, 1)
         assert (stats.finished, stats.latency_window) == (0, 0)  # no request yet
-        assert actor.threads.finished == 4  # the compile and the three runs, in its threads
+        # The compile and the three runs, in its compile thread: none in a worker thread.
+        assert (actor.compiler.finished, actor.threads.finished) == (4, 0)
         assert "3 warm-up run(s)" in stats.describe()
         graph = await rt.load_by_name("affine")
         assert (await graph.compute({"x": X}))["y"].numpy().tolist() == [[3.0] * 4]
