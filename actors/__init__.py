@@ -1,12 +1,19 @@
 """wasinn.actors: one actor per device, owning its compiled graphs, queue and threads."""
 
 from .device import DeviceActor
-from .queue import PriorityDeadlinePolicy, QueuePolicy, Request, TenantRoundRobinPolicy
+from .queue import (
+    FairSharePolicy,
+    PriorityDeadlinePolicy,
+    QueuePolicy,
+    Request,
+    TenantRoundRobinPolicy,
+)
 from .stats import DeviceStats, ModelStats, Outcome, RequestFigures
 
 __all__ = [
     "DeviceActor",
     "DeviceStats",
+    "FairSharePolicy",
     "ModelStats",
     "Outcome",
     "PriorityDeadlinePolicy",

@@ -258,18 +258,20 @@ class Batcher:
 
     ``take_slot(request)`` queues for a worker slot as ``request``; ``requeue_slot(request,
     priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
-    back; ``run_in_slot(job, label)`` runs a job in a worker thread on a held slot (which
-    it frees when the thread is done); ``start`` starts a task that lives as long as the
-    actor; ``stats`` counts the device's batches. A run whose exception :attr:`fatal`
-    says the device cannot survive (a lost GPU) ends the whole batch with it: nothing
-    more is run there, and the job raises it, for the device context to see.
+    back; ``run_in_slot(job, label, tenant)`` runs a job in a worker thread on a held slot
+    (which it frees when the thread is done), its run charged to ``tenant`` (a batch's
+    members are all of one tenant, so a merged run is charged whole to it); ``start``
+    starts a task that lives as long as the actor; ``stats`` counts the device's
+    batches. A run whose exception :attr:`fatal` says the device cannot survive (a lost
+    GPU) ends the whole batch with it: nothing more is run there, and the job raises it,
+    for the device context to see.
     """
 
     def __init__(self, device: str,
                  take_slot: Callable[[Request], Awaitable[None]],
                  requeue_slot: Callable[[Request, int, float], None],
                  free_slot: Callable[[], None],
-                 run_in_slot: Callable[[Callable[[], Any], str], Awaitable[Any]],
+                 run_in_slot: Callable[[Callable[[], Any], str, str], Awaitable[Any]],
                  start: Callable[[Callable[[_Batch], Awaitable[None]], _Batch], None],
                  stats: RequestStats) -> None:
         self._device = device
@@ -356,7 +358,7 @@ class Batcher:
         await self._take_slot(Request(priority, deadline, tenant))
         granted = time.perf_counter()
         job = functools.partial(run, inputs.tensors, keep)
-        return await self._run_in_slot(job, label), granted
+        return await self._run_in_slot(job, label, tenant), granted
 
     def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
                   tenant: str) -> _Batch | None:
@@ -426,7 +428,7 @@ class Batcher:
         self.waiting -= len(members)
         job = _BatchJob(batch.run, members, batch.label, self.fatal)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
-            job, batch.label)
+            job, batch.label, batch.tenant)
         if job.unsplittable:
             if len(self._alone) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
                 self._alone.clear()

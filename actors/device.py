@@ -553,7 +553,8 @@ class DeviceActor:
             if isinstance(exc, ClosedResourceError):
                 self._raise_if_lost()
             raise
-        lease = self._new_lease(job, expires, start, time.perf_counter(), account)
+        lease = self._new_lease(job, expires, start, time.perf_counter(), account,
+                                tenant if self._slots.charges else None)
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease

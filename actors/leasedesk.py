@@ -55,12 +55,13 @@ class LeaseDesk:
     """The leases lent on ``device`` (see the module docstring).
 
     ``take_slot(priority, deadline, tenant)`` waits in trio for one of the device's slots;
-    ``free_slot`` gives one back from any thread; ``record`` counts a request; ``lost``
+    ``free_slot(tenant, seconds)`` gives one back from any thread, charging ``tenant``
+    (unless None) the seconds it held it; ``record`` counts a request; ``lost``
     says why the device can run nothing more, if it was lost (see :class:`Lease`).
     """
 
     def __init__(self, device: str, take_slot: Callable[[int, float, str], Awaitable[None]],
-                 free_slot: Callable[[], None], record: Record,
+                 free_slot: Callable[[str | None, float], None], record: Record,
                  lost: Callable[[], DeviceLostError | None] | None = None) -> None:
         self.device = device
         self._lost = lost
@@ -116,11 +117,13 @@ class LeaseDesk:
         return time.perf_counter() + (deadline - trio.current_time())
 
     def lend(self, job: Callable[[], T], expires: float, start: float, granted: float,
-             account: RequestStats | None) -> Lease[T]:
+             account: RequestStats | None, tenant: str | None = None) -> Lease[T]:
         """A lease on a slot already taken, for ``job`` (from any thread). Its run is
         cancelled if the actor closes meanwhile (see :meth:`close`). ``start`` and
         ``granted``: when the request reached the actor and when it got its slot
-        (perf_counter), for its latency; ``account``: where it is counted too."""
+        (perf_counter), for its latency; ``account``: where it is counted too;
+        ``tenant``: whom the time it holds the slot is charged to (None: nobody; a fair
+        queue policy's device time)."""
         cancellation = Cancellation()
         with self._lock:
             self._running.add(cancellation)
@@ -129,20 +132,22 @@ class LeaseDesk:
             cancellation.cancel()
         return Lease(self.device, job, self._wrap,
                      functools.partial(self._given_back, cancellation, account, start,
-                                       granted - start),
+                                       granted, tenant),
                      expires,
                      cancellation,
                      self.soon,
                      self._lost)
 
     def _given_back(self, cancellation: Cancellation, account: RequestStats | None,
-                    start: float, queued: float, outcome: Outcome) -> None:
-        # From the lease holder's thread: forget the run, give its slot back, count it.
+                    start: float, granted: float, tenant: str | None,
+                    outcome: Outcome) -> None:
+        # From the lease holder's thread: forget the run, give its slot back (charging
+        # its tenant the time it held it), count it.
         with self._lock:
             self._running.discard(cancellation)
-        self._free_slot()
-        self._record(account, outcome, time.perf_counter() - start, queued=queued,
-                     leased=True)
+        now = time.perf_counter()
+        self._free_slot(tenant, now - granted)
+        self._record(account, outcome, now - start, queued=granted - start, leased=True)
 
     def soon(self, call: Callable[..., object], *args: object) -> None:
         """From any thread, even inside a collection: ``call(*args)`` in trio (trio's

@@ -8,13 +8,22 @@ every scheduling policy needs (``priority``, ``deadline``, ``tenant``, arrival o
 earliest deadline, then the oldest request. Policies are objects behind the small
 :class:`QueuePolicy` protocol, so the next steps slot in without a rewrite:
 
-* per-tenant fairness: :class:`TenantRoundRobinPolicy` keeps one priority/deadline
-  sub-queue per ``tenant`` and serves the tenants in turn (a pool's ``policy = "fair"``);
-  weighted shares (deficit counters) fit behind the same ``push``/``pop``/``remove``;
+* per-tenant fairness in device time: :class:`FairSharePolicy` (a pool's ``policy =
+  "fair"``) keeps one priority/deadline sub-queue per ``tenant`` and serves next the
+  waiting tenant that has had the least device time (start-time fair queuing). That
+  needed one addition, ``charge``: where a run ends (in its worker thread, before the
+  slot is passed on; in trio for an inline run) its device seconds are charged to its
+  request's tenant, under the same lock as ``push`` and ``pop``. Policies that do not
+  use it say so (``charges = False``): runs are then not even timed for it. Weighted
+  shares would divide a tenant's charges by its weight;
 * dynamic batching (:mod:`wasinn.actors.batching`) needed one addition, ``requeue``: a
   batch waits in the queue as one request with its members' highest priority and
   earliest deadline, which change when a member leaves;
 * load shedding: ``queue_limit`` already refuses work past a bound (TooLargeError).
+
+A policy is not thread-safe by itself: its owner (:class:`~wasinn.actors.slots.Slots`)
+calls every method under one lock, worker threads (``pass_on``, ``charge``) and trio
+alike.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import heapq
 import itertools
 import math
 import operator
-from collections import deque
 from typing import Protocol
 
 import trio
@@ -79,6 +87,9 @@ class Handoff(Protocol):
 class QueuePolicy(Protocol):
     """Chooses which queued request gets the next free worker slot."""
 
+    #: Whether :meth:`charge` does anything (else callers need not time runs for it).
+    charges: bool
+
     def push(self, request: Request) -> None:
         """Add a waiting request."""
 
@@ -91,6 +102,10 @@ class QueuePolicy(Protocol):
     def requeue(self, request: Request, priority: int, deadline: float) -> None:
         """Give a waiting request a new priority and deadline (it keeps its arrival
         order among requests of equal terms)."""
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """A run of a request of ``tenant`` (granted earlier) took ``seconds`` of device
+        time."""
 
     def __len__(self) -> int:
         """How many requests are waiting."""
@@ -105,6 +120,8 @@ class PriorityDeadlinePolicy:
     dead entries once they are most of it, so requests that gave up (timed out behind a
     long run) cannot grow it past twice the live ones.
     """
+
+    charges = False
 
     def __init__(self) -> None:
         self._heap: list[tuple[tuple[int, float, int], Request]] = []
@@ -138,6 +155,9 @@ class PriorityDeadlinePolicy:
         heapq.heappush(self._heap, (key, request))
         self._compact()
 
+    def charge(self, tenant: str, seconds: float) -> None:
+        """Device time does not matter here."""
+
     def _compact(self) -> None:
         if len(self._heap) > 2 * self._live + 64:
             self._heap = [entry for entry in self._heap
@@ -148,90 +168,178 @@ class PriorityDeadlinePolicy:
         return self._live
 
 
-class TenantRoundRobinPolicy:
-    """Tenants served in turn; within a tenant, priority then deadline then arrival.
+class _Tenant:
+    """One tenant of a :class:`FairSharePolicy`: its requests, its virtual time (device
+    seconds charged, from where it joined), and its place among tenants of equal time."""
 
-    A tenant that floods the queue delays only its own requests: every other tenant with
-    a waiting request is served once before the flooding tenant is served again.
+    __slots__ = ("in_heap", "order", "queue", "vtime")
 
-    A tenant whose requests all gave up keeps its place in the round until the round
-    reaches it, so one that submits again is not sent to the back. Such idle tenants are
-    forgotten, all at once, when they outnumber the tenants with waiting requests (plus
-    64): a stream of one-off tenant names cannot grow the policy.
+    def __init__(self, vtime: float, order: int) -> None:
+        self.queue = PriorityDeadlinePolicy()
+        self.vtime = vtime
+        self.order = order
+        self.in_heap = False  # whether an entry of it is in the policy's heap
+
+
+class FairSharePolicy:
+    """Equal device time among the tenants with waiting requests (a pool's ``"fair"``);
+    within a tenant, priority then deadline then arrival.
+
+    Start-time fair queuing over tenants: each tenant has a virtual time, advanced by the
+    device seconds its runs took (:meth:`charge`, called where a run ends, before the
+    slot is passed on), and the next request comes from the waiting tenant with the
+    least virtual time (among equal ones, the one served longest ago). A tenant whose
+    requests cost 100 ms and one whose requests cost 1 ms thus get about the same device
+    time while both wait, not the same number of runs; tenants of equal cost alternate.
+    Runs in flight are charged when they end, so with ``workers`` > 1 the shares are
+    exact only to within a run per worker.
+
+    No banked credit: a tenant that becomes backlogged again (or a new one) starts at
+    the least virtual time among the waiting tenants (at the virtual time of the latest
+    request served, when none waits), unless its own is higher (a tenant charged more
+    than the others keeps that debt). So a tenant that was idle gets its share from
+    then on, not the time it did not use, and a new tenant is served soon without
+    starving the others.
+
+    A tenant with no waiting request is kept (its run may still be charged) until the
+    idle tenants outnumber the waiting ones plus 64: then they are forgotten, but for
+    those that may still owe device time (a run not yet charged, or a debt: a virtual
+    time at or past that of the latest request served), the latest served first, up to
+    half that bound: a stream of one-off tenant names cannot grow the policy. (Past that
+    bound a tenant's debt may be forgotten: the price of bounded memory.) A request that
+    gives up leaves its tenant's sub-queue (lazy deletion, as in
+    :class:`PriorityDeadlinePolicy`). ``requeue`` (batches) moves a request within its
+    tenant's sub-queue; a batch holds one tenant's requests only, and its run is charged
+    to that tenant.
     """
 
+    charges = True
+
     def __init__(self) -> None:
-        self._queues: dict[str, PriorityDeadlinePolicy] = {}
-        #: Places in the round (tenant, ticket), next first; a place is live while the
-        #: tenant's ticket in ``_ticket_of`` is the same.
-        self._turns: deque[tuple[str, int]] = deque()
-        self._ticket_of: dict[str, int] = {}
-        self._tickets = itertools.count()
-        self._idle = 0  # kept tenants with no waiting request
+        self._tenants: dict[str, _Tenant] = {}
+        #: Entries (virtual time, order, tenant), least first: at most one per tenant; a
+        #: tenant's time may have grown since its entry was made (charged while waiting:
+        #: re-keyed when it comes to the top), and one with no waiting request left is
+        #: dropped when it comes to the top.
+        self._heap: list[tuple[float, int, _Tenant]] = []
+        self._orders = itertools.count()
+        self._clock = 0.0  # the virtual time of the latest request served
+        self._backlogged = 0  # tenants with a waiting request
+        self._idle = 0  # kept tenants with none
         self._live = 0
 
     def push(self, request: Request) -> None:
-        tenant = request.tenant
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = PriorityDeadlinePolicy()
-            ticket = self._ticket_of[tenant] = next(self._tickets)
-            self._turns.append((tenant, ticket))
-        elif not len(queue):
+        state = self._tenants.get(request.tenant)
+        if state is None:
+            state = self._tenants[request.tenant] = _Tenant(self._floor(),
+                                                            next(self._orders))
+            self._idle += 1
+        if not len(state.queue):  # becomes backlogged: no credit for its idle time
+            floor = self._floor()  # (before it counts among the waiting)
+            state.vtime = max(state.vtime, floor)
+            if not state.in_heap:
+                state.in_heap = True
+                heapq.heappush(self._heap, (state.vtime, state.order, state))
             self._idle -= 1
-        queue.push(request)
+            self._backlogged += 1
+        state.queue.push(request)
         self._live += 1
 
     def pop(self) -> Request | None:
-        while self._turns:
-            tenant, ticket = self._turns.popleft()
-            if self._ticket_of.get(tenant) != ticket:
-                continue  # a place swept out with its idle tenant
-            queue = self._queues[tenant]
-            request = queue.pop()
-            if request is not None and len(queue):
-                self._turns.append((tenant, ticket))
-            else:
-                self._forget(tenant)
-            if request is None:
-                self._idle -= 1
-                continue  # every request of this tenant gave up meanwhile
-            self._live -= 1
-            return request
-        return None
+        state = self._top()
+        if state is None:
+            return None
+        request = state.queue.pop()
+        assert request is not None  # (a tenant at the top has a waiting request)
+        self._live -= 1
+        self._clock = max(self._clock, state.vtime)
+        state.order = order = next(self._orders)  # behind the tenants of equal time
+        if len(state.queue):
+            heapq.heapreplace(self._heap, (state.vtime, order, state))
+        else:
+            heapq.heappop(self._heap)
+            state.in_heap = False
+            self._became_idle()
+        return request
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """``tenant``'s run took ``seconds`` of device time (a tenant forgotten meanwhile
+        is not charged)."""
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.vtime += seconds
 
     def remove(self, request: Request) -> None:
-        queue = self._queues.get(request.tenant)
-        if queue is not None and not request.removed:
-            queue.remove(request)
+        state = self._tenants.get(request.tenant)
+        if state is not None and not request.removed:
+            state.queue.remove(request)
             self._live -= 1
-            if not len(queue):
-                self._idle += 1
-                if self._idle > len(self._queues) - self._idle + 64:
-                    self._sweep()
+            if not len(state.queue):  # its heap entry is dropped when it is at the top
+                self._became_idle()
 
     def requeue(self, request: Request, priority: int, deadline: float) -> None:
-        queue = self._queues.get(request.tenant)
-        if queue is not None:
-            queue.requeue(request, priority, deadline)
+        state = self._tenants.get(request.tenant)
+        if state is not None:
+            state.queue.requeue(request, priority, deadline)
 
-    def _forget(self, tenant: str) -> None:
-        del self._queues[tenant]
-        del self._ticket_of[tenant]
+    def _top(self) -> _Tenant | None:
+        # The backlogged tenant with the least virtual time (its entry at the top).
+        heap = self._heap
+        while heap:
+            vtime, order, state = heap[0]
+            if not len(state.queue):  # nothing waits for it any more
+                heapq.heappop(heap)
+                state.in_heap = False
+            elif vtime != state.vtime:  # charged since: times only grow
+                heapq.heapreplace(heap, (state.vtime, order, state))
+            else:
+                return state
+        return None
+
+    def _floor(self) -> float:
+        # Where a tenant that starts waiting starts: the least waiting virtual time.
+        top = self._top()
+        if top is None or top.vtime < self._clock:
+            return self._clock
+        return top.vtime
+
+    def _became_idle(self) -> None:
+        self._backlogged -= 1
+        self._idle += 1
+        if self._idle > self._backlogged + 64:
+            self._sweep()
 
     def _sweep(self) -> None:
-        # Forget every idle tenant and drop the places that are no longer live.
-        for tenant in [t for t, queue in self._queues.items() if not len(queue)]:
-            self._forget(tenant)
-        self._idle = 0
-        self._turns = deque(place for place in self._turns
-                            if self._ticket_of.get(place[0]) == place[1])
+        # Forget idle tenants, but those that may still owe device time: served at or
+        # after the latest request's virtual time (a run in flight, not yet charged) or
+        # charged past it (a debt), at most half the bound, the latest served first, so
+        # that the next sweep is as far away (amortised O(1) per request).
+        clock = self._clock
+        idle = [(name, state) for name, state in self._tenants.items()
+                if not len(state.queue)]
+        owing = [(state.order, name) for name, state in idle if state.vtime >= clock]
+        keep = {name for _, name in heapq.nlargest((self._backlogged + 64) // 2, owing)}
+        for name, _ in idle:
+            if name not in keep:
+                del self._tenants[name]
+        self._idle = len(keep)
+        # Drop the entries of tenants with nothing waiting (forgotten ones included).
+        for entry in self._heap:
+            if not len(entry[2].queue):
+                entry[2].in_heap = False
+        self._heap = [entry for entry in self._heap if entry[2].in_heap]
+        heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return self._live
 
 
-POLICIES: dict[str, type[PriorityDeadlinePolicy] | type[TenantRoundRobinPolicy]] = {
+#: The former name of :class:`FairSharePolicy` (which served tenants in turn, one
+#: request each, whatever their requests cost).
+TenantRoundRobinPolicy = FairSharePolicy
+
+
+POLICIES: dict[str, type[PriorityDeadlinePolicy] | type[FairSharePolicy]] = {
     "priority": PriorityDeadlinePolicy,
-    "fair": TenantRoundRobinPolicy,
+    "fair": FairSharePolicy,
 }

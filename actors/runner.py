@@ -76,6 +76,8 @@ class RequestRunner:
         self._compiler = compiler
         self._slots = slots
         self._stats = stats
+        #: Whether runs are timed and charged to their tenant (a fair queue policy).
+        self._charges = slots.charges
         self._closed = False
         self.batcher = Batcher(device, self._take_batch_slot, slots.requeue, slots.free,
                                self.run_in_slot, start_task, stats)
@@ -125,7 +127,7 @@ class RequestRunner:
                     and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
                 granted = time.perf_counter()
-                return await self._run_inline(job, profile, nbytes), granted
+                return await self._run_inline(job, profile, nbytes, tenant), granted
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:  # (the common case, without _within's frame)
             return await self._execute(job, priority, deadline, tenant, label)
@@ -144,21 +146,24 @@ class RequestRunner:
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, label: str) -> tuple[T, float]:
-        work = self._slot_job(job, label)
+        work = self._slot_job(job, label, tenant)
         await self.take_slot(priority, deadline, tenant, handoff=work)
         granted = time.perf_counter()
         return await self._run_job(work), granted
 
-    async def run_in_slot(self, job: Callable[[], T], label: str) -> T:
+    async def run_in_slot(self, job: Callable[[], T], label: str, tenant: str) -> T:
         """``job`` in a worker thread, on a slot already held, which is passed on or
-        freed when the worker thread has finished the job (abandoned or not)."""
-        result: T = await self._run_job(self._slot_job(job, label))
+        freed when the worker thread has finished the job (abandoned or not); its run
+        is ``tenant``'s device time."""
+        result: T = await self._run_job(self._slot_job(job, label, tenant))
         return result
 
-    def _slot_job(self, job: Callable[[], Any], label: str) -> Job:
+    def _slot_job(self, job: Callable[[], Any], label: str, tenant: str) -> Job:
         # ``job`` for the worker threads, holding one of the device's slots, which its
-        # thread passes on (or trio frees) when it ends.
-        return self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots)
+        # thread passes on (or trio frees) when it ends, after charging its run time to
+        # ``tenant`` where the queue policy wants it.
+        return self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots,
+                                 tenant=tenant if self._charges else None)
 
     async def _run_job(self, work: Job) -> Any:
         try:
@@ -208,7 +213,8 @@ class RequestRunner:
         await trio.lowlevel.checkpoint_if_cancelled()
         return not self._closed and self._slots.try_take_idle()
 
-    async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int) -> T:
+    async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int,
+                          tenant: str) -> T:
         # On the trio thread, holding an idle slot: run, time it, free the slot, then
         # yield to the other tasks so that a stream of tiny requests cannot starve them.
         work = in_context(job, self.wrap)
@@ -220,8 +226,11 @@ class RequestRunner:
         except Exception as exc:
             raise backend_failure(self.device, exc) from exc
         finally:
+            seconds = time.perf_counter() - start
+            if self._charges:  # before the slot goes to a request queued meanwhile
+                self._slots.charge(tenant, seconds)
             self._slots.free()
-        profile.observe(time.perf_counter() - start, nbytes, self.inline_below)
+        profile.observe(seconds, nbytes, self.inline_below)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return result
 
@@ -240,7 +249,7 @@ class RequestRunner:
                 and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
-            return await self._within(deadline, self.run_in_slot, job, label), granted
+            return await self._within(deadline, self.run_in_slot, job, label, tenant), granted
         if self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
         return await self._within(

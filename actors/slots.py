@@ -18,10 +18,15 @@ cross-thread wake-ups and two trio scheduling rounds, 0.2-0.3 ms on a small VM),
 priorities, deadlines and fairness decide exactly as when trio grants the slot. The
 request's caller learns it was granted once trio has taken the previous result.
 
-The counts and the queue are guarded by one lock, so that the check "free slot and
-empty queue" and the queueing of a request are atomic with respect to a slot given back
-by another thread (otherwise a request could queue just after the last slot was freed
-and wait for ever). Granting a queued request (setting its trio Event) happens in trio.
+A policy that shares device time among tenants (``policy = "fair"``) is charged each
+run's device seconds in the worker thread where it ended, in the same critical section
+as that thread's ``pass_on``, so the next choice already counts it.
+
+The counts and the queue (the policy: every one of its calls) are guarded by one lock,
+so that the check "free slot and empty queue" and the queueing of a request are atomic
+with respect to a slot given back by another thread (otherwise a request could queue
+just after the last slot was freed and wait for ever). Granting a queued request
+(setting its trio Event) happens in trio.
 """
 
 from __future__ import annotations
@@ -191,14 +196,27 @@ class Slots:
             self._running += 1
             return True
 
-    def pass_on(self) -> Request | None:
+    @property
+    def charges(self) -> bool:
+        """Whether the policy wants runs' device time (:meth:`charge`)."""
+        return self._policy.charges
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """A run for ``tenant`` took ``seconds`` of device time (any thread)."""
+        with self._lock:
+            self._policy.charge(tenant, seconds)
+
+    def pass_on(self, tenant: str | None = None, seconds: float = 0.0) -> Request | None:
         """In a worker thread whose job, holding a slot, has just ended: grant that slot
         to the next queued request (the policy's choice), or return None when nobody is
         queued (then the slot is freed in trio as usual). The request is marked granted,
         and ``started`` when it came with a job, which the calling thread must then run.
         Trio tells the request (:meth:`granted_on`) once it has taken the ended job's
-        result."""
+        result. ``tenant`` (None: not charged) is charged the job's ``seconds`` first,
+        under the same lock, so the choice counts the run that just ended."""
         with self._lock:
+            if tenant is not None:
+                self._policy.charge(tenant, seconds)
             if self._closed or not len(self._policy):
                 return None
             request = self._policy.pop()
@@ -214,10 +232,13 @@ class Slots:
         """Tell ``request`` (in trio) that a worker thread granted it a slot (pass_on)."""
         request.event.set()
 
-    def free_from_thread(self) -> None:
+    def free_from_thread(self, tenant: str | None = None, seconds: float = 0.0) -> None:
         """Give a slot back from any thread; trio is woken only to grant it to a queued
-        request."""
+        request. ``tenant`` (None: not charged) is charged the ``seconds`` it held the
+        slot first, under the same lock (a lease's run: see :meth:`charge`)."""
         with self._lock:
+            if tenant is not None:
+                self._policy.charge(tenant, seconds)
             self._running -= 1
             self.released += 1
             wake = bool(len(self._policy)) and not self._closed

@@ -78,8 +78,12 @@ T = TypeVar("T")
 class Relay(Protocol):
     """Where the request slot a job holds goes when the job ends (a device's Slots)."""
 
-    def pass_on(self) -> Request | None:
-        """In the job's thread, once it ended: the next request, granted the slot."""
+    def pass_on(self, tenant: str | None = None, seconds: float = 0.0) -> Request | None:
+        """In the job's thread, once it ended: the next request, granted the slot (after
+        charging ``tenant``, unless None, the job's ``seconds``)."""
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        """In the job's thread: ``tenant``'s job took ``seconds`` (no slot passed on)."""
 
     def free(self) -> None:
         """In trio: nobody took the slot over; give it back."""
@@ -94,11 +98,15 @@ class Job:
     thread may start it (``Request.handoff``)."""
 
     __slots__ = ("abandoned", "cancellation", "fn", "label", "on_done", "pin", "relay",
-                 "result", "started", "successor", "threads", "unpinned", "worker")
+                 "result", "started", "successor", "tenant", "threads", "unpinned", "worker")
 
     def __init__(self, threads: WorkerThreads, fn: Callable[[], Any], label: str,
-                 on_done: Callable[[], None] | None, relay: Relay | None) -> None:
+                 on_done: Callable[[], None] | None, relay: Relay | None,
+                 tenant: str | None = None) -> None:
         self.threads = threads
+        #: Whom the relay charges the job's run time to (None: nobody; the run is not
+        #: even timed).
+        self.tenant = tenant
         self.fn: Callable[[], Any] | None = fn
         self.result: outcome.Outcome[Any] | None = None
         self.cancellation = Cancellation()
@@ -238,11 +246,14 @@ class WorkerThreads:
         return [job.describe() for job in self._running.values()]
 
     def job(self, fn: Callable[[], Any], *, label: str = "job",
-            on_done: Callable[[], None] | None = None, relay: Relay | None = None) -> Job:
+            on_done: Callable[[], None] | None = None, relay: Relay | None = None,
+            tenant: str | None = None) -> Job:
         """A job running ``fn``, for :meth:`run_job`. ``relay``: the request slot the job
         holds, which its thread passes on when the job ends (see the module docstring);
-        ``on_done``: what to call in trio once it is over, for a job without one."""
-        return Job(self, fn, label, on_done, relay)
+        ``on_done``: what to call in trio once it is over, for a job without one.
+        ``tenant`` (with a relay): its thread times the run and charges it to the relay
+        (a fair queue policy's device time) as the job ends."""
+        return Job(self, fn, label, on_done, relay, tenant)
 
     async def run(self, fn: Callable[[], T], *, on_done: Callable[[], None] | None = None,
                   label: str = "job", pin: bool = True) -> T:
@@ -385,11 +396,18 @@ class WorkerThreads:
                 while True:
                     fn, job.fn = job.fn, None  # drop the job's references (inputs) once run
                     assert fn is not None
+                    tenant = job.tenant  # (None: the run is charged to nobody)
+                    seconds = 0.0
                     if job.cancellation.cancelled:  # abandoned before it started
                         job.result = outcome.Error(Cancelled(f"{job.label}: cancelled"))
-                    else:
+                    elif tenant is None:
                         with running_under(job.cancellation):
                             job.result = outcome.capture(fn)
+                    else:
+                        seconds = time.perf_counter()
+                        with running_under(job.cancellation):
+                            job.result = outcome.capture(fn)
+                        seconds = time.perf_counter() - seconds
                     following: Job | None = None
                     relay = job.relay
                     # Not while a job waits for a thread (a compile, a warm-up: they
@@ -397,11 +415,14 @@ class WorkerThreads:
                     # would never become free for it. Then the slot is freed in trio,
                     # and the thread handed to that job first (_give).
                     if relay is not None and not self._stopped and not self._waiters:
-                        successor = job.successor = relay.pass_on()  # before the send
+                        # (Charged first, under the same lock: the choice counts it.)
+                        successor = job.successor = relay.pass_on(tenant, seconds)
                         if successor is not None and successor.started:
                             following = cast(Job, successor.handoff)
                             if self._stopped:  # stop() ran meanwhile, and missed it
                                 following.cancellation.cancel()
+                    elif relay is not None and tenant is not None:
+                        relay.charge(tenant, seconds)  # the slot is freed in trio
                     try:
                         wake(worker.writer)  # keeping the GIL: see wasinn.actors.wakeup
                     except OSError:

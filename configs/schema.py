@@ -210,7 +210,8 @@ class PoolConfig(_Strict):
     #: Backend preference order on this pool (empty = [runtime] backends).
     backends: Backends = Field(default_factory=list)
     #: Which waiting request runs next: "priority" (priority, then deadline, then
-    #: arrival) or "fair" (tenants in turn, priority order within each tenant).
+    #: arrival) or "fair" (equal device time among the tenants with requests
+    #: waiting, priority order within each tenant).
     policy: Literal["priority", "fair"] = "priority"
     #: Opt-in (0, the default, = never inline). Graphs whose runs on this pool's devices
     #: took less than this many microseconds (moving average, after a few timed runs,

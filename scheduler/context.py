@@ -128,7 +128,7 @@ def check_request(priority: object, timeout: object, tenant: object) -> float | 
     if type(tenant) is not str and not isinstance(tenant, str):
         raise InvalidArgumentError(
             f"tenant {tenant!r} ({type(tenant).__name__}): expected a str naming who "
-            "the request is for (the fair queue policy serves tenants in turn)")
+            "the request is for (the fair queue policy shares device time among tenants)")
     return None if timeout is None else check_timeout(timeout)
 
 

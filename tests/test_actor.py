@@ -23,7 +23,7 @@ from wasinn import (
     TimeoutError_,
     TooLargeError,
 )
-from wasinn.actors import DeviceActor, PriorityDeadlinePolicy, Request, TenantRoundRobinPolicy
+from wasinn.actors import DeviceActor, FairSharePolicy, PriorityDeadlinePolicy, Request
 from wasinn.actors.session import Session
 from wasinn.backends.base import CompiledGraph, Device
 from wasinn.enums import ExecutionTarget
@@ -102,7 +102,7 @@ def test_policy_orders_and_removes() -> None:
 
 
 def test_fair_policy_serves_tenants_in_turn() -> None:
-    policy = TenantRoundRobinPolicy()
+    policy = FairSharePolicy()
     flood = [Request(0, tenant="a") for _ in range(4)]
     for r in flood:
         policy.push(r)
@@ -136,16 +136,16 @@ def test_requests_that_gave_up_do_not_pile_up_in_the_queue() -> None:
     assert len(policy) == 1 and len(policy._heap) <= 2 * 1 + 64 + 1
     assert policy.pop() is keep and policy.pop() is None
 
-    fair = TenantRoundRobinPolicy()
+    fair = FairSharePolicy()
     fair.push(waiting := Request(tenant="stays"))
     for i in range(10_000):
         fair.push(gone := Request(tenant=f"one-off {i}"))
         fair.remove(gone)
-    assert len(fair) == 1 and len(fair._queues) <= 2 + 64 + 1 and len(fair._turns) <= 2 + 64 + 1
+    assert len(fair) == 1 and len(fair._tenants) <= 2 + 64 + 1 and len(fair._heap) <= 2 + 64 + 1
     assert fair.pop() is waiting and fair.pop() is None
 
 
-@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, TenantRoundRobinPolicy])
+@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, FairSharePolicy])
 def test_a_requeued_request_moves_and_keeps_its_arrival_order(policy: type[Any]) -> None:
     queue = policy()
     early, urgent, late = Request(2, tenant="a"), Request(9, tenant="a"), Request(2, tenant="a")
@@ -166,7 +166,7 @@ def test_a_requeued_request_moves_and_keeps_its_arrival_order(policy: type[Any])
             queue.requeue(r, step, math.inf)
         assert queue.pop() is r
     heaps = [queue._heap] if policy is PriorityDeadlinePolicy else [
-        q._heap for q in queue._queues.values()]
+        t.queue._heap for t in queue._tenants.values()]
     assert all(len(heap) <= 2 * 1 + 64 + 1 for heap in heaps)
 
 
@@ -176,7 +176,7 @@ def test_a_numpy_priority_is_an_int() -> None:
     assert type(request.priority) is int and request.sort_key()[0] == -10
 
 
-@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, TenantRoundRobinPolicy])
+@pytest.mark.parametrize("policy", [PriorityDeadlinePolicy, FairSharePolicy])
 def test_a_request_no_longer_queued_is_not_removed_twice(policy: type[Any]) -> None:
     queue = policy()
     queue.push(first := Request(tenant="a"))

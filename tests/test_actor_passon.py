@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -241,13 +242,13 @@ async def test_a_job_a_thread_passes_its_slot_to_as_the_device_closes_is_cancell
     actor = DeviceActor(CPU, workers=1)
     pass_on, entered, passed = Slots.pass_on, threading.Event(), threading.Event()
 
-    def late_pass_on(slots: Slots) -> object:
+    def late_pass_on(slots: Slots, *args: Any) -> object:
         entered.set()  # the thread read "not stopped"
         deadline = time.monotonic() + GUARD_S
         while not actor.threads._stopped and time.monotonic() < deadline:
             time.sleep(0.0005)
         try:
-            return pass_on(slots)
+            return pass_on(slots, *args)
         finally:
             passed.set()
 
