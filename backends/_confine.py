@@ -19,7 +19,9 @@ thread and the threads it starts later only:
   script folder: see :mod:`._sandbox_process`) and the system's libraries, and
   writable only in the child's own temporary directory; nothing may be executed; where
   the kernel can, TCP, abstract Unix sockets and signals to processes outside the
-  sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host).
+  sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host);
+  of ``/proc`` only the process's own folder and the CPU and memory files are readable
+  (:data:`SYSTEM_READ`), not the host's environment, command line or open files.
 * ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
   (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
   these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
@@ -156,9 +158,14 @@ _READ = _FS_READ_FILE | _FS_READ_DIR
 _WRITE = _READ | _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_DIR \
     | _FS_MAKE_REG | _FS_REFER | _FS_TRUNCATE
 #: Read-only beyond ``sys.path`` and the Python installation: shared libraries and what
-#: the loader, the C library and TBB read (CPU topology, cgroup limits).
+#: the loader, the C library and TBB read (CPU topology, cgroup limits). Of ``/proc``,
+#: only the process's own folder (``/proc/self`` is resolved when the rules are made:
+#: ``/proc/<its pid>``, its threads' folders included) and the machine-wide CPU and
+#: memory files: another process's folder, the host's included (its environment,
+#: command line, open files, memory map), is not readable.
 SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", "/etc/localtime",
-               "/proc", "/sys", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+               "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
+               "/sys", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
 
 class Report:

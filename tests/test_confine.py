@@ -112,6 +112,19 @@ attempt("write_past_bound", lambda: write("big.bin", fsize + 1))
 attempt("read_outside", read_outside)
 attempt("write_outside", lambda: write(os.path.join(sys.argv[4], "x"), 1))
 attempt("symlink", lambda: os.symlink(sys.argv[3], "link"))
+# Of /proc: its own folder and the machine's CPU and memory files, not the host's folder.
+def read(path):
+    with open(path, "rb") as file:
+        file.read()
+for name, path in (("proc_host_environ", f"/proc/{os.getppid()}/environ"),
+                   ("proc_host_cmdline", f"/proc/{os.getppid()}/cmdline"),
+                   ("proc_host_fds", f"/proc/{os.getppid()}/fd"),
+                   ("proc_self_status", "/proc/self/status"),
+                   ("proc_thread_self", "/proc/thread-self/stat"),
+                   ("proc_cpuinfo", "/proc/cpuinfo"),
+                   ("proc_meminfo", "/proc/meminfo")):
+    attempt(name, (lambda p=path: os.listdir(p)) if name.endswith("fds") else
+            (lambda p=path: read(p)))
 # Acting on another process (the parent, with values that change nothing there) is
 # refused; on itself it is not.
 import resource
@@ -268,6 +281,16 @@ def test_landlock_keeps_reads_and_writes_to_the_private_directory(
     assert probe["results"]["symlink"] == "PermissionError:EACCES"
     assert probe["outside"] == ["secret.txt"]
     assert probe["written"] == ["big.bin", "small.bin"]  # big.bin: truncated at the bound
+
+
+@pytest.mark.skipif(not HAS_LANDLOCK, reason="landlock (Linux 5.13 or later, enabled)")
+def test_landlock_keeps_the_host_out_of_procs_reach(probe: dict[str, Any]) -> None:
+    # Before: all of /proc was readable, the host's environment and command line too.
+    results = probe["results"]
+    for name in ("proc_host_environ", "proc_host_cmdline", "proc_host_fds"):
+        assert results[name] == "PermissionError:EACCES", name
+    for name in ("proc_self_status", "proc_thread_self", "proc_cpuinfo", "proc_meminfo"):
+        assert results[name] == "ok", name
 
 
 def test_seccomp_program_is_a_whole_number_of_instructions() -> None:
