@@ -28,8 +28,9 @@ class Session:
         self._lock = threading.Lock()
         self._users = 0
         self._evicted = False
-        #: How long its runs take here: decides whether they may run inline.
-        self.profile = RunProfile()
+        #: How long its runs take here: decides whether they may run inline (None: they
+        #: never may, see CompiledGraph.may_run_inline).
+        self.profile = RunProfile() if compiled.may_run_inline else None
 
     @property
     def evicted(self) -> bool:

@@ -35,6 +35,7 @@ from ._sandbox_child import (
     READY,
     SPARE_START,
 )
+from ._sandbox_limit import Slot
 from ._sandbox_wire import AGAIN, Arena, read_reply, receive, request, send
 from .base import BackendRef
 
@@ -104,14 +105,20 @@ class SandboxProcess:
     ``confined``: whether it confines itself before the library reads the model (on the
     CPU; see :mod:`._confine`), in a private folder that is its working directory.
     ``spare``: it imports at the lowest priority (see :mod:`._sandbox_child`).
+    ``slot``: its place under the host's bound on sandbox processes
+    (:class:`~._sandbox_limit.ProcessLimit`), freed when it has ended (or could not be
+    started).
     """
 
-    def __init__(self, backend: BackendRef, confined: bool, *, spare: bool = False) -> None:
+    def __init__(self, backend: BackendRef, confined: bool, *, spare: bool = False,
+                 slot: Slot | None = None) -> None:
         self._name = backend.name
         self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._slot = slot
         try:
             self.arena = Arena.create()
         except OSError as exc:
+            self._cleanup()
             raise BackendRuntimeError(
                 f"{backend.name}: cannot make memory to share with a sandbox process: {exc}"
             ) from exc
@@ -244,6 +251,9 @@ class SandboxProcess:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            slot.free()
         for closeable in (getattr(self, "conn", None), getattr(self, "_cancels", None)):
             if closeable is not None:
                 with contextlib.suppress(OSError):

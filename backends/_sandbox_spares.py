@@ -18,16 +18,23 @@ A spare holds the memory of an interpreter that has imported the library (unshar
 the pool, or a spare that is no longer wanted, kills it. A spare that has died meanwhile
 is replaced when it is taken. Spares are started with the environment of the load before them.
 
+The pool also holds the host's bound on sandbox processes (:class:`~._sandbox_limit.
+ProcessLimit`), which every process it starts counts towards, spares included: a spare
+is started only below the bound, and is the first process ended when a load or a run
+needs room at it.
+
 Thread-safe: loads on several worker threads share one pool.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
 from wasinn.errors import BackendRuntimeError
 
+from ._sandbox_limit import ProcessLimit
 from ._sandbox_process import SandboxProcess
 from .base import BackendRef
 
@@ -39,23 +46,38 @@ MAX_SPARES = 8
 
 class Spares:
     """Up to ``keep`` started sandbox processes per kind of load (see the module
-    docstring); ``keep = 0`` keeps none, every load starting its own."""
+    docstring); ``keep = 0`` keeps none, every load starting its own. ``limit``: the
+    bound on every sandbox process of the host (by default, from the machine)."""
 
-    def __init__(self, keep: int = 1) -> None:
+    def __init__(self, keep: int = 1, *, limit: ProcessLimit | None = None) -> None:
         if not 0 <= keep <= MAX_SPARES:
             raise ValueError(f"keep={keep}: expected 0 to {MAX_SPARES}")
         self.keep = keep
+        #: The bound on the host's sandbox processes, these spares included.
+        self.limit = ProcessLimit() if limit is None else limit
         self._lock = threading.Lock()
         self._waiting: dict[tuple[str, bool], list[SandboxProcess]] = {}
         self._closed = False
 
-    def take(self, backend: BackendRef, confined: bool) -> SandboxProcess:
+    def take(self, backend: BackendRef, confined: bool, *, make_room: bool = True
+             ) -> SandboxProcess | None:
         """A process for a load with ``backend``: a live spare that has imported its
         library if there is one, else a new process. A spare still importing stays for
         a later load: at the lowest priority, it may be starved for as long as the
-        machine is busy, which a load must not wait for. BackendRuntimeError when no
-        process can be started."""
-        key = SandboxProcess.key_of(backend, confined)
+        machine is busy, which a load must not wait for. At the host's bound on sandbox
+        processes, a new one is started after another has been ended or waited for
+        (see :class:`~._sandbox_limit.ProcessLimit`), or, unless ``make_room``, not at
+        all: None. BackendRuntimeError when no process can be started (or the job was
+        cancelled while waiting for room)."""
+        taken = self._ready_spare(SandboxProcess.key_of(backend, confined))
+        if taken is not None:
+            return taken
+        slot = self.limit.admit(backend.name) if make_room else self.limit.try_admit()
+        return None if slot is None else SandboxProcess(backend, confined, slot=slot)
+
+    def _ready_spare(self, key: tuple[str, bool]) -> SandboxProcess | None:
+        """A waiting spare of ``key`` that has imported its library, taken from the pool
+        and from the processes the limit may end (spares found dead are forgotten)."""
         dead: list[SandboxProcess] = []
         taken = None
         with self._lock:
@@ -63,27 +85,33 @@ class Spares:
             for spare in list(waiting):
                 if spare.process.poll() is not None:
                     waiting.remove(spare)
-                    dead.append(spare)
-                elif spare.ready():
+                    if self.limit.claim(spare):  # (else ended to make room, by another)
+                        dead.append(spare)
+                elif spare.ready() and self.limit.claim(spare):
                     waiting.remove(spare)
                     taken = spare
                     break
         for spare in dead:
             log.debug("spare sandbox process %d for %s had ended (%s)", spare.process.pid,
                       key[0], spare.ended())
-        return taken if taken is not None else SandboxProcess(backend, confined)
+        return taken
 
     def replenish(self, backend: BackendRef, confined: bool) -> None:
-        """Start spares for loads like this one until ``keep`` wait (none once closed).
-        A process that cannot be started is logged, not raised: the next load starts
-        its own."""
+        """Start spares for loads like this one until ``keep`` wait (none once closed,
+        nor at the host's bound on sandbox processes). A process that cannot be started
+        is logged, not raised: the next load starts its own."""
         key = SandboxProcess.key_of(backend, confined)
         while True:
             with self._lock:
                 if self._closed or len(self._waiting.get(key, ())) >= self.keep:
                     return
+            slot = self.limit.try_admit()
+            if slot is None:
+                log.debug("no spare sandbox process started for %s: the host runs its most "
+                          "sandbox processes (%d)", key[0], self.limit.most)
+                return
             try:
-                spare = SandboxProcess(backend, confined, spare=True)
+                spare = SandboxProcess(backend, confined, spare=True, slot=slot)
             except BackendRuntimeError as exc:
                 log.warning("no spare sandbox process started: %s", exc)
                 return
@@ -92,10 +120,21 @@ class Spares:
                 kept = not self._closed and len(waiting) < self.keep
                 if kept:
                     waiting.append(spare)
+                    self.limit.idle(spare, functools.partial(self._end, spare), spare=True)
             if not kept:  # closed, or another thread filled the place meanwhile
                 spare.close()
                 return
             log.debug("spare sandbox process %d started for %s", spare.process.pid, key[0])
+
+    def _end(self, spare: SandboxProcess) -> None:
+        """End ``spare`` to make room for another process (the limit's call)."""
+        with self._lock:
+            for waiting in self._waiting.values():
+                if spare in waiting:
+                    waiting.remove(spare)
+        log.debug("spare sandbox process %d ended to make room for another",
+                  spare.process.pid)
+        spare.close()
 
     def waiting(self) -> int:
         """How many spares are waiting, of every kind."""
@@ -114,5 +153,6 @@ class Spares:
             spares = [s for waiting in self._waiting.values() for s in waiting]
             self._waiting.clear()
         for spare in spares:
-            spare.close()
+            if self.limit.claim(spare):  # else being ended to make room, by another
+                spare.close()
 

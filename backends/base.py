@@ -214,6 +214,11 @@ class CompiledGraph(abc.ABC):
     #: where those are placeholders (a TorchScript module records no types: its specs
     #: say f32 of unknown rank, whatever it returns).
     output_types_declared: bool = True
+    #: Whether a run may be made on the caller's event loop (a device's opt-in inline
+    #: runs): False where a run can wait on something other than the computation (a
+    #: sandboxed graph's run may wait for a process, its crash back-off or room under
+    #: the host's process cap).
+    may_run_inline: bool = True
 
     @abc.abstractmethod
     def run(

@@ -34,10 +34,12 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   files and maps its own memory).
 * A child that dies (a signal, an exit) fails the run or the load that was under way
   with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
-  graph starts a new child, and loads the model again, for its next run; after the
-  second crash in a row it waits first, longer with each crash (:mod:`._sandbox_backoff`),
-  failing runs at once meanwhile, so that a guest crashing it on purpose cannot keep the
-  host starting processes.
+  graph starts a new child, and loads the model again, for its next run. After the
+  second crash less than a minute apart it delays that start, longer with each crash
+  (:mod:`._sandbox_backoff`): runs wait for the process rather than fail, and inputs
+  that crashed it twice are refused at once, so that a caller crashing it on purpose
+  can neither keep the host starting processes nor fail the good runs of the other
+  callers of a shared graph.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -50,7 +52,11 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   library while the host goes on, then waits for its load. ``spares``
   (:class:`Spares`, the runtime's ``[runtime] sandbox_spares``) keeps such processes
   started ahead, so that a load or a reload after a crash takes one that has already
-  imported its library.
+  imported its library. Every process, spares included, counts towards the host's
+  bound (:class:`ProcessLimit`, the runtime's ``[runtime] max_sandbox_processes``): at
+  it, a start that a graph cannot run without ends a spare or the idle process of the
+  graph used least recently (which starts one again on its next run), else waits for a
+  busy one (see :mod:`._sandbox_limit`).
 * The host never imports the library of a graph it sandboxes: ``backend`` may be a
   :class:`~.base.BackendRef` (``module:Class``), and the scheduler chooses a built-in
   backend for the CPU without importing it. A graph closed has its processes killed
@@ -70,7 +76,9 @@ outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -91,8 +99,9 @@ from wasinn.tensor import Tensor
 
 from . import _confine
 from ._onnx_check import check_external_data, external_data_folder, read_external_data
-from ._sandbox_backoff import CrashBackoff
+from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
 from ._sandbox_child import EXTERNAL
+from ._sandbox_limit import ProcessLimit, default_max_processes
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_wire import ALIGN, DeclaredOutputs
@@ -111,8 +120,8 @@ from .formats import detect_encoding
 
 log = logging.getLogger("wasinn.backends")
 
-__all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "SandboxedGraph", "Spares",
-           "default_max_bytes", "load_sandboxed"]
+__all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "ProcessLimit", "SandboxedGraph",
+           "Spares", "default_max_bytes", "default_max_processes", "load_sandboxed"]
 
 #: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
 #: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).
@@ -129,10 +138,11 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
                    *, spares: Spares | None = None, processes: int = 1) -> SandboxedGraph:
     """``backend.load(...)``, run in a process of its own (see the module docstring);
     taken from ``spares`` where it has one started (and then replaced there), else
-    started for it. ``processes``: the most runs at once, each in a process of its own
-    (more are started as concurrent runs need them). ``backend`` may be a
-    :class:`~wasinn.backends.base.BackendRef`: this process then never imports its
-    library.
+    started for it, every process counted against ``spares.limit`` (the host's bound on
+    sandbox processes; without ``spares``, none). ``processes``: the most runs at once,
+    each in a process of its own (more are started as concurrent runs need them).
+    ``backend`` may be a :class:`~wasinn.backends.base.BackendRef`: this process then
+    never imports its library.
 
     Raises what the backend's load raises, InvalidEncodingError when the process dies
     loading the model, and BackendRuntimeError when no process can be started.
@@ -234,10 +244,18 @@ def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNErr
         "was retired, the next run starts a fresh one)")
 
 
+class _NoRoom(Exception):
+    """No process was started beside a busy one: the host runs its most."""
+
+
 class SandboxedGraph(CompiledGraph):
     """A graph compiled and run in child processes (see the module docstring): up to
     ``processes`` at once, one per concurrent run, each started when a run first finds
     every other one busy, and each holding its own copy of the model."""
+
+    #: A run may wait for a process (its start, the crash back-off, room under the host's
+    #: cap): never on the event loop.
+    may_run_inline = False
 
     def __init__(self, backend: BackendRef, builders: Builders, encoding: GraphEncoding,
                  device: Device, options: LoadOptions, *, spares: Spares | None = None,
@@ -249,6 +267,8 @@ class SandboxedGraph(CompiledGraph):
         self.processes = processes
         self._backend = backend
         self._spares = spares
+        #: The host's bound on sandbox processes (None: not bounded, without spares).
+        self._limit = None if spares is None else spares.limit
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
@@ -258,7 +278,7 @@ class SandboxedGraph(CompiledGraph):
         #: The memory each of its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
-        # (external data goes in the arena, as the model's bytes do: see _start)
+        # (external data goes in the arena, as the model's bytes do: see _load_in)
         self._load = (encoding, device, dataclasses.replace(options, external_data={}),
                       self.max_bytes)
         self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
@@ -280,7 +300,9 @@ class SandboxedGraph(CompiledGraph):
         except BaseException:
             self.close()
             raise
-        self._idle.append(child)
+        with self._cond:
+            self._idle.append(child)
+            self._may_end(child)
         try:
             self.inputs = tuple(_spec(e) for e in payload["inputs"])
             self.outputs = tuple(_spec(e) for e in payload["outputs"])
@@ -310,12 +332,31 @@ class SandboxedGraph(CompiledGraph):
         pids = self.pids
         return pids[0] if pids else None
 
-    def _start(self) -> tuple[SandboxProcess, dict[str, Any]]:
-        """A process that has loaded the model, and what it said of the model."""
+    def _start(self, *, make_room: bool = True) -> tuple[SandboxProcess, dict[str, Any]]:
+        """A process that has loaded the model, and what it said of the model. Unless
+        ``make_room``, at the host's bound on sandbox processes: :class:`_NoRoom`, and
+        nothing started."""
+        # (first: a registered model's external data may be refused)
         files = {**self._files, **_external_files(self._backend.name, *self._external_of)}
         spares = self._spares
-        child = (SandboxProcess(self._backend, self._confined) if spares is None
-                 else spares.take(self._backend, self._confined))
+        if spares is None:
+            child = SandboxProcess(self._backend, self._confined)
+        else:
+            taken = spares.take(self._backend, self._confined, make_room=make_room)
+            if taken is None:
+                raise _NoRoom
+            child = taken
+        payload = self._load_in(child, files)
+        if spares is not None:  # after the load: a spare's imports would slow it
+            spares.replenish(self._backend, self._confined)
+        if self._confined:
+            confined = payload.get("confined")
+            self.confinement = confined if isinstance(confined, dict) else None
+            _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
+        return child, payload
+
+    def _load_in(self, child: SandboxProcess, files: Mapping[str, Tensor]) -> dict[str, Any]:
+        """Have ``child`` load the model from ``files``: what it said of the model."""
         name = self._backend.name
         forget = on_current_cancel(child.stop_loading)
         try:
@@ -337,6 +378,9 @@ class SandboxedGraph(CompiledGraph):
             child.close()
             raise BackendRuntimeError(
                 f"{name}: the process loading the model answered badly: {exc}") from None
+        except BaseException:  # the arena could not grow for the model, ...: not kept
+            child.close()
+            raise
         finally:
             forget()
         if "error" in payload:
@@ -344,38 +388,79 @@ class SandboxedGraph(CompiledGraph):
             raise _error(payload)
         log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
                   name, self.device.name)
-        if spares is not None:  # after the load: a spare's imports would slow it
-            spares.replenish(self._backend, self._confined)
-        if self._confined:
-            confined = payload.get("confined")
-            self.confinement = confined if isinstance(confined, dict) else None
-            _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
-        return child, payload
+        return payload
 
+    # -- the processes a run takes --------------------------------------------------------
     def _acquire(self) -> SandboxProcess:
         """An idle process, or a new one where fewer than :attr:`processes` run (after a
-        crash, once the back-off allows); else wait for one to be idle."""
+        crash, once the back-off allows: waited for); else wait for one to be idle. A
+        process beside a busy one starts only below the host's bound on sandbox
+        processes. BackendRuntimeError when the job is cancelled while it waits."""
+        cancelled = threading.Event()
+        forget = on_current_cancel(functools.partial(self._wake, cancelled))
+        try:
+            room = True  # whether a process beside a busy one may be tried
+            while True:
+                got = self._idle_or_start(room, cancelled)
+                if isinstance(got, SandboxProcess):
+                    return got
+                child = self._started(first=got)
+                if child is not None:
+                    return child
+                room = False  # at the host's bound: wait for its own
+        finally:
+            forget()
+
+    def _idle_or_start(self, room: bool, cancelled: threading.Event) -> SandboxProcess | bool:
+        """An idle process, taken; else True to start the graph's only process (the
+        back-off's wait over), False to start one beside a busy one (``room``): counted
+        as starting. Waits meanwhile."""
+        name = self._backend.name
         with self._cond:
             while True:
                 if self._closed:
-                    raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
-                if self._idle:
-                    child = self._idle.pop()
-                    if child.process.poll() is not None:  # died while idle (OOM killer)
-                        log.warning("%s: sandbox process %d %s while idle: a new one runs "
-                                    "the next run", self._backend.name, child.process.pid,
-                                    child.ended())
-                        continue
-                    self._busy.add(child)
+                    raise ClosedResourceError(f"{name}: the graph is closed")
+                child = self._take_idle()
+                if child is not None:
                     return child
                 live = len(self._busy) + self._starting
-                if live < self.processes and not (live and self.backoff.waiting()):
-                    self.backoff.check()  # with none live: refused while it waits
+                wait = self.backoff.remaining()
+                if not live and not wait:
                     self._starting += 1
-                    break
-                self._cond.wait()
+                    return True
+                if live and room and live < self.processes and not wait:
+                    self._starting += 1
+                    return False
+                if cancelled.is_set():
+                    raise BackendRuntimeError(
+                        f"{name}: cancelled while waiting for a process of the model "
+                        + (f"(after {self.backoff.crashes} crashes, a new one starts in "
+                           f"{wait:.1f} s)" if not live else "(each was busy)"))
+                self._cond.wait(None if live else wait)
+
+    def _take_idle(self) -> SandboxProcess | None:
+        """An idle process, moved to the busy ones (under the lock); one that died while
+        idle is dropped, and one being ended to make room for another graph's is left to
+        that."""
+        while self._idle:
+            child = self._idle.pop()
+            if self._limit is not None and not self._limit.claim(child):
+                continue
+            if child.process.poll() is not None:  # died while idle (OOM killer)
+                log.warning("%s: sandbox process %d %s while idle: a new one runs the next "
+                            "run", self._backend.name, child.process.pid, child.ended())
+                continue
+            self._busy.add(child)
+            return child
+        return None
+
+    def _started(self, *, first: bool) -> SandboxProcess | None:
+        """A process started for a run (counted as starting), the graph's ``first`` (only)
+        one or one beside a busy one: None for the latter at the host's bound."""
         try:
-            child, _ = self._start()
+            child, _ = self._start(make_room=first)
+        except _NoRoom:
+            child = None
         except BaseException:
             with self._cond:
                 self._starting -= 1
@@ -383,6 +468,8 @@ class SandboxedGraph(CompiledGraph):
             raise
         with self._cond:
             self._starting -= 1
+            if child is None:
+                return None
             if not self._closed:
                 self._busy.add(child)
                 return child
@@ -398,15 +485,41 @@ class SandboxedGraph(CompiledGraph):
             keep = alive and not self._closed
             if keep:
                 self._idle.append(child)
+                self._may_end(child)
             self._cond.notify()
         if alive and not keep:  # the graph was closed while it ran
             child.close()
 
+    def _may_end(self, child: SandboxProcess) -> None:
+        """``child``, idle now, may be ended to make room for another graph's process
+        (under the lock)."""
+        if self._limit is not None:
+            self._limit.idle(child, functools.partial(self._end, child))
+
+    def _end(self, child: SandboxProcess) -> None:
+        """End idle ``child`` to make room for another graph's process (the limit's call):
+        the next run starts one again, as after a crash, which this is not."""
+        with self._cond:
+            with contextlib.suppress(ValueError):
+                self._idle.remove(child)
+            self._cond.notify()
+        log.info("%s: idle sandbox process %d ended to make room for another graph's (the "
+                 "host runs its most sandbox processes); the next run starts one again",
+                 self._backend.name, child.process.pid)
+        child.close()
+
+    def _wake(self, cancelled: threading.Event) -> None:
+        cancelled.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- runs -----------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
+        known = self._refuse_crashed(inputs)
         child = self._acquire()
         try:
-            payload, result = self._run_in(child, inputs, outputs)
+            payload, result = self._run_in(child, inputs, outputs, known)
             if "error" in payload:
                 raise _child_error(child, payload)
         finally:
@@ -414,12 +527,29 @@ class SandboxedGraph(CompiledGraph):
         self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))
         return result
 
+    def _refuse_crashed(self, inputs: Mapping[str, Tensor]) -> bytes | None:
+        """BackendRuntimeError for inputs that crashed the process often enough to be
+        refused (see :mod:`._sandbox_backoff`); the digest of inputs shaped as some that
+        crashed it (else None: not hashed)."""
+        shapes = shapes_of(inputs)
+        with self._cond:
+            if not self.backoff.knows(shapes):
+                return None
+        digest = digest_of(inputs)  # (not under the lock: it reads every input)
+        with self._cond:
+            refusal = self.backoff.refusal(digest)
+        if refusal is not None:
+            raise BackendRuntimeError(refusal)
+        return digest
+
     def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor],
-                outputs: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """The reply of ``child`` to a run; BackendRuntimeError when it died or answered
-        badly (then it has ended: a reply that is not one, or outputs other than those
-        the run asked for as the graph declared them), or when the arena could not grow
-        for the outputs (then it goes on)."""
+                outputs: Sequence[str] | None, digest: bytes | None
+                ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The reply of ``child`` to a run (``digest``: of ``inputs``, where known);
+        BackendRuntimeError when it died or answered badly (then it has ended: a reply
+        that is not one, or outputs other than those the run asked for as the graph
+        declared them), or when the arena could not grow for the outputs (then it goes
+        on)."""
         name = self._backend.name
         child.seq += 1
         seq = child.running = child.seq
@@ -432,8 +562,9 @@ class SandboxedGraph(CompiledGraph):
                 raise BackendRuntimeError(
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
+            crashed = (shapes_of(inputs), digest or digest_of(inputs))
             with self._cond:
-                then = self.backoff.crashed(how)
+                then = self.backoff.crashed(how, crashed)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
                 f"on this model or these inputs (the host goes on; {then})") from None
@@ -444,8 +575,9 @@ class SandboxedGraph(CompiledGraph):
         finally:
             child.running = -1
             forget()
-        with self._cond:
-            self.backoff.succeeded()  # the process answered, with results or an error
+        if digest is not None:
+            with self._cond:
+                self.backoff.ran(digest)  # an earlier crash was not theirs
         return answer
 
     def _call(self, child: SandboxProcess, seq: int, inputs: Mapping[str, Tensor],
@@ -467,4 +599,6 @@ class SandboxedGraph(CompiledGraph):
             idle, self._idle = self._idle, []
             self._cond.notify_all()
         for child in idle:
-            child.close()
+            # (one being ended to make room for another graph's is closed by that)
+            if self._limit is None or self._limit.claim(child):
+                child.close()

@@ -194,6 +194,10 @@ class RuntimeSection(_Strict):
     #: (a guest's own model, a reload after a crash): it then loads the model only,
     #: instead of first importing the library (see wasinn.backends._sandbox_spares).
     sandbox_spares: int = Field(default=1, ge=0, le=MAX_SPARES)
+    #: The most sandbox processes the host runs at once, spares included (None: from the
+    #: machine, see wasinn.backends._sandbox_limit): at the bound a new one ends a spare
+    #: or the idle process that ran least recently, else waits for one.
+    max_sandbox_processes: int | None = Field(default=None, ge=1)
 
 
 class PoolConfig(_Strict):

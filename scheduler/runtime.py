@@ -38,7 +38,7 @@ from wasinn.actors.queue import POLICIES
 from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
-from wasinn.backends.sandbox import MIN_MAX_BYTES, Spares
+from wasinn.backends.sandbox import MIN_MAX_BYTES, ProcessLimit, Spares
 from wasinn.configs import check_precision, shown_name
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
@@ -297,7 +297,9 @@ class Runtime:
         actors, registries = await trio.to_thread.run_sync(self._plan)
         self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
-        self._spares = Spares(self._config.runtime.sandbox_spares)
+        section = self._config.runtime
+        self._spares = Spares(section.sandbox_spares,
+                              limit=ProcessLimit(section.max_sandbox_processes))
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None,
                               spares=self._spares)

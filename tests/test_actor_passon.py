@@ -185,7 +185,9 @@ async def test_a_request_cancelled_while_queued_lets_go_of_its_job_at_once(
 
 
 class _Compiled:
-    """What a compile returns, for the session cache (only closed)."""
+    """What a compile returns, for the session cache (only closed, never run)."""
+
+    may_run_inline = True
 
     def close(self) -> None:
         pass

@@ -152,6 +152,20 @@ async def test_tiny_graphs_run_inline_only_when_configured(inline_below_us: floa
         assert cpu.threads.finished - before == in_workers + 1
 
 
+async def test_a_sandboxed_graph_never_runs_inline() -> None:
+    # Its run may wait for a process (its start, the crash back-off, room under the
+    # host's process cap), which must not hold the event loop: every run goes to the
+    # worker thread, however quick (10 ms, the bound's most, qualifies it here).
+    async with runtime(10_000) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", options={"sandbox": True})
+        (cpu,) = rt.actors
+        before = cpu.threads.finished
+        for _ in range(RunProfile.WARMUP + 5):
+            np.testing.assert_array_equal((await graph.compute({"x": X}))["y"].numpy(), Y)
+        assert cpu.threads.finished - before == RunProfile.WARMUP + 5
+        await graph.unload()
+
+
 async def test_inline_runs_are_off_by_default() -> None:
     require_backend("onnxruntime")
     assert PoolConfig(kind="cpu").inline_below_us == 0

@@ -898,52 +898,185 @@ def test_a_childs_long_error_message_keeps_its_start_and_end() -> None:
 
 
 # -- a graph that keeps crashing -----------------------------------------------------------
-def test_a_graph_that_keeps_crashing_waits_before_starting_another_process() -> None:
-    from wasinn.backends._sandbox_backoff import CrashBackoff
+@pytest.fixture
+def spawns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids of the sandbox processes graphs loaded without spares start, in order."""
+    from wasinn.backends import sandbox
 
-    now = [1000.0]
+    started: list[int] = []
+
+    class Counted(sandbox.SandboxProcess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self.process.pid)
+
+    monkeypatch.setattr(sandbox, "SandboxProcess", Counted)
+    return started
+
+
+def _poison(variant: float = 0.0) -> dict[str, Tensor]:
+    """Inputs that crash the fake library (first element 666); each ``variant`` other."""
+    return {"x": Tensor.from_numpy(np.array([[CRASH, variant, 0, 0]], np.float32))}
+
+
+ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+REFUSED = (r"^crashing: these inputs crashed the model's process 2 times \(the last "
+           r"[0-9.]+ s ago: it was killed by SIGSEGV\): they are refused without a run "
+           r"until 600 s after their last crash; other inputs run as usual$")
+
+
+def test_a_poison_input_that_keeps_crashing_the_model_does_not_fail_a_good_one(
+        spawns: list[int]) -> None:
+    # Before: after the second crash in a row every run failed at once for a while (the
+    # back-off), a good input too: on a shared model, another guest's.
     graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
-    graph.backoff = CrashBackoff("crashing", clock=lambda: now[0])
-    crash = {"x": Tensor.from_numpy(np.full((1, 4), CRASH, np.float32))}
-    ones = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
     try:
-        with pytest.raises(BackendRuntimeError, match=r"the next run starts a new process\)$"):
-            graph.run(crash)
-        with pytest.raises(BackendRuntimeError, match=(
-                r"SIGSEGV: the library crashed on this model or these inputs \(the host goes "
-                r"on; runs resume in 0\.5 s, after 2 crashes in a row\)$")):
-            graph.run(crash)
-        now[0] += 0.2
-        with pytest.raises(BackendRuntimeError, match=(
-                r"^crashing: the model's process crashed 2 times in a row \(the last was "
-                r"killed by SIGSEGV\): runs resume in 0\.3 s, when a new process is started, "
-                r"and fail at once until then \(the wait doubles with each crash in a row, "
-                r"up to 30 s\)$")):
-            graph.run(ones)
-        assert graph.pid is None and sandbox_children() == []  # nothing was started
-        now[0] += 0.3
-        np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
+        for _ in range(2):
+            with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+                graph.run(_poison())
+        # The good input waits for the process the back-off delays, and runs.
+        np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
                                       np.full((1, 4), 2.0, np.float32))
-        # The run that succeeded ended the streak: the next crash restarts at once.
-        with pytest.raises(BackendRuntimeError, match=r"the next run starts a new process\)$"):
-            graph.run(crash)
-        graph.run(ones)
+        assert len(spawns) == 3  # the load's, and one after each crash
+        with pytest.raises(BackendRuntimeError, match=REFUSED):
+            graph.run(_poison())  # the same poison: refused, not run
+        assert len(spawns) == 3 and graph.pids == [spawns[-1]]  # its process goes on
+        np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
     finally:
         graph.close()
 
 
-def test_the_wait_doubles_with_each_crash_in_a_row_up_to_a_bound() -> None:
+def test_the_same_poison_sent_again_starts_no_process_after_the_wait_either(
+        spawns: list[int]) -> None:
+    # Before: each time the back-off's wait was over, the poison was run again, in a
+    # process started for it, and crashed it.
     from wasinn.backends._sandbox_backoff import MAX_DELAY_S, CrashBackoff
 
-    backoff = CrashBackoff("b", clock=lambda: 0.0)
+    now = [1000.0]
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    graph.backoff = CrashBackoff("crashing", clock=lambda: now[0])
+    try:
+        with pytest.raises(BackendRuntimeError, match=r"the next run starts a new process\)$"):
+            graph.run(_poison())
+        with pytest.raises(BackendRuntimeError, match=(
+                r"SIGSEGV: the library crashed on this model or these inputs \(the host goes "
+                r"on; the next process starts in 0\.5 s, after 2 crashes less than 60 s "
+                r"apart: runs wait for it; these inputs, which crashed it 2 times, are "
+                r"refused for 600 s\)$")):
+            graph.run(_poison())
+        for _ in range(5):
+            now[0] += MAX_DELAY_S  # past any wait
+            with pytest.raises(BackendRuntimeError, match=REFUSED):
+                graph.run(_poison())
+        assert len(spawns) == 2 and graph.pids == []  # the load's, and one after a crash
+    finally:
+        graph.close()
+
+
+def test_poison_varied_between_good_runs_still_delays_the_next_process(
+        spawns: list[int]) -> None:
+    # Before: a run that succeeded ended the crash streak, so a caller crashing the model
+    # between good runs of its own had a process started at once after every crash.
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    try:
+        then = []
+        for variant in (1.0, 2.0, 3.0):  # other inputs each time: none refused
+            with pytest.raises(BackendRuntimeError) as caught:
+                graph.run(_poison(variant))
+            then.append(caught.value.message.split("(the host goes on; ")[1])
+            if variant < 3.0:
+                graph.run(ONES)  # waits for the delayed process, then runs
+        assert then == [
+            "the next run starts a new process)",
+            "the next process starts in 0.5 s, after 2 crashes less than 60 s apart: runs "
+            "wait for it)",
+            "the next process starts in 1 s, after 3 crashes less than 60 s apart: runs "
+            "wait for it)"]
+        assert len(spawns) == 3 and graph.pids == []  # the next one waits for its delay
+    finally:
+        graph.close()
+
+
+def test_a_run_waiting_for_the_delayed_process_can_be_cancelled(spawns: list[int]) -> None:
+    # Before: such a run was refused at once.
+    import threading
+
+    from wasinn.backends._sandbox_backoff import CrashBackoff
+    from wasinn.backends.base import Cancellation, running_under
+
+    now = [1000.0]
+    graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    graph.backoff = CrashBackoff("crashing", clock=lambda: now[0])
+    try:
+        for variant in (1.0, 2.0):
+            with pytest.raises(BackendRuntimeError, match=r"was killed by SIGSEGV"):
+                graph.run(_poison(variant))
+        cancellation = Cancellation()
+        threading.Timer(0.3, cancellation.cancel).start()
+        with running_under(cancellation), pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: cancelled while waiting for a process of the model \(after 2 "
+                r"crashes, a new one starts in 0\.5 s\)$")):
+            graph.run(ONES)  # (the clock stands still: it would wait for ever)
+        assert len(spawns) == 2 and graph.pids == []  # nothing was started
+        now[0] += 0.5
+        np.testing.assert_array_equal(graph.run(ONES)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+    finally:
+        graph.close()
+
+
+def test_the_wait_doubles_with_each_crash_up_to_a_bound_and_a_quiet_minute_ends_it() -> None:
+    from wasinn.backends._sandbox_backoff import MAX_DELAY_S, QUIET_S, CrashBackoff
+
+    now = [0.0]
+    backoff = CrashBackoff("b", clock=lambda: now[0])
     delays = []
-    for _ in range(10):
+    for _ in range(8):
         backoff.crashed("was killed by SIGFPE")
         delays.append(backoff.delay())
-    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_DELAY_S, MAX_DELAY_S, MAX_DELAY_S]
-    backoff.succeeded()
+        now[0] += 1.0
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, MAX_DELAY_S, MAX_DELAY_S]
+    assert MAX_DELAY_S == 10.0
+    assert backoff.remaining() == MAX_DELAY_S - 1.0
+    now[0] += QUIET_S  # a minute without a crash: the next one starts a new streak
+    assert backoff.remaining() == 0.0
+    assert backoff.crashed("was killed by SIGFPE") == "the next run starts a new process"
     assert backoff.delay() == 0.0
-    backoff.check()  # no wait: nothing raised
+
+
+def test_inputs_are_refused_once_they_crashed_twice_and_forgotten_once_they_ran() -> None:
+    from wasinn.backends._sandbox_backoff import (
+        MAX_REMEMBERED,
+        REMEMBERED_S,
+        CrashBackoff,
+        digest_of,
+        shapes_of,
+    )
+
+    now = [0.0]
+    backoff = CrashBackoff("b", clock=lambda: now[0])
+    shapes, digest = shapes_of(ONES), digest_of(ONES)
+    assert not backoff.knows(shapes)
+    backoff.crashed("was killed by SIGSEGV", (shapes, digest))
+    # Once: perhaps another run's doing (a corrupted heap); they run again.
+    assert backoff.knows(shapes) and backoff.refusal(digest) is None
+    backoff.crashed("was killed by SIGABRT", (shapes, digest))
+    refusal = backoff.refusal(digest)
+    assert refusal is not None and "2 times" in refusal and "SIGABRT" in refusal
+    assert backoff.refusal(digest_of(_poison(1.0))) is None  # other bytes run
+    backoff.ran(digest)  # they ran without a crash: forgotten
+    assert backoff.refusal(digest) is None and not backoff.knows(shapes)
+    for _ in range(2):
+        backoff.crashed("was killed by SIGSEGV", (shapes, digest))
+    now[0] += REMEMBERED_S  # long enough after their last crash
+    assert not backoff.knows(shapes)
+    for variant in range(MAX_REMEMBERED + 1):  # the oldest is forgotten past the most
+        poison = _poison(float(variant))
+        for _ in range(2):
+            backoff.crashed("was killed by SIGSEGV", (shapes_of(poison), digest_of(poison)))
+    assert backoff.refusal(digest_of(_poison(0.0))) is None
+    assert backoff.refusal(digest_of(_poison(1.0))) is not None
 
 
 # -- several runs at once ------------------------------------------------------------------

@@ -12,8 +12,10 @@ for ``benchmarks/sandbox_overhead.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -23,13 +25,21 @@ import pytest
 import trio
 
 import wasinn
-from tests.crashing_backend import CRASH, IMPORT_GATE, CrashingBackend
+from tests.crashing_backend import CRASH, DEAF, IMPORT_GATE, CrashingBackend
 from tests.support import cpu_pool, require_backend, sandbox_children
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor
 from wasinn.backends import Backend, Device, LoadOptions
 from wasinn.backends._sandbox_child import SPARE_NICE
+from wasinn.backends.base import Cancellation, running_under
 from wasinn.backends.registry import BackendRegistry
-from wasinn.backends.sandbox import MAX_SPARES, SandboxedGraph, Spares, load_sandboxed
+from wasinn.backends.sandbox import (
+    CANCEL_GRACE_S,
+    MAX_SPARES,
+    ProcessLimit,
+    SandboxedGraph,
+    Spares,
+    load_sandboxed,
+)
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
 from wasinn.modelgen import affine_onnx
@@ -54,19 +64,20 @@ class _Pool:
     """A pool of ``keep`` spares and the graphs loaded through it, all closed at the end
     of the ``with`` block."""
 
-    def __init__(self, keep: int) -> None:
-        self.spares = Spares(keep)
+    def __init__(self, keep: int, most: int | None = None) -> None:
+        self.spares = Spares(keep, limit=ProcessLimit(most))
         self._graphs: list[SandboxedGraph] = []
 
     def load(self, model: bytes = b"fake:add=1", options: LoadOptions | None = None, *,
-             backend: Backend | None = None) -> SandboxedGraph:
+             backend: Backend | None = None, processes: int = 1) -> SandboxedGraph:
         """``model`` loaded sandboxed through the pool (by default with the fake
         backend whose recipes ``tests/crashing_backend.py`` reads)."""
         if backend is None:
             backend, encoding = CrashingBackend(), GraphEncoding.GGML
         else:
             encoding = GraphEncoding.ONNX
-        graph = load_sandboxed(backend, [model], encoding, CPU, options, spares=self.spares)
+        graph = load_sandboxed(backend, [model], encoding, CPU, options, spares=self.spares,
+                               processes=processes)
         self._graphs.append(graph)
         return graph
 
@@ -234,3 +245,201 @@ def test_the_config_takes_the_number_of_spares() -> None:
     for bad in (-1, MAX_SPARES + 1, True, "1"):
         with pytest.raises(ConfigError, match=r"runtime\.sandbox_spares"):
             _spares_config(bad)
+
+
+# -- the host's bound on sandbox processes -------------------------------------------------
+def _values(graph: SandboxedGraph) -> list[float]:
+    return graph.run(ONES)["y"].numpy().reshape(-1).tolist()  # type: ignore[no-any-return]
+
+
+class _Deaf:
+    """A run of ``graph`` that ignores its cancellation (tests/crashing_backend.py's 777),
+    in a thread, holding one of its processes busy until :meth:`stop` (then the process
+    is killed, ``CANCEL_GRACE_S`` after its cancel)."""
+
+    def __init__(self, graph: SandboxedGraph) -> None:
+        self.cancellation = Cancellation()
+        self.errors: list[BaseException] = []
+        idle = len(graph.pids)
+        self._thread = threading.Thread(target=self._run, args=(graph,))
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while len(graph._idle) >= idle:  # until it has taken a process
+            assert time.monotonic() < deadline, "the deaf run never started"
+            time.sleep(0.01)
+
+    def _run(self, graph: SandboxedGraph) -> None:
+        try:
+            with running_under(self.cancellation):
+                graph.run({"x": Tensor.from_numpy(np.full((1, 4), DEAF, np.float32))})
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def stop(self) -> None:
+        self.cancellation.cancel()
+        self._thread.join(CANCEL_GRACE_S + 30)
+        assert not self._thread.is_alive()
+
+
+def _in_thread(call: Any, cancellation: Cancellation | None = None
+               ) -> tuple[threading.Thread, list[Any]]:
+    """``call()`` in a thread (under ``cancellation``): the thread, and what it returned
+    or raised, once it has."""
+    done: list[Any] = []
+
+    def target() -> None:
+        try:
+            with running_under(cancellation):
+                done.append(call())
+        except BaseException as exc:
+            done.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, done
+
+
+def _until_waiting(limit: ProcessLimit) -> None:
+    deadline = time.monotonic() + 30
+    while limit.wanting < 1:
+        assert time.monotonic() < deadline, "nothing waited for room"
+        time.sleep(0.01)
+
+
+def test_at_the_bound_a_start_ends_the_idle_process_of_the_graph_used_least_recently() -> None:
+    with _Pool(0, most=2) as pool:
+        limit = pool.spares.limit
+        first, second = pool.load(b"fake:add=1"), pool.load(b"fake:add=2")
+        assert _values(first) == [2.0] * 4  # used more recently than the second
+        firsts = first.pids
+        third = pool.load(b"fake:add=3")  # at the bound: the second's process goes
+        assert (limit.live, limit.ended_idle) == (2, 1)
+        assert second.pids == [] and first.pids == firsts
+        assert _children() == {*firsts, *third.pids}
+        # The second runs again in a process started for it, which ends the first's (the
+        # third loaded since), and that is no crash.
+        assert _values(second) == [3.0] * 4
+        assert first.pids == [] and (limit.live, limit.ended_idle) == (2, 2)
+        assert second.backoff.crashes == 0
+        assert _values(first) == [2.0] * 4
+        assert _values(third) == [4.0] * 4
+        assert len(_children()) == 2
+        for graph in (first, second, third):
+            graph.close()
+        assert (limit.live, _children()) == (0, set())
+
+
+def test_the_count_goes_down_as_graphs_close_and_frees_room_without_ending_any() -> None:
+    with _Pool(0, most=2) as pool:
+        limit = pool.spares.limit
+        first, second = pool.load(), pool.load()
+        assert limit.live == 2
+        first.close()
+        assert limit.live == 1 and _children() == set(second.pids)
+        third = pool.load()
+        assert (limit.live, limit.ended_idle) == (2, 0) and second.pids != []
+        second.close()
+        third.close()
+        assert (limit.live, _children()) == (0, set())
+
+
+def test_a_spare_counts_is_started_only_below_the_bound_and_goes_first(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()  # the spare's import waits while it exists: no load takes it
+    monkeypatch.setenv(IMPORT_GATE, str(gate))
+    with _Pool(1, most=2) as pool:
+        limit = pool.spares.limit
+        first = pool.load()
+        (spare,) = _children() - set(first.pids)
+        assert (limit.live, pool.spares.waiting()) == (2, 1)
+        second = pool.load()  # needs a process of its own: the spare, not the first, goes
+        assert spare not in _children() and first.pids != []
+        assert (limit.live, limit.ended_idle, pool.spares.waiting()) == (2, 0, 0)
+        assert _children() == {*first.pids, *second.pids}  # and no spare after it
+        gate.unlink()
+
+
+def test_when_every_process_is_busy_a_load_waits_for_one_its_cancel_honoured() -> None:
+    with _Pool(0, most=1) as pool:
+        limit = pool.spares.limit
+        first = pool.load()
+        deaf = _Deaf(first)
+        try:
+            cancellation = Cancellation()
+            thread, done = _in_thread(pool.load, cancellation)
+            _until_waiting(limit)
+            assert limit.live == 1 and _children() == set(first.pids)  # nothing started
+            cancellation.cancel()
+            thread.join(30)
+            (error,) = done
+            assert isinstance(error, BackendRuntimeError)
+            assert error.message == (
+                "crashing: cancelled while waiting for a sandbox process: the host runs its "
+                "most, 1 ([runtime] max_sandbox_processes), and every one was busy")
+            # A load not cancelled waits until the busy process is done, then loads.
+            thread, done = _in_thread(functools.partial(pool.load, b"fake:add=5"))
+            _until_waiting(limit)
+            deaf.stop()  # the deaf run's process is killed: room for the load
+            thread.join(30)
+            (second,) = done
+            assert isinstance(second, SandboxedGraph), second
+            assert _values(second) == [6.0] * 4
+            assert _values(first) == [2.0] * 4  # ends the second's idle process
+            assert limit.live == 1 and len(_children()) == 1
+        finally:
+            deaf.stop()
+
+
+def test_a_graph_beside_its_busy_process_waits_for_it_rather_than_end_anothers() -> None:
+    # A second process for a run beside a busy one starts only below the bound: two busy
+    # graphs do not end each other's copies in turn.
+    with _Pool(0, most=2) as pool:
+        limit = pool.spares.limit
+        busy = pool.load(processes=2)
+        other = pool.load(b"fake:add=2")
+        others = other.pids
+        deaf = _Deaf(busy)
+        try:
+            thread, done = _in_thread(lambda: _values(busy))
+            deadline = time.monotonic() + 30
+            while not busy._cond._waiters:  # type: ignore[attr-defined]
+                assert time.monotonic() < deadline, "the run never waited"
+                time.sleep(0.01)
+            assert (limit.live, other.pids, done) == (2, others, [])
+            deaf.stop()  # then it has a process again, in the slot the deaf one freed
+            thread.join(30)
+            assert done == [[2.0] * 4]
+            assert (limit.live, limit.ended_idle, other.pids) == (2, 0, others)
+        finally:
+            deaf.stop()
+
+
+async def test_a_runtime_bounds_its_sandbox_processes_as_configured() -> None:
+    config = parse_config({"runtime": {"max_sandbox_processes": 2, "sandbox_spares": 0},
+                           "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["crashing"]}}}, None)
+    async with wasinn.Runtime(config, backends=[CrashingBackend()]) as rt:
+        graphs = [await rt.load([f"fake:add={i}".encode()], "ggml",
+                                options={"sandbox": True}) for i in range(4)]
+        for _ in range(2):
+            for i, graph in enumerate(graphs):
+                out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+                np.testing.assert_array_equal(out["y"].numpy(),
+                                              np.full((1, 4), 1.0 + i, np.float32))
+                assert len(_children()) <= 2
+    assert _children() == set()
+
+
+def test_the_config_takes_the_most_sandbox_processes() -> None:
+    from wasinn.backends._sandbox_limit import LEAST_DEFAULT, default_max_processes
+
+    assert parse_config({}, None).runtime.max_sandbox_processes is None
+    assert ProcessLimit().most == default_max_processes() >= LEAST_DEFAULT
+    config = parse_config({"runtime": {"max_sandbox_processes": 3}}, None)
+    assert config.runtime.max_sandbox_processes == 3
+    for bad in (0, -1, True, "2", 2.0):
+        with pytest.raises(ConfigError, match=r"runtime\.max_sandbox_processes"):
+            parse_config({"runtime": {"max_sandbox_processes": bad}}, None)
+    with pytest.raises(ValueError, match=r"^most=0: expected at least 1 sandbox process"):
+        ProcessLimit(0)
