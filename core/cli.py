@@ -318,12 +318,10 @@ async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
                 if timers:
                     _exit_now("a second Ctrl-C")
                 scope.cancel()
-                timer = threading.Timer(CTRL_C_GRACE_S, _exit_now, (
+                timers.append(_exit_later(CTRL_C_GRACE_S, (
                     f"the guest did not stop within {CTRL_C_GRACE_S:g} s of Ctrl-C (it is "
-                    "blocked in a host call, such as a component's WASI sleep)",))
-                timer.daemon = True
-                timer.start()
-                timers.append(timer)
+                    "blocked in a host call, such as a component's WASI sleep)"),
+                    EXIT_INTERRUPTED))
 
         watching = trio.CancelScope()
 
@@ -347,6 +345,15 @@ def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:
     os._exit(status)
 
 
+def _exit_later(seconds: float, why: str, status: int) -> threading.Timer:
+    """A started daemon timer that exits (``status``, saying ``why``) in ``seconds``
+    unless cancelled."""
+    timer = threading.Timer(seconds, _exit_now, (why, status))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 @contextlib.contextmanager
 def _exits_after_run_timeout(timeout: float | None, status: int) -> Iterator[None]:
     """Exit (``status``) :data:`CTRL_C_GRACE_S` seconds after ``timeout`` if the block
@@ -355,12 +362,10 @@ def _exits_after_run_timeout(timeout: float | None, status: int) -> Iterator[Non
     if timeout is None:
         yield
         return
-    timer = threading.Timer(timeout + CTRL_C_GRACE_S, _exit_now, (
+    timer = _exit_later(timeout + CTRL_C_GRACE_S, (
         f"the guest did not stop within {CTRL_C_GRACE_S:g} s of its run_timeout "
-        f"({timeout:g} s; it is blocked in a host call, such as a component's WASI sleep)",
-        status))
-    timer.daemon = True
-    timer.start()
+        f"({timeout:g} s; it is blocked in a host call, such as a component's WASI sleep)"),
+        status)
     try:
         yield
     finally:

@@ -130,15 +130,21 @@ def gate_job(gate: threading.Event, started: threading.Event | None = None,
     return job
 
 
+def until_cancelled(started: threading.Event, timeout: float = 30) -> bool:
+    """In a job: set ``started``, then wait until the job's cancellation is cancelled
+    (True) or ``timeout`` passes (False)."""
+    cancellation = current_cancellation()
+    assert cancellation is not None, "a worker thread's job runs under a cancellation"
+    stop = threading.Event()
+    cancellation.on_cancel(stop.set)
+    started.set()
+    return stop.wait(timeout)
+
+
 def cooperative_job(started: threading.Event, log: list[str]) -> Callable[[], str]:
     """A job that runs until its cancellation is cancelled (as an ORT run would)."""
     def job() -> str:
-        cancellation = current_cancellation()
-        assert cancellation is not None, "a worker thread's job runs under a cancellation"
-        stop = threading.Event()
-        cancellation.on_cancel(stop.set)
-        started.set()
-        log.append("stopped" if stop.wait(timeout=30) else "ran out")
+        log.append("stopped" if until_cancelled(started) else "ran out")
         raise RuntimeError("interrupted")
 
     return job

@@ -22,11 +22,11 @@ import trio
 import wasinn
 from tests.crashing_backend import CrashingBackend
 from tests.fake_backend import FakeBackend, FakeGraph
-from tests.support import cooperative_job, sandbox_children, serving_actor
+from tests.support import cooperative_job, sandbox_children, serving_actor, until_cancelled
 from wasinn import ClosedResourceError
 from wasinn.actors import DeviceActor
 from wasinn.actors.session import Session
-from wasinn.backends.base import CompiledGraph, Device, current_cancellation
+from wasinn.backends.base import CompiledGraph, Device
 from wasinn.backends.sandbox import load_sandboxed
 from wasinn.configs.loader import parse_config
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -167,12 +167,7 @@ def stoppable(started: threading.Event, log: list[str], fake: FakeBackend
     process killed), noting "stopped", or gives up after ``GUARD_S``, noting "ran out"
     and returning a graph."""
     def compile_graph() -> CompiledGraph:
-        cancellation = current_cancellation()
-        assert cancellation is not None, "a compile runs under a cancellation"
-        stop = threading.Event()
-        cancellation.on_cancel(stop.set)
-        started.set()
-        if stop.wait(GUARD_S):
+        if until_cancelled(started, GUARD_S):
             log.append("stopped")
             raise RuntimeError("interrupted")
         log.append("ran out")

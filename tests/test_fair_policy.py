@@ -13,6 +13,7 @@ import math
 import threading
 import types
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -216,8 +217,19 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-async def test_a_fair_device_charges_the_run_time_its_worker_thread_measures(
-        fake_clock: list[float]) -> None:
+#: Each fair-device test's load: three requests of 10 s for "heavy", twenty of 1 s for
+#: "light", queued behind a gated job, in that order.
+LOAD = (("heavy", 10.0, 3), ("light", 1.0, 20))
+#: Ten light runs (10 s) for each heavy one (10 s), whatever the order of arrival.
+SHARED_ORDER = (["heavy"] + ["light"] * 10) * 2 + ["heavy"]
+
+
+async def serve_load(fake_clock: list[float],
+                     submit: Callable[[DeviceActor, Callable[[], None], str], Awaitable[None]]
+                     ) -> list[str]:
+    """A fair device with one worker serving :data:`LOAD`, each request started with
+    ``submit(actor, job, tenant)`` once the gated job holds the slot; the tenants in the
+    order their jobs ran (each job advances ``fake_clock`` by its cost)."""
     ran: list[str] = []
 
     def job(tenant: str, cost: float) -> None:
@@ -231,16 +243,23 @@ async def test_a_fair_device_charges_the_run_time_its_worker_thread_measures(
         async with trio.open_nursery() as requests:
             requests.start_soon(actor.execute, gate_job(gate))
             await trio.testing.wait_all_tasks_blocked()
-            for tenant, cost, count in (("heavy", 10.0, 3), ("light", 1.0, 20)):
+            for tenant, cost, count in LOAD:
                 for _ in range(count):
-                    run = functools.partial(job, tenant, cost)
-                    requests.start_soon(functools.partial(actor.execute, run, tenant=tenant))
+                    requests.start_soon(submit, actor, functools.partial(job, tenant, cost),
+                                        tenant)
                     await trio.testing.wait_all_tasks_blocked()
             assert actor.queued == 23
             gate.set()
         nursery.cancel_scope.cancel()
-    # Ten light runs (10 s) for each heavy one (10 s), whatever the order of arrival.
-    assert ran == (["heavy"] + ["light"] * 10) * 2 + ["heavy"]
+    return ran
+
+
+async def test_a_fair_device_charges_the_run_time_its_worker_thread_measures(
+        fake_clock: list[float]) -> None:
+    async def executed(actor: DeviceActor, job: Callable[[], None], tenant: str) -> None:
+        await actor.execute(job, tenant=tenant)
+
+    assert await serve_load(fake_clock, executed) == SHARED_ORDER
     assert math.isclose(fake_clock[0], 50.0)
 
 
@@ -251,28 +270,9 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
     fake = types.SimpleNamespace(perf_counter=lambda: fake_clock[0])
     monkeypatch.setattr(device_module, "time", fake)
     monkeypatch.setattr(leasedesk_module, "time", fake)
-    ran: list[str] = []
 
-    def job(tenant: str, cost: float) -> None:
-        ran.append(tenant)
-        fake_clock[0] += cost
-
-    async def leased(tenant: str, cost: float) -> None:
-        lease = await actor.lease(functools.partial(job, tenant, cost), tenant=tenant)
+    async def leased(actor: DeviceActor, job: Callable[[], None], tenant: str) -> None:
+        lease = await actor.lease(job, tenant=tenant)
         await trio.to_thread.run_sync(lease.run)
 
-    actor = DeviceActor(Device(ExecutionTarget.CPU), workers=1, policy=FairSharePolicy())
-    gate = threading.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(actor.serve)
-        async with trio.open_nursery() as requests:
-            requests.start_soon(actor.execute, gate_job(gate))
-            await trio.testing.wait_all_tasks_blocked()
-            for tenant, cost, count in (("heavy", 10.0, 3), ("light", 1.0, 20)):
-                for _ in range(count):
-                    requests.start_soon(leased, tenant, cost)
-                    await trio.testing.wait_all_tasks_blocked()
-            assert actor.queued == 23
-            gate.set()
-        nursery.cancel_scope.cancel()
-    assert ran == (["heavy"] + ["light"] * 10) * 2 + ["heavy"]
+    assert await serve_load(fake_clock, leased) == SHARED_ORDER
