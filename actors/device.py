@@ -4,10 +4,11 @@ An actor owns, for one device (``cpu``, ``gpu:0``, ...):
 
 * the compiled graphs run there (:meth:`DeviceActor.session`: compiled lazily at first use,
   once, however many contexts share them; :meth:`DeviceActor.evict` frees them);
-* its compile thread (``COMPILE_THREADS``, a :class:`~wasinn.actors.workers.WorkerThreads`
-  of its own), where compiles and warm-ups run, one at a time, in the order they came:
-  never in a worker thread, so a graph compiling (seconds, minutes for a big model)
-  keeps no request for another graph waiting, however few workers the device has;
+* its compile threads (``compile_threads``, 1 by default: a
+  :class:`~wasinn.actors.workers.WorkerThreads` of their own), where compiles and
+  warm-ups run, that many at a time, in the order they came: never in a worker thread,
+  so a graph compiling (seconds, minutes for a big model) keeps no request for another
+  graph waiting, however few workers the device has;
 * its request queue and ``workers`` persistent worker threads
   (:class:`~wasinn.actors.workers.WorkerThreads`, started by :meth:`DeviceActor.serve` and
   stopped when the actor closes): a job runs in one of them, so the event loop never
@@ -59,12 +60,13 @@ the actor closes itself as if the runtime had closed it, except that every reque
 refuses from then on, queued or new, gets that DeviceLostError (:attr:`DeviceActor.lost`)
 instead of ClosedResourceError. Placement sends new requests to the kind's other devices.
 
-Closing cancels every running job (worker threads', leases' and the compile thread's;
+Closing cancels every running job (worker threads', leases' and the compile threads';
 their callers get ClosedResourceError) and waits for them at most ``close_timeout``
 seconds. Past it (a backend call that ignores cancellation), an error is logged naming
 the device and the jobs still running, and the actor returns anyway: the graphs those
 jobs run on are closed only when each job ends (by its daemon thread), and the device
-context is left open.
+context is left open. A compile that lands all the same, then or later, is closed by its
+thread, never cached nor dropped (see :mod:`wasinn.actors.sessioncache`).
 """
 
 from __future__ import annotations
@@ -104,11 +106,14 @@ T = TypeVar("T")
 
 log = logging.getLogger("wasinn.actors")
 
-#: Threads per device for compiles and warm-ups (jobs that hold no request slot). One: a
-#: compile is heavy on memory (a model's weights, held more than once while the library
-#: converts them) and on CPU (graph optimisers), so two at once on a device would mostly
-#: slow each other down and raise the peak; torch.export archives load one at a time
-#: anyway. The price: a device's compiles wait for each other, first come first served.
+#: Threads per device for compiles and warm-ups (jobs that hold no request slot), unless
+#: a pool says otherwise (``compile_threads``). One: a compile is heavy on memory (a
+#: model's weights, held more than once while the library converts them) and on CPU
+#: (graph optimisers, which take the cores running requests use), so two at once on a
+#: device would mostly slow each other and the requests down and raise the peak;
+#: torch.export archives load one at a time anyway. The price: a device's compiles wait
+#: for each other, first come first served, which a runtime preloading many models at
+#: start-up, before any request, may prefer to trade.
 COMPILE_THREADS = 1
 
 
@@ -125,9 +130,12 @@ class DeviceActor:
         inline_below: float = 0.0,
         close_timeout: float = 10.0,
         pin_handoffs: bool = False,
+        compile_threads: int = COMPILE_THREADS,
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        if compile_threads < 1:
+            raise ValueError("compile_threads must be >= 1")
         if not close_timeout >= 0:
             raise ValueError("close_timeout must be >= 0 seconds")
         #: How long closing waits for cancelled jobs to end (seconds) before giving up.
@@ -139,9 +147,10 @@ class DeviceActor:
         self.queue_limit = queue_limit
         self._threads = WorkerThreads(str(device), workers, pin=pin_handoffs)
         # Its jobs see the loop unpinned (the runner hands them over with pin=False): a
-        # pinned pool's compile thread only suspends the loop's pinning while one is out
-        # (see wasinn.actors.affinity); the thread itself is never pinned.
-        self._compiler = WorkerThreads(str(device), COMPILE_THREADS, pin=pin_handoffs,
+        # pinned pool's compile threads only suspend the loop's pinning while one is out
+        # (see wasinn.actors.affinity); the threads themselves are never pinned. Compiles
+        # of one graph are one compile however many threads (the session cache's).
+        self._compiler = WorkerThreads(str(device), compile_threads, pin=pin_handoffs,
                                        role="compiler")
         self._slots = Slots(str(device), workers, queue_limit,
                             policy if policy is not None else PriorityDeadlinePolicy())
@@ -185,7 +194,7 @@ class DeviceActor:
     # -- lifetime -----------------------------------------------------------------------
     async def serve(self, *, task_status: trio.TaskStatus[DeviceActor] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        """Open the device, start the worker threads and the compile thread, report
+        """Open the device, start the worker threads and the compile threads, report
         ready, then hold it until cancelled.
 
         Raises UnsupportedOperationError (before reporting ready) when the device cannot be
@@ -240,7 +249,7 @@ class DeviceActor:
             self._release_all(close_context=not stragglers)
 
     async def _wait_stopped(self) -> list[str]:
-        # The worker threads and the compile thread, each for at most close_timeout (at
+        # The worker threads and the compile threads, each for at most close_timeout (at
         # once: neither wait eats into the other's): the jobs still running past it.
         stragglers: list[str] = []
 
@@ -327,8 +336,8 @@ class DeviceActor:
     @property
     def busy(self) -> int:
         """Jobs handed to the device's threads and not finished yet, abandoned ones
-        included: runs (worker threads), compiles and warm-ups (its compile thread),
-        those waiting for the compile thread included."""
+        included: runs (worker threads), compiles and warm-ups (its compile threads),
+        those waiting for a compile thread included."""
         return self._threads.busy + self._compiler.busy
 
     @property
@@ -344,7 +353,7 @@ class DeviceActor:
 
     @property
     def compiler(self) -> WorkerThreads:
-        """The compile thread, where compiles and warm-ups run (for diagnostics and
+        """The compile threads, where compiles and warm-ups run (for diagnostics and
         tests)."""
         return self._compiler
 
@@ -390,16 +399,17 @@ class DeviceActor:
         """The graph cached under ``key``, compiling it on first use (once, however many
         callers ask at the same time; see :mod:`wasinn.actors.sessioncache`).
 
-        The compile runs in a task of the actor's own (in the device's compile thread:
-        neither a worker thread nor a request slot, so the device's requests go on
-        meanwhile), not in the caller's: a caller cancelled meanwhile (its deadline
+        The compile runs in a task of the actor's own (in one of the device's compile
+        threads: neither a worker thread nor a request slot, so the device's requests go
+        on meanwhile), not in the caller's: a caller cancelled meanwhile (its deadline
         passed) stops waiting at once, and the compile goes on and is cached for the next
         caller, unless its graph is unloaded meanwhile (``wanted()`` false, then
         :meth:`evict`): the compile is then cancelled (a backend that can stop a load
         stops), one that ends all the same is closed, and the callers still waiting get
         ClosedResourceError. A failed compile is not cached: its error reaches every
         caller waiting for it, and a later call tries again. Raises ClosedResourceError
-        once the actor is closed (a compile under way is cancelled and abandoned then).
+        once the actor is closed (a compile under way is cancelled then, and closed if it
+        lands all the same).
         """
         try:
             return await self._cache.session(key, compile_graph, backend, wanted=wanted)
@@ -408,7 +418,7 @@ class DeviceActor:
             raise
 
     async def warm_up(self, job: Callable[[], object], *, label: str = "warm-up") -> None:
-        """Run ``job`` once in the device's compile thread, outside the request
+        """Run ``job`` once in one of the device's compile threads, outside the request
         accounting: it takes no slot and is not a request in :meth:`stats` (only
         ``warm_ups`` counts it).
 

@@ -174,10 +174,10 @@ class RequestRunner:
             raise backend_failure(self.device, exc) from exc
 
     async def unslotted(self, job: Callable[[], T], *, label: str, failure: str) -> T:
-        """``job`` in the device's compile thread, holding no request slot (a compile, a
-        warm-up): never in a worker thread, which a request would then wait for (a
-        compile can take minutes). Such jobs wait for that thread first come first
-        served, and run with the event loop unpinned (see
+        """``job`` in one of the device's compile threads, holding no request slot (a
+        compile, a warm-up): never in a worker thread, which a request would then wait
+        for (a compile can take minutes). Such jobs wait for a compile thread first come
+        first served, and run with the event loop unpinned (see
         :class:`~wasinn.actors.affinity.LoopPin`). Raises ClosedResourceError once the
         threads have stopped, BackendRuntimeError (saying ``failure``) for a backend's
         own exception."""

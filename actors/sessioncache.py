@@ -13,11 +13,23 @@ A graph unloaded while it compiles (every caller gone: a guest killed while its 
 loaded) is not kept: its compile is cancelled, which stops it where the backend can stop
 a load (a sandboxed one: its process is killed), and a compile that lands all the same is
 closed at once, never cached.
+
+A compile nobody waits for any more is closed, never dropped: a compiled graph holds
+backend memory (a sandboxed one, a process), which must not wait for the garbage
+collector. Its task stops waiting only when the actor closes, or when the job fails
+after the graph landed (a device context's check once the job is done); a caller that
+gives up leaves the compile going on, for the next caller. Then whoever holds the graph
+last closes it: the compile thread, when the compile lands after its task stopped
+waiting (a call that ignored its cancellation, possibly after the actor has gone), or the
+task, when the graph had landed and the job then failed or was given up before the task
+took it (see :class:`_Compile`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
@@ -29,17 +41,27 @@ from wasinn.errors import ClosedResourceError, WasiNNError
 from .pending import Pending
 from .session import Session
 
+log = logging.getLogger("wasinn.actors")
+
 #: Runs a task as long as the actor serves (ClosedResourceError once it does not).
 StartTask = Callable[[Callable[[Any], Awaitable[None]], Any], None]
-#: Runs a compile in the device's compile thread (no worker thread, no request slot).
+#: Runs a compile in a compile thread of the device's (no worker thread, no request slot).
 CompileInThread = Callable[[Callable[[], CompiledGraph]], Awaitable[CompiledGraph]]
 
 
 class _Compile:
     """One compile under way: what its callers wait on (``pending``), whether its graph
-    is still wanted, and ``stop``, cancelled once it is not (see :meth:`SessionCache.evict`)."""
+    is still wanted, and ``stop``, cancelled once it is not (see :meth:`SessionCache.evict`).
 
-    __slots__ = ("compile_graph", "pending", "stop", "wanted")
+    Who closes a graph its task will never take (see the module docstring) is decided
+    under a lock, once: the compile thread hands the graph over (:meth:`run`) unless the
+    task has given up already (:meth:`give_up`), and closes it itself if it has; a task
+    that gives up after the hand-over gets the graph back from :meth:`give_up` and closes
+    it.
+    """
+
+    __slots__ = ("_given_up", "_landed", "_lock", "compile_graph", "pending", "stop",
+                 "wanted")
 
     def __init__(self, compile_graph: Callable[[], CompiledGraph],
                  wanted: Callable[[], bool]) -> None:
@@ -47,10 +69,15 @@ class _Compile:
         self.wanted = wanted
         self.pending = Pending()
         self.stop = Cancellation()
+        self._lock = threading.Lock()
+        self._given_up = False
+        #: The graph handed over to the task, which may give up before it takes it.
+        self._landed: CompiledGraph | None = None
 
     def run(self, device: str) -> CompiledGraph:
         """The backend's compile call, in the compile thread, under that job's
-        cancellation, which ``stop`` cancels too."""
+        cancellation, which ``stop`` cancels too. A graph that lands once its task has
+        given up is closed here, and ClosedResourceError raised for nobody."""
         job = current_cancellation()
         forget = None if job is None else self.stop.on_cancel(job.cancel)
         try:
@@ -61,17 +88,36 @@ class _Compile:
             if not self.wanted():
                 raise ClosedResourceError(
                     f"{device}: the graph was unloaded before it compiled")
-            return self.compile_graph()
+            compiled = self.compile_graph()
         finally:
             if forget is not None:
                 forget()
+        with self._lock:
+            given_up = self._given_up
+            if not given_up:
+                self._landed = compiled
+        if not given_up:
+            return compiled
+        compiled.close()
+        raise ClosedResourceError(
+            f"{device}: the device actor closed while the graph compiled (the graph, which "
+            "nobody took, was closed)")
+
+    def give_up(self) -> CompiledGraph | None:
+        """In trio: the task stops waiting for the graph (the actor is closing, or its job
+        failed). A graph that lands from now on is closed by the compile thread; the one
+        that landed already, if any, is returned, for the caller to close."""
+        with self._lock:
+            self._given_up = True
+            landed, self._landed = self._landed, None
+        return landed
 
 
 class SessionCache:
     """The sessions compiled on ``device``, by key (see the module docstring).
 
     ``start_task`` runs each compile as a task of the actor's; ``compile_in_thread`` runs
-    the backend's compile call in the actor's compile thread. Used in trio only.
+    the backend's compile call in one of the actor's compile threads. Used in trio only.
     """
 
     def __init__(self, device: str, start_task: StartTask,
@@ -112,8 +158,12 @@ class SessionCache:
         key, compiling, backend = job
         pending, wanted = compiling.pending, compiling.wanted
         try:
-            compiled = await self._compile_in_thread(
-                functools.partial(compiling.run, self.device))
+            try:
+                compiled = await self._compile_in_thread(
+                    functools.partial(compiling.run, self.device))
+            except BaseException:
+                self._close_landed(compiling)
+                raise
             self.compiles += 1
             session = Session(compiled, backend)
             if self._closed:
@@ -134,6 +184,18 @@ class SessionCache:
         finally:
             del self._compiling[key]
             pending.done.set()
+
+    def _close_landed(self, compiling: _Compile) -> None:
+        # The task gives up on ``compiling`` (its job failed, or the actor is closing):
+        # a graph that landed before is closed here, one landing later by its thread. In
+        # an exception handler: a failing close is logged, not raised over a Cancelled.
+        landed = compiling.give_up()
+        if landed is None:
+            return
+        try:
+            landed.close()
+        except Exception:
+            log.exception("%s: closing a compiled graph nobody took failed", self.device)
 
     def _unloaded(self) -> ClosedResourceError:
         return ClosedResourceError(f"{self.device}: the graph was unloaded while it compiled")

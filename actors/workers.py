@@ -23,7 +23,7 @@ A thread passes nothing on while a job that holds no slot waits for a thread: un
 load the queue never empties, and a thread going from one request to the next would
 never become free for it. The slot is then freed in trio, and the thread handed to the
 job that waited longest before any caller that comes later. (A device actor runs its
-compiles and warm-ups in a thread of their own, a second instance, so that its request
+compiles and warm-ups in threads of their own, a second instance, so that its request
 threads never have such a waiter; the rule keeps one instance safe for both kinds.)
 
 Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancellation`
@@ -180,7 +180,7 @@ class WorkerThreads:
     """``count`` long-lived threads running one device's jobs (see the module docstring).
 
     ``role`` names what the threads are for in their names (``wasinn cpu worker 0``: a
-    device's request threads; a device's compile thread is another instance). Everything
+    device's request threads; a device's compile threads are another instance). Everything
     but the threads' own loop is called from the trio thread.
     """
 

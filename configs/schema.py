@@ -4,9 +4,9 @@ A config has five tables::
 
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
-                                   # queue_limit, backends (this pool's preference order),
-                                   # policy, inline_below_us, close_timeout,
-                                   # pin_handoffs
+                                   # compile_threads, queue_limit, backends (this pool's
+                                   # preference order), policy, inline_below_us,
+                                   # close_timeout, pin_handoffs
     [models.NAME]                  # files (relative to the config file), encoding, target,
                                    # backend, precision, threads, options, resident,
                                    # preload, warmup, warmup_inputs, batching
@@ -209,6 +209,11 @@ class PoolConfig(_Strict):
     #: Worker threads per device (requests running at once on one device). Backends
     #: already use every core for one inference, so 1 is the default.
     workers: int = Field(default=1, ge=1, le=256)
+    #: Threads per device for compiles and warm-ups, apart from the workers (compiles of
+    #: different models at once on one device; one model compiles once, however many
+    #: ask). 1, the default: a compile takes the CPU and memory running requests use.
+    #: Raise it to preload many models faster as the runtime starts, before requests.
+    compile_threads: int = Field(default=1, ge=1, le=64)
     #: Requests allowed to wait per device before callers get too-large.
     queue_limit: int = Field(default=1024, ge=1)
     #: Backend preference order on this pool (empty = [runtime] backends).

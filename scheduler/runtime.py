@@ -407,7 +407,8 @@ class Runtime:
                                    policy=POLICIES[pool.policy](),
                                    inline_below=pool.inline_below_us * 1e-6,
                                    close_timeout=pool.close_timeout,
-                                   pin_handoffs=pool.pin_handoffs)
+                                   pin_handoffs=pool.pin_handoffs,
+                                   compile_threads=pool.compile_threads)
                        for d in devices]
         if not actors:
             log.warning("no pool found a device: this runtime can run no model (pools: %s)",

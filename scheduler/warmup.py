@@ -12,7 +12,7 @@ on its first run (allocating its memory arena, choosing kernels; TorchScript pro
 optimises the graph on its first calls). An input's shape is the model's, dynamic
 dimensions as 1 (a scalar input gets a scalar), or the one ``warmup_inputs`` gives
 (``[]`` for a scalar): it must give every input whose rank the model does not declare
-(a TorchScript module declares none). Warm-ups run in the device's compile thread (no
+(a TorchScript module declares none). Warm-ups run in the device's compile threads (no
 worker thread, no request slot), and they are not requests: a device's stats count them
 only in ``warm_ups``, so they do not skew its latency percentiles.
 

@@ -89,7 +89,8 @@ def test_default_runtime_needs_no_files() -> None:
 @pytest.mark.parametrize(("text", "expected"), [
     ('[pools.cpu]\nkind = "cpu"\nworkerz = 2\n',
      r"pools\.cpu\.workerz: unknown key: did you mean workers\? expected one of kind, devices, "
-     r"workers, queue_limit, backends, policy, inline_below_us, close_timeout, pin_handoffs$"),
+     r"workers, compile_threads, queue_limit, backends, policy, inline_below_us, close_timeout, "
+     r"pin_handoffs$"),
     ('[pool.cpu]\nkind = "cpu"\n', r"pool: unknown key: did you mean pools\? expected one of "
                                    r"runtime, pools, models, pipelines, guests$"),
     ('[models.m]\nfiles = ["m.onnx"]\nbatching = { max_batchs = 8 }\n',
