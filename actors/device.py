@@ -570,20 +570,24 @@ class DeviceActor:
         return lease
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None,
-                  account: RequestStats | None = None) -> Lease[T] | None:
+                  tenant: str = "", account: RequestStats | None = None
+                  ) -> Lease[T] | None:
         """A lease on a free slot, taken from any thread without waiting for trio, or None
         when every slot is busy, a request is queued (it must not be overtaken), or the
         actor is not serving: then use :meth:`lease` through trio.
 
         ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`;
-        ``account``: as in :meth:`execute`.
+        ``tenant``: whom the time it holds the slot is charged to, as in :meth:`lease`
+        (a fair policy counts it, though the request never queued); ``account``: as in
+        :meth:`execute`.
         """
         if not self._slots.try_take():
             return None
         start = time.perf_counter()
+        charged = tenant if self._slots.charges else None
         if timeout is None or timeout == math.inf:
-            return self._new_lease(job, math.inf, start, start, account)
-        lease = self._new_lease(job, start + timeout, start, start, account)
+            return self._new_lease(job, math.inf, start, start, account, charged)
+        lease = self._new_lease(job, start + timeout, start, start, account, charged)
         self._soon(self._watch, lease, None)
         return lease
 

@@ -10,12 +10,12 @@ earliest deadline, then the oldest request. Policies are objects behind the smal
 
 * per-tenant fairness in device time: :class:`FairSharePolicy` (a pool's ``policy =
   "fair"``) keeps one priority/deadline sub-queue per ``tenant`` and serves next the
-  waiting tenant that has had the least device time (start-time fair queuing). That
-  needed one addition, ``charge``: where a run ends (in its worker thread, before the
-  slot is passed on; in trio for an inline run) its device seconds are charged to its
-  request's tenant, under the same lock as ``push`` and ``pop``. Policies that do not
-  use it say so (``charges = False``): runs are then not even timed for it. Weighted
-  shares would divide a tenant's charges by its weight;
+  waiting tenant that has had the least device time for its weight (weighted start-time
+  fair queuing; the weights are the config's ``[tenants.NAME] weight``). That needed one
+  addition, ``charge``: where a run ends (in its worker thread, before the slot is
+  passed on; in trio for an inline run) its device seconds are charged to its request's
+  tenant, under the same lock as ``push`` and ``pop``. Policies that do not use it say
+  so (``charges = False``): runs are then not even timed for it;
 * dynamic batching (:mod:`wasinn.actors.batching`) needed one addition, ``requeue``: a
   batch waits in the queue as one request with its members' highest priority and
   earliest deadline, which change when a member leaves;
@@ -31,7 +31,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import numbers
 import operator
+from collections.abc import Mapping
 from typing import Protocol
 
 import trio
@@ -168,38 +170,64 @@ class PriorityDeadlinePolicy:
         return self._live
 
 
+def check_weight(weight: object) -> float:
+    """``weight`` as a tenant's weight in a :class:`FairSharePolicy`: a finite real
+    number > 0 (ValueError otherwise, naming what was expected; a bool is no weight)."""
+    try:
+        value = (float(weight) if isinstance(weight, numbers.Real)
+                 and not isinstance(weight, bool) else math.nan)
+    except OverflowError:  # an int past the floats
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{weight!r:.60}: expected a finite number > 0 (a share of device "
+                         "time: weight 2 gets twice the device time of weight 1)")
+    return value
+
+
 class _Tenant:
     """One tenant of a :class:`FairSharePolicy`: its requests, its virtual time (device
-    seconds charged, from where it joined), and its place among tenants of equal time."""
+    seconds charged divided by its weight, from where it joined), and its place among
+    tenants of equal time."""
 
-    __slots__ = ("in_heap", "order", "queue", "vtime")
+    __slots__ = ("in_heap", "order", "queue", "vtime", "weight")
 
-    def __init__(self, vtime: float, order: int) -> None:
+    def __init__(self, vtime: float, order: int, weight: float) -> None:
         self.queue = PriorityDeadlinePolicy()
         self.vtime = vtime
         self.order = order
+        self.weight = weight
         self.in_heap = False  # whether an entry of it is in the policy's heap
 
 
 class FairSharePolicy:
-    """Equal device time among the tenants with waiting requests (a pool's ``"fair"``);
-    within a tenant, priority then deadline then arrival.
+    """Device time shared among the tenants with waiting requests in proportion to their
+    weights (a pool's ``"fair"``); within a tenant, priority then deadline then arrival.
 
-    Start-time fair queuing over tenants: each tenant has a virtual time, advanced by the
-    device seconds its runs took (:meth:`charge`, called where a run ends, before the
-    slot is passed on), and the next request comes from the waiting tenant with the
-    least virtual time (among equal ones, the one served longest ago). A tenant whose
-    requests cost 100 ms and one whose requests cost 1 ms thus get about the same device
-    time while both wait, not the same number of runs; tenants of equal cost alternate.
-    Runs in flight are charged when they end, so with ``workers`` > 1 the shares are
-    exact only to within a run per worker.
+    ``weights`` maps tenant names to weights (``""``: the requests that name no tenant);
+    a tenant not in it has ``default_weight``. Each weight must be a finite number > 0
+    (ValueError otherwise, naming the tenant; TypeError for a tenant name that is not a
+    str). With equal weights (the default) every waiting tenant gets the same device
+    time; a tenant of weight 2 gets twice the device time of one of weight 1 while both
+    wait.
+
+    Weighted start-time fair queuing over tenants: each tenant has a virtual time,
+    advanced by the device seconds its runs took divided by its weight (:meth:`charge`,
+    called where a run ends, before the slot is passed on), and the next request comes
+    from the waiting tenant with the least virtual time (among equal ones, the one served
+    longest ago). Two tenants of equal weight, one whose requests cost 100 ms and one
+    whose requests cost 1 ms, thus get about the same device time while both wait, not
+    the same number of runs; tenants of equal cost and weight alternate. Runs in flight
+    are charged when they end, so with ``workers`` > 1 the shares are exact only to
+    within a run per worker.
 
     No banked credit: a tenant that becomes backlogged again (or a new one) starts at
     the least virtual time among the waiting tenants (at the virtual time of the latest
     request served, when none waits), unless its own is higher (a tenant charged more
     than the others keeps that debt). So a tenant that was idle gets its share from
     then on, not the time it did not use, and a new tenant is served soon without
-    starving the others.
+    starving the others. A weight sets a share from then on, not a credit: a new tenant
+    of weight 10 gets ten times the device time of the others as of its first request,
+    not a burst for the time before it.
 
     A tenant with no waiting request is kept (its run may still be charged) until the
     idle tenants outnumber the waiting ones plus 64: then they are forgotten, but for
@@ -215,7 +243,21 @@ class FairSharePolicy:
 
     charges = True
 
-    def __init__(self) -> None:
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 default_weight: float = 1.0) -> None:
+        self._weights: dict[str, float] = {}
+        for tenant, weight in (weights or {}).items():
+            if not isinstance(tenant, str):
+                raise TypeError(f"tenant {tenant!r:.60} ({type(tenant).__name__}) in "
+                                "weights: expected a str naming a tenant")
+            try:
+                self._weights[tenant] = check_weight(weight)
+            except ValueError as exc:
+                raise ValueError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
+        try:
+            self._default_weight = check_weight(default_weight)
+        except ValueError as exc:
+            raise ValueError(f"default_weight: {exc}") from None
         self._tenants: dict[str, _Tenant] = {}
         #: Entries (virtual time, order, tenant), least first: at most one per tenant; a
         #: tenant's time may have grown since its entry was made (charged while waiting:
@@ -231,8 +273,8 @@ class FairSharePolicy:
     def push(self, request: Request) -> None:
         state = self._tenants.get(request.tenant)
         if state is None:
-            state = self._tenants[request.tenant] = _Tenant(self._floor(),
-                                                            next(self._orders))
+            state = self._tenants[request.tenant] = _Tenant(
+                self._floor(), next(self._orders), self.weight(request.tenant))
             self._idle += 1
         if not len(state.queue):  # becomes backlogged: no credit for its idle time
             floor = self._floor()  # (before it counts among the waiting)
@@ -262,12 +304,16 @@ class FairSharePolicy:
             self._became_idle()
         return request
 
+    def weight(self, tenant: str) -> float:
+        """``tenant``'s weight (its share of device time relative to other tenants')."""
+        return self._weights.get(tenant, self._default_weight)
+
     def charge(self, tenant: str, seconds: float) -> None:
-        """``tenant``'s run took ``seconds`` of device time (a tenant forgotten meanwhile
-        is not charged)."""
+        """``tenant``'s run took ``seconds`` of device time: its virtual time advances by
+        ``seconds`` divided by its weight (a tenant forgotten meanwhile is not charged)."""
         state = self._tenants.get(tenant)
         if state is not None:
-            state.vtime += seconds
+            state.vtime += seconds / state.weight
 
     def remove(self, request: Request) -> None:
         state = self._tenants.get(request.tenant)
@@ -343,3 +389,13 @@ POLICIES: dict[str, type[PriorityDeadlinePolicy] | type[FairSharePolicy]] = {
     "priority": PriorityDeadlinePolicy,
     "fair": FairSharePolicy,
 }
+
+
+def policy_for(name: str, weights: Mapping[str, float] | None = None) -> QueuePolicy:
+    """A new policy of the kind a pool's ``policy = name`` names (KeyError for a name
+    not in :data:`POLICIES`); ``weights`` (tenant -> weight) are a fair policy's shares,
+    and mean nothing to the others."""
+    kind = POLICIES[name]
+    if issubclass(kind, FairSharePolicy):
+        return kind(weights)
+    return kind()

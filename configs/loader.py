@@ -297,6 +297,15 @@ def _warn_unused(config: RuntimeConfig, label: str) -> None:
             log.warning("%s: %s.%s.warmup_inputs: given, but warmup = 0, so no warm-up run "
                         "uses them (warmup >= 1 warms up on these shapes)",
                         label, table, key_name(name))
+    if config.tenants and all(pool.policy != "fair" for pool in config.pools.values()):
+        # (a config shared by hosts may give weights for the pools some of them make fair)
+        names = [key_name(name) for name in config.tenants]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if names[5:] else "")
+        pools = ", ".join(f"{key_name(name)} ({pool.policy})"
+                          for name, pool in config.pools.items())
+        log.warning('%s: tenants: weights given (%s), but no pool has policy = "fair" '
+                    "(pools: %s), so none is used (weights share a fair pool's device time)",
+                    label, shown, pools)
 
 
 def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeConfig:

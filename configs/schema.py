@@ -1,6 +1,6 @@
 """What a wasinn config may say, validated with pydantic.
 
-A config has five tables::
+A config has six tables::
 
     [runtime]                      # backends = preference order; fallback = a target kind
     [pools.NAME]                   # one pool per device kind: kind, devices, workers,
@@ -12,6 +12,7 @@ A config has five tables::
                                    # preload, warmup, warmup_inputs, batching
     [pipelines.NAME]               # steps = [{ model = "...", wire = { out = "in" } }, ...],
                                    # target, preload, warmup, warmup_inputs, batching
+    [tenants.NAME]                 # weight: NAME's share of a fair pool's device time
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
                                    # compute_timeout, run_timeout, max_scratch_bytes,
@@ -49,6 +50,12 @@ config file's directory and must stay inside it (no ``..`` or symlink escape); a
 absolute path is the config author's explicit choice and is used as given (a guest
 never names files: it can only ask for a model by name); an empty path, or one naming
 the config directory itself, is refused.
+
+Tenant names (``[tenants.NAME]``) are any string a request's ``tenant`` may be, quoted
+where TOML needs it; ``[tenants.""]`` is the tenant of the requests that name none. A
+tenant not listed has weight 1. Weights matter to pools with ``policy = "fair"`` only:
+given while no pool is fair, they are only warned about, by the loader (a config may be
+shared by hosts that set their pools apart).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ from pydantic_core import PydanticCustomError
 
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import MAX_BATCH, Batching
+from wasinn.actors.queue import check_weight
 from wasinn.backends.base import MAX_THREADS, Device, sandbox_setting
 from wasinn.backends.sandbox import MAX_SPARES, MIN_MAX_BYTES
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -219,8 +227,9 @@ class PoolConfig(_Strict):
     #: Backend preference order on this pool (empty = [runtime] backends).
     backends: Backends = Field(default_factory=list)
     #: Which waiting request runs next: "priority" (priority, then deadline, then
-    #: arrival) or "fair" (equal device time among the tenants with requests
-    #: waiting, priority order within each tenant).
+    #: arrival) or "fair" (device time shared among the tenants with requests
+    #: waiting, in proportion to their [tenants] weights, equal by default; priority
+    #: order within each tenant).
     policy: Literal["priority", "fair"] = "priority"
     #: Opt-in (0, the default, = never inline). Graphs whose runs on this pool's devices
     #: took less than this many microseconds (moving average, after a few timed runs,
@@ -481,6 +490,22 @@ class GuestsConfig(_Strict):
         return self
 
 
+def _weight(value: object) -> float:
+    try:
+        return check_weight(value)
+    except ValueError as exc:
+        raise fault("", str(exc)) from None
+
+
+class TenantConfig(_Strict):
+    """``[tenants.NAME]``: what tenant NAME (a request's ``tenant``; ``""``: the requests
+    that name none) gets from a pool whose ``policy = "fair"``."""
+
+    #: Its share of device time while other tenants have requests waiting too: a tenant
+    #: of weight 2 gets twice the device time of one of weight 1 (a tenant not listed).
+    weight: Annotated[float, PlainValidator(_weight)]
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {"cpu": PoolConfig(kind="cpu", devices=["cpu"])}
 
@@ -493,6 +518,8 @@ class RuntimeConfig(_Strict):
     models: dict[Name, ModelConfig] = Field(default_factory=dict)
     pipelines: dict[Name, PipelineConfig] = Field(default_factory=dict)
     guests: GuestsConfig = Field(default_factory=GuestsConfig)
+    #: Tenants' weights in fair pools, by tenant name (any string; "": untagged requests).
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 
     _source: Path | None = PrivateAttr(default=None)
     _given: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -501,6 +528,11 @@ class RuntimeConfig(_Strict):
     def source(self) -> Path | None:
         """The file this config was read from (None when built in code)."""
         return self._source
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """``[tenants]``'s weights by tenant name, for the fair pools' policies."""
+        return {name: tenant.weight for name, tenant in self.tenants.items()}
 
     def where(self, key: str) -> str:
         """``FILE: KEY``: where ``key`` (a dotted path) is written, for its errors."""

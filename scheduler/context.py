@@ -327,25 +327,28 @@ class ExecutionContext:
         return ContextRun(self, lease, bound, timeout)
 
     def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
-                  keep_on_device: bool | None = None) -> ContextRun | None:
+                  tenant: str = "", keep_on_device: bool | None = None
+                  ) -> ContextRun | None:
         """From the thread that owns this context (no trio): a :class:`ContextRun` holding
         a device slot, if the graph is compiled on the device it would run on and that
         device has a free slot and nobody queued (so nobody is overtaken); else None (use
-        :meth:`lease`). Raises ClosedResourceError after ``close`` or once the runtime is
-        closed, InvalidArgumentError for bad inputs (see :meth:`compute`) or ``timeout``."""
+        :meth:`lease`). ``tenant``: whom a fair pool charges the run to, as for
+        :meth:`lease` (the request never queues, but its device time counts). Raises
+        ClosedResourceError after ``close`` or once the runtime is closed,
+        InvalidArgumentError for bad inputs (see :meth:`compute`), ``timeout`` or
+        ``tenant``."""
         self._check_open()
         if inputs is None:
             inputs = self._staged()
-        if timeout is not None:
-            timeout = check_timeout(timeout)
-        return self._try_lease(tensor_inputs(inputs), timeout, keep_on_device)
+        timeout = check_request(0, timeout, tenant)
+        return self._try_lease(tensor_inputs(inputs), timeout, tenant, keep_on_device)
 
-    def _try_lease(self, inputs: Inputs, timeout: float | None,
+    def _try_lease(self, inputs: Inputs, timeout: float | None, tenant: str,
                    keep_on_device: bool | None) -> ContextRun | None:
-        # try_lease on checked inputs and timeout.
+        # try_lease on checked inputs, timeout and tenant.
         bound = self._bound
         lease = self._executable.try_lease(self.target, inputs, timeout=timeout,
-                                           keep_on_device=keep_on_device)
+                                           tenant=tenant, keep_on_device=keep_on_device)
         return None if lease is None else ContextRun(self, lease, bound, timeout)
 
     def compute_in_caller_thread(
@@ -374,7 +377,7 @@ class ExecutionContext:
         self._check_open()
         seconds = check_request(priority, timeout, tenant)
         inputs = tensor_inputs(inputs)  # once, for both tries
-        run = self._try_lease(inputs, seconds, keep_on_device)
+        run = self._try_lease(inputs, seconds, tenant, keep_on_device)
         if run is None:
             queue = functools.partial(self.lease, inputs, priority=priority, timeout=timeout,
                                       tenant=tenant, keep_on_device=keep_on_device)

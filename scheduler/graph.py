@@ -21,7 +21,7 @@ from wasinn.tensor import Tensor
 
 from .context import (
     ExecutionContext,
-    check_timeout,
+    check_request,
     naming_timeout,
     request_deadline,
     tensor_inputs,
@@ -168,17 +168,18 @@ class Graph:
         lease.timeout = timeout  # named if it passes during the run
         return lease
 
-    def try_lease(self, inputs: Inputs, *, timeout: float | None = None,
+    def try_lease(self, inputs: Inputs, *, timeout: float | None = None, tenant: str = "",
                   keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]] | None:
         """One-shot run on the graph's default target from the caller's own thread,
         without trio: a lease if the model is compiled there and a slot is free with
         nobody queued, else None (use :meth:`lease`). See ExecutionContext.try_lease; the
-        lease keeps the model's compiled graphs as :meth:`lease` does."""
+        lease keeps the model's compiled graphs as :meth:`lease` does; ``tenant`` is
+        charged its run as in :meth:`lease`."""
         self._check_loaded()
-        if timeout is not None:
-            timeout = check_timeout(timeout)
+        timeout = check_request(0, timeout, tenant)
         lease = self._executable.try_lease(self.default_target, tensor_inputs(inputs),
-                                           timeout=timeout, keep_on_device=keep_on_device)
+                                           timeout=timeout, tenant=tenant,
+                                           keep_on_device=keep_on_device)
         if lease is not None:
             lease.timeout = timeout  # named if it passes during the run
         return lease

@@ -67,7 +67,8 @@ class Executable(Protocol):
         """Hold a slot on a device of kind ``target`` for a run by the caller's thread."""
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
-                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+                  tenant: str, keep_on_device: bool | None
+                  ) -> Lease[dict[str, Tensor]] | None:
         """From any thread: a lease if a slot is free now and no compile is needed."""
 
 
@@ -161,10 +162,11 @@ class LoadedModel:
                                              keep_on_device=keep_on_device)
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
-                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+                  tenant: str, keep_on_device: bool | None
+                  ) -> Lease[dict[str, Tensor]] | None:
         assert self.runner is not None, "a model is bound to its scheduler when loaded"
         return self.runner.try_lease_model(self, target, inputs, timeout=timeout,
-                                           keep_on_device=keep_on_device)
+                                           tenant=tenant, keep_on_device=keep_on_device)
 
     def __repr__(self) -> str:
         return f"<LoadedModel {self.name} {self.encoding.value} refs={self.refs}>"
@@ -187,6 +189,6 @@ class ModelRunner(Protocol):
         """Hold a slot for ``model`` on a ``target`` device; the caller's thread runs it."""
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
-                        *, timeout: float | None, keep_on_device: bool | None
+                        *, timeout: float | None, tenant: str, keep_on_device: bool | None
                         ) -> Lease[dict[str, Tensor]] | None:
         """From any thread: a lease if ``model`` is compiled and a slot is free now."""

@@ -240,11 +240,13 @@ class PipelineModel:
         return self.scheduler.trio_token
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
-                  keep_on_device: bool | None) -> Lease[dict[str, Tensor]] | None:
+                  tenant: str, keep_on_device: bool | None
+                  ) -> Lease[dict[str, Tensor]] | None:
         if self.released:
             return None
         return self.scheduler.try_lease_chain(self.name, self.steps, self.links, target, inputs,
-                                              timeout=timeout, keep_on_device=keep_on_device,
+                                              timeout=timeout, tenant=tenant,
+                                              keep_on_device=keep_on_device,
                                               account=self.requests, batching=self.batching)
 
 

@@ -376,7 +376,8 @@ class Scheduler:
                             account=model.requests, sessions=(session,), run_held=_run_first)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
-                        *, timeout: float | None = None, keep_on_device: bool | None = None
+                        *, timeout: float | None = None, tenant: str = "",
+                        keep_on_device: bool | None = None
                         ) -> Lease[dict[str, Tensor]] | None:
         """From any thread, without trio: a lease to run ``model`` if it is already compiled
         on the device it would be placed on and that device has a free slot and no queue;
@@ -397,12 +398,13 @@ class Scheduler:
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_model says so
         job = functools.partial(_run_first, held, inputs, _keep(actor, keep_on_device))
-        return _held_by(actor.try_lease(job, timeout=timeout, account=model.requests),
-                        sessions)
+        return _held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
+                                        account=model.requests), sessions)
 
     def try_lease_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
-                        timeout: float | None = None, keep_on_device: bool | None = None,
+                        timeout: float | None = None, tenant: str = "",
+                        keep_on_device: bool | None = None,
                         account: RequestStats | None = None,
                         batching: Batching | None = None
                         ) -> Lease[dict[str, Tensor]] | None:
@@ -424,7 +426,8 @@ class Scheduler:
             return None  # unloaded meanwhile: lease_chain says so
         job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device),
                                 named=(name, models))
-        return _held_by(actor.try_lease(job, timeout=timeout, account=account), sessions)
+        return _held_by(actor.try_lease(job, timeout=timeout, tenant=tenant, account=account),
+                        sessions)
 
     def _serving(self, actor: DeviceActor) -> DeviceActor:
         # ``actor``, a request was placed on, if it serves; else why it cannot run there:

@@ -34,7 +34,7 @@ import trio
 
 from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.device import DeviceActor
-from wasinn.actors.queue import POLICIES
+from wasinn.actors.queue import policy_for
 from wasinn.actors.stats import DeviceStats, ModelStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
@@ -404,7 +404,7 @@ class Runtime:
                 log.warning("pool %s (kind %s): no device found (backends asked: %s); "
                             "the pool has no actor, %s", pool_name, kind.value, asked, then)
             actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
-                                   policy=POLICIES[pool.policy](),
+                                   policy=policy_for(pool.policy, config.tenant_weights),
                                    inline_below=pool.inline_below_us * 1e-6,
                                    close_timeout=pool.close_timeout,
                                    pin_handoffs=pool.pin_handoffs,

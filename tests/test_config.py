@@ -92,7 +92,7 @@ def test_default_runtime_needs_no_files() -> None:
      r"workers, compile_threads, queue_limit, backends, policy, inline_below_us, close_timeout, "
      r"pin_handoffs$"),
     ('[pool.cpu]\nkind = "cpu"\n', r"pool: unknown key: did you mean pools\? expected one of "
-                                   r"runtime, pools, models, pipelines, guests$"),
+                                   r"runtime, pools, models, pipelines, guests, tenants$"),
     ('[models.m]\nfiles = ["m.onnx"]\nbatching = { max_batchs = 8 }\n',
      r"models\.m\.batching\.max_batchs: unknown key: did you mean max_batch\? expected one of "
      r"max_batch, max_delay_ms$"),

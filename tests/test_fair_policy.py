@@ -1,31 +1,42 @@
-"""The ``fair`` queue policy shares device time, not turns, among backlogged tenants.
+"""The ``fair`` queue policy shares device time, not turns, among backlogged tenants, in
+proportion to their weights (``[tenants.NAME] weight``).
 
 Device time is charged with synthetic durations (``charge``), or, through a device actor,
-measured by its worker thread on a fake clock that the jobs advance: nothing here
-depends on wall time.
+measured by its worker thread on a fake clock that the jobs advance, or, through a
+runtime, measured on real runs and compared only with itself: nothing here depends on
+wall time.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import math
 import threading
 import types
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
-from tests.support import gate_job
-from wasinn.actors import DeviceActor, FairSharePolicy, Request
+import wasinn
+from tests.support import gate_job, require_backend
+from wasinn import ConfigError
+from wasinn.actors import DeviceActor, FairSharePolicy, PriorityDeadlinePolicy, Request
 from wasinn.actors import device as device_module
 from wasinn.actors import leasedesk as leasedesk_module
 from wasinn.actors import workers as workers_module
+from wasinn.actors.queue import policy_for
 from wasinn.backends.base import Device
+from wasinn.configs.loader import load_config
 from wasinn.enums import ExecutionTarget
+from wasinn.modelgen import onnx_model_bytes
 
 
 def serve(policy: FairSharePolicy, costs: dict[str, float], grants: int,
@@ -276,3 +287,253 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
         await trio.to_thread.run_sync(lease.run)
 
     assert await serve_load(fake_clock, leased) == SHARED_ORDER
+
+
+async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
+        fake_clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    # try_lease (a guest's thread finding the slot free, nobody waiting) never queues,
+    # but the time it holds the slot is its tenant's all the same: uncharged, a tenant
+    # whose requests mostly find the device idle would owe nothing once others wait.
+    fake = types.SimpleNamespace(perf_counter=lambda: fake_clock[0])
+    monkeypatch.setattr(device_module, "time", fake)
+    monkeypatch.setattr(leasedesk_module, "time", fake)
+    charged: list[tuple[str, float]] = []
+
+    class Recording(FairSharePolicy):
+        def charge(self, tenant: str, seconds: float) -> None:
+            charged.append((tenant, seconds))
+            super().charge(tenant, seconds)
+
+    def job() -> None:
+        fake_clock[0] += 2.5
+
+    actor = DeviceActor(Device(ExecutionTarget.CPU), workers=1, policy=Recording())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.serve)
+        lease = actor.try_lease(job, tenant="bob")
+        assert lease is not None
+        await trio.to_thread.run_sync(lease.run)
+        untagged = actor.try_lease(job)
+        assert untagged is not None
+        await trio.to_thread.run_sync(untagged.run)
+        nursery.cancel_scope.cancel()
+    assert charged == [("bob", 2.5), ("", 2.5)]
+
+
+# Weighted shares ([tenants.NAME] weight).
+
+
+@pytest.mark.parametrize("gold", ["gold", ""])  # "": the requests that name no tenant
+def test_a_tenant_of_weight_2_gets_two_runs_for_each_run_of_a_weight_1_tenant(
+        gold: str) -> None:
+    costs = {gold: 1.0, "silver": 1.0}
+    order = serve(FairSharePolicy({gold: 2.0}), costs, 900)
+    turns = Counter(order)
+    assert turns[gold] == pytest.approx(600, abs=1)
+    assert turns["silver"] == pytest.approx(300, abs=1)
+    # All along, not only on the whole: never more than two gold runs in a row, and
+    # never two silver ones.
+    runs = {tenant: max(len(list(group)) for t, group in itertools.groupby(order)
+                        if t == tenant) for tenant in costs}
+    assert runs == {gold: 2, "silver": 1}
+
+
+@pytest.mark.parametrize("weights", [{"a": 1.0, "b": 2.0, "c": 4.0},
+                                     {"a": 0.25, "b": 3.0, "c": 1.0}])
+def test_device_time_follows_the_weights_whatever_the_requests_cost(
+        weights: dict[str, float]) -> None:
+    costs = {"a": 1.0, "b": 3.0, "c": 0.5}
+    policy = FairSharePolicy(weights)
+    spent = time_of(serve(policy, costs, 3000), costs)
+    # Each tenant's device time per unit of weight is the same, to within one run's.
+    per_weight = {tenant: spent[tenant] / weights[tenant] for tenant in costs}
+    assert max(per_weight.values()) - min(per_weight.values()) <= max(
+        costs[tenant] / weights[tenant] for tenant in costs)
+    assert min(per_weight.values()) > 100  # (every tenant was served all along)
+
+
+def test_tenants_not_listed_have_the_default_weight() -> None:
+    costs = {"listed": 1.0, "other": 1.0}
+    turns = Counter(serve(FairSharePolicy({"listed": 1.0}, default_weight=3.0), costs, 800))
+    assert turns["other"] == pytest.approx(600, abs=1)
+    assert turns["listed"] == pytest.approx(200, abs=1)
+    # Without weights, tenants are equal (what a "fair" pool did before weights).
+    turns = Counter(serve(FairSharePolicy(), costs, 800))
+    assert turns["other"] == turns["listed"] == 400
+
+
+def test_a_new_tenant_of_high_weight_gets_its_share_from_then_on_and_no_banked_credit(
+        ) -> None:
+    policy = FairSharePolicy({"vip": 10.0})
+    serve(policy, {"old": 1.0}, 500)  # 500 s the vip tenant did not ask for
+    for _ in range(1000):
+        policy.push(Request(tenant="vip"))
+    order = []
+    for _ in range(220):
+        request = policy.pop()
+        assert request is not None
+        order.append(request.tenant)
+        policy.charge(request.tenant, 1.0)
+        if request.tenant == "old":
+            policy.push(Request(tenant="old"))
+    assert order.index("vip") <= 1  # served at once
+    # Ten vip runs for each old one from its first request: no burst of vip runs for
+    # the 500 s before it (with banked credit, old would wait for 5000 vip runs).
+    assert order.count("old") == pytest.approx(20, abs=1)
+    runs = [len(list(group)) for tenant, group in itertools.groupby(order) if tenant == "vip"]
+    assert max(runs) <= 11
+
+
+def test_a_forgotten_weighted_tenant_comes_back_with_its_weight() -> None:
+    policy = FairSharePolicy({"gold": 2.0})
+    policy.push(Request(tenant="gold"))
+    assert policy.pop() is not None
+    policy.charge("gold", 1.0)
+    for i in range(200):  # one-off tenants: the idle gold tenant is swept
+        policy.push(Request(tenant=f"once {i}"))
+        request = policy.pop()
+        assert request is not None
+        policy.charge(request.tenant, 1.0)
+    assert "gold" not in policy._tenants
+    turns = Counter(serve(policy, {"gold": 1.0, "silver": 1.0}, 300))
+    assert turns["gold"] == pytest.approx(200, abs=1)
+
+
+@pytest.mark.parametrize("weight", [0, 0.0, -1, -0.5, math.nan, math.inf, -math.inf, "2",
+                                    True, None, 10**400])
+def test_a_weight_that_is_not_a_finite_number_above_0_is_refused(weight: Any) -> None:
+    with pytest.raises(ValueError, match=r"^the weight of tenant 'alice': .*: expected a "
+                                         r"finite number > 0 \(a share of device time"):
+        FairSharePolicy({"bob": 2.0, "alice": weight})
+    with pytest.raises(ValueError, match=r"^default_weight: .*: expected a finite number > 0"):
+        FairSharePolicy(default_weight=weight)
+
+
+def test_weights_name_tenants_by_str() -> None:
+    with pytest.raises(TypeError, match=r"tenant 7 \(int\) in weights: expected a str"):
+        FairSharePolicy({7: 2.0})  # type: ignore[dict-item]
+    assert FairSharePolicy({"a": 2, "": np.float64(0.5)}).weight("") == 0.5
+
+
+def test_a_pools_policy_name_makes_its_policy_and_only_a_fair_one_takes_weights() -> None:
+    fair = policy_for("fair", {"gold": 3.0})
+    assert isinstance(fair, FairSharePolicy)
+    assert (fair.weight("gold"), fair.weight("other")) == (3.0, 1.0)
+    assert isinstance(policy_for("priority", {"gold": 3.0}), PriorityDeadlinePolicy)
+    with pytest.raises(KeyError):
+        policy_for("lottery")
+
+
+def write_config(tmp_path: Path, tenants: str, policy: str = "fair") -> Path:
+    path = tmp_path / "wasinn.toml"
+    path.write_text(f'[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\npolicy = "{policy}"\n'
+                    f"{tenants}")
+    return path
+
+
+def test_tenants_weights_load_from_toml_any_name_the_untagged_one_included(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_config(tmp_path, '[tenants.alice]\nweight = 2\n[tenants.""]\n'
+                                  'weight = 0.5\n[tenants."team b/eu"]\nweight = 1.5\n')
+    with caplog.at_level(logging.WARNING, logger="wasinn.configs"):
+        config = load_config(path)
+    assert config.tenant_weights == {"alice": 2.0, "": 0.5, "team b/eu": 1.5}
+    assert caplog.records == []  # a fair pool uses them
+    assert load_config(write_config(tmp_path, "")).tenant_weights == {}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", '"x"', '"2"', "nan", "inf", "true", "[2]"])
+def test_a_bad_tenant_weight_names_the_file_the_key_and_what_was_expected(
+        tmp_path: Path, value: str) -> None:
+    path = write_config(tmp_path, f'[tenants."a b"]\nweight = {value}\n')
+    with pytest.raises(ConfigError, match=rf'^{path}: tenants\."a b"\.weight: .*expected a '
+                                          r"finite number > 0"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("tenants", "message"), [
+    ("[tenants.alice]\nweight = 2\nshare = 3\n",
+     r"tenants\.alice\.share: unknown key: expected one of weight$"),
+    ("[tenants.alice]\nwieght = 2\n",
+     r"tenants\.alice\.weight: required, and missing; tenants\.alice\.wieght: unknown key: "
+     r"did you mean weight\? expected one of weight$"),
+    ("[tenants]\nalice = 2\n", r"tenants\.alice: expected a table"),
+])
+def test_a_tenant_table_takes_its_weight_only(tmp_path: Path, tenants: str,
+                                              message: str) -> None:
+    path = write_config(tmp_path, tenants)
+    with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+        load_config(path)
+
+
+def test_weights_with_no_fair_pool_are_warned_about_not_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_config(tmp_path, '[tenants.alice]\nweight = 2\n[tenants.""]\nweight = 3\n',
+                        policy="priority")
+    with caplog.at_level(logging.WARNING, logger="wasinn.configs"):
+        config = load_config(path)
+    assert config.tenant_weights == {"alice": 2.0, "": 3.0}
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f'{path}: tenants: weights given (alice, ""), but no pool has policy = "fair" '
+        "(pools: cpu (priority)), so none is used (weights share a fair pool's device time)")
+
+
+def matmul_onnx(size: int) -> bytes:
+    """``y = x @ w`` over f32 ``(n, size)``: runs of equal cost for equal inputs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(size, dtype=np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", size])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", size])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul",
+                              [x], [y], initializer=[w])
+    return onnx_model_bytes(graph)
+
+
+async def test_a_fair_pool_gives_a_weight_2_tenant_twice_the_device_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a runtime from a TOML config, on ONNX Runtime: two tenants of equal
+    requests queued behind a gated job; while both wait, gold (weight 2) gets twice the
+    device time that silver (weight 1) gets, as its worker thread measured it."""
+    require_backend("onnxruntime")
+    charged: list[tuple[str, float]] = []
+    charge = FairSharePolicy.charge
+
+    def spy(self: FairSharePolicy, tenant: str, seconds: float) -> None:
+        charged.append((tenant, seconds))  # (in a worker thread: list.append is atomic)
+        charge(self, tenant, seconds)
+
+    monkeypatch.setattr(FairSharePolicy, "charge", spy)
+    path = write_config(tmp_path, "[tenants.gold]\nweight = 2\n")
+    per_tenant = 40
+    async with wasinn.Runtime.from_config(path) as rt:
+        graph = await rt.load([matmul_onnx(256)], "onnx", options={"threads": 1})
+        (actor,) = rt.actors
+        x = np.ones((256, 256), np.float32)
+        for _ in range(3):
+            await graph.compute({"x": x})  # compiled and warm
+        gate = threading.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(actor.execute, gate_job(gate), tenant="gate"))
+            await trio.testing.wait_all_tasks_blocked()
+            charged.clear()
+            for _ in range(per_tenant):
+                for tenant in ("gold", "silver"):
+                    nursery.start_soon(functools.partial(graph.compute, {"x": x},
+                                                         tenant=tenant))
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.queued == 2 * per_tenant
+            gate.set()
+    runs = [(tenant, seconds) for tenant, seconds in charged if tenant != "gate"]
+    assert Counter(tenant for tenant, _ in runs) == {"gold": per_tenant, "silver": per_tenant}
+    # While both waited: up to gold's last run (silver's other runs came after, alone).
+    last = max(i for i, (tenant, _) in enumerate(runs) if tenant == "gold")
+    both = runs[:last + 1]
+    gold = sum(seconds for tenant, seconds in both if tenant == "gold")
+    silver = sum(seconds for tenant, seconds in both if tenant == "silver")
+    # Twice the device time, to within a run of each (however long a run took: a busy
+    # machine may stall one): equal shares would leave gold / 2 - silver at -gold / 2.
+    bound = (max(s for t, s in both if t == "gold") / 2
+             + max(s for t, s in both if t == "silver"))
+    assert abs(gold / 2 - silver) <= bound + 1e-9
