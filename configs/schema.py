@@ -474,6 +474,9 @@ class GuestsConfig(_Strict):
     allowed_targets: list[TargetName] | None = None
     compute_timeout: float | None = Field(default=None, gt=0)
     run_timeout: float | None = Field(default=None, gt=0)
+    #: The wasm a guest may execute, in wasmtime fuel (about one unit an instruction), over
+    #: its whole life (None = no bound); past it the guest traps. wasi-nn calls use none.
+    max_fuel: int | None = Field(default=None, ge=1, le=2**64 - 1)
     max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
     max_scratch_files: int = Field(default=10_000, ge=1)
     max_tensors: int = Field(default=4096, ge=1)

@@ -3,7 +3,8 @@
 ::
 
     wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--[no-]sandbox]
-               [--timeout SECONDS] [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
+               [--timeout SECONDS] [--fuel N]
+               [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
     wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
                  [--requests N] [--concurrency C] [--save FILE.npz] ...
@@ -48,6 +49,8 @@ log = logging.getLogger("wasinn.cli")
 EXIT_ERROR = 1
 #: Exit status after a Ctrl-C (SIGINT), as a shell reports a process it ended: 128 + 2.
 EXIT_INTERRUPTED = 130
+#: The most fuel ``--fuel`` may give (wasmtime counts fuel in a u64).
+MAX_FUEL = 2**64 - 1
 
 
 class UsageError(Exception):
@@ -140,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_seconds, metavar="SECONDS",
                      help="stop the guest if it runs longer (a trap: status 134; "
                           "[guests] run_timeout)")
+    run.add_argument("--fuel", type=_fuel, metavar="N",
+                     help="stop the guest once it has executed N units of wasm fuel (about "
+                          "one an instruction; a trap: status 134; wasi-nn calls use none; "
+                          "[guests] max_fuel)")
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
@@ -203,6 +210,19 @@ def _seconds(text: str) -> float:
     if not 0 < value < math.inf:  # NaN fails too
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected a number of seconds > 0, such as 30 or 0.5")
+    return value
+
+
+def _fuel(text: str) -> int:
+    # --fuel: a whole number of fuel units, 1 to 2**64 - 1 (wasmtime's fuel is a u64).
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_FUEL:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number of fuel units from 1 to {MAX_FUEL}, such "
+            "as 1000000000")
     return value
 
 
@@ -385,7 +405,8 @@ async def _run(args: argparse.Namespace) -> int:
             f"{args.guest}: {said}: expected a guest module (.wasm, or .wat text)")
     config = _registry_config(args)
     overrides = {key: value for key, value in (("sandbox", args.sandbox),
-                                               ("run_timeout", args.timeout))
+                                               ("run_timeout", args.timeout),
+                                               ("max_fuel", args.fuel))
                  if value is not None}
     if overrides:
         guests = config.guests.model_copy(update=overrides)

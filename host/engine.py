@@ -1,4 +1,4 @@
-"""The one wasmtime Engine of the process, and an on-disk cache of compiled guests.
+"""The process's wasmtime Engines, and an on-disk cache of compiled guests.
 
 Engine and compiled modules/components are thread-safe and shared by every guest;
 each guest instance has its own Store (see the guest runners). Epoch interruption is
@@ -6,9 +6,16 @@ always on so that cancelling a guest can stop it mid-computation: each store get
 epoch deadline and an epoch-deadline callback, and the epoch moves only when a guest is
 interrupted (:class:`wasinn.host.interrupt.Interrupter`).
 
+There are two engines, made on first use: :func:`shared_engine`, and a second one that
+also counts fuel (``Config.consume_fuel``) for the guests whose limits set
+``max_fuel`` (:mod:`wasinn.host.fuel`). Fuel is an engine setting compiled into every
+function, and it slows all of that engine's wasm, so guests without a fuel bound keep
+the plain engine. :func:`engine_for` picks one.
+
 Compiled artifacts are cached under ``$WASINN_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/wasinn`` or ``~/.cache/wasinn``), keyed by the SHA-256 of the wasm
-bytes and the wasmtime version, so a second start skips compilation.
+bytes, the wasmtime version and the engine (with or without fuel: code compiled for one
+cannot be loaded into the other), so a second start skips compilation.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import wasmtime.component
 log = logging.getLogger("wasinn.host")
 
 _lock = threading.Lock()
-_engine: wasmtime.Engine | None = None
+#: The engines made so far, by whether they count fuel.
+_engines: dict[bool, wasmtime.Engine] = {}
 
 #: The version and layer bytes after ``\0asm`` of a component (a core module has
 #: ``01 00 00 00``: version 1, layer 0).
@@ -39,18 +47,26 @@ _BLOCK_COMMENT_MARK = re.compile(rb"\(;|;\)")
 
 def shared_engine() -> wasmtime.Engine:
     """The process-wide Engine: epoch interruption and the component model enabled,
-    64-bit memories not."""
-    global _engine  # noqa: PLW0603 - one Engine per process, created on first use
+    64-bit memories not, no fuel."""
+    return engine_for(fuel=False)
+
+
+def engine_for(*, fuel: bool) -> wasmtime.Engine:
+    """The process-wide Engine for guests with a fuel bound (``fuel``: it counts each
+    store's fuel, which then starts at zero: set it with ``Store.set_fuel``) or without
+    one (:func:`shared_engine`). Each is made on first use."""
     with _lock:
-        if _engine is None:
+        engine = _engines.get(fuel)
+        if engine is None:
             config = wasmtime.Config()
             config.epoch_interruption = True
             config.wasm_component_model = True
             # Guests' ABIs are 32-bit (wasi_ephemeral_nn's pointers are i32, the component
             # model's lists too): a 64-bit memory could only grow past every bound.
             config.wasm_memory64 = False
-            _engine = wasmtime.Engine(config)
-        return _engine
+            config.consume_fuel = fuel
+            engine = _engines[fuel] = wasmtime.Engine(config)
+        return engine
 
 
 def is_component(wasm: bytes) -> bool:
@@ -107,15 +123,18 @@ def cache_dir() -> Path:
     return Path(base) / "wasinn"
 
 
-def _cache_path(wasm: bytes, kind: str) -> Path:
-    key = hashlib.sha256(wasm).hexdigest()
+def _cache_path(wasm: bytes, kind: str, fuel: bool) -> Path:
+    # Code compiled with fuel counting differs from code without (wasmtime refuses to
+    # load one into the other's engine): each has its own entry.
+    key = hashlib.sha256(wasm).hexdigest() + ("-fuel" if fuel else "")
     return cache_dir() / f"wasmtime-{version('wasmtime')}" / f"{key}.{kind}"
 
 
 def _compile(
-    wasm: bytes, kind: str, engine: wasmtime.Engine
+    wasm: bytes, kind: str, fuel: bool
 ) -> wasmtime.Module | wasmtime.component.Component:
-    path = _cache_path(wasm, kind)
+    engine = engine_for(fuel=fuel)
+    path = _cache_path(wasm, kind, fuel)
     cls: type[wasmtime.Module] | type[wasmtime.component.Component] = (
         wasmtime.component.Component if kind == "cwasm-component" else wasmtime.Module
     )
@@ -143,17 +162,15 @@ def _compile(
     return compiled
 
 
-def compile_module(wasm: bytes, engine: wasmtime.Engine | None = None) -> wasmtime.Module:
-    """Compile (or load from the disk cache) a core module."""
-    compiled = _compile(wasm, "cwasm-module", engine or shared_engine())
+def compile_module(wasm: bytes, *, fuel: bool = False) -> wasmtime.Module:
+    """Compile (or load from the disk cache) a core module for ``engine_for(fuel=fuel)``."""
+    compiled = _compile(wasm, "cwasm-module", fuel)
     assert isinstance(compiled, wasmtime.Module)
     return compiled
 
 
-def compile_component(
-    wasm: bytes, engine: wasmtime.Engine | None = None
-) -> wasmtime.component.Component:
-    """Compile (or load from the disk cache) a component."""
-    compiled = _compile(wasm, "cwasm-component", engine or shared_engine())
+def compile_component(wasm: bytes, *, fuel: bool = False) -> wasmtime.component.Component:
+    """Compile (or load from the disk cache) a component for ``engine_for(fuel=fuel)``."""
+    compiled = _compile(wasm, "cwasm-component", fuel)
     assert isinstance(compiled, wasmtime.component.Component)
     return compiled

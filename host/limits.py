@@ -51,6 +51,12 @@ class GuestLimits:
     stopped wherever it is, as a cancelled one is, and ``run_wasm`` raises GuestTrap
     naming the limit.
 
+    ``max_fuel``: the wasm the guest may execute, in wasmtime's fuel (about one unit an
+    instruction; None = unbounded), over its instance's whole life; past it the guest
+    traps and ``run_wasm`` raises GuestTrap naming the limit. Host calls (wasi-nn
+    inference) use none (:mod:`wasinn.host.fuel`). Such a guest runs on the engine that
+    counts fuel (:func:`wasinn.host.engine.engine_for`).
+
     ``max_memory_bytes`` bounds each linear memory of the guest (a ``memory.grow`` beyond
     it fails, as when a machine has no more: the guest's allocator sees -1); a guest may
     have at most :data:`MAX_MEMORIES` memories and :data:`MAX_TABLES` tables of at most
@@ -64,6 +70,7 @@ class GuestLimits:
     allowed_targets: frozenset[ExecutionTarget] | None = None
     compute_timeout: float | None = None
     run_timeout: float | None = None
+    max_fuel: int | None = None
     max_scratch_bytes: int = 2 * 1024**3
     max_scratch_files: int = 10_000
     max_tensors: int = 4096
@@ -72,6 +79,12 @@ class GuestLimits:
     sandbox: bool | Literal["cpu"] = "cpu"
     max_sandbox_bytes: int | None = None
     max_memory_bytes: int = WASM32_MEMORY_BYTES
+
+    @property
+    def counts_fuel(self) -> bool:
+        """Whether the guest's fuel is counted (``max_fuel`` is set): it then runs on
+        ``engine_for(fuel=True)``."""
+        return self.max_fuel is not None
 
     def check_target(self, target: ExecutionTarget | None) -> None:
         """Raise SecurityError when ``target`` (None = the graph's default) is not allowed."""
@@ -93,9 +106,13 @@ class GuestLimits:
 
 
 def limit_store(store: wasmtime.Store, limits: GuestLimits) -> None:
-    """Bound what ``store``'s guest may allocate in wasm (see :class:`GuestLimits`)."""
+    """Bound what ``store``'s guest may allocate in wasm, and its fuel (see
+    :class:`GuestLimits`). Before anything of the guest runs: its fuel is that of its
+    whole life. A store with ``max_fuel`` must be of ``engine_for(fuel=True)``."""
     store.set_limits(memory_size=limits.max_memory_bytes, table_elements=MAX_TABLE_ELEMENTS,
                      memories=MAX_MEMORIES, tables=MAX_TABLES)
+    if limits.max_fuel is not None:
+        store.set_fuel(limits.max_fuel)
 
 
 def limits_of(runtime: object) -> GuestLimits:
@@ -113,6 +130,7 @@ def limits_of(runtime: object) -> GuestLimits:
         else frozenset(ExecutionTarget.coerce(t) for t in targets),
         compute_timeout=getattr(section, "compute_timeout", None),
         run_timeout=getattr(section, "run_timeout", None),
+        max_fuel=getattr(section, "max_fuel", None),
         max_scratch_bytes=section.max_scratch_bytes,
         max_scratch_files=section.max_scratch_files,
         max_tensors=section.max_tensors,

@@ -110,17 +110,22 @@ class _GuestContext:
 
 
 class GuestNN:
-    """The wasi-nn state of one guest instance (see the module docstring)."""
+    """The wasi-nn state of one guest instance (see the module docstring). Its requests
+    are made for ``tenant`` (:mod:`wasinn.host.tenant`)."""
 
     def __init__(
         self,
         runtime: RuntimeLike,
         portal: Portal,
         limits: GuestLimits | None = None,
+        *,
+        tenant: str = "",
     ) -> None:
         self.runtime = runtime
         self.portal = portal
         self.limits = limits or GuestLimits()
+        #: Whom every request of this guest is for (:mod:`wasinn.host.tenant`).
+        self.tenant = tenant
         self.graphs: dict[int, _GuestGraph] = {}
         self.contexts: dict[int, _GuestContext] = {}
         self._next_graph = 0
@@ -354,7 +359,7 @@ class GuestNN:
                 # The backend runs in this (the guest's) thread when the device is free,
                 # else in a device worker thread (one trio round trip either way).
                 entry.results = run_context_in_thread(self.portal, entry.ctx, inputs, bound,
-                                                      self.in_flight)
+                                                      self.in_flight, self.tenant)
             else:
                 # A running request must be abandonable at the timeout: run it in trio.
                 # An abandoned run goes on after the guest resumes (and perhaps after its
@@ -364,7 +369,7 @@ class GuestNN:
                 staging = {name: np.empty_like(view) for name, view in bound.items()}
                 names = [spec.name for spec in entry.outputs_spec]
                 entry.results = self.portal.run(run_context, entry.ctx, owned, staging, names,
-                                                timeout)
+                                                timeout, self.tenant)
                 for name, view in bound.items():
                     size = entry.results[name].nbytes
                     view[:size] = staging[name][:size]

@@ -15,6 +15,10 @@ tickets), then traps; a guest sleeping in WASI's ``poll_oneoff`` wakes and traps
 holds is closed and every graph unloaded before ``run_wasm`` returns or raises. A guest
 reading its stdin reads a pipe the host fills (:mod:`wasinn.host.guest_stdin`): its
 cancellation closes the pipe, so a read that waits for input returns and the guest traps.
+
+A guest whose limits set ``max_fuel`` runs on the engine that counts fuel, and traps
+when its fuel runs out (:mod:`wasinn.host.fuel`); cancellation and ``run_timeout`` stop
+it as any other. Its requests are made for its tenant (:mod:`wasinn.host.tenant`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ import wasmtime
 
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.core_bindings import check_imports, define_nn
-from wasinn.host.engine import compile_module, is_component, shared_engine
+from wasinn.host.engine import compile_module, engine_for, is_component
+from wasinn.host.fuel import out_of_fuel, ran_out_of_fuel
 from wasinn.host.guest_stdin import GuestStdin, guest_stdin
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.nn_core import GuestNN
 from wasinn.host.scheduler_api import RuntimeLike, TrioPortal
+from wasinn.host.tenant import guest_tenant
 from wasinn.host.wasi import Dirs, wasi_config
 from wasinn.host.wasi_poll import define_interruptible_poll
 
@@ -97,6 +103,7 @@ async def run_wasm(
     env: Mapping[str, str] | None = None,
     limits: GuestLimits | None = None,
     stdin: GuestStdin = None,
+    tenant: str | None = None,
 ) -> int:
     """Run the guest at ``path`` (``.wasm`` binary or ``.wat`` text) and return its exit code.
 
@@ -104,31 +111,35 @@ async def run_wasm(
     guest's standard input, empty by default (:mod:`wasinn.host.guest_stdin`: bytes, a
     file's path, or ``"inherit"`` for the host's own). ``limits`` defaults
     to the runtime's ``guest_limits`` (from its config) or :class:`GuestLimits`' defaults.
+    ``tenant``: whom the guest's requests are for (a fair pool shares device time among
+    tenants); None: the file's name, such as ``classify.wasm`` (:mod:`wasinn.host.tenant`).
     Returns the code the guest passed to ``proc_exit`` (0 when ``_start`` returns).
-    Raises :class:`GuestTrap` when the guest traps or runs past ``limits.run_timeout``,
-    InvalidArgumentError for a file that is not a runnable guest (naming what is wrong),
-    and OSError if it cannot be read.
+    Raises :class:`GuestTrap` when the guest traps, runs past ``limits.run_timeout`` or
+    out of ``limits.max_fuel``, InvalidArgumentError for a file that is not a runnable
+    guest (naming what is wrong) or a ``tenant`` that is no str, and OSError if it cannot
+    be read.
     Cancellation interrupts the guest and releases its graphs and contexts.
     """
-    wasm = await trio.Path(path).read_bytes()
     program = Path(path).name
+    tenant = guest_tenant(tenant, program)
+    wasm = await trio.Path(path).read_bytes()
     limits = limits or limits_of(rt)
     if is_component(wasm):
         from wasinn.host.component import run_component
 
         return await run_component(rt, wasm, argv=argv, dirs=dirs, env=env, limits=limits,
-                                   program=program, stdin=stdin)
-    module = await trio.to_thread.run_sync(_compile, wasm, program)
+                                   program=program, stdin=stdin, tenant=tenant)
+    module = await trio.to_thread.run_sync(_compile, wasm, program, limits.counts_fuel)
     config = wasi_config(program, argv, dirs, env)
-    nn = GuestNN(rt, TrioPortal(), limits)
+    nn = GuestNN(rt, TrioPortal(), limits, tenant=tenant)
     with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):
         return await run_core_module(module, config, nn, program,
                                      stop_also=[end_stdin] if end_stdin else [])
 
 
-def _compile(wasm: bytes, program: str) -> wasmtime.Module:
+def _compile(wasm: bytes, program: str, fuel: bool) -> wasmtime.Module:
     try:
-        return compile_module(wasm)
+        return compile_module(wasm, fuel=fuel)
     except wasmtime.WasmtimeError as exc:
         try:  # a binary, or text: wasmtime's own message says what is wrong in it
             readable = wasm.startswith(b"\0asm") or bool(wasm.decode())
@@ -148,9 +159,10 @@ async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, 
                           ) -> int:
     """Instantiate ``module`` with WASI ``config`` and wasi-nn ``nn``; run ``_start``.
 
+    ``module`` must be compiled for ``engine_for(fuel=nn.limits.counts_fuel)``.
     ``stop_also``: what else to call when the guest is interrupted (ending its stdin).
     """
-    engine = shared_engine()
+    engine = engine_for(fuel=nn.limits.counts_fuel)
     interrupter = Interrupter(engine)
     for action in stop_also:
         interrupter.also_stop(action)
@@ -212,8 +224,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     except wasmtime.ExitTrap as exc:
         code = exc.code
     except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-        trap = INTERRUPTED if interrupter.requested else (
-            f"{program} trapped: {_trap_message(exc)}")
+        trap = trap_message(exc, program, nn.limits, interrupter)
         forget_frames(exc)
     finally:
         log.info("%s ran for %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
@@ -221,6 +232,19 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
         del store, linker  # the guest's memory goes now (see forget_frames)
         raise GuestTrap(trap)
     return code
+
+
+def trap_message(exc: BaseException, program: str, limits: GuestLimits,
+                 interrupter: Interrupter) -> str:
+    """What :class:`GuestTrap` says for ``exc``, a trap of ``program``: that it was
+    interrupted (cancelled), that it ran out of fuel (naming the limit), or wasmtime's
+    own message with the guest's backtrace."""
+    if interrupter.requested:
+        return INTERRUPTED
+    if limits.counts_fuel and ran_out_of_fuel(exc):
+        log.info("%s ran out of fuel: %s", program, _trap_message(exc))  # (its backtrace)
+        return out_of_fuel(program, limits.max_fuel)
+    return f"{program} trapped: {_trap_message(exc)}"
 
 
 def forget_frames(exc: BaseException) -> None:

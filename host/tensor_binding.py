@@ -58,8 +58,10 @@ class BoundTooSmall(TooLargeError):
 
 async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
                        bound: dict[str, np.ndarray[Any, Any]],
-                       names: list[str], timeout: float | None = None) -> dict[str, Tensor]:
-    """One trio round trip per compute: bind, run, collect every output (in trio).
+                       names: list[str], timeout: float | None = None,
+                       tenant: str = "") -> dict[str, Tensor]:
+    """One trio round trip per compute: bind, run (for ``tenant``), collect every output
+    (in trio).
 
     Bound buffers are filled by the context during ``run`` (straight into guest memory).
     Past ``timeout`` seconds the run is cancelled (its queued request dropped, a running
@@ -71,7 +73,7 @@ async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
         ctx.set_output(name, buffer)
     try:
         with trio.fail_after(math.inf if timeout is None else timeout):
-            await ctx.run()
+            await ctx.run(tenant=tenant)
     except trio.TooSlowError:
         raise TimeoutError_(
             f"compute took longer than this guest's limit of {timeout:g} s "
@@ -130,12 +132,12 @@ class InFlight:
 
 def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Tensor],
                           bound: dict[str, np.ndarray[Any, Any]],
-                          in_flight: InFlight) -> dict[str, Tensor]:
+                          in_flight: InFlight, tenant: str = "") -> dict[str, Tensor]:
     """In the guest's thread: bind inputs and outputs (the context is this guest's
     alone), take a free device slot (no trio when one is free and nobody is queued) and
     run the backend here, giving the slot back without waiting for trio; or else queue
-    the request through ``portal`` (one trio round trip), which on a busy device runs it
-    in a device worker thread.
+    the request for ``tenant`` through ``portal`` (one trio round trip), which on a busy
+    device runs it in a device worker thread.
 
     Cancelling the guest's trio task while the request is queued drops it (the portal
     raises trio.Cancelled here), and while it runs in a worker thread abandons it; a
@@ -150,9 +152,9 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     """
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
-    run = ctx.try_lease(inputs)
+    run = ctx.try_lease(inputs, tenant=tenant)
     if run is None:
-        run = portal.run(functools.partial(ctx.lease, owned_copies(inputs)))
+        run = portal.run(functools.partial(ctx.lease, owned_copies(inputs), tenant=tenant))
     try:
         return in_flight.run(run)
     except TooLargeError as exc:

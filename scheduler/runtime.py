@@ -675,15 +675,17 @@ class Runtime:
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
                        dirs: Mapping[str, Any] | None = None,
                        env: Mapping[str, str] | None = None,
-                       stdin: bytes | os.PathLike[str] | Literal["inherit"] | None = None
-                       ) -> int:
+                       stdin: bytes | os.PathLike[str] | Literal["inherit"] | None = None,
+                       tenant: str | None = None) -> int:
         """Run a WebAssembly guest against this runtime; its exit code (see
-        wasinn.host.runner.run_wasm: ``stdin`` is empty unless given)."""
+        wasinn.host.runner.run_wasm: ``stdin`` is empty unless given). Every request of
+        the guest is made for ``tenant`` (a ``fair`` pool shares device time among
+        tenants); None: the guest file's name, such as ``"classify.wasm"``."""
         import wasinn.host.runner
 
         self._sched  # noqa: B018 - raises when the runtime is not running
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env,
-                                                 stdin=stdin)
+                                                 stdin=stdin, tenant=tenant)
 
 
 def _step_key(config: RuntimeConfig, pipeline: str, index: int, kind: ExecutionTarget

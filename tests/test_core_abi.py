@@ -294,11 +294,11 @@ def test_a_guest_request_on_a_busy_device_is_handed_copies_of_guest_memory() -> 
         def set_output(self, key: str | int, buffer: Any) -> None:
             raise AssertionError("no output is bound here")
 
-        def try_lease(self, inputs: Any) -> Settled | None:
+        def try_lease(self, inputs: Any, *, tenant: str = "") -> Settled | None:
             handed["try_lease"] = inputs["x"].numpy()
             return None if self.busy else Settled()
 
-        async def lease(self, inputs: Any) -> Settled:
+        async def lease(self, inputs: Any, *, tenant: str = "") -> Settled:
             handed["lease"] = inputs["x"].numpy()
             return Settled()
 

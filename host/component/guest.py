@@ -13,10 +13,15 @@ way a guest ends, every context it still holds is closed and every graph unloade
 Every guest gets a private scratch directory (:mod:`wasinn.host.component.scratch`),
 preopened at ``/.wasinn-scratch`` for ``wasinn:nn/scratch``; it is removed, with whatever
 the guest left in it, when the guest is closed (or fails to instantiate).
+
+A guest whose limits set ``max_fuel`` is compiled for and runs on the engine that counts
+fuel; its fuel, set before its start functions run, is that of the instance's whole life
+(:mod:`wasinn.host.fuel`). Its requests are made for its tenant (:mod:`wasinn.host.tenant`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,17 +37,28 @@ from wasinn.host.component import fastlist
 from wasinn.host.component.linking import nn_linker
 from wasinn.host.component.scratch import GUEST_PATH, ScratchDir, quota_exceeded
 from wasinn.host.component.service import NNService
-from wasinn.host.engine import compile_component, shared_engine
+from wasinn.host.engine import compile_component, engine_for
+from wasinn.host.fuel import out_of_fuel, ran_out_of_fuel
 from wasinn.host.guest_stdin import GuestStdin, guest_stdin
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
-from wasinn.host.runner import GuestTrap, forget_frames, guest_threads, stopped_after
+from wasinn.host.runner import (
+    GuestTrap,
+    forget_frames,
+    guest_threads,
+    stopped_after,
+    trap_message,
+)
 from wasinn.host.scheduler_api import TrioPortal
+from wasinn.host.tenant import guest_tenant
 from wasinn.host.wasi import Dirs, wasi_config
 
 log = logging.getLogger("wasinn.host.component")
 
 T = TypeVar("T")
+
+#: What wasmtime says when a store meets a component compiled by another engine.
+_CROSS_ENGINE = "cross-`Engine` instantiation"
 
 #: ``wasi:cli/run`` versions looked for, newest first.
 _RUN_INTERFACES = tuple(f"wasi:cli/run@0.2.{minor}" for minor in range(9, -1, -1))
@@ -62,14 +78,16 @@ def _raised_in_wasm(exc: BaseException) -> bool:
     return "wasm backtrace" in text or "wasm trap:" in text
 
 
-def compile_guest(wasm: bytes | str, program: str = "component") -> wc.Component:
-    """Compile (or fetch from the disk cache) a component in binary or text format.
+def compile_guest(wasm: bytes | str, program: str = "component", *, fuel: bool = False
+                  ) -> wc.Component:
+    """Compile (or fetch from the disk cache) a component in binary or text format, for
+    ``engine_for(fuel=fuel)``: ``fuel`` for a guest whose limits set ``max_fuel``.
 
     Raises InvalidArgumentError naming ``program`` when it is not a valid component.
     """
     data = wasm.encode() if isinstance(wasm, str) else wasm
     try:
-        return compile_component(data)
+        return compile_component(data, fuel=fuel)
     except wasmtime.WasmtimeError as exc:
         raise InvalidArgumentError(f"{program} is not a valid component: {exc}") from None
 
@@ -85,7 +103,7 @@ class ComponentGuest:
     def __init__(self, service: NNService, program: str) -> None:
         self.service = service
         self.program = program
-        self.engine = shared_engine()
+        self.engine = engine_for(fuel=service.limits.counts_fuel)
         self.interrupter = Interrupter(self.engine)
         self.store: wasmtime.Store | None = None
         self.instance: wc.Instance | None = None
@@ -107,29 +125,38 @@ class ComponentGuest:
         program: str = "component",
         scratch: bool = True,
         stop_also: Sequence[Callable[[], None]] = (),
+        tenant: str | None = None,
     ) -> ComponentGuest:
         """Compile (cached) and instantiate ``wasm`` with WASI 0.2 and every wasi-nn version.
+
+        A ``wasm`` already compiled must be compiled for the guest's engine:
+        ``compile_guest(wasm, fuel=limits.counts_fuel)``. ``tenant``: whom the guest's
+        requests are for; None: ``program`` (:mod:`wasinn.host.tenant`).
 
         With ``scratch`` (the default), a guest that imports ``wasinn:nn/scratch`` gets a
         fresh scratch directory, preopened
         into ``wasi`` at ``/.wasinn-scratch`` (``wasi`` is consumed by the guest in any
         case); when none can be created the guest runs without one and its
         ``wasinn:nn/scratch`` calls return ``unsupported-operation``.
-        Raises InvalidArgumentError when it is not a component or imports something the
-        host does not provide, and GuestTrap when one of its start functions traps.
+        Raises InvalidArgumentError when it is not a component, imports something the
+        host does not provide or was compiled for the other engine, or for a ``tenant``
+        that is no str; GuestTrap when one of its start functions traps (or runs out of
+        fuel).
         Cancellation interrupts a start function that is running; whatever a failed start
         loaded is released. ``stop_also``: what else to call when the guest is
         interrupted (ending the stdin ``wasi`` reads: :mod:`wasinn.host.guest_stdin`).
         """
+        tenant = guest_tenant(tenant, program)
         limits = limits or limits_of(rt)
         component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
-            compile_guest, wasm, program)
+            functools.partial(compile_guest, wasm, program, fuel=limits.counts_fuel))
         config = wasi or wasi_config(program)
         # Only a guest that imports wasinn:nn/scratch gets a directory: the others never
         # see an extra preopen, and none can fill /dev/shm through it.
-        wants_scratch = scratch and _imports_scratch(component)
+        wants_scratch = scratch and _imports_scratch(component, engine_for(
+            fuel=limits.counts_fuel))
         scratch_dir = _scratch_dir(program) if wants_scratch else None
-        guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir), program)
+        guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir, tenant=tenant), program)
         for action in stop_also:
             guest.interrupter.also_stop(action)
         try:
@@ -157,11 +184,20 @@ class ComponentGuest:
         except wasmtime.ExitTrap:
             raise
         except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
+            limits = self.service.limits
             if self.interrupter.requested:
                 failure = GuestTrap(INTERRUPTED)
+            elif limits.counts_fuel and ran_out_of_fuel(exc):
+                failure = GuestTrap(out_of_fuel(self.program, limits.max_fuel))
             elif _raised_in_wasm(exc):
                 failure = GuestTrap(
                     f"{self.program} trapped while starting: {_trap_message(exc)}")
+            elif _CROSS_ENGINE in str(exc):
+                failure = InvalidArgumentError(
+                    f"cannot instantiate {self.program}: it was compiled for the engine "
+                    f"{'without' if limits.counts_fuel else 'with'} fuel, and its limits "
+                    f"{'set' if limits.counts_fuel else 'do not set'} max_fuel (expected "
+                    f"compile_guest(wasm, fuel={limits.counts_fuel}))")
             else:
                 failure = InvalidArgumentError(f"cannot instantiate {self.program}: {exc}")
             forget_frames(exc)
@@ -192,8 +228,7 @@ class ComponentGuest:
             except wasmtime.ExitTrap:
                 raise
             except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-                trap = INTERRUPTED if self.interrupter.requested else (
-                    f"{self.program} trapped: {_trap_message(exc)}")
+                trap = trap_message(exc, self.program, self.service.limits, self.interrupter)
                 forget_frames(exc)
         if trap is not None:
             self._forget_store(trap)
@@ -339,8 +374,8 @@ SCRATCH_POLL_SECONDS = 0.05
 SCRATCH_INTERFACE = "wasinn:nn/scratch@"
 
 
-def _imports_scratch(component: wc.Component) -> bool:
-    imports = component.type.imports(shared_engine())
+def _imports_scratch(component: wc.Component, engine: wasmtime.Engine) -> bool:
+    imports = component.type.imports(engine)
     return any(name.startswith(SCRATCH_INTERFACE) for name in imports)
 
 
@@ -379,30 +414,34 @@ async def run_component(
     limits: GuestLimits | None = None,
     program: str = "component.wasm",
     stdin: GuestStdin = None,
+    tenant: str | None = None,
 ) -> int:
     """Run a WASI 0.2 command component (its ``wasi:cli/run`` export); return its exit code.
 
     0 when ``run`` returns ok, 1 when it returns an error, the status given to
     ``wasi:cli/exit`` otherwise. ``argv``/``dirs``/``env`` are as in
     :mod:`wasinn.host.wasi`, ``stdin`` as in :mod:`wasinn.host.guest_stdin` (empty by
-    default). Raises :class:`GuestTrap` when the guest traps or runs past
-    ``limits.run_timeout`` and
-    InvalidArgumentError for bytes that are not a runnable component. Cancellation
+    default); ``tenant`` whom its requests are for (None: ``program``, see
+    :mod:`wasinn.host.tenant`). Raises :class:`GuestTrap` when the guest traps, runs past
+    ``limits.run_timeout`` or out of ``limits.max_fuel``, and InvalidArgumentError for
+    bytes that are not a runnable component or a ``tenant`` that is no str. Cancellation
     interrupts the guest; every graph and context it held is released either way.
     """
+    tenant = guest_tenant(tenant, program)
     config = wasi_config(program, argv, dirs, env)
     limits = limits or limits_of(rt)
     with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):
         return await _run_command(rt, wasm, config, limits, program,
-                                  [end_stdin] if end_stdin else [])
+                                  [end_stdin] if end_stdin else [], tenant)
 
 
 async def _run_command(rt: Any, wasm: bytes, config: wasmtime.WasiConfig,
                        limits: GuestLimits | None, program: str,
-                       stop_also: Sequence[Callable[[], None]]) -> int:
+                       stop_also: Sequence[Callable[[], None]], tenant: str) -> int:
     try:
         guest = await ComponentGuest.start(rt, wasm, limits=limits, wasi=config,
-                                           program=program, stop_also=stop_also)
+                                           program=program, stop_also=stop_also,
+                                           tenant=tenant)
     except wasmtime.ExitTrap as exc:  # a start function called wasi:cli/exit
         return int(exc.code)
     async with guest:

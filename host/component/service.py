@@ -105,12 +105,12 @@ def guest_shape(dims: Sequence[int]) -> tuple[int, ...]:
 
 
 def _try_graph_lease(graph: Any, inputs: Mapping[Any, Tensor],
-                     target: ExecutionTarget | None) -> Any:
+                     target: ExecutionTarget | None, tenant: str) -> Any:
     # The no-trio path only runs on the graph's default target (another target name must
     # be resolved by the scheduler, in trio).
     if target is not None and target is not graph.default_target:
         return None
-    return graph.try_lease(inputs, keep_on_device=True)
+    return graph.try_lease(inputs, keep_on_device=True, tenant=tenant)
 
 
 def _position(name: str, count: int) -> int | None:
@@ -123,7 +123,8 @@ def _position(name: str, count: int) -> int | None:
 
 
 class NNService:
-    """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread."""
+    """The wasi-nn operations of one guest instance. Not thread-safe: one guest thread.
+    Its requests are made for ``tenant`` (:mod:`wasinn.host.tenant`)."""
 
     def __init__(
         self,
@@ -131,9 +132,13 @@ class NNService:
         portal: Portal,
         limits: GuestLimits | None = None,
         scratch: ScratchDir | None = None,
+        *,
+        tenant: str = "",
     ) -> None:
         self.runtime = runtime
         self.scratch = scratch
+        #: Whom every request of this guest is for (:mod:`wasinn.host.tenant`).
+        self.tenant = tenant
         self.portal = portal
         self.limits = limits or GuestLimits()
         self.tables = GuestTables.create(self.limits)
@@ -523,9 +528,12 @@ class NNService:
         entry = self.tables.contexts.get(ctx_rep)
         inputs = self._inputs(named)
         outputs = self._compute(
-            functools.partial(entry.context.try_lease, inputs, keep_on_device=True),
-            functools.partial(entry.context.lease, inputs, keep_on_device=True),
-            functools.partial(entry.context.compute, inputs, keep_on_device=True),
+            functools.partial(entry.context.try_lease, inputs, keep_on_device=True,
+                              tenant=self.tenant),
+            functools.partial(entry.context.lease, inputs, keep_on_device=True,
+                              tenant=self.tenant),
+            functools.partial(entry.context.compute, inputs, keep_on_device=True,
+                              tenant=self.tenant),
             f"compute on {entry.graph.label}",
         )
         return self._add_outputs(outputs)
@@ -539,9 +547,11 @@ class NNService:
         self._check_target(tgt)
         inputs = self._inputs(named)
         outputs = self._compute(
-            functools.partial(_try_graph_lease, graph.graph, inputs, tgt),
-            functools.partial(graph.graph.lease, inputs, target=tgt, keep_on_device=True),
-            functools.partial(graph.graph.compute, inputs, target=tgt, keep_on_device=True),
+            functools.partial(_try_graph_lease, graph.graph, inputs, tgt, self.tenant),
+            functools.partial(graph.graph.lease, inputs, target=tgt, keep_on_device=True,
+                              tenant=self.tenant),
+            functools.partial(graph.graph.compute, inputs, target=tgt, keep_on_device=True,
+                              tenant=self.tenant),
             f"compute on {graph.label}",
         )
         return self._add_outputs(outputs)
@@ -594,9 +604,12 @@ class NNService:
         staged = dict(entry.inputs)
         entry.outputs = None  # a failed compute leaves no outputs of an earlier one
         outputs = self._compute(
-            functools.partial(entry.context.try_lease, staged, keep_on_device=True),
-            functools.partial(entry.context.lease, staged, keep_on_device=True),
-            functools.partial(entry.context.compute, staged, keep_on_device=True),
+            functools.partial(entry.context.try_lease, staged, keep_on_device=True,
+                              tenant=self.tenant),
+            functools.partial(entry.context.lease, staged, keep_on_device=True,
+                              tenant=self.tenant),
+            functools.partial(entry.context.compute, staged, keep_on_device=True,
+                              tenant=self.tenant),
             f"compute on {entry.graph.label}",
         )
         entry.outputs = {str(k): v for k, v in outputs.items()}

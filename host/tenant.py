@@ -1,0 +1,31 @@
+"""Whom a guest's requests are for: its *tenant*.
+
+A pool with ``policy = "fair"`` shares its devices' time equally among the tenants with
+requests waiting (:class:`wasinn.actors.FairSharePolicy`). Every compute, run and lease
+a guest makes (both ABIs, every context and one-shot graph compute) is made for the
+guest's tenant. By default that is the guest's program file name (``classify.wasm``), so
+that different guest programs on one host share a fair pool by default while instances of
+one program share one tenant's time; ``run_wasm(..., tenant=...)`` names another (``""``
+is the tenant of requests that name none, such as the host's own). A compute the guest's
+own thread runs on a slot it found free (``try_lease``: nobody waiting) never queues, but
+its device time is charged to the tenant all the same.
+"""
+
+from __future__ import annotations
+
+from wasinn.errors import InvalidArgumentError
+
+
+def guest_tenant(tenant: object, program: str) -> str:
+    """The tenant of ``program``'s requests: ``tenant``, or ``program`` when it is None.
+
+    Raises InvalidArgumentError unless ``tenant`` is a str or None.
+    """
+    if tenant is None:
+        return program
+    if not isinstance(tenant, str):
+        raise InvalidArgumentError(
+            f"tenant {tenant!r} ({type(tenant).__name__}): expected a str naming whom the "
+            "guest's requests are for (the fair queue policy shares device time among "
+            "tenants), or None for the guest's program name")
+    return tenant
