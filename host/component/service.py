@@ -488,6 +488,17 @@ class NNService:
 
         return self.portal.run(bounded)
 
+    def _context_compute(self, entry: ContextEntry, inputs: Mapping[str | int, Tensor]
+                         ) -> Mapping[Any, Tensor]:
+        # A compute on ``entry``'s context, for the guest's tenant (see _compute).
+        context, tenant = entry.context, self.tenant
+        return self._compute(
+            functools.partial(context.try_lease, inputs, keep_on_device=True, tenant=tenant),
+            functools.partial(context.lease, inputs, keep_on_device=True, tenant=tenant),
+            functools.partial(context.compute, inputs, keep_on_device=True, tenant=tenant),
+            f"compute on {entry.graph.label}",
+        )
+
     def _compute(self, try_lease: Callable[[], Any], lease: Callable[[], Awaitable[Any]],
                  compute: Callable[[], Awaitable[Mapping[Any, Tensor]]],
                  what: str) -> Mapping[Any, Tensor]:
@@ -527,15 +538,7 @@ class NNService:
         """2024-10-28 ``compute(list<named-tensor>)``; the inputs were already taken over."""
         entry = self.tables.contexts.get(ctx_rep)
         inputs = self._inputs(named)
-        outputs = self._compute(
-            functools.partial(entry.context.try_lease, inputs, keep_on_device=True,
-                              tenant=self.tenant),
-            functools.partial(entry.context.lease, inputs, keep_on_device=True,
-                              tenant=self.tenant),
-            functools.partial(entry.context.compute, inputs, keep_on_device=True,
-                              tenant=self.tenant),
-            f"compute on {entry.graph.label}",
-        )
+        outputs = self._context_compute(entry, inputs)
         return self._add_outputs(outputs)
 
     def graph_compute(
@@ -603,15 +606,7 @@ class NNService:
                 "inputs to be set first")
         staged = dict(entry.inputs)
         entry.outputs = None  # a failed compute leaves no outputs of an earlier one
-        outputs = self._compute(
-            functools.partial(entry.context.try_lease, staged, keep_on_device=True,
-                              tenant=self.tenant),
-            functools.partial(entry.context.lease, staged, keep_on_device=True,
-                              tenant=self.tenant),
-            functools.partial(entry.context.compute, staged, keep_on_device=True,
-                              tenant=self.tenant),
-            f"compute on {entry.graph.label}",
-        )
+        outputs = self._context_compute(entry, staged)
         entry.outputs = {str(k): v for k, v in outputs.items()}
 
     def get_output(self, ctx_rep: int, name: str) -> int:
