@@ -23,11 +23,16 @@ import wasmtime
 _OUT_OF_FUEL_TEXT = "all fuel consumed by WebAssembly"
 
 
-def ran_out_of_fuel(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a guest's call, is wasmtime's out-of-fuel trap."""
-    if isinstance(exc, wasmtime.Trap) and exc.trap_code == wasmtime.TrapCode.OUT_OF_FUEL:
-        return True
-    return _OUT_OF_FUEL_TEXT in str(exc)
+def ran_out_of_fuel(exc: BaseException, store: wasmtime.Store) -> bool:
+    """Whether ``exc``, raised by a call of the guest of ``store`` (a store that counts
+    fuel), is wasmtime's out-of-fuel trap.
+
+    A core module's trap says so by its code. A component's has no code, only text, which
+    a guest could also put in its backtrace (a function named so): the store's fuel must
+    be spent as well."""
+    if isinstance(exc, wasmtime.Trap) and exc.trap_code is not None:
+        return exc.trap_code == wasmtime.TrapCode.OUT_OF_FUEL
+    return _OUT_OF_FUEL_TEXT in str(exc) and store.get_fuel() == 0
 
 
 def out_of_fuel(program: str, fuel: int | None) -> str:

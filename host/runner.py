@@ -224,7 +224,7 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
     except wasmtime.ExitTrap as exc:
         code = exc.code
     except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-        trap = trap_message(exc, program, nn.limits, interrupter)
+        trap = trap_message(exc, program, nn.limits, interrupter, store)
         forget_frames(exc)
     finally:
         log.info("%s ran for %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
@@ -235,13 +235,13 @@ def _run_start(engine: wasmtime.Engine, module: wasmtime.Module, config: wasmtim
 
 
 def trap_message(exc: BaseException, program: str, limits: GuestLimits,
-                 interrupter: Interrupter) -> str:
+                 interrupter: Interrupter, store: wasmtime.Store) -> str:
     """What :class:`GuestTrap` says for ``exc``, a trap of ``program``: that it was
     interrupted (cancelled), that it ran out of fuel (naming the limit), or wasmtime's
     own message with the guest's backtrace."""
     if interrupter.requested:
         return INTERRUPTED
-    if limits.counts_fuel and ran_out_of_fuel(exc):
+    if limits.counts_fuel and ran_out_of_fuel(exc, store):
         log.info("%s ran out of fuel: %s", program, _trap_message(exc))  # (its backtrace)
         return out_of_fuel(program, limits.max_fuel)
     return f"{program} trapped: {_trap_message(exc)}"

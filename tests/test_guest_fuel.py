@@ -255,3 +255,19 @@ def test_wasinn_run_fuel_must_be_a_positive_whole_number(value: str,
     assert (f"wasinn run: error: argument --fuel: {value!r}: expected a whole number of "
             "fuel units from 1 to 18446744073709551615, such as 1000000000"
             ) in capfd.readouterr().err
+
+
+async def test_a_trap_that_only_says_fuel_ran_out_is_reported_as_what_it_is(
+        tmp_path: Path) -> None:
+    # A guest may name a function after wasmtime's out-of-fuel text, which its backtrace
+    # then carries: its `unreachable` is still a trap of its own, not the fuel bound.
+    guest = tmp_path / "spoof.wat"
+    guest.write_text("""(module
+      (memory (export "memory") 1)
+      (func $"all fuel consumed by WebAssembly" unreachable)
+      (func (export "_start") call $"all fuel consumed by WebAssembly"))""")
+    async with wasinn.Runtime(fuel_config(ENOUGH)) as rt:
+        message = await trapped(rt, guest)
+    assert message.startswith("spoof.wat trapped: ")
+    assert "unreachable" in message
+    assert "ran out of fuel" not in message

@@ -187,7 +187,7 @@ class ComponentGuest:
             limits = self.service.limits
             if self.interrupter.requested:
                 failure = GuestTrap(INTERRUPTED)
-            elif limits.counts_fuel and ran_out_of_fuel(exc):
+            elif limits.counts_fuel and ran_out_of_fuel(exc, store):
                 failure = GuestTrap(out_of_fuel(self.program, limits.max_fuel))
             elif _raised_in_wasm(exc):
                 failure = GuestTrap(
@@ -228,7 +228,8 @@ class ComponentGuest:
             except wasmtime.ExitTrap:
                 raise
             except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-                trap = trap_message(exc, self.program, self.service.limits, self.interrupter)
+                trap = trap_message(exc, self.program, self.service.limits, self.interrupter,
+                                    self.store)
                 forget_frames(exc)
         if trap is not None:
             self._forget_store(trap)
