@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -313,35 +313,29 @@ def _check_preload(flag: str, preload: Preload) -> None:
     parse_config({"models": {preload.name: model}}, None, label=flag, backends=())
 
 
-#: How long ``wasinn run`` waits for a guest to stop after Ctrl-C before it exits anyway.
-CTRL_C_GRACE_S = 2.0
-
-
 @contextlib.asynccontextmanager
 async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
     """A scope that Ctrl-C cancels: the guest is stopped and its models released, and
     the command exits with 130. A guest blocked in a host call that its cancellation
-    cannot reach (a component's WASI sleep) would hold the command for as long as it
-    chose: :data:`CTRL_C_GRACE_S` seconds after Ctrl-C, or at a second Ctrl-C, the
-    process exits at once (status 130), saying so."""
+    cannot reach (a component's WASI sleep) is given up on by ``run_wasm`` itself
+    :data:`~wasinn.host.guest_thread.STOP_GRACE_S` seconds later: its thread is
+    abandoned (a daemon thread, which does not hold the process's exit), and the command
+    says so and exits. A second Ctrl-C exits at once (status 130)."""
     import trio
+
+    from wasinn.host.guest_thread import STOP_GRACE_S, abandoned_guest_threads
 
     if threading.current_thread() is not threading.main_thread():
         with trio.CancelScope() as scope:  # (signals reach the main thread only)
             yield scope
         return
-    timers: list[threading.Timer] = []
     with trio.CancelScope() as scope, trio.open_signal_receiver(signal.SIGINT) as signals:
 
         async def watch() -> None:
             async for _ in signals:
-                if timers:
+                if scope.cancel_called:
                     _exit_now("a second Ctrl-C")
                 scope.cancel()
-                timers.append(_exit_later(CTRL_C_GRACE_S, (
-                    f"the guest did not stop within {CTRL_C_GRACE_S:g} s of Ctrl-C (it is "
-                    "blocked in a host call, such as a component's WASI sleep)"),
-                    EXIT_INTERRUPTED))
 
         watching = trio.CancelScope()
 
@@ -352,44 +346,20 @@ async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
         # A system task, not a nursery: the guest's own errors (a trap) reach the
         # caller as they are, not in an exception group.
         trio.lowlevel.spawn_system_task(watch_until_done)
+        abandoned_before = abandoned_guest_threads()
         try:
             yield scope
         finally:
             watching.cancel()
-            for timer in timers:
-                timer.cancel()
+            if scope.cancel_called and abandoned_guest_threads() > abandoned_before:
+                print(f"wasinn: the guest did not stop within {STOP_GRACE_S:g} s of Ctrl-C "
+                      "(it is blocked in a host call, such as a component's WASI sleep): "
+                      "exiting", file=sys.stderr)
 
 
 def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:
     print(f"wasinn: {why}: exiting", file=sys.stderr, flush=True)
     os._exit(status)
-
-
-def _exit_later(seconds: float, why: str, status: int) -> threading.Timer:
-    """A started daemon timer that exits (``status``, saying ``why``) in ``seconds``
-    unless cancelled."""
-    timer = threading.Timer(seconds, _exit_now, (why, status))
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-@contextlib.contextmanager
-def _exits_after_run_timeout(timeout: float | None, status: int) -> Iterator[None]:
-    """Exit (``status``) :data:`CTRL_C_GRACE_S` seconds after ``timeout`` if the block
-    has not ended by then: a guest past its ``run_timeout`` is stopped, but one blocked in
-    a host call its interruption cannot reach would hold the command."""
-    if timeout is None:
-        yield
-        return
-    timer = _exit_later(timeout + CTRL_C_GRACE_S, (
-        f"the guest did not stop within {CTRL_C_GRACE_S:g} s of its run_timeout "
-        f"({timeout:g} s; it is blocked in a host call, such as a component's WASI sleep)"),
-        status)
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -413,10 +383,11 @@ async def _run(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"guests": guests})
     async with Runtime(config) as rt:
         try:
-            with _exits_after_run_timeout(config.guests.run_timeout, TRAP_EXIT_STATUS):
-                async with _stopped_by_ctrl_c() as stop:
-                    code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
-                                             stdin="inherit")
+            # A guest past its run_timeout that cannot be stopped (blocked in a host
+            # call) is given up on by run_wasm after its grace: GuestTrap all the same.
+            async with _stopped_by_ctrl_c() as stop:
+                code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
+                                         stdin="inherit")
             return EXIT_INTERRUPTED if stop.cancelled_caught else code
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)

@@ -14,6 +14,12 @@ Handles are small integers, never reused within a guest, so a handle used after
 ``unload`` / ``finalize_execution_context`` is reported as closed, not confused with a
 newer one.
 
+Once :meth:`GuestNN.release` has begun (the guest ended, or was stopped and its thread
+abandoned: :mod:`wasinn.host.guest_thread`), every call is refused with
+ClosedResourceError, and a graph or context that a call in flight obtains afterwards (a
+load that ignored the cancellation) is released at once instead of being handed out:
+the thread of an abandoned guest may wake later and carry on with its host calls.
+
 Data movement (why each copy is or is not made):
 
 - Model builders are copied out of guest memory at ``load``: the scheduler may keep them
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +71,7 @@ from wasinn.host.guest_memory import (
     check_model_name,
     u32,
 )
+from wasinn.host.guest_thread import shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
@@ -134,6 +142,11 @@ class GuestNN:
         #: The request this guest's thread is running (see :meth:`interrupt`).
         self.in_flight = InFlight()
         self._warned_overlap = False
+        # Set when release() begins, with the tables' additions under the lock: a graph or
+        # context added from the guest's thread is either released by release() or, after
+        # it, by the thread itself (see the module docstring).
+        self._lock = threading.Lock()
+        self._released = False
 
     def interrupt(self) -> None:
         """Stop the inference this guest is running, from another thread, where the
@@ -142,7 +155,12 @@ class GuestNN:
         self.in_flight.interrupt()
 
     # -- handles ------------------------------------------------------------------
+    def _check_live(self) -> None:
+        if self._released:
+            raise _stopped()
+
     def _graph(self, handle: int) -> _GuestGraph:
+        self._check_live()
         try:
             return self.graphs[handle]
         except KeyError:
@@ -151,6 +169,7 @@ class GuestNN:
             raise NotFoundError(f"unknown graph handle {handle}") from None
 
     def _context(self, handle: int) -> _GuestContext:
+        self._check_live()
         try:
             return self.contexts[handle]
         except KeyError:
@@ -161,13 +180,20 @@ class GuestNN:
             raise NotFoundError(f"unknown execution context handle {handle}") from None
 
     def _add_graph(self, graph: GraphLike, model_bytes: int) -> int:
-        handle = self._next_graph
-        self._next_graph += 1
-        self.graphs[handle] = _GuestGraph(graph, model_bytes)
-        self.model_bytes += model_bytes
-        return handle
+        with self._lock:
+            if not self._released:
+                handle = self._next_graph
+                self._next_graph += 1
+                self.graphs[handle] = _GuestGraph(graph, model_bytes)
+                self.model_bytes += model_bytes
+                return handle
+        # Loaded after release() (the guest was abandoned meanwhile): nobody else would
+        # ever unload it. Shielded: the guest's calls into trio are cancelled by now.
+        self.portal.run(shielded, graph.unload)
+        raise _stopped()
 
     def _check_graph_quota(self, model_bytes: int = 0) -> None:
+        self._check_live()
         _check_handle_left(self._next_graph, "graph")
         if len(self.graphs) >= self.limits.max_graphs:
             raise TooLargeError(
@@ -215,7 +241,7 @@ class GuestNN:
         try:  # the registry chose its target: the guest may not be allowed there
             self.limits.check_target(graph.default_target)
         except WasiNNError:
-            self.portal.run(graph.unload)
+            self.portal.run(shielded, graph.unload)  # (even in a guest being stopped)
             raise
         handle = self._add_graph(graph, 0)
         log.info("graph %d: %r loaded by name in %.1f ms", handle, name,
@@ -233,9 +259,12 @@ class GuestNN:
         entry = self._graph(graph_handle)
         for ctx_handle in sorted(entry.contexts):
             self._close_context(ctx_handle)
-        del self.graphs[graph_handle]
+        if self.graphs.pop(graph_handle, None) is None:
+            return  # release() took it meanwhile (an abandoned guest): it unloads it
         self.model_bytes -= entry.model_bytes
-        self.portal.run(entry.graph.unload)
+        # Shielded: out of the table, nobody else would unload it (were the guest stopped
+        # while this call waits in trio, release() would not see the graph).
+        self.portal.run(shielded, entry.graph.unload)
 
     # -- contexts -----------------------------------------------------------------
     def init_execution_context(self, mem: GuestMemory, graph_handle: int, ctx_out: int,
@@ -252,11 +281,17 @@ class GuestNN:
         _check_handle_left(self._next_context, "execution context")
         ctx = self.portal.run_sync(functools.partial(
             entry.graph.init_execution_context, target=tgt))
-        handle = self._next_context
-        self._next_context += 1
-        self.contexts[handle] = _GuestContext(
-            ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs))
-        entry.contexts.add(handle)
+        handle: int | None = None
+        with self._lock:
+            if not self._released:
+                handle = self._next_context
+                self._next_context += 1
+                self.contexts[handle] = _GuestContext(
+                    ctx, graph_handle, tuple(entry.graph.inputs), tuple(entry.graph.outputs))
+                entry.contexts.add(handle)
+        if handle is None:  # after release() (see _add_graph): nobody else would close it
+            self.portal.run_sync(ctx.close)
+            raise _stopped()
         mem.write_u32(ctx_out, handle)
 
     def finalize_execution_context(self, ctx_handle: int) -> None:
@@ -264,7 +299,9 @@ class GuestNN:
         self._close_context(ctx_handle)
 
     def _close_context(self, ctx_handle: int) -> None:
-        entry = self.contexts.pop(ctx_handle)
+        entry = self.contexts.pop(ctx_handle, None)
+        if entry is None:
+            return  # release() took it meanwhile (an abandoned guest): it closes it
         graph = self.graphs.get(entry.graph_handle)
         if graph is not None:
             graph.contexts.discard(ctx_handle)
@@ -450,22 +487,37 @@ class GuestNN:
     async def release(self) -> None:
         """Close every context and unload every graph this guest still holds (in trio).
 
-        Called by the runner once the guest has stopped, however it stopped. Never
-        raises for one failing handle: the rest are still released.
+        Called by the runner once the guest has stopped, however it stopped (its thread
+        may still run: abandoned, see :mod:`wasinn.host.guest_thread`); every call made
+        from then on is refused. Never raises for one failing handle: the rest are still
+        released.
         """
+        with self._lock:
+            self._released = True
         for handle in list(self.contexts):
-            entry = self.contexts.pop(handle)
+            entry = self.contexts.pop(handle, None)
+            if entry is None:  # the guest's thread closed it meanwhile (abandoned)
+                continue
             try:
                 entry.ctx.close()
             except Exception:
                 log.exception("closing execution context %d failed", handle)
         for handle in list(self.graphs):
-            graph = self.graphs.pop(handle)
+            graph = self.graphs.pop(handle, None)
+            if graph is None:  # the guest's thread unloaded it meanwhile (abandoned)
+                continue
             try:
                 await graph.graph.unload()
             except Exception:
                 log.exception("unloading graph %d failed", handle)
         self.model_bytes = 0
+
+
+def _stopped() -> ClosedResourceError:
+    """What a call of a released guest gets (see the module docstring)."""
+    return ClosedResourceError(
+        "this guest was stopped: its graphs and contexts are released (expected no wasi-nn "
+        "call after the guest's run ended)")
 
 
 def _check_handle_left(next_handle: int, kind: str) -> None:

@@ -15,6 +15,10 @@ tickets), then traps; a guest sleeping in WASI's ``poll_oneoff`` wakes and traps
 holds is closed and every graph unloaded before ``run_wasm`` returns or raises. A guest
 reading its stdin reads a pipe the host fills (:mod:`wasinn.host.guest_stdin`): its
 cancellation closes the pipe, so a read that waits for input returns and the guest traps.
+A guest blocked in a host call that none of these reach (a read of a FIFO in a directory
+it was given) is waited for at most :data:`~wasinn.host.guest_thread.STOP_GRACE_S`
+seconds, then its thread is abandoned (:mod:`wasinn.host.guest_thread`): ``run_wasm``
+raises all the same and releases what the guest held.
 
 A guest whose limits set ``max_fuel`` runs on the engine that counts fuel, and traps
 when its fuel runs out (:mod:`wasinn.host.fuel`); cancellation and ``run_timeout`` stop
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 import traceback
@@ -42,10 +45,11 @@ from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import compile_module, engine_for, is_component
 from wasinn.host.fuel import out_of_fuel, ran_out_of_fuel
 from wasinn.host.guest_stdin import GuestStdin, guest_stdin
+from wasinn.host.guest_thread import GuestPortal, GuestRun
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.nn_core import GuestNN
-from wasinn.host.scheduler_api import RuntimeLike, TrioPortal
+from wasinn.host.scheduler_api import RuntimeLike
 from wasinn.host.tenant import guest_tenant
 from wasinn.host.wasi import Dirs, wasi_config
 from wasinn.host.wasi_poll import define_interruptible_poll
@@ -54,20 +58,6 @@ log = logging.getLogger("wasinn.host")
 
 #: Exit status reported for a guest that trapped (as Wasmtime's CLI does: 128 + SIGABRT).
 TRAP_EXIT_STATUS = 134
-
-# Every guest gets its own worker thread for as long as it runs: guests mostly wait in
-# wasi-nn calls, so they must not compete with the device actors' inference threads.
-_GUEST_THREADS = trio.lowlevel.RunVar[trio.CapacityLimiter]("wasinn_guest_threads")
-
-
-def guest_threads() -> trio.CapacityLimiter:
-    try:
-        return _GUEST_THREADS.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(math.inf)
-        _GUEST_THREADS.set(limiter)
-        return limiter
-
 
 @contextlib.contextmanager
 def stopped_after(timeout: float | None, program: str) -> Iterator[None]:
@@ -131,7 +121,7 @@ async def run_wasm(
                                    program=program, stdin=stdin, tenant=tenant)
     module = await trio.to_thread.run_sync(_compile, wasm, program, limits.counts_fuel)
     config = wasi_config(program, argv, dirs, env)
-    nn = GuestNN(rt, TrioPortal(), limits, tenant=tenant)
+    nn = GuestNN(rt, GuestPortal(), limits, tenant=tenant)
     with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):
         return await run_core_module(module, config, nn, program,
                                      stop_also=[end_stdin] if end_stdin else [])
@@ -161,42 +151,27 @@ async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, 
 
     ``module`` must be compiled for ``engine_for(fuel=nn.limits.counts_fuel)``.
     ``stop_also``: what else to call when the guest is interrupted (ending its stdin).
+    Cancellation stops the guest and waits for its thread at most
+    :data:`~wasinn.host.guest_thread.STOP_GRACE_S` seconds before abandoning it
+    (:mod:`wasinn.host.guest_thread`); ``nn`` is released either way.
     """
     engine = engine_for(fuel=nn.limits.counts_fuel)
     interrupter = Interrupter(engine)
     for action in stop_also:
         interrupter.also_stop(action)
-    result: outcome.Outcome[int] | None = None
 
-    async def run_in_thread() -> int:
-        return await trio.to_thread.run_sync(
-            _run_start, engine, module, config, nn, interrupter, program,
-            abandon_on_cancel=False, limiter=guest_threads())
+    def stop() -> None:
+        interrupter.request()  # a no-op once the guest has finished
+        nn.interrupt()  # and an inference it is running stops now, not when done
 
-    async def guest() -> None:
-        nonlocal result
-        # Captured rather than raised, so that a trap is not wrapped in the nursery's
-        # exception group; a Cancelled is re-raised below, outside the nursery.
-        result = await outcome.acapture(run_in_thread)
-        interrupter.finish()
-        nursery.cancel_scope.cancel()
-
-    async def stop_on_cancel() -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            interrupter.request()  # a no-op once the guest has finished
-            nn.interrupt()  # and an inference it is running stops now, not when done
-
+    run = GuestRun(program, stop)
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(guest)
-            nursery.start_soon(stop_on_cancel)
+        result = await run.run(_run_start, engine, module, config, nn, interrupter, program)
     finally:
         interrupter.finish()
         with trio.CancelScope(shield=True):
             await nn.release()
-    assert result is not None
+    assert result is not None  # (only a stop from within returns None; none is made here)
     if isinstance(result, outcome.Error) and interrupter.requested:
         # The guest was stopped because this call was cancelled: let the cancellation,
         # not the resulting trap, be what the caller sees.

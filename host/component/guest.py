@@ -7,8 +7,12 @@ parallel) and reaches the scheduler through ``trio.from_thread``.
 
 Cancellation: cancelling a call interrupts the guest wherever it is. A guest computing
 in wasm traps at its next epoch check (:class:`~wasinn.host.interrupt.Interrupter`); a
-guest waiting in a wasi-nn call has that call cancelled in trio, then traps. Whatever
-way a guest ends, every context it still holds is closed and every graph unloaded.
+guest waiting in a wasi-nn call has that call cancelled in trio, then traps. A guest
+blocked in a host call that neither reaches (a WASI sleep in ``wasi:io/poll``, a read
+of a FIFO) is waited for at most :data:`~wasinn.host.guest_thread.STOP_GRACE_S`
+seconds, then its thread is abandoned (:mod:`wasinn.host.guest_thread`): the call
+raises all the same, and the guest cannot be called again. Whatever way a guest ends,
+every context it still holds is closed and every graph unloaded when it is closed.
 
 Every guest gets a private scratch directory (:mod:`wasinn.host.component.scratch`),
 preopened at ``/.wasinn-scratch`` for ``wasinn:nn/scratch``; it is removed, with whatever
@@ -40,16 +44,15 @@ from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, engine_for
 from wasinn.host.fuel import out_of_fuel, ran_out_of_fuel
 from wasinn.host.guest_stdin import GuestStdin, guest_stdin
+from wasinn.host.guest_thread import GuestPortal, GuestRun, in_abandoned_thread
 from wasinn.host.interrupt import INTERRUPTED, Interrupter
 from wasinn.host.limits import GuestLimits, limit_store, limits_of
 from wasinn.host.runner import (
     GuestTrap,
     forget_frames,
-    guest_threads,
     stopped_after,
     trap_message,
 )
-from wasinn.host.scheduler_api import TrioPortal
 from wasinn.host.tenant import guest_tenant
 from wasinn.host.wasi import Dirs, wasi_config
 
@@ -156,7 +159,7 @@ class ComponentGuest:
         wants_scratch = scratch and _imports_scratch(component, engine_for(
             fuel=limits.counts_fuel))
         scratch_dir = _scratch_dir(program) if wants_scratch else None
-        guest = cls(NNService(rt, TrioPortal(), limits, scratch_dir, tenant=tenant), program)
+        guest = cls(NNService(rt, GuestPortal(), limits, scratch_dir, tenant=tenant), program)
         for action in stop_also:
             guest.interrupter.also_stop(action)
         try:
@@ -204,6 +207,8 @@ class ComponentGuest:
         if failure is not None:
             del store, linker  # the guest's memory goes now (see forget_frames)
             raise failure
+        if in_abandoned_thread():  # the start was given up on: the guest is closed
+            return
         self.store = store
         log.info("instantiated %s in %.1f ms", self.program, (time.perf_counter() - started) * 1e3)
 
@@ -219,20 +224,24 @@ class ComponentGuest:
         return self.instance.get_func(self.store, index) if index is not None else None
 
     def _invoke(self, func: wc.Func, args: Sequence[Any]) -> Any:
-        assert self.store is not None
+        # The store as it is now: an abandoned call (see _interruptible) goes on with it
+        # after the guest has let it go.
+        store = self.store
+        assert store is not None
         trap: str | None = None
         with fastlist.words_as_bytes():
             try:
-                result = func(self.store, *args)
-                func.post_return(self.store)
+                result = func(store, *args)
+                func.post_return(store)
             except wasmtime.ExitTrap:
                 raise
             except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
                 trap = trap_message(exc, self.program, self.service.limits, self.interrupter,
-                                    self.store)
+                                    store)
                 forget_frames(exc)
         if trap is not None:
-            self._forget_store(trap)
+            if not in_abandoned_thread():
+                self._forget_store(trap)
             raise GuestTrap(trap)
         return result
 
@@ -269,54 +278,44 @@ class ComponentGuest:
             self._busy = False
 
     async def _interruptible(self, fn: Callable[..., T], *args: Any) -> T:
-        result: outcome.Outcome[T] | None = None
-        finished = False
-        # Cancelled to stop the guest from inside (its scratch quota): the thread keeps
-        # running until the guest traps, but a wasi-nn call it waits on in trio (a
-        # request queued on a busy device, or run in a device worker thread) is cancelled
-        # at once, as when the caller cancels.
-        stopping = trio.CancelScope()
-
-        async def guest() -> None:
-            nonlocal result, finished
-            with stopping:
-                # Captured, not raised, so a trap is not wrapped in the nursery's group.
-                result = await outcome.acapture(
-                    trio.to_thread.run_sync, fn, *args, abandon_on_cancel=False,
-                    limiter=guest_threads())
-            finished = True
-            nursery.cancel_scope.cancel()
-
-        async def stop_on_cancel() -> None:
-            try:
-                await trio.sleep_forever()
-            finally:
-                if not finished:
-                    self.interrupter.request()
-                    self.service.interrupt()  # an inference it runs stops now
-
         over_quota: list[str] = []
         scratch = self.service.scratch
 
+        def stop() -> None:
+            self.interrupter.request()
+            self.service.interrupt()  # an inference it runs stops now
+
+        run = GuestRun(self.program, stop)
+
         async def watch_scratch(scratch: ScratchDir) -> None:
             # WASI has no quota: the guest's file writes go straight to the host's disk
-            # (or /dev/shm), so the host measures while the guest runs and stops it.
+            # (or /dev/shm), so the host measures while the guest runs and stops it (a
+            # wasi-nn call it waits on in trio is cancelled at once, as when the caller
+            # cancels).
             while True:
                 reason = await self._scratch_over_quota(scratch)
                 if reason is not None:
                     over_quota.append(reason)
-                    self.interrupter.request()
-                    self.service.interrupt()
-                    stopping.cancel()
+                    run.stop()
                     return
                 await trio.sleep(SCRATCH_POLL_SECONDS)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(guest)
-            nursery.start_soon(stop_on_cancel)
-            if scratch is not None:
-                nursery.start_soon(watch_scratch, scratch)
-        assert result is not None
+        try:
+            async with trio.open_nursery() as nursery:
+                if scratch is not None:
+                    nursery.start_soon(watch_scratch, scratch)
+                try:
+                    result = await run.run(fn, *args)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if run.abandoned:
+                # Its thread goes on with the store: this guest can never be entered again.
+                self._stopped = self._stopped or (
+                    f"{self.program} cannot be called again: it was stopped while blocked in "
+                    "a host call, and its thread was abandoned")
+                self.instance = None
+                self.store = None
         if scratch is not None and not over_quota:
             # A call shorter than the poll interval is measured here, once it returned.
             reason = await self._scratch_over_quota(scratch)
@@ -327,6 +326,7 @@ class ComponentGuest:
             self._stopped = f"{self.program} was stopped: {over_quota[0]}"
             self.interrupter.request()
             raise GuestTrap(self._stopped)
+        assert result is not None  # (None: abandoned after a stop from within, over quota)
         if isinstance(result, outcome.Error) and self.interrupter.requested:
             await trio.lowlevel.checkpoint()  # let the cancellation be what the caller sees
         return result.unwrap()

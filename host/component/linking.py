@@ -24,7 +24,10 @@ Rules of wasmtime-py this module lives by (see ``shared/notes/wasmtime-py.md``):
 Cancellation: once the guest's :class:`~wasinn.host.interrupt.Interrupter` is asked to
 stop (or a scheduler call is cancelled in trio), the host call aborts the guest with a
 trap (raising ``WasmtimeError``, which is not recorded in wasmtime-py's process-wide
-"last exception", so no other guest's error is misattributed).
+"last exception", so no other guest's error is misattributed). Every host function,
+resource destructors included, checks that first, before touching the guest's
+:class:`NNService`: a stopped guest whose thread was abandoned and wakes later
+(:mod:`wasinn.host.guest_thread`) traps at its first wasi-nn call, its tables released.
 """
 
 from __future__ import annotations
@@ -151,6 +154,7 @@ class Binder:
 
     def dtor(self, fn: Callable[[int], None]) -> Callable[[Any, int], None]:
         def drop(_store: Any, rep: int) -> None:
+            self._check_cancel()
             try:
                 fn(rep)
             except trio.Cancelled:

@@ -19,7 +19,10 @@ Ownership: an owned tensor handed to the host (compute inputs, ``set-input``) le
 the guest's table at once, whatever happens next. A graph is unloaded when its last
 holder, the graph handle or a context created from it, is dropped. :meth:`close`
 releases whatever a guest left behind (it trapped, exited or was cancelled), including
-a graph whose unload was cancelled half-way.
+a graph whose unload was cancelled half-way. The guest's thread may outlive the close (a
+stopped guest blocked in a host call is abandoned: :mod:`wasinn.host.guest_thread`); a
+graph or context that one of its calls obtains after the close is released at once,
+never added to the tables the close emptied.
 
 Limits (:class:`~wasinn.host.limits.GuestLimits`): dimensions from the guest are
 checked for rank (at most :data:`~wasinn.tensor.MAX_RANK`) before any arithmetic on
@@ -32,9 +35,11 @@ way they were loaded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -43,6 +48,7 @@ import numpy as np
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
+    ClosedResourceError,
     ErrorCode,
     InvalidArgumentError,
     NotFoundError,
@@ -65,6 +71,7 @@ from wasinn.host.component.tables import (
     TensorEntry,
 )
 from wasinn.host.guest_memory import check_model_name, check_name_length
+from wasinn.host.guest_thread import shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
@@ -148,6 +155,10 @@ class NNService:
         self._unloading: list[GraphEntry] = []
         #: The request this guest's thread is running (see :meth:`interrupt`).
         self.in_flight = InFlight()
+        # Set when close() begins, with additions of graphs and contexts under the lock
+        # (close runs in a thread of its own, maybe while the guest's still runs).
+        self._lock = threading.Lock()
+        self._closed = False
 
     def interrupt(self) -> None:
         """Stop the inference this guest is running, from another thread, where the
@@ -380,15 +391,24 @@ class NNService:
 
     def _add_graph(self, graph: Any, label: str, size: int) -> int:
         """Hand a loaded graph to the guest; unloaded again (and the error raised) when its
-        default target is not allowed (SecurityError) or the table is full."""
+        default target is not allowed (SecurityError), the table is full or the guest was
+        closed meanwhile (ClosedResourceError)."""
         entry = GraphEntry(graph, label, model_bytes=size)
         self._model_bytes += size
         try:
             self._check_target(getattr(graph, "default_target", None))
-            return self.tables.graphs.add(entry)
+            with self._lock:
+                self._check_open()
+                return self.tables.graphs.add(entry)
         except WasiNNError:
             self._release_graph(entry)
             raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError(
+                "this guest was stopped: its graphs and contexts are released (expected no "
+                "wasi-nn call after the guest's run ended)")
 
     def graph_drop(self, rep: int) -> None:
         entry = self.tables.graphs.pop(rep)
@@ -407,12 +427,16 @@ class NNService:
         if entry.unloaded:
             return
         try:
-            self.portal.run(entry.graph.unload)
+            if self._closed:  # after close(): nobody else would unload it
+                self.portal.run(shielded, entry.graph.unload)
+            else:
+                self.portal.run(entry.graph.unload)
         except Exception:  # the guest has let go; a failed unload must not reach it
             log.exception("unloading %s failed", entry.label)
         entry.unloaded = True
         self._model_bytes -= entry.model_bytes
-        self._unloading.remove(entry)
+        with contextlib.suppress(ValueError):  # (close() and an abandoned call, both)
+            self._unloading.remove(entry)
 
     def init_context(self, graph_rep: int, target: str | None = None) -> int:
         graph = self.tables.graphs.get(graph_rep)
@@ -423,11 +447,13 @@ class NNService:
         )
         entry = ContextEntry(ctx, graph)
         try:
-            rep = self.tables.contexts.add(entry)
+            with self._lock:
+                self._check_open()
+                rep = self.tables.contexts.add(entry)
+                graph.holders += 1
         except WasiNNError:
             self._close_context(entry)
             raise
-        graph.holders += 1
         return rep
 
     def context_drop(self, rep: int) -> None:
@@ -633,7 +659,11 @@ class NNService:
     # -- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Release everything the guest still holds (contexts, then graphs, then any graph
-        whose unload was cancelled earlier). Idempotent."""
+        whose unload was cancelled earlier). Idempotent. From then on, a graph or context
+        the guest's thread obtains (abandoned, see the module docstring) is released at
+        once."""
+        with self._lock:
+            self._closed = True
         for ctx in self.tables.contexts.drain():
             self._drop_context(ctx)
         for graph in self.tables.graphs.drain():
