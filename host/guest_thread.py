@@ -295,7 +295,7 @@ class GuestPortal:
     """The :class:`~wasinn.host.scheduler_api.Portal` of a guest's host objects. From a
     thread that :meth:`GuestRun.run` started, a call belongs to that run (cancelled when
     the guest is stopped); from any other thread started by ``trio.to_thread`` (the one
-    that releases a component guest), it is ``trio.from_thread``'s, as TrioPortal's."""
+    that releases a component guest), it is plain ``trio.from_thread``."""
 
     def run(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         run: GuestRun | None = getattr(_current, "run", None)
@@ -316,6 +316,14 @@ async def shielded(afn: Callable[..., Awaitable[T]], *args: Any) -> T:
     with trio.CancelScope(shield=True):
         return await afn(*args)
     raise AssertionError("unreachable: a shielded scope is never cancelled")
+
+
+def guest_stopped() -> ClosedResourceError:
+    """What a wasi-nn call of a guest whose host objects were released gets (its thread,
+    abandoned, woke and called on: see the module docstring)."""
+    return ClosedResourceError(
+        "this guest was stopped: its graphs and contexts are released (expected no wasi-nn "
+        "call after the guest's run ended)")
 
 
 def _describe(result: outcome.Outcome[Any]) -> str:

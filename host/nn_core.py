@@ -71,7 +71,7 @@ from wasinn.host.guest_memory import (
     check_model_name,
     u32,
 )
-from wasinn.host.guest_thread import shielded
+from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
@@ -157,7 +157,7 @@ class GuestNN:
     # -- handles ------------------------------------------------------------------
     def _check_live(self) -> None:
         if self._released:
-            raise _stopped()
+            raise guest_stopped()
 
     def _graph(self, handle: int) -> _GuestGraph:
         self._check_live()
@@ -190,7 +190,7 @@ class GuestNN:
         # Loaded after release() (the guest was abandoned meanwhile): nobody else would
         # ever unload it. Shielded: the guest's calls into trio are cancelled by now.
         self.portal.run(shielded, graph.unload)
-        raise _stopped()
+        raise guest_stopped()
 
     def _check_graph_quota(self, model_bytes: int = 0) -> None:
         self._check_live()
@@ -291,7 +291,7 @@ class GuestNN:
                 entry.contexts.add(handle)
         if handle is None:  # after release() (see _add_graph): nobody else would close it
             self.portal.run_sync(ctx.close)
-            raise _stopped()
+            raise guest_stopped()
         mem.write_u32(ctx_out, handle)
 
     def finalize_execution_context(self, ctx_handle: int) -> None:
@@ -511,13 +511,6 @@ class GuestNN:
             except Exception:
                 log.exception("unloading graph %d failed", handle)
         self.model_bytes = 0
-
-
-def _stopped() -> ClosedResourceError:
-    """What a call of a released guest gets (see the module docstring)."""
-    return ClosedResourceError(
-        "this guest was stopped: its graphs and contexts are released (expected no wasi-nn "
-        "call after the guest's run ended)")
 
 
 def _check_handle_left(next_handle: int, kind: str) -> None:

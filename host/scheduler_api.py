@@ -4,8 +4,9 @@ The bindings depend on the scheduler's public API (``wasinn.Runtime``, its graph
 execution contexts) only through these protocols, so host/ imports nothing from the
 scheduler package and a fake can stand in where a test checks routing only.
 
-:class:`Portal` is how a guest's worker thread reaches trio: in the runner it is
-``trio.from_thread.run`` / ``run_sync``. Graph and context objects are not thread-safe,
+:class:`Portal` is how a guest's worker thread reaches trio: in the runners it is
+:class:`wasinn.host.guest_thread.GuestPortal` (``trio.from_thread.run`` / ``run_sync``,
+cancelled when the guest is stopped). Graph and context objects are not thread-safe,
 so every call on them goes through the portal. The exception is a compute: the guest's
 thread binds the inputs of its own context (used by that thread only), takes a device
 slot with ``try_lease`` (thread-safe; no trio when a slot is free and nobody is queued)
@@ -83,16 +84,3 @@ class Portal(Protocol):
     def run(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T: ...
 
-
-class TrioPortal:
-    """The real portal: ``trio.from_thread`` from a ``trio.to_thread`` worker."""
-
-    def run(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        import trio
-
-        return trio.from_thread.run(afn, *args)
-
-    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        import trio
-
-        return trio.from_thread.run_sync(fn, *args)

@@ -20,7 +20,7 @@ from wasinn import wit
 from wasinn.host.component import EXT_PACKAGE, NN_VERSIONS
 from wasinn.host.component.linking import Binder
 from wasinn.host.component.service import WIT_TENSOR_TYPES, NNService
-from wasinn.host.scheduler_api import TrioPortal
+from wasinn.host.guest_thread import GuestPortal
 
 
 class _RecordingInstance:
@@ -53,7 +53,7 @@ class _RecordingLinker:
 
 def served() -> dict[str, set[str]]:
     linker = _RecordingLinker()
-    Binder(NNService(object(), TrioPortal())).define_all(linker)  # type: ignore[arg-type]
+    Binder(NNService(object(), GuestPortal())).define_all(linker)  # type: ignore[arg-type]
     return dict(linker.served)
 
 

@@ -38,10 +38,10 @@ from wasinn.configs.loader import parse_config
 from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import shared_engine
 from wasinn.host.guest_memory import MAX_NAME_BYTES
+from wasinn.host.guest_thread import GuestPortal
 from wasinn.host.interrupt import Interrupter
 from wasinn.host.limits import GuestLimits
 from wasinn.host.nn_core import GuestNN
-from wasinn.host.scheduler_api import TrioPortal
 from wasinn.modelgen import identity_onnx
 
 SUCCESS, INVALID_ARGUMENT, INVALID_ENCODING, TOO_LARGE, NOT_FOUND = 0, 1, 2, 7, 8
@@ -186,7 +186,7 @@ async def in_guest(rt: wasinn.Runtime, body: Callable[[Guest], None],
                    limits: GuestLimits | None = None) -> None:
     """``body`` on a fresh harness instance, in a worker thread; its graphs and contexts
     are released afterwards as the runner does."""
-    nn = GuestNN(rt, TrioPortal(), limits)
+    nn = GuestNN(rt, GuestPortal(), limits)
     try:
         await trio.to_thread.run_sync(lambda: body(Guest(nn)))
     finally:

@@ -48,7 +48,6 @@ import numpy as np
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import (
-    ClosedResourceError,
     ErrorCode,
     InvalidArgumentError,
     NotFoundError,
@@ -71,7 +70,7 @@ from wasinn.host.component.tables import (
     TensorEntry,
 )
 from wasinn.host.guest_memory import check_model_name, check_name_length
-from wasinn.host.guest_thread import shielded
+from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
@@ -406,9 +405,7 @@ class NNService:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedResourceError(
-                "this guest was stopped: its graphs and contexts are released (expected no "
-                "wasi-nn call after the guest's run ended)")
+            raise guest_stopped()
 
     def graph_drop(self, rep: int) -> None:
         entry = self.tables.graphs.pop(rep)
