@@ -22,6 +22,20 @@ from wasinn.modelgen import ModelFiles, affine_onnx, identity_onnx, sample_image
 WAT_DIR = Path(__file__).parent / "wat"
 
 
+def load_by_name_guest(name: str, path: Path) -> Path:
+    """A core-module guest at ``path`` (a ``.wat`` file, written here) whose exit code is
+    the errno of its ``load_by_name(name)``."""
+    path.write_text(f"""(module
+  (import "wasi_ephemeral_nn" "load_by_name" (func $lbn (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "{name}")
+  (func (export "_start")
+    (call $exit (call $lbn (i32.const 0) (i32.const {len(name.encode())}) (i32.const 64)))))
+""")
+    return path
+
+
 def example_guest(name: str, out_dir: Path) -> Path:
     """The example ``examples/<name>.c`` built to wasm (skipped without a compiler)."""
     skip_unless("wasm", compiler() is not None,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import wasinn
+from tests.guest_support import load_by_name_guest
 from tests.support import require_backend
 from wasinn.configs import ConfigError
 from wasinn.configs.loader import parse_config
@@ -101,18 +102,6 @@ async def test_compute_timeout_cancels_the_run() -> None:
         np.testing.assert_allclose(out["y"].numpy(), np.full((1, 4), 3.0))
 
 
-# A guest whose exit code is the errno of `load_by_name("net")`.
-LOAD_BY_NAME = """
-(module
-  (import "wasi_ephemeral_nn" "load_by_name" (func $lbn (param i32 i32 i32) (result i32)))
-  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
-  (memory (export "memory") 1)
-  (data (i32.const 0) "net")
-  (func (export "_start")
-    (call $exit (call $lbn (i32.const 0) (i32.const 3) (i32.const 64)))))
-"""
-
-
 @pytest.mark.parametrize(("allowed", "errno"), [(None, 0), (["gpu"], INVALID_ARGUMENT)])
 async def test_load_by_name_respects_allowed_targets(
     tmp_path: Path, allowed: list[str] | None, errno: int
@@ -121,8 +110,7 @@ async def test_load_by_name_respects_allowed_targets(
     # limited to gpu must not get it through load_by_name either.
     require_backend("onnxruntime")
     (tmp_path / "net.onnx").write_bytes(affine_onnx())
-    guest = tmp_path / "load_by_name.wat"
-    guest.write_text(LOAD_BY_NAME)
+    guest = load_by_name_guest("net", tmp_path / "load_by_name.wat")
     table: dict[str, object] = {"models": {"net": {"files": ["net.onnx"], "target": "cpu"}}}
     if allowed:
         table["guests"] = {"allowed_targets": allowed}

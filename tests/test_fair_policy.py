@@ -57,6 +57,25 @@ def serve(policy: FairSharePolicy, costs: dict[str, float], grants: int,
     return order
 
 
+def serve_newcomer(policy: FairSharePolicy, costs: dict[str, float], grants: int,
+                   newcomer: str, requests: int) -> list[str]:
+    """``newcomer`` queues ``requests`` requests at once on ``policy`` (already serving
+    others, each with a request waiting); then ``grants`` runs are served, each charged
+    its tenant's cost, and every tenant but the newcomer pushes a request back for each
+    one served. Returns the tenants served, in order."""
+    for _ in range(requests):
+        policy.push(Request(tenant=newcomer))
+    order = []
+    for _ in range(grants):
+        request = policy.pop()
+        assert request is not None
+        order.append(request.tenant)
+        policy.charge(request.tenant, costs[request.tenant])
+        if request.tenant != newcomer:
+            policy.push(Request(tenant=request.tenant))
+    return order
+
+
 def time_of(order: list[str], costs: dict[str, float]) -> Counter[str]:
     spent: Counter[str] = Counter()
     for tenant in order:
@@ -118,16 +137,7 @@ def test_a_new_tenant_is_served_soon_and_starves_nobody() -> None:
     policy = FairSharePolicy()
     costs = {"a": 10.0, "b": 10.0, "new": 1.0}
     serve(policy, {"a": 10.0, "b": 10.0}, 100, backlog=2)
-    for _ in range(200):
-        policy.push(Request(tenant="new"))
-    order = []
-    for _ in range(120):
-        request = policy.pop()
-        assert request is not None
-        order.append(request.tenant)
-        policy.charge(request.tenant, costs[request.tenant])
-        if request.tenant != "new":
-            policy.push(Request(tenant=request.tenant))
+    order = serve_newcomer(policy, costs, 120, "new", 200)
     assert order.index("new") <= 2
     # a and b each run at least once in any 12 grants (10 new runs per a or b run).
     for start in range(len(order) - 24):
@@ -366,16 +376,7 @@ def test_a_new_tenant_of_high_weight_gets_its_share_from_then_on_and_no_banked_c
         ) -> None:
     policy = FairSharePolicy({"vip": 10.0})
     serve(policy, {"old": 1.0}, 500)  # 500 s the vip tenant did not ask for
-    for _ in range(1000):
-        policy.push(Request(tenant="vip"))
-    order = []
-    for _ in range(220):
-        request = policy.pop()
-        assert request is not None
-        order.append(request.tenant)
-        policy.charge(request.tenant, 1.0)
-        if request.tenant == "old":
-            policy.push(Request(tenant="old"))
+    order = serve_newcomer(policy, {"old": 1.0, "vip": 1.0}, 220, "vip", 1000)
     assert order.index("vip") <= 1  # served at once
     # Ten vip runs for each old one from its first request: no burst of vip runs for
     # the 500 s before it (with banked credit, old would wait for 5000 vip runs).

@@ -22,7 +22,7 @@ import trio
 
 import wasinn
 from tests.component_guests import RecordingRuntime
-from tests.guest_support import WAT_DIR
+from tests.guest_support import WAT_DIR, load_by_name_guest
 from tests.test_guest_sleep import sleeper
 from wasinn.configs.loader import parse_config
 from wasinn.host import guest_thread
@@ -283,18 +283,6 @@ class SlowLoads(RecordingRuntime):
             return await super().load_by_name(name)
 
 
-#: Loads "affine" by name and exits with the errno it got.
-LOAD_THEN_EXIT = """
-(module
-  (import "wasi_ephemeral_nn" "load_by_name" (func $lbn (param i32 i32 i32) (result i32)))
-  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
-  (memory (export "memory") 1)
-  (data (i32.const 0) "affine")
-  (func (export "_start")
-    (call $exit (call $lbn (i32.const 0) (i32.const 6) (i32.const 16)))))
-"""
-
-
 @pytest.mark.parametrize("abi", ["core", "component"])
 async def test_a_graph_that_lands_after_the_guest_was_abandoned_is_unloaded(
         real: wasinn.Runtime, tmp_path: Path, caplog: pytest.LogCaptureFixture,
@@ -304,8 +292,7 @@ async def test_a_graph_that_lands_after_the_guest_was_abandoned_is_unloaded(
     rt = SlowLoads(real)
     before = abandoned_guest_threads()
     if abi == "core":
-        guest = tmp_path / "late_graph.wat"
-        guest.write_text(LOAD_THEN_EXIT)
+        guest = load_by_name_guest("affine", tmp_path / "late_graph.wat")
         said = f"it returned {REFUSED}"
     else:
         guest = nn_sleeper(tmp_path, "late_graph.wat", 0)
