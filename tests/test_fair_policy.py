@@ -47,14 +47,7 @@ def serve(policy: FairSharePolicy, costs: dict[str, float], grants: int,
     for tenant in costs:
         for _ in range(backlog):
             policy.push(Request(tenant=tenant))
-    order = []
-    for _ in range(grants):
-        request = policy.pop()
-        assert request is not None
-        order.append(request.tenant)
-        policy.charge(request.tenant, costs[request.tenant])
-        policy.push(Request(tenant=request.tenant))
-    return order
+    return granted(policy, costs, grants, lambda tenant: True)
 
 
 def serve_newcomer(policy: FairSharePolicy, costs: dict[str, float], grants: int,
@@ -65,13 +58,21 @@ def serve_newcomer(policy: FairSharePolicy, costs: dict[str, float], grants: int
     one served. Returns the tenants served, in order."""
     for _ in range(requests):
         policy.push(Request(tenant=newcomer))
+    return granted(policy, costs, grants, lambda tenant: tenant != newcomer)
+
+
+def granted(policy: FairSharePolicy, costs: dict[str, float], grants: int,
+            pushes_back: Callable[[str], bool]) -> list[str]:
+    """``grants`` runs served from ``policy``, each charged its tenant's cost, and a
+    request pushed back for each one served whose tenant ``pushes_back``; the tenants
+    served, in order."""
     order = []
     for _ in range(grants):
         request = policy.pop()
         assert request is not None
         order.append(request.tenant)
         policy.charge(request.tenant, costs[request.tenant])
-        if request.tenant != newcomer:
+        if pushes_back(request.tenant):
             policy.push(Request(tenant=request.tenant))
     return order
 
