@@ -1,6 +1,16 @@
 """The bound on the sandbox processes one host runs at once (``[runtime]
 max_sandbox_processes``).
 
+The host is this Python process: :func:`host_limit` is its bound, one
+:class:`ProcessLimit` of :func:`default_max_processes` (which the machine sets), made on
+first use and shared by everything that starts sandbox processes here without a bound
+of its own: :func:`~.sandbox.load_sandboxed` without spares, :class:`~._sandbox_spares.
+Spares` made without a limit, and so every ``wasinn.Runtime`` whose configuration leaves
+``[runtime] max_sandbox_processes`` unset. Two such runtimes in one process share the
+machine's bound rather than each run up to it. A runtime that sets the key bounds its
+own processes by a limit of that size instead (counted apart from the host's: the key
+is the operator's word for that runtime).
+
 Every sandboxed graph holds a process of its own (up to one per worker of its device),
 each with its own copy of the model and each allowed ``max_sandbox_bytes``; spares wait
 beside them (see :mod:`._sandbox_spares`). Many guests, each within its own limits,
@@ -63,6 +73,23 @@ def default_max_processes() -> int:
         cpus = os.cpu_count() or 1
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(LEAST_DEFAULT, min(PROCESSES_PER_CPU * cpus, memory // 2 // MEMORY_PER_PROCESS))
+
+
+# The host's bound, made by host_limit on first use (tests replace it).
+_host_limit: ProcessLimit | None = None
+_host_limit_lock = threading.Lock()
+
+
+def host_limit() -> ProcessLimit:
+    """The bound on every sandbox process of this Python process that is not counted
+    against a bound of its own (see the module docstring): a :class:`ProcessLimit` of
+    :func:`default_max_processes`, made on the first call (thread-safe) and the same
+    object on every call."""
+    global _host_limit  # noqa: PLW0603 (one bound for the process is the point)
+    with _host_limit_lock:
+        if _host_limit is None:
+            _host_limit = ProcessLimit()
+        return _host_limit
 
 
 class Slot:

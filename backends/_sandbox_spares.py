@@ -19,9 +19,9 @@ the pool, or a spare that is no longer wanted, kills it. A spare that has died m
 is replaced when it is taken. Spares are started with the environment of the load before them.
 
 The pool also holds the host's bound on sandbox processes (:class:`~._sandbox_limit.
-ProcessLimit`), which every process it starts counts towards, spares included: a spare
-is started only below the bound, and is the first process ended when a load or a run
-needs room at it.
+ProcessLimit`; by default the process-wide one, :func:`~._sandbox_limit.host_limit`),
+which every process it starts counts towards, spares included: a spare is started only
+below the bound, and is the first process ended when a load or a run needs room at it.
 
 Thread-safe: loads on several worker threads share one pool.
 """
@@ -34,7 +34,7 @@ import threading
 
 from wasinn.errors import BackendRuntimeError
 
-from ._sandbox_limit import ProcessLimit
+from ._sandbox_limit import ProcessLimit, host_limit
 from ._sandbox_process import SandboxProcess
 from .base import BackendRef
 
@@ -47,14 +47,15 @@ MAX_SPARES = 8
 class Spares:
     """Up to ``keep`` started sandbox processes per kind of load (see the module
     docstring); ``keep = 0`` keeps none, every load starting its own. ``limit``: the
-    bound on every sandbox process of the host (by default, from the machine)."""
+    bound its processes count against (by default the one every sandbox process of this
+    Python process shares, :func:`~._sandbox_limit.host_limit`)."""
 
     def __init__(self, keep: int = 1, *, limit: ProcessLimit | None = None) -> None:
         if not 0 <= keep <= MAX_SPARES:
             raise ValueError(f"keep={keep}: expected 0 to {MAX_SPARES}")
         self.keep = keep
         #: The bound on the host's sandbox processes, these spares included.
-        self.limit = ProcessLimit() if limit is None else limit
+        self.limit = host_limit() if limit is None else limit
         self._lock = threading.Lock()
         self._waiting: dict[tuple[str, bool], list[SandboxProcess]] = {}
         self._closed = False

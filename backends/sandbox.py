@@ -53,10 +53,11 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   (:class:`Spares`, the runtime's ``[runtime] sandbox_spares``) keeps such processes
   started ahead, so that a load or a reload after a crash takes one that has already
   imported its library. Every process, spares included, counts towards the host's
-  bound (:class:`ProcessLimit`, the runtime's ``[runtime] max_sandbox_processes``): at
-  it, a start that a graph cannot run without ends a spare or the idle process of the
-  graph used least recently (which starts one again on its next run), else waits for a
-  busy one (see :mod:`._sandbox_limit`).
+  bound (:class:`ProcessLimit`: the runtime's ``[runtime] max_sandbox_processes``, else
+  the one this Python process shares, :func:`host_limit`, which also bounds the loads
+  given no ``spares``): at it, a start that a graph cannot run without ends a spare or
+  the idle process of the graph used least recently (which starts one again on its next
+  run), else waits for a busy one (see :mod:`._sandbox_limit`).
 * The host never imports the library of a graph it sandboxes: ``backend`` may be a
   :class:`~.base.BackendRef` (``module:Class``), and the scheduler chooses a built-in
   backend for the CPU without importing it. A graph closed has its processes killed
@@ -101,7 +102,7 @@ from . import _confine
 from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
 from ._sandbox_child import EXTERNAL
-from ._sandbox_limit import ProcessLimit, default_max_processes
+from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_wire import ALIGN, DeclaredOutputs
@@ -121,7 +122,8 @@ from .formats import detect_encoding
 log = logging.getLogger("wasinn.backends")
 
 __all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "ProcessLimit", "SandboxedGraph",
-           "Spares", "default_max_bytes", "default_max_processes", "load_sandboxed"]
+           "Spares", "default_max_bytes", "default_max_processes", "host_limit",
+           "load_sandboxed"]
 
 #: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
 #: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).
@@ -139,7 +141,11 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
     """``backend.load(...)``, run in a process of its own (see the module docstring);
     taken from ``spares`` where it has one started (and then replaced there), else
     started for it, every process counted against ``spares.limit`` (the host's bound on
-    sandbox processes; without ``spares``, none). ``processes``: the most runs at once,
+    sandbox processes; without ``spares``, the bound this Python process shares,
+    :func:`host_limit`: at it, a load or a run ends the idle process of the graph used
+    least recently, as under a runtime; close the graph once done with it: until then, or
+    until they are ended so, its idle processes count against that bound, since the bound
+    holds them). ``processes``: the most runs at once,
     each in a process of its own (more are started as concurrent runs need them).
     ``backend`` may be a :class:`~wasinn.backends.base.BackendRef`: this process then
     never imports its library.
@@ -251,7 +257,9 @@ class _NoRoom(Exception):
 class SandboxedGraph(CompiledGraph):
     """A graph compiled and run in child processes (see the module docstring): up to
     ``processes`` at once, one per concurrent run, each started when a run first finds
-    every other one busy, and each holding its own copy of the model."""
+    every other one busy, and each holding its own copy of the model. ``spares``: the
+    pool its processes are taken from and counted under (None: a pool that keeps no
+    spares, under :func:`host_limit`)."""
 
     #: A run may wait for a process (its start, the crash back-off, room under the host's
     #: cap): never on the event loop.
@@ -266,9 +274,11 @@ class SandboxedGraph(CompiledGraph):
         #: The most processes (and so runs) at once.
         self.processes = processes
         self._backend = backend
-        self._spares = spares
-        #: The host's bound on sandbox processes (None: not bounded, without spares).
-        self._limit = None if spares is None else spares.limit
+        # (without spares, every process is started for a load or a run, as by a pool
+        # that keeps none, and counted against the bound every such graph shares)
+        self._spares = Spares(0) if spares is None else spares
+        #: The host's bound on sandbox processes.
+        self._limit = self._spares.limit
         #: Whether its processes confine themselves: on the CPU only (a GPU's driver
         #: opens device files).
         self._confined = device.kind is ExecutionTarget.CPU
@@ -338,17 +348,12 @@ class SandboxedGraph(CompiledGraph):
         nothing started."""
         # (first: a registered model's external data may be refused)
         files = {**self._files, **_external_files(self._backend.name, *self._external_of)}
-        spares = self._spares
-        if spares is None:
-            child = SandboxProcess(self._backend, self._confined)
-        else:
-            taken = spares.take(self._backend, self._confined, make_room=make_room)
-            if taken is None:
-                raise _NoRoom
-            child = taken
+        child = self._spares.take(self._backend, self._confined, make_room=make_room)
+        if child is None:
+            raise _NoRoom
         payload = self._load_in(child, files)
-        if spares is not None:  # after the load: a spare's imports would slow it
-            spares.replenish(self._backend, self._confined)
+        # (after the load: a spare's imports would slow it)
+        self._spares.replenish(self._backend, self._confined)
         if self._confined:
             confined = payload.get("confined")
             self.confinement = confined if isinstance(confined, dict) else None
@@ -444,7 +449,7 @@ class SandboxedGraph(CompiledGraph):
         that."""
         while self._idle:
             child = self._idle.pop()
-            if self._limit is not None and not self._limit.claim(child):
+            if not self._limit.claim(child):
                 continue
             if child.process.poll() is not None:  # died while idle (OOM killer)
                 log.warning("%s: sandbox process %d %s while idle: a new one runs the next "
@@ -493,8 +498,7 @@ class SandboxedGraph(CompiledGraph):
     def _may_end(self, child: SandboxProcess) -> None:
         """``child``, idle now, may be ended to make room for another graph's process
         (under the lock)."""
-        if self._limit is not None:
-            self._limit.idle(child, functools.partial(self._end, child))
+        self._limit.idle(child, functools.partial(self._end, child))
 
     def _end(self, child: SandboxProcess) -> None:
         """End idle ``child`` to make room for another graph's process (the limit's call):
@@ -600,5 +604,5 @@ class SandboxedGraph(CompiledGraph):
             self._cond.notify_all()
         for child in idle:
             # (one being ended to make room for another graph's is closed by that)
-            if self._limit is None or self._limit.claim(child):
+            if self._limit.claim(child):
                 child.close()

@@ -203,8 +203,10 @@ class RuntimeSection(_Strict):
     #: instead of first importing the library (see wasinn.backends._sandbox_spares).
     sandbox_spares: int = Field(default=1, ge=0, le=MAX_SPARES)
     #: The most sandbox processes the host runs at once, spares included (None: from the
-    #: machine, see wasinn.backends._sandbox_limit): at the bound a new one ends a spare
-    #: or the idle process that ran least recently, else waits for one.
+    #: machine, a bound shared by every runtime of this Python process that leaves it
+    #: unset, see wasinn.backends._sandbox_limit.host_limit; set: this runtime's own): at
+    #: the bound a new one ends a spare or the idle process that ran least recently, else
+    #: waits for one.
     max_sandbox_processes: int | None = Field(default=None, ge=1)
 
 

@@ -298,8 +298,11 @@ class Runtime:
         self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
         section = self._config.runtime
+        # Unset: Spares' default, the bound this Python process shares (host_limit), so
+        # that runtimes side by side run no more than the machine's bound together.
+        most = section.max_sandbox_processes
         self._spares = Spares(section.sandbox_spares,
-                              limit=ProcessLimit(section.max_sandbox_processes))
+                              limit=None if most is None else ProcessLimit(most))
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None,
                               spares=self._spares)

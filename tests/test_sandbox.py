@@ -900,17 +900,18 @@ def test_a_childs_long_error_message_keeps_its_start_and_end() -> None:
 # -- a graph that keeps crashing -----------------------------------------------------------
 @pytest.fixture
 def spawns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The pids of the sandbox processes graphs loaded without spares start, in order."""
-    from wasinn.backends import sandbox
+    """The pids of the sandbox processes graphs loaded without spares start, in order
+    (each by a pool that keeps none: :mod:`wasinn.backends._sandbox_spares`)."""
+    from wasinn.backends import _sandbox_spares
 
     started: list[int] = []
 
-    class Counted(sandbox.SandboxProcess):
+    class Counted(_sandbox_spares.SandboxProcess):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             started.append(self.process.pid)
 
-    monkeypatch.setattr(sandbox, "SandboxProcess", Counted)
+    monkeypatch.setattr(_sandbox_spares, "SandboxProcess", Counted)
     return started
 
 
