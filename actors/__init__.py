@@ -8,7 +8,7 @@ from .queue import (
     Request,
     TenantRoundRobinPolicy,
 )
-from .stats import DeviceStats, ModelStats, Outcome, RequestFigures
+from .stats import DeviceStats, ModelStats, Outcome, RequestFigures, TenantStats
 
 __all__ = [
     "DeviceActor",
@@ -21,4 +21,5 @@ __all__ = [
     "Request",
     "RequestFigures",
     "TenantRoundRobinPolicy",
+    "TenantStats",
 ]

@@ -77,7 +77,7 @@ from wasinn.tensor import Tensor, as_int, as_tensor
 
 from .jobs import backend_failure
 from .queue import Request
-from .stats import RequestStats
+from .stats import Account, RequestStats
 
 log = logging.getLogger("wasinn.actors")
 
@@ -215,7 +215,7 @@ class _Batch:
 
     def __init__(self, key: Hashable, run: RunInputs, batching: Batching, priority: int,
                  deadline: float, tenant: str, label: str,
-                 account: RequestStats | None) -> None:
+                 account: Account | None) -> None:
         self.key = key
         self.run = run
         self.batching = batching
@@ -301,7 +301,7 @@ class Batcher:
 
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
-                     label: str, account: RequestStats | None
+                     label: str, account: Account | None
                      ) -> tuple[dict[str, Tensor], float]:
         """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
         and when (perf_counter) its batch started running. ``key`` names what may run

@@ -99,7 +99,7 @@ from .runner import RequestRunner
 from .session import Session
 from .sessioncache import SessionCache
 from .slots import Slots
-from .stats import DeviceStats, RequestStats, outcome_of
+from .stats import Account, DeviceStats, RequestStats, outcome_of
 from .workers import WorkerThreads
 
 T = TypeVar("T")
@@ -386,6 +386,12 @@ class DeviceActor:
             lost=None if self._lost is None else self._lost.message,
         )
 
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """``tenant``'s share of this device's time from now on, where its queue policy
+        shares it among tenants (``fair``; ValueError unless ``weight`` is a finite
+        number > 0); other policies ignore weights. From any thread."""
+        self._slots.set_weight(tenant, weight)
+
     @property
     def completed(self) -> int:
         """Successful compiles plus slots given back (by requests that ran, failed or not,
@@ -465,7 +471,7 @@ class DeviceActor:
         profile: RunProfile | None = None,
         nbytes: int | None = None,
         label: str = "run",
-        account: RequestStats | None = None,
+        account: Account | None = None,
     ) -> T:
         """Run ``job`` in one of this device's worker threads and return its result.
 
@@ -503,7 +509,7 @@ class DeviceActor:
         deadline: float = math.inf,
         tenant: str = "",
         label: str = "run",
-        account: RequestStats | None = None,
+        account: Account | None = None,
     ) -> dict[str, Tensor]:
         """``run(inputs, keep_on_device)`` here, merged with other requests for the same
         ``key`` (a graph on this device) as ``batching`` allows (see
@@ -530,7 +536,7 @@ class DeviceActor:
         except RuntimeError as exc:  # its nursery closed: serve() is being cancelled
             raise ClosedResourceError(f"{self.device}: the device actor is closing") from exc
 
-    def record_unqueued(self, account: RequestStats | None, exc: BaseException,
+    def record_unqueued(self, account: Account | None, exc: BaseException,
                         seconds: float) -> None:
         """Count a request placed on this device that ended with ``exc`` before it
         reached the queue (while it waited for its graph to compile here), as
@@ -544,7 +550,7 @@ class DeviceActor:
         priority: int = 0,
         deadline: float = math.inf,
         tenant: str = "",
-        account: RequestStats | None = None,
+        account: Account | None = None,
     ) -> Lease[T]:
         """Reserve a worker slot for ``job``, to be run by the caller's own thread.
 
@@ -570,7 +576,7 @@ class DeviceActor:
         return lease
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None,
-                  tenant: str = "", account: RequestStats | None = None
+                  tenant: str = "", account: Account | None = None
                   ) -> Lease[T] | None:
         """A lease on a free slot, taken from any thread without waiting for trio, or None
         when every slot is busy, a request is queued (it must not be overtaken), or the

@@ -36,7 +36,7 @@ from wasinn.errors import DeviceLostError, TimeoutError_
 
 from .jobs import Wrap
 from .lease import Lease
-from .stats import Outcome, RequestStats
+from .stats import Account, Outcome
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ _COMPACT_AT = 64
 class Record(Protocol):
     """Counts one request (in the device's stats and ``account``) by how it ended."""
 
-    def __call__(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
+    def __call__(self, account: Account | None, outcome: Outcome, seconds: float, *,
                  queued: float = ..., leased: bool = ...) -> None: ...
 
 
@@ -117,7 +117,7 @@ class LeaseDesk:
         return time.perf_counter() + (deadline - trio.current_time())
 
     def lend(self, job: Callable[[], T], expires: float, start: float, granted: float,
-             account: RequestStats | None, tenant: str | None = None) -> Lease[T]:
+             account: Account | None, tenant: str | None = None) -> Lease[T]:
         """A lease on a slot already taken, for ``job`` (from any thread). Its run is
         cancelled if the actor closes meanwhile (see :meth:`close`). ``start`` and
         ``granted``: when the request reached the actor and when it got its slot
@@ -138,7 +138,7 @@ class LeaseDesk:
                      self.soon,
                      self._lost)
 
-    def _given_back(self, cancellation: Cancellation, account: RequestStats | None,
+    def _given_back(self, cancellation: Cancellation, account: Account | None,
                     start: float, granted: float, tenant: str | None,
                     outcome: Outcome) -> None:
         # From the lease holder's thread: forget the run, give its slot back (charging

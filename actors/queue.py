@@ -109,6 +109,10 @@ class QueuePolicy(Protocol):
         """A run of a request of ``tenant`` (granted earlier) took ``seconds`` of device
         time."""
 
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """From now on, ``tenant``'s share of device time is ``weight`` (checked by the
+        caller: see :func:`check_weight`)."""
+
     def __len__(self) -> int:
         """How many requests are waiting."""
 
@@ -159,6 +163,9 @@ class PriorityDeadlinePolicy:
 
     def charge(self, tenant: str, seconds: float) -> None:
         """Device time does not matter here."""
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """Nor do weights."""
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * self._live + 64:
@@ -314,6 +321,16 @@ class FairSharePolicy:
         state = self._tenants.get(tenant)
         if state is not None:
             state.vtime += seconds / state.weight
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """``tenant``'s weight is ``weight`` from now on (ValueError unless a finite number
+        > 0): the device time it takes from now is divided by it, the virtual time it
+        has so far stays (a share from now on, not one made up for the past)."""
+        value = check_weight(weight)
+        self._weights[tenant] = value
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.weight = value
 
     def remove(self, request: Request) -> None:
         state = self._tenants.get(request.tenant)

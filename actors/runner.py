@@ -49,7 +49,7 @@ from .inline import RunProfile
 from .jobs import Wrap, backend_failure, in_context
 from .queue import Request
 from .slots import Slots
-from .stats import Outcome, RequestStats, outcome_of
+from .stats import Account, Outcome, RequestStats, outcome_of
 from .workers import Job, WorkerThreads
 
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class RequestRunner:
         self._closed = True
 
     # -- counting ---------------------------------------------------------------------------
-    async def counted(self, account: RequestStats | None,
+    async def counted(self, account: Account | None,
                       request: Callable[..., Awaitable[tuple[T, float]]], *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
         latency; ``request`` returns its result and when it was granted a slot."""
@@ -104,7 +104,7 @@ class RequestRunner:
                     queued=granted - start)
         return result
 
-    def record(self, account: RequestStats | None, outcome: Outcome, seconds: float, *,
+    def record(self, account: Account | None, outcome: Outcome, seconds: float, *,
                queued: float = 0.0, leased: bool = False) -> None:
         """Count one request in the device's stats, and in ``account`` when given (from
         any thread)."""
@@ -237,7 +237,7 @@ class RequestRunner:
     # -- batched requests ---------------------------------------------------------------------
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
                       batching: Batching, keep: bool, priority: int, deadline: float,
-                      tenant: str, label: str, account: RequestStats | None
+                      tenant: str, label: str, account: Account | None
                       ) -> tuple[dict[str, Tensor], float]:
         """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
         ``batching`` allows (see :mod:`wasinn.actors.batching`)."""

@@ -206,6 +206,11 @@ class Slots:
         with self._lock:
             self._policy.charge(tenant, seconds)
 
+    def set_weight(self, tenant: str, weight: float) -> None:
+        """``tenant``'s share of device time, for a policy that shares it (any thread)."""
+        with self._lock:
+            self._policy.set_weight(tenant, weight)
+
     def pass_on(self, tenant: str | None = None, seconds: float = 0.0) -> Request | None:
         """In a worker thread whose job, holding a slot, has just ended: grant that slot
         to the next queued request (the policy's choice), or return None when nobody is

@@ -9,10 +9,15 @@ are, into the time queued (until a worker slot was granted) and the time running
 the grant to the result, the hand-off to a worker thread and back included), so that a
 saturated device (queue time grows) can be told from a slow model (run time grows).
 :meth:`DeviceActor.stats` reads it all, with the actor's current queue and slots, as one
-:class:`DeviceStats` snapshot.
+:class:`DeviceStats` snapshot. Each completed request's running time is also summed
+(``running_seconds``): the device time it took.
+
+A request is also counted in the :class:`Account` its caller gives: its model's
+(:class:`ModelStats`), or a :class:`JointAccount` of its model's and its tenant's
+(:class:`TenantStats`, kept by the scheduler).
 
 Recording is thread-safe (lease holders record from their own threads) and costs one
-uncontended lock per request.
+uncontended lock per request and account.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import trio
 
@@ -39,6 +44,10 @@ class Outcome(enum.Enum):
     TIMED_OUT = "timed_out"  #: its deadline passed, queued or running
     CANCELLED = "cancelled"  #: its caller gave up: dropped from the queue, or abandoned
     REJECTED = "rejected"  #: the queue was full (TooLargeError)
+
+    #: By identity (members are singletons), in C: Enum's own hashes the name in Python,
+    #: which every request's counting pays once per account.
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,9 @@ class RequestFigures:
     running_p99: float | None
     batches: int  #: merged runs (dynamic batching): two requests or more run as one
     batched: int  #: requests answered by those merged runs
+    #: Seconds from slot grant to result, summed over every completed request (not only
+    #: the window's): the device time they took, a tenant's use of the devices.
+    running_seconds: float
 
     @property
     def finished(self) -> int:
@@ -130,6 +142,22 @@ class ModelStats(RequestFigures):
         return f"{self.name}: {self.describe_requests()}"
 
 
+@dataclass(frozen=True, slots=True)
+class TenantStats(RequestFigures):
+    """One tenant's requests (a request's ``tenant``; ``""``: those that name none), on
+    every device and for every model, since the runtime started (see
+    :meth:`wasinn.Runtime.tenant_stats`)."""
+
+    name: str
+    #: Its share of a ``fair`` pool's device time (see :meth:`wasinn.Runtime.set_tenant_weight`).
+    weight: float
+
+    def describe(self) -> str:
+        """One line for people: the tenant, its weight, its device time and requests."""
+        return (f"tenant {self.name!r} (weight {self.weight:g}, "
+                f"{self.running_seconds:.3f} s running): {self.describe_requests()}")
+
+
 def _ms(p50: float | None, p99: float | None) -> str:
     return f"p50 {(p50 or 0.0) * 1e3:.2f} ms p99 {(p99 or 0.0) * 1e3:.2f} ms"
 
@@ -140,6 +168,18 @@ class Latencies(NamedTuple):
     total: list[float]  #: end to end
     queued: list[float]  #: waiting for a worker slot
     running: list[float]  #: from the slot's grant to the result
+
+
+class Account(Protocol):
+    """Where a request is counted beside its device's stats: its model's
+    :class:`RequestStats`, or a :class:`JointAccount` of its model's and its tenant's."""
+
+    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
+               leased: bool = False) -> None:
+        """One request ended (see :meth:`RequestStats.record`)."""
+
+    def record_batch(self, requests: int) -> None:
+        """One merged run answered ``requests`` requests."""
 
 
 class RequestStats:
@@ -153,6 +193,7 @@ class RequestStats:
         self._leased = 0
         self._batches = 0
         self._batched = 0
+        self._running = 0.0
         self._latencies: deque[tuple[float, float]] = deque(maxlen=window)
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
@@ -165,6 +206,7 @@ class RequestStats:
                 self._leased += 1
             if outcome is Outcome.COMPLETED:
                 self._latencies.append((seconds, queued))
+                self._running += seconds - queued
 
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests (each also ``record``-ed)."""
@@ -176,9 +218,9 @@ class RequestStats:
         """The :class:`RequestFigures` fields, as keyword arguments for it or a subclass."""
         counts, leased, (total, queued, running) = self.snapshot()
         with self._lock:
-            batches, batched = self._batches, self._batched
+            batches, batched, running_seconds = self._batches, self._batched, self._running
         return {
-            "batches": batches, "batched": batched,
+            "batches": batches, "batched": batched, "running_seconds": running_seconds,
             "completed": counts[Outcome.COMPLETED], "failed": counts[Outcome.FAILED],
             "timed_out": counts[Outcome.TIMED_OUT], "cancelled": counts[Outcome.CANCELLED],
             "rejected": counts[Outcome.REJECTED], "in_caller_thread": leased,
@@ -195,6 +237,25 @@ class RequestStats:
         return counts, leased, Latencies(sorted(total for total, _ in window),
                                          sorted(queued for _, queued in window),
                                          sorted(total - queued for total, queued in window))
+
+
+class JointAccount:
+    """Counts each request in two accounts: its model's and its tenant's."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Account, second: Account) -> None:
+        self.first = first
+        self.second = second
+
+    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
+               leased: bool = False) -> None:
+        self.first.record(outcome, seconds, queued=queued, leased=leased)
+        self.second.record(outcome, seconds, queued=queued, leased=leased)
+
+    def record_batch(self, requests: int) -> None:
+        self.first.record_batch(requests)
+        self.second.record_batch(requests)
 
 
 def outcome_of(exc: BaseException) -> Outcome:

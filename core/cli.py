@@ -393,8 +393,9 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"wasinn: {trap.message}", file=sys.stderr)
             return TRAP_EXIT_STATUS
         finally:
-            # -v: what each registry model and each device did for the guest
+            # -v: what each registry model, tenant and device did for the guest
             for line in [*(s.describe() for s in rt.model_stats()),
+                         *(s.describe() for s in rt.tenant_stats()),
                          *(s.describe() for s in rt.stats())]:
                 log.info("%s", line)
 

@@ -39,7 +39,7 @@ from wasinn.actors.device import DeviceActor
 from wasinn.actors.inline import RunProfile
 from wasinn.actors.lease import Lease, settled
 from wasinn.actors.session import Session
-from wasinn.actors.stats import RequestStats
+from wasinn.actors.stats import Account
 from wasinn.backends.base import (
     Builders,
     CompiledGraph,
@@ -64,6 +64,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from .model import Inputs, LoadedModel
+from .tenants import TenantLedger
 from .triorun import check_trio_run
 
 log = logging.getLogger("wasinn.scheduler")
@@ -90,8 +91,11 @@ class Scheduler:
         *,
         fallback: ExecutionTarget | None = None,
         spares: Spares | None = None,
+        tenants: TenantLedger | None = None,
     ) -> None:
         self.actors = list(actors)
+        #: Each tenant's requests (counted beside its model's) and weight.
+        self.tenants = TenantLedger() if tenants is None else tenants
         #: Sandbox processes started ahead of sandboxed loads (None: each load starts its
         #: own); the runtime closes them.
         self.spares = spares
@@ -353,11 +357,12 @@ class Scheduler:
         model loaded with batching may run merged with other requests (see
         :mod:`wasinn.actors.batching`): such a run's outputs are host tensors.
         """
-        actor, session, run = await self._model_job(model, target, inputs, deadline)
+        account = self.tenants.account(model.requests, tenant)
+        actor, session, run = await self._model_job(model, target, inputs, deadline, account)
         return await _execute(actor, model.id, run, _keep(actor, keep_on_device),
                               model.batching, inputs, priority=priority, deadline=deadline,
                               tenant=tenant, label=_label(model, session),
-                              account=model.requests, profile=session.profile)
+                              account=account, profile=session.profile)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -369,11 +374,12 @@ class Scheduler:
         runs it and has run when this returns (a settled lease). The
         compiled graph is held until the lease is over: an unload meanwhile closes it
         after the run."""
-        actor, session, run = await self._model_job(model, target, inputs, deadline)
+        account = self.tenants.account(model.requests, tenant)
+        actor, session, run = await self._model_job(model, target, inputs, deadline, account)
         return await _lease(actor, model.id, run, _keep(actor, keep_on_device),
                             model.batching, inputs, priority=priority, deadline=deadline,
                             tenant=tenant, label=_label(model, session),
-                            account=model.requests, sessions=(session,), run_held=_run_first)
+                            account=account, sessions=(session,), run_held=_run_first)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, tenant: str = "",
@@ -399,13 +405,14 @@ class Scheduler:
             return None  # unloaded meanwhile: lease_model says so
         job = functools.partial(_run_first, held, inputs, _keep(actor, keep_on_device))
         return _held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
-                                        account=model.requests), sessions)
+                                        account=self.tenants.account(model.requests, tenant)),
+                        sessions)
 
     def try_lease_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                         target: ExecutionTarget, inputs: Inputs, *,
                         timeout: float | None = None, tenant: str = "",
                         keep_on_device: bool | None = None,
-                        account: RequestStats | None = None,
+                        account: Account | None = None,
                         batching: Batching | None = None
                         ) -> Lease[dict[str, Tensor]] | None:
         """:meth:`try_lease_model` for a pipeline (every step already compiled there)."""
@@ -426,7 +433,8 @@ class Scheduler:
             return None  # unloaded meanwhile: lease_chain says so
         job = functools.partial(_chain, links, held, inputs, _keep(actor, keep_on_device),
                                 named=(name, models))
-        return _held_by(actor.try_lease(job, timeout=timeout, tenant=tenant, account=account),
+        return _held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
+                                        account=self.tenants.account(account, tenant)),
                         sessions)
 
     def _serving(self, actor: DeviceActor) -> DeviceActor:
@@ -449,7 +457,8 @@ class Scheduler:
         return self._serving(actor)
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
-                         deadline: float) -> tuple[DeviceActor, Session, RunInputs]:
+                         deadline: float, account: Account
+                         ) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
@@ -457,11 +466,11 @@ class Scheduler:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
         if session is None:
-            session = await self._placed_session(actor, model, deadline, model.requests)
+            session = await self._placed_session(actor, model, deadline, account)
         return actor, session, functools.partial(_run, session)
 
     async def _placed_session(self, actor: DeviceActor, model: LoadedModel,
-                              deadline: float, account: RequestStats | None) -> Session:
+                              deadline: float, account: Account | None) -> Session:
         # ``model``'s session on ``actor`` for a request that must start by ``deadline``:
         # the request counts as the device's load meanwhile, and is counted in the
         # device's stats (and ``account``) if it ends here.
@@ -487,12 +496,14 @@ class Scheduler:
                         target: ExecutionTarget, inputs: Inputs, *, priority: int = 0,
                         deadline: float = float("inf"), tenant: str = "",
                         keep_on_device: bool | None = None,
-                        account: RequestStats | None = None,
+                        account: Account | None = None,
                         batching: Batching | None = None) -> dict[str, Tensor]:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
-        stats, where the request is counted too; ``batching``: the pipeline's, if any."""
+        stats, where the request is counted too (and in its tenant's); ``batching``: the
+        pipeline's, if any."""
+        account = self.tenants.account(account, tenant)
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
         run = functools.partial(_run_chain, sessions, links, named=(name, models))
@@ -505,9 +516,10 @@ class Scheduler:
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
                           priority: int = 0, deadline: float = float("inf"), tenant: str = "",
                           keep_on_device: bool | None = None,
-                          account: RequestStats | None = None,
+                          account: Account | None = None,
                           batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
+        account = self.tenants.account(account, tenant)
         actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
                                                 account)
         named = (name, models)
@@ -521,7 +533,7 @@ class Scheduler:
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
-                         account: RequestStats | None) -> tuple[DeviceActor, list[Session]]:
+                         account: Account | None) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
         check_trio_run(self.trio_token, _A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
@@ -538,7 +550,7 @@ class Scheduler:
 
 async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                    batching: Batching | None, inputs: Inputs, *, priority: int,
-                   deadline: float, tenant: str, label: str, account: RequestStats | None,
+                   deadline: float, tenant: str, label: str, account: Account | None,
                    profile: RunProfile | None = None) -> dict[str, Tensor]:
     # ``run`` on ``actor``: merged with others when the model batches and ``inputs`` can;
     # else as one job (``profile``: the graph's run timings, for inline runs).
@@ -556,7 +568,7 @@ async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
 
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                  batching: Batching | None, inputs: Inputs, *, priority: int,
-                 deadline: float, tenant: str, label: str, account: RequestStats | None,
+                 deadline: float, tenant: str, label: str, account: Account | None,
                  sessions: Sequence[Session], run_held: RunHeld
                  ) -> Lease[dict[str, Tensor]]:
     # A lease for the caller's thread, whose job runs ``sessions``' graphs held from now

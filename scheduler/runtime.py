@@ -35,7 +35,7 @@ import trio
 from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.queue import policy_for
-from wasinn.actors.stats import DeviceStats, ModelStats
+from wasinn.actors.stats import DeviceStats, ModelStats, TenantStats
 from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
 from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
 from wasinn.backends.sandbox import MIN_MAX_BYTES, ProcessLimit, Spares
@@ -59,6 +59,7 @@ from .model import Executable, LoadedModel
 from .names import Entry, NameRegistry
 from .pipeline import Pipeline, PipelineModel, check_chain_batchable, resolve_wiring
 from .placement import Scheduler
+from .tenants import TenantLedger
 from .triorun import check_trio_run, yields_when_refused
 from .warmup import WarmUp, preload
 
@@ -241,6 +242,7 @@ class Runtime:
         self._host: ActorHost | None = None
         self._scheduler: Scheduler | None = None
         self._spares: Spares | None = None
+        self._tenants = TenantLedger(config.tenant_weights)
         self._started = False
         self._closed = False
         self._names = NameRegistry(
@@ -295,6 +297,7 @@ class Runtime:
             raise InvalidArgumentError("a Runtime can be started once")
         self._started = True
         actors, registries = await trio.to_thread.run_sync(self._plan)
+        self._tenants.attach(actors)  # (weights set since the config's)
         self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
         section = self._config.runtime
@@ -305,7 +308,7 @@ class Runtime:
                               limit=None if most is None else ProcessLimit(most))
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None,
-                              spares=self._spares)
+                              spares=self._spares, tenants=self._tenants)
         # Known before it starts, so that an aclose meanwhile stops it.
         self._host = host = ActorHost(actors)
         await host.start()  # a device that cannot be opened: raised, the others stopped
@@ -482,6 +485,30 @@ class Runtime:
         if scheduler is None:  # closed without having started
             return []
         return [actor.stats() for actor in scheduler.actors]
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Each tenant's requests so far, on every device and for every model (see
+        :mod:`wasinn.scheduler.tenants`), the most recently active last: outcomes,
+        latencies and the device time they took (``running_seconds``), with the tenant's
+        weight. Tenants with no request yet are not listed; ``""`` stands for the
+        requests that name no tenant. Also after the runtime is closed."""
+        return self._tenants.stats()
+
+    def tenant_weight(self, tenant: str) -> float:
+        """``tenant``'s share of a ``fair`` pool's device time (the config's ``[tenants]``
+        weight, or the latest :meth:`set_tenant_weight`; 1 for a tenant named in
+        neither)."""
+        return self._tenants.weight(tenant)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        """Give ``tenant`` ``weight`` as its share of every ``fair`` pool's device time
+        from now on, as ``[tenants.NAME] weight`` does at start-up: while other tenants
+        have requests waiting too, a tenant of weight 2 gets twice the device time of one
+        of weight 1. The device time it has had so far is not made up for. Raises
+        ValueError unless ``weight`` is a finite number > 0, TypeError unless ``tenant``
+        is a str; pools of another policy ignore weights. From any thread, before the
+        runtime starts too."""
+        self._tenants.set_weight(tenant, weight)
 
     def model_stats(self) -> list[ModelStats]:
         """The requests of each registry model and pipeline loaded so far, since its

@@ -121,6 +121,9 @@ def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
     # ... and at the end what the model (released by the guest at exit) and the device did
     assert re.search(r"mobile: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
                      r"latency p50 [\d.]+ ms", caplog.text)
+    # (the guest's tenant: its file's name)
+    assert re.search(r"tenant 'classify_named.wasm' \(weight 1, [\d.]+ s running\): 1 "
+                     r"completed, 0 failed", caplog.text)
     assert re.search(r"cpu: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
                      r"latency p50 [\d.]+ ms p99 [\d.]+ ms: queued p50 [\d.]+ ms p99 [\d.]+ "
                      r"ms, running p50 [\d.]+ ms p99 [\d.]+ ms \(last 1\); 0/\d+ running, "

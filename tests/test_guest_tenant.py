@@ -86,6 +86,9 @@ async def test_a_guest_computes_for_its_tenant(
     assert policy.pushed == []
     assert await run_wasm(rt, guest_file(abi, tmp_path), tenant="alice", limits=TIMEOUT) == 0
     assert policy.charged == ["alice", "alice"]
+    # Counted as alice's requests, both the leased run and the one run in trio.
+    (alice,) = rt.tenant_stats()
+    assert (alice.name, alice.completed, alice.in_caller_thread) == ("alice", 2, 1)
 
 
 @pytest.mark.parametrize("abi", ABIS)
