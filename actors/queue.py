@@ -19,7 +19,9 @@ earliest deadline, then the oldest request. Policies are objects behind the smal
 * dynamic batching (:mod:`wasinn.actors.batching`) needed one addition, ``requeue``: a
   batch waits in the queue as one request with its members' highest priority and
   earliest deadline, which change when a member leaves;
-* load shedding: ``queue_limit`` already refuses work past a bound (TooLargeError).
+* load shedding: ``queue_limit`` refuses work past a bound (TooLargeError); a policy
+  may instead let the newcomer take a waiting request's place (``displace``: a fair
+  policy does, so that one tenant cannot fill the queue and lock the others out).
 
 A policy is not thread-safe by itself: its owner (:class:`~wasinn.actors.slots.Slots`)
 calls every method under one lock, worker threads (``pass_on``, ``charge``) and trio
@@ -55,8 +57,8 @@ class Request:
     one did, and the slot is then the job's.
     """
 
-    __slots__ = ("deadline", "event", "granted", "handoff", "key", "priority", "queued",
-                 "removed", "seq", "started", "tenant")
+    __slots__ = ("deadline", "displaced_by", "event", "granted", "handoff", "key", "priority",
+                 "queued", "removed", "seq", "started", "tenant")
 
     _counter = itertools.count()
 
@@ -72,6 +74,9 @@ class Request:
         self.key: tuple[int, float, int] | None = None
         self.handoff: Handoff | None = None
         self.started = False
+        #: Set when a full queue pushed it out for another tenant's request (see
+        #: :meth:`QueuePolicy.displace`): the tenant whose request took its place.
+        self.displaced_by: str | None = None
 
     def sort_key(self) -> tuple[int, float, int]:
         """Higher priority first, then earlier deadline, then arrival order."""
@@ -112,6 +117,10 @@ class QueuePolicy(Protocol):
     def set_weight(self, tenant: str, weight: float) -> None:
         """From now on, ``tenant``'s share of device time is ``weight`` (checked by the
         caller: see :func:`check_weight`)."""
+
+    def displace(self, tenant: str) -> Request | None:
+        """The queue is full and a request of ``tenant`` comes: remove and return the
+        waiting request it may take the place of, or None to refuse it."""
 
     def __len__(self) -> int:
         """How many requests are waiting."""
@@ -166,6 +175,16 @@ class PriorityDeadlinePolicy:
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """Nor do weights."""
+
+    def displace(self, tenant: str) -> Request | None:
+        """A full queue refuses what comes: first come, first queued."""
+        return None
+
+    def last(self) -> Request | None:
+        """The waiting request that would be served last (None when empty): O(n)."""
+        live = [entry for entry in self._heap
+                if not entry[1].removed and entry[0] is entry[1].key]
+        return max(live, key=lambda entry: entry[0])[1] if live else None
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * self._live + 64:
@@ -331,6 +350,24 @@ class FairSharePolicy:
         state = self._tenants.get(tenant)
         if state is not None:
             state.weight = value
+
+    def displace(self, tenant: str) -> Request | None:
+        """Where the full queue holds more requests of another tenant than of ``tenant``
+        plus one, the request that tenant would have served last leaves for the new one
+        (no tenant can lock the others out by filling the queue); among tenants with
+        equally many waiting, the one with the most device time for its weight gives
+        way. None otherwise (the new request is refused): a tenant never pushes out its
+        own requests. O(tenants + that tenant's requests), on a full queue only."""
+        state = self._tenants.get(tenant)
+        mine = len(state.queue) if state is not None else 0
+        longest = max((other for other in self._tenants.values() if len(other.queue)),
+                      key=lambda other: (len(other.queue), other.vtime), default=None)
+        if longest is None or len(longest.queue) <= mine + 1:
+            return None
+        victim = longest.queue.last()
+        assert victim is not None  # (it has requests waiting)
+        self.remove(victim)
+        return victim
 
     def remove(self, request: Request) -> None:
         state = self._tenants.get(request.tenant)

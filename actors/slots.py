@@ -97,16 +97,22 @@ class Slots:
             if self._running < self.workers and not len(self._policy):
                 self._running += 1
                 return False
-            if len(self._policy) >= self.queue_limit:
-                raise QueueFullError(
-                    f"{self.name}: the request queue is full ({self.queue_limit} waiting): "
-                    "retry later or raise the pool's queue_limit"
-                )
             if request is None:
                 request = Request(priority, deadline, tenant)
+            displaced = None
+            if len(self._policy) >= self.queue_limit:
+                displaced = self._policy.displace(request.tenant)
+                if displaced is None:
+                    raise QueueFullError(
+                        f"{self.name}: the request queue is full ({self.queue_limit} "
+                        "waiting): retry later or raise the pool's queue_limit")
+                displaced.displaced_by = request.tenant
+                displaced.handoff = None  # (and the inputs its job holds)
             request.handoff = handoff
             request.queued = True
             self._policy.push(request)
+        if displaced is not None:
+            displaced.event.set()  # not granted: its waiter raises QueueFullError
         try:
             await request.event.wait()
         except BaseException:
@@ -125,6 +131,12 @@ class Slots:
                     self.free()
             raise
         if not request.granted:
+            if request.displaced_by is not None:
+                raise QueueFullError(
+                    f"{self.name}: the request queue is full ({self.queue_limit} waiting) "
+                    f"and this request, of the tenant with the most waiting, gave its place "
+                    f"to one of tenant {request.displaced_by!r}: retry later or raise the "
+                    "pool's queue_limit")
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
 
