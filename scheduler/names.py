@@ -102,9 +102,12 @@ class NameRegistry:
     def requests(self) -> list[tuple[str, RequestStats]]:
         """Each name loaded so far and the requests of its latest load, released since or
         not, in the registry's order; after :meth:`drop_all` too."""
-        live = {name: entry[0].requests for name, entry in self._loaded.items()}
-        return [(name, live[name] if name in live else self._dropped[name])
-                for name in self._names if name in live or name in self._dropped]
+        # Snapshots, each one C call that holds the GIL: any thread may read this (a
+        # metrics scrape) while the event loop loads a model.
+        loaded, dropped = list(self._loaded.items()), dict(self._dropped)
+        live = {name: entry[0].requests for name, entry in loaded}
+        return [(name, live[name] if name in live else dropped[name])
+                for name in self._names if name in live or name in dropped]
 
     def drop_all(self) -> None:
         """Forget every entry (the runtime is closing; device actors free the graphs), but

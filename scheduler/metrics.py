@@ -1,0 +1,216 @@
+"""A runtime's figures for Prometheus, as an inference server's ``/metrics`` has them.
+
+:class:`RuntimeCollector` is a ``prometheus_client`` custom collector: each scrape reads
+:meth:`wasinn.Runtime.stats`, :meth:`~wasinn.Runtime.model_stats` and
+:meth:`~wasinn.Runtime.tenant_stats` afresh and turns them into metric families, so the
+figures are the runtime's own (nothing is counted twice, nothing drifts)::
+
+    collector = register_metrics(rt)          # into prometheus_client.REGISTRY
+    prometheus_client.start_http_server(8000)
+
+Names follow Prometheus' conventions: ``{prefix}_{scope}_...`` with scope ``device``,
+``model`` or ``tenant`` (and a label of that name), ``_total`` on counters, seconds as
+the unit. Per scope: ``requests_total{outcome}`` (completed, failed, timed_out,
+cancelled, rejected), ``requests_in_caller_thread_total``, ``batches_total`` and
+``batched_requests_total`` (dynamic batching's merged runs and the requests they
+answered), ``running_seconds_total`` (the device time of the completed requests), and
+``request_latency_seconds{phase, quantile}``: the p50 and p99 (``quantile`` "0.5",
+"0.99") of the latest completed requests, end to end (``phase="total"``), queued for a
+worker slot (``"queued"``) and running (``"running"``), as gauges: a series whose
+percentile has no request yet is left out. ``request_latency_window`` says over how many
+requests they are taken. Devices add gauges (``workers``, ``running``, ``queued``,
+``queue_limit``, ``graphs_held``, ``abandoned_running``, ``lost`` 1 or 0) and counters
+(``compiles_total``, ``warm_ups_total``, ``runs_passed_on_total``); tenants add
+``tenant_weight``. The tenant ``""`` stands for the requests that name none.
+
+A scrape never fails for the runtime's lifetime: before the runtime starts there are no
+device series (models and tenants have none yet either), once it is closed the final
+figures are reported. Scrapes run in the HTTP server's thread; the figures are read
+under their own locks, or as snapshots the event loop cannot change halfway.
+
+``prometheus-client`` is an optional dependency (``pip install wasinn[metrics]``);
+``import wasinn`` does not import it, importing this module does (ImportError naming
+the extra when it is missing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol, TypeVar
+
+try:
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
+except ImportError as exc:  # pragma: no cover - exercised with the module hidden
+    raise ImportError(
+        f"wasinn.scheduler.metrics needs prometheus-client (>= 0.20), which could not be "
+        f"imported ({exc}): install it with `pip install wasinn[metrics]`") from exc
+
+from wasinn.actors.stats import (
+    DeviceStats,
+    ModelStats,
+    Outcome,
+    RequestFigures,
+    TenantStats,
+)
+from wasinn.errors import ClosedResourceError
+
+__all__ = ["RuntimeCollector", "RuntimeFigures", "register_metrics"]
+
+_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+#: (the ``quantile`` label, the RequestFigures field's suffix)
+_QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
+#: (the ``phase`` label, the RequestFigures field's stem)
+_PHASES = (("total", "latency"), ("queued", "queued"), ("running", "running"))
+
+_T = TypeVar("_T")
+_Read = Callable[[DeviceStats], float]
+
+_DEVICE_GAUGES: tuple[tuple[str, str, _Read], ...] = (
+    ("workers", "Requests the device may run at once (its worker slots).",
+     lambda s: s.workers),
+    ("running", "Worker slots held now.", lambda s: s.running),
+    ("queued", "Requests waiting for a worker slot now.", lambda s: s.queued),
+    ("queue_limit", "Requests that may wait for a worker slot; more are rejected.",
+     lambda s: s.queue_limit),
+    ("graphs_held", "Compiled graphs held on the device.", lambda s: s.graphs),
+    ("abandoned_running", "Abandoned runs (their caller gave up) still in a worker thread.",
+     lambda s: s.abandoned_running),
+    ("lost", "1 if the device can run nothing more in this process (DeviceLostError), "
+             "else 0.", lambda s: 0 if s.lost is None else 1),
+)
+_DEVICE_COUNTERS: tuple[tuple[str, str, _Read], ...] = (
+    ("compiles", "Graphs compiled on the device since its actor started.",
+     lambda s: s.compiles),
+    ("warm_ups", "Warm-up runs at the runtime's start (not counted as requests).",
+     lambda s: s.warm_ups),
+    ("runs_passed_on", "Runs a worker thread started on its own as the run before ended "
+                       "(under load: the slot passed straight to the next queued request).",
+     lambda s: s.passed_on),
+)
+
+
+class RuntimeFigures(Protocol):
+    """What a :class:`RuntimeCollector` reads: a :class:`wasinn.Runtime`."""
+
+    def stats(self) -> list[DeviceStats]:
+        """Each device's figures (ClosedResourceError before the runtime starts)."""
+        ...
+
+    def model_stats(self) -> list[ModelStats]:
+        """Each registry model's and pipeline's request figures."""
+        ...
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Each tenant's request figures and weight."""
+        ...
+
+
+class RuntimeCollector(Collector):
+    """A ``prometheus_client`` collector of ``runtime``'s figures (see the module
+    docstring for the metrics), each family's name starting with ``prefix``. Register it
+    with :func:`register_metrics`, or with ``registry.register(collector)``; ValueError
+    for a ``prefix`` that is not a metric name. :meth:`collect` reads the runtime afresh
+    each time, from any thread."""
+
+    def __init__(self, runtime: RuntimeFigures, prefix: str = "wasinn") -> None:
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            raise ValueError(
+                f"RuntimeCollector(prefix={prefix!r}): expected a metric name prefix: a "
+                f"letter, '_' or ':', then letters, digits, '_' or ':'")
+        self.runtime = runtime
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        """The families, with the runtime's figures now."""
+        try:
+            devices = self.runtime.stats()
+        except ClosedResourceError:  # not started yet: no device actors to read
+            devices = []
+        yield from self._families(devices, self.runtime.model_stats(),
+                                  self.runtime.tenant_stats())
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: their names, for the registry to check for
+        duplicates without reading the runtime."""
+        yield from self._families([], [], [])
+
+    def _families(self, devices: Sequence[DeviceStats], models: Sequence[ModelStats],
+                  tenants: Sequence[TenantStats]) -> Iterator[Metric]:
+        yield from _request_families(self.prefix, "device",
+                                     [(s.device, s) for s in devices])
+        for kind, table in ((GaugeMetricFamily, _DEVICE_GAUGES),
+                            (CounterMetricFamily, _DEVICE_COUNTERS)):
+            for suffix, help_text, read in table:
+                family = kind(f"{self.prefix}_device_{suffix}", help_text, labels=["device"])
+                for stats in devices:
+                    family.add_metric([stats.device], read(stats))
+                yield family
+        yield from _request_families(self.prefix, "model", [(s.name, s) for s in models])
+        yield from _request_families(self.prefix, "tenant", [(s.name, s) for s in tenants])
+        weight = GaugeMetricFamily(
+            f"{self.prefix}_tenant_weight",
+            "The tenant's share of a fair pool's device time (1: the default).",
+            labels=["tenant"])
+        for tenant in tenants:
+            weight.add_metric([tenant.name], tenant.weight)
+        yield weight
+
+
+def register_metrics(runtime: RuntimeFigures, registry: CollectorRegistry | None = None, *,
+                     prefix: str = "wasinn") -> RuntimeCollector:
+    """Register a :class:`RuntimeCollector` of ``runtime`` with ``registry``
+    (``prometheus_client.REGISTRY`` by default) and return it, for
+    ``registry.unregister`` later. ValueError (``prometheus_client``'s) when the registry
+    already has metrics of these names: another runtime's under the same ``prefix``."""
+    collector = RuntimeCollector(runtime, prefix)
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector
+
+
+def _request_families(prefix: str, scope: str,
+                      rows: Sequence[tuple[str, RequestFigures]]) -> Iterable[Metric]:
+    """The request figures' families of one scope (``device``, ``model`` or ``tenant``,
+    also the label's name), a row per label value."""
+    name = f"{prefix}_{scope}"
+    requests = CounterMetricFamily(
+        f"{name}_requests", f"Requests by how they ended (outcome), per {scope}.",
+        labels=[scope, "outcome"])
+    in_caller_thread = CounterMetricFamily(
+        f"{name}_requests_in_caller_thread",
+        f"Requests (any outcome) a lease holder's own thread ran, per {scope}.",
+        labels=[scope])
+    batches = CounterMetricFamily(
+        f"{name}_batches", f"Merged runs (dynamic batching: two requests or more run as "
+                           f"one), per {scope}.", labels=[scope])
+    batched = CounterMetricFamily(
+        f"{name}_batched_requests", f"Requests answered by merged runs, per {scope}.",
+        labels=[scope])
+    running_seconds = CounterMetricFamily(
+        f"{name}_running_seconds", f"Seconds from worker slot grant to result, summed over "
+                                   f"the completed requests: their device time, per "
+                                   f"{scope}.", labels=[scope])
+    latency = GaugeMetricFamily(
+        f"{name}_request_latency_seconds",
+        f"Latency percentile (quantile) of the latest completed requests, per {scope}: end "
+        f"to end (phase total), waiting for a worker slot (queued), from the grant to the "
+        f"result (running).", labels=[scope, "phase", "quantile"])
+    window = GaugeMetricFamily(
+        f"{name}_request_latency_window",
+        f"Completed requests the latency percentiles are taken over, per {scope}.",
+        labels=[scope])
+    for label, figures in rows:
+        for outcome in Outcome:
+            requests.add_metric([label, outcome.value], getattr(figures, outcome.value))
+        in_caller_thread.add_metric([label], figures.in_caller_thread)
+        batches.add_metric([label], figures.batches)
+        batched.add_metric([label], figures.batched)
+        running_seconds.add_metric([label], figures.running_seconds)
+        for phase, stem in _PHASES:
+            for quantile, suffix in _QUANTILES:
+                value: float | None = getattr(figures, f"{stem}_{suffix}")
+                if value is not None:
+                    latency.add_metric([label, phase, quantile], value)
+        window.add_metric([label], figures.latency_window)
+    return (requests, in_caller_thread, batches, batched, running_seconds, latency, window)
