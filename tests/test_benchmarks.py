@@ -43,6 +43,10 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "sandbox_overhead.py": (["--iters", "5", "--warmup", "2", "--width", "0.25", "--loads",
                              "1", "--spare-wait", "0.2"],
                             r"^onnxruntime(\s+[\d.]+){3}\s+[+-][\d.]+%\s+[+-][\d.]+%$"),
+    "startup.py": (["--models", "2", "--rounds", "1", "--threads", "1,2", "--width", "0.25",
+                    "--backends", "onnxruntime"],
+                   r"^  compile_threads = 2: start-up [\d.]+ s \([\d.]+x the native compiles, "
+                   r"[\d.]+x compile_threads = 1\)$"),
     "guest_core.py": (["--n", "3", "--rounds", "1", "--mb", "1"],
                       r"native\s+[\d.]+ ms/round"),
     "guest_component.py": (["--n", "2", "--rounds", "1"],
