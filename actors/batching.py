@@ -297,7 +297,10 @@ class Batcher:
         """Batches whose entry is in the device's queue now (one entry each): counted from
         the entries themselves, so a slot granted a moment ago (its batch's task not yet
         resumed) is not subtracted from the queue it has already left."""
-        return sum(1 for request in self._requests if request.queued and not request.removed)
+        # (a tuple first: one C call, which any thread may make while trio changes the set;
+        # DeviceActor.stats is read from a metrics scrape's thread)
+        return sum(1 for request in tuple(self._requests)
+                   if request.queued and not request.removed)
 
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
