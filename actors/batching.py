@@ -190,7 +190,7 @@ class _Member:
     run."""
 
     __slots__ = ("abandoned", "deadline", "done", "granted", "inputs", "keep", "priority",
-                 "result")
+                 "result", "share")
 
     def __init__(self, inputs: BatchInputs, keep: bool, priority: int, deadline: float
                  ) -> None:
@@ -201,6 +201,7 @@ class _Member:
         self.done = trio.Event()
         self.result: outcome.Outcome[dict[str, Tensor]] | None = None
         self.granted = math.inf  # perf_counter when its batch started running
+        self.share = 1.0  # its rows' share of the batch's run (its device time)
         self.abandoned = False
 
 
@@ -305,10 +306,12 @@ class Batcher:
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
                      label: str, account: Account | None
-                     ) -> tuple[dict[str, Tensor], float]:
+                     ) -> tuple[dict[str, Tensor], float, float]:
         """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
-        and when (perf_counter) its batch started running. ``key`` names what may run
-        together (the graph on this device); the input signature is added to it."""
+        when (perf_counter) its batch started running, and its share of that run (its
+        rows' share: the part of the run's device time that is its own). ``key`` names
+        what may run together (the graph on this device); the input signature is added
+        to it."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if type(priority) is not int:
             priority = operator.index(priority)  # a numpy integer: compared and negated
@@ -348,7 +351,7 @@ class Batcher:
         result = member.result
         assert result is not None
         try:
-            return result.unwrap(), member.granted
+            return result.unwrap(), member.granted, member.share
         except WasiNNError:
             raise
         except Exception as exc:
@@ -356,12 +359,12 @@ class Batcher:
 
     async def _run_alone(self, inputs: BatchInputs, keep: bool, run: RunInputs,
                          priority: int, deadline: float, tenant: str, label: str
-                         ) -> tuple[dict[str, Tensor], float]:
+                         ) -> tuple[dict[str, Tensor], float, float]:
         # A plain request: queued on its own terms, run in a job of its own.
         await self._take_slot(Request(priority, deadline, tenant))
         granted = time.perf_counter()
         job = functools.partial(run, inputs.tensors, keep)
-        return await self._run_in_slot(job, label, tenant), granted
+        return await self._run_in_slot(job, label, tenant), granted, 1.0
 
     def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
                   tenant: str) -> _Batch | None:
@@ -426,8 +429,10 @@ class Batcher:
             self._free_slot()
             return None
         granted = time.perf_counter()
+        rows = sum(member.inputs.rows for member in members)
         for member in members:
             member.granted = granted
+            member.share = member.inputs.rows / rows if rows else 1 / len(members)
         self.waiting -= len(members)
         job = _BatchJob(batch.run, members, batch.label, self.fatal)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(

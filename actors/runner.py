@@ -89,28 +89,32 @@ class RequestRunner:
         self._closed = True
 
     # -- counting ---------------------------------------------------------------------------
-    async def counted(self, account: Account | None,
-                      request: Callable[..., Awaitable[tuple[T, float]]], *args: Any) -> T:
+    async def counted(
+            self, account: Account | None,
+            request: Callable[..., Awaitable[tuple[T, float] | tuple[T, float, float]]],
+            *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
-        latency; ``request`` returns its result and when it was granted a slot."""
+        latency; ``request`` returns its result, when it was granted a slot and, a merged
+        batch's member, its share of the run's device time (else all of it)."""
         # (Arguments, not a partial: this is on every request's path.)
         start = time.perf_counter()
         try:
-            result, granted = await request(*args)
+            done = await request(*args)
         except BaseException as exc:
             self.record(account, outcome_of(exc), time.perf_counter() - start)
             raise
         self.record(account, Outcome.COMPLETED, time.perf_counter() - start,
-                    queued=granted - start)
-        return result
+                    queued=done[1] - start, share=done[2] if len(done) > 2 else 1.0)
+        return done[0]
 
     def record(self, account: Account | None, outcome: Outcome, seconds: float, *,
-               queued: float = 0.0, leased: bool = False) -> None:
+               queued: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
         """Count one request in the device's stats, and in ``account`` when given (from
-        any thread)."""
-        self._stats.record(outcome, seconds, queued=queued, leased=leased)
+        any thread); ``share``: the part of its running time that was its own device time
+        (a merged batch's member's rows' share)."""
+        self._stats.record(outcome, seconds, queued=queued, leased=leased, share=share)
         if account is not None:
-            account.record(outcome, seconds, queued=queued, leased=leased)
+            account.record(outcome, seconds, queued=queued, leased=leased, share=share)
 
     # -- one request --------------------------------------------------------------------------
     async def request(self, job: Callable[[], T], priority: int, deadline: float,
@@ -238,7 +242,7 @@ class RequestRunner:
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
                       batching: Batching, keep: bool, priority: int, deadline: float,
                       tenant: str, label: str, account: Account | None
-                      ) -> tuple[dict[str, Tensor], float]:
+                      ) -> tuple[dict[str, Tensor], float] | tuple[dict[str, Tensor], float, float]:
         """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
         ``batching`` allows (see :mod:`wasinn.actors.batching`)."""
         job = functools.partial(run, inputs.tensors, keep)

@@ -13,8 +13,8 @@ saturated device (queue time grows) can be told from a slow model (run time grow
 (``running_seconds``): the device time it took.
 
 A request is also counted in the :class:`Account` its caller gives: its model's
-(:class:`ModelStats`), or a :class:`JointAccount` of its model's and its tenant's
-(:class:`TenantStats`, kept by the scheduler).
+(:class:`ModelStats`), or one that counts it in its model's and its tenant's
+(:class:`TenantStats`; see :mod:`wasinn.scheduler.tenants`).
 
 Recording is thread-safe (lease holders record from their own threads) and costs one
 uncontended lock per request and account.
@@ -172,14 +172,16 @@ class Latencies(NamedTuple):
 
 class Account(Protocol):
     """Where a request is counted beside its device's stats: its model's
-    :class:`RequestStats`, or a :class:`JointAccount` of its model's and its tenant's."""
+    :class:`RequestStats`, or its model's and its tenant's
+    (:class:`wasinn.scheduler.tenants.TenantAccount`)."""
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False) -> None:
+               leased: bool = False, share: float = 1.0) -> None:
         """One request ended (see :meth:`RequestStats.record`)."""
 
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests."""
+        ...
 
 
 class RequestStats:
@@ -197,16 +199,18 @@ class RequestStats:
         self._latencies: deque[tuple[float, float]] = deque(maxlen=window)
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False) -> None:
+               leased: bool = False, share: float = 1.0) -> None:
         """One request ended with ``outcome``, ``seconds`` after it reached the actor, of
-        which it spent ``queued`` waiting for a worker slot."""
+        which it spent ``queued`` waiting for a worker slot; ``share`` of the rest was
+        its own device time (less than all of it for a merged batch's member, whose run
+        was shared: its rows' share), summed in ``running_seconds``."""
         with self._lock:
             self._counts[outcome] += 1
             if leased:
                 self._leased += 1
             if outcome is Outcome.COMPLETED:
                 self._latencies.append((seconds, queued))
-                self._running += seconds - queued
+                self._running += (seconds - queued) * share
 
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests (each also ``record``-ed)."""
@@ -237,25 +241,6 @@ class RequestStats:
         return counts, leased, Latencies(sorted(total for total, _ in window),
                                          sorted(queued for _, queued in window),
                                          sorted(total - queued for total, queued in window))
-
-
-class JointAccount:
-    """Counts each request in two accounts: its model's and its tenant's."""
-
-    __slots__ = ("first", "second")
-
-    def __init__(self, first: Account, second: Account) -> None:
-        self.first = first
-        self.second = second
-
-    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False) -> None:
-        self.first.record(outcome, seconds, queued=queued, leased=leased)
-        self.second.record(outcome, seconds, queued=queued, leased=leased)
-
-    def record_batch(self, requests: int) -> None:
-        self.first.record_batch(requests)
-        self.second.record_batch(requests)
 
 
 def outcome_of(exc: BaseException) -> Outcome:

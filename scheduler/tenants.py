@@ -4,7 +4,7 @@ reports and :meth:`wasinn.Runtime.set_tenant_weight` changes.
 A request names its tenant (``tenant=``; a guest's is its program's file name unless
 its embedder names another; ``""`` when none is named). The scheduler counts each
 request in its tenant's :class:`~wasinn.actors.stats.RequestStats` as well as in its
-model's (a :class:`~wasinn.actors.stats.JointAccount`), on every path: a worker thread,
+model's (a :class:`TenantAccount`), on every path: a worker thread,
 inline, a lease holder's own thread, a merged batch (whose members share one tenant),
 and a request that ends while its graph compiles. The devices' time a tenant took is its
 completed requests' summed running time (``running_seconds``), whatever the pools'
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from wasinn.actors.queue import check_weight
-from wasinn.actors.stats import Account, JointAccount, RequestStats, TenantStats
+from wasinn.actors.stats import Account, Outcome, RequestStats, TenantStats
 
 #: The most tenants whose figures are kept (the least recently active forgotten first).
 MAX_TENANTS = 1024
@@ -60,11 +60,10 @@ class TenantLedger:
         #: Tenants forgotten to keep at most ``most`` (their figures with them).
         self.forgotten = 0
 
-    def account(self, model: Account | None, tenant: str) -> Account:
+    def account(self, model: Account | None, tenant: str) -> TenantAccount:
         """Where a request of ``tenant`` is counted: in its tenant's requests, and in
         ``model`` too (its model's or pipeline's) unless None."""
-        requests = self.requests(tenant)
-        return requests if model is None else JointAccount(model, requests)
+        return TenantAccount(self, model, tenant)
 
     def requests(self, tenant: str) -> RequestStats:
         """``tenant``'s requests, stamped as its latest activity (from any thread)."""
@@ -139,3 +138,29 @@ class _Tenant:
     def __init__(self) -> None:
         self.requests = RequestStats()
         self.stamp = 0
+
+
+class TenantAccount:
+    """Counts a request in ``model`` (unless None) and in ``tenant``'s requests in
+    ``ledger``, looked up when the request ends: a request that never reaches a device
+    (refused before it is counted) makes no tenant appear, and a tenant forgotten while
+    its request ran has it counted in its new figures."""
+
+    __slots__ = ("ledger", "model", "tenant")
+
+    def __init__(self, ledger: TenantLedger, model: Account | None, tenant: str) -> None:
+        self.ledger = ledger
+        self.model = model
+        self.tenant = tenant
+
+    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
+               leased: bool = False, share: float = 1.0) -> None:
+        if self.model is not None:
+            self.model.record(outcome, seconds, queued=queued, leased=leased, share=share)
+        self.ledger.requests(self.tenant).record(outcome, seconds, queued=queued,
+                                                 leased=leased, share=share)
+
+    def record_batch(self, requests: int) -> None:
+        if self.model is not None:
+            self.model.record_batch(requests)
+        self.ledger.requests(self.tenant).record_batch(requests)

@@ -75,14 +75,19 @@ async def test_a_merged_batch_and_a_pipeline_count_for_their_tenant(tmp_path: Pa
         await graph.compute({"x": X})  # compiled
         (actor,) = rt.actors
         async with device_busy(actor) as nursery:
-            for _ in range(3):
-                nursery.start_soon(functools.partial(graph.compute, {"x": X}, tenant="batch"))
+            for rows in (1, 3, 2):
+                nursery.start_soon(functools.partial(graph.compute, {"x": np.ones((rows, 4),
+                                                                                  np.float32)},
+                                                     tenant="batch"))
         pipeline = await rt.load_by_name("p")
         outputs = await pipeline.compute({"x": X}, tenant="chain")
         tenants = by_name(rt.tenant_stats())
     np.testing.assert_allclose(outputs["y"].numpy(), 3 * (2 * X + 1))
     batch = tenants["batch"]
     assert (batch.completed, batch.batches, batch.batched) == (3, 1, 3)
+    # One merged run's device time, counted once: each request its rows' share of it (so
+    # the sum lies within the members' running times, not at three times one of them).
+    assert batch.running_seconds <= batch.running_p99  # type: ignore[operator]
     assert tenants["chain"].completed == 1  # one request, however many steps
     assert "batch" not in tenants["chain"].describe()
 
@@ -99,6 +104,18 @@ async def test_a_request_that_times_out_while_its_graph_compiles_counts_for_its_
         fake.load_gate.set()
         late = by_name(rt.tenant_stats())["late"]
     assert (late.completed, late.timed_out) == (0, 1)
+
+
+async def test_a_request_refused_before_it_is_counted_makes_no_tenant_appear() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx")
+        held = await graph.lease({"x": X}, tenant="holder")  # the only slot
+        # A thread's try_lease finds it busy: no request, and no tenant with none.
+        assert await trio.to_thread.run_sync(
+            functools.partial(graph.try_lease, {"x": X}, tenant="ghost")) is None
+        held.cancel()
+        assert [s.name for s in rt.tenant_stats()] == ["holder"]
 
 
 def test_the_ledger_forgets_the_least_recently_active_tenant_past_its_bound() -> None:
