@@ -84,6 +84,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,9 +144,9 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
     started for it, every process counted against ``spares.limit`` (the host's bound on
     sandbox processes; without ``spares``, the bound this Python process shares,
     :func:`host_limit`: at it, a load or a run ends the idle process of the graph used
-    least recently, as under a runtime; close the graph once done with it: until then, or
-    until they are ended so, its idle processes count against that bound, since the bound
-    holds them). ``processes``: the most runs at once,
+    least recently, as under a runtime; close the graph once done with it: its idle
+    processes count against that bound until then, or until it is collected).
+    ``processes``: the most runs at once,
     each in a process of its own (more are started as concurrent runs need them).
     ``backend`` may be a :class:`~wasinn.backends.base.BackendRef`: this process then
     never imports its library.
@@ -303,6 +304,9 @@ class SandboxedGraph(CompiledGraph):
         self._closed = False
         self.backoff = CrashBackoff(backend.name)
         self._idle: list[SandboxProcess] = []
+        # Dropped without close(): its idle processes are closed as it is collected (the
+        # bound holds it only weakly), so they do not hold places under the bound for ever.
+        weakref.finalize(self, _close_idle, self._idle, self._limit)
         self._busy: set[SandboxProcess] = set()
         self._starting = 0
         try:
@@ -497,8 +501,9 @@ class SandboxedGraph(CompiledGraph):
 
     def _may_end(self, child: SandboxProcess) -> None:
         """``child``, idle now, may be ended to make room for another graph's process
-        (under the lock)."""
-        self._limit.idle(child, functools.partial(self._end, child))
+        (under the lock). The bound holds the graph weakly: one dropped without
+        :meth:`close` is collected, its idle processes closed then (see its ``__init__``)."""
+        self._limit.idle(child, functools.partial(_end_idle, weakref.ref(self), child))
 
     def _end(self, child: SandboxProcess) -> None:
         """End idle ``child`` to make room for another graph's process (the limit's call):
@@ -606,3 +611,21 @@ class SandboxedGraph(CompiledGraph):
             # (one being ended to make room for another graph's is closed by that)
             if self._limit.claim(child):
                 child.close()
+
+
+def _end_idle(graph: weakref.ref[SandboxedGraph], child: SandboxProcess) -> None:
+    # The bound's call to end idle ``child`` (see SandboxedGraph._may_end): through its
+    # graph, or, the graph collected meanwhile, by closing it (which frees its slot).
+    alive = graph()
+    if alive is not None:
+        alive._end(child)
+    else:
+        child.close()
+
+
+def _close_idle(idle: list[SandboxProcess], limit: ProcessLimit) -> None:
+    # A graph collected without close(): its idle processes, unless the bound is ending
+    # one to make room (whoever claims a process closes it).
+    for child in list(idle):
+        if limit.claim(child):
+            child.close()

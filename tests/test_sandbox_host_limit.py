@@ -11,8 +11,10 @@ honoured while waiting for room.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,3 +205,18 @@ async def test_runtimes_that_leave_the_bound_unset_share_the_hosts(
             assert await _y_of(mine[1]) == 7.0
     assert (limit.live, _children()) == (0, set())
 
+
+
+def test_a_graph_dropped_without_close_gives_its_place_back(
+        small_host_limit: ProcessLimit) -> None:
+    # The bound holds the graphs whose idle processes it may end only weakly: one dropped
+    # without close() is collected, and its process ends, freeing its place.
+    require_backend("onnxruntime")
+    backend = BackendRegistry().ref("onnxruntime")
+    graph = load_sandboxed(backend, [affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
+    assert _y(graph) == 3.0 and small_host_limit.live == 1
+    dropped = weakref.ref(graph)
+    del graph
+    gc.collect()
+    assert dropped() is None
+    assert small_host_limit.live == 0  # (and no process left: the fixture checks it)
