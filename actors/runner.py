@@ -89,23 +89,22 @@ class RequestRunner:
         self._closed = True
 
     # -- counting ---------------------------------------------------------------------------
-    async def counted(
-            self, account: Account | None,
-            request: Callable[..., Awaitable[tuple[T, float] | tuple[T, float, float]]],
-            *args: Any) -> T:
+    async def counted(self, account: Account | None,
+                      request: Callable[..., Awaitable[tuple[T, float, float]]],
+                      *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
-        latency; ``request`` returns its result, when it was granted a slot and, a merged
-        batch's member, its share of the run's device time (else all of it)."""
+        latency; ``request`` returns its result, when it was granted a slot, and its
+        share of the run's device time (1, but for a merged batch's member)."""
         # (Arguments, not a partial: this is on every request's path.)
         start = time.perf_counter()
         try:
-            done = await request(*args)
+            result, granted, share = await request(*args)
         except BaseException as exc:
             self.record(account, outcome_of(exc), time.perf_counter() - start)
             raise
         self.record(account, Outcome.COMPLETED, time.perf_counter() - start,
-                    queued=done[1] - start, share=done[2] if len(done) > 2 else 1.0)
-        return done[0]
+                    queued=granted - start, share=share)
+        return result
 
     def record(self, account: Account | None, outcome: Outcome, seconds: float, *,
                queued: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
@@ -119,9 +118,9 @@ class RequestRunner:
     # -- one request --------------------------------------------------------------------------
     async def request(self, job: Callable[[], T], priority: int, deadline: float,
                       tenant: str, profile: RunProfile | None, nbytes: int | None,
-                      label: str) -> tuple[T, float]:
-        """The job's result, and when (perf_counter) it was granted a slot: run inline or
-        in a worker thread, within ``deadline``."""
+                      label: str) -> tuple[T, float, float]:
+        """The job's result, when (perf_counter) it was granted a slot, and its share of
+        the run (1: its own): run inline or in a worker thread, within ``deadline``."""
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
             # not only on their size: a request that must end by a deadline always goes
@@ -131,7 +130,7 @@ class RequestRunner:
                     and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
                 granted = time.perf_counter()
-                return await self._run_inline(job, profile, nbytes, tenant), granted
+                return await self._run_inline(job, profile, nbytes, tenant), granted, 1.0
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:  # (the common case, without _within's frame)
             return await self._execute(job, priority, deadline, tenant, label)
@@ -149,11 +148,11 @@ class RequestRunner:
         raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
-                       tenant: str, label: str) -> tuple[T, float]:
+                       tenant: str, label: str) -> tuple[T, float, float]:
         work = self._slot_job(job, label, tenant)
         await self.take_slot(priority, deadline, tenant, handoff=work)
         granted = time.perf_counter()
-        return await self._run_job(work), granted
+        return await self._run_job(work), granted, 1.0
 
     async def run_in_slot(self, job: Callable[[], T], label: str, tenant: str) -> T:
         """``job`` in a worker thread, on a slot already held, which is passed on or
@@ -242,7 +241,7 @@ class RequestRunner:
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
                       batching: Batching, keep: bool, priority: int, deadline: float,
                       tenant: str, label: str, account: Account | None
-                      ) -> tuple[dict[str, Tensor], float] | tuple[dict[str, Tensor], float, float]:
+                      ) -> tuple[dict[str, Tensor], float, float]:
         """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
         ``batching`` allows (see :mod:`wasinn.actors.batching`)."""
         job = functools.partial(run, inputs.tensors, keep)
@@ -253,7 +252,8 @@ class RequestRunner:
                 and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
-            return await self._within(deadline, self.run_in_slot, job, label, tenant), granted
+            return (await self._within(deadline, self.run_in_slot, job, label, tenant),
+                    granted, 1.0)
         if self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
         return await self._within(

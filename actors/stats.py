@@ -181,7 +181,6 @@ class Account(Protocol):
 
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests."""
-        ...
 
 
 class RequestStats:
