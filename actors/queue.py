@@ -210,6 +210,19 @@ def check_weight(weight: object) -> float:
     return value
 
 
+def check_tenant_weight(tenant: object, weight: object, where: str = "") -> float:
+    """``weight`` checked as :func:`check_weight` does, as ``tenant``'s (ValueError naming
+    the tenant), and ``tenant`` as a tenant's name (TypeError unless a str; ``where``
+    says where it was given)."""
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant {tenant!r:.60} ({type(tenant).__name__}){where}: expected "
+                        "a str naming a tenant")
+    try:
+        return check_weight(weight)
+    except ValueError as exc:
+        raise ValueError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
+
+
 class _Tenant:
     """One tenant of a :class:`FairSharePolicy`: its requests, its virtual time (device
     seconds charged divided by its weight, from where it joined), and its place among
@@ -271,15 +284,8 @@ class FairSharePolicy:
 
     def __init__(self, weights: Mapping[str, float] | None = None,
                  default_weight: float = 1.0) -> None:
-        self._weights: dict[str, float] = {}
-        for tenant, weight in (weights or {}).items():
-            if not isinstance(tenant, str):
-                raise TypeError(f"tenant {tenant!r:.60} ({type(tenant).__name__}) in "
-                                "weights: expected a str naming a tenant")
-            try:
-                self._weights[tenant] = check_weight(weight)
-            except ValueError as exc:
-                raise ValueError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
+        self._weights = {tenant: check_tenant_weight(tenant, weight, " in weights")
+                         for tenant, weight in (weights or {}).items()}
         try:
             self._default_weight = check_weight(default_weight)
         except ValueError as exc:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from wasinn.actors.queue import check_weight
+from wasinn.actors.queue import check_tenant_weight, check_weight
 from wasinn.actors.stats import Account, Outcome, RequestStats, TenantStats
 
 #: The most tenants whose figures are kept (the least recently active forgotten first).
@@ -99,13 +99,7 @@ class TenantLedger:
     def set_weight(self, tenant: str, weight: float) -> float:
         """Make ``tenant``'s weight ``weight`` (checked: ValueError unless a finite number
         > 0, TypeError for a tenant that is not a str); returns it as a float."""
-        if not isinstance(tenant, str):
-            raise TypeError(f"tenant {tenant!r:.60} ({type(tenant).__name__}): expected a "
-                            "str naming a tenant")
-        try:
-            value = check_weight(weight)
-        except ValueError as exc:
-            raise ValueError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
+        value = check_tenant_weight(tenant, weight)
         with self._lock:  # (held: an actor attached meanwhile gets it too, in order)
             self._weights[tenant] = value
             for actor in self._actors:
@@ -124,9 +118,9 @@ class TenantLedger:
         """Each tenant's figures, the most recently active last."""
         with self._lock:
             tenants = sorted(self._requests.items(), key=lambda kv: kv[1].stamp)
-        return [TenantStats(**known.requests.figures(), name=tenant,
-                            weight=self.weight(tenant))
-                for tenant, known in tenants]
+            weights = [self._weights.get(tenant, self._default_weight) for tenant, _ in tenants]
+        return [TenantStats(**known.requests.figures(), name=tenant, weight=weight)
+                for (tenant, known), weight in zip(tenants, weights, strict=True)]
 
 
 class _Tenant:
