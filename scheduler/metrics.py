@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 try:
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,7 +64,6 @@ _QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
 #: (the ``phase`` label, the RequestFigures field's stem)
 _PHASES = (("total", "latency"), ("queued", "queued"), ("running", "running"))
 
-_T = TypeVar("_T")
 _Read = Callable[[DeviceStats], float]
 
 _DEVICE_GAUGES: tuple[tuple[str, str, _Read], ...] = (
