@@ -607,10 +607,7 @@ class SandboxedGraph(CompiledGraph):
             self._closed = True
             idle, self._idle = self._idle, []
             self._cond.notify_all()
-        for child in idle:
-            # (one being ended to make room for another graph's is closed by that)
-            if self._limit.claim(child):
-                child.close()
+        _close_idle(idle, self._limit)
 
 
 def _end_idle(graph: weakref.ref[SandboxedGraph], child: SandboxProcess) -> None:
@@ -624,8 +621,9 @@ def _end_idle(graph: weakref.ref[SandboxedGraph], child: SandboxProcess) -> None
 
 
 def _close_idle(idle: list[SandboxProcess], limit: ProcessLimit) -> None:
-    # A graph collected without close(): its idle processes, unless the bound is ending
-    # one to make room (whoever claims a process closes it).
+    # A graph's idle processes, as it is closed or collected without close(): but one the
+    # bound is ending to make room for another graph's (whoever claims a process closes
+    # it).
     for child in list(idle):
         if limit.claim(child):
             child.close()
