@@ -3,7 +3,7 @@
 ::
 
     wasinn run [--config FILE] [--dir HOST[::GUEST]]... [--env K[=V]]... [--[no-]sandbox]
-               [--timeout SECONDS] [--fuel N]
+               [--timeout SECONDS] [--fuel N] [--metrics-port PORT [--metrics-addr ADDR]]
                [--nn-preload NAME:ENCODING:TARGET:PATH[:PATH...]]...
                [--wasi nn-graph=ENCODING::DIR]... GUEST.wasm [ARGS...]
     wasinn infer [--config FILE] [--nn-preload ...] NAME [--input NAME=FILE.npy]... [--zeros]
@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import InvalidArgumentError, WasiNNError
+from wasinn.errors import InvalidArgumentError, UnsupportedOperationError, WasiNNError
 
 if TYPE_CHECKING:
     import trio
 
     from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
     from wasinn.host.preload import Preload
+    from wasinn.scheduler import Runtime
 
 log = logging.getLogger("wasinn.cli")
 
@@ -51,6 +52,8 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 #: The most fuel ``--fuel`` may give (wasmtime counts fuel in a u64).
 MAX_FUEL = 2**64 - 1
+#: Where ``--metrics-port`` listens unless ``--metrics-addr`` says: this machine only.
+METRICS_ADDR = "127.0.0.1"
 
 
 class UsageError(Exception):
@@ -147,6 +150,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="stop the guest once it has executed N units of wasm fuel (about "
                           "one an instruction; a trap: status 134; wasi-nn calls use none; "
                           "[guests] max_fuel)")
+    run.add_argument("--metrics-port", type=_port, metavar="PORT",
+                     help="serve the run's figures (devices, models, tenants) to Prometheus "
+                          "at http://ADDR:PORT/metrics while it runs; 0: a free port, "
+                          "printed (needs wasinn[metrics])")
+    run.add_argument("--metrics-addr", metavar="ADDR",
+                     help=f"the address --metrics-port listens on (default {METRICS_ADDR}: "
+                          "this machine only)")
     # Optional here only so that its absence is reported alone (argparse would name ARGS
     # as required too): main() refuses a run without it.
     run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
@@ -226,6 +236,18 @@ def _fuel(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    # --metrics-port: a TCP port, 0 for a free one.
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a TCP port from 0 to 65535 (0: a free one), such as 9100")
+    return value
+
+
 def _width(text: str) -> float:
     # --width: a finite multiplier of MobileNetV2's channel counts.
     try:
@@ -270,6 +292,9 @@ def _parse_values(args: argparse.Namespace) -> None:
     """Parse the options whose values have a syntax of their own, before anything
     starts: one that cannot be parsed is a usage error (status 2, as argparse's own),
     not a failure of the run (1)."""
+    if getattr(args, "metrics_addr", None) is not None and args.metrics_port is None:
+        raise UsageError(f"--metrics-addr {args.metrics_addr}: expected --metrics-port PORT "
+                         "too (the port to serve the metrics on)")
     try:
         if hasattr(args, "nn_preload"):
             args.preloads = _preloads(args)
@@ -381,7 +406,9 @@ async def _run(args: argparse.Namespace) -> int:
     if overrides:
         guests = config.guests.model_copy(update=overrides)
         config = config.model_copy(update={"guests": guests})
-    async with Runtime(config) as rt:
+    rt = Runtime(config)
+    # (Served from before the start, whose preloads may take a while, to after the close.)
+    async with _serving_metrics(rt, args.metrics_port, args.metrics_addr), rt:
         try:
             # A guest past its run_timeout that cannot be stopped (blocked in a host
             # call) is given up on by run_wasm after its grace: GuestTrap all the same.
@@ -398,6 +425,31 @@ async def _run(args: argparse.Namespace) -> int:
                          *(s.describe() for s in rt.tenant_stats()),
                          *(s.describe() for s in rt.stats())]:
                 log.info("%s", line)
+
+
+@contextlib.asynccontextmanager
+async def _serving_metrics(rt: Runtime, port: int | None, addr: str | None
+                           ) -> AsyncIterator[None]:
+    """``--metrics-port``: ``rt``'s figures served to Prometheus, in a registry of their
+    own, until the block ends (see :class:`wasinn.scheduler.metrics.MetricsServer`);
+    nothing without a port. UnsupportedOperationError without prometheus-client, OSError
+    naming the address and port where the server cannot listen."""
+    import trio
+
+    if port is None:
+        yield
+        return
+    try:
+        from wasinn.scheduler.metrics import MetricsServer
+    except ImportError as exc:
+        raise UnsupportedOperationError(f"--metrics-port: {exc}") from None
+    server = await trio.to_thread.run_sync(MetricsServer, rt, port, addr or METRICS_ADDR)
+    if port == 0:  # (who scrapes must be told which)
+        print(f"wasinn: serving metrics at {server.url}", file=sys.stderr, flush=True)
+    else:
+        log.info("serving metrics at %s", server.url)
+    async with server:
+        yield
 
 
 async def _infer(args: argparse.Namespace) -> int:

@@ -80,7 +80,8 @@ class Graph:
         it was loaded, by how they ended, with their latency percentiles, time queued and
         time running apart (see :class:`wasinn.actors.ModelStats`). Every handle on the
         same loaded model (``load_by_name``) sees the same figures; readable after
-        ``unload`` too."""
+        ``unload`` too. These are this load's alone: :meth:`Runtime.model_stats` adds up
+        the loads that share a name."""
         executable = self._executable
         return ModelStats.of(executable.name, executable.requests)
 

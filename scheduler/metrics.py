@@ -8,6 +8,11 @@ figures are the runtime's own (nothing is counted twice, nothing drifts)::
     collector = register_metrics(rt)          # into prometheus_client.REGISTRY
     prometheus_client.start_http_server(8000)
 
+or, in a registry of its own and for a while (what ``wasinn run --metrics-port`` does)::
+
+    async with MetricsServer(rt, 8000):       # http://127.0.0.1:8000/metrics
+        ...
+
 Names follow Prometheus' conventions: ``{prefix}_{scope}_...`` with scope ``device``,
 ``model`` or ``tenant`` (and a label of that name), ``_total`` on counters, seconds as
 the unit. Per scope: ``requests_total{outcome}`` (completed, failed, timed_out,
@@ -21,7 +26,15 @@ percentile has no request yet is left out. ``request_latency_window`` says over 
 requests they are taken. Devices add gauges (``workers``, ``running``, ``queued``,
 ``queue_limit``, ``graphs_held``, ``abandoned_running``, ``lost`` 1 or 0) and counters
 (``compiles_total``, ``warm_ups_total``, ``runs_passed_on_total``); tenants add
-``tenant_weight``. The tenant ``""`` stands for the requests that name none.
+``tenant_weight``. The tenant ``""`` stands for the requests that name none (Prometheus
+stores a label of empty value as no label; ``{tenant=""}`` selects it all the same).
+
+The ``model`` label is a model's name, once per name (see
+:meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, and the graphs
+``Runtime.load`` loaded (a guest's ``load`` from bytes too: ``graph#N``, since wasi-nn's
+``load`` names none) while they are loaded. Loads that share a name, with each other or
+with a registry model, are one series: their counters add up, their latency percentiles
+are those of their windows together; so a scrape never has one label set twice.
 
 A scrape never fails for the runtime's lifetime: before the runtime starts there are no
 device series (models and tenants have none yet either), once it is closed the final
@@ -35,11 +48,19 @@ the extra when it is missing).
 
 from __future__ import annotations
 
+import errno
 import re
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import TracebackType
 from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+import trio
 
 try:
+    from prometheus_client.exposition import start_http_server
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
     from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 except ImportError as exc:  # pragma: no cover - exercised with the module hidden
@@ -56,7 +77,7 @@ from wasinn.actors.stats import (
 )
 from wasinn.errors import ClosedResourceError
 
-__all__ = ["RuntimeCollector", "RuntimeFigures", "register_metrics"]
+__all__ = ["MetricsServer", "RuntimeCollector", "RuntimeFigures", "register_metrics"]
 
 _PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 #: (the ``quantile`` label, the RequestFigures field's suffix)
@@ -98,7 +119,7 @@ class RuntimeFigures(Protocol):
         ...
 
     def model_stats(self) -> list[ModelStats]:
-        """Each registry model's and pipeline's request figures."""
+        """Each model's request figures, one entry per name."""
         ...
 
     def tenant_stats(self) -> list[TenantStats]:
@@ -213,3 +234,102 @@ def _request_families(prefix: str, scope: str,
                     latency.add_metric([label, phase, quantile], value)
         window.add_metric([label], figures.latency_window)
     return (requests, in_caller_thread, batches, batched, running_seconds, latency, window)
+
+
+#: What an OSError of binding the server's socket means, for its message.
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "the address is in use (another server listens there): choose "
+                      "another port, or 0 for a free one",
+    errno.EADDRNOTAVAIL: "the address is not one of this machine's",
+    errno.EACCES: "permission denied (a port below 1024 needs privileges)",
+}
+
+
+class MetricsServer:
+    """``runtime``'s figures served at ``http://addr:port/metrics`` by
+    ``prometheus_client``'s own HTTP server (``start_http_server``: a daemon thread, a
+    thread per scrape), from a :class:`CollectorRegistry` of its own that holds only a
+    :class:`RuntimeCollector` of ``runtime`` (nothing of ``prometheus_client.REGISTRY``),
+    until :meth:`close`.
+
+    ``addr`` is 127.0.0.1 unless given: only this machine may scrape (give an address of
+    another interface, or 0.0.0.0, to be scraped from elsewhere: the figures name models
+    and tenants). ``port`` 0 takes a free one: :attr:`port` says which. The server
+    starts when this is made, blocking for the bind (and for resolving ``addr``: make it
+    in a worker thread from an event loop). Raises ValueError for a ``port`` that is not
+    0 to 65535 or an ``addr`` that is not a str, and OSError naming the address and port
+    when the server cannot listen there (in use, not this machine's, a name that does
+    not resolve...).
+    """
+
+    def __init__(self, runtime: RuntimeFigures, port: int, addr: str = "127.0.0.1", *,
+                 prefix: str = "wasinn") -> None:
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise ValueError(f"MetricsServer(port={port!r}): expected a TCP port from 0 to "
+                             f"65535 (0: a free one)")
+        if not isinstance(addr, str) or not addr:
+            raise ValueError(f"MetricsServer(addr={addr!r}): expected an address to listen "
+                             f"on, such as 127.0.0.1")
+        self.addr = addr
+        self.registry = CollectorRegistry()
+        register_metrics(runtime, self.registry, prefix=prefix)
+        try:
+            server, thread = start_http_server(port, addr, self.registry)
+        except OSError as exc:
+            if isinstance(exc, socket.gaierror):
+                why = f"the address does not resolve ({exc.strerror})"
+            else:
+                why = _BIND_ERRORS.get(exc.errno or 0) or exc.strerror or str(exc)
+            error = OSError(f"cannot serve metrics at {_host(addr)}:{port}: {why}")
+            error.errno = exc.errno
+            raise error from exc
+        self._server: WSGIServer = server
+        self._thread: threading.Thread = thread
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one chosen for port 0)."""
+        return int(self._server.server_port)
+
+    @property
+    def url(self) -> str:
+        """Where the figures are: ``http://ADDR:PORT/metrics``."""
+        return f"http://{_host(self.addr)}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port; returns once the server's thread has ended
+        (up to half a second: its poll interval). Idempotent, from any thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        """:meth:`close` in a worker thread (the event loop does not wait on the server's
+        poll); shielded from cancellation: once this returns, the port is free."""
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.close)
+
+    async def __aenter__(self) -> MetricsServer:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _host(addr: str) -> str:
+    # An IPv6 address in brackets, as a URL (and "ADDR:PORT") writes it.
+    return f"[{addr}]" if ":" in addr else addr

@@ -6,19 +6,28 @@ of a name loads it; callers arriving meanwhile wait for that same load (one load
 many ask) and share the result. The entry is kept while any handle or context uses it
 (or for the runtime's lifetime when the model is ``resident``); after it is released the
 next caller loads it again.
+
+:class:`LoadedGraphs` keeps the names of the graphs ``Runtime.load`` loads from bytes,
+which the registry never holds, so that ``Runtime.model_stats`` (and a Prometheus scrape)
+reports them by name too; :func:`merged_figures` adds up the figures of loads that share
+a name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+import threading
+import weakref
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 from wasinn.actors.pending import Pending
-from wasinn.actors.stats import RequestStats
+from wasinn.actors.stats import RequestStats, percentile
 from wasinn.configs import shown_name
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError, NotFoundError, WasiNNError
 
-from .model import Executable
+from .model import Executable, LoadedModel
 
 #: How many registered names a NotFoundError lists.
 _LISTED = 20
@@ -114,3 +123,142 @@ class NameRegistry:
         keep what :meth:`requests` reports."""
         self._dropped.update({name: entry[0].requests for name, entry in self._loaded.items()})
         self._loaded.clear()
+
+
+#: The request figures that add up over the loads of one name (the others, the latency
+#: percentiles and window, are taken over their windows together).
+SUMMED = ("completed", "failed", "timed_out", "cancelled", "rejected", "in_caller_thread",
+          "batches", "batched", "running_seconds")
+
+#: The summed figures of the graphs of one name that are gone (see LoadedGraphs).
+Tally = dict[str, float]
+
+
+def _nothing() -> Tally:
+    # The SUMMED figures of no request.
+    return {**dict.fromkeys(SUMMED, 0), "running_seconds": 0.0}
+
+
+def merged_figures(parts: Sequence[RequestStats], retired: Tally | None = None
+                   ) -> dict[str, Any]:
+    """The :class:`~wasinn.actors.stats.RequestFigures` fields of ``parts`` (the request
+    figures of loads that share a name) taken together, with ``retired`` (the
+    :data:`SUMMED` figures of loads gone): counts and running seconds add up; the latency
+    percentiles are those of the parts' windows of latest completed requests together,
+    and ``latency_window`` is their size. One part alone: its own figures."""
+    if len(parts) == 1 and not retired:
+        return parts[0].figures()
+    sums: Tally = {**_nothing(), **(retired or {})}
+    total: list[float] = []
+    queued: list[float] = []
+    running: list[float] = []
+    for part in parts:
+        figures = part.figures()
+        for key in SUMMED:
+            sums[key] += figures[key]
+        _, _, window = part.snapshot()
+        total += window.total
+        queued += window.queued
+        running += window.running
+    total.sort()
+    queued.sort()
+    running.sort()
+    return {**sums, "latency_window": len(total),
+            "latency_p50": percentile(total, 0.5), "latency_p99": percentile(total, 0.99),
+            "queued_p50": percentile(queued, 0.5), "queued_p99": percentile(queued, 0.99),
+            "running_p50": percentile(running, 0.5), "running_p99": percentile(running, 0.99)}
+
+
+class LoadedGraphs:
+    """The graphs ``Runtime.load`` loaded and that are loaded still, by name, for
+    ``Runtime.model_stats``.
+
+    Only a graph's request figures are held (its :class:`RequestStats`), never the graph:
+    its model, bytes and compiled graphs go as they would without this. A graph leaves
+    when it is released (its last handle unloaded and context closed), or when its model
+    is collected without that. Its counts are then kept in its name's tally while another
+    graph of that name is loaded, or for good when the name is one of ``kept`` (the
+    registry's: its series is reported for the runtime's lifetime): so a name's counters
+    never go down while its series lasts. Once no graph of a name is loaded, the name
+    (not ``kept``) and its tally are forgotten: names given to ``load`` are free-form, and
+    an unnamed graph's (``graph#N``) is new each time, so a long-running host that loads
+    graph after graph keeps no figures of those gone. After :meth:`close`, nothing leaves.
+
+    Every method may be called from any thread; nothing here is on a request's path.
+    """
+
+    def __init__(self, kept: Iterable[str] = ()) -> None:
+        self._kept = frozenset(kept)
+        self._lock = threading.Lock()
+        #: Each loaded graph's name and figures, by its model's id, in load order.
+        self._loaded: dict[int, tuple[str, RequestStats]] = {}
+        #: How many graphs of each name are loaded.
+        self._count: Counter[str] = Counter()
+        self._retired: dict[str, Tally] = {}
+        #: The ids of models collected without a release, left by their finalizers (which
+        #: run wherever the collection happens, maybe under our lock: they take no lock).
+        self._collected: deque[int] = deque()
+        self._closed = False
+
+    def add(self, model: LoadedModel) -> None:
+        """Report ``model``, just loaded, until it is released or collected."""
+        key, name, requests, then = model.id, model.name, model.requests, model.on_release
+
+        def released(model: LoadedModel) -> None:
+            if then is not None:
+                then(model)
+            self.retire(key)
+
+        # Only the model holds ``released``: it is collected with the model.
+        model.on_release = released
+        weakref.finalize(released, self._collected.append, key).atexit = False
+        with self._lock:
+            self._loaded[key] = (name, requests)
+            self._count[name] += 1
+
+    def retire(self, key: int) -> None:
+        """The model of id ``key`` was released: it leaves (see the class docstring)."""
+        with self._lock:
+            self._retire(key)
+
+    def close(self) -> None:
+        """The runtime is closing: what is reported now stays, as the final figures."""
+        with self._lock:
+            self._drain()
+            self._closed = True
+
+    def requests(self) -> list[tuple[str, list[RequestStats], Tally | None]]:
+        """Each name with a graph loaded (or a tally kept), in the order of their first
+        loads: the figures of its loaded graphs, and its tally of those gone (or None)."""
+        with self._lock:
+            self._drain()
+            parts: dict[str, list[RequestStats]] = {}
+            for name, requests in self._loaded.values():
+                parts.setdefault(name, []).append(requests)
+            for name in self._retired:
+                parts.setdefault(name, [])
+            retired = {name: dict(tally) for name, tally in self._retired.items()}
+        return [(name, figures, retired.get(name)) for name, figures in parts.items()]
+
+    def _drain(self) -> None:
+        # Under the lock: retire the models collected since.
+        while self._collected:
+            self._retire(self._collected.popleft())
+
+    def _retire(self, key: int) -> None:
+        # Under the lock.
+        if self._closed:
+            return
+        entry = self._loaded.pop(key, None)
+        if entry is None:  # (released, then collected: gone already)
+            return
+        name, requests = entry
+        self._count[name] -= 1
+        if self._count[name] or name in self._kept:
+            tally = self._retired.setdefault(name, _nothing())
+            figures = requests.figures()
+            for field in SUMMED:
+                tally[field] += figures[field]
+        else:
+            del self._count[name]
+            self._retired.pop(name, None)

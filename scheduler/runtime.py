@@ -56,7 +56,7 @@ from wasinn.tensor import as_int
 from .actorhost import ActorHost
 from .graph import Graph
 from .model import Executable, LoadedModel
-from .names import Entry, NameRegistry
+from .names import Entry, LoadedGraphs, NameRegistry, merged_figures
 from .pipeline import Pipeline, PipelineModel, check_chain_batchable, resolve_wiring
 from .placement import Scheduler
 from .tenants import TenantLedger
@@ -250,6 +250,7 @@ class Runtime:
             resident=[name for name, entry in [*config.models.items(),
                                                *config.pipelines.items()] if entry.kept],
         )
+        self._graphs = LoadedGraphs(kept=self._names.names())
 
     @classmethod
     def from_config(cls, path: str | Path, *, backends: Iterable[Backend] = ()) -> Runtime:
@@ -370,6 +371,7 @@ class Runtime:
             if self._scheduler is not None:
                 self._scheduler.stopped = True
             self._names.drop_all()
+            self._graphs.close()
         if self._host is not None:
             await self._host.stop()  # idempotent: a later caller waits for the same stop
         else:
@@ -511,11 +513,29 @@ class Runtime:
         self._tenants.set_weight(tenant, weight)
 
     def model_stats(self) -> list[ModelStats]:
-        """The requests of each registry model and pipeline loaded so far, since its
-        latest load (also when every handle has released it since, as a guest does when it
-        exits, and after the runtime is closed); see :meth:`Graph.stats`. A graph from
-        :meth:`load` has its own ``stats()``."""
-        return [ModelStats.of(name, requests) for name, requests in self._names.requests()]
+        """The requests of each model by name (see :meth:`Graph.stats`): of each registry
+        model and pipeline loaded so far, since its latest load (also when every handle
+        has released it since, as a guest does when it exits), in the registry's order;
+        then of the graphs :meth:`load` loaded (a guest's ``load`` too) that are loaded
+        still, under their ``name`` (``graph#N`` for one given none), in the order of
+        their first loads. After the runtime is closed, the final figures.
+
+        One name, one entry: graphs loaded under the same name, and a registry model of
+        that name, are added up (counts and running seconds add; the latency
+        percentiles are those of their windows of latest requests together, and
+        ``latency_window`` their size). A graph from :meth:`load` that is unloaded while
+        another of its name is loaded, or whose name the registry has, leaves its counts
+        in the sum, so that they never go down; once no graph of a name from :meth:`load`
+        is loaded (and the registry has no such name) the name is no longer listed. Only
+        the graphs' figures are held here: a graph dropped or unloaded is freed as it
+        would be without them."""
+        loaded = {name: (parts, retired) for name, parts, retired in self._graphs.requests()}
+        stats = []
+        for name, requests in self._names.requests():
+            parts, retired = loaded.pop(name, ([], None))
+            stats.append(ModelStats(**merged_figures([requests, *parts], retired), name=name))
+        return stats + [ModelStats(**merged_figures(parts, retired), name=name)
+                        for name, (parts, retired) in loaded.items()]
 
     def model_names(self) -> list[str]:
         """The registry's model and pipeline names, as ``load_by_name`` accepts them."""
@@ -542,9 +562,10 @@ class Runtime:
 
         ``target`` is the graph's default; the model is compiled there now so that bad
         bytes fail here. ``name`` names it in stats, logs and errors (default
-        ``graph#N``); it is not entered in the registry. ``batching`` lets requests that
-        wait for the same device at the same time run as one batch (see
-        :class:`wasinn.Batching`). ``options``: a LoadOptions, or a mapping with
+        ``graph#N``); it is not entered in the registry, but :meth:`model_stats` (and so
+        a Prometheus scrape) lists it under that name while it is loaded. ``batching``
+        lets requests that wait for the same device at the same time run as one batch
+        (see :class:`wasinn.Batching`). ``options``: a LoadOptions, or a mapping with
         ``precision`` (one of ``wasinn.configs.PRECISIONS``), ``threads``, and backend
         options (as keys, or under ``extra``). The graph keeps its compiled sessions until
         :meth:`Graph.unload` (or the runtime closes). Raises InvalidEncodingError (bytes
@@ -573,6 +594,7 @@ class Runtime:
             if not name:
                 raise
             raise exc.prefixed(f"model {shown_name(name)}") from exc
+        self._graphs.add(model)  # (for model_stats, until it is released)
         return Graph(model, self._sched, kind)
 
     @yields_when_refused

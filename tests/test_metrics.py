@@ -170,11 +170,14 @@ async def test_a_percentile_not_known_yet_has_no_series() -> None:
                                          {"tenant": "carol", "outcome": "failed"}) == 1
         await graph.compute({"x": X}, tenant="carol")
         families = scrape(registry)
+        (model,) = rt.model_stats()
     latency = families["wasinn_tenant_request_latency_seconds"].samples
     assert len(latency) == len(PHASES) * len(QUANTILES)
     assert all(s.value >= 0 for s in latency)
-    # Graphs from load() have no registry name: no model series.
-    assert families["wasinn_model_requests"].samples == []
+    # A graph from load() has model series too, under the name it was loaded with.
+    assert labels_of(families["wasinn_model_requests"], "model") == {"affine"}
+    assert_request_figures(registry, "model", "affine", model)
+    assert (model.completed, model.failed) == (1, 1)
 
 
 async def test_a_scrape_before_the_start_and_after_the_close_does_not_fail() -> None:

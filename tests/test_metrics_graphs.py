@@ -1,0 +1,247 @@
+"""Graphs loaded with ``rt.load`` in ``rt.model_stats()`` and so in a scrape: by name
+while they are loaded, loads that share a name (with each other or with a registry
+model) as one series whose counters never go down, held weakly, final after the close."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import wasinn
+from tests.support import cpu_pool, require_backend
+from wasinn import InvalidArgumentError
+from wasinn.actors.stats import Outcome, RequestStats
+from wasinn.backends.base import LoadOptions
+from wasinn.enums import GraphEncoding
+from wasinn.modelgen import affine_onnx
+from wasinn.scheduler.metrics import register_metrics
+from wasinn.scheduler.model import LoadedModel
+from wasinn.scheduler.names import LoadedGraphs, merged_figures
+
+X = np.ones((1, 4), np.float32)
+BAD = np.ones((1, 5), np.float32)
+
+
+def registry_of(rt: wasinn.Runtime) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    register_metrics(rt, registry)
+    return registry
+
+
+def model_counts(rt: wasinn.Runtime) -> dict[str, int]:
+    return {s.name: s.completed for s in rt.model_stats()}
+
+
+def scraped(registry: CollectorRegistry) -> dict[str, float]:
+    """Each model's completed requests in the exposition text, checking on the way that
+    no family has a label set twice (which a scraper would reject)."""
+    text = generate_latest(registry).decode()
+    completed: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        seen = Counter((s.name, tuple(sorted(s.labels.items()))) for s in family.samples)
+        assert [key for key, n in seen.items() if n > 1] == [], family.name
+        for sample in family.samples:
+            if (family.name == "wasinn_model_requests"
+                    and sample.labels["outcome"] == "completed"):
+                completed[sample.labels["model"]] = sample.value
+    return completed
+
+
+def config_with_affine(tmp_path: Path) -> Path:
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
+                    '[models.affine]\nfiles = ["affine.onnx"]\nencoding = "onnx"\n')
+    return path
+
+
+async def test_a_loaded_graph_is_reported_under_its_name_while_it_is_loaded() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        registry = registry_of(rt)
+        named = await rt.load([affine_onnx()], "onnx", name="scorer")
+        unnamed = await rt.load([affine_onnx()], "onnx")
+        assert unnamed.name.startswith("graph#")  # what its logs and errors call it
+        for _ in range(2):
+            await named.compute({"x": X}, tenant="alice")
+        with pytest.raises(InvalidArgumentError, match="the model expects"):
+            await named.compute({"x": BAD})
+        await unnamed.compute({"x": X})
+        by_name = {s.name: s for s in rt.model_stats()}
+        assert list(by_name) == ["scorer", unnamed.name]  # in the order of their loads
+        assert by_name["scorer"] == named.stats()  # one load: exactly its own figures
+        assert by_name[unnamed.name] == unnamed.stats()
+        assert registry.get_sample_value("wasinn_model_requests_total",
+                                         {"model": "scorer", "outcome": "failed"}) == 1
+        assert scraped(registry) == {"scorer": 2, unnamed.name: 1}
+        await named.unload()
+        # Gone: no other graph of its name is loaded, and the registry has no such name.
+        assert scraped(registry) == {unnamed.name: 1}
+        assert [s.name for s in rt.model_stats()] == [unnamed.name]
+
+
+async def test_loads_that_share_a_name_are_one_series_whose_counters_never_go_down() -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        registry = registry_of(rt)
+        first = await rt.load([affine_onnx()], "onnx", name="m")
+        second = await rt.load([affine_onnx(3.0)], "onnx", name="m")
+        await first.compute({"x": X})
+        for _ in range(3):
+            await second.compute({"x": X})
+        (merged,) = rt.model_stats()
+        assert (merged.name, merged.completed, merged.latency_window) == ("m", 4, 4)
+        assert merged.running_seconds == pytest.approx(
+            first.stats().running_seconds + second.stats().running_seconds)
+        assert scraped(registry) == {"m": 4}
+        # One of the two unloaded: its counts stay in the sum (a counter that went down
+        # would read as a reset to Prometheus); its latencies leave the window.
+        await second.unload()
+        (merged,) = rt.model_stats()
+        assert (merged.completed, merged.latency_window) == (4, 1)
+        third = await rt.load([affine_onnx()], "onnx", name="m")
+        await third.compute({"x": X})
+        assert scraped(registry) == {"m": 5}
+        await first.unload()
+        await third.unload()
+        assert rt.model_stats() == []  # no graph of the name left: the series ends
+        again = await rt.load([affine_onnx()], "onnx", name="m")
+        await again.compute({"x": X})
+        assert scraped(registry) == {"m": 1}  # a new series, as after a restart
+
+
+async def test_a_load_named_as_a_registry_model_is_added_to_its_series(tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(config_with_affine(tmp_path)) as rt:
+        registry = registry_of(rt)
+        own = await rt.load([affine_onnx()], "onnx", name="affine")
+        await own.compute({"x": X})
+        assert model_counts(rt) == {"affine": 1}  # the registry's is not loaded yet
+        by_name = await rt.load_by_name("affine")
+        for _ in range(2):
+            await by_name.compute({"x": X})
+        assert model_counts(rt) == {"affine": 3}
+        assert scraped(registry) == {"affine": 3}
+        # The registry's series lasts the runtime's lifetime: so do the counts of a load
+        # of its name, once unloaded.
+        await own.unload()
+        await by_name.unload()
+        assert scraped(registry) == {"affine": 3}
+    assert model_counts(rt) == {"affine": 3}
+
+
+async def test_the_figures_are_held_not_the_graph() -> None:
+    # (Checked once the runtime is closed: until then the device's compile of a model may
+    # be held a while by the thread that ran it.)
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", name="unloaded")
+        await graph.compute({"x": X})
+        figures = weakref.ref(graph._executable.requests)  # held by the model alone
+        await graph.unload()
+        del graph
+        # A graph dropped without unload() keeps its compiled graph on the device until
+        # the runtime closes (see Runtime): it is reported meanwhile.
+        dropped = await rt.load([affine_onnx()], "onnx", name="dropped")
+        await dropped.compute({"x": X})
+        # The model alone holds its on_release: gone with the model.
+        model = weakref.ref(dropped._executable.on_release)  # type: ignore[attr-defined]
+        del dropped
+        gc.collect()
+        assert model_counts(rt) == {"dropped": 1}
+    gc.collect()
+    assert figures() is None  # neither the unloaded graph's model nor its figures
+    assert model() is None  # nor the dropped graph's model...
+    assert model_counts(rt) == {"dropped": 1}  # ...only its final figures
+
+
+async def test_a_closed_runtime_reports_the_final_figures_of_its_loads() -> None:
+    require_backend("onnxruntime")
+    rt = wasinn.Runtime(cpu_pool(workers=1))
+    registry = registry_of(rt)
+    async with rt:
+        graph = await rt.load([affine_onnx()], "onnx", name="m")
+        await graph.compute({"x": X})
+        await graph.compute({"x": X})
+        during = rt.model_stats()
+    await graph.unload()  # after the close: what it did stays reported
+    assert rt.model_stats() == during
+    assert scraped(registry) == {"m": 2}
+
+
+async def test_scrapes_from_another_thread_while_graphs_come_and_go() -> None:
+    # A resident graph of the name and another loaded, run and unloaded again and again:
+    # each scrape sees one series, its count never lower than the scrape before's.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        registry = registry_of(rt)
+        resident = await rt.load([affine_onnx()], "onnx", name="m")
+        stop = threading.Event()
+        seen: list[float] = []
+
+        def scrape_until_stopped() -> None:
+            while not stop.is_set() or not seen:
+                seen.append(scraped(registry)["m"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, scrape_until_stopped)
+            for _ in range(20):
+                passing = await rt.load([affine_onnx()], "onnx", name="m")
+                await passing.compute({"x": X})
+                await resident.compute({"x": X})
+                await passing.unload()
+            stop.set()
+        assert seen == sorted(seen)
+        assert scraped(registry) == {"m": 40}
+
+
+def test_merged_percentiles_are_those_of_the_windows_together() -> None:
+    a, b = RequestStats(), RequestStats()
+    for seconds in (0.001, 0.002, 0.003):
+        a.record(Outcome.COMPLETED, seconds, queued=0.0005)
+    a.record(Outcome.FAILED, 0.5)
+    b.record(Outcome.COMPLETED, 0.010, queued=0.004, leased=True)
+    b.record_batch(2)
+    retired = {**dict.fromkeys(("completed", "failed", "timed_out", "cancelled", "rejected",
+                                "in_caller_thread", "batches", "batched"), 1),
+               "running_seconds": 1.0}
+    merged = merged_figures([a, b], retired)
+    assert (merged["completed"], merged["failed"], merged["timed_out"]) == (5, 2, 1)
+    assert (merged["in_caller_thread"], merged["batches"], merged["batched"]) == (2, 2, 3)
+    assert merged["running_seconds"] == pytest.approx(1.0 + 0.0045 + 0.006)
+    # [1, 2, 3, 10] ms: the nearest-rank p50 is the 2nd, the p99 the 4th.
+    assert merged["latency_window"] == 4
+    assert (merged["latency_p50"], merged["latency_p99"]) == (0.002, 0.010)
+    assert (merged["queued_p50"], merged["queued_p99"]) == (0.0005, 0.004)
+    assert merged["running_p99"] == pytest.approx(0.006)
+    assert merged_figures([a]) == a.figures()  # one part: its own figures
+    nothing = merged_figures([], retired)  # only graphs gone: no latency
+    assert nothing["latency_p50"] is None and nothing["latency_window"] == 0
+
+
+def test_a_graph_collected_without_a_release_leaves_as_an_unloaded_one() -> None:
+    graphs = LoadedGraphs()
+    stays, goes = (LoadedModel((b"model",), GraphEncoding.ONNX, LoadOptions(), name="m")
+                   for _ in range(2))
+    graphs.add(stays)
+    graphs.add(goes)
+    goes.requests.record(Outcome.COMPLETED, 0.001)
+    figures = weakref.ref(goes.requests)
+    del goes
+    gc.collect()
+    ((name, parts, retired),) = graphs.requests()
+    assert (name, parts) == ("m", [stays.requests])
+    assert figures() is None  # its counts were kept, not its figures
+    assert retired is not None and retired["completed"] == 1  # kept: "m" is loaded still
+    stays.retain()
+    stays.release()  # its on_release: it leaves, and with it the name
+    assert graphs.requests() == []
