@@ -437,6 +437,11 @@ class WorkerThreads:
                     # first, on the caller's time, and gain nothing: the loop is woken on
                     # its own CPU whatever the mask of the thread that wakes it.
                     pin_current_thread(pin[0])
+                # Idle, the thread holds nothing of its last job: its callable (the
+                # inputs, a compile's model bytes) and its outcome (the outputs, a
+                # compiled graph) are freed as their callers let go of them, not when
+                # this thread's next job comes, maybe never.
+                del fn, job, following
         finally:
             worker.done("thread")
             token = self._token
