@@ -372,12 +372,17 @@ class Runtime:
                 self._scheduler.stopped = True
             self._names.drop_all()
             self._graphs.close()
-        if self._host is not None:
-            await self._host.stop()  # idempotent: a later caller waits for the same stop
-        else:
-            await trio.lowlevel.checkpoint()
-        if self._spares is not None:
-            await trio.to_thread.run_sync(self._spares.close)
+        try:
+            if self._host is not None:
+                await self._host.stop()  # idempotent: a later caller waits for the same stop
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            if self._spares is not None:
+                # Shielded too (killing idle processes takes milliseconds): a runtime
+                # left from a cancelled scope (a timeout, Ctrl-C) must not leave them.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._spares.close)
 
     def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
         # Runs in a worker thread: asking backends for devices may import their libraries.

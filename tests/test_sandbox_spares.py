@@ -235,6 +235,20 @@ async def test_a_runtime_keeps_one_spare_by_default_and_closes_it() -> None:
     assert _children() == set()
 
 
+async def test_a_runtime_left_from_a_cancelled_scope_closes_its_spare_too() -> None:
+    # A timeout, Ctrl-C or a sibling's error leaves ``async with`` cancelled: aclose runs
+    # under that cancellation, and the spare must not outlive the runtime.
+    require_backend("onnxruntime")
+    with trio.CancelScope() as scope:
+        async with wasinn.Runtime(cpu_pool(backends=["onnxruntime"])) as rt:
+            graph = await rt.load([affine_onnx()], "onnx", options={"sandbox": True})
+            await graph.compute({"x": np.ones((1, 4), np.float32)})
+            assert len(_children()) == 2  # the graph's process and the spare
+            scope.cancel()
+    assert scope.cancel_called
+    assert _children() == set()
+
+
 def _spares_config(value: Any) -> Any:
     return parse_config({"runtime": {"sandbox_spares": value}}, None)
 
