@@ -65,7 +65,7 @@ from wasinn.tensor import Tensor, as_tensor
 
 from .binding import OutputBuffer, fill
 from .model import Executable, Inputs
-from .triorun import yields_when_refused
+from .triorun import A_REQUEST, check_trio_run, yields_when_refused
 
 if TYPE_CHECKING:
     from wasinn.actors.lease import Lease
@@ -137,7 +137,12 @@ def request_deadline(priority: object, timeout: object, tenant: object) -> float
     seconds = check_request(priority, timeout, tenant)
     if seconds is None:
         return math.inf
-    return trio.current_time() + seconds
+    try:
+        now = trio.current_time()
+    except RuntimeError:  # not in trio: say so as a request without a timeout does
+        check_trio_run(None, A_REQUEST)
+        raise
+    return now + seconds
 
 
 def naming_timeout(exc: TimeoutError_, timeout: float | None) -> WasiNNError:
@@ -365,7 +370,8 @@ class ExecutionContext:
         the backend runs in this thread; on a busy device, the request is queued in trio
         (one ``trio.from_thread.run``, see :meth:`lease`). Same results and errors as
         :meth:`compute`, with the ``timeout`` caveat of :meth:`lease`; in a thread started
-        by ``trio.to_thread``, cancelling the trio task it belongs to drops a queued
+        by ``trio.to_thread`` in the runtime's trio run (a thread of another trio run is
+        as one of the application's own), cancelling the trio task it belongs to drops a queued
         request, or abandons one running in a worker thread (``trio.Cancelled`` is raised
         here). Raises RuntimeError in the trio thread, whose event loop the run
         would block."""
@@ -381,14 +387,25 @@ class ExecutionContext:
         if run is None:
             queue = functools.partial(self.lease, inputs, priority=priority, timeout=timeout,
                                       tenant=tenant, keep_on_device=keep_on_device)
+            token = self._executable.trio_token
+            queued: ContextRun | None = None
             if _started_by_trio():
-                run = trio.from_thread.run(queue)
-            else:  # a thread of the application's own: reach the runtime's trio run
-                run = self._queue_from_outside(queue)
+
+                async def queue_in_this_run() -> ContextRun | None:
+                    # (None: the thread is another trio run's, not the runtime's.)
+                    if trio.lowlevel.current_trio_token() is not token:
+                        return None
+                    return await queue()
+
+                queued = trio.from_thread.run(queue_in_this_run)
+            # A thread of the application's own, or of another trio run's: reach the
+            # runtime's trio run.
+            run = queued if queued is not None else self._queue_from_outside(queue)
         return run.run()  # a ContextRun: its timeout is named (see lease)
 
     def _queue_from_outside(self, queue: Callable[[], Awaitable[ContextRun]]) -> ContextRun:
-        # A thread trio did not start has no trio task to be cancelled with: a trio run
+        # A thread trio did not start (or another trio run's) has no task of the
+        # runtime's run to be cancelled with: a trio run
         # that ends (its tasks cancelled, or finished) under its request means the
         # runtime went away, and says so as the runtime's close would.
         try:

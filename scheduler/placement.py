@@ -55,6 +55,7 @@ from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
+    DeviceLostError,
     InvalidArgumentError,
     InvalidEncodingError,
     TimeoutError_,
@@ -65,7 +66,7 @@ from wasinn.tensor import Tensor
 
 from .model import Inputs, LoadedModel
 from .tenants import TenantLedger
-from .triorun import check_trio_run
+from .triorun import A_REQUEST, check_trio_run
 
 log = logging.getLogger("wasinn.scheduler")
 
@@ -78,9 +79,6 @@ Named = tuple[str, Sequence[LoadedModel]]
 
 
 #: How :func:`check_trio_run` names a request awaited outside the runtime's trio run.
-_A_REQUEST = "a request (compute, run or lease)"
-
-
 class Scheduler:
     """Routes models and requests onto device actors."""
 
@@ -272,6 +270,8 @@ class Scheduler:
         for other in others:
             try:
                 session = await self._session_with(actor, model, other)
+            except (ClosedResourceError, DeviceLostError):
+                raise  # the runtime or the model closed, the device was lost: not a refusal
             except WasiNNError:  # (what the first backend said is what the caller hears)
                 tried.append(other)
                 continue
@@ -460,7 +460,7 @@ class Scheduler:
                          deadline: float, account: Account
                          ) -> tuple[DeviceActor, Session, RunInputs]:
         # The actor that runs it, its session there, and how to run it on inputs.
-        check_trio_run(self.trio_token, _A_REQUEST)
+        check_trio_run(self.trio_token, A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
@@ -535,7 +535,7 @@ class Scheduler:
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
                          account: Account | None) -> tuple[DeviceActor, list[Session]]:
         # The actor that runs the chain and each step's session there.
-        check_trio_run(self.trio_token, _A_REQUEST)
+        check_trio_run(self.trio_token, A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
         sessions = []
         for model in models:

@@ -47,6 +47,10 @@ def yields_when_refused(call: Callable[P, Awaitable[T]]) -> Callable[P, Coroutin
     return yielding
 
 
+#: How :func:`check_trio_run` names a request (a compute, run or lease) in its message.
+A_REQUEST = "a request (compute, run or lease)"
+
+
 def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
     """RuntimeError unless the caller runs in trio and, where ``token`` is given, in the
     trio run that ``token`` belongs to. ``what`` names the call in the message."""

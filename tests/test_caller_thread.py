@@ -309,6 +309,40 @@ async def test_a_thread_trio_did_not_start_queues_when_the_device_is_busy() -> N
         ctx.close()
 
 
+async def test_a_thread_of_another_trio_run_queues_in_the_runtimes_run(
+        rt: wasinn.Runtime) -> None:
+    """A thread ``trio.to_thread`` started in another trio run (an application running
+    trio.run in a thread of its own) is served as any thread of the application's: on a
+    busy device its request queues in the runtime's run. Before, it went to its own run,
+    which refused it (RuntimeError) whenever the device was busy."""
+    graph = await rt.load([affine_onnx()], "onnx")
+    (cpu,) = rt.actors
+    ctx = graph.init_execution_context()
+    results: list[object] = []
+
+    def in_another_trio_run() -> None:
+        def call() -> None:
+            try:
+                results.append(ctx.compute_in_caller_thread({"x": X})["y"].numpy().tolist())
+            except Exception as exc:
+                results.append(exc)
+
+        async def other() -> None:
+            await trio.to_thread.run_sync(call)
+
+        trio.run(other)
+
+    await trio.to_thread.run_sync(in_another_trio_run)  # idle: taken in that thread
+    held = await ctx.lease({"x": X})  # the only slot
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, in_another_trio_run)
+        await wait_for_load(cpu, 2)  # queued in this run, in the policy's order
+        assert len(results) == 1
+        await trio.to_thread.run_sync(held.run)
+    assert results == [Y.tolist()] * 2
+    assert cpu.load == 0
+
+
 async def test_a_lease_whose_deadline_passed_before_its_run_never_runs() -> None:
     # A run that will be thrown away is not started (a torch run could not be stopped):
     # the holder gets TimeoutError_ at once and the slot is free again.

@@ -115,6 +115,10 @@ async def test_requests_and_unload_from_asyncio_or_another_trio_run_say_so_and_c
             "graph.compute": lambda: graph.compute({"x": X}),
             "graph.lease": lambda: graph.lease({"x": X}),
             "pipeline.compute": lambda: pipeline.compute({"x": X}),
+            # (A timeout reads trio's clock: under asyncio that once failed first.)
+            "ctx.compute(timeout)": lambda: ctx.compute({"x": X}, timeout=1),
+            "ctx.lease(timeout)": lambda: ctx.lease({"x": X}, timeout=1),
+            "graph.compute(timeout)": lambda: graph.compute({"x": X}, timeout=1),
         }
         said: dict[str, list[str]] = {"asyncio": [], "trio": []}
         (actor,) = rt.actors

@@ -450,3 +450,39 @@ async def test_where_no_backend_can_compile_a_model_the_first_ones_error_is_rais
         with pytest.raises(UnsupportedOperationError,
                            match=r"^first: no kernel for it on cpu \(nor could second\)$"):
             await rt.load(RECIPE, "ggml")
+
+
+class _UnableAnywhere(_Unable):
+    """As :class:`_Unable`, on every device (the fake's slow compile is a GPU's)."""
+
+    def load(self, builders: Any, encoding: Any, device: Any, options: Any = None) -> Any:
+        self.loads.append("refused")
+        raise UnsupportedOperationError(f"{self.name}: no kernel for it on {device}")
+
+
+async def test_the_runtime_closing_while_the_next_backend_compiles_says_so() -> None:
+    # Before, the ClosedResourceError of that compile was taken for the next backend's
+    # refusal: the caller heard the first backend's unsupported-operation.
+    first, fake = _UnableAnywhere("first"), FakeBackend()
+    config = parse_config({"pools": {"gpu": {"kind": "gpu", "devices": "auto",
+                                             "backends": ["first", "fake"],
+                                             "close_timeout": 0.2}}}, None)
+    failures: list[BaseException] = []
+
+    async def load(rt: wasinn.Runtime) -> None:
+        try:
+            await rt.load(SLOW, "ggml", "gpu")
+        except wasinn.WasiNNError as exc:
+            failures.append(exc)
+
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery, wasinn.Runtime(
+                    config, backends=[first, fake]) as rt:
+                nursery.start_soon(load, rt)
+                await trio.to_thread.run_sync(fake.loading.wait)  # fake compiles it
+        (error,) = failures
+        assert isinstance(error, wasinn.ClosedResourceError), repr(error)
+        assert first.loads == ["refused"]
+    finally:
+        fake.load_gate.set()
