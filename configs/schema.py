@@ -16,8 +16,9 @@ A config has six tables::
     [guests]                       # per-guest limits: max_graphs, max_contexts,
                                    # max_model_bytes, max_tensor_bytes, allowed_targets,
                                    # compute_timeout, run_timeout, max_scratch_bytes,
-                                   # max_scratch_files, max_tensors, max_errors,
-                                   # max_live_tensor_bytes
+                                   # max_scratch_files, max_scratch_open_files,
+                                   # max_tensors, max_errors,
+                                   # max_live_tensor_bytes, max_data_bytes
 
 Unknown keys are errors (a typo must not be ignored silently), and so are settings that
 would be accepted but have no effect: a CPU pool's ``devices`` other than ``["cpu"]`` (or
@@ -458,10 +459,11 @@ class GuestsConfig(_Strict):
     gets ``timeout`` (core modules: ``runtime_error``) and the request is cancelled.
     ``run_timeout`` bounds a guest's whole run in seconds (None = no bound); past it the
     guest is stopped and ``run_wasm`` raises GuestTrap (``wasinn run`` exits with 134).
-    ``max_scratch_bytes``/``max_scratch_files`` bound a component guest's
-    ``wasinn:nn/scratch`` directory (bytes, entries);
+    ``max_scratch_bytes``/``max_scratch_files``/``max_scratch_open_files`` bound a
+    component guest's ``wasinn:nn/scratch`` directory (bytes, entries, open descriptors);
     ``max_tensors``/``max_errors`` a component guest's live tensor/error handles and
-    ``max_live_tensor_bytes`` the tensor data it holds at once (see GuestLimits).
+    ``max_live_tensor_bytes`` the tensor data it holds at once, ``max_data_bytes`` what
+    one ``tensor.data()`` call may return (see GuestLimits).
     ``sandbox`` runs the models a guest loads from its own bytes in a process of their
     own each (wasinn.backends.sandbox), which may hold ``max_sandbox_bytes`` of memory on
     the CPU (None: half the machine's): on the CPU by default (``"cpu"``), on every
@@ -481,9 +483,15 @@ class GuestsConfig(_Strict):
     max_fuel: int | None = Field(default=None, ge=1, le=2**64 - 1)
     max_scratch_bytes: int = Field(default=2 * 1024**3, ge=0)
     max_scratch_files: int = Field(default=10_000, ge=1)
+    #: Descriptors a component guest may hold open on its scratch directory and in it
+    #: (its preopen counts one); each is one of the host process's own.
+    max_scratch_open_files: int = Field(default=64, ge=1)
     max_tensors: int = Field(default=4096, ge=1)
     max_errors: int = Field(default=1024, ge=1)
     max_live_tensor_bytes: int = Field(default=4 * 1024**3, ge=1)
+    #: The most tensor bytes one component ``tensor.data()`` call returns (``tensor-words``:
+    #: 8 times as many); lowering a list costs the host about 80 bytes per value.
+    max_data_bytes: int = Field(default=16 * 1024**2, ge=1)
     sandbox: Sandbox = "cpu"
     max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
     #: Bytes each of a guest's linear memories may grow to (4 GiB: a 32-bit memory's all).

@@ -16,10 +16,22 @@ Compiled artifacts are cached under ``$WASINN_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/wasinn`` or ``~/.cache/wasinn``), keyed by the SHA-256 of the wasm
 bytes, the wasmtime version and the engine (with or without fuel: code compiled for one
 cannot be loaded into the other), so a second start skips compilation.
+
+The cache is bounded: a host serving guests would otherwise keep one compiled artifact
+(tens of MB for a componentize-py guest) for every distinct binary it was ever given.
+``$WASINN_CACHE_MAX_BYTES`` (default :data:`DEFAULT_CACHE_MAX_BYTES`; 0: no disk cache
+at all) bounds the bytes of every compiled entry under ``wasmtime-*/`` (other wasmtime
+versions' included: this one never loads them), checked after each new entry is
+written; the entries used least recently go first, by modification time, which a cache
+hit renews. Several processes may share the directory: an entry is written to a file of
+its own and renamed into place, and eviction only ever unlinks, so a process that has
+an entry open (wasmtime maps it) keeps reading the file it opened. An artifact larger
+than the bound is not written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -32,7 +44,19 @@ from pathlib import Path
 import wasmtime
 import wasmtime.component
 
+from wasinn.errors import InvalidArgumentError
+
 log = logging.getLogger("wasinn.host")
+
+#: The environment variable that bounds the compiled-guest cache, in bytes.
+CACHE_MAX_BYTES_VAR = "WASINN_CACHE_MAX_BYTES"
+#: The bound when the variable is not set.
+DEFAULT_CACHE_MAX_BYTES = 2 * 1024**3
+#: How old a temporary file of a cache write must be to count as left by a process that
+#: died while writing it (a write takes well under a second): it is then removed.
+STALE_TEMP_SECONDS = 3600.0
+#: How cache entries end (compiled artifacts, and temporary files being written).
+_ENTRY_SUFFIXES, _TEMP_SUFFIX = (".cwasm-module", ".cwasm-component"), ".tmp"
 
 _lock = threading.Lock()
 #: The engines made so far, by whether they count fuel.
@@ -123,6 +147,25 @@ def cache_dir() -> Path:
     return Path(base) / "wasinn"
 
 
+def cache_max_bytes() -> int:
+    """The bound on the compiled-guest cache, from ``$WASINN_CACHE_MAX_BYTES`` (see the
+    module docstring); InvalidArgumentError naming the variable for a value that is not
+    a whole number of bytes >= 0."""
+    raw = os.environ.get(CACHE_MAX_BYTES_VAR, "").strip()
+    if not raw:
+        return DEFAULT_CACHE_MAX_BYTES
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = -1
+    if bound < 0:
+        raise InvalidArgumentError(
+            f"${CACHE_MAX_BYTES_VAR}={raw!r}: expected a whole number of bytes >= 0 that "
+            f"bounds the compiled-guest cache, such as {DEFAULT_CACHE_MAX_BYTES} (0: no "
+            "disk cache)")
+    return bound
+
+
 def _cache_path(wasm: bytes, kind: str, fuel: bool) -> Path:
     # Code compiled with fuel counting differs from code without (wasmtime refuses to
     # load one into the other's engine): each has its own entry.
@@ -134,11 +177,12 @@ def _compile(
     wasm: bytes, kind: str, fuel: bool
 ) -> wasmtime.Module | wasmtime.component.Component:
     engine = engine_for(fuel=fuel)
+    bound = cache_max_bytes()
     path = _cache_path(wasm, kind, fuel)
     cls: type[wasmtime.Module] | type[wasmtime.component.Component] = (
         wasmtime.component.Component if kind == "cwasm-component" else wasmtime.Module
     )
-    if path.exists():
+    if bound and path.exists():
         start = time.perf_counter()
         try:
             cached = cls.deserialize_file(engine, str(path))
@@ -147,19 +191,76 @@ def _compile(
         else:
             log.info("loaded compiled %s guest from the cache in %.1f ms",
                      kind.removeprefix("cwasm-"), (time.perf_counter() - start) * 1e3)
+            _touch(path)
             return cached
     start = time.perf_counter()
     compiled = cls(engine, wasm)
     log.info("compiled %s guest in %.1f ms", kind.removeprefix("cwasm-"),
              (time.perf_counter() - start) * 1e3)
+    if bound:
+        _store(path, compiled.serialize(), bound)
+    return compiled
+
+
+def _store(path: Path, artifact: bytes | bytearray, bound: int) -> None:
+    """Write ``artifact`` as cache entry ``path``, then evict down to ``bound`` bytes."""
+    if len(artifact) > bound:
+        log.debug("not caching a compiled guest of %d bytes: over $%s (%d)", len(artifact),
+                  CACHE_MAX_BYTES_VAR, bound)
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(compiled.serialize())
-        tmp.replace(path)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}{_TEMP_SUFFIX}")
+        tmp.write_bytes(artifact)
+        tmp.replace(path)  # atomic: a reader sees the old file or the new, never half
     except OSError as exc:  # a read-only cache directory only costs the next start time
         log.debug("cannot cache compiled guest at %s: %s", path, exc)
-    return compiled
+        return
+    _evict(path, bound)
+
+
+def _touch(path: Path) -> None:
+    """Mark cache entry ``path`` as just used (its modification time: see _evict)."""
+    with contextlib.suppress(OSError):  # evicted meanwhile by another process, or read-only
+        os.utime(path)
+
+
+def _evict(keep: Path, bound: int) -> None:
+    """Unlink the least recently used cache entries (oldest modification time first), other
+    than ``keep``, until all of them together hold at most ``bound`` bytes; and temporary
+    files older than STALE_TEMP_SECONDS. Only ever unlinks: a process reading an entry
+    keeps the file it opened."""
+    entries: list[tuple[int, int, Path]] = []  # (mtime in ns, bytes, path)
+    stale = time.time() - STALE_TEMP_SECONDS
+    for folder in keep.parent.parent.glob("wasmtime-*"):
+        try:
+            listing = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in listing:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:  # removed meanwhile
+                continue
+            if entry.name.endswith(_TEMP_SUFFIX):
+                if info.st_mtime < stale:
+                    _unlink(Path(entry.path))
+            elif entry.name.endswith(_ENTRY_SUFFIXES) and entry.is_file(follow_symlinks=False):
+                entries.append((info.st_mtime_ns, info.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= bound:
+            break
+        if path != keep:
+            _unlink(path)
+            total -= size
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("cannot evict %s from the compiled-guest cache: %s", path, exc)
 
 
 def compile_module(wasm: bytes, *, fuel: bool = False) -> wasmtime.Module:

@@ -15,6 +15,11 @@ WASM32_MEMORY_BYTES = 4 * 1024**3
 #: How many linear memories and tables one guest's store may create (a component has a
 #: few core instances, each with its own), and elements each table may hold.
 MAX_MEMORIES, MAX_TABLES, MAX_TABLE_ELEMENTS = 16, 64, 10_000_000
+#: Peak host memory, in bytes, that wasmtime's C API spends on each value of a list it
+#: lowers into a component guest, measured with wasmtime-py 50 (the 32-byte C value that
+#: :mod:`wasinn.host.component.fastlist` fills, the rest in wasmtime's own conversion):
+#: 80 per byte for ``tensor.data()`` (``list<u8>``), 10 per byte for ``tensor-words``.
+LOWERING_BYTES_PER_VALUE = 80
 
 
 @dataclass(frozen=True)
@@ -29,15 +34,28 @@ class GuestLimits:
     compute may take (None = unbounded); past it the request is cancelled and the guest
     gets ``timeout`` (core modules: ``runtime_error``). ``max_scratch_bytes``: what a
     component guest may keep in its ``wasinn:nn/scratch`` directory (all entries' allocated
-    blocks), ``max_scratch_files`` how many entries; the host checks both while the guest
-    runs and after each call, and stops a guest that goes over (a trap naming the limit).
+    blocks), ``max_scratch_files`` how many entries, ``max_scratch_open_files`` how many
+    descriptors it may hold open on that directory and in it (its preopen counts one);
+    the host checks all three while the guest runs and after each call, and stops a
+    guest that goes over (a trap naming the limit).
 
     Component guests only: ``max_tensors``/``max_errors``: live ``tensor``/``error``
     handles; ``max_live_tensor_bytes``: the tensor data a guest holds at once (its live
-    tensor handles plus inputs staged with the older RCs' ``set-input``). A call that
-    can report an error gets too-large naming the limit; where the host cannot hand
-    out the resource a call must return (the tensor constructor past ``max_tensors``,
-    any error past ``max_errors``) it traps the guest with a message naming the limit.
+    tensor handles plus, with the older RCs, the inputs a context stages with
+    ``set-input`` and the outputs it keeps for ``get-output``; a tensor held several
+    ways counts once). A call that can report an error gets too-large naming the limit;
+    where the host cannot hand out the resource a call must return (the tensor
+    constructor past ``max_tensors``, any error past ``max_errors``) it traps the guest
+    with a message naming the limit. ``max_data_bytes``: the most tensor bytes one
+    ``tensor.data()`` call hands the guest (``tensor-words``: 8 times as many, the same
+    number of list values); wasmtime's C API costs the host about
+    :data:`LOWERING_BYTES_PER_VALUE` bytes of memory per list value while it lowers a
+    list into the guest, so a call costs 80 times its size (the default, 16 MiB: about
+    1.25 GiB for a moment, at most; per call, not host-wide: the host cannot tell when
+    wasmtime has finished lowering a list, so it keeps no budget of them). Past it, or past
+    ``max_tensor_bytes``, the call (which has no error case) traps the guest with a
+    message naming the limit and ``wasinn:nn/scratch``'s ``tensor-to-scratch``, which
+    has no such cost.
 
     ``sandbox``: the models the guest loads from its own bytes are compiled and run in a
     process of their own each (:mod:`wasinn.backends.sandbox`), so that a library that
@@ -73,9 +91,11 @@ class GuestLimits:
     max_fuel: int | None = None
     max_scratch_bytes: int = 2 * 1024**3
     max_scratch_files: int = 10_000
+    max_scratch_open_files: int = 64
     max_tensors: int = 4096
     max_errors: int = 1024
     max_live_tensor_bytes: int = 4 * 1024**3
+    max_data_bytes: int = 16 * 1024**2
     sandbox: bool | Literal["cpu"] = "cpu"
     max_sandbox_bytes: int | None = None
     max_memory_bytes: int = WASM32_MEMORY_BYTES
@@ -133,9 +153,11 @@ def limits_of(runtime: object) -> GuestLimits:
         max_fuel=getattr(section, "max_fuel", None),
         max_scratch_bytes=section.max_scratch_bytes,
         max_scratch_files=section.max_scratch_files,
+        max_scratch_open_files=section.max_scratch_open_files,
         max_tensors=section.max_tensors,
         max_errors=section.max_errors,
         max_live_tensor_bytes=section.max_live_tensor_bytes,
+        max_data_bytes=section.max_data_bytes,
         sandbox=section.sandbox,
         max_sandbox_bytes=section.max_sandbox_bytes,
         max_memory_bytes=section.max_memory_bytes,

@@ -11,6 +11,17 @@ Shared by the core-module runner and the component runner so both see the same
 - ``env`` is the guest's whole environment: nothing of the host's is inherited.
 - stdout and stderr are the host process's own; stdin is empty unless the caller gives
   one (:mod:`wasinn.host.guest_stdin`, which sets it).
+
+Descriptors are not bounded in ``dirs``: each file or directory a guest opens there is a
+file descriptor of the host process, and Wasmtime's WASI limits neither how many a guest
+holds nor for how long (until it closes them or ends). A guest given ``dirs`` can
+therefore take every descriptor the process may have (``RLIMIT_NOFILE``), after which
+the host cannot open a model or a temporary file until that guest ends. The host cannot
+count them per guest either: several guests may be given one directory, and a
+descriptor does not say which guest opened it. So give ``dirs`` only to guests trusted
+that far, or raise the process's ``RLIMIT_NOFILE``. (A component's private scratch
+directory is the exception: it is one guest's alone, so its descriptors are counted and
+bounded by ``[guests] max_scratch_open_files``, see :mod:`wasinn.host.component.scratch`.)
 """
 
 from __future__ import annotations

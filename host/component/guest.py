@@ -16,7 +16,12 @@ every context it still holds is closed and every graph unloaded when it is close
 
 Every guest gets a private scratch directory (:mod:`wasinn.host.component.scratch`),
 preopened at ``/.wasinn-scratch`` for ``wasinn:nn/scratch``; it is removed, with whatever
-the guest left in it, when the guest is closed (or fails to instantiate).
+the guest left in it, when the guest is closed (or fails to instantiate). While the guest
+runs, the directory is measured every :data:`SCRATCH_POLL_SECONDS` and after each call,
+and a guest over ``[guests] max_scratch_bytes``, ``max_scratch_files`` or
+``max_scratch_open_files`` (descriptors it holds open there), or whose directory cannot
+be measured, is stopped for good. A guest given other directories (``dirs``) may open
+descriptors in them without such a bound (see :mod:`wasinn.host.wasi`).
 
 A guest whose limits set ``max_fuel`` is compiled for and runs on the engine that counts
 fuel; its fuel, set before its start functions run, is that of the instance's whole life
@@ -39,7 +44,13 @@ import wasmtime.component as wc
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component import fastlist
 from wasinn.host.component.linking import nn_linker
-from wasinn.host.component.scratch import GUEST_PATH, ScratchDir, quota_exceeded
+from wasinn.host.component.scratch import (
+    GUEST_PATH,
+    MeasureError,
+    ScratchDir,
+    descriptors_exceeded,
+    quota_exceeded,
+)
 from wasinn.host.component.service import NNService
 from wasinn.host.engine import compile_component, engine_for
 from wasinn.host.fuel import out_of_fuel, ran_out_of_fuel
@@ -325,6 +336,13 @@ class ComponentGuest:
             # The guest is stopped for good: this and every later call say why.
             self._stopped = f"{self.program} was stopped: {over_quota[0]}"
             self.interrupter.request()
+            # Its Store goes now, and with it every descriptor it holds (one that took
+            # all the process's must not keep them until the guest is closed): the
+            # frames of the trap that stopping it caused hold the Store too.
+            if isinstance(result, outcome.Error):
+                forget_frames(result.error)
+            self.instance = None
+            self.store = None
             raise GuestTrap(self._stopped)
         assert result is not None  # (None: abandoned after a stop from within, over quota)
         if isinstance(result, outcome.Error) and self.interrupter.requested:
@@ -332,9 +350,17 @@ class ComponentGuest:
         return result.unwrap()
 
     async def _scratch_over_quota(self, scratch: ScratchDir) -> str | None:
+        """Why the guest's scratch directory is over its limits, or None. A measurement
+        that fails counts as over them (:class:`MeasureError`)."""
         limits = self.service.limits
-        usage = await trio.to_thread.run_sync(scratch.usage, limits.max_scratch_files)
-        return quota_exceeded(usage, limits.max_scratch_bytes, limits.max_scratch_files)
+        try:
+            measured = await trio.to_thread.run_sync(
+                scratch.measure, limits.max_scratch_files, limits.max_scratch_open_files)
+        except MeasureError as exc:
+            return exc.message
+        return (quota_exceeded(measured.usage, limits.max_scratch_bytes,
+                               limits.max_scratch_files)
+                or descriptors_exceeded(measured.descriptors, limits.max_scratch_open_files))
 
     @property
     def scratch(self) -> ScratchDir | None:
@@ -357,7 +383,9 @@ class ComponentGuest:
                 await trio.to_thread.run_sync(self.service.close)
             finally:
                 if self.service.scratch is not None:
-                    self.service.scratch.remove()
+                    # (in a thread: it waits for a measurement under way, and deletes
+                    # whatever the guest left)
+                    await trio.to_thread.run_sync(self.service.scratch.remove)
         self.instance = None
         self.store = None
 

@@ -12,7 +12,10 @@ Rules of wasmtime-py this module lives by (see ``shared/notes/wasmtime-py.md``):
   error case log and return a neutral value instead;
 * where the host cannot create the resource a call must return (the guest holds
   ``max_errors`` errors, or ``max_tensors`` tensors for the tensor constructor:
-  :class:`~wasinn.host.component.tables.ResourceExhausted`), the guest is trapped with
+  :class:`~wasinn.host.component.tables.ResourceExhausted`), or hand over the data it
+  must return (``tensor.data()`` / ``tensor-words`` past ``max_data_bytes``, checked
+  before any list is built: wasmtime converts a returned list after the function has
+  returned, at about 80 bytes of host memory per value), the guest is trapped with
   a message naming the limit, raised as ``WasmtimeError`` (never a Python exception,
   which would be recorded in wasmtime-py's process-wide "last exception");
 * every borrowed handle is released (``to_host``) before the function returns;
@@ -213,7 +216,7 @@ class Binder:
         inst.add_func("[method]tensor.ty", self.infallible(
             lambda store, h: svc.tensor_type(_rep(store, h)), "U8"))
         inst.add_func("[method]tensor.data", self.infallible(
-            lambda store, h: self._bytes_out(svc.tensor_bytes(_rep(store, h))), b""))
+            lambda store, h: self._bytes_out(svc.tensor_data(_rep(store, h))), b""))
 
     def define_graph(self, inst: LinkerInstance) -> None:
         svc = self.service
@@ -274,7 +277,7 @@ class Binder:
             return ResourceHost.own(svc.tensor_from_words(dims, ty, _word_bytes(words)), TENSOR)
 
         def words_of(store: Any, h: Any) -> Any:
-            data = svc.tensor_bytes(_rep(store, h))
+            data = svc.tensor_data(_rep(store, h), words=True)
             if fastlist.installed():
                 return data
             raw = bytes(data)

@@ -27,6 +27,8 @@ measured instead (:meth:`ScratchDir.usage`, :func:`quota_exceeded`): the guest r
 when each call returns, and stops for good a guest over ``[guests] max_scratch_bytes``
 or ``max_scratch_files``; ``tensor-to-scratch`` refuses a write that would go over. A
 guest can therefore exceed its quota only by what it writes between two measurements.
+A measurement that fails (:class:`MeasureError`) counts as over the quota: a guest must
+not grow unseen for as long as the host cannot measure it.
 
 A guest can also unlink a file and keep writing through the descriptor it holds open: a
 directory listing no longer shows such a file, but it still takes memory or disk. The guest
@@ -34,10 +36,25 @@ runs in this process, so its descriptors are this process's: the measurement als
 the files listed in ``/proc/self/fd`` as unlinked (``st_nlink`` 0) from under this guest's
 directory, each once, until the guest closes them. Without ``/proc`` (not Linux, or not
 mounted) they cannot be seen: a warning says so once, and only visible entries count.
+
+Descriptors: each file or directory a guest opens through WASI is a descriptor of this
+process, and Wasmtime's WASI puts no bound on how many a guest holds, so one guest could
+take every descriptor the process may have (``RLIMIT_NOFILE``), and with them the host's
+ability to open models, temporary files or other guests' directories. The same
+``/proc/self/fd`` walk counts the descriptors open on this guest's directory or anything
+in it (its preopened descriptor of the directory included, the host's own not), and the
+guest runner stops a guest holding more than ``[guests] max_scratch_open_files``
+(:func:`descriptors_exceeded`). The measurement itself opens no descriptor for the top of
+the directory and for ``/proc/self/fd``: both are held open from the directory's creation
+and listed with :func:`wasinn.host.component.dirents.names`, so a process out of
+descriptors can still see who holds them (only a subdirectory the guest made needs one,
+to be listed). Between two measurements a guest may open more than its limit, as it may
+write more than its bytes: the poll interval bounds how long.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -45,8 +62,8 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +78,7 @@ from wasinn.errors import (
     UnknownError,
     WasiNNError,
 )
+from wasinn.host.component import dirents
 from wasinn.tensor import Tensor, check_dims
 
 #: Where every component guest finds its scratch directory.
@@ -80,6 +98,8 @@ PROC_FD = "/proc/self/fd"
 _DELETED = " (deleted)"
 #: The PROC_FD paths already reported unreadable: the warning is given once, not per poll.
 _unreadable_proc: set[str] = set()
+#: Why opening a descriptor failed when the process (or the system) has none left.
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 
 log = logging.getLogger("wasinn.host.component")
 
@@ -132,11 +152,12 @@ def _require_regular(mode: int, name: str) -> None:
     raise InvalidArgumentError(f"scratch file {name!r} is {kind}: expected a regular file")
 
 
-def _cleanup(path: str, fd: int) -> None:
-    try:
-        os.close(fd)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def _cleanup(path: str, fd: int, proc: int | None) -> None:
+    for held in (fd, proc):
+        if held is not None:
+            with contextlib.suppress(OSError):
+                os.close(held)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -150,60 +171,79 @@ class Usage:
         return Usage(self.nbytes + other.nbytes, self.entries + other.entries)
 
 
-def _open_proc_fd() -> int | None:
-    """A descriptor of :data:`PROC_FD`, or None (warned once) when it cannot be read."""
+class MeasureError(TooLargeError):
+    """A scratch directory could not be measured (the reason is in the message). It counts
+    as over the guest's quota: a guest must not grow unseen for as long as the host
+    cannot measure it."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measurement of a scratch directory: what it holds (:class:`Usage`), and how
+    many descriptors are open on it or on anything in it (see the module docstring)."""
+
+    usage: Usage
+    descriptors: int
+
+
+def _measure_error(exc: OSError) -> MeasureError:
+    return MeasureError(f"its scratch directory could not be measured "
+                        f"({exc.strerror or exc}), which counts as over its limits")
+
+
+def _open_proc_fd() -> tuple[int | None, str]:
+    """A descriptor of :data:`PROC_FD`, or None and why when it cannot be read (no procfs
+    here). Raises OSError when the process has no descriptor left for it."""
     try:
-        return os.open(PROC_FD, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        return os.open(PROC_FD, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), ""
     except OSError as exc:
-        if PROC_FD not in _unreadable_proc:
-            _unreadable_proc.add(PROC_FD)
-            log.warning(
-                "cannot list this process's open files in %s (%s): files that a component "
-                "guest unlinked from its scratch directory but keeps open are not counted "
-                "against [guests] max_scratch_bytes; expected a mounted Linux procfs",
-                PROC_FD, exc.strerror or exc)
-        return None
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise
+        return None, str(exc.strerror or exc)
 
 
-def _is_unlinked_under(target: str, prefix: str) -> bool:
-    return target.startswith(prefix) and target.endswith(_DELETED)
+def _warn_unreadable_proc(why: str) -> None:
+    """Say once per PROC_FD path that open files cannot be seen here."""
+    if PROC_FD in _unreadable_proc:
+        return
+    _unreadable_proc.add(PROC_FD)
+    log.warning(
+        "cannot list this process's open files in %s (%s): files that a component guest "
+        "unlinked from its scratch directory but keeps open are not counted against "
+        "[guests] max_scratch_bytes, nor its open descriptors against "
+        "max_scratch_open_files; expected a mounted Linux procfs", PROC_FD, why)
 
 
-def _pinned_stat(proc: int, name: str, prefix: str) -> os.stat_result | None:
-    """The status of the file open as descriptor ``name`` (of ``proc``, a PROC_FD
-    descriptor) when it is an unlinked file under ``prefix``; else None.
+def _open_under(proc: int, name: str, dev: int, path: str) -> tuple[os.stat_result, bool] | None:
+    """The status of descriptor ``name`` (listed in ``proc``, a PROC_FD descriptor) and
+    whether its file is unlinked, when it is open on directory ``path`` (on device
+    ``dev``) or on anything in it; else None.
 
-    The file is pinned with an ``O_PATH`` descriptor of our own, so a descriptor closed
-    meanwhile and its number reused for another file is not mistaken for it: the link
-    target and the link count are those of the pinned file."""
+    Opens nothing: the link is read between two ``fstat`` calls of the descriptor, and a
+    descriptor closed meanwhile, or its number reused for another file, is skipped, so
+    that a target is never taken for another file's."""
     try:
-        pin = os.open(name, os.O_PATH | os.O_CLOEXEC, dir_fd=proc)
-    except OSError:  # closed since it was listed
+        fd = int(name)
+        before = os.fstat(fd)
+    except (ValueError, OSError):  # closed since it was listed
+        return None
+    # The cheap test first (one fstat, no path): nearly every descriptor is a socket, a
+    # pipe or a file on another file system.
+    if before.st_dev != dev:
         return None
     try:
-        info = os.fstat(pin)
-        target = os.readlink(str(pin), dir_fd=proc)
+        target = os.readlink(name, dir_fd=proc)
+        after = os.fstat(fd)
     except OSError:
         return None
-    finally:
-        os.close(pin)
-    return info if info.st_nlink == 0 and _is_unlinked_under(target, prefix) else None
-
-
-def _unlinked_open_files(proc: int, dev: int, prefix: str) -> Iterator[os.stat_result]:
-    """The status of each descriptor of this process open on an unlinked file under
-    ``prefix`` (on device ``dev``); one per descriptor: a file open twice comes twice."""
-    for name in os.listdir(proc):
-        try:
-            info = os.fstat(int(name))
-        except OSError:  # closed since it was listed
-            continue
-        # The cheap test first (one fstat, no path): nearly every descriptor is a linked
-        # file, a socket or a pipe, or lives on another file system.
-        if info.st_nlink == 0 and info.st_dev == dev:
-            pinned = _pinned_stat(proc, name, prefix)
-            if pinned is not None:
-                yield pinned
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        return None
+    deleted = target.endswith(_DELETED)
+    if deleted:
+        target = target[:-len(_DELETED)]
+    if target != path and not target.startswith(path + os.sep):
+        return None
+    return after, deleted and after.st_nlink == 0
 
 
 def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int) -> str | None:
@@ -217,15 +257,28 @@ def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int) -> str | None
     return None
 
 
+def descriptors_exceeded(descriptors: int, max_descriptors: int) -> str | None:
+    """Why ``descriptors`` open in a guest's scratch directory are too many, or None."""
+    if descriptors > max_descriptors:
+        return (f"it holds more than {max_descriptors} descriptors open in its scratch "
+                "directory ([guests] max_scratch_open_files)")
+    return None
+
+
 class ScratchDir:
-    """One guest's scratch directory on the host. Not thread-safe: one guest thread."""
+    """One guest's scratch directory on the host. Its measurements may run in another
+    thread than the guest's file calls (they take a lock of their own)."""
 
     def __init__(self, base: str | os.PathLike[str] | None = None) -> None:
         """Create an empty private directory under ``base`` (default :func:`default_base`).
 
-        Raises OSError when it cannot be created.
+        Raises OSError when it cannot be created, or when the process has no descriptor
+        left for what its measurement keeps open.
         """
         self.path = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=base or default_base()))
+        #: Serializes measurements (they move the read offset of the held descriptors)
+        #: and their end against :meth:`remove`.
+        self._lock = threading.Lock()
         try:
             # All file access goes through this descriptor, so names resolve inside this
             # directory even if its host path were renamed or replaced meanwhile.
@@ -233,7 +286,15 @@ class ScratchDir:
         except OSError:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
-        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self._fd)
+        try:
+            # Held for the directory's life: measuring must not need a descriptor of its
+            # own, or a guest holding every descriptor would make it fail.
+            self._proc, self._proc_error = _open_proc_fd()
+        except OSError:
+            _cleanup(str(self.path), self._fd, None)
+            raise
+        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self._fd,
+                                           self._proc)
 
     @property
     def removed(self) -> bool:
@@ -241,73 +302,120 @@ class ScratchDir:
 
     def remove(self) -> None:
         """Delete the directory and everything the guest left in it. Idempotent."""
-        self._finalizer()
+        with self._lock:
+            self._finalizer()
 
     def usage(self, max_entries: int | None = None) -> Usage:
         """What the guest keeps here: bytes of every entry (files, directories, links,
         counted in allocated blocks) and the number of entries, at any depth, links not
         followed, plus the files it unlinked from here but keeps open (see the module's
         docstring). With ``max_entries`` the scan stops once more than that many are seen
-        (so a guest cannot make the host's measurement itself slow)."""
-        seen: set[tuple[int, int]] = set()
-        visible = self._visible_usage(max_entries, seen)
-        if max_entries is not None and visible.entries > max_entries:
-            return visible
-        left = None if max_entries is None else max_entries - visible.entries
-        return visible + self._unlinked_usage(left, seen)
+        (so a guest cannot make the host's measurement itself slow). Raises
+        :class:`MeasureError` when the directory cannot be measured."""
+        return self.measure(max_entries).usage
+
+    def measure(self, max_entries: int | None = None,
+                max_descriptors: int | None = None) -> Measurement:
+        """:meth:`usage`, and the descriptors open on this directory or anything in it (the
+        guest's preopened one included, the host's own not); the count stops once past
+        ``max_descriptors``, the whole measurement once past either bound. Raises
+        :class:`MeasureError` when the directory cannot be measured."""
+        with self._lock:
+            if self.removed:
+                return Measurement(Usage(0, 0), 0)
+            seen: set[tuple[int, int]] = set()
+            visible = self._visible_usage(max_entries, seen)
+            if max_entries is not None and visible.entries > max_entries:
+                return Measurement(visible, 0)
+            left = None if max_entries is None else max_entries - visible.entries
+            unlinked, descriptors = self._open_files(left, max_descriptors, seen)
+            return Measurement(visible + unlinked, descriptors)
 
     def _visible_usage(self, max_entries: int | None, seen: set[tuple[int, int]]) -> Usage:
         """The entries a directory listing shows; adds each one's (device, inode) to
-        ``seen``."""
+        ``seen``. The top is listed through the descriptor held open (no new one)."""
         nbytes = entries = 0
-        stack = [str(self.path)]
-        while stack:
-            try:
-                found = list(os.scandir(stack.pop()))
-            except OSError:  # removed or replaced meanwhile: nothing of ours to count
-                continue
-            for entry in found:
+        stack: list[str] = []
+        pending = self._top_entries()
+        while True:
+            for name, info in pending:
                 entries += 1
                 if max_entries is not None and entries > max_entries:
                     return Usage(nbytes, entries)
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                    nbytes += info.st_blocks * 512
-                    seen.add((info.st_dev, info.st_ino))
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-                except OSError:
-                    continue
-        return Usage(nbytes, entries)
+                nbytes += info.st_blocks * 512
+                seen.add((info.st_dev, info.st_ino))
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append(name)
+            if not stack:
+                return Usage(nbytes, entries)
+            pending = self._subdirectory_entries(stack.pop())
 
-    def _unlinked_usage(self, max_entries: int | None, seen: set[tuple[int, int]]) -> Usage:
+    def _top_entries(self) -> list[tuple[str, os.stat_result]]:
+        """The top's entries and their status, skipping any removed while listed."""
+        found = []
+        try:
+            for name in dirents.names(self._fd):
+                try:
+                    found.append((name, os.stat(name, dir_fd=self._fd, follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+        except OSError as exc:
+            raise _measure_error(exc) from None
+        return found
+
+    def _subdirectory_entries(self, relative: str) -> list[tuple[str, os.stat_result]]:
+        """The entries of subdirectory ``relative`` (a path from the top) and their status;
+        none when it was removed or replaced meanwhile."""
+        found = []
+        try:
+            with os.scandir(self.path / relative) as listing:
+                for entry in listing:
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    found.append((os.path.join(relative, entry.name), info))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise _measure_error(exc) from None
+        return found
+
+    def _open_files(self, max_entries: int | None, max_descriptors: int | None,
+                    seen: set[tuple[int, int]]) -> tuple[Usage, int]:
         """The files unlinked from under this directory that this process still has open,
-        each counted once and not again if in ``seen``; stops past ``max_entries``."""
-        if self.removed:
-            return Usage(0, 0)
-        proc = _open_proc_fd()
+        each counted once and not again if in ``seen`` (stops past ``max_entries``), and
+        the descriptors open on the directory or anything in it (stops past
+        ``max_descriptors``)."""
+        proc = self._proc
         if proc is None:
-            return Usage(0, 0)
-        nbytes = entries = 0
+            _warn_unreadable_proc(self._proc_error)
+            return Usage(0, 0), 0
         try:
             # The directory's path as procfs spells the links (symbolic links resolved).
             path = os.readlink(str(self._fd), dir_fd=proc)
-            if path.endswith(_DELETED):  # removed meanwhile: the guest has ended
-                return Usage(0, 0)
             dev = os.fstat(self._fd).st_dev
-            for info in _unlinked_open_files(proc, dev, path + os.sep):
-                if (info.st_dev, info.st_ino) in seen:
-                    continue
+            listed = dirents.names(proc)
+        except OSError as exc:
+            raise _measure_error(exc) from None
+        if path.endswith(_DELETED):  # removed meanwhile: the guest has ended
+            return Usage(0, 0), 0
+        own = {str(self._fd), str(proc)}
+        nbytes = entries = descriptors = 0
+        for name in listed:
+            found = None if name in own else _open_under(proc, name, dev, path)
+            if found is None:
+                continue
+            descriptors += 1
+            info, unlinked = found
+            if unlinked and (info.st_dev, info.st_ino) not in seen:
                 seen.add((info.st_dev, info.st_ino))
                 nbytes += info.st_blocks * 512
                 entries += 1
-                if max_entries is not None and entries > max_entries:
-                    break
-        except OSError:  # our directory descriptor closed meanwhile: removed, none to count
-            return Usage(0, 0)
-        finally:
-            os.close(proc)
-        return Usage(nbytes, entries)
+            if ((max_entries is not None and entries > max_entries)
+                    or (max_descriptors is not None and descriptors > max_descriptors)):
+                break
+        return Usage(nbytes, entries), descriptors
 
     def _require_open(self) -> None:
         if self.removed:

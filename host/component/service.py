@@ -26,11 +26,14 @@ never added to the tables the close emptied.
 
 Limits (:class:`~wasinn.host.limits.GuestLimits`): dimensions from the guest are
 checked for rank (at most :data:`~wasinn.tensor.MAX_RANK`) before any arithmetic on
-them; live tensors are bounded in count and bytes, errors in count and each error's
-message in size (see :mod:`~wasinn.host.component.tables`); the older RCs' ``set-input``
-stages only the graph's own inputs, so a context holds at most one staged tensor per
-input; a guest may hold only graphs whose default target it is allowed to use, whichever
-way they were loaded.
+them; live tensors are bounded in count and bytes (the older RCs' staged inputs and
+kept outputs included), errors in count and each error's message in size (see
+:mod:`~wasinn.host.component.tables`); the older RCs' ``set-input`` stages only the
+graph's own inputs, so a context holds at most one staged tensor per input; a guest may
+hold only graphs whose default target it is allowed to use, whichever way they were
+loaded. What goes back to the guest is bounded too: ``tensor.data()`` and
+``tensor-words`` by ``max_data_bytes`` (:meth:`NNService.tensor_data`), an output's
+dimensions by the u32 range of ``tensor-dimensions`` (:func:`output_dims`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from wasinn.host.component.tables import (
 )
 from wasinn.host.guest_memory import check_model_name, check_name_length
 from wasinn.host.guest_thread import guest_stopped, shielded
-from wasinn.host.limits import GuestLimits
+from wasinn.host.limits import LOWERING_BYTES_PER_VALUE, GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
 from wasinn.host.tensor_binding import InFlight
@@ -92,10 +95,24 @@ WIT_TENSOR_TYPES: dict[str, TensorType] = {
     "I64": TensorType.I64,
 }
 _WIT_TYPE_NAME = {tt: name for name, tt in WIT_TENSOR_TYPES.items()}
+#: The largest value of a WIT ``u32`` (each of ``tensor-dimensions``).
+U32_MAX = 0xFFFF_FFFF
 
 
 def wit_type_name(tensor_type: TensorType) -> str:
     return _WIT_TYPE_NAME[tensor_type]
+
+
+def output_dims(name: str, tensor: Tensor) -> tuple[int, ...]:
+    """An output's dimensions as a guest's ``tensor-dimensions`` (a ``list<u32>``) holds
+    them; TooLargeError naming the output when one is above the u32 range (wasmtime-py
+    would hand the guest that dimension silently cut to its low 32 bits)."""
+    dims = tuple(int(d) for d in tensor.dims)
+    if any(not 0 <= d <= U32_MAX for d in dims):
+        raise TooLargeError(
+            f"output {quoted(name)} has dimensions {list(dims)}: a guest's "
+            f"tensor-dimensions holds u32 values, at most {U32_MAX}")
+    return dims
 
 
 def guest_shape(dims: Sequence[int]) -> tuple[int, ...]:
@@ -314,6 +331,44 @@ class NNService:
             return entry.raw
         return entry.tensor.numpy().reshape(-1).view(np.uint8)
 
+    def tensor_data(self, rep: int, *, words: bool = False) -> np.ndarray[Any, Any] | bytes:
+        """The bytes ``tensor.data()`` (``words``: ``tensor-words``) hands the guest.
+
+        Checked before anything is materialized or converted: wasmtime's C API spends
+        about :data:`~wasinn.host.limits.LOWERING_BYTES_PER_VALUE` bytes of host memory
+        per list value it lowers into the guest (80 per byte here, 10 as words), and an
+        allocation it cannot make aborts the whole process. Raises ResourceExhausted
+        (the call has no error case: the guest is trapped) for a tensor over
+        ``max_tensor_bytes`` or over ``max_data_bytes`` (8 times that as words).
+        """
+        entry = self.tables.tensors.get(rep)
+        nbytes = len(entry.raw) if entry.tensor is None else entry.tensor.nbytes
+        call = "tensor-words" if words else "tensor.data()"
+        limits = self.limits
+        if nbytes > limits.max_tensor_bytes:
+            raise ResourceExhausted(
+                f"{call} of a tensor of {nbytes} bytes: over this guest's limit of "
+                f"{limits.max_tensor_bytes} bytes per tensor ([guests] max_tensor_bytes)")
+        limit = limits.max_data_bytes * (8 if words else 1)
+        if nbytes > limit:
+            raise ResourceExhausted(
+                f"{call} of a tensor of {nbytes} bytes: over this guest's limit of {limit} "
+                f"bytes a call ([guests] max_data_bytes{' x 8 for words' if words else ''}: "
+                f"handing a list to a guest costs the host about {LOWERING_BYTES_PER_VALUE} "
+                f"bytes of memory per value); {self._data_instead(nbytes, words)}")
+        return self.tensor_bytes(rep)
+
+    def _data_instead(self, nbytes: int, words: bool) -> str:
+        """What a guest refused a ``tensor.data()`` of ``nbytes`` can use instead."""
+        ways = ["wasinn:nn/scratch tensor-to-scratch, which has no such limit"
+                + ("" if self.scratch is not None else
+                   " (this guest has no scratch directory: a guest gets one when it "
+                   "imports wasinn:nn/scratch)")]
+        if not words and nbytes <= self.limits.max_data_bytes * 8:
+            ways.append(f"wasinn:nn/bulk tensor-words, up to {self.limits.max_data_bytes * 8} "
+                        f"bytes a call")
+        return "read it with " + " or ".join(ways)
+
     def tensor_drop(self, rep: int) -> None:
         self.tables.tensors.pop(rep)
 
@@ -475,9 +530,15 @@ class NNService:
             log.exception("closing a context of %s failed", entry.graph.label)
 
     def _unstage(self, entry: ContextEntry) -> None:
-        self.tables.tensors.credit(entry.staged_bytes)
-        entry.staged_bytes = 0
+        for tensor in entry.inputs.values():
+            self.tables.tensors.let_go(tensor)
         entry.inputs.clear()
+        self._forget_outputs(entry)
+
+    def _forget_outputs(self, entry: ContextEntry) -> None:
+        for tensor in (entry.outputs or {}).values():
+            self.tables.tensors.let_go(tensor)
+        entry.outputs = None
 
     # -- inference --------------------------------------------------------------------
     def _inputs(self, named: Sequence[tuple[str, TensorEntry]]) -> dict[str | int, Tensor]:
@@ -542,11 +603,12 @@ class NNService:
             raise NotFoundError(exc.message) from None
 
     def _add_outputs(self, outputs: Mapping[Any, Tensor]) -> list[tuple[str, int]]:
+        shapes = [output_dims(str(name), tensor) for name, tensor in outputs.items()]
         out: list[tuple[str, int]] = []
         try:
-            for name, tensor in outputs.items():
+            for (name, tensor), dims in zip(outputs.items(), shapes, strict=True):
                 rep = self.tables.tensors.add(
-                    TensorEntry(tuple(tensor.dims), wit_type_name(tensor.type), tensor)
+                    TensorEntry(dims, wit_type_name(tensor.type), tensor)
                 )
                 out.append((str(name), rep))
         except WasiNNError:
@@ -587,7 +649,7 @@ class NNService:
 
         ``name`` must be one of the graph's inputs (NotFoundError naming them otherwise),
         or its position as a decimal string, as for ``get-output``: a context stages at
-        most one tensor per graph input. Staged inputs stay charged to the guest's tensor
+        most one tensor per graph input. Staged inputs stay held in the guest's tensor
         budget (TooLargeError past ``max_live_tensor_bytes``) until replaced or the
         context is dropped.
         """
@@ -596,12 +658,10 @@ class NNService:
         key = self._input_name(entry, name)
         (_, value), = self._inputs([(key, tensor)]).items()
         old = entry.inputs.get(key)
-        delta = value.nbytes - (0 if old is None else old.nbytes)
-        if delta > 0:
-            self.tables.tensors.charge(delta)  # TooLargeError: the old input stays staged
-        else:
-            self.tables.tensors.credit(-delta)
-        entry.staged_bytes += delta
+        if old is not value:
+            self.tables.tensors.hold(value)  # TooLargeError: the old input stays staged
+            if old is not None:
+                self.tables.tensors.let_go(old)
         entry.inputs[key] = value
 
     @staticmethod
@@ -621,16 +681,30 @@ class NNService:
         )
 
     def compute_staged(self, ctx_rep: int) -> None:
-        """Older RCs: ``compute()`` on the staged inputs; outputs wait for ``get-output``."""
+        """Older RCs: ``compute()`` on the staged inputs; outputs wait for ``get-output``.
+
+        The outputs the context keeps are held in the guest's tensor budget until the
+        next compute or the context is dropped: TooLargeError (and no outputs kept) when
+        they do not fit in ``max_live_tensor_bytes``.
+        """
         entry = self.tables.contexts.get(ctx_rep)
         if not entry.inputs:
             raise InvalidArgumentError(
                 "compute called before any set-input on this context: expected the graph's "
                 "inputs to be set first")
         staged = dict(entry.inputs)
-        entry.outputs = None  # a failed compute leaves no outputs of an earlier one
-        outputs = self._context_compute(entry, staged)
-        entry.outputs = {str(k): v for k, v in outputs.items()}
+        self._forget_outputs(entry)  # a failed compute leaves no outputs of an earlier one
+        outputs = {str(k): v for k, v in self._context_compute(entry, staged).items()}
+        held: list[Tensor] = []
+        for name, tensor in outputs.items():
+            try:
+                self.tables.tensors.hold(tensor)
+            except TooLargeError as exc:
+                for kept in held:
+                    self.tables.tensors.let_go(kept)
+                raise exc.prefixed(f"keeping output {quoted(name)} for get-output") from None
+            held.append(tensor)
+        entry.outputs = outputs
 
     def get_output(self, ctx_rep: int, name: str) -> int:
         entry = self.tables.contexts.get(ctx_rep)

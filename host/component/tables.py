@@ -9,9 +9,9 @@ alias a newer object. When the guest has dropped every handle, every table is em
 Every table is bounded (``[guests]`` limits), so a guest that never drops its handles
 cannot grow the host without end: :meth:`HandleTable.add` raises TooLargeError naming
 the limit, and the tensor table also keeps a byte budget (:class:`TensorTable`).
-Where a call has no way to report that error (the tensor constructor, or the error
-resource itself), the service raises :class:`ResourceExhausted` instead, which the
-linker turns into a trap of the guest.
+Where a call has no way to report that error (the tensor constructor, the error
+resource itself, or ``tensor.data()`` past ``max_data_bytes``), the service raises
+:class:`ResourceExhausted` instead, which the linker turns into a trap of the guest.
 
 Errors are bounded in size too: an ``error`` keeps only its code and a message cut to
 :data:`MAX_ERROR_MESSAGE_BYTES` (:func:`bounded_message`), never the exception (whose
@@ -47,9 +47,10 @@ MAX_ERROR_MESSAGE_BYTES = MAX_MESSAGE_BYTES
 
 
 class ResourceExhausted(Exception):
-    """The host cannot create a resource that a call must return (the tensor constructor,
-    which has no error case, or an ``error`` resource itself). Not a WasiNNError on
-    purpose: the linker traps the guest with this message instead of answering."""
+    """The host cannot create a resource or hand over a value that a call must return
+    (the tensor constructor, which has no error case, an ``error`` resource itself, or
+    ``tensor.data()`` beyond the guest's limit). Not a WasiNNError on purpose: the
+    linker traps the guest with this message instead of answering."""
 
 
 class HandleTable(Generic[T]):
@@ -135,18 +136,33 @@ class TensorEntry:
         return len(self.raw) + DIM_BYTES * len(self.dims)
 
 
+@dataclass(eq=False)
+class _Held:
+    """A tensor charged to a guest's byte budget, and how many hold it."""
+
+    tensor: Tensor
+    nbytes: int
+    holders: int = 1
+
+
 class TensorTable(HandleTable[TensorEntry]):
     """The tensor table: at most ``limit`` handles and ``max_bytes`` bytes of live tensors.
 
-    The byte budget also covers tensors the host keeps for the guest outside this table
-    (inputs staged by the older RCs' ``set-input``): :meth:`charge` / :meth:`credit`.
+    The byte budget counts each tensor once, whoever holds it: handles (two
+    ``get-output`` calls for one output are two handles to one tensor), and what a
+    context keeps for the guest outside this table with the older RCs (inputs staged by
+    ``set-input``, outputs kept for ``get-output``): :meth:`hold` / :meth:`let_go`. An
+    entry without data (an invalid tensor) is charged its own bytes.
     """
 
     def __init__(self, limit: int, max_bytes: int) -> None:
         super().__init__("tensor", limit, "max_tensors")
         self.max_bytes = max_bytes
         self.nbytes = 0
+        #: rep -> bytes charged, for entries without a tensor.
         self._charged: dict[int, int] = {}
+        #: id(tensor) -> the tensor (kept alive, so its id stays its own) and its holders.
+        self._held: dict[int, _Held] = {}
 
     def check_room(self, nbytes: int) -> None:
         """TooLargeError when one more tensor of ``nbytes`` would not fit (count or bytes)."""
@@ -162,13 +178,27 @@ class TensorTable(HandleTable[TensorEntry]):
                 f"([guests] max_live_tensor_bytes): drop tensors before creating more"
             )
 
-    def charge(self, nbytes: int) -> None:
-        """Count ``nbytes`` held outside the table; TooLargeError when they do not fit."""
+    def hold(self, tensor: Tensor) -> None:
+        """One more holder of ``tensor``; its first is charged its bytes (TooLargeError
+        when they do not fit, and then nothing is held)."""
+        held = self._held.get(id(tensor))
+        if held is not None:
+            held.holders += 1
+            return
+        nbytes = tensor.nbytes
         self.check_bytes(nbytes)
+        self._held[id(tensor)] = _Held(tensor, nbytes)
         self.nbytes += nbytes
 
-    def credit(self, nbytes: int) -> None:
-        self.nbytes -= nbytes
+    def let_go(self, tensor: Tensor) -> None:
+        """One holder fewer of ``tensor``; its bytes are credited with the last."""
+        held = self._held.get(id(tensor))
+        if held is None:
+            return
+        held.holders -= 1
+        if held.holders == 0:
+            del self._held[id(tensor)]
+            self.nbytes -= held.nbytes
 
     def add(self, item: TensorEntry, *, placeholder: bool = False) -> int:
         """Store ``item``; TooLargeError beyond the handle limit or the byte budget.
@@ -176,9 +206,19 @@ class TensorTable(HandleTable[TensorEntry]):
         A ``placeholder`` (a data-less invalid tensor standing in for one that did not
         fit) skips the byte check: it costs at most a few dimensions.
         """
+        tensor = item.tensor
+        if tensor is not None:
+            if self.full:
+                raise TooLargeError(self.full_message())
+            self.hold(tensor)
+            try:
+                return super().add(item)
+            except BaseException:
+                self.let_go(tensor)
+                raise
         nbytes = item.nbytes
         if placeholder:
-            assert item.tensor is None and not item.raw, "a placeholder holds no data"
+            assert not item.raw, "a placeholder holds no data"
         else:
             self.check_room(nbytes)
         rep = super().add(item)
@@ -187,11 +227,17 @@ class TensorTable(HandleTable[TensorEntry]):
         return rep
 
     def pop(self, rep: int) -> TensorEntry | None:
-        self.nbytes -= self._charged.pop(rep, 0)
-        return super().pop(rep)
+        item = super().pop(rep)
+        if item is not None:
+            if item.tensor is not None:
+                self.let_go(item.tensor)
+            else:
+                self.nbytes -= self._charged.pop(rep, 0)
+        return item
 
     def drain(self) -> list[TensorEntry]:
         self._charged.clear()
+        self._held.clear()
         self.nbytes = 0
         return super().drain()
 
@@ -213,15 +259,14 @@ class GraphEntry:
 
 @dataclass
 class ContextEntry:
-    """An execution context, the graph it keeps alive, and the older RCs' staged tensors."""
+    """An execution context, the graph it keeps alive, and the older RCs' staged inputs
+    and kept outputs (each held in the guest's :class:`TensorTable` until it goes)."""
 
     context: Any
     graph: GraphEntry
     inputs: dict[str | int, Tensor] = field(default_factory=dict)
     outputs: dict[str, Tensor] | None = None
     closed: bool = False
-    #: Bytes of ``inputs``, charged to the guest's tensor budget until the context goes.
-    staged_bytes: int = 0
 
 
 @dataclass(frozen=True)
