@@ -559,7 +559,9 @@ class DeviceActor:
         is held. Cancelled while queued, the request is removed. The holder must call
         :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
         still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
-        raises TimeoutError_ there. ``account``: as in :meth:`execute`.
+        raises TimeoutError_ there. ``account``: as in :meth:`execute`. Its backend sees
+        ``tenant`` as the run's caller (as a worker thread's job's: see
+        :func:`~wasinn.backends.base.current_caller`).
         """
         start = time.perf_counter()
         try:
@@ -570,7 +572,7 @@ class DeviceActor:
                 self._raise_if_lost()
             raise
         lease = self._new_lease(job, expires, start, time.perf_counter(), account,
-                                tenant if self._slots.charges else None)
+                                tenant if self._slots.charges else None, caller=tenant)
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease
@@ -592,8 +594,10 @@ class DeviceActor:
         start = time.perf_counter()
         charged = tenant if self._slots.charges else None
         if timeout is None or timeout == math.inf:
-            return self._new_lease(job, math.inf, start, start, account, charged)
-        lease = self._new_lease(job, start + timeout, start, start, account, charged)
+            return self._new_lease(job, math.inf, start, start, account, charged,
+                                   caller=tenant)
+        lease = self._new_lease(job, start + timeout, start, start, account, charged,
+                                caller=tenant)
         self._soon(self._watch, lease, None)
         return lease
 

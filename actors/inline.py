@@ -30,6 +30,13 @@ its arena). Such a run holds the event loop for its whole duration, seconds if n
 no other request, timeout or cancellation is served meanwhile. Only then is the graph
 disqualified. Enable inline runs only for graphs whose run time is bounded whatever
 their inputs.
+
+An inline run has no job context: no :class:`~wasinn.backends.base.Cancellation`, so
+no caller named to its backend either (:func:`~wasinn.backends.base.current_caller` is
+None). No graph that needs one runs inline: only graphs that may run inline do
+(``CompiledGraph.may_run_inline``), and a sandboxed graph, whose crash back-off is the
+one thing that tells callers apart, never may. (Naming the caller there would cost
+every inline run a job context, on the path whose point is to cost nothing.)
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ class Lease(Generic[T]):
                  cancellation: Cancellation | None = None,
                  later: Callable[[Callable[[], None]], None] | None = None,
                  lost: Callable[[], DeviceLostError | None] | None = None) -> None:
-        #: Cancelled when the device closes during the run (None: never).
+        #: Cancelled when the device closes during the run (None: never); it names whom
+        #: the run is for to its backend too (its ``caller``: the request's tenant).
         self.cancellation = cancellation
         self.device = device
         #: The job, until it is taken (run or cancelled): then dropped, with the inputs it

@@ -117,14 +117,17 @@ class LeaseDesk:
         return time.perf_counter() + (deadline - trio.current_time())
 
     def lend(self, job: Callable[[], T], expires: float, start: float, granted: float,
-             account: Account | None, tenant: str | None = None) -> Lease[T]:
+             account: Account | None, tenant: str | None = None, *,
+             caller: str | None = None) -> Lease[T]:
         """A lease on a slot already taken, for ``job`` (from any thread). Its run is
         cancelled if the actor closes meanwhile (see :meth:`close`). ``start`` and
         ``granted``: when the request reached the actor and when it got its slot
         (perf_counter), for its latency; ``account``: where it is counted too;
         ``tenant``: whom the time it holds the slot is charged to (None: nobody; a fair
-        queue policy's device time)."""
-        cancellation = Cancellation()
+        queue policy's device time); ``caller``: whom the run is for, as its backend sees
+        it (the request's tenant: :func:`~wasinn.backends.base.current_caller` in the
+        holder's thread while the lease runs)."""
+        cancellation = Cancellation(caller)
         with self._lock:
             self._running.add(cancellation)
             closed = self._closed

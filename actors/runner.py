@@ -164,9 +164,10 @@ class RequestRunner:
     def _slot_job(self, job: Callable[[], Any], label: str, tenant: str) -> Job:
         # ``job`` for the worker threads, holding one of the device's slots, which its
         # thread passes on (or trio frees) when it ends, after charging its run time to
-        # ``tenant`` where the queue policy wants it.
+        # ``tenant`` where the queue policy wants it; its backend sees ``tenant`` as the
+        # job's caller whatever the policy (a sandboxed graph's crash back-off).
         return self._threads.job(in_context(job, self.wrap), label=label, relay=self._slots,
-                                 tenant=tenant if self._charges else None)
+                                 tenant=tenant if self._charges else None, caller=tenant)
 
     async def _run_job(self, work: Job) -> Any:
         try:

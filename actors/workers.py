@@ -30,13 +30,14 @@ Cancellation: every job runs under its own :class:`~wasinn.backends.base.Cancell
 (the thread's :func:`~wasinn.backends.base.current_cancellation`), which backends turn
 into their library's own interruption (ONNX Runtime's terminate flag, OpenVINO's
 ``InferRequest.cancel``, a checkpoint before each operator of a ``torch.export``
-program). A caller that stops waiting (it is cancelled) abandons its job: the job is
-cancelled (a backend call ends at its library's next check where it has one, and a job
-cancelled before its thread reaches it does not start), the outcome is dropped, and a
-trio system task waits for the thread to become free. ``on_done`` (or the relay's
-``free``) runs in trio when the thread has really finished the job, abandoned or not: the
-actor frees the job's worker slot there, so a device never runs more than ``count`` jobs
-at once.
+program), and which names whom the job runs for (its ``caller``: a request's tenant,
+:func:`~wasinn.backends.base.current_caller`). A caller that stops waiting (it is
+cancelled) abandons its job: the job is cancelled (a backend call ends at its library's
+next check where it has one, and a job cancelled before its thread reaches it does not
+start), the outcome is dropped, and a trio system task waits for the thread to become
+free. ``on_done`` (or the relay's ``free``) runs in trio when the thread has really
+finished the job, abandoned or not: the actor frees the job's worker slot there, so a
+device never runs more than ``count`` jobs at once.
 
 Shutdown: :meth:`stop` cancels and abandons every job handed to a thread (their callers
 get ClosedResourceError at once, even if the job ignores its cancellation) and tells each
@@ -102,14 +103,15 @@ class Job:
 
     def __init__(self, threads: WorkerThreads, fn: Callable[[], Any], label: str,
                  on_done: Callable[[], None] | None, relay: Relay | None,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, caller: str | None = None) -> None:
         self.threads = threads
         #: Whom the relay charges the job's run time to (None: nobody; the run is not
         #: even timed).
         self.tenant = tenant
         self.fn: Callable[[], Any] | None = fn
         self.result: outcome.Outcome[Any] | None = None
-        self.cancellation = Cancellation()
+        #: The job's own; it names the job's ``caller`` to the backend too.
+        self.cancellation = Cancellation(caller)
         self.label = label
         self.on_done = on_done
         self.relay = relay
@@ -247,13 +249,16 @@ class WorkerThreads:
 
     def job(self, fn: Callable[[], Any], *, label: str = "job",
             on_done: Callable[[], None] | None = None, relay: Relay | None = None,
-            tenant: str | None = None) -> Job:
+            tenant: str | None = None, caller: str | None = None) -> Job:
         """A job running ``fn``, for :meth:`run_job`. ``relay``: the request slot the job
         holds, which its thread passes on when the job ends (see the module docstring);
         ``on_done``: what to call in trio once it is over, for a job without one.
         ``tenant`` (with a relay): its thread times the run and charges it to the relay
-        (a fair queue policy's device time) as the job ends."""
-        return Job(self, fn, label, on_done, relay, tenant)
+        (a fair queue policy's device time) as the job ends. ``caller``: whom the job
+        runs for, as its backend sees it (:func:`~wasinn.backends.base.current_caller`:
+        a request's tenant, whatever the queue policy; None: nobody named, as a compile
+        or a warm-up, which are the host's)."""
+        return Job(self, fn, label, on_done, relay, tenant, caller)
 
     async def run(self, fn: Callable[[], T], *, on_done: Callable[[], None] | None = None,
                   label: str = "job", pin: bool = True) -> T:

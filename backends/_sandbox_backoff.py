@@ -1,35 +1,54 @@
 """How a sandboxed graph whose process keeps crashing is kept from a crash loop, without
-failing the good runs of the other callers that share it.
+failing or delaying the good runs of the other callers that share it.
 
 A graph's process that dies is replaced for the next run (see :mod:`.sandbox`). A caller
 that crashes it on purpose, run after run, would otherwise make the host start a process
 and load the model again for every run (0.1-1.5 s of CPU each). Refusing every run for a
 while, as the graph once did, stopped that but failed every caller of a shared graph (a
-registered model many guests use) for one caller's inputs. So :class:`CrashBackoff` does
-two things instead:
+registered model many guests use) for one caller's inputs; delaying every caller's next
+process, as it did next, still let one caller's varied poison delay everyone's runs, by
+up to :data:`MAX_DELAY_S` per crash. So :class:`CrashBackoff` does three things instead:
 
-* The crash streak delays the *start* of the next process, as an init system or
-  Kubernetes' CrashLoopBackOff does: after the second crash less than :data:`QUIET_S`
-  apart, the graph starts no process for :data:`FIRST_DELAY_S`, then twice as long after
-  each further one, up to :data:`MAX_DELAY_S`. Runs asked meanwhile *wait* for that
-  process (their cancellation, a request's deadline, honoured) and then run: a good
-  input is late, never refused. A run that succeeds does not end the streak (a caller
+* A crash is charged to the *caller* whose run was on the process when it died: the
+  opaque key the run's job names (:func:`~.base.current_caller`; a device actor names
+  the request's tenant, ``""`` for requests that name none). After that caller's second
+  crash less than :data:`QUIET_S` apart, *its* runs wait :data:`FIRST_DELAY_S` before
+  they take a process, idle or new, then twice as long after each further crash, up to
+  :data:`MAX_DELAY_S`, as an init system or Kubernetes' CrashLoopBackOff delays a
+  restart; their cancellation (a request's deadline) is honoured, and a good input of
+  theirs is late, never refused. Other callers' runs take an idle process, or start one
+  at once where none is alive: they wait for nobody's crashes but their own. The wait
+  holds a caller's runs off idle processes too: let onto one, its poison would crash the
+  process another caller's run had just started, and the host would start a process for
+  every good run of the others. A run that succeeds does not end the streak (a caller
   crashing the graph between good runs of its own would then be restarted at once each
-  time); :data:`QUIET_S` without a crash does. A process killed because its run was
-  cancelled, or ended to make room for another graph's, is no crash.
+  time); :data:`QUIET_S` without a crash does, and the caller is forgotten then.
+  :data:`MAX_CALLERS` are remembered at most, the one whose last crash is the oldest
+  forgotten first. A process killed because its run was cancelled, or ended to make room
+  for another graph's, is no crash.
+* The graph keeps a streak of its own, of the crashes that are nobody's: a crash while
+  loading the model (the host's load, whoever's run it is for: the model crashes it, not
+  a caller's inputs) and one of a run that names no caller (a backend used directly,
+  which is then one caller, exactly as before callers were told apart). It delays the
+  *start* of every new process in the same steps, for every caller's runs; runs go
+  meanwhile to the processes still alive.
 * The inputs of a run that crashed the process are remembered (a digest: their names,
   types, dimensions and bytes), :data:`MAX_REMEMBERED` at most, for
-  :data:`REMEMBERED_S` after their last crash. Inputs that crashed it
-  :data:`REFUSED_AFTER` times are refused at once, without a run and without a process
-  started: the same poison sent again costs nothing. Once only, they still run: a crash
-  may be another run's doing (an out-of-bounds write that corrupts the heap aborts a
-  later run), and the next process is a clean one. Inputs that run without a crash are
-  forgotten. Only inputs whose names, types and dimensions match remembered ones are
-  hashed, so a graph that never crashed hashes nothing.
+  :data:`REMEMBERED_S` after their last crash, whoever sent them: poison is poison.
+  Inputs that crashed it :data:`REFUSED_AFTER` times are refused at once, without a run
+  and without a process started: the same poison sent again costs nothing. Once only,
+  they still run: a crash may be another run's doing (an out-of-bounds write that
+  corrupts the heap aborts a later run), and the next process is a clean one. Inputs
+  that run without a crash are forgotten. Only inputs whose names, types and dimensions
+  match remembered ones are hashed, so a graph that never crashed hashes nothing.
 
-The backend layer knows no callers: one caller's varied poison still delays every
-caller's runs, by at most :data:`MAX_DELAY_S` per crash, which bounds the processes it
-can make the host start to one per :data:`MAX_DELAY_S` once its streak is long.
+So a caller varying its poison makes the host start one process per its own delay at
+most once its streak is long (as many as the graph runs at once, ``processes``, where
+its waiting runs resume together), and delays no other caller's runs. Two limits remain:
+a run waiting for its caller's delay holds the device's worker slot it was granted, as
+any run waiting for a process does (a request's deadline bounds it); and a caller that
+may take a new name for each request starts a new streak with each (a guest's tenant is
+the host's choice, its program's name by default: see :mod:`wasinn.host.tenant`).
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -57,6 +77,9 @@ REFUSED_AFTER = 2
 REMEMBERED_S = 600.0
 #: The most inputs one graph remembers (the oldest forgotten first).
 MAX_REMEMBERED = 64
+#: The most callers one graph remembers a streak of (the one whose last crash is the
+#: oldest forgotten first).
+MAX_CALLERS = 1024
 
 #: What identifies inputs cheaply: (name, type, dimensions) of each tensor, sorted.
 Shapes = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -88,40 +111,102 @@ class _Crashed:
     at: float
 
 
-class CrashBackoff:
-    """One graph's crash streak, when its next process may start, and the inputs that
-    crashed it (not thread-safe: the graph holds its lock around every call). A graph
-    with several processes counts the crashes of all of them; while it waits, runs go to
-    those still alive."""
+class _Streak:
+    """Crashes less than :data:`QUIET_S` apart (the graph's, or one caller's), and when
+    the wait they impose ends."""
 
-    def __init__(self, backend: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._backend = backend
-        self._clock = clock
+    __slots__ = ("crashes", "last_at", "resume_at")
+
+    def __init__(self) -> None:
         self.crashes = 0
-        self._last_at = -QUIET_S
-        self._resume_at = 0.0
-        self._inputs: collections.OrderedDict[bytes, _Crashed] = collections.OrderedDict()
+        self.last_at = -math.inf
+        self.resume_at = 0.0
 
     def delay(self) -> float:
-        """The seconds a new process waits after the crashes so far (0: none)."""
+        """The wait after the crashes so far (0: none, after the first)."""
         if self.crashes < 2:
             return 0.0
         return min(FIRST_DELAY_S * 2.0 ** (self.crashes - 2), MAX_DELAY_S)
 
-    def crashed(self, how: str, inputs: tuple[Shapes, bytes] | None = None) -> str:
-        """A process died on its own (``how``: "was killed by SIGSEGV"), running
-        ``inputs`` (their shapes and digest; None: loading the model); what happens
-        next, for the run's error."""
-        now = self._clock()
-        if now - self._last_at >= QUIET_S:
+    def crashed(self, now: float) -> float:
+        """One more crash, at ``now``: the wait it imposes."""
+        if now - self.last_at >= QUIET_S:
             self.crashes = 0
         self.crashes += 1
-        self._last_at = now
+        self.last_at = now
         delay = self.delay()
-        self._resume_at = now + delay
-        then = ("the next run starts a new process" if not delay else
-                f"the next process starts in {delay:g} s, after {self.crashes} crashes less "
-                f"than {QUIET_S:g} s apart: runs wait for it")
+        self.resume_at = now + delay
+        return delay
+
+    def remaining(self, now: float) -> float:
+        return max(0.0, self.resume_at - now)
+
+
+class CrashBackoff:
+    """One graph's crash streaks, the graph's and each caller's (see the module
+    docstring), and the inputs that crashed it (not thread-safe: the graph holds its lock
+    around every call). A caller is an opaque str (None: nobody named, whose crashes are
+    the graph's own). A graph with several processes counts the crashes of all of them."""
+
+    def __init__(self, backend: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._backend = backend
+        self._clock = clock
+        #: The crashes that are nobody's: loads, and runs that name no caller.
+        self._graph = _Streak()
+        #: Each caller's, the one whose last crash is the oldest first.
+        self._callers: collections.OrderedDict[str, _Streak] = collections.OrderedDict()
+        self._inputs: collections.OrderedDict[bytes, _Crashed] = collections.OrderedDict()
+
+    @property
+    def crashes(self) -> int:
+        """The crashes of the streaks under way, the graph's and every caller's."""
+        self._forget_quiet(self._clock())
+        return self._graph.crashes + sum(s.crashes for s in self._callers.values())
+
+    def crashes_of(self, caller: str | None = None) -> int:
+        """The crashes of ``caller``'s streak (None: the graph's own)."""
+        streak = self._streak(caller, self._clock())
+        return 0 if streak is None else streak.crashes
+
+    @property
+    def callers(self) -> int:
+        """The callers remembered: those with a crash less than :data:`QUIET_S` ago, of
+        :data:`MAX_CALLERS` at most."""
+        self._forget_quiet(self._clock())
+        return len(self._callers)
+
+    def delay(self, caller: str | None = None) -> float:
+        """The seconds ``caller``'s streak (None: the graph's) imposes after the crashes
+        so far (0: none)."""
+        streak = self._streak(caller, self._clock())
+        return 0.0 if streak is None else streak.delay()
+
+    def crashed(self, how: str, inputs: tuple[Shapes, bytes] | None = None,
+                caller: str | None = None) -> str:
+        """A process died on its own (``how``: "was killed by SIGSEGV"), running
+        ``inputs`` (their shapes and digest; None: loading the model, which is the
+        graph's crash whoever's run it was for) of ``caller`` (None: nobody named: the
+        graph's crash too); what happens next, for the run's error."""
+        now = self._clock()
+        if inputs is None or caller is None:
+            streak = self._graph
+        else:
+            self._forget_quiet(now)
+            streak = self._callers.get(caller) or _Streak()
+            self._callers[caller] = streak
+            self._callers.move_to_end(caller)  # the most recent crash last
+            while len(self._callers) > MAX_CALLERS:
+                self._callers.popitem(last=False)
+        delay = streak.crashed(now)
+        if not delay:
+            then = "the next run starts a new process"
+        elif streak is self._graph:
+            then = (f"the next process starts in {delay:g} s, after {streak.crashes} "
+                    f"crashes less than {QUIET_S:g} s apart: runs wait for it")
+        else:
+            then = (f"this caller's runs wait {delay:g} s for a process, after "
+                    f"{streak.crashes} crashes of its runs less than {QUIET_S:g} s apart; "
+                    "other callers' runs do not")
         if inputs is None:
             return then
         if self._remember(*inputs, how, now) < REFUSED_AFTER:
@@ -129,15 +214,45 @@ class CrashBackoff:
         return (f"{then}; these inputs, which crashed it {REFUSED_AFTER} times, are "
                 f"refused for {REMEMBERED_S:g} s")
 
-    def remaining(self) -> float:
-        """Seconds until a new process may start (0: now)."""
-        if self.crashes < 2:
-            return 0.0
-        return max(0.0, self._resume_at - self._clock())
+    def remaining(self, caller: str | None = None) -> float:
+        """Seconds until a new process may start for a run of ``caller`` (0: now): the
+        graph's streak's wait, or the caller's own where longer."""
+        now = self._clock()
+        wait = self._graph.remaining(now)
+        if caller is None or not self._callers:
+            return wait
+        return max(wait, self.holding(caller, now))
 
-    def waiting(self) -> bool:
-        """Whether no new process may start now."""
-        return self.remaining() > 0.0
+    def holding(self, caller: str | None, now: float | None = None) -> float:
+        """Seconds until a run of ``caller`` may take a process, idle or new (0: now): its
+        own streak's wait (none for None: the graph's streak delays only the start of a
+        process)."""
+        if caller is None or not self._callers:  # (the common case: no clock read)
+            return 0.0
+        if now is None:
+            now = self._clock()
+        streak = self._streak(caller, now)
+        return 0.0 if streak is None else streak.remaining(now)
+
+    def waiting(self, caller: str | None = None) -> bool:
+        """Whether no new process may start now for a run of ``caller``."""
+        return self.remaining(caller) > 0.0
+
+    def _streak(self, caller: str | None, now: float) -> _Streak | None:
+        if caller is None:
+            return self._graph
+        self._forget_quiet(now)
+        return self._callers.get(caller)
+
+    def _forget_quiet(self, now: float) -> None:
+        # The callers without a crash for QUIET_S: their streak is over (and their wait,
+        # MAX_DELAY_S at most).
+        callers = self._callers
+        while callers:
+            oldest = next(iter(callers.values()))
+            if now - oldest.last_at < QUIET_S:
+                return
+            callers.popitem(last=False)
 
     # -- the inputs that crashed it ---------------------------------------------------
     def knows(self, shapes: Shapes) -> bool:

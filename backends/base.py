@@ -217,7 +217,7 @@ class CompiledGraph(abc.ABC):
     #: Whether a run may be made on the caller's event loop (a device's opt-in inline
     #: runs): False where a run can wait on something other than the computation (a
     #: sandboxed graph's run may wait for a process, its crash back-off or room under
-    #: the host's process cap).
+    #: the host's process cap). An inline run has no job: no cancellation, no caller.
     may_run_inline: bool = True
 
     @abc.abstractmethod
@@ -308,14 +308,24 @@ class Cancellation:
     ``InferRequest.cancel``); a run so interrupted raises BackendRuntimeError, and its
     result is dropped anyway. Thread-safe; every callback runs at most once, and an
     exception it raises is logged (logger ``wasinn.backends``), never propagated.
+
+    Being the job's own, it also says whom the job runs for: ``caller``, an opaque key
+    its owner chooses (a device actor: the request's tenant, ``""`` for requests that
+    name none), which a backend reads with :func:`current_caller` where it keeps one
+    caller's doings apart from another's (a sandboxed graph's crash back-off, see
+    :mod:`._sandbox_backoff`); None: nobody named (a backend used directly), one caller.
+    It rides on the cancellation, which every job has and every run is made under, so
+    that naming it costs a job one attribute, nothing per run.
     """
 
-    __slots__ = ("_callbacks", "_cancelled", "_lock")
+    __slots__ = ("_callbacks", "_cancelled", "_lock", "caller")
 
-    def __init__(self) -> None:
+    def __init__(self, caller: str | None = None) -> None:
         self._lock = threading.Lock()
         self._cancelled = False
         self._callbacks: list[Callable[[], object]] = []
+        #: Whom the job runs for (see the class docstring); None: nobody named.
+        self.caller = caller
 
     def __repr__(self) -> str:
         return f"<Cancellation {'cancelled' if self._cancelled else 'pending'}>"
@@ -376,6 +386,13 @@ def current_cancellation() -> Cancellation | None:
     be cancelled)."""
     cancellation: Cancellation | None = getattr(_current, "cancellation", None)
     return cancellation
+
+
+def current_caller() -> str | None:
+    """Whom the current thread's job runs for (its :attr:`Cancellation.caller`); None for
+    a run under no job, or under one that names nobody."""
+    cancellation: Cancellation | None = getattr(_current, "cancellation", None)
+    return None if cancellation is None else cancellation.caller
 
 
 def on_current_cancel(callback: Callable[[], object]) -> Callable[[], None]:

@@ -34,12 +34,14 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   files and maps its own memory).
 * A child that dies (a signal, an exit) fails the run or the load that was under way
   with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
-  graph starts a new child, and loads the model again, for its next run. After the
-  second crash less than a minute apart it delays that start, longer with each crash
-  (:mod:`._sandbox_backoff`): runs wait for the process rather than fail, and inputs
-  that crashed it twice are refused at once, so that a caller crashing it on purpose
-  can neither keep the host starting processes nor fail the good runs of the other
-  callers of a shared graph.
+  graph starts a new child, and loads the model again, for its next run. The crash is
+  charged to the caller whose run it was (:func:`~.base.current_caller`: a device
+  actor's request's tenant): after its second crash less than a minute apart, that
+  caller's runs wait for a process, longer with each crash, while other callers' runs
+  go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are refused at
+  once, whoever sends them. So a caller crashing it on purpose can neither keep the host
+  starting processes nor fail, or delay, the good runs of the other callers of a shared
+  graph.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -115,6 +117,7 @@ from .base import (
     Device,
     LoadOptions,
     TensorSpec,
+    current_caller,
     on_current_cancel,
 )
 from .cuda import mentions_sticky_error
@@ -400,17 +403,19 @@ class SandboxedGraph(CompiledGraph):
         return payload
 
     # -- the processes a run takes --------------------------------------------------------
-    def _acquire(self) -> SandboxProcess:
+    def _acquire(self, caller: str | None) -> SandboxProcess:
         """An idle process, or a new one where fewer than :attr:`processes` run (after a
         crash, once the back-off allows: waited for); else wait for one to be idle. A
-        process beside a busy one starts only below the host's bound on sandbox
-        processes. BackendRuntimeError when the job is cancelled while it waits."""
+        run of a ``caller`` whose runs crashed the process waits for its back-off first,
+        idle process or not. A process beside a busy one starts only below the host's
+        bound on sandbox processes. BackendRuntimeError when the job is cancelled while
+        it waits."""
         cancelled = threading.Event()
         forget = on_current_cancel(functools.partial(self._wake, cancelled))
         try:
             room = True  # whether a process beside a busy one may be tried
             while True:
-                got = self._idle_or_start(room, cancelled)
+                got = self._idle_or_start(room, cancelled, caller)
                 if isinstance(got, SandboxProcess):
                     return got
                 child = self._started(first=got)
@@ -420,20 +425,25 @@ class SandboxedGraph(CompiledGraph):
         finally:
             forget()
 
-    def _idle_or_start(self, room: bool, cancelled: threading.Event) -> SandboxProcess | bool:
+    def _idle_or_start(self, room: bool, cancelled: threading.Event, caller: str | None
+                       ) -> SandboxProcess | bool:
         """An idle process, taken; else True to start the graph's only process (the
         back-off's wait over), False to start one beside a busy one (``room``): counted
-        as starting. Waits meanwhile."""
+        as starting. Waits meanwhile, and first while ``caller``'s back-off holds its
+        runs."""
         name = self._backend.name
+        backoff = self.backoff
         with self._cond:
             while True:
                 if self._closed:
                     raise ClosedResourceError(f"{name}: the graph is closed")
-                child = self._take_idle()
-                if child is not None:
-                    return child
+                held = backoff.holding(caller)
+                if not held:
+                    child = self._take_idle()
+                    if child is not None:
+                        return child
                 live = len(self._busy) + self._starting
-                wait = self.backoff.remaining()
+                wait = backoff.remaining(caller)
                 if not live and not wait:
                     self._starting += 1
                     return True
@@ -443,9 +453,18 @@ class SandboxedGraph(CompiledGraph):
                 if cancelled.is_set():
                     raise BackendRuntimeError(
                         f"{name}: cancelled while waiting for a process of the model "
-                        + (f"(after {self.backoff.crashes} crashes, a new one starts in "
-                           f"{wait:.1f} s)" if not live else "(each was busy)"))
-                self._cond.wait(None if live else wait)
+                        + self._why_waiting(caller, held, live, wait))
+                self._cond.wait(held or (None if live else wait))
+
+    def _why_waiting(self, caller: str | None, held: float, live: int, wait: float) -> str:
+        """Why a run of ``caller`` waited for a process, in brackets (under the lock)."""
+        if held:
+            return (f"(after {self.backoff.crashes_of(caller)} crashes of this caller's "
+                    f"runs, its runs wait {held:.1f} s more)")
+        if live:
+            return "(each was busy)"
+        return (f"(after {self.backoff.crashes_of(None)} crashes, a new one starts in "
+                f"{wait:.1f} s)")
 
     def _take_idle(self) -> SandboxProcess | None:
         """An idle process, moved to the busy ones (under the lock); one that died while
@@ -526,9 +545,10 @@ class SandboxedGraph(CompiledGraph):
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
         known = self._refuse_crashed(inputs)
-        child = self._acquire()
+        caller = current_caller()
+        child = self._acquire(caller)
         try:
-            payload, result = self._run_in(child, inputs, outputs, known)
+            payload, result = self._run_in(child, inputs, outputs, known, caller)
             if "error" in payload:
                 raise _child_error(child, payload)
         finally:
@@ -552,13 +572,13 @@ class SandboxedGraph(CompiledGraph):
         return digest
 
     def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor],
-                outputs: Sequence[str] | None, digest: bytes | None
+                outputs: Sequence[str] | None, digest: bytes | None, caller: str | None
                 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """The reply of ``child`` to a run (``digest``: of ``inputs``, where known);
-        BackendRuntimeError when it died or answered badly (then it has ended: a reply
-        that is not one, or outputs other than those the run asked for as the graph
-        declared them), or when the arena could not grow for the outputs (then it goes
-        on)."""
+        """The reply of ``child`` to a run of ``caller`` (``digest``: of ``inputs``, where
+        known); BackendRuntimeError when it died (a crash charged to ``caller``) or
+        answered badly (then it has ended: a reply that is not one, or outputs other
+        than those the run asked for as the graph declared them), or when the arena could
+        not grow for the outputs (then it goes on)."""
         name = self._backend.name
         child.seq += 1
         seq = child.running = child.seq
@@ -573,7 +593,7 @@ class SandboxedGraph(CompiledGraph):
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
             crashed = (shapes_of(inputs), digest or digest_of(inputs))
             with self._cond:
-                then = self.backoff.crashed(how, crashed)
+                then = self.backoff.crashed(how, crashed, caller)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
                 f"on this model or these inputs (the host goes on; {then})") from None

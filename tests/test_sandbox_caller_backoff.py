@@ -1,0 +1,414 @@
+"""A sandboxed graph's crash back-off is per caller: the runs of the caller whose runs
+crashed its process wait for that caller's delay, other callers' runs wait for nothing
+(see :mod:`wasinn.backends._sandbox_backoff`).
+
+Every test here that waits on a back-off uses a clock that stands still until the test
+moves it: a run held by a delay would wait for ever, so a run that completes shows it was
+not held, and one that must be stopped (cancelled, or past its deadline) shows it was.
+Nothing is asserted on wall time. The crashes are real ones: the fake library of
+``tests/crashing_backend.py`` kills its sandbox process (SIGSEGV) on a first input of 666,
+and, through the runtime, OpenVINO's CPU plugin kills it on a ``GatherND`` index of
+-2**31 or -2**30 (see tests/test_sandbox.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.crashing_backend import CRASH, CrashingBackend
+from tests.support import cpu_pool, no_spares, require_backend, sandbox_children
+from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TimeoutError_
+from wasinn.actors import DeviceActor
+from wasinn.backends import Device
+from wasinn.backends._sandbox_backoff import (
+    FIRST_DELAY_S,
+    MAX_CALLERS,
+    MAX_DELAY_S,
+    QUIET_S,
+    CrashBackoff,
+    digest_of,
+    shapes_of,
+)
+from wasinn.backends.base import Cancellation, current_caller, running_under
+from wasinn.backends.sandbox import SandboxedGraph, load_sandboxed
+
+CPU = Device.parse("cpu")
+ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+SEGV = "was killed by SIGSEGV"
+#: The timeout of a run that must not be held: only a run held by a back-off (on a clock
+#: standing still) ever reaches it.
+HELD_S = 60.0
+
+
+def _poison(variant: float = 0.0) -> dict[str, Tensor]:
+    """Inputs that crash the fake library; each ``variant`` other bytes."""
+    return {"x": Tensor.from_numpy(np.array([[CRASH, variant, 0, 0]], np.float32))}
+
+
+class StillClock:
+    """A clock that stands still until a test moves it (:attr:`now`), and the crash
+    back-offs of the sandboxed graphs loaded while it is installed, which read it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.backoffs: list[CrashBackoff] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def backoff(self, backend: str) -> CrashBackoff:
+        made = CrashBackoff(backend, clock=self)
+        self.backoffs.append(made)
+        return made
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> StillClock:
+    """The clock of every sandboxed graph loaded from now on."""
+    from wasinn.backends import sandbox
+
+    still = StillClock()
+    monkeypatch.setattr(sandbox, "CrashBackoff", still.backoff)
+    return still
+
+
+@pytest.fixture
+def spawns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids of the sandbox processes graphs loaded without spares start, in order."""
+    from wasinn.backends import _sandbox_spares
+
+    started: list[int] = []
+
+    class Counted(_sandbox_spares.SandboxProcess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            started.append(self.process.pid)
+
+    monkeypatch.setattr(_sandbox_spares, "SandboxProcess", Counted)
+    return started
+
+
+def _as(caller: str | None, run: Callable[[], Any], *args: Any) -> Any:
+    """``run(*args)`` under a job of ``caller``'s, as a device actor's worker thread runs
+    it. A run that would wait for ever (on a clock standing still) is cancelled after
+    :data:`HELD_S`, and fails."""
+    job = Cancellation(caller)
+    timer = threading.Timer(HELD_S, job.cancel)
+    timer.start()
+    try:
+        with running_under(job):
+            return run(*args)
+    finally:
+        timer.cancel()
+
+
+def _crashing_graph() -> SandboxedGraph:
+    return load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+
+
+# -- the back-off itself -------------------------------------------------------------------
+def test_a_callers_crashes_hold_its_own_runs_and_no_one_elses() -> None:
+    now = [0.0]
+    backoff = CrashBackoff("b", clock=lambda: now[0])
+    assert backoff.crashed(SEGV, (shapes_of(ONES), b"1"), "a") == (
+        "the next run starts a new process")
+    said = backoff.crashed(SEGV, (shapes_of(ONES), b"2"), "a")
+    assert said == ("this caller's runs wait 0.5 s for a process, after 2 crashes of its "
+                    "runs less than 60 s apart; other callers' runs do not")
+    # Its runs may take no process, idle or new; another caller's take either at once.
+    assert (backoff.holding("a"), backoff.remaining("a")) == (FIRST_DELAY_S, FIRST_DELAY_S)
+    assert (backoff.holding("b"), backoff.remaining("b")) == (0.0, 0.0)
+    assert (backoff.holding(None), backoff.remaining(None)) == (0.0, 0.0)
+    assert (backoff.crashes_of("a"), backoff.crashes_of("b"), backoff.crashes_of()) == (2, 0, 0)
+    delays = []
+    for _ in range(6):
+        now[0] += 1.0
+        backoff.crashed(SEGV, (shapes_of(ONES), b"3"), "a")
+        delays.append(backoff.delay("a"))
+    assert delays == [1.0, 2.0, 4.0, 8.0, MAX_DELAY_S, MAX_DELAY_S]
+    assert backoff.delay("b") == backoff.delay() == 0.0
+    now[0] += 4.0
+    assert backoff.holding("a") == MAX_DELAY_S - 4.0
+    now[0] += QUIET_S  # a minute without a crash: its streak is over, and it forgotten
+    assert (backoff.holding("a"), backoff.callers, backoff.crashes) == (0.0, 0, 0)
+
+
+def test_a_crash_while_loading_or_of_no_caller_delays_every_callers_new_process() -> None:
+    now = [0.0]
+    backoff = CrashBackoff("b", clock=lambda: now[0])
+    backoff.crashed(SEGV)  # a load: the host's, whoever's run it was for
+    assert backoff.crashed(SEGV, (shapes_of(ONES), b"1"), None) == (
+        "the next process starts in 0.5 s, after 2 crashes less than 60 s apart: runs "
+        "wait for it")
+    assert backoff.crashes_of() == 2 and backoff.callers == 0
+    # No new process for anyone; runs may take the processes still alive meanwhile.
+    for caller in ("a", "", None):
+        assert (backoff.holding(caller), backoff.remaining(caller)) == (0.0, FIRST_DELAY_S)
+    backoff.crashed(SEGV, (shapes_of(ONES), b"2"), "a")  # a caller's first: no wait of its own
+    now[0] += FIRST_DELAY_S
+    assert backoff.remaining("a") == backoff.remaining("b") == 0.0
+
+
+def test_callers_are_remembered_up_to_a_bound_the_least_recently_crashed_forgotten() -> None:
+    now = [0.0]
+    backoff = CrashBackoff("b", clock=lambda: now[0])
+    inputs = (shapes_of(ONES), b"1")
+    for _ in range(2):
+        backoff.crashed(SEGV, inputs, "first")
+    for caller in range(MAX_CALLERS - 1):
+        backoff.crashed(SEGV, inputs, str(caller))
+    assert backoff.callers == MAX_CALLERS
+    backoff.crashed(SEGV, inputs, "first")  # crashed again: now the most recent
+    backoff.crashed(SEGV, inputs, "one more")  # past the bound: "0" is forgotten
+    assert backoff.callers == MAX_CALLERS
+    assert (backoff.crashes_of("0"), backoff.crashes_of("1")) == (0, 1)
+    assert backoff.crashes_of("first") == 3 and backoff.holding("first") == 1.0
+    now[0] += QUIET_S
+    assert backoff.callers == 0 and backoff.crashes_of("first") == 0
+
+
+def test_poison_is_refused_whoever_sent_it() -> None:
+    backoff = CrashBackoff("b", clock=lambda: 0.0)
+    poison = _poison()
+    crashed = (shapes_of(poison), digest_of(poison))
+    backoff.crashed(SEGV, crashed, "a")
+    assert backoff.refusal(crashed[1]) is None
+    said = backoff.crashed(SEGV, crashed, "b")
+    assert said.endswith("these inputs, which crashed it 2 times, are refused for 600 s")
+    refusal = backoff.refusal(crashed[1])
+    assert refusal is not None and "crashed the model's process 2 times" in refusal
+
+
+def test_the_caller_of_a_thread_is_its_jobs_and_nobody_without_one() -> None:
+    assert current_caller() is None
+    with running_under(Cancellation("a")):
+        assert current_caller() == "a"
+        with running_under(Cancellation()):
+            assert current_caller() is None
+        seen: list[str | None] = []
+        thread = threading.Thread(target=lambda: seen.append(current_caller()))
+        thread.start()
+        thread.join()
+        assert seen == [None]  # per thread
+    assert current_caller() is None
+
+
+# -- a sandboxed graph ---------------------------------------------------------------------
+def test_another_caller_runs_at_once_while_the_crashing_callers_runs_wait(
+        clock: StillClock, spawns: list[int]) -> None:
+    # Before: after caller a's second crash, every caller's run waited for the graph's
+    # next process (and for ever here, the clock standing still).
+    graph = _crashing_graph()
+    try:
+        for variant in (1.0, 2.0):  # other poison each time: none refused
+            with pytest.raises(BackendRuntimeError, match=SEGV):
+                _as("a", graph.run, _poison(variant))
+        out = _as("b", graph.run, ONES)
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
+        (backoff,) = clock.backoffs
+        assert (backoff.crashes_of("a"), backoff.holding("a")) == (2, FIRST_DELAY_S)
+        assert len(spawns) == 3 and graph.pids == [spawns[-1]]  # started for b, idle now
+        # a's next run takes no process, not even the idle one: it waits until stopped.
+        cancellation = Cancellation("a")
+        threading.Timer(0.3, cancellation.cancel).start()
+        with running_under(cancellation), pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: cancelled while waiting for a process of the model \(after 2 "
+                r"crashes of this caller's runs, its runs wait 0\.5 s more\)$")):
+            graph.run(ONES)
+        # Once its delay is over it runs, in the process b's run left: none is started.
+        clock.now += FIRST_DELAY_S
+        out = _as("a", graph.run, ONES)
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
+        assert len(spawns) == 3 and graph.pids == [spawns[-1]]
+    finally:
+        graph.close()
+
+
+def test_a_graph_used_directly_is_one_caller_as_before(
+        clock: StillClock, spawns: list[int]) -> None:
+    graph = _crashing_graph()
+    try:
+        for variant in (1.0, 2.0):
+            with pytest.raises(BackendRuntimeError, match=SEGV):
+                graph.run(_poison(variant))  # under no job: nobody named
+        (backoff,) = clock.backoffs
+        assert (backoff.crashes_of(), backoff.callers) == (2, 0)
+        # The graph's own streak: a named caller's run starts no process either.
+        cancellation = Cancellation("b")
+        threading.Timer(0.3, cancellation.cancel).start()
+        with running_under(cancellation), pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: cancelled while waiting for a process of the model \(after 2 "
+                r"crashes, a new one starts in 0\.5 s\)$")):
+            graph.run(ONES)
+        assert len(spawns) == 2
+    finally:
+        graph.close()
+
+
+# -- through the runtime, on every path that reaches a sandboxed graph --------------------
+INT32_MIN = -(2**31)
+#: GatherND indices that kill OpenVINO's CPU plugin (SIGSEGV).
+POISONS = (INT32_MIN, -(2**30))
+
+
+def _gathernd_rows_onnx() -> bytes:
+    """``y[n] = x[n, i[n, 0]]``: a GatherND of batch_dims 1, whose rows are independent,
+    so its requests may be batched."""
+    from onnx import TensorProto, helper
+
+    from wasinn.modelgen import onnx_model_bytes
+
+    node = helper.make_node("GatherND", ["x", "i"], ["y"], batch_dims=1)
+    graph = helper.make_graph(
+        [node], "gathernd_rows",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2, 3]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, ["n", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])])
+    return onnx_model_bytes(graph)
+
+
+def _rows(index: int) -> dict[str, np.ndarray[Any, Any]]:
+    return {"x": np.arange(6, dtype=np.float32).reshape(1, 2, 3),
+            "i": np.array([[index]], np.int64)}
+
+
+GOOD = np.array([[3.0, 4.0, 5.0]], np.float32)  # row 1 of x
+
+#: One request of a tenant's, made on one path (runtime, graph, inputs, tenant, timeout):
+#: its output ``y``.
+Path = Callable[..., Awaitable[np.ndarray[Any, Any]]]
+
+
+async def _computed(rt: wasinn.Runtime, graph: wasinn.Graph, inputs: dict[str, Any],
+                    tenant: str, timeout: float | None) -> np.ndarray[Any, Any]:
+    """In a device worker thread."""
+    return (await graph.compute(inputs, tenant=tenant, timeout=timeout))["y"].numpy()
+
+
+async def _leased(rt: wasinn.Runtime, graph: wasinn.Graph, inputs: dict[str, Any],
+                  tenant: str, timeout: float | None) -> np.ndarray[Any, Any]:
+    """In the caller's thread, on a slot taken through trio."""
+    lease = await graph.lease(inputs, tenant=tenant, timeout=timeout)
+    out = await trio.to_thread.run_sync(lease.run)
+    return out["y"].numpy()
+
+
+async def _try_leased(rt: wasinn.Runtime, graph: wasinn.Graph, inputs: dict[str, Any],
+                      tenant: str, timeout: float | None) -> np.ndarray[Any, Any]:
+    """In the caller's thread, on a slot taken there, without trio."""
+    def run() -> np.ndarray[Any, Any]:
+        lease = graph.try_lease(inputs, tenant=tenant, timeout=timeout)
+        assert lease is not None  # an idle device, the graph compiled there
+        return lease.run()["y"].numpy()
+
+    return await trio.to_thread.run_sync(run)
+
+
+async def _batched(rt: wasinn.Runtime, graph: wasinn.Graph, inputs: dict[str, Any],
+                   tenant: str, timeout: float | None) -> np.ndarray[Any, Any]:
+    """As a batch's job: queued behind another request, it opens a batch."""
+    out: list[Any] = []
+
+    async def request() -> None:
+        try:
+            out.append(await _computed(rt, graph, inputs, tenant, timeout))
+        except wasinn.WasiNNError as exc:
+            out.append(exc)
+
+    async with _device_busy(rt) as nursery:
+        nursery.start_soon(request)
+    if isinstance(out[0], Exception):
+        raise out[0]
+    result: np.ndarray[Any, Any] = out[0]
+    return result
+
+
+async def _merged(rt: wasinn.Runtime, graph: wasinn.Graph, tenant: str, count: int
+                  ) -> list[Any]:
+    """``count`` requests of ``tenant``'s, queued together: one batch's outputs."""
+    out: list[Any] = [None] * count
+
+    async def request(i: int) -> None:
+        out[i] = (await _computed(rt, graph, _rows(1), tenant, HELD_S)).tolist()
+
+    async with _device_busy(rt) as nursery:
+        for i in range(count):
+            nursery.start_soon(request, i)
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _device_busy(rt: wasinn.Runtime) -> AsyncIterator[trio.Nursery]:
+    """The device's only slot held until the block ends: requests started in the nursery
+    queue behind it (as batches, for a graph loaded with batching)."""
+    actor = _only_actor(rt)
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+        await trio.testing.wait_all_tasks_blocked()
+        try:
+            yield nursery
+            await trio.testing.wait_all_tasks_blocked()
+            assert _only_actor(rt).stats().queued >= 1
+        finally:
+            gate.set()
+
+
+def _only_actor(rt: wasinn.Runtime) -> DeviceActor:
+    (actor,) = rt.actors
+    return actor
+
+
+@pytest.mark.parametrize(("path", "pool"), [
+    (_computed, {}),
+    # A sandboxed graph never runs inline (it may wait for a process), where the caller
+    # would go unnamed: on such a pool too, its runs are a worker thread's jobs.
+    (_computed, {"inline_below_us": 10_000}),
+    (_batched, {}),
+    (_leased, {}),
+    (_try_leased, {})],
+    ids=["worker-thread", "worker-thread-of-an-inline-pool", "batch", "lease", "try-lease"])
+async def test_a_tenants_crashes_hold_its_own_requests_not_another_tenants(
+        path: Path, pool: dict[str, Any], clock: StillClock) -> None:
+    # Before: after tenant a's second crash, tenant b's request waited for the graph's
+    # next process (for ever here, the clock standing still); and the actor layer named
+    # no tenant to the backend.
+    require_backend("openvino")
+    require_backend("onnx")
+    batching = wasinn.Batching(max_batch=4) if path is _batched else None
+    config = no_spares(cpu_pool(backends=["openvino"], workers=1, **pool))
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load([_gathernd_rows_onnx()], "onnx", options={"sandbox": True},
+                              batching=batching)
+        for index in POISONS:
+            with pytest.raises(BackendRuntimeError, match=SEGV):
+                await path(rt, graph, _rows(index), "a", None)
+        # (held, it would wait for ever: its deadline then fails it)
+        np.testing.assert_array_equal(await path(rt, graph, _rows(1), "b", HELD_S), GOOD)
+        if path is _batched:  # and two of b's merged into one run
+            assert await _merged(rt, graph, "b", 2) == [GOOD.tolist()] * 2
+            assert graph.stats().batches == 1
+        (backoff,) = clock.backoffs
+        assert (backoff.crashes_of("a"), backoff.crashes_of("b"), backoff.crashes_of()) == (
+            2, 0, 0)
+        (process,) = sandbox_children()  # started for b, idle now
+        # a's next request takes no process, not even the idle one: it waits until its
+        # deadline passes.
+        with pytest.raises(TimeoutError_):
+            await path(rt, graph, _rows(1), "a", 0.5)
+        clock.now += FIRST_DELAY_S  # its delay is over: it runs, in the same process
+        np.testing.assert_array_equal(await path(rt, graph, _rows(1), "a", None), GOOD)
+        assert [p.pid for p in sandbox_children()] == [process.pid]
+        assert backoff.crashes_of("a") == 2 and backoff.callers == 1
+        assert graph.stats().in_caller_thread == (0 if path in (_computed, _batched) else 5)
+        await graph.unload()
