@@ -170,7 +170,12 @@ class DeviceActor:
         self._batcher = runner.batcher
         self._cache = SessionCache(
             str(device), self._start_task,
-            functools.partial(runner.unslotted, label="compile", failure="compiling failed"))
+            functools.partial(runner.unslotted, label="compile", failure="compiling failed"),
+            self._close_later)
+        #: Evicted graphs being closed in a thread (see _close_later), and what
+        #: graphs_closed waits on while there are any.
+        self._closing = 0
+        self._closed_all: trio.Event | None = None
         # The cache's own dict, read here directly: cached_session is on every request's
         # path, which must not pay a call into the cache.
         self._sessions = self._cache.sessions
@@ -457,8 +462,45 @@ class DeviceActor:
     def evict(self, key: Hashable) -> None:
         """Free the graph cached under ``key`` (now, or when its running jobs end), and
         cancel a compile of it under way that is no longer ``wanted`` (see
-        :meth:`session`)."""
+        :meth:`session`). A graph whose close blocks (a sandboxed one: its processes end)
+        is closed in a thread, not on the event loop: :meth:`graphs_closed` waits for
+        it."""
         self._cache.evict(key)
+
+    async def graphs_closed(self) -> None:
+        """Wait until the graphs evicted so far whose close blocks are closed (at once
+        when none is being closed)."""
+        while self._closing:
+            if self._closed_all is None:
+                self._closed_all = trio.Event()
+            await self._closed_all.wait()
+        await trio.lowlevel.checkpoint()
+
+    def _close_later(self, compiled: CompiledGraph) -> None:
+        # In trio: close ``compiled`` (its close blocks) in a thread, from a task of the
+        # actor's, shielded (a closing actor's nursery waits for it, before the device
+        # context closes); here and now once the actor has no nursery left.
+        self._closing += 1
+        try:
+            self._start_task(self._close_in_thread, compiled)
+        except ClosedResourceError:
+            self._closed_one()
+            compiled.close()
+
+    async def _close_in_thread(self, compiled: CompiledGraph) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(compiled.close)
+        except Exception:
+            log.exception("%s: closing an evicted graph failed", self.device)
+        finally:
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        self._closing -= 1
+        if not self._closing and self._closed_all is not None:
+            self._closed_all.set()
+            self._closed_all = None
 
     # -- running work ---------------------------------------------------------------------
     async def execute(

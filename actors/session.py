@@ -10,6 +10,7 @@ guarded by a lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from wasinn.backends.base import CompiledGraph
 from wasinn.errors import ClosedResourceError
@@ -56,12 +57,18 @@ class Session:
         if close:
             self.compiled.close()
 
-    def evict(self) -> None:
-        """No new runs; close now, or when the last running one finishes. Idempotent."""
+    def evict(self, close_later: Callable[[CompiledGraph], None] | None = None) -> None:
+        """No new runs; close now, or when the last running one finishes. Idempotent.
+        ``close_later``: what closes a graph whose close blocks (``close_blocks``: a
+        sandboxed one's waits for its processes) when that would be now, so that the
+        caller (trio) does not wait; the last run's thread closes it itself."""
         with self._lock:
             if self._evicted:
                 return
             self._evicted = True
             close = self._users == 0
         if close:
-            self.compiled.close()
+            if close_later is not None and self.compiled.close_blocks:
+                close_later(self.compiled)
+            else:
+                self.compiled.close()

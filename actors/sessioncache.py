@@ -117,12 +117,18 @@ class SessionCache:
     """The sessions compiled on ``device``, by key (see the module docstring).
 
     ``start_task`` runs each compile as a task of the actor's; ``compile_in_thread`` runs
-    the backend's compile call in one of the actor's compile threads. Used in trio only.
+    the backend's compile call in one of the actor's compile threads; ``close_later``
+    closes an evicted graph whose close blocks (see :meth:`Session.evict`). Used in trio
+    only.
     """
 
     def __init__(self, device: str, start_task: StartTask,
-                 compile_in_thread: CompileInThread) -> None:
+                 compile_in_thread: CompileInThread,
+                 close_later: Callable[[CompiledGraph], None] | None = None) -> None:
         self.device = device
+        #: Closes an evicted graph whose close blocks off the event loop (see
+        #: Session.evict; None: every graph is closed where it is evicted).
+        self._close_later = close_later
         #: The cached sessions, by key: read directly by the actor (``cached_session`` is on
         #: every request's path).
         self.sessions: dict[Hashable, Session] = {}
@@ -207,7 +213,7 @@ class SessionCache:
         it lands otherwise (see the module docstring)."""
         session = self.sessions.pop(key, None)
         if session is not None:
-            session.evict()
+            session.evict(self._close_later)
         compiling = self._compiling.get(key)
         if compiling is not None and not compiling.wanted():
             compiling.stop.cancel()

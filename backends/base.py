@@ -219,6 +219,10 @@ class CompiledGraph(abc.ABC):
     #: sandboxed graph's run may wait for a process, its crash back-off or room under
     #: the host's process cap). An inline run has no job: no cancellation, no caller.
     may_run_inline: bool = True
+    #: Whether :meth:`close` may block for a while on something other than freeing memory
+    #: (a sandboxed graph's waits for its processes to end, ~25 ms each): its owner then
+    #: closes it off an event loop.
+    close_blocks: bool = False
 
     @abc.abstractmethod
     def run(

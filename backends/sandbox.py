@@ -268,6 +268,8 @@ class SandboxedGraph(CompiledGraph):
     #: A run may wait for a process (its start, the crash back-off, room under the host's
     #: cap): never on the event loop.
     may_run_inline = False
+    #: Closing kills its processes and waits for each to end.
+    close_blocks = True
 
     def __init__(self, backend: BackendRef, builders: Builders, encoding: GraphEncoding,
                  device: Device, options: LoadOptions, *, spares: Spares | None = None,

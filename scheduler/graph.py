@@ -9,8 +9,6 @@ context made from them is closed.
 
 from __future__ import annotations
 
-import trio
-
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import ModelStats
@@ -188,6 +186,9 @@ class Graph:
     async def unload(self) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed.
 
+        Returns once the compiled graphs it freed are closed (a sandboxed one's
+        processes have ended: they are closed in a thread, the event loop serving on).
+
         Cancellation: the handle is ended and its reference released before the first
         checkpoint, so a cancelled unload has still unloaded (a model no other handle or
         context uses is freed on every device); the cancellation is raised after.
@@ -197,4 +198,4 @@ class Graph:
         if not self._unloaded:
             self._unloaded = True
             self._executable.release()
-        await trio.lowlevel.checkpoint()
+        await self._scheduler.graphs_closed()

@@ -343,6 +343,12 @@ class Scheduler:
         for actor in self.actors:
             actor.evict(model.id)
 
+    async def graphs_closed(self) -> None:
+        """Wait until the graphs evicted so far on every device are closed, those whose
+        close blocks (sandboxed ones), which close in a thread, included."""
+        for actor in self.actors:
+            await actor.graphs_closed()
+
     # -- running ------------------------------------------------------------------------
     async def run_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, priority: int = 0, deadline: float = float("inf"),

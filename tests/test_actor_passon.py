@@ -188,6 +188,7 @@ class _Compiled:
     """What a compile returns, for the session cache (only closed, never run)."""
 
     may_run_inline = True
+    close_blocks = False
 
     def close(self) -> None:
         pass
