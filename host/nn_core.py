@@ -75,6 +75,7 @@ from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
+from wasinn.host.tenant import graph_name
 from wasinn.host.tensor_binding import (
     BoundTooSmall,
     InFlight,
@@ -138,6 +139,8 @@ class GuestNN:
         self.contexts: dict[int, _GuestContext] = {}
         self._next_graph = 0
         self._next_context = 0
+        #: Models this guest loaded from its bytes so far (their names: graph_name).
+        self._loaded = 0
         self.model_bytes = 0
         #: The request this guest's thread is running (see :meth:`interrupt`).
         self.in_flight = InFlight()
@@ -224,7 +227,9 @@ class GuestNN:
         start = time.perf_counter()
         graph = self.portal.run(
             functools.partial(self.runtime.load, builders, encoding=enc, target=tgt,
-                              options=self.limits.load_options()))
+                              options=self.limits.load_options(),
+                              name=graph_name(self.tenant, self._loaded)))
+        self._loaded += 1
         handle = self._add_graph(graph, total)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", handle, total,
                  enc.value, tgt.value, (time.perf_counter() - start) * 1e3)

@@ -9,6 +9,8 @@ one program share one tenant's time; ``run_wasm(..., tenant=...)`` names another
 is the tenant of requests that name none, such as the host's own). A compute the guest's
 own thread runs on a slot it found free (``try_lease``: nobody waiting) never queues, but
 its device time is charged to the tenant all the same.
+
+The models a guest loads from its bytes are named after its tenant too (:func:`graph_name`).
 """
 
 from __future__ import annotations
@@ -29,3 +31,12 @@ def guest_tenant(tenant: object, program: str) -> str:
             "guest's requests are for (the fair queue policy shares device time among "
             "tenants), or None for the guest's program name")
     return tenant
+
+
+def graph_name(tenant: str, loaded: int) -> str:
+    """The name of the model a guest of ``tenant`` loads from its bytes after ``loaded``
+    others (``classify.wasm#0`` for its first): what its figures are reported under
+    (``Runtime.model_stats``, Prometheus' ``model`` label), in logs and in errors, as
+    wasi-nn's ``load`` names none. Instances of one program loading their models in the
+    same order report each model under one name; ``guest#N`` for the tenant ``""``."""
+    return f"{tenant or 'guest'}#{loaded}"

@@ -31,8 +31,8 @@ stores a label of empty value as no label; ``{tenant=""}`` selects it all the sa
 
 The ``model`` label is a model's name, once per name (see
 :meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, and the graphs
-``Runtime.load`` loaded (a guest's ``load`` from bytes too: ``graph#N``, since wasi-nn's
-``load`` names none) while they are loaded. Loads that share a name, with each other or
+``Runtime.load`` loaded (a guest's ``load`` from bytes too, named after its tenant and
+how many it loaded before: ``classify.wasm#0``) while they are loaded. Loads that share a name, with each other or
 with a registry model, are one series: their counters add up, their latency percentiles
 are those of their windows together; so a scrape never has one label set twice.
 

@@ -117,7 +117,8 @@ def test_a_run_serves_its_figures_while_the_guest_runs(tmp_path: Path) -> None:
         return samples[(name, tuple(sorted(labels.items())))]
 
     # The device, the registry model, the model the guest loaded from its bytes (wasi-nn's
-    # load names none: graph#N) and the guest's tenant (its file's name), as they are now.
+    # load names none: named after the guest's tenant, its file's name, and how many it
+    # loaded before: serving.wat#0) and the guest's tenant, as they are now.
     assert value("wasinn_device_requests_total", device="cpu", outcome="completed") == 3
     assert value("wasinn_device_workers", device="cpu") >= 1
     assert value("wasinn_model_requests_total", model="affine", outcome="completed") == 2
@@ -125,7 +126,7 @@ def test_a_run_serves_its_figures_while_the_guest_runs(tmp_path: Path) -> None:
            and dict(labels)["model"] != "affine" and dict(labels)["outcome"] == "completed"}
     assert len(own) == 1, own
     (model,) = [dict(labels)["model"] for labels in own]
-    assert re.fullmatch(r"graph#\d+", model), model
+    assert model == "serving.wat#0", model
     assert value("wasinn_model_requests_total", model=model, outcome="completed") == 1
     assert value("wasinn_tenant_requests_total", tenant="serving.wat",
                  outcome="completed") == 3

@@ -77,6 +77,7 @@ from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import LOWERING_BYTES_PER_VALUE, GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import Portal
+from wasinn.host.tenant import graph_name
 from wasinn.host.tensor_binding import InFlight
 from wasinn.tensor import MAX_RANK, Tensor
 
@@ -166,6 +167,8 @@ class NNService:
         self.limits = limits or GuestLimits()
         self.tables = GuestTables.create(self.limits)
         self._model_bytes = 0
+        #: Models this guest loaded from its bytes so far (their names: graph_name).
+        self._loaded = 0
         #: Graphs the guest let go of whose unload has not run yet (it was cancelled);
         #: :meth:`close` unloads them.
         self._unloading: list[GraphEntry] = []
@@ -395,8 +398,10 @@ class NNService:
         start = time.perf_counter()
         graph = self.portal.run(
             functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt,
-                              options=self.limits.load_options())
+                              options=self.limits.load_options(),
+                              name=graph_name(self.tenant, self._loaded))
         )
+        self._loaded += 1
         rep = self._add_graph(graph, f"{enc.value} graph", size)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", rep, size, enc.value,
                  tgt.value, (time.perf_counter() - start) * 1e3)
