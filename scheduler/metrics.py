@@ -32,9 +32,10 @@ stores a label of empty value as no label; ``{tenant=""}`` selects it all the sa
 The ``model`` label is a model's name, once per name (see
 :meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, and the graphs
 ``Runtime.load`` loaded (a guest's ``load`` from bytes too, named after its tenant and
-how many it loaded before: ``classify.wasm#0``) while they are loaded. Loads that share a name, with each other or
-with a registry model, are one series: their counters add up, their latency percentiles
-are those of their windows together; so a scrape never has one label set twice.
+how many it loaded before: ``classify.wasm#0``) while they are loaded. Loads that share
+a name, with each other or with a registry model, are one series: their counters add
+up, their latency percentiles are those of their windows together; so a scrape never
+has one label set twice.
 
 A scrape never fails for the runtime's lifetime: before the runtime starts there are no
 device series (models and tenants have none yet either), once it is closed the final

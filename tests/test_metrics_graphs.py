@@ -149,19 +149,20 @@ async def test_the_figures_are_held_not_the_graph() -> None:
         figures = weakref.ref(graph._executable.requests)  # held by the model alone
         await graph.unload()
         del graph
-        # A graph dropped without unload() keeps its compiled graph on the device until
-        # the runtime closes (see Runtime): it is reported meanwhile.
+        # A graph dropped without unload() is reported while its model lives; once the
+        # model is collected, its series ends as an unloaded graph's does.
         dropped = await rt.load([affine_onnx()], "onnx", name="dropped")
         await dropped.compute({"x": X})
+        assert model_counts(rt) == {"dropped": 1}
         # The model alone holds its on_release: gone with the model.
         model = weakref.ref(dropped._executable.on_release)  # type: ignore[attr-defined]
         del dropped
         gc.collect()
-        assert model_counts(rt) == {"dropped": 1}
+        assert model() is None  # the table held neither the model...
+        assert model_counts(rt) == {}
     gc.collect()
-    assert figures() is None  # neither the unloaded graph's model nor its figures
-    assert model() is None  # nor the dropped graph's model...
-    assert model_counts(rt) == {"dropped": 1}  # ...only its final figures
+    assert figures() is None  # ...nor the unloaded graph's figures
+    assert model_counts(rt) == {}
 
 
 async def test_a_closed_runtime_reports_the_final_figures_of_its_loads() -> None:
