@@ -22,7 +22,9 @@ How a batch forms (all in trio, per device actor, see :class:`Batcher`):
   requests join it when they are for the
   same graph and input signature, of the same tenant, would not be served earlier on
   their own (priority no higher, deadline no earlier than the batch's), and their rows
-  fit under ``max_batch``. Anything else opens a batch of its own.
+  fit under ``max_batch`` beside those of the members still there (a member that leaves
+  before its batch starts frees its rows: a batch closed for being full, still queued
+  or waiting for company, is joinable again). Anything else opens a batch of its own.
 * The batch then runs as one job in a worker thread. Each member still gets its own
   outcome, latency (queued: until the batch started running) and stats entry; the
   device's ``batches`` count merged runs, ``batched`` the requests they answered.
@@ -206,7 +208,9 @@ class _Member:
 
 
 class _Batch:
-    """Requests that will run together; open (joinable) until it starts or fills up.
+    """Requests that will run together; open (joinable) until it starts or fills up
+    (open again if a member leaves it full before it starts: ``rows`` counts its live
+    members' rows until then).
     ``priority`` and ``deadline``: its live members' highest and earliest; ``request``:
     its entry in the device's queue until it is granted a slot."""
 
@@ -339,14 +343,18 @@ class Batcher:
             if member.result is None:  # still waiting: leave the batch
                 member.abandoned = True
                 batch.live -= 1
-                if member.granted == math.inf:
+                if member.granted == math.inf:  # its batch has not started: its rows free
                     self.waiting -= 1
+                    batch.rows -= inputs.rows
                 if not batch.live:  # nobody wants it any more
                     self._close(batch)
                     batch.scope.cancel()
-                elif batch.left() and batch.request is not None:
-                    # Still queued: it waits on its remaining members' terms.
-                    self._requeue_slot(batch.request, batch.priority, batch.deadline)
+                else:
+                    if member.granted == math.inf and batch.full.is_set():
+                        self._reopen(batch)
+                    if batch.left() and batch.request is not None:
+                        # Still queued: it waits on its remaining members' terms.
+                        self._requeue_slot(batch.request, batch.priority, batch.deadline)
             raise
         result = member.result
         assert result is not None
@@ -382,6 +390,16 @@ class Batcher:
         batches.remove(batch)
         if not batches:
             del self._open[batch.key]
+
+    def _reopen(self, batch: _Batch) -> None:
+        # A batch closed for being full, not started yet (queued or gathering), whose
+        # member left: joinable again while its live members leave room. (Closed for any
+        # other reason, it has started, or every member has left, or it has settled.)
+        if batch.rows >= batch.batching.max_batch:
+            return
+        batch.open = True
+        batch.full = trio.Event()  # (a trio.Event cannot be cleared)
+        self._open.setdefault(batch.key, []).append(batch)
 
     async def _lead(self, batch: _Batch) -> None:
         # The batch's own task (in the actor's nursery): queue for a slot, wait for
@@ -419,7 +437,10 @@ class Batcher:
                     now = trio.current_time()
                     until = min(until, now + (batch.deadline - now) / 2)
                 with trio.move_on_at(until):
-                    await batch.full.wait()
+                    # Woken as it filled up: it runs, unless a member left meanwhile and
+                    # reopened it (a new event then).
+                    while batch.open:
+                        await batch.full.wait()
             self._close(batch)
         except BaseException:
             self._free_slot()

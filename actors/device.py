@@ -514,6 +514,7 @@ class DeviceActor:
         nbytes: int | None = None,
         label: str = "run",
         account: Account | None = None,
+        reached: float | None = None,
     ) -> T:
         """Run ``job`` in one of this device's worker threads and return its result.
 
@@ -530,11 +531,14 @@ class DeviceActor:
         is abandoned), and BackendRuntimeError for an exception that is not a WasiNNError
         (those propagate as they are). Cancellation: see the module docstring. ``label``
         names the job in diagnostics (the close-timeout error). The request is counted in
-        the device's stats and, when given, in ``account`` too (its model's).
+        the device's stats and, when given, in ``account`` too (its model's), its latency
+        and time queued from ``reached`` (perf_counter) when given: when it reached this
+        device, before it waited for its graph's compile here (see :meth:`record_unqueued`
+        for one that ends in that wait); from now otherwise.
         """
         try:
-            return await self._counted(account, self._request, job, priority, deadline,
-                                       tenant, profile, nbytes, label)
+            return await self._counted(account, reached, self._request, job, priority,
+                                       deadline, tenant, profile, nbytes, label)
         except ClosedResourceError:
             self._raise_if_lost()
             raise
@@ -552,19 +556,21 @@ class DeviceActor:
         tenant: str = "",
         label: str = "run",
         account: Account | None = None,
+        reached: float | None = None,
     ) -> dict[str, Tensor]:
         """``run(inputs, keep_on_device)`` here, merged with other requests for the same
         ``key`` (a graph on this device) as ``batching`` allows (see
         :mod:`wasinn.actors.batching`): outputs of a merged run are host tensors.
 
-        Same errors, deadline, cancellation and accounting as :meth:`execute`; a request
-        that runs alone (a free slot with nobody queued and no ``max_delay``, or more rows
-        than ``max_batch``) runs exactly as :meth:`execute` runs it.
+        Same errors, deadline, cancellation and accounting (``reached`` included) as
+        :meth:`execute`; a request that runs alone (a free slot with nobody queued and no
+        ``max_delay``, or more rows than ``max_batch``) runs exactly as :meth:`execute`
+        runs it.
         """
         try:
-            return await self._counted(account, self._batched, key, inputs, run, batching,
-                                       keep_on_device, priority, deadline, tenant, label,
-                                       account)
+            return await self._counted(account, reached, self._batched, key, inputs, run,
+                                       batching, keep_on_device, priority, deadline, tenant,
+                                       label, account)
         except ClosedResourceError:
             self._raise_if_lost()
             raise
@@ -593,6 +599,7 @@ class DeviceActor:
         deadline: float = math.inf,
         tenant: str = "",
         account: Account | None = None,
+        reached: float | None = None,
     ) -> Lease[T]:
         """Reserve a worker slot for ``job``, to be run by the caller's own thread.
 
@@ -601,11 +608,11 @@ class DeviceActor:
         is held. Cancelled while queued, the request is removed. The holder must call
         :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
         still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
-        raises TimeoutError_ there. ``account``: as in :meth:`execute`. Its backend sees
-        ``tenant`` as the run's caller (as a worker thread's job's: see
+        raises TimeoutError_ there. ``account`` and ``reached``: as in :meth:`execute`.
+        Its backend sees ``tenant`` as the run's caller (as a worker thread's job's: see
         :func:`~wasinn.backends.base.current_caller`).
         """
-        start = time.perf_counter()
+        start = time.perf_counter() if reached is None else reached
         try:
             expires = await self._lease_slot(priority, deadline, tenant)
         except BaseException as exc:

@@ -89,14 +89,16 @@ class RequestRunner:
         self._closed = True
 
     # -- counting ---------------------------------------------------------------------------
-    async def counted(self, account: Account | None,
+    async def counted(self, account: Account | None, reached: float | None,
                       request: Callable[..., Awaitable[tuple[T, float, float]]],
                       *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
         latency; ``request`` returns its result, when it was granted a slot, and its
-        share of the run's device time (1, but for a merged batch's member)."""
+        share of the run's device time (1, but for a merged batch's member). The latency
+        and the time queued run from ``reached`` (perf_counter): when the request reached
+        the device, before it waited there for its graph's compile; None: now."""
         # (Arguments, not a partial: this is on every request's path.)
-        start = time.perf_counter()
+        start = time.perf_counter() if reached is None else reached
         try:
             result, granted, share = await request(*args)
         except BaseException as exc:

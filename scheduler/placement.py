@@ -364,11 +364,12 @@ class Scheduler:
         :mod:`wasinn.actors.batching`): such a run's outputs are host tensors.
         """
         account = self.tenants.account(model.requests, tenant)
-        actor, session, run = await self._model_job(model, target, inputs, deadline, account)
+        actor, session, run, reached = await self._model_job(model, target, inputs, deadline,
+                                                             account)
         return await _execute(actor, model.id, run, _keep(actor, keep_on_device),
                               model.batching, inputs, priority=priority, deadline=deadline,
                               tenant=tenant, label=_label(model, session),
-                              account=account, profile=session.profile)
+                              account=account, profile=session.profile, reached=reached)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -381,11 +382,13 @@ class Scheduler:
         compiled graph is held until the lease is over: an unload meanwhile closes it
         after the run."""
         account = self.tenants.account(model.requests, tenant)
-        actor, session, run = await self._model_job(model, target, inputs, deadline, account)
+        actor, session, run, reached = await self._model_job(model, target, inputs, deadline,
+                                                             account)
         return await _lease(actor, model.id, run, _keep(actor, keep_on_device),
                             model.batching, inputs, priority=priority, deadline=deadline,
                             tenant=tenant, label=_label(model, session),
-                            account=account, sessions=(session,), run_held=_run_first)
+                            account=account, sessions=(session,), run_held=_run_first,
+                            reached=reached)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, tenant: str = "",
@@ -464,28 +467,34 @@ class Scheduler:
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                          deadline: float, account: Account
-                         ) -> tuple[DeviceActor, Session, RunInputs]:
-        # The actor that runs it, its session there, and how to run it on inputs.
+                         ) -> tuple[DeviceActor, Session, RunInputs, float | None]:
+        # The actor that runs it, its session there, how to run it on inputs, and when
+        # (perf_counter) the request reached the device if it waited there for the
+        # compile (None: it reaches it now, its graph compiled).
         check_trio_run(self.trio_token, A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
         session = actor.cached_session(model.id)
+        reached = None
         if session is None:
-            session = await self._placed_session(actor, model, deadline, account)
-        return actor, session, functools.partial(_run, session)
+            reached = time.perf_counter()
+            session = await self._placed_session(actor, model, deadline, account, reached)
+        return actor, session, functools.partial(_run, session), reached
 
     async def _placed_session(self, actor: DeviceActor, model: LoadedModel,
-                              deadline: float, account: Account | None) -> Session:
-        # ``model``'s session on ``actor`` for a request that must start by ``deadline``:
-        # the request counts as the device's load meanwhile, and is counted in the
-        # device's stats (and ``account``) if it ends here.
-        start = time.perf_counter()
+                              deadline: float, account: Account | None, reached: float
+                              ) -> Session:
+        # ``model``'s session on ``actor`` for a request that must start by ``deadline``
+        # and reached the device at ``reached`` (perf_counter): the request counts as
+        # the device's load meanwhile, and is counted in the device's stats (and
+        # ``account``) if it ends here; one that goes on is counted from ``reached`` by
+        # the actor (passed to execute, execute_batched or lease), the wait included.
         actor.placed += 1
         try:
             return await self._session_by(actor, model, deadline)
         except BaseException as exc:
-            actor.record_unqueued(account, exc, time.perf_counter() - start)
+            actor.record_unqueued(account, exc, time.perf_counter() - reached)
             raise
         finally:
             actor.placed -= 1
@@ -510,13 +519,14 @@ class Scheduler:
         stats, where the request is counted too (and in its tenant's); ``batching``: the
         pipeline's, if any."""
         account = self.tenants.account(account, tenant)
-        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
-                                                account)
+        actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
+                                                         deadline, account)
         run = functools.partial(_run_chain, sessions, links, named=(name, models))
         return await _execute(actor, _chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
-                              label=f"run of pipeline {name!r}", account=account)
+                              label=f"run of pipeline {name!r}", account=account,
+                              reached=reached)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
@@ -526,8 +536,8 @@ class Scheduler:
                           batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
         account = self.tenants.account(account, tenant)
-        actor, sessions = await self._chain_job(name, models, links, target, inputs, deadline,
-                                                account)
+        actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
+                                                         deadline, account)
         named = (name, models)
         return await _lease(actor, _chain_key(name, models, links),
                             functools.partial(_run_chain, sessions, links, named=named),
@@ -535,47 +545,57 @@ class Scheduler:
                             priority=priority, deadline=deadline, tenant=tenant,
                             label=f"run of pipeline {name!r}", account=account,
                             sessions=sessions,
-                            run_held=functools.partial(_chain, links, named=named))
+                            run_held=functools.partial(_chain, links, named=named),
+                            reached=reached)
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
-                         account: Account | None) -> tuple[DeviceActor, list[Session]]:
-        # The actor that runs the chain and each step's session there.
+                         account: Account | None
+                         ) -> tuple[DeviceActor, list[Session], float | None]:
+        # The actor that runs the chain, each step's session there, and when the request
+        # reached the device if it waited there for a step's compile (see _model_job).
         check_trio_run(self.trio_token, A_REQUEST)
         actor = self._serving(self.pick(target, inputs))
         sessions = []
+        reached = None
         for model in models:
             if model.released:
                 raise ClosedResourceError(f"pipeline {name!r}: {model.name} was unloaded")
             session = actor.cached_session(model.id)
             if session is None:
-                session = await self._placed_session(actor, model, deadline, account)
+                if reached is None:
+                    reached = time.perf_counter()
+                session = await self._placed_session(actor, model, deadline, account,
+                                                     reached)
             sessions.append(session)
-        return actor, sessions
+        return actor, sessions, reached
 
 
 async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                    batching: Batching | None, inputs: Inputs, *, priority: int,
                    deadline: float, tenant: str, label: str, account: Account | None,
-                   profile: RunProfile | None = None) -> dict[str, Tensor]:
+                   profile: RunProfile | None = None, reached: float | None = None
+                   ) -> dict[str, Tensor]:
     # ``run`` on ``actor``: merged with others when the model batches and ``inputs`` can;
-    # else as one job (``profile``: the graph's run timings, for inline runs).
+    # else as one job (``profile``: the graph's run timings, for inline runs; ``reached``:
+    # when the request reached the device, if it waited there for its graph's compile).
     if batching is not None:
         batch = BatchInputs.of(inputs)
         if batch is not None:
             return await actor.execute_batched(
                 key, batch, run, batching, keep_on_device=keep, priority=priority,
-                deadline=deadline, tenant=tenant, label=label, account=account)
+                deadline=deadline, tenant=tenant, label=label, account=account,
+                reached=reached)
     return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
                                deadline=deadline, tenant=tenant, profile=profile,
                                nbytes=None if profile is None else _input_bytes(inputs),
-                               label=label, account=account)
+                               label=label, account=account, reached=reached)
 
 
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                  batching: Batching | None, inputs: Inputs, *, priority: int,
                  deadline: float, tenant: str, label: str, account: Account | None,
-                 sessions: Sequence[Session], run_held: RunHeld
+                 sessions: Sequence[Session], run_held: RunHeld, reached: float | None
                  ) -> Lease[dict[str, Tensor]]:
     # A lease for the caller's thread, whose job runs ``sessions``' graphs held from now
     # until the lease is over (run or cancelled), so that an unload meanwhile closes them
@@ -588,13 +608,13 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
     if not actor.slot_free() or (_gathers(batching) and BatchInputs.of(inputs) is not None):
         outputs = await _execute(actor, key, run, keep, batching, inputs, priority=priority,
                                  deadline=deadline, tenant=tenant, label=label,
-                                 account=account)
+                                 account=account, reached=reached)
         return settled(str(actor.device), outputs)
     held = _hold(sessions)
     try:
         lease = await actor.lease(functools.partial(run_held, held, inputs, keep),
                                   priority=priority, deadline=deadline, tenant=tenant,
-                                  account=account)
+                                  account=account, reached=reached)
     except BaseException:
         _let_go(sessions)
         raise
