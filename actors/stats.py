@@ -3,9 +3,10 @@
 Every request an actor admits ends in exactly one :class:`Outcome`, counted by
 :class:`RequestStats`, whichever path ran it (a worker thread, inline on the event loop,
 or a lease holder's own thread). Latency is end to end as the caller sees it: from the
-request reaching the actor (before any queueing) to its result, for completed requests,
-over a window of the most recent ones. It is split, as an inference server's metrics
-are, into the time queued (until a worker slot was granted) and the time running (from
+request reaching the device (before it waits for its graph's compile there, or any
+queueing) to its result, for completed requests, over a window of the most recent ones.
+It is split, as an inference server's metrics are, into the time queued (until a worker
+slot was granted, that compile included) and the time running (from
 the grant to the result, the hand-off to a worker thread and back included), so that a
 saturated device (queue time grows) can be told from a slow model (run time grows).
 :meth:`DeviceActor.stats` reads it all, with the actor's current queue and slots, as one
@@ -64,7 +65,9 @@ class RequestFigures:
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
-    queued_p50: float | None  #: of those latencies, seconds waiting for a worker slot
+    #: of those latencies, seconds before the run: waiting for the graph's compile on
+    #: the device, then for a worker slot
+    queued_p50: float | None
     queued_p99: float | None
     running_p50: float | None  #: and seconds from the slot's grant to the result
     running_p99: float | None
@@ -166,7 +169,7 @@ class Latencies(NamedTuple):
     """The completed requests of a window, each list sorted (seconds)."""
 
     total: list[float]  #: end to end
-    queued: list[float]  #: waiting for a worker slot
+    queued: list[float]  #: waiting for the graph's compile, then for a worker slot
     running: list[float]  #: from the slot's grant to the result
 
 
