@@ -92,9 +92,11 @@ def shapes_of(inputs: Mapping[str, Tensor]) -> Shapes:
 
 
 def digest_of(inputs: Mapping[str, Tensor]) -> bytes:
-    """A digest of ``inputs``: their names, types, dimensions and bytes (BLAKE2b)."""
+    """A digest of ``inputs``: their names, types, dimensions and bytes (BLAKE2b). Keys
+    are read as str (a graph's run names each input; were one a position, sorting it
+    beside names must not fail)."""
     digest = hashlib.blake2b(repr(shapes_of(inputs)).encode(), digest_size=32)
-    for name in sorted(inputs):
+    for name in sorted(inputs, key=str):
         tensor = inputs[name]
         data = np.ascontiguousarray(tensor.numpy(), dtype=numpy_dtype(tensor.type))
         digest.update(data.reshape(-1).view(np.uint8).data)

@@ -21,8 +21,9 @@ until the host kills it or goes away. A thread reads the CANCELS socket: the seq
 number of a run to cancel, which it hands to that run's Cancellation (the backend's own
 interruption), if that run is still the current one.
 
-A library error is answered as ``{"error": [class, message]}``; a crash just ends the
-process, which the host reports. Once done it leaves through ``os._exit``: it holds
+A library error is answered as ``{"error": [class, message]}`` (on a GPU, with
+``"lost_context": true`` where it lost the process's CUDA context); a crash just ends
+the process, which the host reports. Once done it leaves through ``os._exit``: it holds
 nothing to write back, and the interpreter's own exit with a library loaded (its
 modules torn down, its thread pools joined) took 0.3 s with torch.
 """
@@ -57,6 +58,8 @@ from wasinn.backends.base import (
     mark_sandbox_process,
     running_under,
 )
+from wasinn.backends.cuda import sticky_error
+from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
 
@@ -226,11 +229,17 @@ def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | N
     """The reply to a run: its outputs, or the error it raised; outputs that are not what
     the graph declared (a model that declares a shape it does not compute: ONNX Runtime
     only logs that) are an error here, so that the host, which checks them too, does not
-    take this process for a compromised one."""
+    take this process for a compromised one. On a GPU, an error that lost this process's
+    CUDA context, as the library's own exception says (never a message's words, which
+    may be the model's), says so (``"lost_context": true``): the host then retires this
+    process, whose every later run would fail the same way."""
     try:
         result = graph.run(inputs, outputs=outputs)
     except Exception as exc:
-        return _error(exc, bound), {}
+        error = _error(exc, bound)
+        if graph.device.kind is not ExecutionTarget.CPU and sticky_error(exc) is not None:
+            error["lost_context"] = True
+        return error, {}
     problem = declared.problem(result, outputs)
     if problem is not None:
         return {"error": ["BackendRuntimeError", f"{declared.backend}: the run's outputs are "

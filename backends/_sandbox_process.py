@@ -5,7 +5,9 @@ It is started by :class:`SandboxProcess`'s constructor, which returns at once: t
 then imports the backend's library (0.1-1.5 s) while the host goes on, says it is
 :meth:`~SandboxProcess.ready`, and waits for its load request. So a process can be
 started ahead of the load it will serve (a spare, see :mod:`._sandbox_spares`, which
-imports at the lowest priority).
+imports at the lowest priority). A start that fails (no descriptor left for a socket, no
+room for the private folder, no process) frees what it made, its place under the host's
+bound included, and raises BackendRuntimeError naming what failed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ._sandbox_child import (
     SPARE_START,
 )
 from ._sandbox_limit import Slot
-from ._sandbox_wire import AGAIN, Arena, read_reply, receive, request, send
+from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
 from .base import BackendRef
 
 #: How long a cancelled run may go on before its process is killed, in seconds.
@@ -108,47 +110,57 @@ class SandboxProcess:
     ``slot``: its place under the host's bound on sandbox processes
     (:class:`~._sandbox_limit.ProcessLimit`), freed when it has ended (or could not be
     started).
+
+    Raises BackendRuntimeError, naming what could not be made (the shared memory, the
+    sockets, the private folder, the process), when it cannot be started: then whatever
+    was made for it is freed, ``slot`` included.
     """
 
     def __init__(self, backend: BackendRef, confined: bool, *, spare: bool = False,
                  slot: Slot | None = None) -> None:
+        self._slot = slot
         self._name = backend.name
         self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
-        self._slot = slot
+        # Each step names what it makes, for the error should it fail (EMFILE from a
+        # socket pair, ENOSPC from the private folder, EAGAIN from fork ...): everything
+        # made so far is then freed, the slot included, or the host's bound on sandbox
+        # processes would count it for ever (and at that bound every load would wait).
+        made: list[socket.socket] = []
+        step = "make memory to share with a sandbox process"
         try:
             self.arena = Arena.create()
-        except OSError as exc:
-            self._cleanup()
-            raise BackendRuntimeError(
-                f"{backend.name}: cannot make memory to share with a sandbox process: {exc}"
-            ) from exc
-        requests, theirs = socket.socketpair()
-        cancels, their_cancels = socket.socketpair()
-        start = ["-c", SPARE_START if spare else CHILD_START]
-        command = [sys.executable, *start, str(theirs.fileno()), str(their_cancels.fileno()),
-                   str(self.arena.fd), backend.entry]
-        env = _child_env(backend)
-        if confined:
-            self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
-            command.append(self._confine_dir.name)
-            # Its home and temporary folder too: what libraries write there (OpenVINO
-            # writes a telemetry id as it starts, and an ONNX model's external data files
-            # to read them) it may write only in its own folder.
-            env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.name
-        try:
+            step = "open the sockets to a sandbox process"
+            requests, theirs = socket.socketpair()
+            made += (requests, theirs)
+            cancels, their_cancels = socket.socketpair()
+            made += (cancels, their_cancels)
+            start = ["-c", SPARE_START if spare else CHILD_START]
+            command = [sys.executable, *start, str(theirs.fileno()),
+                       str(their_cancels.fileno()), str(self.arena.fd), backend.entry]
+            step = "prepare the environment of a sandbox process"
+            env = _child_env(backend)
+            if confined:
+                step = "make the private folder of a sandbox process"
+                self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
+                command.append(self._confine_dir.name)
+                # Its home and temporary folder too: what libraries write there (OpenVINO
+                # writes a telemetry id as it starts, and an ONNX model's external data
+                # files to read them) it may write only in its own folder.
+                env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.name
+            step = "start a process to run the model in"
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
                 env=env, cwd=self._confine_dir.name if self._confine_dir else None)
-        except OSError as exc:
-            requests.close()
-            cancels.close()
+        except BaseException as exc:
+            for end in made:
+                end.close()
             self._cleanup()
-            raise BackendRuntimeError(
-                f"{backend.name}: cannot start a process to run the model in: {exc}") from exc
-        finally:
-            theirs.close()
-            their_cancels.close()
+            if not isinstance(exc, Exception):  # (KeyboardInterrupt: as it is)
+                raise
+            raise BackendRuntimeError(f"{backend.name}: cannot {step}: {exc}") from exc
+        theirs.close()  # (the child's ends: it has them now)
+        their_cancels.close()
         self.conn = Connection(requests.detach())
         self._cancels = cancels
         self._cancel_lock = threading.Lock()
@@ -174,20 +186,25 @@ class SandboxProcess:
         return backend.entry, confined
 
     def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
-             reserve: int = 0) -> tuple[dict[str, Any], dict[str, Tensor]]:
+             reserve: int = 0, expected: Expected | None = None
+             ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """Send a request (``reserve``: bytes its reply's tensors are expected to need) and
-        read its reply, growing the arena once if the reply asks. EOFError or OSError when
-        the process is gone, ValueError for a reply that is not one, BackendRuntimeError
-        when the arena cannot grow."""
+        read its reply, growing the arena once if the reply asks; ``expected``: what the
+        reply may hold (None: no tensor, as a load's reply; see
+        :func:`~._sandbox_wire.read_reply`). EOFError or OSError when the process is
+        gone, ValueError for a reply that is not one, BackendRuntimeError when the arena
+        cannot grow."""
+        if expected is None:
+            expected = Expected()
         with self._growing():
             header = request(self.arena, payload, tensors, reserve=reserve)
         send(self.conn, header)
-        answer, result = read_reply(self.arena, receive(self.conn))
+        answer, result = read_reply(self.arena, receive(self.conn), expected)
         if "grow" in answer:
             with self._growing():
                 self.arena.grow(answer["grow"])
             send(self.conn, request(self.arena, (AGAIN, self.running, None)))
-            answer, result = read_reply(self.arena, receive(self.conn))
+            answer, result = read_reply(self.arena, receive(self.conn), expected)
             if "grow" in answer:
                 raise ValueError("a reply asking twice for a larger arena")
         return answer, result
@@ -259,7 +276,8 @@ class SandboxProcess:
                 with contextlib.suppress(OSError):
                     closeable.close()
         if self._confine_dir is not None:
-            self._confine_dir.cleanup()
+            with contextlib.suppress(OSError):  # (its finalizer tries again)
+                self._confine_dir.cleanup()
             self._confine_dir = None
         if getattr(self, "arena", None) is not None:
             self.arena.close()

@@ -11,7 +11,8 @@ imports do not compete with that load, and it imports at the lowest CPU priority
 that it does not compete with runs either (measured on 2 vCPUs with torch: a guest's
 first run right after its load took 270-360 ms beside a spare importing at normal
 priority, 47-52 ms with no spare). A load takes a spare only once it has imported its
-library; until then the load starts a process of its own.
+library; until then the load starts a process of its own. A spare that cannot be
+started is logged, never raised: the load it follows has succeeded.
 
 A spare holds the memory of an interpreter that has imported the library (unshared:
 29 MB for ONNX Runtime, 31 MB for OpenVINO, 153 MB for torch) and nothing else: closing
@@ -31,8 +32,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-
-from wasinn.errors import BackendRuntimeError
 
 from ._sandbox_limit import ProcessLimit, host_limit
 from ._sandbox_process import SandboxProcess
@@ -100,7 +99,8 @@ class Spares:
     def replenish(self, backend: BackendRef, confined: bool) -> None:
         """Start spares for loads like this one until ``keep`` wait (none once closed,
         nor at the host's bound on sandbox processes). A process that cannot be started
-        is logged, not raised: the next load starts its own."""
+        is logged, not raised (its slot freed): the next load starts its own. Called
+        right after a load, which this must not fail."""
         key = SandboxProcess.key_of(backend, confined)
         while True:
             with self._lock:
@@ -113,8 +113,9 @@ class Spares:
                 return
             try:
                 spare = SandboxProcess(backend, confined, spare=True, slot=slot)
-            except BackendRuntimeError as exc:
-                log.warning("no spare sandbox process started: %s", exc)
+            except Exception as exc:  # (BackendRuntimeError, naming what failed)
+                slot.free()  # (freed already where the process was tried: idempotent)
+                log.warning("no spare sandbox process started for %s: %s", key[0], exc)
                 return
             with self._lock:
                 waiting = self._waiting.setdefault(key, [])

@@ -11,15 +11,19 @@ for the same reply again (:data:`AGAIN`).
 The host trusts what it sends, so its requests are pickled. It does not trust the child:
 a library bug that let a model run code in the child must not reach the host through
 its replies, so the child answers in JSON (never unpickled), and the host checks every
-tensor's description against the arena (:func:`read_reply`) before copying it out, and
-then a run's outputs against what the graph declared when it was loaded
-(:class:`DeclaredOutputs`). On Linux the arena is a ``memfd`` sealed against shrinking, so
-nothing the child does to it can make the host's mapping fault.
+tensor's description (:func:`read_reply`) against the arena and against what the
+request may get back (:class:`Expected`: a run's outputs as the graph declared them when
+it was loaded, :class:`DeclaredOutputs`, of the bytes the child may hold), all of them
+before it copies any: a reply cannot make the host copy, or grow the arena, past what
+the graph's outputs can take. On Linux the arena is a ``memfd`` sealed against
+shrinking, so nothing the child does to it can make the host's mapping fault.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import math
 import mmap
@@ -39,7 +43,9 @@ from wasinn.tensor import Tensor, check_dims, numpy_dtype
 from ._graphio import OutputSelector
 from .base import TensorSpec
 
-#: The longest header, and the largest arena, a child may ask the host to believe.
+#: The longest header, and the largest arena, a child may ask the host to believe (a
+#: reply's request for a larger arena is bounded by what it may hold too: see
+#: :meth:`Expected.largest_arena`).
 MAX_HEADER = 16 * 1024 * 1024
 MAX_ARENA = 1 << 40
 #: Where tensors start in the arena: a multiple of this (a cache line, and SIMD loads).
@@ -96,11 +102,16 @@ class Arena:
                 old.close()
 
     def grow(self, size: int) -> None:
-        """Make the arena at least ``size`` bytes (the host only; at least doubling)."""
+        """Make the arena at least ``size`` bytes (the host only; at least doubling).
+        OSError when it cannot: the system has not the memory, or a file or a mapping
+        that large cannot be made (2**63 bytes: OverflowError, said as EFBIG)."""
         if size > self.size:
             size = _aligned(max(size, 2 * self.size), mmap.PAGESIZE)
-            os.ftruncate(self.fd, size)
-            self._map_size(size)
+            try:
+                os.ftruncate(self.fd, size)
+                self._map_size(size)
+            except (OverflowError, ValueError) as exc:
+                raise OSError(errno.EFBIG, f"{size} bytes: {exc}") from None
 
     def follow(self, size: int) -> None:
         """Map ``size`` bytes, the size the host gave the arena (the child only)."""
@@ -204,10 +215,16 @@ def reply(arena: Arena, payload: dict[str, Any], tensors: Mapping[str, Tensor] |
     return json.dumps({**payload, "tensors": described}).encode(), True
 
 
-def read_reply(arena: Arena, header: bytes) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def read_reply(arena: Arena, header: bytes, expected: Expected
+               ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A child's reply, checked, its tensors copied out of the arena: ValueError for
     anything that is not one (an ``error`` that is not ``[class, message]`` included).
-    A reply ``{"grow": N}`` comes back as it is, N checked."""
+    Every tensor's description is checked against ``expected`` (what the request may
+    get back) and the arena before any is copied: the outputs asked for, each once, as
+    the graph declared them, their bytes within the arena, apart and
+    ``expected.most`` at most together; so a reply cannot make the host copy more than
+    that. A reply ``{"grow": N}`` comes back as it is, N checked: more than the arena's
+    size, and no more than what ``expected`` can need."""
     try:
         payload = json.loads(header)
     except RecursionError:  # ("[" * 100_000: json nests by recursion)
@@ -219,26 +236,64 @@ def read_reply(arena: Arena, header: bytes) -> tuple[dict[str, Any], dict[str, T
                                    and all(isinstance(part, str) for part in error)):
         raise ValueError(f"an error reported as {error!r:.80}: expected [class, message]")
     if "grow" in payload:
-        size = payload["grow"]
-        if type(size) is not int or not arena.size < size <= MAX_ARENA:
+        size, most = payload["grow"], expected.largest_arena(arena.size)
+        if type(size) is not int or not arena.size < size <= most:
             raise ValueError(f"a reply asking for an arena of {size!r:.40} bytes: expected "
-                             f"more than its {arena.size} and at most {MAX_ARENA}")
+                             f"more than its {arena.size} and at most {most}")
         return payload, {}
     described = payload.pop("tensors", [])
     if not isinstance(described, list):
         raise ValueError("a reply whose tensors are no list")  # noqa: TRY004 - one kind
-    tensors = {}
-    for entry in described:
-        name, tensor = tensor_from_arena(arena, entry)
-        if name in tensors:
+    if "error" in payload:
+        if described:
+            raise ValueError("a reply with an error and tensors")
+        return payload, {}
+    placed = _placed(arena, described, expected)
+    return payload, {name: Tensor.from_bytes(shape, ttype,
+                                             bytearray(arena.view(offset, nbytes)))
+                     for name, ttype, shape, offset, nbytes in placed}
+
+
+#: A tensor of a reply, as its description places it in the arena: its name, element
+#: type, dimensions, offset and bytes.
+_Placed = tuple[str, TensorType, tuple[int, ...], int, int]
+
+
+def _placed(arena: Arena, described: list[Any], expected: Expected) -> list[_Placed]:
+    """The tensors ``described`` places in ``arena``, checked (see :func:`read_reply`);
+    ValueError at the first that is not one ``expected``, or not in the arena. Nothing
+    copied."""
+    placed: list[_Placed] = []
+    seen: set[str] = set()
+    total = 0
+    for entry in described:  # (one past those expected at most: that one is refused)
+        name, ttype, shape, offset, nbytes = _place_of(arena, entry)
+        if name in seen:
             raise ValueError(f"tensor {quoted(name)} described twice")
-        tensors[name] = tensor
-    return payload, tensors
+        problem = expected.problem(name, ttype, shape)
+        if problem is not None:
+            raise ValueError(problem)
+        seen.add(name)
+        total += nbytes
+        placed.append((name, ttype, shape, offset, nbytes))
+    problem = expected.missing(seen)
+    if problem is not None:
+        raise ValueError(problem)
+    if total > expected.most:
+        raise ValueError(f"outputs of {total} bytes together: expected at most "
+                         f"{expected.most}, what the sandbox process may hold")
+    spans = sorted((offset, offset + nbytes, name)
+                   for name, _, _, offset, nbytes in placed if nbytes)
+    for (_, end, before), (start, _, name) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"tensors {quoted(before)} and {quoted(name)} share bytes of "
+                             "the arena: expected each output in bytes of its own")
+    return placed
 
 
-def tensor_from_arena(arena: Arena, entry: object) -> tuple[str, Tensor]:
-    """``[name, type, dims, offset]`` as a host tensor over a copy of its bytes;
-    ValueError for anything else, or bytes outside the arena."""
+def _place_of(arena: Arena, entry: object) -> _Placed:
+    """``[name, type, dims, offset]``, checked against the arena: ValueError for anything
+    else, or bytes outside it."""
     if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
             and isinstance(entry[1], str) and isinstance(entry[2], list)
             and type(entry[3]) is int):
@@ -253,17 +308,55 @@ def tensor_from_arena(arena: Arena, entry: object) -> tuple[str, Tensor]:
     if not 0 <= offset <= arena.size - nbytes:
         raise ValueError(f"tensor {name!r:.80}: {nbytes} bytes at offset {offset}, outside "
                          f"the arena's {arena.size}")
-    return name, Tensor.from_bytes(shape, ttype, bytearray(arena.view(offset, nbytes)))
+    return name, ttype, shape, offset, nbytes
+
+
+class Expected:
+    """What a reply may hold (see :func:`read_reply`): the outputs a run asked for
+    (``wanted``: each under its declared name, with its spec), of a graph whose outputs
+    ``declared`` describes, taking ``most`` bytes at most together (the memory the
+    sandbox process may hold: it cannot have computed more). ``Expected()`` is a reply
+    that holds no tensor (a load's, an error's) and may not ask for a larger arena."""
+
+    __slots__ = ("_declared", "most", "wanted")
+
+    def __init__(self, declared: DeclaredOutputs | None = None,
+                 wanted: Mapping[str, TensorSpec] | None = None, most: int = 0) -> None:
+        self._declared = declared
+        self.wanted: Mapping[str, TensorSpec] = wanted or {}
+        self.most = most
+
+    def largest_arena(self, size: int) -> int:
+        """The largest arena a reply may ask for, beside one of ``size`` bytes (which
+        holds the request's tensors, before the reply's place): room for the wanted
+        outputs' bytes, at most :data:`MAX_ARENA`."""
+        if not self.wanted:
+            return size
+        return min(MAX_ARENA, size + self.most + ALIGN * len(self.wanted))
+
+    def problem(self, name: str, ttype: TensorType, dims: tuple[int, ...]) -> str | None:
+        """What is wrong with an output ``name`` of ``ttype[dims]`` in the reply (None:
+        it is one of those wanted, as declared)."""
+        if self._declared is None:
+            return f"tensor {quoted(name)} in a reply that has none"
+        return self._declared.problem_with(name, ttype, dims, self.wanted)
+
+    def missing(self, names: Iterable[str]) -> str | None:
+        """What is missing from a reply of outputs ``names`` (None: nothing)."""
+        if self._declared is None:
+            return None
+        return self._declared.missing(names, self.wanted)
 
 
 # -- a run's outputs against the graph's declaration ------------------------------------------
 class DeclaredOutputs:
     """What a graph declared of its outputs when it was loaded (``specs``, ``aliases``, and
     whether its element types hold: ``typed``), which every run's outputs must match: the
-    host checks a child's replies against it (a compromised child could answer anything
-    that fits the arena), and the child its library's outputs before it answers (a model
-    that declares a shape it does not compute then fails its run, instead of its process
-    being retired for answering badly)."""
+    host checks a child's replies against it before copying anything (a compromised child
+    could answer anything that fits the arena: see :class:`Expected`), and the child its
+    library's outputs before it answers (a model that declares a shape it does not
+    compute then fails its run, instead of its process being retired for answering
+    badly)."""
 
     def __init__(self, backend: str, specs: Sequence[TensorSpec], aliases: Mapping[str, int],
                  typed: bool) -> None:
@@ -274,6 +367,19 @@ class DeclaredOutputs:
         #: What a run that names no outputs gets: every one (once per run: made once).
         self._every = {spec.name: spec for spec in self._specs}
 
+    def wanted(self, asked: Sequence[str] | None) -> dict[str, TensorSpec]:
+        """The outputs a run that asked for ``asked`` (names, aliases or positions; None:
+        every output) gets, by their declared names. UnknownNameError for an output the
+        graph lacks."""
+        if asked is None:
+            return self._every
+        return {self._specs[i].name: self._specs[i] for i in self._selector.select(asked)}
+
+    def expect(self, asked: Sequence[str] | None, most: int) -> Expected:
+        """What the reply to a run that asked for ``asked`` may hold (see
+        :class:`Expected`); UnknownNameError as :meth:`wanted`."""
+        return Expected(self, self.wanted(asked), most)
+
     def problem(self, outputs: Mapping[str, Tensor], asked: Sequence[str] | None
                 ) -> str | None:
         """What is wrong with ``outputs``, a run's, for a run that asked for ``asked``
@@ -283,34 +389,46 @@ class DeclaredOutputs:
         declared size (a dynamic one may take any size; a spec of unknown rank, any
         shape)."""
         try:
-            wanted = self._every if asked is None else {
-                self._specs[i].name: self._specs[i] for i in self._selector.select(asked)}
+            wanted = self.wanted(asked)
         except UnknownNameError as exc:
             return f"outputs for a run that asked for one the model lacks ({exc.message})"
         for name, tensor in outputs.items():
-            spec = wanted.get(name)
-            if spec is None:
-                why = ("the run did not ask for" if self._declared(name)
-                       else "the model does not declare")
-                return (f"output {quoted(name)}, which {why}: expected outputs "
-                        f"{_describe(wanted.values())}")
-            if not self._fits(tensor, spec):
-                return (f"output {quoted(name)} is {tensor.type.value}{list(tensor.dims)}: "
-                        f"expected {spec.describe()}, as the model declares")
-        if len(outputs) == len(wanted):  # (each of them is one it wanted: checked above)
+            problem = self.problem_with(name, tensor.type, tensor.dims, wanted)
+            if problem is not None:
+                return problem
+        return self.missing(outputs, wanted)
+
+    def problem_with(self, name: str, ttype: TensorType, dims: tuple[int, ...],
+                     wanted: Mapping[str, TensorSpec]) -> str | None:
+        """What is wrong with an output ``name`` of ``ttype[dims]`` among the ``wanted``
+        ones (see :meth:`problem`), or None."""
+        spec = wanted.get(name)
+        if spec is None:
+            why = ("the run did not ask for" if self._declared(name)
+                   else "the model does not declare")
+            return (f"output {quoted(name)}, which {why}: expected outputs "
+                    f"{_describe(wanted.values())}")
+        if not self._fits(ttype, dims, spec):
+            return (f"output {quoted(name)} is {ttype.value}{list(dims)}: "
+                    f"expected {spec.describe()}, as the model declares")
+        return None
+
+    def missing(self, names: Iterable[str], wanted: Mapping[str, TensorSpec]) -> str | None:
+        """The outputs of ``wanted`` that ``names`` (each one of them) lacks, or None."""
+        names = set(names)
+        if len(names) == len(wanted):  # (each of them is one it wanted: checked before)
             return None
-        missing = [spec for name, spec in wanted.items() if name not in outputs]
-        return f"no output {_describe(missing)}: expected outputs {_describe(wanted.values())}"
+        absent = [spec for name, spec in wanted.items() if name not in names]
+        return f"no output {_describe(absent)}: expected outputs {_describe(wanted.values())}"
 
     def _declared(self, name: str) -> bool:
         return any(spec.name == name for spec in self._specs)
 
-    def _fits(self, tensor: Tensor, spec: TensorSpec) -> bool:
-        if self._typed and tensor.type is not spec.type:
+    def _fits(self, ttype: TensorType, dims: tuple[int, ...], spec: TensorSpec) -> bool:
+        if self._typed and ttype is not spec.type:
             return False
         if not spec.rank_known:
             return True
-        dims = tensor.dims
         if len(dims) != len(spec.shape):
             return False
         for want, got in zip(spec.shape, dims, strict=True):  # (a loop: once per run)

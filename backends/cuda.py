@@ -140,16 +140,6 @@ def sticky_error(exc: BaseException) -> str | None:
     return None
 
 
-def mentions_sticky_error(text: str) -> str | None:
-    """``name (code): description`` for the first of the :data:`STICKY_ERRORS` that
-    ``text`` names anywhere, or None: a loose reading, for where a wrong guess costs
-    little (a sandbox process retired for nothing)."""
-    for code, (name, description) in STICKY_ERRORS.items():
-        if description in text or name in text:
-            return _describe(code)
-    return None
-
-
 def _in_library_words(error: BaseException) -> str | None:
     try:
         text = str(error)

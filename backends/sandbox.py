@@ -16,10 +16,14 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   :mod:`._sandbox_wire`). Outputs are host tensors, copied out of the arena: a sandboxed
   graph keeps nothing on its device between runs of different graphs. They must be the
   outputs the run asked for, as the graph declared them when it was loaded (names,
-  element types, static dimensions: :class:`~._sandbox_wire.DeclaredOutputs`); other
-  outputs are a reply that is not one, which retires the process, like any reply that
-  is not one. The child checks its library's outputs too, and fails the run (keeping
-  the process) where a model computes other than it declares.
+  element types, static dimensions: :class:`~._sandbox_wire.DeclaredOutputs`), and are
+  checked so before any is copied, with the memory they take (bounded by what the
+  process may hold); other outputs are a reply that is not one, which retires the
+  process, like any reply that is not one. So is a description of the model that no
+  graph could give (:mod:`._sandbox_specs`). The child checks its library's outputs
+  too, and fails the run (keeping the process) where a model computes other than it
+  declares. A run takes the inputs and ``outputs`` an in-process graph's takes, checked
+  here (:class:`~._graphio.InputChecker`) and sent by name.
 * A registered ONNX model's external data (``LoadOptions.source``'s folder, see
   :mod:`._onnx_check`) is read and checked by the host, for each load, and sent with
   the model: a confined process may not read the model's folder. It hands the bytes to
@@ -41,7 +45,9 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are refused at
   once, whoever sends them. So a caller crashing it on purpose can neither keep the host
   starting processes nor fail, or delay, the good runs of the other callers of a shared
-  graph.
+  graph. On a GPU, a run whose library exception lost the process's CUDA context (the
+  process says so: :func:`_lost_context`) retires the process and counts as such a
+  crash; on the CPU no error retires one.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -59,7 +65,9 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   the one this Python process shares, :func:`host_limit`, which also bounds the loads
   given no ``spares``): at it, a start that a graph cannot run without ends a spare or
   the idle process of the graph used least recently (which starts one again on its next
-  run), else waits for a busy one (see :mod:`._sandbox_limit`).
+  run), else waits for a busy one (see :mod:`._sandbox_limit`). A process that cannot
+  be started fails the load or the run that needed it with BackendRuntimeError naming
+  what failed, having freed what was made for it, its place under the bound included.
 * The host never imports the library of a graph it sandboxes: ``backend`` may be a
   :class:`~.base.BackendRef` (``module:Class``), and the scheduler chooses a built-in
   backend for the CPU without importing it. A graph closed has its processes killed
@@ -83,7 +91,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import os
 import threading
 import weakref
@@ -102,13 +109,15 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from . import _confine
+from ._graphio import InputChecker
 from ._onnx_check import check_external_data, external_data_folder, read_external_data
 from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
 from ._sandbox_child import EXTERNAL
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
-from ._sandbox_wire import ALIGN, DeclaredOutputs
+from ._sandbox_specs import read_specs, reserve
+from ._sandbox_wire import ALIGN, DeclaredOutputs, Expected
 from .base import (
     Backend,
     BackendRef,
@@ -116,11 +125,9 @@ from .base import (
     CompiledGraph,
     Device,
     LoadOptions,
-    TensorSpec,
     current_caller,
     on_current_cancel,
 )
-from .cuda import mentions_sticky_error
 from .formats import detect_encoding
 
 log = logging.getLogger("wasinn.backends")
@@ -163,12 +170,6 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
                           spares=spares, processes=processes)
 
 
-def _spec(entry: Any) -> TensorSpec:
-    name, type_, shape, rank_known = entry
-    return TensorSpec(str(name), TensorType(type_),
-                      tuple(None if d is None else int(d) for d in shape), bool(rank_known))
-
-
 def _external_files(backend: str, builders: Builders, encoding: GraphEncoding,
                     options: LoadOptions) -> dict[str, Tensor]:
     """The external data files of a registered ONNX model, for its process, which may not
@@ -207,24 +208,6 @@ def _onnx(builders: Builders, encoding: GraphEncoding) -> bool:
     return encoding is GraphEncoding.ONNX
 
 
-def _static_nbytes(spec: TensorSpec) -> int:
-    """The bytes a tensor of ``spec`` takes, where its shape is known (else 0)."""
-    dims = [d for d in spec.shape if d is not None]
-    if not spec.rank_known or len(dims) != len(spec.shape):
-        return 0
-    return math.prod(dims) * spec.type.itemsize
-
-
-def _aliases(value: Any) -> Mapping[str, int]:
-    return {str(k): int(v) for k, v in dict(value).items()}
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"a flag of {value!r:.40}: expected true or false")
-    return value
-
-
 def _error(payload: Mapping[str, Any]) -> WasiNNError:
     """The wasinn error a child reported (BackendRuntimeError for a class it may not
     name)."""
@@ -239,19 +222,14 @@ def _error(payload: Mapping[str, Any]) -> WasiNNError:
 MAX_MESSAGE_BYTES = 16 * 1024
 
 
-def _child_error(child: SandboxProcess, payload: Mapping[str, Any]) -> WasiNNError:
-    """The error a run's process reported. One that names an error that loses a CUDA
-    context (see :data:`wasinn.backends.cuda.STICKY_ERRORS`) retires the process, whose
-    every later run would fail the same way. The host's own context is fine: the error
-    is a wasinn error carrying the child's text, which the host's device watch does not
-    read (see :func:`wasinn.backends.cuda.sticky_error`)."""
-    error = _error(payload)
-    if mentions_sticky_error(error.message) is None:
-        return error
-    child.close()  # the next run starts a fresh process
-    return error.suffixed(
-        "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
-        "was retired, the next run starts a fresh one)")
+def _lost_context(payload: Mapping[str, Any], device: Device) -> bool:
+    """Whether the process that reported a run's error in ``payload`` has lost its CUDA
+    context: on a GPU only, where the process found that from its library's own
+    exception (see :func:`wasinn.backends.cuda.sticky_error`) and said so with a flag.
+    Never from the error's message, which may quote the model (a node's name) or a
+    caller's text (an input's): a CPU process has no CUDA context to lose, and a
+    phrase a model names must not retire its process at every run."""
+    return device.kind is not ExecutionTarget.CPU and payload.get("lost_context") is True
 
 
 class _NoRoom(Exception):
@@ -294,6 +272,9 @@ class SandboxedGraph(CompiledGraph):
         #: The memory each of its processes may hold (None: not bounded).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if self._confined else None)
+        #: The most bytes a run's outputs may take beside its inputs' (which an output
+        #: may share): what a process may hold, a GPU's half the machine's memory.
+        self._most = self.max_bytes or default_max_bytes()
         # (external data goes in the arena, as the model's bytes do: see _load_in)
         self._load = (encoding, device, dataclasses.replace(options, external_data={}),
                       self.max_bytes)
@@ -323,20 +304,28 @@ class SandboxedGraph(CompiledGraph):
             self._idle.append(child)
             self._may_end(child)
         try:
-            self.inputs = tuple(_spec(e) for e in payload["inputs"])
-            self.outputs = tuple(_spec(e) for e in payload["outputs"])
-            self.input_aliases = _aliases(payload["input_aliases"])
-            self.output_aliases = _aliases(payload["output_aliases"])
-            self.output_types_declared = _flag(payload["output_types_declared"])
-            #: What every run's outputs are checked against (see :meth:`_run_in`).
-            self._declared = DeclaredOutputs(backend.name, self.outputs, self.output_aliases,
-                                             self.output_types_declared)
-            self._reserve = sum(_static_nbytes(spec) + ALIGN for spec in self.outputs)
-        except (KeyError, TypeError, ValueError) as exc:
+            specs = read_specs(payload)
+        except BaseException as exc:  # (ValueError: what the process got wrong)
             self.close()
+            if not isinstance(exc, Exception):
+                raise
             raise BackendRuntimeError(
-                f"{backend.name}: the process loading the model answered {exc!r:.200}: "
-                "expected the model's inputs and outputs") from None
+                f"{backend.name}: the process loading the model answered badly: {exc}"
+                ) from None
+        self.inputs, self.outputs = specs.inputs, specs.outputs
+        self.input_aliases, self.output_aliases = specs.input_aliases, specs.output_aliases
+        self.output_types_declared = specs.output_types_declared
+        #: What every run's inputs are checked against, and keyed by (their names), as
+        #: an in-process graph's are: where the graph's types are placeholders
+        #: (TorchScript's, whose outputs' types do not hold either), not their types.
+        self._checker = InputChecker(
+            backend.name, self.inputs, aliases=self.input_aliases,
+            any_type=frozenset() if self.output_types_declared
+            else frozenset(range(len(self.inputs))))
+        #: What every run's outputs are checked against (see :meth:`_run_in`).
+        self._declared = DeclaredOutputs(backend.name, self.outputs, self.output_aliases,
+                                         self.output_types_declared)
+        self._reserve = reserve(self.outputs, self._most, ALIGN)
 
     @property
     def pids(self) -> list[int]:
@@ -361,12 +350,16 @@ class SandboxedGraph(CompiledGraph):
         if child is None:
             raise _NoRoom
         payload = self._load_in(child, files)
-        # (after the load: a spare's imports would slow it)
-        self._spares.replenish(self._backend, self._confined)
-        if self._confined:
-            confined = payload.get("confined")
-            self.confinement = confined if isinstance(confined, dict) else None
-            _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
+        try:
+            # (after the load: a spare's imports would slow it; it raises nothing)
+            self._spares.replenish(self._backend, self._confined)
+            if self._confined:
+                confined = payload.get("confined")
+                self.confinement = confined if isinstance(confined, dict) else None
+                _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
+        except BaseException:  # (nobody else holds the loaded process: not left running)
+            child.close()
+            raise
         return child, payload
 
     def _load_in(self, child: SandboxProcess, files: Mapping[str, Tensor]) -> dict[str, Any]:
@@ -546,16 +539,35 @@ class SandboxedGraph(CompiledGraph):
     # -- runs -----------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
-        known = self._refuse_crashed(inputs)
+        """As an in-process graph's run (see :class:`~.base.CompiledGraph`), which takes
+        the same ``inputs`` (host tensors or numpy arrays, by name, alias or position)
+        and ``outputs`` (a str is one name), checked here: the process gets the inputs
+        by name. Outputs are host tensors whatever ``keep_on_device``."""
+        if self._closed:
+            raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
+        ordered = self._checker.check(inputs)
+        named = {spec.name: t for spec, t in zip(self.inputs, ordered, strict=True)}
+        asked = None if outputs is None else [outputs] if isinstance(outputs, str) else list(
+            outputs)
+        # (outputs may share the inputs' memory in the process: not counted in its bound)
+        expected = Expected(self._declared, self._declared.wanted(asked),
+                            self._most + sum(t.nbytes for t in ordered))
+        known = self._refuse_crashed(named)
         caller = current_caller()
         child = self._acquire(caller)
         try:
-            payload, result = self._run_in(child, inputs, outputs, known, caller)
-            if "error" in payload:
-                raise _child_error(child, payload)
+            payload, result = self._run_in(child, named, expected, known, caller)
+            if "error" in payload and _lost_context(payload, self.device):
+                raise self._retired(child, payload, named, known, caller)
         finally:
             self._release(child)
-        self._reserve = max(self._reserve, sum(t.nbytes + ALIGN for t in result.values()))
+        if known is not None:
+            with self._cond:
+                self.backoff.ran(known)  # an earlier crash was not theirs
+        if "error" in payload:
+            raise _error(payload)
+        self._reserve = max(self._reserve, min(self._most, sum(t.nbytes + ALIGN
+                                                               for t in result.values())))
         return result
 
     def _refuse_crashed(self, inputs: Mapping[str, Tensor]) -> bytes | None:
@@ -573,29 +585,30 @@ class SandboxedGraph(CompiledGraph):
             raise BackendRuntimeError(refusal)
         return digest
 
-    def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor],
-                outputs: Sequence[str] | None, digest: bytes | None, caller: str | None
+    def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor], expected: Expected,
+                digest: bytes | None, caller: str | None
                 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """The reply of ``child`` to a run of ``caller`` (``digest``: of ``inputs``, where
-        known); BackendRuntimeError when it died (a crash charged to ``caller``) or
-        answered badly (then it has ended: a reply that is not one, or outputs other
-        than those the run asked for as the graph declared them), or when the arena could
-        not grow for the outputs (then it goes on)."""
+        """The reply of ``child`` to a run of ``caller`` (``inputs`` by name; ``digest``:
+        theirs, where known) that asked for the outputs ``expected`` names;
+        BackendRuntimeError when it died (a crash charged to ``caller``) or answered
+        badly (then it has ended: a reply that is not one, or outputs other than those
+        the run asked for as the graph declared them: see :func:`~._sandbox_wire.
+        read_reply`), or when the arena could not grow for the outputs (then it goes
+        on)."""
         name = self._backend.name
         child.seq += 1
         seq = child.running = child.seq
         forget = on_current_cancel(lambda: child.cancel(seq))
         try:
-            answer = self._call(child, seq, inputs, outputs)
+            answer = child.call(("run", seq, list(expected.wanted)), inputs,
+                                reserve=self._reserve, expected=expected)
         except (EOFError, OSError):
             how = child.ended()
             if child.killed_for_cancel:
                 raise BackendRuntimeError(
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
-            crashed = (shapes_of(inputs), digest or digest_of(inputs))
-            with self._cond:
-                then = self.backoff.crashed(how, crashed, caller)
+            then = self._crashed(how, inputs, digest, caller)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
                 f"on this model or these inputs (the host goes on; {then})") from None
@@ -606,22 +619,39 @@ class SandboxedGraph(CompiledGraph):
         finally:
             child.running = -1
             forget()
-        if digest is not None:
-            with self._cond:
-                self.backoff.ran(digest)  # an earlier crash was not theirs
         return answer
 
-    def _call(self, child: SandboxProcess, seq: int, inputs: Mapping[str, Tensor],
-              outputs: Sequence[str] | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """Run ``seq`` in ``child``: its reply, as :meth:`SandboxProcess.call` raises; and
-        ValueError for outputs other than those the run asked for, as the graph declared
-        them (see :class:`~._sandbox_wire.DeclaredOutputs`)."""
-        payload, result = child.call(("run", seq, None if outputs is None else list(outputs)),
-                                     inputs, reserve=self._reserve)
-        problem = None if "error" in payload else self._declared.problem(result, outputs)
-        if problem is not None:
-            raise ValueError(problem)
-        return payload, result
+    def _retired(self, child: SandboxProcess, payload: Mapping[str, Any],
+                 inputs: Mapping[str, Tensor], digest: bytes | None, caller: str | None
+                 ) -> WasiNNError:
+        """The error a run's process reported, which lost its CUDA context (see
+        :func:`_lost_context`): the process is retired, as its every later run would fail
+        the same way, and this counts as a crash of ``caller``'s ``inputs`` (see
+        :meth:`_crashed`), so that inputs that keep doing it do not keep the host
+        starting processes. The host's own context is fine: the error is a wasinn error
+        carrying the child's text, which the host's device watch does not read (see
+        :func:`wasinn.backends.cuda.sticky_error`)."""
+        error = _error(payload)
+        child.close()
+        then = self._crashed("lost its CUDA context", inputs, digest, caller)
+        return error.suffixed(
+            "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
+            f"was retired; {then})")
+
+    def _crashed(self, how: str, inputs: Mapping[str, Tensor], digest: bytes | None,
+                 caller: str | None) -> str:
+        """Count a crash (``how`` the process ended) of a run of ``caller``'s ``inputs``
+        (``digest``: theirs, where known) towards the back-off: what happens next, for
+        the run's error. Raises nothing: reading the inputs may not hide the crash (were
+        they unreadable, it counts as the graph's own)."""
+        try:
+            inputs_of = (shapes_of(inputs), digest or digest_of(inputs))
+        except Exception:
+            log.exception("%s: the inputs of a run that crashed its sandbox process cannot "
+                          "be remembered: the crash counts as the graph's", self._backend.name)
+            inputs_of = None
+        with self._cond:
+            return self.backoff.crashed(how, inputs_of, caller)
 
     def close(self) -> None:
         """Close the idle processes now, and those running when their run ends."""

@@ -26,10 +26,16 @@ import trio
 import wasinn
 from tests.fake_backend import CUDA_ASSERT_MESSAGE, DEVICE_ASSERT, FakeBackend
 from tests.test_scheduler_routing import fake_config
-from wasinn import BackendRuntimeError, DeviceLostError, ErrorCode, UnsupportedOperationError
+from wasinn import (
+    BackendRuntimeError,
+    DeviceLostError,
+    ErrorCode,
+    Tensor,
+    UnsupportedOperationError,
+)
 from wasinn.actors import devicectx
 from wasinn.backends.cuda import STICKY_ERRORS, retain_primary_context, sticky_error
-from wasinn.backends.sandbox import _child_error
+from wasinn.backends.sandbox import load_sandboxed
 
 RECIPE = [b"fake:add=1"]
 
@@ -128,32 +134,56 @@ def test_a_sticky_error_is_found_behind_the_backends_wrapper() -> None:
 
 
 def test_a_sandboxed_graphs_lost_context_retires_its_process_not_the_device() -> None:
-    class Child:  # stands for the SandboxProcess that ran the model
-        closed = False
+    # The fake library on gpu:0 fails a run of 710 with torch's exception for a
+    # device-side assert, and every later run in its process too: the process says so
+    # (from the library's exception, not its words), the host retires it and counts a
+    # crash of those inputs.
+    from tests.crashing_backend import CrashingBackend
 
-        def close(self) -> None:
-            self.closed = True
+    graph = load_sandboxed(CrashingBackend(), RECIPE, wasinn.GraphEncoding.GGML,
+                           wasinn.backends.Device.parse("gpu:0"))
+    try:
+        first = graph.pid
+        with pytest.raises(BackendRuntimeError) as caught:
+            graph.run({"x": Tensor.from_numpy(x(DEVICE_ASSERT))})
+        error = caught.value
+        assert not isinstance(error, DeviceLostError)
+        assert "device-side assert triggered" in error.message
+        assert error.message.endswith(
+            "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
+            "was retired; the next run starts a new process)")
+        assert graph.pid is None and graph.backoff.crashes == 1
+        assert sticky_error(error) is None  # the host's own CUDA context is fine
+        assert sticky_error(error.prefixed("gpu:0")) is None
+        context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
 
-    child = Child()
-    error = _child_error(child, {"error": [  # type: ignore[arg-type]
-        "BackendRuntimeError", f"RuntimeError: {CUDA_ASSERT_MESSAGE}"]})
-    assert child.closed  # its every later run would fail the same way
-    assert isinstance(error, BackendRuntimeError) and not isinstance(error, DeviceLostError)
-    assert "device-side assert triggered" in error.message and "retired" in error.message
-    assert sticky_error(error) is None  # the host's own CUDA context is fine
-    assert sticky_error(error.prefixed("gpu:0")) is None
-    context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
+        def fails() -> None:
+            raise error
 
-    def fails() -> None:
-        raise error
+        with pytest.raises(BackendRuntimeError, match="retired"):
+            context.wrap(fails)()
+        assert context.lost is None
 
-    with pytest.raises(BackendRuntimeError, match="retired"):
-        context.wrap(fails)()
-    assert context.lost is None
-
-    other = Child()
-    plain = _child_error(other, {"error": ["BackendRuntimeError", "fake: exploded"]})
-    assert not other.closed and plain.message == "fake: exploded"
+        # counted as a crash of those inputs: the second retires the process too, and
+        # says they are refused, the third is refused without a process
+        with pytest.raises(BackendRuntimeError, match=r"these inputs, which crashed it 2 "
+                                                      r"times, are refused for 600 s\)$"):
+            graph.run({"x": Tensor.from_numpy(x(DEVICE_ASSERT))})
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: these inputs crashed the model's process 2 times \(the last "
+                r"[0-9.]+ s ago: it lost its CUDA context\)")):
+            graph.run({"x": Tensor.from_numpy(x(DEVICE_ASSERT))})
+        assert graph.pid is None
+        out = graph.run({"x": Tensor.from_numpy(x(1))})
+        assert out["y"].numpy().tolist() == [[2.0] * 4]
+        second = graph.pid
+        assert second not in (None, first)
+        with pytest.raises(BackendRuntimeError, match=r"^RuntimeError: fake library exploded "
+                                                      r"on a negative input$") as plain:
+            graph.run({"x": Tensor.from_numpy(x(-1))})
+        assert "retired" not in plain.value.message and graph.pid == second  # kept
+    finally:
+        graph.close()
 
 
 @pytest.mark.parametrize("message", [

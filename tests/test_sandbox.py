@@ -690,9 +690,29 @@ def test_the_child_cannot_shrink_the_arena_under_the_host() -> None:
         child.close()
 
 
-def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
-    from wasinn.backends._sandbox_wire import read_reply, read_request, reply, request
+def _expect(*names: str, most: int = 1 << 20) -> Any:
+    """What a reply to a run of a graph declaring outputs ``names`` (f32 of any shape)
+    that asked for every one may hold, of ``most`` bytes."""
+    from wasinn.backends._sandbox_wire import DeclaredOutputs
+    from wasinn.backends.base import TensorSpec
 
+    specs = [TensorSpec(name, wasinn.TensorType.F32, (), rank_known=False) for name in names]
+    return DeclaredOutputs("b", specs, {}, typed=True).expect(None, most)
+
+
+def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
+    from wasinn.backends._sandbox_wire import (
+        DeclaredOutputs,
+        read_reply,
+        read_request,
+        reply,
+        request,
+    )
+    from wasinn.backends.base import TensorSpec
+
+    specs = [TensorSpec(name, wasinn.TensorType.F32, (), rank_known=False)
+             for name in ("s", "m", "e", "big")]
+    expected = DeclaredOutputs("b", specs, {}, typed=False).expect(None, 1 << 20)
     host, child = _arena_pair()
     try:
         scalar = Tensor.from_numpy(np.float64(2.5))
@@ -705,12 +725,12 @@ def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
         big = Tensor.from_numpy(np.arange(2000, dtype=np.float32))
         header, fits = reply(child, {"ok": True}, {**tensors, "big": big}, at=at)
         assert not fits
-        asked, none = read_reply(host, header)
+        asked, none = read_reply(host, header, expected)
         assert none == {} and asked["grow"] > host.size
         host.grow(asked["grow"])
         read_request(child, request(host, ("again", 1, None)))
         header, fits = reply(child, {"ok": True}, {**tensors, "big": big}, at=at)
-        payload, back = read_reply(host, header)
+        payload, back = read_reply(host, header, expected)
         assert fits and payload == {"ok": True}
         assert back["s"].dims == () and back["s"].numpy() == 2.5
         np.testing.assert_array_equal(back["m"].numpy(), matrix.numpy())
@@ -736,8 +756,10 @@ def test_a_reply_round_trips_its_tensors_through_the_arena() -> None:
     (b'{"ok": true, "tensors": [["y", "f32", [-1], 0]]}', r"^tensor 'y': "),
     (b'{"ok": true, "tensors": [["y", "f32", [1]]]}', r"^a tensor described as "),
     (b'{"ok": true, "tensors": [["y", "f32", [1], true]]}', r"^a tensor described as "),
+    # (at most the arena's bytes, and those of the outputs a process may hold, each aligned)
     (b'{"grow": 4096}', r"^a reply asking for an arena of 4096 bytes: expected more than "
-     r"its 4096 and at most 1099511627776$"),
+     r"its 4096 and at most 1052736$"),
+    (b'{"grow": 1052737}', r"^a reply asking for an arena of 1052737 bytes: "),
     (b'{"grow": 1099511627777}', r"^a reply asking for an arena of "),
     (b'{"grow": "more"}', r"^a reply asking for an arena of 'more' bytes"),
     # Before: these escaped as a TypeError, a ValueError and a RecursionError, the
@@ -755,7 +777,7 @@ def test_a_reply_that_is_not_one_is_refused(header: bytes, said: str) -> None:
     host, child = _arena_pair()
     try:
         with pytest.raises(ValueError, match=said):
-            read_reply(host, header)
+            read_reply(host, header, _expect("y"))
     finally:
         host.close()
         child.close()
