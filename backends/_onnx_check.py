@@ -21,18 +21,27 @@ against onnx 1.23's descriptors): ModelProto.graph (7), .training_info (20) and
 NodeProto.attribute (5); AttributeProto.t (5), .g (6), .tensors (10), .graphs (11),
 .sparse_tensor (22), .sparse_tensors (23); SparseTensorProto.values (1), .indices (2);
 FunctionProto.node (7), .attribute_proto (11); TrainingInfoProto.initialization (1),
-.algorithm (2). The walk uses an explicit stack (no recursion limit to hit on deeply
-nested subgraphs) and views into the bytes: weights (``raw_data``) are skipped, never
-copied. Bytes that do not parse as protobuf are refused as InvalidEncodingError (what
-cannot be walked cannot be vouched for), except ORT-format flatbuffers, which carry no
-file references.
+.algorithm (2). The walk keeps one field iterator per open message on an explicit
+stack (no recursion limit to hit, memory bounded by the nesting depth, never by the
+number of nodes) and reads positions in the bytes: weights (``raw_data``) are skipped,
+never copied. A node or attribute whose bytes hold no first byte of a tag of the fields
+that can hold tensors (the attributes; an attribute's tensors and graphs) cannot hold
+one and is skipped unread: a model of millions of empty nodes is searched at C speed.
+Bytes that do not parse as protobuf are refused as InvalidEncodingError (what cannot be
+walked cannot be vouched for), and so are two things the libraries' parsers read but
+the walk would skip: a field number above protobuf's last (a tag of more than 32 bits,
+which protobuf's C++ parser truncates to another field) and messages nested deeper than
+protobuf's limit of 100. ORT-format flatbuffers carry no file references: they are
+skipped where ONNX Runtime reads the bytes as one (:func:`reads_as_ort_format`), never
+for OpenVINO, which reads any bytes as ONNX.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Collection, Iterable, Mapping
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from wasinn.errors import (
@@ -44,7 +53,7 @@ from wasinn.errors import (
 from wasinn.files import OutsideError, read_regular
 
 from .base import in_sandbox
-from .formats import protobuf_records, protobuf_values
+from .formats import protobuf_values
 
 
 class _Kind(enum.Enum):
@@ -75,11 +84,61 @@ _NAME, _EXTERNAL_DATA, _DATA_LOCATION = 8, 13, 14
 _KEY, _VALUE = 1, 2
 #: ORT-format models are flatbuffers with this file identifier (bytes 4 to 8).
 ORT_FORMAT = b"ORTM"
+#: The session config entry that tells ONNX Runtime which format the bytes are in.
+LOAD_FORMAT_KEY = "session.load_model_format"
+#: Protobuf's last field number. A larger one comes from a tag of more than 32 bits,
+#: which protobuf's C++ parser (ONNX Runtime's, OpenVINO's) truncates to its low 32 bits
+#: (another field, which it reads) and onnx's refuses.
+LAST_FIELD = 2**29 - 1
+#: Protobuf's parsers refuse messages nested deeper than this (a model as well).
+_DEPTH = 100
+#: Messages larger than this are walked without the search (they hold children anyway).
+_SEARCHED = 4096
+
+
+def _first_bytes(numbers: Iterable[int]) -> re.Pattern[bytes]:
+    """Any first byte of a tag of the length-delimited fields ``numbers``, however long
+    its encoding: a tag's first byte holds its low 7 bits, with or without the
+    continuation bit."""
+    low = {(number << 3 | 2) & 0x7F for number in numbers}
+    return re.compile(b"[" + b"".join(re.escape(bytes([b, b | 0x80])) for b in low) + b"]")
+
+
+#: The messages whose children are sought by their tags' first bytes before a walk.
+_SOUGHT = {kind: _first_bytes(_CHILDREN[kind]) for kind in (_Kind.NODE, _Kind.ATTRIBUTE)}
+
+
+def reads_as_ort_format(data: bytes | bytearray | memoryview, load_format: str = "") -> bool:
+    """Whether ONNX Runtime reads ``data`` as an ORT-format model (a flatbuffer), as it
+    decides: by ``load_format``, the session config entry :data:`LOAD_FORMAT_KEY` it is
+    given ("ORT": yes; any other text: no, the bytes are read as ONNX), else (empty) by
+    the identifier at bytes 4 to 8 of more than 8 bytes."""
+    if load_format:
+        return load_format == "ORT"
+    return len(data) > 8 and bytes(memoryview(data).cast("B")[4:8]) == ORT_FORMAT
+
+
+def onnx_values(data: bytes | bytearray | memoryview
+                ) -> Iterator[tuple[int, int, memoryview | int | None]]:
+    """:func:`~.formats.protobuf_values`, also raising ValueError for a field number
+    above :data:`LAST_FIELD` (where the libraries' parser reads another field)."""
+    for number, wire, value in protobuf_values(data):
+        if number > LAST_FIELD:
+            raise ValueError(f"field number {number} is above protobuf's {LAST_FIELD}")
+        yield number, wire, value
+
+
+def onnx_records(data: bytes | bytearray | memoryview
+                 ) -> Iterator[tuple[int, int, memoryview | None]]:
+    """:func:`~.formats.protobuf_records`, checked as :func:`onnx_values` checks."""
+    for number, wire, value in onnx_values(data):
+        yield number, wire, value if isinstance(value, memoryview) else None
 
 
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,
                         folder: Path | None = None, *,
-                        given: Collection[str] | None = None) -> frozenset[str]:
+                        given: Collection[str] | None = None,
+                        ort_format: bool | None = None) -> frozenset[str]:
     """The external data files the ONNX model ``data`` names (their locations, as the
     model writes them; empty for a model that embeds its weights), where it may: with no
     ``folder``, SecurityError (naming the tensor) if any tensor refers to external data;
@@ -87,46 +146,121 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
     NotFoundError for one that names no file there; with ``given`` (the locations of the
     files the host read and checked for a sandbox process, see
     :func:`given_external_data`), SecurityError for a location not among them.
-    InvalidEncodingError if ``data`` is no protobuf message.
+    InvalidEncodingError if ``data`` is no protobuf message the libraries read alike
+    (see the module docstring). ``ort_format``: whether the library reads ``data`` as
+    an ORT-format model, which holds no file references (None: as ONNX Runtime decides
+    with no load format set, :func:`reads_as_ort_format`; False for OpenVINO).
 
     The files are checked by their paths here; read them with :func:`read_external_data`,
     which checks the files it opened, and hand the library their bytes: a library that
     opens them itself later would open whatever the paths name by then."""
     view = memoryview(data).cast("B")
-    if bytes(view[4:8]) == ORT_FORMAT:
+    if reads_as_ort_format(view) if ort_format is None else ort_format:
         return frozenset()
     inside = None if folder is None else os.path.realpath(folder)
-    found: set[str] = set()
-    stack: list[tuple[_Kind, memoryview]] = [(_Kind.MODEL, view)]
     try:
-        while stack:
-            kind, message = stack.pop()
-            if kind is _Kind.TENSOR:
-                location = _check_tensor(backend, message, inside, given)
-                if location is not None:
-                    found.add(location)
-                continue
-            children = _CHILDREN[kind]
-            for number, _, value in protobuf_records(message):
-                child = children.get(number)
-                if child is not None and value is not None:
-                    stack.append((child, value))
+        return frozenset(_tensor_locations(backend, view, inside, given))
     except ValueError as exc:
         raise InvalidEncodingError(
             f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
         ) from exc
-    return frozenset(found)
+
+
+def _tensor_locations(backend: str, view: memoryview, inside: str | None,
+                      given: Collection[str] | None) -> Iterator[str]:
+    """The external data location of each tensor of the model ``view`` that has one
+    (a location once per tensor), each checked by :func:`_check_tensor`. ValueError
+    (as it gets there) for bytes the walk cannot read (see the module docstring)."""
+    stack = [(_Kind.MODEL, _fields(view, 0, len(view)))]
+    while stack:
+        kind, fields = stack[-1]
+        children = _CHILDREN[kind]
+        for number, start, end in fields:
+            child = children.get(number)
+            if child is None or start == end:  # an empty message holds nothing
+                continue
+            if child is _Kind.TENSOR:
+                location = _check_tensor(backend, view[start:end], inside, given)
+                if location is not None:
+                    yield location
+                continue
+            sought = _SOUGHT.get(child)
+            if sought is not None and end - start <= _SEARCHED and not sought.search(
+                    view, start, end):
+                continue  # no tag of a field that holds tensors: nothing to walk
+            if len(stack) >= _DEPTH:
+                raise ValueError(f"messages nested deeper than protobuf's {_DEPTH}")
+            stack.append((child, _fields(view, start, end)))
+            break
+        else:
+            stack.pop()
+
+
+def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """The length-delimited fields of the message at ``view[start:end]``, in order:
+    (field number, start, end) of each one's bytes in ``view``; the other fields are
+    skipped. ValueError (as it gets there) for bytes that are no protobuf message, or a
+    field number above :data:`LAST_FIELD`. (:func:`~.formats.protobuf_values` reads the
+    same, slower: this walk visits every node of a model.)"""
+    pos = start
+    while pos < end:
+        key = view[pos]
+        pos += 1
+        if key >= 0x80:
+            key, pos = _varint(view, pos - 1, end)
+            if key >> 3 > LAST_FIELD:
+                raise ValueError(f"field number {key >> 3} is above protobuf's {LAST_FIELD}")
+        wire = key & 7
+        if key < 8:
+            raise ValueError("field number 0")
+        if wire == 2:
+            length = view[pos] if pos < end else 0x80
+            if length < 0x80:
+                pos += 1
+            else:
+                length, pos = _varint(view, pos, end)
+            first = pos
+            pos += length
+            if pos > end:
+                raise ValueError("field runs past the end")
+            yield key >> 3, first, pos
+            continue
+        if wire == 0:
+            _, pos = _varint(view, pos, end)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > end:
+            raise ValueError("field runs past the end")
+
+
+def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``pos`` (before ``end``) and the position after it."""
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("truncated varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
 
 
 def given_external_data(backend: str, data: bytes | bytearray | memoryview,
-                        given: Mapping[str, bytes]) -> dict[str, bytes]:
+                        given: Mapping[str, bytes], *,
+                        ort_format: bool | None = None) -> dict[str, bytes]:
     """The bytes of each external data file the ONNX model ``data`` names, from ``given``
     (location -> bytes): in a sandboxed graph's process, which may not read the model's
     folder, the files the host read there and checked (``LoadOptions.external_data``).
     SecurityError for a location the host did not read, InvalidEncodingError as
-    :func:`check_external_data` raises it."""
-    return {location: given[location]
-            for location in check_external_data(backend, data, given=given.keys())}
+    :func:`check_external_data` raises it (``ort_format``: as it takes it)."""
+    return {location: given[location] for location in check_external_data(
+        backend, data, given=given.keys(), ort_format=ort_format)}
 
 
 def read_external_data(backend: str, folder: Path, locations: Iterable[str]
@@ -171,7 +305,7 @@ def _check_tensor(backend: str, tensor: memoryview, inside: str | None,
     name = b""
     location: bytes | None = None
     external = False
-    for number, _, value in protobuf_values(tensor):
+    for number, _, value in onnx_values(tensor):
         if number == _NAME and isinstance(value, memoryview):
             name = bytes(value)
         elif number == _EXTERNAL_DATA:
@@ -241,7 +375,7 @@ def external_data_folder(source: str) -> Path | None:
 def _location(entry: memoryview) -> bytes | None:
     """The value of an external_data entry whose key is ``location``, else None."""
     key = value = None
-    for number, _, field in protobuf_records(entry):
+    for number, _, field in onnx_records(entry):
         if number == _KEY and field is not None:
             key = bytes(field)
         elif number == _VALUE and field is not None:

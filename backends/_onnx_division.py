@@ -37,11 +37,20 @@ attribute) and the nodes of model-local functions. New nodes and values are name
 (the scalar constants, shared by a node list's guards, at its head), so the nodes stay in
 topological order. Opset imports, IR version, metadata and external data references are
 kept; external data is never read. A model with no Div or Mod node (most models; told
-from the bytes of its nodes, its weights skipped, without parsing it) is returned as it
-came, and so is one whose divisions all have safe types.
+from the bytes of its nodes, its weights skipped, without parsing it: bytes that hold
+the letters Div or Mod, however the op_type field around them is encoded, are parsed)
+is returned as it came, and so is one whose divisions all have safe types. The bytes
+are read as ONNX Runtime will read them: as an ORT-format model where it will (its
+identifier, or a load format in the session's options, decides), and a tag that
+protobuf's C++ parser would truncate to another field makes them searched whole (onnx
+refuses them: InvalidEncodingError).
 
 Declared types are trusted as ONNX Runtime checks them: a value_info, subgraph input or
-initializer whose type differs from the one ONNX Runtime infers fails the session.
+initializer whose type differs from the one ONNX Runtime infers fails the session. It
+does not check all of them (a value_info naming a graph input is ignored), so every type
+a value is declared or inferred with counts: operands declared with more than one are of
+unknown type. A model-local function's nodes run inlined, at the model's opset, whatever
+the function imports: its divisions are guarded (or refused) whatever that opset.
 
 What cannot be guarded: an ORT-format model's Div and Mod nodes (flatbuffers are not
 rewritten here), and a node of unknown type before opset 15. The caller decides
@@ -59,20 +68,20 @@ from __future__ import annotations
 import itertools
 import math
 from collections import ChainMap
-from collections.abc import Iterable, Iterator, Mapping, MutableSequence
+from collections.abc import Iterable, Iterator, MutableSequence
 from typing import TYPE_CHECKING, Any
 
 from wasinn.errors import InvalidEncodingError, UnsupportedOperationError, WasiNNError
 
-from ._onnx_check import ORT_FORMAT
+from ._onnx_check import onnx_records, reads_as_ort_format
 from .base import RUN_IT_SANDBOXED, log
-from .formats import protobuf_records
 
 if TYPE_CHECKING:
     import onnx
 
-#: A NodeProto's op_type is field 4, length-delimited: tag byte 0x22 ('"'), length 3.
-_PROTO_OPS = (b'"\x03Div', b'"\x03Mod')
+#: The operator types' bytes, sought in a node's bytes as they are: a protobuf string
+#: is always stored whole, however its tag and length are encoded.
+_PROTO_OPS = (b"Div", b"Mod")
 #: ONNX field numbers: ModelProto.graph, .training_info, .functions; GraphProto.node.
 _GRAPH, _TRAINING_INFO, _FUNCTIONS, _NODE = 7, 20, 25, 1
 #: ORT-format models' strings are a little-endian uint32 length, the bytes and a NUL.
@@ -91,7 +100,8 @@ _FIRST_DIV_KERNEL, _WHERE, _CASTLIKE = 7, 9, 15
 _CLEARED_ABOVE = 256
 
 
-def guard_integer_division(backend: str, data: bytes, *, refuse_unguardable: bool) -> bytes:
+def guard_integer_division(backend: str, data: bytes, *, refuse_unguardable: bool,
+                           ort_format: bool | None = None) -> bytes:
     """``data`` with every default-domain Div and Mod node guarded against the minimum
     of int32 or int64 divided by -1 (see the module docstring); ``data`` itself (the
     same object) when no node needs a guard.
@@ -99,11 +109,14 @@ def guard_integer_division(backend: str, data: bytes, *, refuse_unguardable: boo
     ``refuse_unguardable``: whether a division that cannot be guarded (an ORT-format
     model's, or one of unknown type before opset 15) refuses the model, as it must in
     the host's process; else it is left unguarded and logged at debug level.
+    ``ort_format``: whether ONNX Runtime reads ``data`` as an ORT-format model (None:
+    as it decides with no load format in its options, by the bytes' identifier; see
+    :func:`~._onnx_check.reads_as_ort_format`).
 
     Raises UnsupportedOperationError for such a division where ``refuse_unguardable``;
     InvalidEncodingError for bytes ``onnx`` cannot read although they name a Div or Mod.
     """
-    if data[4:8] == ORT_FORMAT:
+    if reads_as_ort_format(data) if ort_format is None else ort_format:
         if any(op in data for op in _ORT_OPS):
             _unguardable(backend, refuse_unguardable,
                          "an ORT-format model's Div and Mod nodes cannot be guarded (this "
@@ -173,19 +186,24 @@ class _Constants:
 
 def _may_divide(data: bytes) -> bool:
     """Whether the ONNX model ``data`` may have a Div or Mod node: whether the bytes of
-    a node of its graph (subgraphs are inside their nodes), of a function or of a
-    training graph hold a Div or Mod operator type. Only those are searched, the graph's
-    initializers skipped: searching all of a 10 MB model's bytes took 10 ms, this
-    walk 0.03 ms. Bytes that do not walk as protobuf are searched whole."""
+    a node of its graph (subgraphs are inside their nodes' attributes), of a function or
+    of a training graph hold the letters "Div" or "Mod". Only those are searched, the
+    graph's initializers skipped: searching all of a 10 MB model's bytes took 10 ms,
+    this walk 0.03 ms. The letters are sought, not the op_type field's encoding: a
+    string's bytes are stored whole whatever encodes its tag and length (a non-minimal
+    varint such as ``"\\x83\\x00Div`` reads as Div for onnx and ONNX Runtime alike), and a
+    node that only names them elsewhere costs a parse. Bytes that do not walk as
+    protobuf, or whose tags protobuf's C++ parser would read as other fields
+    (:func:`~._onnx_check.onnx_records`), are searched whole."""
     try:
-        for number, _, value in protobuf_records(data):
+        for number, _, value in onnx_records(data):
             if value is None:
                 continue
             if number in (_FUNCTIONS, _TRAINING_INFO) and _names_division(value):
                 return True
             if number == _GRAPH and any(
                     n == _NODE and node is not None and _names_division(node)
-                    for n, _, node in protobuf_records(value)):
+                    for n, _, node in onnx_records(value)):
                 return True
     except ValueError:
         return _names_division(data)
@@ -193,7 +211,7 @@ def _may_divide(data: bytes) -> bool:
 
 
 def _names_division(data: bytes | memoryview) -> bool:
-    """Whether ``data`` holds the op_type field of a Div or Mod NodeProto."""
+    """Whether ``data`` holds the letters of a Div or Mod operator type."""
     chunk = bytes(data)  # a copy of a node, a function: small (unless a Constant's)
     return any(op in chunk for op in _PROTO_OPS)
 
@@ -212,6 +230,7 @@ class _Guard:
         self._names = _all_names(model)
         self._counter = itertools.count()
         self._changed = False
+        self._in_function = False
 
     def run(self) -> bool:
         """Guard every division that needs it; whether the model changed."""
@@ -220,6 +239,9 @@ class _Guard:
         if any(_divides(n) for g in _graphs([model.graph]) for n in g.node):
             typed = _inferred(self._data, model)
             self._graph(model.graph, typed.graph, ChainMap(), opset, "the main graph")
+        # A function's nodes run where ONNX Runtime inlines them, at the model's opset
+        # whatever the function imports (an opset 6 function's Div ran at 17).
+        self._in_function = True
         for function in model.functions:
             where = f"function {function.domain}:{function.name}"
             self._nodes(function.node, function.node, ChainMap(),
@@ -227,17 +249,21 @@ class _Guard:
         return self._changed
 
     def _graph(self, graph: onnx.GraphProto, typed: onnx.GraphProto,
-               outer: ChainMap[str, int], opset: int, where: str) -> None:
+               outer: ChainMap[str, set[int]], opset: int, where: str) -> None:
         """Guard ``graph``'s nodes and its subgraphs', with the element types ``typed``
-        (the same graph after shape inference) gives its values; ``outer``: those of the
-        enclosing graphs, whose values a subgraph may use."""
+        (the same graph after shape inference) gives its values, and those ``graph``
+        declares; ``outer``: those of the enclosing graphs, whose values a subgraph may
+        use."""
         if typed is not graph and _outline(typed) != _outline(graph):
             typed = graph  # not the same graph after all: its declared types only
-        types = outer.new_child(_declared(typed))
-        self._nodes(graph.node, typed.node, types, opset, where)
+        types = _declared(graph)
+        if typed is not graph:
+            for name, elements in _declared(typed).items():
+                types.setdefault(name, set()).update(elements)
+        self._nodes(graph.node, typed.node, outer.new_child(types), opset, where)
 
     def _nodes(self, nodes: MutableSequence[onnx.NodeProto], typed: Iterable[onnx.NodeProto],
-               types: ChainMap[str, int], opset: int, where: str) -> None:
+               types: ChainMap[str, set[int]], opset: int, where: str) -> None:
         found = []
         for index, (node, twin) in enumerate(zip(nodes, typed, strict=True)):
             for attr, tattr in zip(node.attribute, twin.attribute, strict=True):
@@ -255,25 +281,31 @@ class _Guard:
             nodes.insert(offset, new)
 
     def _guard(self, nodes: MutableSequence[onnx.NodeProto], index: int,
-               types: Mapping[str, int], constants: _Constants, where: str) -> None:
+               types: ChainMap[str, set[int]], constants: _Constants, where: str) -> None:
         node, opset = nodes[index], constants.opset
         if len(node.input) != 2 or not all(node.input) or len(node.output) != 1:
             return  # malformed: ONNX Runtime refuses it
-        if opset < _FIRST_DIV_KERNEL:
+        if opset < _FIRST_DIV_KERNEL and not self._in_function:
             return  # ONNX Runtime has no kernel to run it
-        element = types.get(node.input[0]) or types.get(node.input[1])
+        # Every type either operand is declared (or inferred) with, in this graph and
+        # the enclosing ones: ONNX Runtime ignores some declarations (a value_info of a
+        # graph input), so one that disagrees with another decides nothing.
+        elements = {e for name in node.input for m in types.maps for e in m.get(name, ())}
         after: list[onnx.NodeProto] = []
-        if element in _MINIMUM:
-            before = self._known(node, element, constants)
-        elif element:
+        if len(elements) == 1 and elements <= _MINIMUM.keys():
+            before = self._known(node, elements.pop(), constants)
+        elif len(elements) == 1:
             return  # a type whose division cannot trap
         elif opset >= _CASTLIKE:
             before, after = self._any_type(node, constants)
         else:
+            unknown = (f"its operands are declared with different element types "
+                       f"({', '.join(sorted(map(_type_name, elements)))})" if elements else
+                       "its operands' element type is unknown")
             _unguardable(self._backend, self._refuse_unguardable,
                          f"the {node.op_type} node {_describe(node)} in {where} cannot be "
-                         "guarded: its operands' element type is unknown and the model's "
-                         f"opset {opset} predates CastLike ({_CASTLIKE})",
+                         f"guarded: {unknown} and the model's opset {opset} predates "
+                         f"CastLike ({_CASTLIKE})",
                          "declare the operands' types or use opset 15 or later")
             return
         for offset, new in enumerate(before):
@@ -367,18 +399,27 @@ def _outline(graph: onnx.GraphProto) -> list[tuple[str, list[str], int]]:
              sum(a.HasField("g") + len(a.graphs) for a in n.attribute)) for n in graph.node]
 
 
-def _declared(graph: onnx.GraphProto) -> dict[str, int]:
-    """The element type of each tensor value ``graph`` declares (or inference gave it)."""
-    types = {}
+def _declared(graph: onnx.GraphProto) -> dict[str, set[int]]:
+    """The element types each tensor value ``graph`` declares (or inference gave it):
+    more than one where its declarations disagree."""
+    types: dict[str, set[int]] = {}
     for info in (*graph.input, *graph.output, *graph.value_info):
         element = info.type.tensor_type.elem_type
         if info.type.HasField("tensor_type") and element:
-            types[info.name] = element
-    for tensor in graph.initializer:
-        types[tensor.name] = tensor.data_type
-    for sparse in graph.sparse_initializer:
-        types[sparse.values.name] = sparse.values.data_type
+            types.setdefault(info.name, set()).add(element)
+    for tensor in (*graph.initializer, *(s.values for s in graph.sparse_initializer)):
+        types.setdefault(tensor.name, set()).add(tensor.data_type)
     return types
+
+
+def _type_name(element: int) -> str:
+    """The name of the TensorProto element type ``element`` (its number if it has none)."""
+    from onnx import TensorProto
+
+    try:
+        return str(TensorProto.DataType.Name(element)).lower()
+    except ValueError:
+        return str(element)
 
 
 def _subgraphs(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.GraphProto]:

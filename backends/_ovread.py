@@ -131,11 +131,13 @@ def read_model(core: Any, builders: Builders, encoding: GraphEncoding,
 
 def _external_data(model: bytes | bytearray | memoryview, source: str,
                    given: Mapping[str, bytes] | None) -> dict[str, bytes]:
-    """The external data files of the ONNX ``model`` (see :func:`read_model`), checked."""
+    """The external data files of the ONNX ``model`` (see :func:`read_model`), checked.
+    OpenVINO reads any bytes as ONNX: bytes that carry ONNX Runtime's ORT-format
+    identifier are walked all the same (they may be ONNX too, with file references)."""
     if given:  # in a sandbox process: read by the host
-        return given_external_data(NAME, model, given)
+        return given_external_data(NAME, model, given, ort_format=False)
     folder = external_data_folder(source)
-    locations = check_external_data(NAME, model, folder)
+    locations = check_external_data(NAME, model, folder, ort_format=False)
     return (read_external_data(NAME, folder, locations)
             if locations and folder is not None else {})
 

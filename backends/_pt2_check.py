@@ -42,7 +42,7 @@ import io
 import json
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -109,6 +109,9 @@ _GUARD_METHODS = frozenset({"size", "stride", "storage_offset", "dim", "numel"})
 _BIG = 2**64
 _MAX_EXPONENT = 64
 _MAX_EXPRESSION = 10_000
+#: How deep an expression's nodes may nest (a sum of N terms nests N deep; torch.export's
+#: are a few levels deep): the checks walk them without recursion, torch would not.
+_MAX_DEPTH = 200
 
 
 def check_pt2_archive(backend: str, data: bytes) -> None:
@@ -312,42 +315,76 @@ def _identifier_keys(context: object) -> bool:
         type(k) is int or (isinstance(k, str) and _IDENT.fullmatch(k)) for k in keys)
 
 
-def _check_expression(backend: str, text: str, check: Callable[[ast.AST], bool],
-                      what: str) -> None:
-    """``text`` parses as one Python expression every node of which ``check`` allows."""
+def _check_expression(backend: str, text: str, rule: _Rule, what: str) -> None:
+    """``text`` parses as one Python expression every node of which ``rule`` allows,
+    nested at most :data:`_MAX_DEPTH` deep (SecurityError otherwise)."""
     try:
         tree = ast.parse(text, mode="eval") if len(text) <= _MAX_EXPRESSION else None
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         tree = None
-    if tree is None or not check(tree.body):
+    verdict = "unreadable" if tree is None else _allowed(tree.body, rule)
+    if verdict == "deep":
+        raise SecurityError(
+            f"{backend}: the .pt2 program has {what} {text[:120]!r} nested more than "
+            f"{_MAX_DEPTH} levels deep, beyond the forms torch.export writes: refused, "
+            "since torch evaluates it as Python code")
+    if verdict is not None:
         raise SecurityError(
             f"{backend}: the .pt2 program has {what} {text[:120]!r} outside the forms "
             "torch.export writes: refused, since torch evaluates it as Python code"
         )
 
 
-def _sympy_node(node: ast.AST) -> bool:
+#: What a rule makes of one node of an expression: None where it is not allowed, else
+#: its children to check, each with the rule for it (the walk goes no deeper by itself).
+_Rule = Callable[[ast.AST], "Iterable[tuple[ast.AST, Any]] | None"]
+
+
+def _allowed(root: ast.AST, rule: _Rule) -> str | None:
+    """None where ``rule`` allows ``root`` and, by the rules it names for them, every
+    node below it; "deep" where they nest deeper than :data:`_MAX_DEPTH`, "form" where
+    a node is not allowed. Walked with an explicit stack: however deep the expression,
+    no recursion."""
+    stack: list[tuple[ast.AST, _Rule, int]] = [(root, rule, 1)]
+    while stack:
+        node, node_rule, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return "deep"
+        children = node_rule(node)
+        if children is None:
+            return "form"
+        stack.extend((child, child_rule, depth + 1) for child, child_rule in children)
+    return None
+
+
+_NONE: tuple[tuple[ast.AST, _Rule], ...] = ()
+
+
+def _sympy_node(node: ast.AST) -> Iterable[tuple[ast.AST, _Rule]] | None:
     """What ``srepr`` prints: listed calls of numbers, symbols and each other."""
     if isinstance(node, ast.Constant):
-        return _small_number(node.value)
+        return _NONE if _small_number(node.value) else None
     if isinstance(node, ast.Name):
-        return node.id in _SYMPY_NAMES
+        return _NONE if node.id in _SYMPY_NAMES else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return _sympy_node(node.operand)
+        return [(node.operand, _sympy_node)]
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in _SYMPY_CALLS):
-        return False
+        return None
     name, args = node.func.id, node.args
     if not all(k.arg in _ASSUMPTIONS and isinstance(k.value, ast.Constant)
                and isinstance(k.value.value, (bool, int)) for k in node.keywords):
-        return False
+        return None
     if name in ("Symbol", "Float") and args and isinstance(args[0], ast.Constant) \
             and isinstance(args[0].value, str):
         pattern = _IDENT if name == "Symbol" else _NUMBER
-        return len(args) == 1 and bool(pattern.fullmatch(args[0].value))
-    if name in _POWERS and (len(args) != 2 or not _small_exponent(args[1])):
-        return False  # 10 ** 10 ** 9 would hang the host
-    return all(_sympy_node(a) for a in args)
+        return _NONE if len(args) == 1 and pattern.fullmatch(args[0].value) else None
+    children: list[tuple[ast.AST, _Rule]] = [(a, _sympy_node) for a in args]
+    if name in _POWERS:  # 10 ** 10 ** 9 would hang the host
+        if len(args) != 2:
+            return None
+        children.append((args[1], _small_exponent))
+    return children
 
 
 def _small_number(value: object) -> bool:
@@ -358,46 +395,54 @@ def _small_number(value: object) -> bool:
     return False
 
 
-def _small_exponent(node: ast.AST) -> bool:
+def _small_exponent(node: ast.AST) -> Iterable[tuple[ast.AST, _Rule]] | None:
+    """A literal integer of at most :data:`_MAX_EXPONENT`, negated or not, or
+    ``Integer``/``Rational`` of such."""
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         node = node.operand
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
             and node.func.id in ("Integer", "Rational") and not node.keywords:
-        return all(_small_exponent(a) for a in node.args)
-    return (isinstance(node, ast.Constant) and isinstance(node.value, int)
-            and abs(node.value) <= _MAX_EXPONENT)
+        return [(a, _small_exponent) for a in node.args]
+    if (isinstance(node, ast.Constant) and isinstance(node.value, int)
+            and abs(node.value) <= _MAX_EXPONENT):
+        return _NONE
+    return None
 
 
-def _guard_node(node: ast.AST) -> bool:
+def _guard_node(node: ast.AST) -> Iterable[tuple[ast.AST, _Rule]] | None:
     """Comparisons and arithmetic of numbers and input sizes (``L['x'].size()[0]``)."""
     if isinstance(node, ast.Constant):
-        return not isinstance(node.value, str) and _small_number(node.value)
+        return _NONE if not isinstance(node.value, str) and _small_number(node.value) else None
     if isinstance(node, ast.BoolOp):
-        return all(_guard_node(v) for v in node.values)
+        return [(v, _guard_node) for v in node.values]
     if isinstance(node, ast.UnaryOp):
-        return isinstance(node.op, (ast.Not, ast.USub, ast.UAdd)) and _guard_node(node.operand)
+        ok = isinstance(node.op, (ast.Not, ast.USub, ast.UAdd))
+        return [(node.operand, _guard_node)] if ok else None
     if isinstance(node, ast.BinOp):
         if isinstance(node.op, ast.Pow):
-            return _guard_node(node.left) and _small_exponent(node.right)
-        return (isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv,
-                                     ast.Mod))
-                and _guard_node(node.left) and _guard_node(node.right))
+            return [(node.left, _guard_node), (node.right, _small_exponent)]
+        if isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)):
+            return [(node.left, _guard_node), (node.right, _guard_node)]
+        return None
     if isinstance(node, ast.Compare):
-        return all(_guard_node(v) for v in (node.left, *node.comparators))
+        return [(v, _guard_node) for v in (node.left, *node.comparators)]
     if isinstance(node, ast.Call):
         if node.keywords:
-            return False
+            return None
         if isinstance(node.func, ast.Name) and node.func.id in _GUARD_CALLS:
-            return all(_guard_node(a) for a in node.args)
-        return (isinstance(node.func, ast.Attribute) and node.func.attr in _GUARD_METHODS
-                and _input_path(node.func.value)
-                and all(isinstance(a, ast.Constant) and type(a.value) is int
-                        for a in node.args))
+            return [(a, _guard_node) for a in node.args]
+        ok = (isinstance(node.func, ast.Attribute) and node.func.attr in _GUARD_METHODS
+              and _input_path(node.func.value)
+              and all(isinstance(a, ast.Constant) and type(a.value) is int
+                      for a in node.args))
+        return _NONE if ok else None
     if isinstance(node, ast.Subscript):
-        return _input_path(node) or (
-            isinstance(node.value, ast.Call) and _guard_node(node.value)
-            and isinstance(node.slice, ast.Constant) and type(node.slice.value) is int)
-    return False
+        if _input_path(node):
+            return _NONE
+        if (isinstance(node.value, ast.Call) and isinstance(node.slice, ast.Constant)
+                and type(node.slice.value) is int):
+            return [(node.value, _guard_node)]
+    return None
 
 
 def _input_path(node: ast.AST) -> bool:

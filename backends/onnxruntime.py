@@ -76,10 +76,12 @@ from . import cuda
 from ._dlpack import KDL_CPU, KDL_CUDA, shareable
 from ._graphio import CheckedGraph, expect_builders, expect_encoding, no_device, uncarried_type
 from ._onnx_check import (
+    LOAD_FORMAT_KEY,
     check_external_data,
     external_data_folder,
     given_external_data,
     read_external_data,
+    reads_as_ort_format,
 )
 from ._onnx_division import guard_integer_division
 from ._ort_config_keys import is_config_key
@@ -439,14 +441,20 @@ class OnnxRuntimeBackend(Backend):
         options = options or LoadOptions()
         warn_precision_not_applied(NAME, options, "ONNX Runtime")
         data = bytes(builders[0])
+        # As ONNX Runtime decides (a load format in the options wins over the bytes'
+        # identifier): the checks must read the bytes as it will.
+        ort_format = reads_as_ort_format(
+            data, _entry_text(options.extra.get(LOAD_FORMAT_KEY, "")))
         if options.external_data:  # in a sandbox process: read by the host
-            external = given_external_data(NAME, data, options.external_data)
+            external = given_external_data(NAME, data, options.external_data,
+                                           ort_format=ort_format)
         else:
             folder = external_data_folder(options.source)
-            locations = check_external_data(NAME, data, folder)
+            locations = check_external_data(NAME, data, folder, ort_format=ort_format)
             external = (read_external_data(NAME, folder, locations)
                         if locations and folder is not None else {})
-        data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox())
+        data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox(),
+                                      ort_format=ort_format)
         session = _session(data, device, options, external)
         del external  # (ONNX Runtime has copied what it needs)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
@@ -554,11 +562,16 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
         else:
             entries[_EXTERNAL_DATA_FOLDER] = str(external_data_folder(options.source))
     for key, value in entries.items():
-        if is_config_key(key):  # ONNX Runtime reads "1" and "0" for flags
-            text = ("1" if value else "0") if isinstance(value, bool) else str(value)
-            so.add_session_config_entry(key, text)
+        if is_config_key(key):
+            so.add_session_config_entry(key, _entry_text(value))
     _warn_unknown_keys(entries)
     return so
+
+
+def _entry_text(value: object) -> str:
+    """A session config entry's value as ONNX Runtime is given it ("1" and "0" for
+    flags)."""
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
 
 
 #: The unknown session config keys already warned about (once each in a process).

@@ -5,6 +5,12 @@ known without importing anything); third-party backends plug in through the entr
 group ``wasinn.backends`` (an entry point names a :class:`~wasinn.backends.base.Backend`
 subclass). :meth:`BackendRegistry.choose` picks the backend for an (encoding, target) pair
 following a preference order that a config can change, and logs why at debug level.
+
+A backend whose module cannot be imported, or whose class cannot be made (a plugin
+whose package is broken or gone), is unsupported-operation where it is asked for by
+name, the error naming it and what its import raised; where backends are looked through
+(:meth:`~BackendRegistry.candidates`, :meth:`~BackendRegistry.choose_name`), it is
+passed over with a warning (once) naming it and why. Its import is tried once.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from wasinn.enums import ExecutionTarget, GraphEncoding
@@ -75,6 +81,9 @@ class BackendRegistry:
             for spec in _plugin_specs():
                 self._specs.setdefault(spec.name, spec)
         self._instances: dict[str, Backend] = {}
+        #: Why each backend that could not be imported could not, by name.
+        self._unimportable: dict[str, str] = {}
+        self._warned: set[str] = set()
         for backend in extra:
             self._instances[backend.name] = backend
             self._specs[backend.name] = BackendSpec(backend.name, "", None, backend.encodings)
@@ -103,19 +112,36 @@ class BackendRegistry:
         return [n for n in self.names() if self.is_installed(n)]
 
     def get(self, name: str) -> Backend:
-        """The backend instance called ``name``, importing it on first use."""
+        """The backend instance called ``name``, importing it on first use.
+
+        Raises InvalidArgumentError for a name no backend has; UnsupportedOperationError
+        for a backend that is not installed, or whose module cannot be imported or
+        whose class cannot be made (naming it and the error, the same each time)."""
         with self._lock:
             backend = self._instances.get(name)
             if backend is None:
-                spec = self._spec(name)
-                self._check_installed(name)
-                module_name, _, attr = spec.entry.partition(":")
-                cls = getattr(importlib.import_module(module_name), attr)
-                backend = cls()
-                self._instances[name] = backend
+                backend = self._instances[name] = self._import(name)
             return backend
 
+    def _import(self, name: str) -> Backend:
+        spec = self._spec(name)
+        self._check_installed(name)
+        why = self._unimportable.get(name)
+        if why is not None:
+            raise UnsupportedOperationError(why)
+        try:
+            module_name, _, attr = spec.entry.partition(":")
+            backend: Backend = getattr(importlib.import_module(module_name), attr)()
+        except Exception as exc:  # a plugin's import may raise anything
+            why = self._unimportable[name] = (
+                f"backend {name!r} cannot be imported (entry point {spec.entry}): "
+                f"{type(exc).__name__}: {exc}")
+            raise UnsupportedOperationError(why) from exc
+        return backend
+
     def reads(self, name: str, encoding: GraphEncoding) -> bool:
+        """Whether backend ``name`` reads ``encoding`` (a plugin is imported to ask).
+        Raises what :meth:`get` raises."""
         spec = self._spec(name)
         encodings = spec.encodings
         if encodings is None:
@@ -123,8 +149,27 @@ class BackendRegistry:
         return encoding in encodings
 
     def candidates(self, encoding: GraphEncoding) -> list[str]:
-        """Installed backends that read ``encoding``, in preference order."""
-        return [n for n in self.installed() if self.reads(n, encoding)]
+        """Installed backends that read ``encoding``, in preference order; one that
+        cannot be imported is passed over (with a warning)."""
+        return [n for n in self.installed()
+                if self._usable(n, lambda n: self.reads(n, encoding))]
+
+    def _usable(self, name: str, ask: Callable[[str], bool]) -> bool:
+        """``ask(name)``, False where backend ``name`` cannot be imported: passed over,
+        with a warning the first time."""
+        try:
+            return ask(name)
+        except UnsupportedOperationError:
+            why = self._unimportable.get(name)
+            if why is None:
+                raise
+            self._warn_passed_over(name, why)
+            return False
+
+    def _warn_passed_over(self, name: str, why: str) -> None:
+        if name not in self._warned:
+            self._warned.add(name)
+            log.warning("%s: it is passed over", why)
 
     def choose(
         self, encoding: GraphEncoding, target: ExecutionTarget
@@ -147,11 +192,11 @@ class BackendRegistry:
             if not self.is_installed(name):
                 passed.append(f"{name}: not installed")
                 continue
-            if not self.reads(name, encoding):
-                passed.append(f"{name}: does not read {encoding.value}")
+            if not self._usable(name, lambda n: self.reads(n, encoding)):
+                passed.append(self._passed_over(name, f"does not read {encoding.value}"))
                 continue
-            if not self.has_device(name, target):
-                passed.append(f"{name}: no {target.value} device here")
+            if not self._usable(name, lambda n: self.has_device(n, target)):
+                passed.append(self._passed_over(name, f"no {target.value} device here"))
                 continue
             log.debug(
                 "chose backend %s for %s on %s (preference %s; passed over: %s)",
@@ -161,6 +206,11 @@ class BackendRegistry:
         raise UnsupportedOperationError(
             f"no backend runs {encoding.value} on {target.value}: " + "; ".join(passed)
         )
+
+    def _passed_over(self, name: str, otherwise: str) -> str:
+        """Why ``name`` was passed over: it cannot be imported, or ``otherwise``."""
+        why = self._unimportable.get(name)
+        return f"{name}: {otherwise}" if why is None else f"{name}: {why}"
 
     def has_device(self, name: str, target: ExecutionTarget) -> bool:
         """Whether backend ``name`` has a ``target`` device here; imported to ask,

@@ -527,6 +527,38 @@ def test_pt2_expressions_guards_and_names_cannot_run_code(
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("where", ["an input guard", "a symbolic expression",
+                                   "a symbolic call"])
+def test_pt2_expressions_nested_too_deep_are_refused_not_a_recursion_error(
+    backend: Any, where: str
+) -> None:
+    # Before: the checks recursed once per level: RecursionError (not a WasiNNError) past
+    # Python's recursion limit; below it, any depth went on to torch's own recursion.
+    symbol = "Symbol('s77', positive=True, integer=True)"
+    edit = {
+        "an input guard": lambda s: s.replace('"guards_code": []',
+                                              '"guards_code": ["' + "+".join("1" * 1000) + '"]'),
+        "a symbolic expression": lambda s: s.replace(symbol, "-" * 1000 + symbol, 1),
+        # (Python's parser allows 200 nested parentheses: 120 calls, 240 levels)
+        "a symbolic call": lambda s: s.replace(symbol, "Abs(-" * 120 + symbol + ")" * 120, 1),
+    }[where]
+    data = _rewritten(_weighted_pt2(), _edit_program(edit))
+    with pytest.raises(wasinn.SecurityError, match=(
+            rf"^pytorch: the \.pt2 program has {where.replace('call', 'expression')} .* nested "
+            r"more than 200 levels deep, beyond the forms torch\.export writes: refused, "
+            r"since torch evaluates it as Python code$")):
+        backend.load([data], PT, CPU)
+
+
+def test_pt2_a_long_sum_within_the_depth_bound_is_checked_as_before() -> None:
+    from wasinn.backends._pt2_check import _check_expression, _guard_node
+
+    term = "L['x'].size()[0]"
+    _check_expression("pytorch", " + ".join([term] * 150) + " <= 4096", _guard_node, "a guard")
+    with pytest.raises(wasinn.SecurityError, match=r"outside the forms torch\.export writes"):
+        _check_expression("pytorch", " + ".join([term] * 150 + ["x"]), _guard_node, "a guard")
+
+
 def test_pt2_treespec_cannot_import_modules(backend: Any) -> None:
     # Before: the input spec's dict keys went through pytree's enum hook, which imports
     # the module the archive names (here one nothing had imported) and indexes it.

@@ -849,8 +849,8 @@ async def test_external_data_swapped_after_its_check_is_refused_not_read(
     external_weights_model(models)
     checked = module.check_external_data
 
-    def checked_then_swapped(*args: Any) -> frozenset[str]:
-        locations = checked(*args)
+    def checked_then_swapped(*args: Any, **kwargs: Any) -> frozenset[str]:
+        locations = checked(*args, **kwargs)
         swap_for_a_link_out(models / "w.data", tmp_path / "secret.data")
         return locations
 

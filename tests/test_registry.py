@@ -201,3 +201,65 @@ def test_a_backend_that_is_not_installed_is_said_so_without_an_import(
         with pytest.raises(UnsupportedOperationError, match=said):
             ask()
     assert registry.ref("pytorch").entry == "wasinn.backends.pytorch:TorchBackend"
+
+
+class BrokenBackend(RoutingBackend):
+    """A plugin whose class cannot be made (its library failed to start)."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("libroute.so: cannot open shared object file")
+
+
+def _with_plugins(monkeypatch: pytest.MonkeyPatch, **entries: str) -> None:
+    """Entry points of the group ``wasinn.backends``: name -> ``module:Class``."""
+    plugins = [importlib.metadata.EntryPoint(name=name, value=value, group="wasinn.backends")
+               for name, value in entries.items()]
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda *, group=None: importlib.metadata.EntryPoints(plugins))
+
+
+BROKEN = {
+    "missing": ("wasinn_missing_plugin:Backend",
+                "ModuleNotFoundError: No module named 'wasinn_missing_plugin'"),
+    "raising": (f"{__name__}:BrokenBackend",
+                "RuntimeError: libroute.so: cannot open shared object file"),
+}
+
+
+@pytest.mark.parametrize("plugin", list(BROKEN))
+def test_a_plugin_that_cannot_be_imported_is_passed_over_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, plugin: str) -> None:
+    # Before: candidates() and choose_name() raised what its import raised, for every
+    # encoding that reached it: ggml (which nothing else reads) too.
+    entry, error = BROKEN[plugin]
+    why = f"backend 'broken' cannot be imported (entry point {entry}): {error}"
+    _with_plugins(monkeypatch, broken=entry, routing=f"{__name__}:RoutingBackend")
+    registry = BackendRegistry()
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        assert "broken" not in registry.candidates(GGML)
+        assert registry.choose_name(GGML, CPU) == "routing"  # "broken" comes first
+        _with_plugins(monkeypatch, broken=entry)
+        with pytest.raises(UnsupportedOperationError, match=(
+                r"^no backend runs ggml on cpu: onnxruntime: does not read ggml; .*; "
+                r"broken: backend 'broken' cannot be imported")) as info:
+            BackendRegistry().choose_name(GGML, CPU)
+    assert info.value.message.endswith(f"broken: {why}")
+    warned = [r.getMessage() for r in caplog.records if r.name == "wasinn.backends"]
+    assert warned == [f"{why}: it is passed over"] * 2  # once per registry
+
+
+@pytest.mark.parametrize("plugin", list(BROKEN))
+def test_a_plugin_that_cannot_be_imported_is_unsupported_where_it_is_named(
+        monkeypatch: pytest.MonkeyPatch, plugin: str) -> None:
+    entry, error = BROKEN[plugin]
+    _with_plugins(monkeypatch, broken=entry)
+    registry = BackendRegistry()
+    said = (rf"^backend 'broken' cannot be imported \(entry point {entry}\): "
+            rf"{error.replace('(', '[(]').replace(')', '[)]')}$")
+    for ask in (lambda: registry.get("broken"), lambda: registry.reads("broken", GGML),
+                lambda: registry.has_device("broken", CPU), lambda: registry.get("broken")):
+        with pytest.raises(UnsupportedOperationError, match=said):
+            ask()
+
+
+GGML = GraphEncoding.GGML
