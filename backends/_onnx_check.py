@@ -53,7 +53,7 @@ from wasinn.errors import (
 from wasinn.files import OutsideError, read_regular
 
 from .base import in_sandbox
-from .formats import protobuf_values
+from .formats import protobuf_values, read_varint
 
 
 class _Kind(enum.Enum):
@@ -207,7 +207,7 @@ def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, 
         key = view[pos]
         pos += 1
         if key >= 0x80:
-            key, pos = _varint(view, pos - 1, end)
+            key, pos = read_varint(view, pos - 1, end)
             if key >> 3 > LAST_FIELD:
                 raise ValueError(f"field number {key >> 3} is above protobuf's {LAST_FIELD}")
         wire = key & 7
@@ -218,7 +218,7 @@ def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, 
             if length < 0x80:
                 pos += 1
             else:
-                length, pos = _varint(view, pos, end)
+                length, pos = read_varint(view, pos, end)
             first = pos
             pos += length
             if pos > end:
@@ -226,7 +226,7 @@ def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, 
             yield key >> 3, first, pos
             continue
         if wire == 0:
-            _, pos = _varint(view, pos, end)
+            _, pos = read_varint(view, pos, end)
         elif wire == 1:
             pos += 8
         elif wire == 5:
@@ -235,20 +235,6 @@ def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, 
             raise ValueError(f"unsupported wire type {wire}")
         if pos > end:
             raise ValueError("field runs past the end")
-
-
-def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
-    """The varint at ``pos`` (before ``end``) and the position after it."""
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated varint")
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
 
 
 def given_external_data(backend: str, data: bytes | bytearray | memoryview,

@@ -23,10 +23,14 @@ _GRAPHDEF_FIELDS = frozenset({1, 2, 3, 4})
 _SAVEDMODEL_FIELDS = frozenset({1, 2})
 
 
-def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(data: memoryview, pos: int, end: int | None = None) -> tuple[int, int]:
+    """The protobuf varint at ``pos`` (before ``end``: the view's end by default) and the
+    position after it; ValueError when it is cut short or longer than 64 bits."""
+    if end is None:
+        end = len(data)
     value = shift = 0
     while True:
-        if pos >= len(data) or shift > 63:
+        if pos >= end or shift > 63:
             raise ValueError("truncated varint")
         byte = data[pos]
         pos += 1
@@ -53,17 +57,17 @@ def protobuf_values(data: bytes | bytearray | memoryview
         if key < 0x80:
             pos += 1
         else:
-            key, pos = _varint(view, pos)
+            key, pos = read_varint(view, pos)
         number, wire = key >> 3, key & 7
         if number == 0:
             raise ValueError("field number 0")
         value: memoryview | int | None = None
         if wire == 0:
-            value, pos = _varint(view, pos)
+            value, pos = read_varint(view, pos)
         elif wire == 1:
             pos += 8
         elif wire == 2:
-            length, pos = _varint(view, pos)
+            length, pos = read_varint(view, pos)
             value = view[pos:pos + length]
             pos += length
         elif wire == 5:
