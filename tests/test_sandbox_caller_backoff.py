@@ -27,6 +27,7 @@ import trio.testing
 import wasinn
 from tests.crashing_backend import CRASH, CrashingBackend
 from tests.support import cpu_pool, no_spares, require_backend, sandbox_children
+from tests.test_sandbox import spawns  # noqa: F401 - a fixture (the pids started)
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TimeoutError_
 from wasinn.actors import DeviceActor
 from wasinn.backends import Device
@@ -80,22 +81,6 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> StillClock:
     still = StillClock()
     monkeypatch.setattr(sandbox, "CrashBackoff", still.backoff)
     return still
-
-
-@pytest.fixture
-def spawns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The pids of the sandbox processes graphs loaded without spares start, in order."""
-    from wasinn.backends import _sandbox_spares
-
-    started: list[int] = []
-
-    class Counted(_sandbox_spares.SandboxProcess):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            started.append(self.process.pid)
-
-    monkeypatch.setattr(_sandbox_spares, "SandboxProcess", Counted)
-    return started
 
 
 def _as(caller: str | None, run: Callable[[], Any], *args: Any) -> Any:
@@ -205,7 +190,7 @@ def test_the_caller_of_a_thread_is_its_jobs_and_nobody_without_one() -> None:
 
 # -- a sandboxed graph ---------------------------------------------------------------------
 def test_another_caller_runs_at_once_while_the_crashing_callers_runs_wait(
-        clock: StillClock, spawns: list[int]) -> None:
+        clock: StillClock, spawns: list[int]) -> None:  # noqa: F811 - the fixture
     # Before: after caller a's second crash, every caller's run waited for the graph's
     # next process (and for ever here, the clock standing still).
     graph = _crashing_graph()
@@ -235,7 +220,7 @@ def test_another_caller_runs_at_once_while_the_crashing_callers_runs_wait(
 
 
 def test_a_graph_used_directly_is_one_caller_as_before(
-        clock: StillClock, spawns: list[int]) -> None:
+        clock: StillClock, spawns: list[int]) -> None:  # noqa: F811 - the fixture
     graph = _crashing_graph()
     try:
         for variant in (1.0, 2.0):
