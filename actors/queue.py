@@ -342,10 +342,18 @@ class FairSharePolicy:
 
     def charge(self, tenant: str, seconds: float) -> None:
         """``tenant``'s run took ``seconds`` of device time: its virtual time advances by
-        ``seconds`` divided by its weight (a tenant forgotten meanwhile is not charged)."""
+        ``seconds`` divided by its weight. A tenant not known here (one whose runs all
+        found a slot free, so never queued; or one forgotten since) is charged as a
+        known idle one is: from where a newcomer starts, keeping the debt."""
         state = self._tenants.get(tenant)
-        if state is not None:
-            state.vtime += seconds / state.weight
+        if state is None:
+            state = self._tenants[tenant] = _Tenant(
+                self._floor(), next(self._orders), self.weight(tenant))
+            self._backlogged += 1  # (counted as it would have been, waiting...)
+            self._became_idle()  # (...then idle, which may forget idle ones)
+            if tenant not in self._tenants:  # forgotten at once: nothing to charge
+                return
+        state.vtime += seconds / state.weight
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """``tenant``'s weight is ``weight`` from now on (ValueError unless a finite number

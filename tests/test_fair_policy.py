@@ -300,6 +300,22 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
     assert await serve_load(fake_clock, leased) == SHARED_ORDER
 
 
+def test_a_tenant_whose_runs_all_found_a_free_slot_keeps_their_debt() -> None:
+    # Before, a tenant the policy did not know yet (it never queued: its runs all found
+    # a slot free) was not charged at all, where a known idle tenant keeps its debt: once
+    # both wait, it got ahead of tenants that had used the device less.
+    policy = FairSharePolicy()
+    policy.charge("free", 5.0)  # two runs on free slots, never queued
+    policy.charge("free", 5.0)
+    for tenant in ("fresh", "free"):
+        for _ in range(3):
+            policy.push(Request(tenant=tenant))
+    # fresh, at 0, is served until it has had about as much (free's 10 s, 3 runs here).
+    assert granted(policy, {"free": 1.0, "fresh": 1.0}, 6, lambda _: False) == [
+        "fresh"] * 3 + ["free"] * 3
+    assert not len(policy)
+
+
 async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
         fake_clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
     # try_lease (a guest's thread finding the slot free, nobody waiting) never queues,
