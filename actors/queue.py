@@ -344,7 +344,9 @@ class FairSharePolicy:
         """``tenant``'s run took ``seconds`` of device time: its virtual time advances by
         ``seconds`` divided by its weight. A tenant not known here (one whose runs all
         found a slot free, so never queued; or one forgotten since) is charged as a
-        known idle one is: from where a newcomer starts, keeping the debt."""
+        known idle one is, from where a newcomer starts. Only time taken while others
+        wait is a debt: a run charged while no tenant waits moves the virtual clock with
+        it, so that device time nobody else wanted is never held against a tenant."""
         state = self._tenants.get(tenant)
         if state is None:
             state = self._tenants[tenant] = _Tenant(
@@ -354,6 +356,10 @@ class FairSharePolicy:
             if tenant not in self._tenants:  # forgotten at once: nothing to charge
                 return
         state.vtime += seconds / state.weight
+        if not self._backlogged:
+            # Nobody waits: this run took time nobody else wanted. The virtual clock
+            # follows it, so that it is no debt (what a tenant arriving now starts at).
+            self._clock = max(self._clock, state.vtime)
 
     def set_weight(self, tenant: str, weight: float) -> None:
         """``tenant``'s weight is ``weight`` from now on (ValueError unless a finite number

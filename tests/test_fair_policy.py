@@ -300,20 +300,33 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
     assert await serve_load(fake_clock, leased) == SHARED_ORDER
 
 
-def test_a_tenant_whose_runs_all_found_a_free_slot_keeps_their_debt() -> None:
+def test_a_free_slot_run_that_ends_while_others_wait_is_a_debt_of_its_tenant() -> None:
     # Before, a tenant the policy did not know yet (it never queued: its runs all found
-    # a slot free) was not charged at all, where a known idle tenant keeps its debt: once
-    # both wait, it got ahead of tenants that had used the device less.
+    # a slot free) was not charged at all, where a known one is: its run taken while
+    # others waited (it started on a free slot; they queued meanwhile) cost it nothing.
     policy = FairSharePolicy()
-    policy.charge("free", 5.0)  # two runs on free slots, never queued
-    policy.charge("free", 5.0)
-    for tenant in ("fresh", "free"):
-        for _ in range(3):
-            policy.push(Request(tenant=tenant))
-    # fresh, at 0, is served until it has had about as much (free's 10 s, 3 runs here).
+    for _ in range(3):
+        policy.push(Request(tenant="fresh"))  # queued while "free"'s run goes on
+    policy.charge("free", 10.0)  # that run ends
+    for _ in range(3):
+        policy.push(Request(tenant="free"))
+    # fresh is served until it has had about as much (free's 10 s, 3 runs here).
     assert granted(policy, {"free": 1.0, "fresh": 1.0}, 6, lambda _: False) == [
         "fresh"] * 3 + ["free"] * 3
     assert not len(policy)
+
+
+def test_device_time_nobody_else_wanted_is_no_debt() -> None:
+    # alice alone for 600 s (every run on a free slot), then bob arrives and both wait:
+    # they share from then on; bob gets no burst for the time alice used alone.
+    policy = FairSharePolicy()
+    for _ in range(600):
+        policy.charge("alice", 1.0)
+    for tenant in ("bob", "alice"):
+        for _ in range(100):
+            policy.push(Request(tenant=tenant))
+    order = granted(policy, {"alice": 1.0, "bob": 1.0}, 100, lambda _: False)
+    assert Counter(order) == {"alice": 50, "bob": 50}
 
 
 async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
