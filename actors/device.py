@@ -172,10 +172,9 @@ class DeviceActor:
             str(device), self._start_task,
             functools.partial(runner.unslotted, label="compile", failure="compiling failed"),
             self._close_later)
-        #: Evicted graphs being closed in a thread (see _close_later), and what
-        #: graphs_closed waits on while there are any.
-        self._closing = 0
-        self._closed_all: trio.Event | None = None
+        #: Evicted graphs being closed in a thread (see _close_later): each one's event,
+        #: set once it is closed.
+        self._closing: set[trio.Event] = set()
         # The cache's own dict, read here directly: cached_session is on every request's
         # path, which must not pay a call into the cache.
         self._sessions = self._cache.sessions
@@ -469,38 +468,34 @@ class DeviceActor:
 
     async def graphs_closed(self) -> None:
         """Wait until the graphs evicted so far whose close blocks are closed (at once
-        when none is being closed)."""
-        while self._closing:
-            if self._closed_all is None:
-                self._closed_all = trio.Event()
-            await self._closed_all.wait()
+        when none is being closed); not for those evicted meanwhile."""
+        for closed in list(self._closing):
+            await closed.wait()
         await trio.lowlevel.checkpoint()
 
     def _close_later(self, compiled: CompiledGraph) -> None:
         # In trio: close ``compiled`` (its close blocks) in a thread, from a task of the
         # actor's, shielded (a closing actor's nursery waits for it, before the device
         # context closes); here and now once the actor has no nursery left.
-        self._closing += 1
+        closed = trio.Event()
+        self._closing.add(closed)
         try:
-            self._start_task(self._close_in_thread, compiled)
+            self._start_task(self._close_in_thread, (compiled, closed))
         except ClosedResourceError:
-            self._closed_one()
+            self._closing.discard(closed)
+            closed.set()
             compiled.close()
 
-    async def _close_in_thread(self, compiled: CompiledGraph) -> None:
+    async def _close_in_thread(self, job: tuple[CompiledGraph, trio.Event]) -> None:
+        compiled, closed = job
         try:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(compiled.close)
         except Exception:
             log.exception("%s: closing an evicted graph failed", self.device)
         finally:
-            self._closed_one()
-
-    def _closed_one(self) -> None:
-        self._closing -= 1
-        if not self._closing and self._closed_all is not None:
-            self._closed_all.set()
-            self._closed_all = None
+            self._closing.discard(closed)
+            closed.set()
 
     # -- running work ---------------------------------------------------------------------
     async def execute(

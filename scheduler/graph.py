@@ -187,7 +187,9 @@ class Graph:
         """End this handle; idempotent. Contexts already made keep working until closed.
 
         Returns once the compiled graphs it freed are closed (a sandboxed one's
-        processes have ended: they are closed in a thread, the event loop serving on).
+        processes have ended: they are closed in a thread, the event loop serving on),
+        but for those a run still uses: each is closed by the last run's thread, as that
+        run ends.
 
         Cancellation: the handle is ended and its reference released before the first
         checkpoint, so a cancelled unload has still unloaded (a model no other handle or

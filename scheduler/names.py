@@ -213,6 +213,7 @@ class LoadedGraphs:
         model.on_release = released
         weakref.finalize(released, self._collected.append, key).atexit = False
         with self._lock:
+            self._drain()  # (so that the keys of models gone never pile up unread)
             self._loaded[key] = (name, requests)
             self._count[name] += 1
 

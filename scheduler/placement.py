@@ -78,7 +78,6 @@ RunHeld = Callable[[Sequence[CompiledGraph], Inputs, bool], dict[str, Tensor]]
 Named = tuple[str, Sequence[LoadedModel]]
 
 
-#: How :func:`check_trio_run` names a request awaited outside the runtime's trio run.
 class Scheduler:
     """Routes models and requests onto device actors."""
 

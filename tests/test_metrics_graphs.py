@@ -246,3 +246,17 @@ def test_a_graph_collected_without_a_release_leaves_as_an_unloaded_one() -> None
     stays.retain()
     stays.release()  # its on_release: it leaves, and with it the name
     assert graphs.requests() == []
+
+
+async def test_graphs_loaded_and_gone_leave_nothing_behind_unread() -> None:
+    # Before, each model collected left its key in the table until a scrape read it: a
+    # host without metrics that loads graph after graph kept one per load for ever.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        for _ in range(20):
+            graph = await rt.load([affine_onnx()], "onnx")
+            await graph.unload()
+            del graph
+            gc.collect()
+        assert len(rt._graphs._collected) <= 1  # (the last one's, until the next load)
+        assert model_counts(rt) == {}
