@@ -12,17 +12,22 @@ up to :data:`MAX_DELAY_S` per crash. So :class:`CrashBackoff` does three things 
 * A crash is charged to the *caller* whose run was on the process when it died: the
   opaque key the run's job names (:func:`~.base.current_caller`; a device actor names
   the request's tenant, ``""`` for requests that name none). After that caller's second
-  crash less than :data:`QUIET_S` apart, *its* runs wait :data:`FIRST_DELAY_S` before
-  they take a process, idle or new, then twice as long after each further crash, up to
+  crash less than :data:`QUIET_S` apart, *its* runs are refused at once (the graph's
+  TooLargeError, naming how long), without a process taken or started, for
+  :data:`FIRST_DELAY_S`, then twice as long after each further crash, up to
   :data:`MAX_DELAY_S`, as an init system or Kubernetes' CrashLoopBackOff delays a
-  restart; their cancellation (a request's deadline) is honoured, and a good input of
-  theirs is late, never refused. Other callers' runs take an idle process, or start one
-  at once where none is alive: they wait for nobody's crashes but their own. The wait
-  holds a caller's runs off idle processes too: let onto one, its poison would crash the
-  process another caller's run had just started, and the host would start a process for
-  every good run of the others. A run that succeeds does not end the streak (a caller
-  crashing the graph between good runs of its own would then be restarted at once each
-  time); :data:`QUIET_S` without a crash does, and the caller is forgotten then.
+  restart; a good input of theirs is refused too meanwhile, and the caller retries it
+  after. Refused, not kept waiting as they once were: a run waits in its device's
+  worker thread, holding the worker slot it was granted, so a caller with several
+  requests in flight held every slot of the device for up to :data:`MAX_DELAY_S`, and
+  starved the very callers its back-off was to spare. Other callers' runs take an idle
+  process, or start one at once where none is alive: they wait for nobody's crashes but
+  their own. The refusal keeps a caller's runs off idle processes too: let onto one,
+  its poison would crash the process another caller's run had just started, and the
+  host would start a process for every good run of the others. A run that succeeds does
+  not end the streak (a caller crashing the graph between good runs of its own would
+  then be restarted at once each time); :data:`QUIET_S` without a crash does, and the
+  caller is forgotten then.
   :data:`MAX_CALLERS` are remembered at most, the one whose last crash is the oldest
   forgotten first. A process killed because its run was cancelled, or ended to make room
   for another graph's, is no crash.
@@ -30,8 +35,9 @@ up to :data:`MAX_DELAY_S` per crash. So :class:`CrashBackoff` does three things 
   loading the model (the host's load, whoever's run it is for: the model crashes it, not
   a caller's inputs) and one of a run that names no caller (a backend used directly,
   which is then one caller, exactly as before callers were told apart). It delays the
-  *start* of every new process in the same steps, for every caller's runs; runs go
-  meanwhile to the processes still alive.
+  *start* of every new process in the same steps, for every caller's runs, which wait
+  for it (it is everyone's: there is no other caller to let through); runs go meanwhile
+  to the processes still alive.
 * The inputs of a run that crashed the process are remembered (a digest: their names,
   types, dimensions and bytes), :data:`MAX_REMEMBERED` at most, for
   :data:`REMEMBERED_S` after their last crash, whoever sent them: poison is poison.
@@ -44,11 +50,12 @@ up to :data:`MAX_DELAY_S` per crash. So :class:`CrashBackoff` does three things 
 
 So a caller varying its poison makes the host start one process per its own delay at
 most once its streak is long (as many as the graph runs at once, ``processes``, where
-its waiting runs resume together), and delays no other caller's runs. Two limits remain:
-a run waiting for its caller's delay holds the device's worker slot it was granted, as
-any run waiting for a process does (a request's deadline bounds it); and a caller that
-may take a new name for each request starts a new streak with each (a guest's tenant is
-the host's choice, its program's name by default: see :mod:`wasinn.host.tenant`).
+its retries arrive together), and neither delays nor holds the worker slots of any
+other caller's runs. Two limits remain: a run waiting for the graph's delay holds the
+device's worker slot it was granted, as any run waiting for a process does (a request's
+deadline bounds it); and a caller that may take a new name for each request starts a
+new streak with each (a guest's tenant is the host's choice, its program's name by
+default: see :mod:`wasinn.host.tenant`).
 """
 
 from __future__ import annotations
@@ -64,10 +71,11 @@ import numpy as np
 
 from wasinn.tensor import Tensor, numpy_dtype
 
-#: The wait before the process after the second crash of a streak, in seconds (none after
-#: the first).
+#: The delay after the second crash of a streak, in seconds (none after the first): the
+#: wait for the graph's next process, or how long a caller's runs are refused.
 FIRST_DELAY_S = 0.5
-#: The longest wait, in seconds: runs wait this long at most for a process.
+#: The longest delay, in seconds: runs wait this long at most for the graph's next
+#: process, and a caller's runs are refused this long at most after its last crash.
 MAX_DELAY_S = 10.0
 #: Seconds without a crash that end a streak.
 QUIET_S = 60.0
@@ -206,9 +214,9 @@ class CrashBackoff:
             then = (f"the next process starts in {delay:g} s, after {streak.crashes} "
                     f"crashes less than {QUIET_S:g} s apart: runs wait for it")
         else:
-            then = (f"this caller's runs wait {delay:g} s for a process, after "
+            then = (f"this caller's runs are refused for {delay:g} s, after "
                     f"{streak.crashes} crashes of its runs less than {QUIET_S:g} s apart; "
-                    "other callers' runs do not")
+                    "other callers' runs go on")
         if inputs is None:
             return then
         if self._remember(*inputs, how, now) < REFUSED_AFTER:
@@ -226,9 +234,9 @@ class CrashBackoff:
         return max(wait, self.holding(caller, now))
 
     def holding(self, caller: str | None, now: float | None = None) -> float:
-        """Seconds until a run of ``caller`` may take a process, idle or new (0: now): its
-        own streak's wait (none for None: the graph's streak delays only the start of a
-        process)."""
+        """Seconds for which a run of ``caller`` is refused (0: it may take a process,
+        idle or new): its own streak's delay (none for None: the graph's streak delays
+        only the start of a process)."""
         if caller is None or not self._callers:  # (the common case: no clock read)
             return 0.0
         if now is None:

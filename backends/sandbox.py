@@ -41,9 +41,10 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   graph starts a new child, and loads the model again, for its next run. The crash is
   charged to the caller whose run it was (:func:`~.base.current_caller`: a device
   actor's request's tenant): after its second crash less than a minute apart, that
-  caller's runs wait for a process, longer with each crash, while other callers' runs
-  go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are refused at
-  once, whoever sends them. So a caller crashing it on purpose can neither keep the host
+  caller's runs are refused at once (TooLargeError), for longer with each crash, rather
+  than wait (a waiting run would hold its device's worker slot), while other callers'
+  runs go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are
+  refused at once, whoever sends them. So a caller crashing it on purpose can neither keep the host
   starting processes nor fail, or delay, the good runs of the other callers of a shared
   graph. On a GPU, a run whose library exception lost the process's CUDA context (the
   process says so: :func:`_lost_context`) retires the process and counts as such a
@@ -103,6 +104,7 @@ from wasinn.errors import (
     BackendRuntimeError,
     ClosedResourceError,
     InvalidEncodingError,
+    TooLargeError,
     WasiNNError,
     bounded_message,
 )
@@ -111,7 +113,7 @@ from wasinn.tensor import Tensor
 from . import _confine
 from ._graphio import InputChecker
 from ._onnx_check import check_external_data, external_data_folder, read_external_data
-from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
+from ._sandbox_backoff import QUIET_S, CrashBackoff, digest_of, shapes_of
 from ._sandbox_child import EXTERNAL
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
@@ -400,11 +402,11 @@ class SandboxedGraph(CompiledGraph):
     # -- the processes a run takes --------------------------------------------------------
     def _acquire(self, caller: str | None) -> SandboxProcess:
         """An idle process, or a new one where fewer than :attr:`processes` run (after a
-        crash, once the back-off allows: waited for); else wait for one to be idle. A
-        run of a ``caller`` whose runs crashed the process waits for its back-off first,
-        idle process or not. A process beside a busy one starts only below the host's
-        bound on sandbox processes. BackendRuntimeError when the job is cancelled while
-        it waits."""
+        crash, once the graph's back-off allows: waited for); else wait for one to be
+        idle. A process beside a busy one starts only below the host's bound on sandbox
+        processes. TooLargeError, nothing taken or started, while the back-off of a
+        ``caller`` whose runs crashed the process holds its runs (see :meth:`_refused`);
+        BackendRuntimeError when the job is cancelled while it waits."""
         cancelled = threading.Event()
         forget = on_current_cancel(functools.partial(self._wake, cancelled))
         try:
@@ -424,8 +426,8 @@ class SandboxedGraph(CompiledGraph):
                        ) -> SandboxProcess | bool:
         """An idle process, taken; else True to start the graph's only process (the
         back-off's wait over), False to start one beside a busy one (``room``): counted
-        as starting. Waits meanwhile, and first while ``caller``'s back-off holds its
-        runs."""
+        as starting. Waits meanwhile; TooLargeError once ``caller``'s back-off holds its
+        runs, before or while it waits."""
         name = self._backend.name
         backoff = self.backoff
         with self._cond:
@@ -433,10 +435,11 @@ class SandboxedGraph(CompiledGraph):
                 if self._closed:
                     raise ClosedResourceError(f"{name}: the graph is closed")
                 held = backoff.holding(caller)
-                if not held:
-                    child = self._take_idle()
-                    if child is not None:
-                        return child
+                if held:
+                    raise self._refused(caller, held)
+                child = self._take_idle()
+                if child is not None:
+                    return child
                 live = len(self._busy) + self._starting
                 wait = backoff.remaining(caller)
                 if not live and not wait:
@@ -448,14 +451,23 @@ class SandboxedGraph(CompiledGraph):
                 if cancelled.is_set():
                     raise BackendRuntimeError(
                         f"{name}: cancelled while waiting for a process of the model "
-                        + self._why_waiting(caller, held, live, wait))
-                self._cond.wait(held or (None if live else wait))
+                        + self._why_waiting(live, wait))
+                self._cond.wait(None if live else wait)
 
-    def _why_waiting(self, caller: str | None, held: float, live: int, wait: float) -> str:
-        """Why a run of ``caller`` waited for a process, in brackets (under the lock)."""
-        if held:
-            return (f"(after {self.backoff.crashes_of(caller)} crashes of this caller's "
-                    f"runs, its runs wait {held:.1f} s more)")
+    def _refused(self, caller: str | None, held: float) -> TooLargeError:
+        """The refusal of a run of ``caller``, whose back-off holds its runs ``held`` s
+        more (under the lock). Refused, not kept waiting: a run waits in its device's
+        worker thread, so a caller crashing the process with several requests in flight
+        would hold every worker slot of the device, and starve the other callers that
+        its back-off is there to spare."""
+        return TooLargeError(
+            f"{self._backend.name}: this caller's runs crashed the model's process "
+            f"{self.backoff.crashes_of(caller)} times less than {QUIET_S:g} s apart: its "
+            f"runs are refused for {held:.1f} s more, without a process taken or started; "
+            "other callers' runs go on: retry after that")
+
+    def _why_waiting(self, live: int, wait: float) -> str:
+        """Why a run waited for a process, in brackets (under the lock)."""
         if live:
             return "(each was busy)"
         return (f"(after {self.backoff.crashes_of(None)} crashes, a new one starts in "

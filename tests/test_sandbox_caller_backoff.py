@@ -1,14 +1,14 @@
 """A sandboxed graph's crash back-off is per caller: the runs of the caller whose runs
-crashed its process wait for that caller's delay, other callers' runs wait for nothing
-(see :mod:`wasinn.backends._sandbox_backoff`).
+crashed its process are refused at once for that caller's delay (TooLargeError), other
+callers' runs wait for nothing (see :mod:`wasinn.backends._sandbox_backoff`).
 
 Every test here that waits on a back-off uses a clock that stands still until the test
-moves it: a run held by a delay would wait for ever, so a run that completes shows it was
-not held, and one that must be stopped (cancelled, or past its deadline) shows it was.
-Nothing is asserted on wall time. The crashes are real ones: the fake library of
-``tests/crashing_backend.py`` kills its sandbox process (SIGSEGV) on a first input of 666,
-and, through the runtime, OpenVINO's CPU plugin kills it on a ``GatherND`` index of
--2**31 or -2**30 (see tests/test_sandbox.py).
+moves it: a run waiting for a delay would wait for ever, so a run that completes, or is
+refused, shows it did not wait, and one that must be stopped (cancelled, or past its
+deadline) shows it did. Nothing is asserted on wall time. The crashes are real ones: the
+fake library of ``tests/crashing_backend.py`` kills its sandbox process (SIGSEGV) on a
+first input of 666, and, through the runtime, OpenVINO's CPU plugin kills it on a
+``GatherND`` index of -2**31 or -2**30 (see tests/test_sandbox.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import wasinn
 from tests.crashing_backend import CRASH, CrashingBackend
 from tests.support import cpu_pool, no_spares, require_backend, sandbox_children
 from tests.test_sandbox import spawns  # noqa: F401 - a fixture (the pids started)
-from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TimeoutError_
+from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TooLargeError
 from wasinn.actors import DeviceActor
 from wasinn.backends import Device
 from wasinn.backends._sandbox_backoff import (
@@ -46,9 +46,16 @@ from wasinn.backends.sandbox import SandboxedGraph, load_sandboxed
 CPU = Device.parse("cpu")
 ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
 SEGV = "was killed by SIGSEGV"
-#: The timeout of a run that must not be held: only a run held by a back-off (on a clock
-#: standing still) ever reaches it.
+#: The timeout of a run that must not be held: only a run waiting for a back-off (on a
+#: clock standing still) ever reaches it.
 HELD_S = 60.0
+
+
+def _refusal(backend: str) -> str:
+    """The refusal of a run of caller a's, after its 2 crashes (a pattern)."""
+    return (rf"^{backend}: this caller's runs crashed the model's process 2 times less "
+            r"than 60 s apart: its runs are refused for 0\.5 s more, without a process "
+            r"taken or started; other callers' runs go on: retry after that$")
 
 
 def _poison(variant: float = 0.0) -> dict[str, Tensor]:
@@ -108,8 +115,8 @@ def test_a_callers_crashes_hold_its_own_runs_and_no_one_elses() -> None:
     assert backoff.crashed(SEGV, (shapes_of(ONES), b"1"), "a") == (
         "the next run starts a new process")
     said = backoff.crashed(SEGV, (shapes_of(ONES), b"2"), "a")
-    assert said == ("this caller's runs wait 0.5 s for a process, after 2 crashes of its "
-                    "runs less than 60 s apart; other callers' runs do not")
+    assert said == ("this caller's runs are refused for 0.5 s, after 2 crashes of its "
+                    "runs less than 60 s apart; other callers' runs go on")
     # Its runs may take no process, idle or new; another caller's take either at once.
     assert (backoff.holding("a"), backoff.remaining("a")) == (FIRST_DELAY_S, FIRST_DELAY_S)
     assert (backoff.holding("b"), backoff.remaining("b")) == (0.0, 0.0)
@@ -189,10 +196,11 @@ def test_the_caller_of_a_thread_is_its_jobs_and_nobody_without_one() -> None:
 
 
 # -- a sandboxed graph ---------------------------------------------------------------------
-def test_another_caller_runs_at_once_while_the_crashing_callers_runs_wait(
+def test_another_caller_runs_at_once_while_the_crashing_callers_runs_are_refused(
         clock: StillClock, spawns: list[int]) -> None:  # noqa: F811 - the fixture
     # Before: after caller a's second crash, every caller's run waited for the graph's
-    # next process (and for ever here, the clock standing still).
+    # next process (and for ever here, the clock standing still); then a's runs waited
+    # for a's delay, holding the worker slot their job ran in.
     graph = _crashing_graph()
     try:
         for variant in (1.0, 2.0):  # other poison each time: none refused
@@ -203,13 +211,13 @@ def test_another_caller_runs_at_once_while_the_crashing_callers_runs_wait(
         (backoff,) = clock.backoffs
         assert (backoff.crashes_of("a"), backoff.holding("a")) == (2, FIRST_DELAY_S)
         assert len(spawns) == 3 and graph.pids == [spawns[-1]]  # started for b, idle now
-        # a's next run takes no process, not even the idle one: it waits until stopped.
-        cancellation = Cancellation("a")
-        threading.Timer(0.3, cancellation.cancel).start()
-        with running_under(cancellation), pytest.raises(BackendRuntimeError, match=(
-                r"^crashing: cancelled while waiting for a process of the model \(after 2 "
-                r"crashes of this caller's runs, its runs wait 0\.5 s more\)$")):
-            graph.run(ONES)
+        # a's next run takes no process, not even the idle one, and waits for none: it
+        # is refused at once (waiting, it would have been stopped after HELD_S).
+        with pytest.raises(TooLargeError, match=_refusal("crashing")):
+            _as("a", graph.run, ONES)
+        assert len(spawns) == 3 and graph.pids == [spawns[-1]]
+        np.testing.assert_array_equal(_as("b", graph.run, ONES)["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
         # Once its delay is over it runs, in the process b's run left: none is started.
         clock.now += FIRST_DELAY_S
         out = _as("a", graph.run, ONES)
@@ -363,11 +371,11 @@ def _only_actor(rt: wasinn.Runtime) -> DeviceActor:
     (_leased, {}),
     (_try_leased, {})],
     ids=["worker-thread", "worker-thread-of-an-inline-pool", "batch", "lease", "try-lease"])
-async def test_a_tenants_crashes_hold_its_own_requests_not_another_tenants(
+async def test_a_tenants_crashes_refuse_its_own_requests_not_another_tenants(
         path: Path, pool: dict[str, Any], clock: StillClock) -> None:
     # Before: after tenant a's second crash, tenant b's request waited for the graph's
     # next process (for ever here, the clock standing still); and the actor layer named
-    # no tenant to the backend.
+    # no tenant to the backend. Then a's next request waited for a's delay.
     require_backend("openvino")
     require_backend("onnx")
     batching = wasinn.Batching(max_batch=4) if path is _batched else None
@@ -387,13 +395,50 @@ async def test_a_tenants_crashes_hold_its_own_requests_not_another_tenants(
         assert (backoff.crashes_of("a"), backoff.crashes_of("b"), backoff.crashes_of()) == (
             2, 0, 0)
         (process,) = sandbox_children()  # started for b, idle now
-        # a's next request takes no process, not even the idle one: it waits until its
-        # deadline passes.
-        with pytest.raises(TimeoutError_):
-            await path(rt, graph, _rows(1), "a", 0.5)
+        # a's next request takes no process, not even the idle one, and waits for none:
+        # it is refused at once (waiting, it would fail at its deadline).
+        with pytest.raises(TooLargeError, match=_refusal("openvino")):
+            await path(rt, graph, _rows(1), "a", HELD_S)
+        assert [p.pid for p in sandbox_children()] == [process.pid]
         clock.now += FIRST_DELAY_S  # its delay is over: it runs, in the same process
         np.testing.assert_array_equal(await path(rt, graph, _rows(1), "a", None), GOOD)
         assert [p.pid for p in sandbox_children()] == [process.pid]
         assert backoff.crashes_of("a") == 2 and backoff.callers == 1
         assert graph.stats().in_caller_thread == (0 if path in (_computed, _batched) else 5)
+        await graph.unload()
+
+
+@pytest.mark.parametrize("policy", ["fair", "priority"])
+async def test_a_refused_tenant_holds_no_slot_of_the_device(policy: str, clock: StillClock
+                                                            ) -> None:
+    # Before: tenant a's requests waited for a's delay in the device's worker thread,
+    # holding its only slot, and tenant b's request queued behind them (for ever here,
+    # the clock standing still: until b's deadline). A tenant crashing a shared model
+    # with requests in flight starved every other tenant of the device.
+    require_backend("openvino")
+    require_backend("onnx")
+    config = no_spares(cpu_pool(backends=["openvino"], workers=1, policy=policy))
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load([_gathernd_rows_onnx()], "onnx", options={"sandbox": True})
+        for index in POISONS:
+            with pytest.raises(BackendRuntimeError, match=SEGV):
+                await _computed(rt, graph, _rows(index), "a", None)
+        refused: list[Exception] = []
+
+        async def a_request() -> None:
+            try:
+                await _computed(rt, graph, _rows(1), "a", HELD_S)
+            except wasinn.WasiNNError as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(a_request)
+            await trio.testing.wait_all_tasks_blocked()  # a's sent, the first granted
+            np.testing.assert_array_equal(
+                await _computed(rt, graph, _rows(1), "b", HELD_S), GOOD)
+        assert [type(exc) for exc in refused] == [TooLargeError] * 3
+        # Failed requests, counted once each as such (2 crashes, 3 refusals).
+        stats = _only_actor(rt).stats()
+        assert (stats.completed, stats.failed, stats.rejected) == (1, 5, 0)
         await graph.unload()
