@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import struct
 import time
 from pathlib import Path
 
 import pytest
 import trio
-import wasmtime
 
 import wasinn
 from tests.guest_support import WAT_DIR
+from tests.poller import Poller, subscription
 from wasinn.configs.loader import parse_config
 from wasinn.host.runner import run_wasm
 
@@ -57,56 +56,8 @@ async def test_cancelling_a_sleeping_guest_stops_it_at_once(
 
 
 # -- poll_oneoff's answers, called directly ---------------------------------------------------
-_POLLER = """
-(module
-  (import "wasi_snapshot_preview1" "poll_oneoff"
-    (func $poll (param i32 i32 i32 i32) (result i32)))
-  (memory (export "memory") 1)
-  (func (export "poll") (param i32 i32 i32 i32) (result i32)
-    (call $poll (local.get 0) (local.get 1) (local.get 2) (local.get 3))))
-"""
 #: WASI errno values.
 FAULT, INVAL, NOTSUP = 21, 28, 58
-SUBSCRIPTIONS, EVENTS, NEVENTS = 0x100, 0x800, 0xF00
-
-
-def subscription(userdata: int, tag: int, clock: int = 1, timeout: int = 0,
-                 flags: int = 0) -> bytes:
-    return struct.pack("<QB7xIIQQH6x", userdata, tag, clock, 0, timeout, 0, flags)
-
-
-class Poller:
-    """wasinn's poll_oneoff in a store of its own, called with records written here."""
-
-    def __init__(self) -> None:
-        from wasinn.host.engine import shared_engine
-        from wasinn.host.interrupt import Interrupter
-        from wasinn.host.wasi_poll import define_interruptible_poll
-
-        engine = shared_engine()
-        self.store = wasmtime.Store(engine)
-        self.store.set_wasi(wasmtime.WasiConfig())
-        Interrupter(engine).install(self.store)
-        linker = wasmtime.Linker(engine)
-        linker.define_wasi()
-        define_interruptible_poll(linker, Interrupter(engine), time.monotonic_ns())
-        instance = linker.instantiate(self.store, wasmtime.Module(engine, _POLLER))
-        exports = instance.exports(self.store)
-        self.memory, self.poll = exports["memory"], exports["poll"]
-
-    def __call__(self, *records: bytes, count: int | None = None,
-                 at: int = SUBSCRIPTIONS) -> tuple[int, list[tuple[int, int, int]]]:
-        """poll_oneoff's errno, and the events it reported: (userdata, errno, type)."""
-        assert isinstance(self.memory, wasmtime.Memory)
-        assert isinstance(self.poll, wasmtime.Func)
-        if records:
-            self.memory.write(self.store, b"".join(records), at)
-        n = len(records) if count is None else count
-        errno = self.poll(self.store, at, EVENTS, n, NEVENTS)
-        (got,) = struct.unpack("<I", self.memory.read(self.store, NEVENTS, NEVENTS + 4))
-        events = [struct.unpack_from("<QHB", self.memory.read(
-            self.store, EVENTS + 32 * i, EVENTS + 32 * i + 11)) for i in range(got)]
-        return errno, events if errno == SUCCESS else []
 
 
 def test_bad_subscriptions_get_wasis_errors() -> None:

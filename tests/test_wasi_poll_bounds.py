@@ -3,8 +3,6 @@ per subscription, and never leaving an exception for another guest to be blamed 
 
 from __future__ import annotations
 
-import struct
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -15,12 +13,11 @@ import wasmtime
 import wasmtime._func
 
 import wasinn
+from tests.poller import Poller, subscription
 from wasinn.configs.loader import parse_config
 from wasinn.host import wasi_poll
-from wasinn.host.engine import shared_engine
-from wasinn.host.interrupt import Interrupter
 from wasinn.host.runner import GuestTrap, run_wasm
-from wasinn.host.wasi_poll import MAX_SUBSCRIPTIONS, define_interruptible_poll
+from wasinn.host.wasi_poll import MAX_SUBSCRIPTIONS
 
 #: WASI errno values.
 SUCCESS, FAULT, INVAL, IO, NOTSUP = 0, 21, 28, 29, 58
@@ -28,60 +25,18 @@ CLOCK, FD_READ, FD_WRITE = 0, 1, 2
 REALTIME, MONOTONIC = 0, 1
 ABSTIME = 1
 PAGES = 16  # 1 MiB: room for MAX_SUBSCRIPTIONS records and their events
-EVENTS, NEVENTS = 0, PAGES * 65536 - 4
-
-_POLLER = f"""
-(module
-  (import "wasi_snapshot_preview1" "poll_oneoff"
-    (func $poll (param i32 i32 i32 i32) (result i32)))
-  (memory (export "memory") {PAGES})
-  (func (export "poll") (param i32 i32 i32 i32) (result i32)
-    (call $poll (local.get 0) (local.get 1) (local.get 2) (local.get 3))))
-"""
 
 
-def subscription(userdata: int, tag: int, clock: int = MONOTONIC, timeout: int = 0,
-                 flags: int = 0) -> bytes:
-    return struct.pack("<QB7xIIQQH6x", userdata, tag, clock, 0, timeout, 0, flags)
-
-
-class Poller:
-    """wasinn's poll_oneoff in a store of its own, called with records written here."""
-
-    def __init__(self) -> None:
-        engine = shared_engine()
-        self.store = wasmtime.Store(engine)
-        self.store.set_wasi(wasmtime.WasiConfig())
-        Interrupter(engine).install(self.store)  # (else its epoch deadline has passed)
-        linker = wasmtime.Linker(engine)
-        linker.define_wasi()
-        define_interruptible_poll(linker, Interrupter(engine), time.monotonic_ns())
-        exports = linker.instantiate(self.store, wasmtime.Module(engine, _POLLER)).exports(
-            self.store)
-        self.memory, self.poll = exports["memory"], exports["poll"]
-        assert isinstance(self.memory, wasmtime.Memory)
-        assert isinstance(self.poll, wasmtime.Func)
-
-    def __call__(self, records: bytes, count: int | None = None
-                 ) -> tuple[int, list[tuple[int, int, int]]]:
-        """poll_oneoff's errno and the events it reported: (userdata, errno, type)."""
-        assert isinstance(self.memory, wasmtime.Memory)
-        assert isinstance(self.poll, wasmtime.Func)
-        self.memory.write(self.store, records, 0)
-        n = len(records) // 48 if count is None else count
-        errno = self.poll(self.store, 0, EVENTS, n, NEVENTS)
-        if errno != SUCCESS:
-            return errno, []
-        (got,) = struct.unpack("<I", self.memory.read(self.store, NEVENTS, NEVENTS + 4))
-        data = self.memory.read(self.store, EVENTS, EVENTS + 32 * got)
-        return errno, [struct.unpack_from("<QHB", data, 32 * i) for i in range(got)]
-
+def poller() -> Poller:
+    """A poller with room for MAX_SUBSCRIPTIONS records (at 0) and their events (over
+    them: poll_oneoff reads every record before it writes an event)."""
+    return Poller(PAGES, at=0, events=0, nevents=PAGES * 65536 - 4)
 
 # -- F3: what one call may ask, and what it costs ------------------------------------------
 def test_more_subscriptions_than_the_bound_are_invalid() -> None:
     # Before: any count whose records fit in the guest's memory was served, one Python
     # tuple each: ~8.5 times the guest's memory and ~27 s per GiB in one host call.
-    poll = Poller()
+    poll = poller()
     records = subscription(7, FD_READ) * (MAX_SUBSCRIPTIONS + 1)
     errno, events = poll(records, count=MAX_SUBSCRIPTIONS)
     assert errno == SUCCESS and len(events) == MAX_SUBSCRIPTIONS
@@ -94,7 +49,7 @@ def test_the_bound_covers_wasi_libc_polling_4096_descriptors_both_ways() -> None
 
 
 def test_a_poll_at_the_bound_allocates_little_beyond_its_records() -> None:
-    poll = Poller()
+    poll = poller()
     records = subscription(7, FD_WRITE) * MAX_SUBSCRIPTIONS
     poll(records)  # (warm: the first call's one-off allocations are not the call's)
     tracemalloc.start()
@@ -110,7 +65,7 @@ def test_a_poll_at_the_bound_allocates_little_beyond_its_records() -> None:
 
 
 def test_many_subscriptions_report_what_one_at_a_time_would() -> None:
-    poll = Poller()
+    poll = poller()
     hour = 3600 * 10**9
     kinds = [
         (FD_READ, MONOTONIC, 0, 0, True),
@@ -134,7 +89,7 @@ def test_many_subscriptions_report_what_one_at_a_time_would() -> None:
 
 
 def test_the_first_bad_subscription_decides_the_errno() -> None:
-    poll = Poller()
+    poll = poller()
     fine = subscription(1, FD_READ)
     cpu_time, bad_tag = subscription(2, CLOCK, clock=2), subscription(3, 9)
     bad_clock = subscription(4, CLOCK, clock=7, flags=ABSTIME)
