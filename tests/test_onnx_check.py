@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support import require_backend
+from tests.tfmodels import varint
 from wasinn import GraphEncoding, InvalidEncodingError, SecurityError, Tensor
 from wasinn.backends import Device, LoadOptions
 
@@ -20,17 +21,9 @@ CPU = Device.parse("cpu")
 SECRET = b"SECRET-KEY-1234"
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes([*out, value])
-
-
 def _field(number: int, payload: bytes, *, key: int | None = None) -> bytes:
     """A length-delimited field; ``key``: its tag, where it is not ``number``'s own."""
-    return _varint(number << 3 | 2 if key is None else key) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2 if key is None else key) + varint(len(payload)) + payload
 
 
 #: Bit 32 of a tag: protobuf's C++ parser keeps a tag's low 32 bits, the field they name.
@@ -45,7 +38,7 @@ def _external(location: str, *, high: int = 0) -> bytes:
 
     tensor = bytes(TensorProto(name="w", data_type=TensorProto.UINT8, dims=[15])
                    .SerializeToString())
-    tensor += _varint(high | 14 << 3) + _varint(TensorProto.EXTERNAL)
+    tensor += varint(high | 14 << 3) + varint(TensorProto.EXTERNAL)
     for key, value in (("location", location), ("offset", "0"), ("length", "15")):
         entry = _field(1, key.encode()) + _field(2, value.encode())
         tensor += _field(13, entry, key=high | 13 << 3 | 2)
@@ -190,7 +183,7 @@ def test_a_node_that_may_hold_an_attribute_is_walked(node: str) -> None:
     if node == "attribute":
         body = _field(5, attribute)
     elif node == "attribute-tag-in-two-bytes":
-        body = b"\xaa\x00" + _varint(len(attribute)) + attribute
+        body = b"\xaa\x00" + varint(len(attribute)) + attribute
     else:
         body = _field(3, b"n" * 5000) + _field(5, attribute)
     model = _field(7, _field(1, b"") * 3 + _field(1, body)) + _field(8, b"")

@@ -25,6 +25,7 @@ import pytest
 
 import wasinn
 from tests.support import cpu_pool, require_backend
+from tests.tfmodels import varint
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor, UnsupportedOperationError
 from wasinn.backends import Device, LoadOptions
 from wasinn.modelgen import affine_onnx, onnx_model_bytes
@@ -371,14 +372,6 @@ def test_a_division_however_encoded_no_longer_kills_the_host(
     assert _may_divide(respelt)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes([*out, value])
-
-
 def test_a_graph_behind_a_tag_above_32_bits_is_an_invalid_encoding() -> None:
     # ModelProto.graph's tag with a bit above the 32nd set: protobuf's C++ parser (ONNX
     # Runtime's) keeps the low 32 bits and read the graph and its Div; the guard's walk
@@ -392,7 +385,7 @@ def test_a_graph_behind_a_tag_above_32_bits_is_an_invalid_encoding() -> None:
     model = onnx.ModelProto.FromString(_binary("Div", np.int32, [6], [6]))
     graph = bytes(model.graph.SerializeToString())
     model.ClearField("graph")
-    data = bytes(model.SerializeToString()) + _varint(1 << 32 | 7 << 3 | 2) + _varint(
+    data = bytes(model.SerializeToString()) + varint(1 << 32 | 7 << 3 | 2) + varint(
         len(graph)) + graph
     assert _may_divide(data)
     with pytest.raises(InvalidEncodingError, match=r"^onnxruntime: cannot read the ONNX model"):

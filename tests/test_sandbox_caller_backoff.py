@@ -14,7 +14,6 @@ first input of 666, and, through the runtime, OpenVINO's CPU plugin kills it on 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -27,6 +26,7 @@ import trio.testing
 import wasinn
 from tests.crashing_backend import CRASH, CrashingBackend
 from tests.support import cpu_pool, no_spares, require_backend, sandbox_children
+from tests.test_batching import device_busy
 from tests.test_sandbox import spawns  # noqa: F401 - a fixture (the pids started)
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TooLargeError
 from wasinn.actors import DeviceActor
@@ -344,17 +344,10 @@ async def _merged(rt: wasinn.Runtime, graph: wasinn.Graph, tenant: str, count: i
 async def _device_busy(rt: wasinn.Runtime) -> AsyncIterator[trio.Nursery]:
     """The device's only slot held until the block ends: requests started in the nursery
     queue behind it (as batches, for a graph loaded with batching)."""
-    actor = _only_actor(rt)
-    gate = threading.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+    async with device_busy(_only_actor(rt)) as nursery:
+        yield nursery
         await trio.testing.wait_all_tasks_blocked()
-        try:
-            yield nursery
-            await trio.testing.wait_all_tasks_blocked()
-            assert _only_actor(rt).stats().queued >= 1
-        finally:
-            gate.set()
+        assert _only_actor(rt).stats().queued >= 1
 
 
 def _only_actor(rt: wasinn.Runtime) -> DeviceActor:

@@ -17,7 +17,8 @@ SHAPE = (1, 4)
 
 
 # -- protobuf ------------------------------------------------------------------------------
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` as a protobuf varint (the shortest encoding)."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -30,11 +31,11 @@ def _varint(value: int) -> bytes:
 
 
 def _field_bytes(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def _field_varint(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
+    return varint(number << 3) + varint(value)
 
 
 _DT_FLOAT = 1
