@@ -3,8 +3,8 @@
 A run writes each bound output into its buffer in place, as wasi-nn's ``get-output``
 writes into a guest's. Two kinds of buffer are accepted:
 
-* a byte buffer (``bytearray``, a ``memoryview``, a ``uint8`` array: what guests bind):
-  it receives the output's bytes and may be larger than they are;
+* a byte buffer (``bytearray``, a ``memoryview``, a ``uint8`` array, a ctypes byte array:
+  what guests bind): it receives the output's bytes and may be larger than they are;
 * a typed numpy array: its dtype must be the output's element type and its shape the
   output's (or flat with as many elements), so that it never holds reinterpreted bytes
   or a partly written result.
@@ -60,7 +60,8 @@ class OutputBuffer:
                 raise _read_only(what)
             if not view.c_contiguous:
                 raise _not_contiguous(what)
-            if view.format not in _BYTE_FORMATS:
+            # ctypes writes a byte order before even a single byte's format ("<B").
+            if view.format.lstrip("@=<>!") not in _BYTE_FORMATS:
                 array = np.asarray(view)  # the same memory, with its element type and shape
             raw = np.frombuffer(view.cast("B"), dtype=np.uint8)
         if array is not None:

@@ -283,9 +283,9 @@ class ExecutionContext:
             raise ClosedResourceError(
                 f"the execution context of {self._executable.name} was closed while its "
                 "request ran: the outputs were dropped")
+        if bound:  # checks every buffer before it writes any: a refusal keeps the last
+            fill(bound, outputs)  # outputs recorded, as a refused run does
         self._outputs = outputs
-        if bound:
-            fill(bound, outputs)
 
     def _staged(self) -> dict[str, Tensor]:
         # The staged inputs as they are now: a request made now must not see a later

@@ -4,13 +4,14 @@ unload, native tensors between computes, the loop never blocked, cancellation.""
 from __future__ import annotations
 
 import array
+import ctypes
 import functools
 import re
 import sys
 import threading
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
     builders, encoding = affine("onnxruntime", 2.0, 1.0)
     graph = await rt.load(builders, encoding)
     ctx = graph.init_execution_context()
+    await ctx.compute({"x": np.zeros((2, 4), np.float32)})  # outputs 1.0, recorded
     x = {"x": np.ones((2, 4), np.float32)}
     for buffer, said in ((np.full((2, 4), -7.0), "is f32 but its bound buffer is float64"),
                          (np.full((3, 4), -7.0, np.float32),
@@ -144,7 +146,9 @@ async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
         with pytest.raises(InvalidArgumentError, match=said):
             await ctx.compute(x)
         assert (buffer == -7).all()
-        np.testing.assert_array_equal(ctx.get_output("y").numpy(), np.full((2, 4), 3.0))
+        # A refused run keeps the last outputs recorded, as a run the backend refuses
+        # does (before, the refused run's outputs replaced them).
+        np.testing.assert_array_equal(ctx.get_output("y").numpy(), np.full((2, 4), 1.0))
     flat = np.zeros(8, np.float32)  # as many elements, in one dimension: accepted
     ctx.set_output("y", flat)
     await ctx.compute(x)
@@ -162,6 +166,24 @@ async def test_a_bound_buffer_of_another_dtype_or_shape_is_refused_untouched(
     ctx.set_output("y", memoryview(floats))
     await ctx.compute(x)
     assert list(floats) == [3.0] * 8
+
+
+@pytest.mark.parametrize("make", [lambda n: (ctypes.c_ubyte * n)(),
+                                  ctypes.create_string_buffer,
+                                  lambda n: (ctypes.c_byte * n)()],
+                         ids=["c_ubyte", "string_buffer", "c_byte"])
+async def test_a_ctypes_byte_array_is_bound_as_bytes(
+        rt: wasinn.Runtime, make: Callable[[int], Any]) -> None:
+    # ctypes gives its byte arrays a byte order ("<B", "<c", "<b"), so they were taken
+    # as typed arrays and refused (uint8 "expected a float32 array", |S1 and int8 "no
+    # wasi-nn element type"), though embedders reach wasm memory through ctypes.
+    builders, encoding = affine("onnxruntime", 2.0, 1.0)
+    graph = await rt.load(builders, encoding)
+    ctx = graph.init_execution_context()
+    buffer = make(40)  # larger than the 32 bytes of the output, as a byte buffer may be
+    ctx.set_output("y", buffer)
+    await ctx.compute({"x": np.ones((2, 4), np.float32)})
+    assert np.frombuffer(bytes(buffer)[:32], np.float32).tolist() == [3.0] * 8
 
 
 async def test_a_bf16_output_fills_a_bf16_array_in_place(rt: wasinn.Runtime) -> None:
