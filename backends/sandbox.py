@@ -47,8 +47,8 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   refused at once, whoever sends them. So a caller crashing it on purpose can neither keep the host
   starting processes nor fail, or delay, the good runs of the other callers of a shared
   graph. On a GPU, a run whose library exception lost the process's CUDA context (the
-  process says so: :func:`_lost_context`) retires the process and counts as such a
-  crash; on the CPU no error retires one.
+  process says so: :func:`~._sandbox_errors.lost_context`) retires the process and
+  counts as such a crash; on the CPU no error retires one.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -88,9 +88,7 @@ outputs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -98,24 +96,15 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from wasinn import errors
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
-from wasinn.errors import (
-    BackendRuntimeError,
-    ClosedResourceError,
-    InvalidEncodingError,
-    TooLargeError,
-    WasiNNError,
-    bounded_message,
-)
+from wasinn.errors import BackendRuntimeError, ClosedResourceError, WasiNNError
 from wasinn.tensor import Tensor
 
-from . import _confine
 from ._graphio import InputChecker
-from ._onnx_check import check_external_data, external_data_folder, read_external_data
-from ._sandbox_backoff import QUIET_S, CrashBackoff, digest_of, shapes_of
-from ._sandbox_child import EXTERNAL
+from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
+from ._sandbox_errors import child_error, lost_context
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
+from ._sandbox_pool import GraphProcesses, close_idle
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_specs import read_specs, reserve
@@ -130,7 +119,6 @@ from .base import (
     current_caller,
     on_current_cancel,
 )
-from .formats import detect_encoding
 
 log = logging.getLogger("wasinn.backends")
 
@@ -172,73 +160,7 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
                           spares=spares, processes=processes)
 
 
-def _external_files(backend: str, builders: Builders, encoding: GraphEncoding,
-                    options: LoadOptions) -> dict[str, Tensor]:
-    """The external data files of a registered ONNX model, for its process, which may not
-    read the model's folder: tensors named :data:`EXTERNAL` + their location, which the
-    process hands its backend (``LoadOptions.external_data``). Those the caller gave in
-    ``options.external_data``, else read and checked here (see :func:`_read_external`)."""
-    files = options.external_data or _read_external(backend, builders, encoding,
-                                                    options.source)
-    return {EXTERNAL + location: Tensor.from_bytes([len(data)], TensorType.U8, data)
-            for location, data in files.items()}
-
-
-def _read_external(backend: str, builders: Builders, encoding: GraphEncoding, source: str
-                   ) -> dict[str, bytes]:
-    """The external data files of the ONNX model the host read from the file ``source``,
-    read and checked (see :mod:`._onnx_check`); again for each load (as a load in this
-    process reads them), so that the host keeps no copy. Empty for another model, and
-    for bytes that are no ONNX model (the process's backend says what is wrong with
-    them)."""
-    folder = external_data_folder(source)
-    if folder is None or len(builders) != 1 or not _onnx(builders, encoding):
-        return {}
-    try:
-        locations = check_external_data(backend, builders[0], folder)
-    except InvalidEncodingError:
-        return {}
-    return read_external_data(backend, folder, locations) if locations else {}
-
-
-def _onnx(builders: Builders, encoding: GraphEncoding) -> bool:
-    if encoding is GraphEncoding.AUTODETECT:
-        try:
-            encoding = detect_encoding(builders)
-        except InvalidEncodingError:
-            return False
-    return encoding is GraphEncoding.ONNX
-
-
-def _error(payload: Mapping[str, Any]) -> WasiNNError:
-    """The wasinn error a child reported (BackendRuntimeError for a class it may not
-    name)."""
-    kind, message = payload["error"]  # (two strs: checked by read_reply)
-    cls = getattr(errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, WasiNNError)):
-        cls = BackendRuntimeError
-    return cls(bounded_message(message, MAX_MESSAGE_BYTES))
-
-
-#: The most UTF-8 bytes of a child's error message an error keeps (its start and end).
-MAX_MESSAGE_BYTES = 16 * 1024
-
-
-def _lost_context(payload: Mapping[str, Any], device: Device) -> bool:
-    """Whether the process that reported a run's error in ``payload`` has lost its CUDA
-    context: on a GPU only, where the process found that from its library's own
-    exception (see :func:`wasinn.backends.cuda.sticky_error`) and said so with a flag.
-    Never from the error's message, which may quote the model (a node's name) or a
-    caller's text (an input's): a CPU process has no CUDA context to lose, and a
-    phrase a model names must not retire its process at every run."""
-    return device.kind is not ExecutionTarget.CPU and payload.get("lost_context") is True
-
-
-class _NoRoom(Exception):
-    """No process was started beside a busy one: the host runs its most."""
-
-
-class SandboxedGraph(CompiledGraph):
+class SandboxedGraph(CompiledGraph, GraphProcesses):
     """A graph compiled and run in child processes (see the module docstring): up to
     ``processes`` at once, one per concurrent run, each started when a run first finds
     every other one busy, and each holding its own copy of the model. ``spares``: the
@@ -283,7 +205,7 @@ class SandboxedGraph(CompiledGraph):
         self._files = {str(i): Tensor.from_bytes([len(b)], TensorType.U8, bytes(b))
                        for i, b in enumerate(builders)}
         #: Where a registered ONNX model's external data is read from for each load: the
-        #: builders, encoding and options (see _external_files).
+        #: builders, encoding and options (see :func:`~._sandbox_external.external_files`).
         self._external_of = (builders, encoding, options)
         #: Bytes a run's outputs are expected to need in the arena: the largest so far.
         self._reserve = 0
@@ -294,7 +216,7 @@ class SandboxedGraph(CompiledGraph):
         self._idle: list[SandboxProcess] = []
         # Dropped without close(): its idle processes are closed as it is collected (the
         # bound holds it only weakly), so they do not hold places under the bound for ever.
-        weakref.finalize(self, _close_idle, self._idle, self._limit)
+        weakref.finalize(self, close_idle, self._idle, self._limit)
         self._busy: set[SandboxProcess] = set()
         self._starting = 0
         try:
@@ -342,212 +264,6 @@ class SandboxedGraph(CompiledGraph):
         pids = self.pids
         return pids[0] if pids else None
 
-    def _start(self, *, make_room: bool = True) -> tuple[SandboxProcess, dict[str, Any]]:
-        """A process that has loaded the model, and what it said of the model. Unless
-        ``make_room``, at the host's bound on sandbox processes: :class:`_NoRoom`, and
-        nothing started."""
-        # (first: a registered model's external data may be refused)
-        files = {**self._files, **_external_files(self._backend.name, *self._external_of)}
-        child = self._spares.take(self._backend, self._confined, make_room=make_room)
-        if child is None:
-            raise _NoRoom
-        payload = self._load_in(child, files)
-        try:
-            # (after the load: a spare's imports would slow it; it raises nothing)
-            self._spares.replenish(self._backend, self._confined)
-            if self._confined:
-                confined = payload.get("confined")
-                self.confinement = confined if isinstance(confined, dict) else None
-                _confine.log_report(self.confinement, "sandboxed model", "sandbox processes")
-        except BaseException:  # (nobody else holds the loaded process: not left running)
-            child.close()
-            raise
-        return child, payload
-
-    def _load_in(self, child: SandboxProcess, files: Mapping[str, Tensor]) -> dict[str, Any]:
-        """Have ``child`` load the model from ``files``: what it said of the model."""
-        name = self._backend.name
-        forget = on_current_cancel(child.stop_loading)
-        try:
-            payload, _ = child.call(self._load, files)
-            child.loaded()
-            child.arena.release()  # the model's bytes
-        except (EOFError, OSError):
-            how = child.ended()
-            if child.killed_for_cancel:
-                raise BackendRuntimeError(
-                    f"{name}: cancelled while a process loaded the model: it was "
-                    "stopped") from None
-            with self._cond:
-                self.backoff.crashed(how)
-            raise InvalidEncodingError(
-                f"{name}: the process loading the model {how}: the library "
-                "crashed on it (the host goes on)") from None
-        except ValueError as exc:
-            child.close()
-            raise BackendRuntimeError(
-                f"{name}: the process loading the model answered badly: {exc}") from None
-        except BaseException:  # the arena could not grow for the model, ...: not kept
-            child.close()
-            raise
-        finally:
-            forget()
-        if "error" in payload:
-            child.close()
-            raise _error(payload)
-        log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
-                  name, self.device.name)
-        return payload
-
-    # -- the processes a run takes --------------------------------------------------------
-    def _acquire(self, caller: str | None) -> SandboxProcess:
-        """An idle process, or a new one where fewer than :attr:`processes` run (after a
-        crash, once the graph's back-off allows: waited for); else wait for one to be
-        idle. A process beside a busy one starts only below the host's bound on sandbox
-        processes. TooLargeError, nothing taken or started, while the back-off of a
-        ``caller`` whose runs crashed the process holds its runs (see :meth:`_refused`);
-        BackendRuntimeError when the job is cancelled while it waits."""
-        cancelled = threading.Event()
-        forget = on_current_cancel(functools.partial(self._wake, cancelled))
-        try:
-            room = True  # whether a process beside a busy one may be tried
-            while True:
-                got = self._idle_or_start(room, cancelled, caller)
-                if isinstance(got, SandboxProcess):
-                    return got
-                child = self._started(first=got)
-                if child is not None:
-                    return child
-                room = False  # at the host's bound: wait for its own
-        finally:
-            forget()
-
-    def _idle_or_start(self, room: bool, cancelled: threading.Event, caller: str | None
-                       ) -> SandboxProcess | bool:
-        """An idle process, taken; else True to start the graph's only process (the
-        back-off's wait over), False to start one beside a busy one (``room``): counted
-        as starting. Waits meanwhile; TooLargeError once ``caller``'s back-off holds its
-        runs, before or while it waits."""
-        name = self._backend.name
-        backoff = self.backoff
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise ClosedResourceError(f"{name}: the graph is closed")
-                held = backoff.holding(caller)
-                if held:
-                    raise self._refused(caller, held)
-                child = self._take_idle()
-                if child is not None:
-                    return child
-                live = len(self._busy) + self._starting
-                wait = backoff.remaining(caller)
-                if not live and not wait:
-                    self._starting += 1
-                    return True
-                if live and room and live < self.processes and not wait:
-                    self._starting += 1
-                    return False
-                if cancelled.is_set():
-                    raise BackendRuntimeError(
-                        f"{name}: cancelled while waiting for a process of the model "
-                        + self._why_waiting(live, wait))
-                self._cond.wait(None if live else wait)
-
-    def _refused(self, caller: str | None, held: float) -> TooLargeError:
-        """The refusal of a run of ``caller``, whose back-off holds its runs ``held`` s
-        more (under the lock). Refused, not kept waiting: a run waits in its device's
-        worker thread, so a caller crashing the process with several requests in flight
-        would hold every worker slot of the device, and starve the other callers that
-        its back-off is there to spare."""
-        return TooLargeError(
-            f"{self._backend.name}: this caller's runs crashed the model's process "
-            f"{self.backoff.crashes_of(caller)} times less than {QUIET_S:g} s apart: its "
-            f"runs are refused for {held:.1f} s more, without a process taken or started; "
-            "other callers' runs go on: retry after that")
-
-    def _why_waiting(self, live: int, wait: float) -> str:
-        """Why a run waited for a process, in brackets (under the lock)."""
-        if live:
-            return "(each was busy)"
-        return (f"(after {self.backoff.crashes_of(None)} crashes, a new one starts in "
-                f"{wait:.1f} s)")
-
-    def _take_idle(self) -> SandboxProcess | None:
-        """An idle process, moved to the busy ones (under the lock); one that died while
-        idle is dropped, and one being ended to make room for another graph's is left to
-        that."""
-        while self._idle:
-            child = self._idle.pop()
-            if not self._limit.claim(child):
-                continue
-            if child.process.poll() is not None:  # died while idle (OOM killer)
-                log.warning("%s: sandbox process %d %s while idle: a new one runs the next "
-                            "run", self._backend.name, child.process.pid, child.ended())
-                continue
-            self._busy.add(child)
-            return child
-        return None
-
-    def _started(self, *, first: bool) -> SandboxProcess | None:
-        """A process started for a run (counted as starting), the graph's ``first`` (only)
-        one or one beside a busy one: None for the latter at the host's bound."""
-        try:
-            child, _ = self._start(make_room=first)
-        except _NoRoom:
-            child = None
-        except BaseException:
-            with self._cond:
-                self._starting -= 1
-                self._cond.notify()
-            raise
-        with self._cond:
-            self._starting -= 1
-            if child is None:
-                return None
-            if not self._closed:
-                self._busy.add(child)
-                return child
-        child.close()
-        raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
-
-    def _release(self, child: SandboxProcess) -> None:
-        """Back to the idle processes after a run, unless it died (it was then waited
-        for) or the graph was closed meanwhile."""
-        alive = child.process.poll() is None
-        with self._cond:
-            self._busy.discard(child)
-            keep = alive and not self._closed
-            if keep:
-                self._idle.append(child)
-                self._may_end(child)
-            self._cond.notify()
-        if alive and not keep:  # the graph was closed while it ran
-            child.close()
-
-    def _may_end(self, child: SandboxProcess) -> None:
-        """``child``, idle now, may be ended to make room for another graph's process
-        (under the lock). The bound holds the graph weakly: one dropped without
-        :meth:`close` is collected, its idle processes closed then (see its ``__init__``)."""
-        self._limit.idle(child, functools.partial(_end_idle, weakref.ref(self), child))
-
-    def _end(self, child: SandboxProcess) -> None:
-        """End idle ``child`` to make room for another graph's process (the limit's call):
-        the next run starts one again, as after a crash, which this is not."""
-        with self._cond:
-            with contextlib.suppress(ValueError):
-                self._idle.remove(child)
-            self._cond.notify()
-        log.info("%s: idle sandbox process %d ended to make room for another graph's (the "
-                 "host runs its most sandbox processes); the next run starts one again",
-                 self._backend.name, child.process.pid)
-        child.close()
-
-    def _wake(self, cancelled: threading.Event) -> None:
-        cancelled.set()
-        with self._cond:
-            self._cond.notify_all()
-
     # -- runs -----------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
             keep_on_device: bool = False) -> dict[str, Tensor]:
@@ -569,7 +285,7 @@ class SandboxedGraph(CompiledGraph):
         child = self._acquire(caller)
         try:
             payload, result = self._run_in(child, named, expected, known, caller)
-            if "error" in payload and _lost_context(payload, self.device):
+            if "error" in payload and lost_context(payload, self.device):
                 raise self._retired(child, payload, named, known, caller)
         finally:
             self._release(child)
@@ -577,7 +293,7 @@ class SandboxedGraph(CompiledGraph):
             with self._cond:
                 self.backoff.ran(known)  # an earlier crash was not theirs
         if "error" in payload:
-            raise _error(payload)
+            raise child_error(payload)
         self._reserve = max(self._reserve, min(self._most, sum(t.nbytes + ALIGN
                                                                for t in result.values())))
         return result
@@ -637,13 +353,13 @@ class SandboxedGraph(CompiledGraph):
                  inputs: Mapping[str, Tensor], digest: bytes | None, caller: str | None
                  ) -> WasiNNError:
         """The error a run's process reported, which lost its CUDA context (see
-        :func:`_lost_context`): the process is retired, as its every later run would fail
-        the same way, and this counts as a crash of ``caller``'s ``inputs`` (see
-        :meth:`_crashed`), so that inputs that keep doing it do not keep the host
-        starting processes. The host's own context is fine: the error is a wasinn error
-        carrying the child's text, which the host's device watch does not read (see
-        :func:`wasinn.backends.cuda.sticky_error`)."""
-        error = _error(payload)
+        :func:`~._sandbox_errors.lost_context`): the process is retired, as its every
+        later run would fail the same way, and this counts as a crash of ``caller``'s
+        ``inputs`` (see :meth:`_crashed`), so that inputs that keep doing it do not keep
+        the host starting processes. The host's own context is fine: the error is a
+        wasinn error carrying the child's text, which the host's device watch does not
+        read (see :func:`wasinn.backends.cuda.sticky_error`)."""
+        error = child_error(payload)
         child.close()
         then = self._crashed("lost its CUDA context", inputs, digest, caller)
         return error.suffixed(
@@ -671,23 +387,4 @@ class SandboxedGraph(CompiledGraph):
             self._closed = True
             idle, self._idle = self._idle, []
             self._cond.notify_all()
-        _close_idle(idle, self._limit)
-
-
-def _end_idle(graph: weakref.ref[SandboxedGraph], child: SandboxProcess) -> None:
-    # The bound's call to end idle ``child`` (see SandboxedGraph._may_end): through its
-    # graph, or, the graph collected meanwhile, by closing it (which frees its slot).
-    alive = graph()
-    if alive is not None:
-        alive._end(child)
-    else:
-        child.close()
-
-
-def _close_idle(idle: list[SandboxProcess], limit: ProcessLimit) -> None:
-    # A graph's idle processes, as it is closed or collected without close(): but one the
-    # bound is ending to make room for another graph's (whoever claims a process closes
-    # it).
-    for child in list(idle):
-        if limit.claim(child):
-            child.close()
+        close_idle(idle, self._limit)

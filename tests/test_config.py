@@ -843,7 +843,8 @@ async def test_external_data_swapped_after_its_check_is_refused_not_read(
     # sandboxed model's are read by the host's side of the sandbox.
     require_backend(backend)
     module = importlib.import_module("wasinn.backends." + (
-        "sandbox" if sandbox else "onnxruntime" if backend == "onnxruntime" else "_ovread"))
+        "_sandbox_external" if sandbox else "onnxruntime" if backend == "onnxruntime"
+        else "_ovread"))
     models = tmp_path / "models"
     models.mkdir()
     external_weights_model(models)

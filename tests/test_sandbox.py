@@ -906,16 +906,16 @@ def test_a_runs_outputs_are_checked_against_what_it_asked_for() -> None:
 
 
 def test_a_childs_long_error_message_keeps_its_start_and_end() -> None:
-    from wasinn.backends.sandbox import MAX_MESSAGE_BYTES, _error
+    from wasinn.backends._sandbox_errors import MAX_MESSAGE_BYTES, child_error
 
     message = "start " + "x" * 1_000_000 + " expected the end"
-    error = _error({"error": ["InvalidArgumentError", message]})
+    error = child_error({"error": ["InvalidArgumentError", message]})
     assert isinstance(error, InvalidArgumentError)
     assert len(error.message.encode()) <= MAX_MESSAGE_BYTES + 64
     assert error.message.startswith("start xxx") and error.message.endswith(
         "x expected the end")
     assert "bytes elided" in error.message
-    short = _error({"error": ["NoSuchClass", "short"]})
+    short = child_error({"error": ["NoSuchClass", "short"]})
     assert type(short) is BackendRuntimeError and short.message == "short"
 
 
