@@ -239,6 +239,18 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
+class RecordingFairPolicy(FairSharePolicy):
+    """A fair policy that notes each charge, ``(tenant, seconds)``, in ``charged``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charged: list[tuple[str, float]] = []
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        self.charged.append((tenant, seconds))  # (any thread: list.append is atomic)
+        super().charge(tenant, seconds)
+
+
 #: Each fair-device test's load: three requests of 10 s for "heavy", twenty of 1 s for
 #: "light", queued behind a gated job, in that order.
 LOAD = (("heavy", 10.0, 3), ("light", 1.0, 20))
@@ -300,6 +312,46 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
     assert await serve_load(fake_clock, leased) == SHARED_ORDER
 
 
+async def test_a_fair_device_charges_a_run_that_ends_while_a_job_waits_for_its_thread(
+        fake_clock: list[float]) -> None:
+    # A job that holds no slot (a compile or a warm-up handed to the worker threads)
+    # waits for the only thread while a's run goes on. When that run ends, its thread
+    # passes no slot on (the slot is freed in trio, and the thread handed to that job
+    # first), but the run is a's device time all the same: queued before b's, a's next
+    # request would be served first were its 10 s not charged.
+    ran: list[str] = []
+
+    def job(name: str, cost: float, gate: threading.Event | None = None) -> None:
+        if gate is not None and not gate.wait(timeout=30):
+            raise RuntimeError("gate never opened")
+        ran.append(name)
+        fake_clock[0] += cost
+
+    def request(tenant: str, cost: float, gate: threading.Event | None = None
+                ) -> Callable[[], Awaitable[object]]:
+        return functools.partial(actor.execute,
+                                 functools.partial(job, tenant, cost, gate), tenant=tenant)
+
+    policy = RecordingFairPolicy()
+    actor = DeviceActor(Device(ExecutionTarget.CPU), workers=1, policy=policy)
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(actor.serve)
+        async with trio.open_nursery() as requests:
+            requests.start_soon(request("a", 10.0, gate))
+            await trio.testing.wait_all_tasks_blocked()
+            requests.start_soon(actor.threads.run, functools.partial(job, "unslotted", 0.0))
+            await trio.testing.wait_all_tasks_blocked()
+            for tenant in ("a", "b"):
+                requests.start_soon(request(tenant, 1.0))
+                await trio.testing.wait_all_tasks_blocked()
+            assert actor.queued == 2 and actor.threads.busy == 2
+            gate.set()
+        nursery.cancel_scope.cancel()
+    assert ran == ["a", "unslotted", "b", "a"]
+    assert policy.charged == [("a", 10.0), ("b", 1.0), ("a", 1.0)]
+
+
 def test_a_free_slot_run_that_ends_while_others_wait_is_a_debt_of_its_tenant() -> None:
     # Before, a tenant the policy did not know yet (it never queued: its runs all found
     # a slot free) was not charged at all, where a known one is: its run taken while
@@ -337,17 +389,12 @@ async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
     fake = types.SimpleNamespace(perf_counter=lambda: fake_clock[0])
     monkeypatch.setattr(device_module, "time", fake)
     monkeypatch.setattr(leasedesk_module, "time", fake)
-    charged: list[tuple[str, float]] = []
-
-    class Recording(FairSharePolicy):
-        def charge(self, tenant: str, seconds: float) -> None:
-            charged.append((tenant, seconds))
-            super().charge(tenant, seconds)
+    policy = RecordingFairPolicy()
 
     def job() -> None:
         fake_clock[0] += 2.5
 
-    actor = DeviceActor(Device(ExecutionTarget.CPU), workers=1, policy=Recording())
+    actor = DeviceActor(Device(ExecutionTarget.CPU), workers=1, policy=policy)
     async with trio.open_nursery() as nursery:
         await nursery.start(actor.serve)
         lease = actor.try_lease(job, tenant="bob")
@@ -357,7 +404,7 @@ async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
         assert untagged is not None
         await trio.to_thread.run_sync(untagged.run)
         nursery.cancel_scope.cancel()
-    assert charged == [("bob", 2.5), ("", 2.5)]
+    assert policy.charged == [("bob", 2.5), ("", 2.5)]
 
 
 # Weighted shares ([tenants.NAME] weight).
