@@ -16,197 +16,52 @@ ones included) and waits for them, at most each pool's ``close_timeout`` seconds
 those threads, then frees every compiled graph (one still used by a job that outlived
 the timeout is freed when that job ends; see :mod:`wasinn.actors.device`). A pool that
 finds no device is logged as a warning (logger ``wasinn.scheduler``).
+
+Besides its lifetime and the API here, the runtime's parts live beside it: its pools made
+into device actors in :mod:`._pools`, the loading of models and registry entries in
+:mod:`._loading`, and the checking of what callers hand it in :mod:`._arguments`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
-from wasinn.actors.batching import Batching, check_batchable
+from wasinn.actors.batching import Batching
 from wasinn.actors.device import DeviceActor
-from wasinn.actors.queue import policy_for
 from wasinn.actors.stats import DeviceStats, ModelStats, TenantStats
-from wasinn.backends.base import MAX_THREADS, Backend, Device, LoadOptions, sandbox_setting
-from wasinn.backends.registry import DEFAULT_PREFERENCE, BackendRegistry
-from wasinn.backends.sandbox import MIN_MAX_BYTES, ProcessLimit, Spares
-from wasinn.configs import check_precision, shown_name
+from wasinn.backends.base import Backend, Device, LoadOptions
+from wasinn.backends.sandbox import ProcessLimit, Spares
+from wasinn.configs import shown_name
 from wasinn.enums import ExecutionTarget, GraphEncoding
-from wasinn.errors import (
-    ClosedResourceError,
-    InvalidArgumentError,
-    InvalidEncodingError,
-    NotFoundError,
-    SecurityError,
-    UnsupportedOperationError,
-    WasiNNError,
-)
-from wasinn.files import OutsideError, read_regular
-from wasinn.tensor import as_int
+from wasinn.errors import ClosedResourceError, InvalidArgumentError, WasiNNError
 
+from ._arguments import backend_instances, check_backend_options, checked_options, owned_builders
+from ._loading import ModelLoading, pipeline_key
+from ._pools import plan_pools
 from .actorhost import ActorHost
 from .graph import Graph
-from .model import Executable, LoadedModel
-from .names import Entry, LoadedGraphs, NameRegistry, merged_figures
-from .pipeline import Pipeline, PipelineModel, check_chain_batchable, resolve_wiring
+from .names import LoadedGraphs, NameRegistry, merged_figures
+from .pipeline import Pipeline, PipelineModel
 from .placement import Scheduler
 from .tenants import TenantLedger
 from .triorun import check_trio_run, yields_when_refused
 from .warmup import WarmUp, preload
 
 if TYPE_CHECKING:
-    from wasinn.configs.schema import PipelineConfig, PoolConfig, RuntimeConfig
+    from wasinn.configs.schema import RuntimeConfig
 
 log = logging.getLogger("wasinn.scheduler")
 
 
-def _owned_builders(builders: object) -> tuple[bytes, ...]:
-    if isinstance(builders, bytes | bytearray | memoryview | str) or not isinstance(
-        builders, Sequence
-    ):
-        raise InvalidArgumentError(
-            f"builders must be a sequence of bytes-like objects (one per model file), "
-            f"not {type(builders).__name__}"
-        )
-    owned = []
-    for i, builder in enumerate(builders):
-        if isinstance(builder, bytes):
-            owned.append(builder)
-        elif isinstance(builder, bytearray | memoryview):
-            owned.append(bytes(builder))  # the caller may reuse its memory: keep our copy
-        else:
-            raise InvalidArgumentError(
-                f"builder {i} is {type(builder).__name__}: expected bytes, bytearray or "
-                "memoryview"
-            )
-    if not owned:
-        raise InvalidEncodingError("empty builder list: expected the model's bytes")
-    return tuple(owned)
-
-
-def _load_options(options: LoadOptions | Mapping[str, Any] | None) -> LoadOptions:
-    if options is None:
-        return LoadOptions()
-    if isinstance(options, LoadOptions):
-        check_precision(options.precision)
-        _check_max_sandbox_bytes(options.max_sandbox_bytes, _check_sandbox(options.sandbox))
-        threads = _check_threads(options.threads)
-        if threads is not options.threads:  # a numpy integer: kept as a Python int
-            options = dataclasses.replace(options, threads=threads)
-        return options
-    if not isinstance(options, Mapping):
-        raise InvalidArgumentError(
-            f"options must be a mapping or LoadOptions, not {type(options).__name__}"
-        )
-    own = ("precision", "threads", "extra", "sandbox", "max_sandbox_bytes")
-    extra = {k: v for k, v in options.items() if k not in own}
-    nested = options.get("extra", {})
-    if not isinstance(nested, Mapping):
-        raise InvalidArgumentError(
-            f"options extra={nested!r:.60}: expected a mapping of backend options")
-    extra.update(nested)  # {"extra": {...}} is LoadOptions' own spelling: accept it too
-    precision = options.get("precision", "f32")
-    threads = _check_threads(options.get("threads", 0))
-    sandbox = _check_sandbox(options.get("sandbox", False))
-    max_bytes = options.get("max_sandbox_bytes")
-    _check_max_sandbox_bytes(max_bytes, sandbox)
-    return LoadOptions(precision=check_precision(precision), threads=threads, extra=extra,
-                       sandbox=sandbox, max_sandbox_bytes=max_bytes)
-
-
-def _check_sandbox(sandbox: object) -> bool | Literal["cpu"]:
-    setting = sandbox_setting(sandbox)
-    if setting is not None:
-        return setting
-    raise InvalidArgumentError(
-        f"options sandbox={sandbox!r:.60}: expected True (the graph runs in a process of "
-        "its own), 'cpu' (so on the CPU only) or False")
-
-
-def _check_max_sandbox_bytes(max_bytes: object, sandbox: object) -> None:
-    if max_bytes is None:
-        return
-    if type(max_bytes) is not int or max_bytes < MIN_MAX_BYTES:
-        raise InvalidArgumentError(
-            f"options max_sandbox_bytes={max_bytes!r:.60}: expected the bytes a sandboxed "
-            f"graph's process may hold, an integer of at least {MIN_MAX_BYTES}")
-    if not sandbox:
-        raise InvalidArgumentError(
-            f"options max_sandbox_bytes={max_bytes} without sandbox=True: it bounds the "
-            "process a sandboxed graph runs in, and this graph runs in the host's")
-
-
-def _backend_instances(backends: object) -> tuple[Backend, ...]:
-    # Runtime(backends=...): backend instances, checked before anything reads their name.
-    expected = "expected an iterable of wasinn.backends.Backend instances"
-    if isinstance(backends, Backend | str | bytes):
-        raise InvalidArgumentError(f"backends={backends!r:.60}: {expected} (wrap one in a list)")
-    try:
-        given: tuple[object, ...] = tuple(backends)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"backends={backends!r:.60} ({type(backends).__name__}): {expected}") from None
-    for i, backend in enumerate(given):
-        if not isinstance(backend, Backend):
-            raise InvalidArgumentError(
-                f"backends[{i}] is {type(backend).__name__}: {expected}")
-    return cast("tuple[Backend, ...]", given)
-
-
-def _check_threads(threads: object) -> int:
-    count = as_int(threads)
-    if count is None or not 0 <= count <= MAX_THREADS:
-        raise InvalidArgumentError(
-            f"options threads={threads!r:.60}: expected a thread count from 0 (the "
-            f"backend's default) to {MAX_THREADS}")
-    return count
-
-
-def _check_backend_options(options: LoadOptions, backend: str | None,
-                           known: Callable[[], list[str]]) -> None:
-    """InvalidArgumentError for a backend option that the named backend (or, with none
-    named, every backend here: ``known()``) does not read: the rules a config's model
-    options follow (a misspelt key would otherwise be ignored without a word)."""
-    from wasinn.configs import option_problem, read_by_no_backend
-
-    for key, value in options.extra.items():
-        problem = option_problem(backend, key, value)
-        if problem is None and backend is None:
-            problem = read_by_no_backend(key, known())
-        if problem is not None:
-            raise InvalidArgumentError(f"options {key!r}: {problem}")
-
-
-def _read_files(paths: Sequence[Path], name: str, inside: Sequence[Path | None]
-                ) -> tuple[bytes, ...]:
-    # ``inside``: for each path, the directory the file opened must lie in, or None.
-    out = []
-    for path, folder in zip(paths, inside, strict=True):
-        try:  # (a FIFO or a device would block the load)
-            out.append(read_regular(path, inside=folder))
-        except OutsideError as exc:
-            raise SecurityError(f"model {name!r}: its file {str(path)!r}: {exc.strerror}"
-                                ) from None
-        except OSError as exc:
-            raise NotFoundError(
-                f"model {name!r} is registered but its file {str(path)!r} cannot be read: "
-                f"{exc.strerror or exc}" + (": expected a model file"
-                                            if exc.errno in (errno.EINVAL, errno.EISDIR)
-                                            else "")
-            ) from None
-    return tuple(out)
-
-
-class Runtime:
+class Runtime(ModelLoading):
     """Device actors, placement, the model registry and the async API, for one config.
 
     ``Runtime()`` uses the embedded default (``wasinn/configs/default.toml``: every
@@ -227,7 +82,7 @@ class Runtime:
         from wasinn.configs.loader import check_backends, load_config, packaged_config
         from wasinn.configs.schema import RuntimeConfig
 
-        self._extra = _backend_instances(backends)
+        self._extra = backend_instances(backends)
         if config is None:
             config = packaged_config()
         elif isinstance(config, (str, Path)):  # as from_config
@@ -297,7 +152,7 @@ class Runtime:
         if self._started:
             raise InvalidArgumentError("a Runtime can be started once")
         self._started = True
-        actors, registries = await trio.to_thread.run_sync(self._plan)
+        actors, registries = await trio.to_thread.run_sync(plan_pools, self._config, self._extra)
         self._tenants.attach(actors)  # (weights set since the config's)
         self._check_not_closed_while_starting()
         fallback = self._config.runtime.fallback
@@ -334,7 +189,7 @@ class Runtime:
         # stops the runtime again (see wasinn.scheduler.warmup).
         config = self._config
         keys = {**{name: f"{config.model_key(name)}.warmup_inputs" for name in config.models},
-                **{name: _pipeline_key(config, name, "warmup_inputs")
+                **{name: pipeline_key(config, name, "warmup_inputs")
                    for name in config.pipelines}}
         plan = {name: WarmUp(entry.warmup,
                              {k: tuple(dims) for k, dims in entry.warmup_inputs.items()},
@@ -383,74 +238,6 @@ class Runtime:
                 # left from a cancelled scope (a timeout, Ctrl-C) must not leave them.
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._spares.close)
-
-    def _plan(self) -> tuple[list[DeviceActor], dict[ExecutionTarget, BackendRegistry]]:
-        # Runs in a worker thread: asking backends for devices may import their libraries.
-        from wasinn.configs import ConfigError
-
-        config = self._config
-        actors: list[DeviceActor] = []
-        registries: dict[ExecutionTarget, BackendRegistry] = {}
-        for pool_name, pool in config.pools.items():
-            kind = ExecutionTarget.coerce(pool.kind)
-            preference = pool.backends or config.runtime.backends or DEFAULT_PREFERENCE
-            try:
-                registry = BackendRegistry(preference, extra=self._extra)
-            except InvalidArgumentError as exc:
-                # Checked when the runtime was made; kept for a config changed since.
-                key = (f"pools.{pool_name}.backends" if pool.backends
-                       else "runtime.backends")
-                raise ConfigError(f"{config.source or '<config>'}: {key}: {exc.message}"
-                                  ) from None
-            devices = self._pool_devices(pool_name, pool, kind, registry)
-            if devices:
-                registries[kind] = registry
-            else:
-                # Not an error (a config may list pools for hardware some hosts lack),
-                # but a runtime whose only pool found nothing cannot run anything: say so.
-                asked = ", ".join(n for n in (pool.backends or registry.installed())
-                                  if registry.is_installed(n)) or "none installed"
-                fallback = config.runtime.fallback
-                then = (f"{kind.value} targets fall back to {fallback}"
-                        if fallback and fallback != kind.value
-                        else f"{kind.value} targets get unsupported-operation")
-                log.warning("pool %s (kind %s): no device found (backends asked: %s); "
-                            "the pool has no actor, %s", pool_name, kind.value, asked, then)
-            actors += [DeviceActor(d, workers=pool.workers, queue_limit=pool.queue_limit,
-                                   policy=policy_for(pool.policy, config.tenant_weights),
-                                   inline_below=pool.inline_below_us * 1e-6,
-                                   close_timeout=pool.close_timeout,
-                                   pin_handoffs=pool.pin_handoffs,
-                                   compile_threads=pool.compile_threads)
-                       for d in devices]
-        if not actors:
-            log.warning("no pool found a device: this runtime can run no model (pools: %s)",
-                        ", ".join(config.pools) or "none")
-        return actors, registries
-
-    def _pool_devices(self, pool_name: str, pool: PoolConfig, kind: ExecutionTarget,
-                      registry: BackendRegistry) -> list[Device]:
-        if kind is ExecutionTarget.CPU:
-            return [Device(ExecutionTarget.CPU)]  # every backend runs on the CPU
-        names = [n for n in (pool.backends or registry.installed()) if registry.is_installed(n)]
-        reported: set[Device] = set()
-        for name in names:
-            try:
-                reported.update(d for d in registry.get(name).devices() if d.kind is kind)
-            except WasiNNError as exc:
-                log.warning("pool %s: backend %s cannot list devices: %s", pool_name, name, exc)
-        if pool.devices == "auto":
-            return sorted(reported)
-        wanted = [Device.parse(n) for n in pool.devices]
-        for i, device in enumerate(wanted):
-            if device not in reported:
-                found = ", ".join(d.name for d in sorted(reported)) or "none"
-                raise UnsupportedOperationError(
-                    f"{self._config.source or '<config>'}: pools.{pool_name}.devices[{i}]: "
-                    f"device {device} is not reported by any backend "
-                    f"({', '.join(names) or 'none installed'}); found: {found}"
-                )
-        return wanted
 
     # -- what is here -------------------------------------------------------------------------
     @property
@@ -580,7 +367,7 @@ class Runtime:
         UnsupportedOperationError (no device or backend for the target).
         """
         self._check_trio("load")
-        owned = _owned_builders(builders)
+        owned = owned_builders(builders)
         if batching is not None and not isinstance(batching, Batching):
             raise InvalidArgumentError(
                 f"batching must be a wasinn.Batching, not {type(batching).__name__}")
@@ -588,8 +375,8 @@ class Runtime:
             raise InvalidArgumentError(
                 f"name {name!r:.60} ({type(name).__name__}): expected a str naming the model "
                 "in stats, logs and errors")
-        load_options = _load_options(options)
-        _check_backend_options(load_options, backend, lambda: self._backend_names)
+        load_options = checked_options(options)
+        check_backend_options(load_options, backend, lambda: self._backend_names)
         try:
             model, kind = await self._load_model(
                 owned, GraphEncoding.coerce(encoding), target, backend=backend,
@@ -621,112 +408,10 @@ class Runtime:
         except WasiNNError as exc:
             raise exc.prefixed(f"{self._config.model_key(name)}.target"
                                if name in self._config.models
-                               else _pipeline_key(self._config, name, "target")) from exc
+                               else pipeline_key(self._config, name, "target")) from exc
         if isinstance(executable, PipelineModel):
             return Pipeline(executable, scheduler, kind)
         return Graph(executable, scheduler, kind)
-
-    async def _load_model(self, builders: tuple[bytes, ...], encoding: GraphEncoding,
-                          target: ExecutionTarget | str, *, backend: str | None,
-                          options: LoadOptions, name: str, batching: Batching | None = None,
-                          compile_on: ExecutionTarget | None = None
-                          ) -> tuple[LoadedModel, ExecutionTarget]:
-        # Compiled once now, on ``compile_on`` if given (a pipeline's device) else on the
-        # resolved ``target``: its inputs and outputs are read there.
-        scheduler = self._sched
-        kind = scheduler.resolve_target(target) if compile_on is None else compile_on
-        model = LoadedModel(builders, encoding, options, backend_name=backend, name=name,
-                            batching=batching)
-        model.runner = scheduler
-        model.on_release = scheduler.release
-        try:
-            compiled = await scheduler.compile(model, kind)
-            model.inputs, model.outputs = compiled.inputs, compiled.outputs
-            model.input_aliases = compiled.input_aliases
-            model.output_aliases = compiled.output_aliases
-            if batching is not None:
-                check_batchable(model.name, model.inputs, model.outputs)
-        except BaseException:
-            # Nobody holds it: leave nothing compiled, and no compile still under way
-            # (this load was cancelled) cached for a model nobody can unload.
-            scheduler.release(model)
-            raise
-        return model, kind
-
-    async def _load_named(self, name: str, run_on: ExecutionTarget | None) -> Entry:
-        from wasinn.configs.loader import model_file
-
-        config = self._config
-        pipeline = config.pipelines.get(name)
-        if pipeline is not None:
-            return await self._load_pipeline(name, pipeline)
-        entry = config.models[name]
-        try:
-            paths = [model_file(config, f) for f in entry.files]
-            # A relative file must still lie in the config directory once opened.
-            base = config.base_dir.resolve()
-            inside = [None if Path(f).is_absolute() else base for f in entry.files]
-            builders = await trio.to_thread.run_sync(_read_files, paths, name, inside)
-        except WasiNNError as exc:  # say which registry entry names it
-            raise exc.prefixed(config.model_key(name)) from exc
-        # The file the host read: where an ONNX model's external data may lie.
-        options = LoadOptions(precision=entry.precision, threads=entry.threads,
-                              extra=dict(entry.options), source=str(paths[0]),
-                              sandbox=entry.sandbox,
-                              max_sandbox_bytes=entry.max_sandbox_bytes)
-        try:
-            model, _ = await self._load_model(
-                builders, GraphEncoding.coerce(entry.encoding), entry.target,
-                backend=entry.backend, options=options, name=name,
-                batching=entry.batching_spec(), compile_on=run_on)
-        except WasiNNError as exc:  # say which registry entry would not load
-            raise exc.prefixed(config.model_key(name)) from exc
-        return model, entry.target
-
-    async def _load_pipeline(self, name: str, pipeline: PipelineConfig) -> Entry:
-        # Each step is held from the moment the registry hands it over, so that another
-        # caller's load and unload of that model meanwhile cannot free it under us; if
-        # anything fails (or the load is cancelled), the steps are let go again, which
-        # frees those nobody else holds: a failed load leaves nothing compiled.
-        scheduler = self._sched
-        try:
-            kind = scheduler.resolve_target(pipeline.target)
-        except WasiNNError as exc:
-            raise exc.prefixed(_pipeline_key(self._config, name, "target")) from exc
-        steps: list[LoadedModel] = []
-        try:
-            for i, step in enumerate(pipeline.steps):
-                # Compiled on the pipeline's device, whatever the model's own target.
-                try:
-                    executable, _ = await self._names.get(step.model, run_on=kind)
-                except WasiNNError as exc:
-                    raise exc.prefixed(_step_key(self._config, name, i, kind)) from exc
-                assert isinstance(executable, LoadedModel)
-                executable.retain()  # no checkpoint since the registry returned it
-                steps.append(executable)
-            # Wiring first: its errors come before anything more is compiled.
-            links = resolve_wiring(name, steps, [s.wire for s in pipeline.steps],
-                                   functools.partial(_wire_key, self._config, name))
-            batching = pipeline.batching_spec()
-            if batching is not None:
-                try:  # (before compiling anything more)
-                    check_chain_batchable(name, steps, links)
-                except WasiNNError as exc:
-                    raise exc.prefixed(_pipeline_key(self._config, name, "batching")
-                                       ) from exc
-            # Compile every step on one device of the kind now, so errors surface at load.
-            actor = scheduler.pick(kind, {})
-            for i, step_model in enumerate(steps):
-                try:
-                    await scheduler.session(actor, step_model)
-                except WasiNNError as exc:
-                    raise exc.prefixed(_step_key(self._config, name, i, kind)) from exc
-            made: Executable = PipelineModel(name, steps, links, scheduler, batching=batching)
-        finally:
-            # PipelineModel holds the steps itself now (or nothing does): let ours go.
-            for step_model in steps:
-                step_model.release()
-        return made, pipeline.target
 
     # -- guests -----------------------------------------------------------------------------
     async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
@@ -743,23 +428,3 @@ class Runtime:
         self._sched  # noqa: B018 - raises when the runtime is not running
         return await wasinn.host.runner.run_wasm(self, path, argv=argv, dirs=dirs, env=env,
                                                  stdin=stdin, tenant=tenant)
-
-
-def _step_key(config: RuntimeConfig, pipeline: str, index: int, kind: ExecutionTarget
-              ) -> str:
-    # Where a pipeline's step is written, and the device kind it runs on, for its errors.
-    model = config.pipelines[pipeline].steps[index].model
-    return (f"{_pipeline_key(config, pipeline, f'steps[{index}]')} (model {model!r}, on "
-            f"the pipeline's {kind.value} device)")
-
-
-def _pipeline_key(config: RuntimeConfig, pipeline: str, key: str) -> str:
-    # Where a pipeline's ``key`` is written, for the errors it causes.
-    from wasinn.configs.schema import key_name
-
-    return config.where(f"pipelines.{key_name(pipeline)}.{key}")
-
-
-def _wire_key(config: RuntimeConfig, pipeline: str, step: int) -> str:
-    # Where a pipeline step's wire is written, for resolve_wiring's errors.
-    return _pipeline_key(config, pipeline, f"steps[{step}].wire")

@@ -646,7 +646,7 @@ def test_a_cancelled_pipeline_stops_between_steps() -> None:
     from wasinn.actors.session import Session
     from wasinn.backends.base import Cancellation, current_cancellation, running_under
     from wasinn.errors import BackendRuntimeError
-    from wasinn.scheduler.placement import _run_chain
+    from wasinn.scheduler._jobs import run_chain
     from wasinn.tensor import Tensor
 
     backend = FakeBackend(devices=("cpu",))
@@ -665,10 +665,10 @@ def test_a_cancelled_pipeline_stops_between_steps() -> None:
     second = Session(FakeGraph(backend, cpu, 10.0, gated=False), "fake")
     x = {"x": Tensor.from_numpy(np.zeros((1, 4), np.float32))}
     with running_under(Cancellation()), pytest.raises(BackendRuntimeError, match="cancelled"):
-        _run_chain([first, second], [(("y", "x"),)], x, False)
+        run_chain([first, second], [(("y", "x"),)], x, False)
     assert backend.runs == [("cpu", 0.0)]  # the second step never ran
     # Not cancelled, both steps run.
     plain = Session(FakeGraph(backend, cpu, 1.0, gated=False), "fake")
     with running_under(Cancellation()):
-        out = _run_chain([plain, second], [(("y", "x"),)], x, False)
+        out = run_chain([plain, second], [(("y", "x"),)], x, False)
     assert out["y"].numpy().tolist() == [[11.0] * 4]

@@ -1,0 +1,202 @@
+"""Which backend compiles a model on a device, and the model's compiled session there.
+
+:class:`Sessions` is the part of :class:`~.placement.Scheduler` that compiles: a model's
+backend is chosen once per kind of device (the one it names, else the first of the
+pool's preference order that reads its encoding there), and its actor compiles it on
+first use and caches the session (a sandboxed model in processes of its own). A model
+that names no backend, which the chosen one cannot run on a device, is compiled by the
+next backend that can, with a warning. :meth:`Sessions.release` frees a model's
+sessions on every device when it is unloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import trio
+
+from wasinn.actors.device import DeviceActor
+from wasinn.actors.session import Session
+from wasinn.backends.base import Builders, CompiledGraph, Device, LoadOptions
+from wasinn.backends.formats import detect_encoding
+from wasinn.backends.registry import BackendRegistry
+from wasinn.backends.sandbox import Spares, load_sandboxed
+from wasinn.configs import BACKEND_OPTIONS
+from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.errors import (
+    ClosedResourceError,
+    DeviceLostError,
+    InvalidEncodingError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
+from wasinn.tensor import Tensor
+
+from ._jobs import Link, run_chain
+from .model import Inputs, LoadedModel
+
+log = logging.getLogger("wasinn.scheduler")
+
+
+class Sessions:
+    """Compiled sessions of models on the scheduler's actors (see the module docstring):
+    the scheduler's ``__init__`` sets what follows."""
+
+    actors: list[DeviceActor]
+    #: Sandbox processes started ahead of sandboxed loads (None: each load starts its own).
+    spares: Spares | None
+    _registries: dict[ExecutionTarget, BackendRegistry]
+
+    async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> str:
+        """The name of the backend that runs ``model`` on ``kind`` (chosen once, in a
+        worker thread, because choosing may import the backend's library)."""
+        name = model.backends.get(kind)
+        if name is None:
+            name = await trio.to_thread.run_sync(self._choose, model, kind)
+            model.backends[kind] = name
+            _warn_unread_options(model, name)
+        return name
+
+    def _registry(self, kind: ExecutionTarget) -> BackendRegistry:
+        registry = self._registries.get(kind)
+        if registry is None:
+            raise UnsupportedOperationError(f"no {kind.value} device in this runtime")
+        return registry
+
+    def _choose(self, model: LoadedModel, kind: ExecutionTarget) -> str:
+        if model.encoding is GraphEncoding.AUTODETECT:
+            model.encoding = detect_encoding(model.builders)
+        registry = self._registry(kind)
+        if model.backend_name is None:
+            return registry.choose_name(model.encoding, kind)
+        name = model.backend_name
+        if not registry.reads(name, model.encoding):
+            raise InvalidEncodingError(
+                f"backend {name!r} does not read {model.encoding.value} models"
+            )
+        if not registry.has_device(name, kind):
+            raise UnsupportedOperationError(f"backend {name!r} has no {kind.value} device here")
+        return name
+
+    async def session(self, actor: DeviceActor, model: LoadedModel) -> Session:
+        """``model`` compiled on ``actor``'s device (compiled on first use, then cached).
+
+        A model that names no backend, which the chosen one cannot run there
+        (UnsupportedOperationError: a kernel its library lacks), is compiled by the next
+        backend of the preference order that reads its encoding on that device, with a
+        warning; where none can, the first backend's error is raised."""
+        kind = actor.device.kind
+        backend = await self.backend_for(model, kind)
+        try:
+            return await self._session_with(actor, model, backend)
+        except UnsupportedOperationError as exc:
+            if model.backend_name is not None or model.released:
+                raise
+            return await self._session_with_another(actor, model, backend, exc)
+
+    async def _session_with_another(self, actor: DeviceActor, model: LoadedModel,
+                                    failed: str, exc: UnsupportedOperationError) -> Session:
+        # The backends after ``failed`` in the preference order that read the model's
+        # encoding on ``actor``'s device (asking may import them: in a worker thread).
+        kind = actor.device.kind
+        others = await trio.to_thread.run_sync(self._others, model, kind, failed)
+        tried = [failed]
+        for other in others:
+            try:
+                session = await self._session_with(actor, model, other)
+            except (ClosedResourceError, DeviceLostError):
+                raise  # the runtime or the model closed, the device was lost: not a refusal
+            except WasiNNError:  # (what the first backend said is what the caller hears)
+                tried.append(other)
+                continue
+            log.warning("%s: backend %s cannot run it on %s (%s): it runs on %s instead",
+                        model.name, failed, actor.device, exc.message, other)
+            model.backends[kind] = other
+            _warn_unread_options(model, other)
+            return session
+        if len(tried) == 1:
+            raise exc
+        raise exc.suffixed(f"(nor could {', '.join(tried[1:])})")
+
+    def _others(self, model: LoadedModel, kind: ExecutionTarget, failed: str) -> list[str]:
+        registry = self._registry(kind)
+        names = registry.candidates(model.encoding)
+        later = names[names.index(failed) + 1:] if failed in names else []
+        return [name for name in later if registry.has_device(name, kind)]
+
+    async def _session_with(self, actor: DeviceActor, model: LoadedModel, backend: str
+                            ) -> Session:
+        # ``model`` compiled on ``actor`` by ``backend`` (cached under the model's id).
+        kind = actor.device.kind
+        registry = self._registry(kind)
+        options = model.options
+        if actor.pins_handoffs:
+            # The actor holds the event loop to one CPU while a run is out: a backend
+            # pinning its threads would take that for the process's CPUs.
+            options = dataclasses.replace(options, thread_pinning=False)
+        # A sandboxed graph runs as many processes as its device runs jobs at once, and
+        # its library is imported there only.
+        load = (functools.partial(load_sandboxed, registry.ref(backend), spares=self.spares,
+                                  processes=actor.workers)
+                if options.sandboxed_on(actor.device)
+                else functools.partial(_load_here, registry, backend))
+        compile_graph = functools.partial(load, model.builders, model.encoding,
+                                          actor.device, options)
+        try:
+            session = await actor.session(model.id, compile_graph, backend,
+                                          wanted=lambda: not model.released)
+        except ClosedResourceError:
+            if model.released:
+                raise ClosedResourceError(f"{model.name} was unloaded") from None
+            raise
+        if model.released:
+            # Unloaded once it was cached: release() has evicted it from every device.
+            raise ClosedResourceError(f"{model.name} was unloaded")
+        return session
+
+    async def chain_on(self, actor: DeviceActor, models: Sequence[LoadedModel],
+                       links: Sequence[Link], inputs: Inputs
+                       ) -> Callable[[], dict[str, Tensor]]:
+        """``models`` (a model, or a pipeline's steps wired by ``links``) compiled on
+        ``actor`` now, and a job that runs them there on ``inputs`` (host outputs), for
+        work the scheduler does itself, such as warm-ups."""
+        sessions = [await self.session(actor, model) for model in models]
+        return functools.partial(run_chain, sessions, links, inputs, False)
+
+    def release(self, model: LoadedModel) -> None:
+        """Free ``model``'s compiled graphs on every device (now or after running jobs).
+        Marks it released first: a compile of it still under way is then cancelled (a
+        sandboxed load's process is killed), and one that ends all the same is closed
+        instead of being cached (see DeviceActor.session's ``wanted``)."""
+        model.released = True
+        for actor in self.actors:
+            actor.evict(model.id)
+
+    async def graphs_closed(self) -> None:
+        """Wait until the graphs evicted so far on every device are closed, those whose
+        close blocks (sandboxed ones), which close in a thread, included."""
+        for actor in self.actors:
+            await actor.graphs_closed()
+
+
+def _load_here(registry: BackendRegistry, backend: str, builders: Builders,
+               encoding: GraphEncoding, device: Device, options: LoadOptions
+               ) -> CompiledGraph:
+    # In a worker thread: the first load of a backend imports its library.
+    return registry.get(backend).load(builders, encoding, device, options)
+
+
+def _warn_unread_options(model: LoadedModel, backend: str) -> None:
+    # A model that names no backend may carry options for another (the config accepts a
+    # key some backend here reads): say which ones the chosen backend leaves unread.
+    reads = BACKEND_OPTIONS.get(backend)
+    if reads is None:
+        return  # not built in: it may read anything
+    unread = sorted(key for key in model.options.extra if not reads[1](key))
+    if unread:
+        log.warning("%s runs on %s, which does not read option(s) %s: they are ignored "
+                    "(%s reads %s)", model.name, backend, ", ".join(unread), backend,
+                    reads[0])
