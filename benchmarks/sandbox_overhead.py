@@ -2,16 +2,19 @@
 
     python benchmarks/sandbox_overhead.py [--iters N] [--width W] [--loads N]
 
-Each installed backend loads the same model twice on the CPU: in this process
+Each installed backend loads the same model files twice on the CPU: in this process
 (``Backend.load``) and sandboxed (``wasinn.backends.sandbox.load_sandboxed``); the native
-figure is the library's own call, as in ``backend_overhead.py``. Calls are timed in
-alternating blocks (see :func:`measure`). Printed: the model's load in seconds (median of
-``--loads``), in this process, sandboxed in a process started for it, and sandboxed in a
-spare that had imported the library ahead (:class:`~wasinn.backends.sandbox.Spares`, the
-runtime's default); the MobileNetV2-like run (ratio to native, and to the graph in this
-process); the tiny affine graph's run in microseconds, where only the per-run cost shows
-(the copies into and out of the shared arena, the two messages and the two process
-wake-ups).
+figure is the library's own call on the graph loaded in this process, as in
+``backend_overhead.py``. Every column of a row, and its loads, use the model files
+``backend_overhead.py``'s ``SETUPS`` load (ONNX for ONNX Runtime, OpenVINO IR for
+OpenVINO, TorchScript for PyTorch; the row names them), so that a row compares where the
+graph runs and nothing else. Calls are timed in alternating blocks (see :func:`measure`).
+Printed: the model's load in seconds (median of ``--loads``), in this process, sandboxed
+in a process started for it, and sandboxed in a spare that had imported the library ahead
+(:class:`~wasinn.backends.sandbox.Spares`, the runtime's default); the MobileNetV2-like
+run (ratio to native, and to the graph in this process); the tiny affine graph's run in
+microseconds, where only the per-run cost shows (the copies into and out of the shared
+arena, the two messages and the two process wake-ups).
 """
 
 from __future__ import annotations
@@ -64,23 +67,24 @@ def measure(native: Call, layer: Call, iters: int, warmup: int, block: int = 20
     return native_ms, layer_ms, layer_ms - native_ms
 
 
-def time_loads(backend: Any, model: bytes, encoding: GraphEncoding, count: int,
+def time_loads(backend: Any, model: list[bytes], encoding: GraphEncoding, count: int,
                spare_wait: float) -> tuple[float, float, float]:
-    """Median seconds of ``count`` loads of ``model``: in this process, sandboxed in a new
-    process, sandboxed in a spare given up to ``spare_wait`` seconds to import the library."""
+    """Median seconds of ``count`` loads of ``model`` (its builders): in this process,
+    sandboxed in a new process, sandboxed in a spare given up to ``spare_wait`` seconds to
+    import the library."""
     inside: list[float] = []
     cold: list[float] = []
     warm: list[float] = []
     for _ in range(count):
-        inside.append(_seconds(lambda: backend.load([model], encoding, CPU)))
-        cold.append(_seconds(lambda: load_sandboxed(backend, [model], encoding, CPU)))
+        inside.append(_seconds(lambda: backend.load(model, encoding, CPU)))
+        cold.append(_seconds(lambda: load_sandboxed(backend, model, encoding, CPU)))
         spares = Spares(1)
         try:
             spares.replenish(BackendRef.of(backend), True)
             until = time.monotonic() + spare_wait
             while spares.ready() < 1 and time.monotonic() < until:
                 time.sleep(0.01)  # a load takes a spare only once it has imported
-            warm.append(_seconds(functools.partial(load_sandboxed, backend, [model],
+            warm.append(_seconds(functools.partial(load_sandboxed, backend, model,
                                                    encoding, CPU, spares=spares)))
         finally:
             spares.close()
@@ -96,8 +100,11 @@ def _seconds(load: Callable[[], Any]) -> float:
 
 
 CPU = Device.parse("cpu")
-FILES = {"onnxruntime": ("onnx", GraphEncoding.ONNX), "openvino": ("onnx", GraphEncoding.ONNX),
-         "pytorch": ("torchscript", GraphEncoding.PYTORCH)}
+#: Backend -> (the ModelFiles fields of its builders, their encoding, the row's label):
+#: the files ``SETUPS[backend]`` loads for the native and in-process columns.
+FILES = {"onnxruntime": (("onnx",), GraphEncoding.ONNX, "ONNX"),
+         "openvino": (("ir_xml", "ir_bin"), GraphEncoding.OPENVINO, "IR"),
+         "pytorch": (("torchscript",), GraphEncoding.PYTORCH, "TorchScript")}
 
 
 def main() -> None:
@@ -115,7 +122,7 @@ def main() -> None:
     x = sample_image()
     print(f"MobileNetV2-like width {args.width:g}, batch 1, CPU; median of {args.iters} "
           "calls a side, in alternating blocks")
-    print(f"{'backend':<12} {'native ms':>10} {'in-proc ms':>11} "
+    print(f"{'backend':<12} {'model':<11} {'native ms':>10} {'in-proc ms':>11} "
           f"{'sandbox ms':>11} {'vs native':>10} {'vs in-proc':>11}")
     loads: dict[str, tuple[float, float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="wasinn-bench-") as tmp:
@@ -124,12 +131,12 @@ def main() -> None:
             if not registry.is_installed(name):
                 print(f"{name}: not installed, skipped")
                 continue
-            attr, encoding = FILES[name]
-            model = getattr(files, attr).read_bytes()
+            fields, encoding, label = FILES[name]
+            model = [getattr(files, field).read_bytes() for field in fields]
             loads[name] = time_loads(registry.get(name), model, encoding, args.loads,
                                      args.spare_wait)
             native, in_process = setup(registry, files, x, LoadOptions())
-            graph = load_sandboxed(registry.get(name), [model], encoding, CPU)
+            graph = load_sandboxed(registry.get(name), model, encoding, CPU)
             tensor = {graph.inputs[0].name: Tensor.from_numpy(x)}
             try:
                 native_ms, sandbox_ms, _ = measure(native, functools.partial(graph.run, tensor),
@@ -137,7 +144,7 @@ def main() -> None:
                 _, in_ms, _ = measure(native, in_process, args.iters, args.warmup)
             finally:
                 graph.close()
-            print(f"{name:<12} {native_ms:>10.3f} {in_ms:>11.3f} "
+            print(f"{name:<12} {label:<11} {native_ms:>10.3f} {in_ms:>11.3f} "
                   f"{sandbox_ms:>11.3f} {sandbox_ms / native_ms - 1:>+10.2%} "
                   f"{sandbox_ms / in_ms - 1:>+11.2%}")
 

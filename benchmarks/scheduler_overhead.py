@@ -18,13 +18,18 @@ times as many.
 2. Round trip, MobileNetV2-like (width W, batch 1, ONNX Runtime and OpenVINO): ratio of
    the medians, through the worker thread and from a caller's thread. Goal: <= 3 %.
 3. Throughput of 1, 4 and 16 concurrent callers on the CPU pool (MobileNetV2-like, each
-   backend), each against the native backend's best: the library called from 1 or
-   ``workers`` plain threads, whichever is faster. Callers are trio tasks
+   backend), each against the native best: the library's own call on the compiled model
+   the runtime holds (ONNX Runtime's ``InferenceSession.run``, an OpenVINO
+   ``InferRequest.infer``, as ``backend_overhead.py`` times them: no wasinn code on the
+   way) from 1 or ``workers`` plain threads, whichever is faster. Callers are trio tasks
    (``await ctx.compute``), then as many threads of their own computing as guests do
    (``ctx.compute_in_caller_thread``: in the guest's thread when a slot is free, else
-   queued). Under load a worker thread passes its slot straight to the next queued
-   request and starts its run (see ``wasinn.actors.slots``): the line says how many runs
-   started so.
+   queued). Every rate, native ones included, is the completions divided by the time
+   from the start to the last completion: callers start requests until ``--seconds``
+   have passed, and the requests still queued or running then are counted with the
+   time they take, not for free. Under load a worker thread passes its slot straight to
+   the next queued request and starts its run (see ``wasinn.actors.slots``): the line
+   says how many runs started so.
 4. Contexts: creation rate (goal >= 100,000/s) and size (tracemalloc, goal <= 2 KB).
 
 Then, on Linux, the same again in a fresh process (``--pin-handoffs``) whose CPU pool
@@ -69,7 +74,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -274,58 +279,121 @@ def wakeup_latency(rounds: int = 2000) -> float:
 
 def rate_in_threads(threads: int, seconds: float,
                     step_for: Callable[[], Callable[[], object]]) -> float:
-    """Calls a second from ``threads`` threads, each calling its own ``step_for()`` over and
-    over for ``seconds``."""
-    stop = time.perf_counter() + seconds
+    """Calls a second from ``threads`` threads, each calling its own ``step_for()`` (made
+    before the clock starts) over and over, at least once, until ``seconds`` have passed;
+    divided by the time from the start to the last call's end, so that the calls still
+    running at the deadline are paid for."""
+    steps = [step_for() for _ in range(threads)]
     counts = [0] * threads
+    start = time.perf_counter()
+    ends = [start] * threads
+    stop = start + seconds
 
     def worker(i: int) -> None:
-        step = step_for()
-        while time.perf_counter() < stop:
+        step = steps[i]
+        while time.perf_counter() < stop or not counts[i]:
             step()
             counts[i] += 1
+            ends[i] = time.perf_counter()
 
     pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    return sum(counts) / seconds
+    return sum(counts) / (max(ends) - start)
 
 
-def native_throughput(compiled: Any, tensors: dict[str, wasinn.Tensor], threads: int,
+async def rate_in_tasks(tasks: int, seconds: float,
+                        step_for: Callable[[], Callable[[], Awaitable[object]]]) -> float:
+    """Calls a second from ``tasks`` trio tasks, each awaiting its own ``step_for()`` (made
+    before the clock starts) over and over, at least once, until ``seconds`` have passed
+    on trio's clock; divided by the time from the start to the last call's end, as
+    :func:`rate_in_threads`."""
+    steps = [step_for() for _ in range(tasks)]
+    done = 0
+    start = end = trio.current_time()
+    stop = start + seconds
+
+    async def task(step: Callable[[], Awaitable[object]]) -> None:
+        nonlocal done, end
+        mine = 0
+        while trio.current_time() < stop or not mine:
+            await step()
+            mine += 1
+            end = trio.current_time()  # one thread: the latest end is the last set
+        done += mine
+
+    async with trio.open_nursery() as nursery:
+        for step in steps:
+            nursery.start_soon(task, step)
+    return done / (end - start)
+
+
+def library_step(backend: str, compiled: Any,
+                 inputs: dict[str, Any]) -> Callable[[], Callable[[], object]]:
+    """A maker of the library's own call on ``compiled`` (a graph of ``backend``) with
+    ``inputs`` (numpy arrays by input name), one for each thread, as
+    ``backend_overhead.py``'s ``SETUPS`` make them: no wasinn code runs in the call.
+    OpenVINO gets an infer request per thread (a request runs one inference at a time);
+    its ``infer`` copies the outputs into new arrays, as wasinn does.
+
+    Raises SystemExit for a backend with no such call here."""
+    if backend == "onnxruntime":
+        session = compiled.session
+        return lambda: functools.partial(session.run, None, inputs)
+    if backend == "openvino":
+        model = compiled.compiled_model
+
+        def request_for() -> Callable[[], object]:
+            request = model.create_infer_request()
+            return functools.partial(request.infer, inputs, share_inputs=True)
+
+        return request_for
+    raise SystemExit(f"--backends: no native throughput baseline for {backend!r}; "
+                     f"expected one of {', '.join(LIBRARY_CALLS)}")
+
+
+#: The library call :func:`library_step` makes, by backend, as the report names it.
+LIBRARY_CALLS = {"onnxruntime": "InferenceSession.run", "openvino": "InferRequest.infer"}
+
+
+def native_throughput(backend: str, compiled: Any, inputs: dict[str, Any], threads: int,
                       seconds: float) -> float:
-    return rate_in_threads(threads, seconds, lambda: functools.partial(compiled.run, tensors))
+    return rate_in_threads(threads, seconds, library_step(backend, compiled, inputs))
 
 
 async def scheduled_throughput(graph: wasinn.Graph, inputs: dict[str, Any], callers: int,
                                seconds: float) -> float:
-    done = 0
+    """``callers`` trio tasks, each awaiting ``ctx.compute`` on a context of its own."""
+    contexts: list[wasinn.ExecutionContext] = []
 
-    async def caller() -> None:
-        nonlocal done
-        ctx = graph.init_execution_context()
-        while trio.current_time() < stop:
-            await ctx.compute(inputs)
-            done += 1
-        ctx.close()
+    def step_for() -> Callable[[], Awaitable[object]]:
+        contexts.append(ctx := graph.init_execution_context())
+        return functools.partial(ctx.compute, inputs)
 
-    stop = trio.current_time() + seconds
-    async with trio.open_nursery() as nursery:
-        for _ in range(callers):
-            nursery.start_soon(caller)
-    return done / seconds
+    try:
+        return await rate_in_tasks(callers, seconds, step_for)
+    finally:
+        for ctx in contexts:
+            ctx.close()
 
 
 def guest_throughput(graph: wasinn.Graph, inputs: dict[str, Any], guests: int,
                      seconds: float) -> float:
     """``guests`` threads of their own, each computing with its own context as guests do
     (``compute_in_caller_thread``); in a thread, so that trio serves them meanwhile."""
+    contexts: list[wasinn.ExecutionContext] = []
+
     def step_for() -> Callable[[], object]:
-        ctx = graph.init_execution_context()
+        contexts.append(ctx := graph.init_execution_context())
         return functools.partial(ctx.compute_in_caller_thread, inputs)
 
-    return rate_in_threads(guests, seconds, step_for)
+    try:
+        return rate_in_threads(guests, seconds, step_for)
+    finally:
+        for ctx in contexts:
+            ctx.close()
 
 
 class Load(NamedTuple):
@@ -344,7 +412,6 @@ async def throughput(rt: wasinn.Runtime, graph: wasinn.Graph, image: Any, backen
     plain threads, with how many runs a worker thread started on its own as the run
     before ended (the slot passed on)."""
     compiled = compiled_of(rt).compiled
-    tensors = {"input": wasinn.Tensor.from_numpy(image)}
     (actor,) = rt.actors
     # Rounds interleave every configuration, and each keeps its best round, so that a
     # burst of load from other processes does not decide a comparison.
@@ -353,7 +420,8 @@ async def throughput(rt: wasinn.Runtime, graph: wasinn.Graph, image: Any, backen
     for _ in range(args.rounds):
         for t in sorted({1, workers}):
             native[t] = max(native.get(t, 0.0),
-                            native_throughput(compiled, tensors, t, args.seconds))
+                            native_throughput(backend, compiled, {"input": image}, t,
+                                              args.seconds))
         for how in ("trio", "guest"):
             for callers in (1, 4, 16):
                 before = actor.stats()
@@ -371,9 +439,9 @@ async def throughput(rt: wasinn.Runtime, graph: wasinn.Graph, image: Any, backen
                         after.in_caller_thread - before.in_caller_thread)
     best_threads = max(native, key=lambda t: native[t])
     best = native[best_threads]
-    print(f"throughput on {backend}: native best {best:.1f} inferences/s ({best_threads} "
-          "thread(s); " + ", ".join(f"{t} thread(s): {v:.1f}/s" for t, v in native.items())
-          + ")")
+    print(f"throughput on {backend}: native best (the library's own "
+          f"{LIBRARY_CALLS[backend]}) {best:.1f} inferences/s ({best_threads} thread(s); "
+          + ", ".join(f"{t} thread(s): {v:.1f}/s" for t, v in native.items()) + ")")
     for (how, callers), load in loads.items():
         who = "concurrent callers" if how == "trio" else "guest threads"
         where = "" if how == "trio" else f", {load.in_callers} in the guests' own threads"
