@@ -114,7 +114,7 @@ def test_mislabelled_or_broken_models_are_invalid_encoding(
 
 
 def test_a_port_of_dynamic_rank_has_an_unknown_rank_not_rank_0(backend: Any) -> None:
-    from wasinn.backends.openvino import _specs
+    from wasinn.backends._ov_graph import _specs
 
     # The CPU plugin compiles no input of dynamic rank: the ports of the read model.
     shapeless = backend.core.read_model(backend_models.scalar_onnx(declared=False))
@@ -190,11 +190,11 @@ def test_the_cpu_has_no_remote_context(backend: Any) -> None:
 def test_kept_outputs_live_in_the_devices_remote_context_and_chain(backend: Any) -> None:
     import openvino as ov
 
-    from wasinn.backends import openvino
+    from wasinn.backends import _ov_graph
 
     graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU)
     graph.remote_context = context = _HostMemoryContext()
-    graph._device_outputs = openvino._device_outputs(graph.compiled_model)
+    graph._device_outputs = _ov_graph._device_outputs(graph.compiled_model)
     # y is (n, 4): its shape is learned from a first run on x's dimensions.
     learning = graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)["y"]
     assert context.created == [] and isinstance(learning.native, ov.Tensor)
@@ -242,12 +242,12 @@ def test_device_memory_is_read_by_one_copy_and_cut_into_remote_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import openvino as ov
 
-    from wasinn.backends import openvino
+    from wasinn.backends import _ov_tensors
 
     monkeypatch.setattr(ov, "RemoteTensor", _DeviceMemory)
     rows = np.arange(12, dtype=np.float32).reshape(3, 4)
     memory = _DeviceMemory(rows)
-    kept = openvino._native(memory, TensorType.F32, "gpu:0", owner=None)
+    kept = _ov_tensors._native(memory, TensorType.F32, "gpu:0", owner=None)
     assert kept.dims == (3, 4) and not kept.is_host
     middle = kept.slice_rows(1, 3)
     assert isinstance(middle.native, _DeviceMemory) and middle.dims == (2, 4)
@@ -255,8 +255,8 @@ def test_device_memory_is_read_by_one_copy_and_cut_into_remote_rows(
     np.testing.assert_array_equal(kept.numpy(), rows)
     assert memory.copies == 1
     # Set as an input on its own device, as it is, by its port's name; elsewhere, a copy.
-    assert openvino._ov_tensor(kept, "gpu:0", "x") is memory
-    assert isinstance(openvino._ov_tensor(kept, "gpu:1", "x"), ov.Tensor)
+    assert _ov_tensors._ov_tensor(kept, "gpu:0", "x") is memory
+    assert isinstance(_ov_tensors._ov_tensor(kept, "gpu:1", "x"), ov.Tensor)
 
 
 def test_device_memory_inputs_are_set_by_name(backend: Any) -> None:

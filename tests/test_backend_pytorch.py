@@ -311,7 +311,7 @@ def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
     # torch build, so they are checked here without a GPU.
     import torch
 
-    from wasinn.backends.pytorch import _cuda_allow_tf32
+    from wasinn.backends._torch_graph import _cuda_allow_tf32
 
     cudnn: Any = torch.backends.cudnn
     kinds = (cudnn.conv, cudnn.rnn, torch.backends.cuda.matmul)
@@ -342,7 +342,7 @@ def test_an_exported_program_moves_its_constants_and_devices_with_it(backend: An
     # meet either.
     import torch
 
-    from wasinn.backends.pytorch import _program_on
+    from wasinn.backends._torch_export import _program_on
 
     class Positions(torch.nn.Module):
         def __init__(self) -> None:
@@ -812,7 +812,7 @@ def test_an_unreadable_zip_is_invalid_encoding(backend: Any) -> None:
 def test_a_torch_error_without_a_reason_is_said_to_have_none() -> None:
     # TorchScript's interpreter (a graph loaded interruptible) can end its message with a
     # bare "RuntimeError:": not to be shown as if the message were cut short.
-    from wasinn.backends.pytorch import _first_line
+    from wasinn.backends._torch_graph import _first_line
 
     assert _first_line(RuntimeError(
         "The following operation failed in the TorchScript interpreter.\n"

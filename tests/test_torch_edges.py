@@ -377,7 +377,7 @@ def test_archives_with_every_carried_storage_type_still_load(backend: Any) -> No
     # The storage check reads the element size of each type, frozen constants included.
     import torch
 
-    from wasinn.backends.pytorch import _TORCH_TYPES
+    from wasinn.backends._torch_tensors import _TORCH_TYPES
 
     class Typed(torch.nn.Module):
         def __init__(self) -> None:

@@ -1,0 +1,277 @@
+"""A loaded PyTorch model on one device, and its runs (for :mod:`wasinn.backends.pytorch`).
+
+:class:`TorchGraph` holds a TorchScript module or an exported program with its specs and
+runs it: inputs checked against the exported ranges of symbolic dims, handed to torch
+(copies for those the model writes to), run under ``torch.inference_mode()`` and, where
+asked, stop checks or checkpoints; torch's failures told apart (a cancelled run, a
+broken shape guard, an error the model raised, inputs TorchScript rejected); outputs
+cloned where their memory is not theirs alone, and on CUDA the run's TF32 setting and
+the events that let other streams read its outputs. Also the names both archive loaders
+share: the backend's :data:`NAME`, :func:`_output_names` and :func:`_first_line`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from wasinn.enums import ExecutionTarget
+from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
+from wasinn.tensor import Tensor
+
+from ._graphio import CheckedGraph
+from ._torch_cancel import _Checkpoints, _StopChecked
+from ._torch_memory import storage_of
+from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
+from .base import Cancelled, Device, TensorSpec, current_cancellation
+
+#: The backend's name, which its messages begin with.
+NAME = "pytorch"
+
+
+def _output_names(count: int) -> list[str]:
+    return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
+
+
+class _DimRange(NamedTuple):
+    """A symbolic input dimension's exported range, as torch's input guards check it."""
+
+    input: int
+    axis: int
+    low: int  # 0 when torch does not check it (a lower bound of 2 or less)
+    high: int | None
+
+
+#: ``LoadOptions.precision`` -> whether torch may compute f32 in TF32 on CUDA (other
+#: values leave torch's own setting: TF32 for cuDNN convolutions by default).
+_ALLOW_TF32 = {"f32": False, "tf32": True}
+
+
+def _cuda_allow_tf32(allow: bool) -> None:
+    """Let torch compute f32 cuDNN convolutions and RNNs and CUDA matrix products in
+    TensorFloat-32 (a 10-bit mantissa, on Ampere and later GPUs), or not. These settings
+    are process-wide in torch, so each CUDA run sets its graph's before it starts (a
+    write only where one differs). Through torch's ``allow_tf32`` flags, which keep its
+    newer ``fp32_precision`` settings in step; set through the newer ones alone, the
+    flags would raise when read (torch sees the two APIs mixed)."""
+    flags: Any  # (torch.backends.cudnn's flags are module properties, untyped)
+    for flags in (torch.backends.cudnn, torch.backends.cuda.matmul):
+        try:
+            same = flags.allow_tf32 == allow
+        except RuntimeError:  # mixed already (by the application): set it right
+            same = False
+        if not same:
+            flags.allow_tf32 = allow
+
+
+class TorchGraph(CheckedGraph):
+    """A TorchScript module or exported program on one device."""
+
+    def __init__(
+        self,
+        module: Callable[..., Any],
+        device: Device,
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        *,
+        checked: bool,
+        private: frozenset[int] = frozenset(),
+        model_storages: frozenset[int] = frozenset(),
+        dim_ranges: tuple[_DimRange, ...] = (),
+        checkpoints: bool = False,
+        stop_checked: _StopChecked | None = None,
+        stateful: bool = False,
+    ) -> None:
+        """``private``: the inputs the model writes to (it gets copies); ``model_storages``:
+        the memory of its parameters, buffers and constants (outputs there are cloned);
+        ``stateful``: the model keeps tensors it computes (an attribute it assigns), which
+        ``model_storages`` cannot name, so every output is cloned;
+        ``dim_ranges``: the symbolic dims' ranges to check before each run;
+        ``checkpoints``: run under :class:`_Checkpoints` (a TorchScript module loaded
+        with ``interruptible``); ``stop_checked``: a TorchScript module's forward with
+        stop checks, run in its place."""
+        # TorchScript declares no element types: its specs' f32 is a placeholder, unchecked
+        # (their ranks are unknown, so their shapes go unchecked as well).
+        unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
+        super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
+        self._checked = checked
+        self.output_types_declared = checked
+        self._private = private
+        self._model_storages = model_storages
+        self._dim_ranges = dim_ranges
+        self._checkpoints = checkpoints
+        self._stop_checked = stop_checked
+        self._stateful = stateful
+        self._torch_device = torch.device(
+            "cpu" if device.kind is ExecutionTarget.CPU else f"cuda:{device.index}"
+        )
+        #: Whether f32 convolutions and matrix products may compute in TF32 on CUDA, set
+        #: before each run; None leaves torch's setting as it is (see
+        #: :func:`_cuda_allow_tf32`).
+        self.allow_tf32: bool | None = None
+
+    @property
+    def module(self) -> Callable[..., Any]:
+        """The underlying TorchScript module or ``torch.fx.GraphModule`` (for benchmarks)."""
+        module: Callable[..., Any] = self._open()
+        return module
+
+    def _run(
+        self, module: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
+    ) -> dict[str, Tensor]:
+        device = self._torch_device
+        if self._dim_ranges:
+            self._check_ranges(ordered)
+        private = self._private
+        on_cuda = device.type == "cuda"
+        if on_cuda and self.allow_tf32 is not None:
+            _cuda_allow_tf32(self.allow_tf32)
+        try:
+            args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
+            with torch.inference_mode():
+                stop_checked = self._stop_checked
+                if self._checkpoints:
+                    with _Checkpoints():
+                        result = (module(*args) if stop_checked is None
+                                  else stop_checked(module, args))
+                elif stop_checked is None:
+                    result = module(*args)
+                else:
+                    result = stop_checked(module, args)
+        except WasiNNError:
+            raise
+        except Cancelled:
+            raise _stopped() from None
+        except Exception as exc:
+            if _cancelled():
+                # A TorchScript run stopped by a stop check (torch.jit.Error), or by the
+                # checkpoint's Cancelled, which TorchScript's interpreter turns into a
+                # RuntimeError on its way out of C++.
+                raise _stopped() from None
+            if self._checked and isinstance(exc, AssertionError) \
+                    and str(exc).startswith("Guard failed"):
+                # torch.export's input guards (a relation between dims, say)
+                raise InvalidArgumentError(
+                    f"{NAME}: the inputs break the model's shape constraints: {exc}"
+                ) from exc
+            if isinstance(exc, torch.jit.Error):  # raised by the model's TorchScript code
+                raise BackendRuntimeError(
+                    f"{NAME}: the model raised {_first_line(exc)}") from exc
+            if (not self._checked and isinstance(exc, RuntimeError)
+                    and not isinstance(exc, torch.OutOfMemoryError)):
+                raise InvalidArgumentError(
+                    f"{NAME}: the TorchScript model rejected its inputs (it declares no types "
+                    f"or shapes; given {[f'{t.type.value}{list(t.dims)}' for t in ordered]}): "
+                    f"{_first_line(exc)}"
+                ) from exc
+            raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
+        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(values) != len(self.outputs):
+            raise BackendRuntimeError(
+                f"{NAME}: the model returned {len(values)} values but declares "
+                f"{len(self.outputs)} outputs"
+            )
+        # Storages the caller must not get: its inputs' (a guest's memory) and, as they
+        # are handed out, earlier outputs'; the model's own are in _model_storages.
+        taken = {storage_of(a) for a in args}
+        # Outputs left on a GPU are still being computed on this thread's stream when the
+        # run returns; whoever reads them on another stream (a copy to the host or to
+        # another device, in another thread) first waits for this event, recorded once
+        # every output's kernels (clones included) are queued. A later run of this
+        # device's actor, on the same stream, needs no wait.
+        ready = (torch.cuda.Event()  # type: ignore[no-untyped-call]
+                 if on_cuda and keep_on_device else None)
+        outputs = {self.outputs[i].name: self._wrap(values[i], taken, keep_on_device, ready)
+                   for i in picked}
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(device))
+        if on_cuda and any(_foreign(t) for t in ordered):
+            # An input over another library's CUDA memory (DLPack): that library gives
+            # the memory back to its own allocator once the value is dropped, which
+            # knows nothing of this stream, so its next run (on its own stream) could
+            # overwrite it while these kernels still read it. Wait for them here.
+            torch.cuda.current_stream(device).synchronize()
+        return outputs
+
+    def close(self) -> None:
+        super().close()
+        self._stop_checked = None  # (its graph holds the frozen module's weights)
+
+    def _check_ranges(self, ordered: list[Tensor]) -> None:
+        """InvalidArgumentError for a symbolic dim outside its exported range, which
+        torch reports as a failed guard."""
+        for index, axis, low, high in self._dim_ranges:
+            size = ordered[index].dims[axis]
+            if size < low or (high is not None and size > high):
+                raise InvalidArgumentError(
+                    f"{NAME}: input {self.inputs[index].name!r} has size {size} in "
+                    f"dimension {axis}, but the model was exported for "
+                    f"{_describe_range(low, high)} there (expected "
+                    f"{self.inputs[index].describe()})"
+                )
+
+    def _wrap(self, value: Any, taken: set[int], keep: bool,
+              ready: torch.cuda.Event | None) -> Tensor:
+        if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+            what = value.layout if isinstance(value, torch.Tensor) else type(value).__name__
+            raise BackendRuntimeError(
+                f"{NAME}: the model returned {what}: expected dense (strided) tensors"
+            )
+        ttype = _TYPES.get(value.dtype)
+        if ttype is None:
+            raise BackendRuntimeError(
+                f"{NAME}: the model returned a {value.dtype} tensor, which wasi-nn cannot carry"
+            )
+        if value.device.type != "cpu" and value.device != self._torch_device:
+            # A meta tensor has no data to hand out: numpy() would raise torch's own error.
+            raise BackendRuntimeError(
+                f"{NAME}: the model returned a tensor on {value.device}: expected tensors "
+                f"on {self.device.name}" + ("" if self.device.name == "cpu" else " or the cpu")
+            )
+        if value.is_neg():  # (torch._neg_view): numpy() refuses it, so does a consumer's
+            value = value.resolve_neg()
+        storage = storage_of(value)
+        if self._stateful or storage in taken or storage in self._model_storages:
+            # A view of an input (guest memory), a weight (a caller's edit would change
+            # the model for every later run), another output or, in a model that keeps
+            # tensors it computed, one it may write to in a later run: a copy of its own.
+            value = value.clone(memory_format=torch.contiguous_format)
+        else:
+            taken.add(storage)
+        if keep:
+            on_device = value.device.type != "cpu"
+            return _native(value, ttype, self.device.name if on_device else "cpu",
+                           ready if on_device else None)
+        array = _to_numpy(value)
+        return Tensor(array.shape, ttype, array=array)
+
+
+def _cancelled() -> bool:
+    cancellation = current_cancellation()
+    return cancellation is not None and cancellation.cancelled
+
+
+def _stopped() -> BackendRuntimeError:
+    """What a run stopped at a checkpoint raises."""
+    return BackendRuntimeError(f"{NAME}: run cancelled (stopped before its next operator)")
+
+
+def _describe_range(low: int, high: int | None) -> str:
+    if high is None:
+        return f"at least {low}"
+    return f"at most {high}" if low == 0 else f"{low} to {high}"
+
+
+def _first_line(exc: BaseException) -> str:
+    # The line of torch's message that says what went wrong: its last. A bare
+    # "RuntimeError:" (TorchScript's interpreter, in a graph loaded ``interruptible``,
+    # can lose the reason) is said to be one, rather than shown as if cut short.
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    last = lines[-1]
+    if last.endswith(":") and last[:-1].replace(".", "").isidentifier():
+        return f"{last[:-1]}, with no message from torch"
+    return last

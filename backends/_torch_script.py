@@ -1,0 +1,94 @@
+"""Loading a TorchScript archive as a :class:`~._torch_graph.TorchGraph` (for
+:mod:`wasinn.backends.pytorch`).
+
+Its code is checked before ``torch.jit.load`` runs any of it, its operators and integer
+divisions after; its specs come from ``forward``'s signature (Tensor arguments first,
+f32 of unknown rank: TorchScript records no types); on the CPU it is frozen and
+optimized for inference where torch can; its loops get stop checks where torch can put
+them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+from wasinn.enums import ExecutionTarget, TensorType
+from wasinn.errors import InvalidEncodingError, UnsupportedOperationError
+
+from ._torch_cancel import _with_stop_checks
+from ._torch_division import check_folded_divisions, guard_torchscript_divisions
+from ._torch_graph import NAME, TorchGraph, _first_line, _output_names
+from ._torch_memory import script_keeps_tensors, script_storages, script_written_inputs
+from ._torch_ops import check_torchscript_code, check_torchscript_module
+from .base import Device, TensorSpec, in_sandbox, log
+
+
+def _load_torchscript(
+    data: bytes, device: Device, torch_device: torch.device, *, optimize: bool,
+    interruptible: bool
+) -> TorchGraph:
+    sources = check_torchscript_code(NAME, data)  # before torch.jit.load runs __setstate__
+    # Before torch.jit.load folds them as it compiles; a sandbox process risks the fold.
+    check_folded_divisions(NAME, sources, refuse_unguardable=not in_sandbox())
+    try:
+        module = torch.jit.load(  # type: ignore[no-untyped-call]
+            io.BytesIO(data), map_location=torch_device
+        ).eval()
+        schema = module.forward.schema
+    except Exception as exc:
+        raise InvalidEncodingError(
+            f"{NAME}: cannot load the TorchScript archive: {_first_line(exc)}"
+        ) from exc
+    check_torchscript_module(NAME, module)
+    guard_torchscript_divisions(module)  # before freezing folds a division by a constant 0
+    inputs = []
+    defaulted = None  # the first argument left to its default
+    for arg in schema.arguments[1:]:  # [0] is self
+        if str(arg.type) != "Tensor":
+            if arg.has_default_value():
+                defaulted = defaulted or arg
+                continue
+            raise UnsupportedOperationError(
+                f"{NAME}: forward() argument {arg.name!r} is {arg.type}: expected Tensor "
+                "arguments (others need a default value)"
+            )
+        if defaulted is not None:
+            # A run passes its tensors by position: this one would land in that argument.
+            raise UnsupportedOperationError(
+                f"{NAME}: forward() argument {arg.name!r} (Tensor) follows {defaulted.name!r} "
+                f"({defaulted.type}, left to its default): expected the Tensor arguments "
+                "first, the others after them"
+            )
+        inputs.append(TensorSpec(arg.name, TensorType.F32, (), rank_known=False))
+    returns = str(schema.returns[0].type) if schema.returns else "None"
+    if returns == "Tensor":
+        count = 1
+    elif returns.startswith("Tuple[") and all(
+        part.strip() == "Tensor" for part in returns[6:-1].split(",")
+    ):
+        count = len(returns[6:-1].split(","))
+    else:
+        raise UnsupportedOperationError(
+            f"{NAME}: forward() returns {returns}: expected a Tensor or a tuple of Tensors"
+        )
+    outputs = tuple(TensorSpec(n, TensorType.F32, (), rank_known=False)
+                    for n in _output_names(count))
+    if optimize and device.kind is ExecutionTarget.CPU:
+        # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
+        with contextlib.suppress(Exception):
+            module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
+    stop_checked = None
+    try:
+        stop_checked = _with_stop_checks(module, len(inputs))
+    except Exception as exc:  # a graph torch cannot edit still runs, as loaded
+        log.warning("%s: no stop checks could be put into the loops of this TorchScript "
+                    "model (%s: %s): a cancelled run of it goes on to its end", NAME,
+                    type(exc).__name__, exc)
+    return TorchGraph(module, device, tuple(inputs), outputs, checked=False,
+                      private=script_written_inputs(module),
+                      model_storages=script_storages(module),
+                      checkpoints=interruptible, stop_checked=stop_checked,
+                      stateful=script_keeps_tensors(module))
