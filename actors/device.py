@@ -21,14 +21,10 @@ An actor owns, for one device (``cpu``, ``gpu:0``, ...):
 The actor is the front door; the ideas behind it live in modules of their own, which it
 composes: :mod:`wasinn.actors.sessioncache` (the compiled graphs),
 :mod:`wasinn.actors.runner` (how a request runs once admitted: admission by the caller's
-own task, not a dispatcher's, worker threads, inline runs, batches, counting) and
-:mod:`wasinn.actors.leasedesk` (the leases lent to callers' threads). The actor's
+own task, not a dispatcher's, worker threads, inline runs, batches, counting),
+:mod:`wasinn.actors.leasedesk` (the leases lent to callers' threads) and
+:mod:`wasinn.actors._graph_closer` (evicted graphs whose close blocks). The actor's
 ``serve`` task only holds the device's lifetime.
-
-A caller that runs in a thread of its own (a WebAssembly guest's) may instead take a
-:class:`~wasinn.actors.lease.Lease` (:meth:`DeviceActor.lease`): the slot is reserved in
-trio as for any request, and the caller's thread runs the job itself (one trio round trip
-instead of two plus a thread hand-off).
 
 Inline runs (``inline_below``, a pool's ``inline_below_us``; 0 = off, the default): an
 opt-in, for graphs whose run time is bounded whatever their inputs. Such a run holds the
@@ -39,20 +35,9 @@ Pinned hand-offs (``pin_handoffs``, a pool's key of the same name; off by defaul
 event loop and the worker threads hand jobs to each other on one CPU, which saves the
 cross-CPU wake-ups (see :mod:`wasinn.actors.affinity` for the price).
 
-Dynamic batching (:meth:`DeviceActor.execute_batched`, :mod:`wasinn.actors.batching`):
-requests for one graph that wait for this device at the same time run as one merged job;
-each batch is a task in the actor's nursery, living no longer than the actor.
-
-Every request the actor admits is counted by how it ended, with its latency (see
-:mod:`wasinn.actors.stats`; :meth:`DeviceActor.stats` reads it).
-
-Cancellation: a caller cancelled while queued is removed from the queue and never runs;
-cancelled while running (or past its deadline), its job is abandoned: the job's
-:class:`~wasinn.backends.base.Cancellation` is cancelled, which ends an ONNX Runtime run
-within milliseconds, an OpenVINO run at its next node outside a Loop (torch where it
-can: see its backend), the result is dropped,
-and the worker thread keeps the job's slot until the backend call has returned, so a
-device never runs more than ``workers`` jobs. A job's exception fails that request only.
+The request methods (:meth:`DeviceActor.execute`, :meth:`DeviceActor.execute_batched`,
+the leases) come from :mod:`wasinn.actors._device_requests`, which says how each request
+is counted and what cancellation does to it.
 
 A lost device (a CUDA error that leaves the process's CUDA context unusable, see
 :mod:`wasinn.actors.devicectx`): the request that hit it fails with DeviceLostError, and
@@ -73,10 +58,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import time
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any
 
 import trio
 
@@ -87,22 +70,18 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
-from wasinn.tensor import Tensor
 
-from .batching import Batching, BatchInputs, RunInputs
+from ._device_requests import DeviceRequests
+from ._graph_closer import GraphCloser
 from .devicectx import DeviceContext, context_for
-from .inline import RunProfile
-from .lease import Lease
 from .leasedesk import LeaseDesk
 from .queue import PriorityDeadlinePolicy, QueuePolicy
 from .runner import RequestRunner
 from .session import Session
 from .sessioncache import SessionCache
 from .slots import Slots
-from .stats import Account, DeviceStats, RequestStats, outcome_of
+from .stats import DeviceStats, RequestStats
 from .workers import WorkerThreads
-
-T = TypeVar("T")
 
 log = logging.getLogger("wasinn.actors")
 
@@ -117,7 +96,7 @@ log = logging.getLogger("wasinn.actors")
 COMPILE_THREADS = 1
 
 
-class DeviceActor:
+class DeviceActor(DeviceRequests):
     """The owner of one device. Start it with ``await nursery.start(actor.serve)``."""
 
     def __init__(
@@ -168,29 +147,19 @@ class DeviceActor:
                                               self._slots, self._stats, self._start_task,
                                               inline_below=inline_below)
         self._batcher = runner.batcher
+        self._closer = GraphCloser(device, self._start_task)
         self._cache = SessionCache(
             str(device), self._start_task,
             functools.partial(runner.unslotted, label="compile", failure="compiling failed"),
-            self._close_later)
-        #: Evicted graphs being closed in a thread (see _close_later): each one's event,
-        #: set once it is closed.
-        self._closing: set[trio.Event] = set()
+            self._closer.close_later)
         # The cache's own dict, read here directly: cached_session is on every request's
         # path, which must not pay a call into the cache.
         self._sessions = self._cache.sessions
         self._desk = desk = LeaseDesk(str(device), runner.take_slot,
                                       self._slots.free_from_thread, runner.record,
                                       lambda: self._lost)
-        # What the request and lease paths call, bound once: delegating costs no call.
-        self._counted = runner.counted
-        self._request = runner.request
-        self._batched = runner.batched
-        self._record = runner.record
         self._unslotted = runner.unslotted
-        self._lease_slot = desk.take_slot
-        self._new_lease = desk.lend
-        self._watch = desk.watch
-        self._soon = desk.soon
+        self._bind_request_paths(runner, desk)
 
     def __repr__(self) -> str:
         return f"<DeviceActor {self.device} load={self.load} sessions={len(self._sessions)}>"
@@ -469,107 +438,9 @@ class DeviceActor:
     async def graphs_closed(self) -> None:
         """Wait until the graphs evicted so far whose close blocks are closed (at once
         when none is being closed); not for those evicted meanwhile."""
-        for closed in list(self._closing):
-            await closed.wait()
-        await trio.lowlevel.checkpoint()
+        await self._closer.wait()
 
-    def _close_later(self, compiled: CompiledGraph) -> None:
-        # In trio: close ``compiled`` (its close blocks) in a thread, from a task of the
-        # actor's, shielded (a closing actor's nursery waits for it, before the device
-        # context closes); here and now once the actor has no nursery left.
-        closed = trio.Event()
-        self._closing.add(closed)
-        try:
-            self._start_task(self._close_in_thread, (compiled, closed))
-        except ClosedResourceError:
-            self._closing.discard(closed)
-            closed.set()
-            compiled.close()
-
-    async def _close_in_thread(self, job: tuple[CompiledGraph, trio.Event]) -> None:
-        compiled, closed = job
-        try:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(compiled.close)
-        except Exception:
-            log.exception("%s: closing an evicted graph failed", self.device)
-        finally:
-            self._closing.discard(closed)
-            closed.set()
-
-    # -- running work ---------------------------------------------------------------------
-    async def execute(
-        self,
-        job: Callable[[], T],
-        *,
-        priority: int = 0,
-        deadline: float = math.inf,
-        tenant: str = "",
-        profile: RunProfile | None = None,
-        nbytes: int | None = None,
-        label: str = "run",
-        account: Account | None = None,
-        reached: float | None = None,
-    ) -> T:
-        """Run ``job`` in one of this device's worker threads and return its result.
-
-        ``profile`` (the run timings of the graph ``job`` runs) and ``nbytes`` (its input
-        size) let a tiny job run inline on the trio thread instead, when the actor's
-        ``inline_below`` allows it (off by default), the device is idle and the request
-        has no deadline: neither ``deadline`` nor one of the caller's cancel scopes (an
-        inline run cannot be interrupted, so it could not time out; see
-        :mod:`wasinn.actors.inline`).
-
-        Waits in the queue while every slot is busy. Raises ClosedResourceError when the
-        actor is closed, TooLargeError when the queue is full, TimeoutError_ when
-        ``deadline`` (trio time) passes first (queued requests are dropped, a running one
-        is abandoned), and BackendRuntimeError for an exception that is not a WasiNNError
-        (those propagate as they are). Cancellation: see the module docstring. ``label``
-        names the job in diagnostics (the close-timeout error). The request is counted in
-        the device's stats and, when given, in ``account`` too (its model's), its latency
-        and time queued from ``reached`` (perf_counter) when given: when it reached this
-        device, before it waited for its graph's compile here (see :meth:`record_unqueued`
-        for one that ends in that wait); from now otherwise.
-        """
-        try:
-            return await self._counted(account, reached, self._request, job, priority,
-                                       deadline, tenant, profile, nbytes, label)
-        except ClosedResourceError:
-            self._raise_if_lost()
-            raise
-
-    async def execute_batched(
-        self,
-        key: Hashable,
-        inputs: BatchInputs,
-        run: RunInputs,
-        batching: Batching,
-        *,
-        keep_on_device: bool = False,
-        priority: int = 0,
-        deadline: float = math.inf,
-        tenant: str = "",
-        label: str = "run",
-        account: Account | None = None,
-        reached: float | None = None,
-    ) -> dict[str, Tensor]:
-        """``run(inputs, keep_on_device)`` here, merged with other requests for the same
-        ``key`` (a graph on this device) as ``batching`` allows (see
-        :mod:`wasinn.actors.batching`): outputs of a merged run are host tensors.
-
-        Same errors, deadline, cancellation and accounting (``reached`` included) as
-        :meth:`execute`; a request that runs alone (a free slot with nobody queued and no
-        ``max_delay``, or more rows than ``max_batch``) runs exactly as :meth:`execute`
-        runs it.
-        """
-        try:
-            return await self._counted(account, reached, self._batched, key, inputs, run,
-                                       batching, keep_on_device, priority, deadline, tenant,
-                                       label, account)
-        except ClosedResourceError:
-            self._raise_if_lost()
-            raise
-
+    # -- the actor's tasks ----------------------------------------------------------------
     def _start_task(self, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:
         # A task that lives as long as the actor serves (a batch's, a compile's).
         if self._nursery is None or self._closed:
@@ -578,75 +449,3 @@ class DeviceActor:
             self._nursery.start_soon(fn, arg)
         except RuntimeError as exc:  # its nursery closed: serve() is being cancelled
             raise ClosedResourceError(f"{self.device}: the device actor is closing") from exc
-
-    def record_unqueued(self, account: Account | None, exc: BaseException,
-                        seconds: float) -> None:
-        """Count a request placed on this device that ended with ``exc`` before it
-        reached the queue (while it waited for its graph to compile here), as
-        :meth:`execute` counts one that ends in it."""
-        self._record(account, outcome_of(exc), seconds)
-
-    async def lease(
-        self,
-        job: Callable[[], T],
-        *,
-        priority: int = 0,
-        deadline: float = math.inf,
-        tenant: str = "",
-        account: Account | None = None,
-        reached: float | None = None,
-    ) -> Lease[T]:
-        """Reserve a worker slot for ``job``, to be run by the caller's own thread.
-
-        Waits in the queue like :meth:`execute` (same errors while waiting: ClosedResourceError,
-        TooLargeError, TimeoutError_ when ``deadline`` passes first); returns once the slot
-        is held. Cancelled while queued, the request is removed. The holder must call
-        :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
-        still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
-        raises TimeoutError_ there. ``account`` and ``reached``: as in :meth:`execute`.
-        Its backend sees ``tenant`` as the run's caller (as a worker thread's job's: see
-        :func:`~wasinn.backends.base.current_caller`).
-        """
-        start = time.perf_counter() if reached is None else reached
-        try:
-            expires = await self._lease_slot(priority, deadline, tenant)
-        except BaseException as exc:
-            self._record(account, outcome_of(exc), time.perf_counter() - start, leased=True)
-            if isinstance(exc, ClosedResourceError):
-                self._raise_if_lost()
-            raise
-        lease = self._new_lease(job, expires, start, time.perf_counter(), account,
-                                tenant if self._slots.charges else None, caller=tenant)
-        if deadline != math.inf:
-            self._watch(lease, deadline)
-        return lease
-
-    def try_lease(self, job: Callable[[], T], *, timeout: float | None = None,
-                  tenant: str = "", account: Account | None = None
-                  ) -> Lease[T] | None:
-        """A lease on a free slot, taken from any thread without waiting for trio, or None
-        when every slot is busy, a request is queued (it must not be overtaken), or the
-        actor is not serving: then use :meth:`lease` through trio.
-
-        ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`;
-        ``tenant``: whom the time it holds the slot is charged to, as in :meth:`lease`
-        (a fair policy counts it, though the request never queued); ``account``: as in
-        :meth:`execute`.
-        """
-        if not self._slots.try_take():
-            return None
-        start = time.perf_counter()
-        charged = tenant if self._slots.charges else None
-        if timeout is None or timeout == math.inf:
-            return self._new_lease(job, math.inf, start, start, account, charged,
-                                   caller=tenant)
-        lease = self._new_lease(job, start + timeout, start, start, account, charged,
-                                caller=tenant)
-        self._soon(self._watch, lease, None)
-        return lease
-
-    @property
-    def watched_leases(self) -> int:
-        """Leases whose deadline is being watched, finished ones not yet dropped included:
-        fewer than 64, or about twice the running ones once there are more."""
-        return self._desk.watched

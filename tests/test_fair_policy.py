@@ -29,7 +29,7 @@ import wasinn
 from tests.support import gate_job, require_backend
 from wasinn import ConfigError
 from wasinn.actors import DeviceActor, FairSharePolicy, PriorityDeadlinePolicy, Request
-from wasinn.actors import device as device_module
+from wasinn.actors import _device_requests as requests_module
 from wasinn.actors import leasedesk as leasedesk_module
 from wasinn.actors import workers as workers_module
 from wasinn.actors.queue import policy_for
@@ -302,7 +302,7 @@ async def test_a_fair_device_charges_a_lease_the_time_its_holder_kept_the_slot(
     # A lease's run is in its holder's thread (a guest's path): the time from its grant
     # to its slot given back is charged to its tenant when the slot comes back.
     fake = types.SimpleNamespace(perf_counter=lambda: fake_clock[0])
-    monkeypatch.setattr(device_module, "time", fake)
+    monkeypatch.setattr(requests_module, "time", fake)
     monkeypatch.setattr(leasedesk_module, "time", fake)
 
     async def leased(actor: DeviceActor, job: Callable[[], None], tenant: str) -> None:
@@ -387,7 +387,7 @@ async def test_a_lease_on_a_free_slot_is_charged_to_its_tenant(
     # but the time it holds the slot is its tenant's all the same: uncharged, a tenant
     # whose requests mostly find the device idle would owe nothing once others wait.
     fake = types.SimpleNamespace(perf_counter=lambda: fake_clock[0])
-    monkeypatch.setattr(device_module, "time", fake)
+    monkeypatch.setattr(requests_module, "time", fake)
     monkeypatch.setattr(leasedesk_module, "time", fake)
     policy = RecordingFairPolicy()
 

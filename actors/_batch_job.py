@@ -1,0 +1,108 @@
+"""``BatchJob``: what a batch runs in a worker thread.
+
+One merged run, split back by rows; when that run fails, or its outputs cannot be split
+(a warning, once per label), one run per member in the same job, so that one bad request
+fails alone. An exception that loses the device ends the job (see
+:mod:`wasinn.actors.batching`, "Correctness never rests on the merge").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import outcome
+
+from wasinn.backends.base import current_cancellation
+from wasinn.errors import ClosedResourceError
+from wasinn.tensor import Tensor
+
+from ._batch import Member
+from ._batch_rows import RunInputs, Unsplittable, merge_rows, split_rows
+
+log = logging.getLogger("wasinn.actors")
+
+
+class BatchJob:
+    """The job a batch runs in a worker thread: one merged run, split by rows, or (when
+    that fails or cannot be split) one run per member. ``merged`` says which happened;
+    ``unsplittable``, that the merged run's outputs could not be split by rows."""
+
+    __slots__ = ("fatal", "label", "members", "merged", "run", "unsplittable")
+
+    def __init__(self, run: RunInputs, members: Sequence[Member], label: str,
+                 fatal: Callable[[BaseException], bool]) -> None:
+        self.run = run
+        self.fatal = fatal
+        self.members = members
+        self.label = label
+        self.merged = False
+        self.unsplittable = False
+
+    def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
+        # Members that left since the batch was granted its slot (their flag is set in
+        # trio; reading a stale False only costs a wasted row) are not run.
+        results: list[outcome.Outcome[dict[str, Tensor]]] = [self._left] * len(self.members)
+        alive = [i for i, m in enumerate(self.members) if not m.abandoned]
+        members = [self.members[i] for i in alive]
+        if len(members) == 1:
+            only = members[0]
+            results[alive[0]] = self._alone(only)
+            return results
+        if not members:
+            return results
+        keeps = [m.keep for m in members]
+        try:
+            parts = split_rows(self.run(merge_rows([m.inputs for m in members]), any(keeps)),
+                               [m.inputs.rows for m in members], keeps)
+        except Unsplittable as exc:
+            self.unsplittable = True
+            _warn_once(self.label, str(exc))
+        except Exception as exc:  # each request is re-run alone below, and fails alone
+            if self.fatal(exc):
+                raise  # the device is lost: no run more there
+            log.debug("%s: a merged run failed; its requests run one by one", self.label,
+                      exc_info=True)
+        else:
+            self.merged = True
+            for i, part in zip(alive, parts, strict=True):
+                results[i] = outcome.Value(part)
+            return results
+        cancellation = current_cancellation()
+        for i, member in zip(alive, members, strict=True):
+            if member.abandoned:
+                continue
+            if cancellation is not None and cancellation.cancelled:
+                results[i] = outcome.Error(ClosedResourceError(
+                    f"{self.label}: the batch was cancelled (its device is closing) before "
+                    "this request ran"))
+                continue
+            results[i] = self._alone(member)
+        return results
+
+    def _alone(self, member: Member) -> outcome.Outcome[dict[str, Tensor]]:
+        # One member's run; an exception the device cannot survive ends the batch.
+        try:
+            return outcome.Value(self.run(member.inputs.tensors, member.keep))
+        except BaseException as exc:
+            if self.fatal(exc):
+                raise
+            return outcome.Error(exc)
+
+    @property
+    def _left(self) -> outcome.Outcome[dict[str, Tensor]]:
+        # The outcome of a member that left: never handed to anyone.
+        return outcome.Error(ClosedResourceError(f"{self.label}: the request left its batch"))
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(label: str, why: str) -> None:
+    with _warned_lock:
+        if label in _warned:
+            return
+        _warned.add(label)
+    log.warning("%s: cannot batch: %s", label, why)

@@ -1,0 +1,278 @@
+"""``Batcher``: the batches of one device actor, from a request's arrival to each
+member's outcome.
+
+A batched request joins an open batch it may join or opens one (:meth:`Batcher.submit`);
+each batch is a task in the actor's nursery that queues for a worker slot on its
+members' terms, waits for company if ``max_delay`` asks it to, runs them as one
+:class:`~wasinn.actors._batch_job.BatchJob` and hands each member its outcome. Batch
+keys whose merged outputs could not be split are remembered, and their requests run
+alone. The rules (who may join, when a batch runs, what a member that leaves frees) are
+in :mod:`wasinn.actors.batching`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import outcome
+import trio
+
+from wasinn.errors import ClosedResourceError, WasiNNError
+from wasinn.tensor import Tensor
+
+from ._batch import Batch, Member
+from ._batch_job import BatchJob
+from ._batch_rows import BatchInputs, RunInputs
+from .jobs import backend_failure
+from .queue import Request
+from .stats import Account, RequestStats
+
+if TYPE_CHECKING:
+    from .batching import Batching
+
+#: How many batch keys that run alone (see Batcher) are remembered before starting again.
+_MAX_ALONE = 1024
+
+
+class Batcher:
+    """The batches of one device actor (trio only; see the module docstring).
+
+    ``take_slot(request)`` queues for a worker slot as ``request``; ``requeue_slot(request,
+    priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
+    back; ``run_in_slot(job, label, tenant)`` runs a job in a worker thread on a held slot
+    (which it frees when the thread is done), its run charged to ``tenant`` (a batch's
+    members are all of one tenant, so a merged run is charged whole to it); ``start``
+    starts a task that lives as long as the actor; ``stats`` counts the device's
+    batches. A run whose exception :attr:`fatal` says the device cannot survive (a lost
+    GPU) ends the whole batch with it: nothing more is run there, and the job raises it,
+    for the device context to see.
+    """
+
+    def __init__(self, device: str,
+                 take_slot: Callable[[Request], Awaitable[None]],
+                 requeue_slot: Callable[[Request, int, float], None],
+                 free_slot: Callable[[], None],
+                 run_in_slot: Callable[[Callable[[], Any], str, str], Awaitable[Any]],
+                 start: Callable[[Callable[[Batch], Awaitable[None]], Batch], None],
+                 stats: RequestStats) -> None:
+        self._device = device
+        #: Whether a run's exception leaves the device unusable (set by the actor from
+        #: its device context once the device is open; never, until then).
+        self.fatal: Callable[[BaseException], bool] = _survivable
+        self._take_slot = take_slot
+        self._requeue_slot = requeue_slot
+        self._free_slot = free_slot
+        self._run_in_slot = run_in_slot
+        self._start = start
+        self._stats = stats
+        self._open: dict[Hashable, list[Batch]] = {}
+        #: Requests in batches that have not started running (queued or gathering).
+        self.waiting = 0
+        #: The queue entries of batches that have not been granted a slot yet.
+        self._requests: set[Request] = set()
+        #: Batch keys whose merged outputs could not be split: their requests run alone.
+        self._alone: set[Hashable] = set()
+
+    @property
+    def queued_batches(self) -> int:
+        """Batches whose entry is in the device's queue now (one entry each): counted from
+        the entries themselves, so a slot granted a moment ago (its batch's task not yet
+        resumed) is not subtracted from the queue it has already left."""
+        # (a tuple first: one C call, which any thread may make while trio changes the set;
+        # DeviceActor.stats is read from a metrics scrape's thread)
+        return sum(1 for request in tuple(self._requests)
+                   if request.queued and not request.removed)
+
+    async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
+                     batching: Batching, *, priority: int, deadline: float, tenant: str,
+                     label: str, account: Account | None
+                     ) -> tuple[dict[str, Tensor], float, float]:
+        """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
+        when (perf_counter) its batch started running, and its share of that run (its
+        rows' share: the part of the run's device time that is its own). ``key`` names
+        what may run together (the graph on this device); the input signature is added
+        to it."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if type(priority) is not int:
+            priority = operator.index(priority)  # a numpy integer: compared and negated
+        full_key = (key, inputs.signature)
+        if full_key in self._alone:
+            return await self._run_alone(inputs, keep, run, priority, deadline, tenant,
+                                         label)
+        batch = self._joinable(full_key, inputs, priority, deadline, tenant)
+        if batch is None:
+            batch = Batch(full_key, run, batching, priority, deadline, tenant, label,
+                           account)
+            self._start(self._lead, batch)  # raises ClosedResourceError once closed
+            self._open.setdefault(full_key, []).append(batch)
+        member = Member(inputs, keep, priority, deadline)
+        batch.members.append(member)
+        batch.rows += inputs.rows
+        batch.live += 1
+        self.waiting += 1
+        if batch.rows >= batching.max_batch:
+            self._close(batch)
+            batch.full.set()
+        try:
+            await member.done.wait()
+        except BaseException:
+            if member.result is None:  # still waiting: leave the batch
+                member.abandoned = True
+                batch.live -= 1
+                if member.granted == math.inf:  # its batch has not started: its rows free
+                    self.waiting -= 1
+                    batch.rows -= inputs.rows
+                if not batch.live:  # nobody wants it any more
+                    self._close(batch)
+                    batch.scope.cancel()
+                else:
+                    if member.granted == math.inf and batch.full.is_set():
+                        self._reopen(batch)
+                    if batch.left() and batch.request is not None:
+                        # Still queued: it waits on its remaining members' terms.
+                        self._requeue_slot(batch.request, batch.priority, batch.deadline)
+            raise
+        result = member.result
+        assert result is not None
+        try:
+            return result.unwrap(), member.granted, member.share
+        except WasiNNError:
+            raise
+        except Exception as exc:
+            raise backend_failure(self._device, exc) from exc
+
+    async def _run_alone(self, inputs: BatchInputs, keep: bool, run: RunInputs,
+                         priority: int, deadline: float, tenant: str, label: str
+                         ) -> tuple[dict[str, Tensor], float, float]:
+        # A plain request: queued on its own terms, run in a job of its own.
+        await self._take_slot(Request(priority, deadline, tenant))
+        granted = time.perf_counter()
+        job = functools.partial(run, inputs.tensors, keep)
+        return await self._run_in_slot(job, label, tenant), granted, 1.0
+
+    def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
+                  tenant: str) -> Batch | None:
+        for batch in self._open.get(key, ()):
+            if batch.admits(inputs, priority, deadline, tenant):
+                return batch
+        return None
+
+    def _close(self, batch: Batch) -> None:
+        # No more members: take it out of the open batches.
+        if not batch.open:
+            return
+        batch.open = False
+        batches = self._open[batch.key]
+        batches.remove(batch)
+        if not batches:
+            del self._open[batch.key]
+
+    def _reopen(self, batch: Batch) -> None:
+        # A batch closed for being full, not started yet (queued or gathering), whose
+        # member left: joinable again while its live members leave room. (Closed for any
+        # other reason, it has started, or every member has left, or it has settled.)
+        if batch.rows >= batch.batching.max_batch:
+            return
+        batch.open = True
+        batch.full = trio.Event()  # (a trio.Event cannot be cleared)
+        self._open.setdefault(batch.key, []).append(batch)
+
+    async def _lead(self, batch: Batch) -> None:
+        # The batch's own task (in the actor's nursery): queue for a slot, wait for
+        # company if asked, run every member as one job, hand each its outcome.
+        outcomes: list[outcome.Outcome[dict[str, Tensor]]] | None = None
+        failure: BaseException | None = None
+        try:
+            with batch.scope:
+                batch.request = Request(batch.priority, batch.deadline, batch.tenant)
+                self._requests.add(batch.request)
+                try:
+                    await self._take_slot(batch.request)
+                finally:
+                    self._requests.discard(batch.request)
+                    batch.request = None
+                outcomes = await self._gather_and_run(batch)
+        except Exception as exc:  # queue full, device closed: every member's error
+            failure = exc
+        except BaseException:  # the actor's nursery is cancelled: the device is closing
+            failure = ClosedResourceError(f"{self._device}: the device closed while the "
+                                          "request waited in a batch")
+            raise
+        finally:
+            self._close(batch)
+            self._settle(batch, outcomes, failure)
+
+    async def _gather_and_run(self, batch: Batch
+                              ) -> list[outcome.Outcome[dict[str, Tensor]]] | None:
+        # Holding a slot: the slot is freed here, or by the worker thread once the job ran.
+        try:
+            delay = batch.batching.max_delay
+            if delay and batch.open:
+                until = batch.opened + delay
+                if batch.deadline < until:  # leave the run half of the time that is left
+                    now = trio.current_time()
+                    until = min(until, now + (batch.deadline - now) / 2)
+                with trio.move_on_at(until):
+                    # Woken as it filled up: it runs, unless a member left meanwhile and
+                    # reopened it (a new event then).
+                    while batch.open:
+                        await batch.full.wait()
+            self._close(batch)
+        except BaseException:
+            self._free_slot()
+            raise
+        members = [member for member in batch.members if not member.abandoned]
+        if not members:
+            self._free_slot()
+            return None
+        granted = time.perf_counter()
+        rows = sum(member.inputs.rows for member in members)
+        for member in members:
+            member.granted = granted
+            member.share = member.inputs.rows / rows if rows else 1 / len(members)
+        self.waiting -= len(members)
+        job = BatchJob(batch.run, members, batch.label, self.fatal)
+        outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
+            job, batch.label, batch.tenant)
+        if job.unsplittable:
+            if len(self._alone) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
+                self._alone.clear()
+            self._alone.add(batch.key)
+        if job.merged:
+            # Members that left while it ran are counted as they ended, not as answered.
+            answered = sum(not member.abandoned for member in members)
+            self._stats.record_batch(answered)
+            if batch.account is not None:
+                batch.account.record_batch(answered)
+        return outcomes
+
+    def _settle(self, batch: Batch, outcomes: Sequence[outcome.Outcome[Any]] | None,
+                failure: BaseException | None) -> None:
+        ran = [member for member in batch.members if member.granted != math.inf]
+        if outcomes is not None:
+            for member, result in zip(ran, outcomes, strict=True):
+                member.result = result
+        for member in batch.members:
+            if member.result is None:
+                if member.granted == math.inf and not member.abandoned:
+                    self.waiting -= 1
+                member.result = outcome.Error(self._failure_for(failure))
+            member.done.set()
+
+    def _failure_for(self, failure: BaseException | None) -> BaseException:
+        # Each member raises an error of its own (one exception object raised in several
+        # tasks would collect all their tracebacks), the batch's as its cause.
+        if failure is None:
+            return ClosedResourceError(f"{self._device}: the batch was dropped")
+        if isinstance(failure, WasiNNError):
+            return failure.for_another_caller()
+        return failure
+
+
+def _survivable(exc: BaseException) -> bool:
+    return False
