@@ -185,12 +185,14 @@ class GraphProcesses:
         more (under the lock). Refused, not kept waiting: a run waits in its device's
         worker thread, so a caller crashing the process with several requests in flight
         would hold every worker slot of the device, and starve the other callers that
-        its back-off is there to spare."""
-        return TooLargeError(
+        its back-off is there to spare. Its ``retry_after`` is ``held``."""
+        refusal = TooLargeError(
             f"{self._backend.name}: this caller's runs crashed the model's process "
             f"{self.backoff.crashes_of(caller)} times less than {QUIET_S:g} s apart: its "
             f"runs are refused for {held:.1f} s more, without a process taken or started; "
             "other callers' runs go on: retry after that")
+        refusal.retry_after = held
+        return refusal
 
     def _why_waiting(self, live: int, wait: float) -> str:
         """Why a run waited for a process, in brackets (under the lock)."""

@@ -116,7 +116,14 @@ class UnsupportedOperationError(WasiNNError):
 
 
 class TooLargeError(WasiNNError):
+    """A tensor, buffer, queue or quota exceeded. ``retry_after`` is the number of seconds
+    after which the same request may be accepted, where wasinn knows it (a caller held by
+    a sandboxed model's crash back-off), as HTTP's ``Retry-After`` tells a client; None
+    where it does not (a full queue drains as fast as the device runs, a tensor too large
+    stays too large)."""
+
     code = ErrorCode.TOO_LARGE
+    retry_after: float | None = None
 
 
 class NotFoundError(WasiNNError):

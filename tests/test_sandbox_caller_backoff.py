@@ -213,8 +213,9 @@ def test_another_caller_runs_at_once_while_the_crashing_callers_runs_are_refused
         assert len(spawns) == 3 and graph.pids == [spawns[-1]]  # started for b, idle now
         # a's next run takes no process, not even the idle one, and waits for none: it
         # is refused at once (waiting, it would have been stopped after HELD_S).
-        with pytest.raises(TooLargeError, match=_refusal("crashing")):
+        with pytest.raises(TooLargeError, match=_refusal("crashing")) as refused:
             _as("a", graph.run, ONES)
+        assert refused.value.retry_after == FIRST_DELAY_S  # for a client's own back-off
         assert len(spawns) == 3 and graph.pids == [spawns[-1]]
         np.testing.assert_array_equal(_as("b", graph.run, ONES)["y"].numpy(),
                                       np.full((1, 4), 2.0, np.float32))
@@ -390,8 +391,9 @@ async def test_a_tenants_crashes_refuse_its_own_requests_not_another_tenants(
         (process,) = sandbox_children()  # started for b, idle now
         # a's next request takes no process, not even the idle one, and waits for none:
         # it is refused at once (waiting, it would fail at its deadline).
-        with pytest.raises(TooLargeError, match=_refusal("openvino")):
+        with pytest.raises(TooLargeError, match=_refusal("openvino")) as refused:
             await path(rt, graph, _rows(1), "a", HELD_S)
+        assert refused.value.retry_after == FIRST_DELAY_S  # kept through the actor
         assert [p.pid for p in sandbox_children()] == [process.pid]
         clock.now += FIRST_DELAY_S  # its delay is over: it runs, in the same process
         np.testing.assert_array_equal(await path(rt, graph, _rows(1), "a", None), GOOD)
