@@ -18,13 +18,23 @@ context of its own, as a load test would: the command then prints the requests p
 second, the latency percentiles as the callers saw them, and the model's and each
 device's stats (time queued and time running apart). The outputs of the last request
 are printed (type, shape, range and, along the last axis, the five largest values) and,
-with ``--save``, written to a numpy archive.
+with ``--save``, written to a numpy archive (see :func:`save_outputs`).
+
+bf16 has no type in numpy's file format: numpy saves an ``ml_dtypes.bfloat16`` array as
+2-byte raw values (``|V2``). ``--input`` reads such values as bf16 where the model's input
+may be bf16, and ``--save`` writes bf16 outputs so (load them with
+``numpy.load(FILE)[NAME].view(ml_dtypes.bfloat16)``). Values of another type for a bf16
+input are refused, as any other type mismatch is, saying how to write a bf16 file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+import secrets
+import stat
 import statistics
 import time
 import zipfile
@@ -36,8 +46,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import trio
 
+from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError, WasiNNError
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
 
 if TYPE_CHECKING:
     from wasinn.actors.stats import ModelStats
@@ -185,11 +196,13 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
                     *, zeros: bool, shapes: Mapping[str, tuple[int, ...]]
                     ) -> dict[str, Tensor]:
     """``given`` by input name (a position counts as a name), the rest zero-filled when
-    ``zeros``. Raises InvalidArgumentError naming the model's inputs for a name that is no
-    input, and for inputs left without a value."""
+    ``zeros``; 2-byte raw values (``|V2``) as bf16, see :func:`_as_declared`. Raises
+    InvalidArgumentError naming the model's inputs for a name that is no input, and for
+    inputs left without a value; naming what the input expects for a bf16 mismatch."""
     from wasinn.scheduler.warmup import zero_inputs
 
     names = [spec.name for spec in specs]
+    declared = {spec.name: spec for spec in specs}
 
     def named(key: str) -> str:  # a position, as the input's name
         # ASCII digits only, and few: str.isdigit() holds for '²', which int() refuses,
@@ -209,7 +222,7 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
             raise InvalidArgumentError(f"--input {key}: {name} is given twice (by name and "
                                        "by position): expected one value per input")
         try:
-            inputs[name] = Tensor.from_numpy(array)
+            inputs[name] = Tensor.from_numpy(_as_declared(array, declared[name]))
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--input {key}: {exc.message}") from None
     by_name: dict[str, tuple[int, ...]] = {}
@@ -233,6 +246,43 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
             missing, {k: v for k, v in shapes.items() if k in {s.name for s in missing}},
             shape_hint="give it with --shape {name}=D,D,..."))
     return inputs
+
+
+def _as_declared(array: np.ndarray[Any, Any], spec: TensorSpec) -> np.ndarray[Any, Any]:
+    """``array``, read from a file, as input ``spec``'s values: 2-byte raw values
+    (``|V2``, how numpy saves an ``ml_dtypes.bfloat16`` array) as bf16 where the input may
+    be bf16. Raises InvalidArgumentError for raw values where the model declares another
+    type, and for values of another type where it declares bf16 (the backend would refuse
+    them too; this says how to write a bf16 file)."""
+    bf16 = numpy_dtype(TensorType.BF16)
+    if array.dtype == _RAW_2_BYTES:
+        if spec.type is TensorType.BF16 or _type_undeclared(spec):
+            return array.view(bf16)
+        raise InvalidArgumentError(
+            "2-byte raw values (numpy dtype |V2, as numpy saves an ml_dtypes.bfloat16 "
+            f"array) but the model expects {spec.describe()}: expected {spec.type.value} "
+            "values (|V2 is read as bf16, for a bf16 input)")
+    if spec.type is TensorType.BF16 and array.dtype != bf16:
+        try:
+            given = tensor_type_of(array.dtype).value
+        except InvalidArgumentError:
+            given = f"numpy {array.dtype}"
+        raise InvalidArgumentError(
+            f"{given} values but the model expects {spec.describe()}: "
+            "expected bf16 values, saved from an ml_dtypes.bfloat16 array (numpy.save(FILE, "
+            "a.astype(ml_dtypes.bfloat16)), which numpy stores as |V2)")
+    return array
+
+
+def _type_undeclared(spec: TensorSpec) -> bool:
+    # A TorchScript model declares no types: its inputs say f32 of unknown rank, a
+    # placeholder its backend does not check. Raw values go to it as bf16 and the backend
+    # decides (one that does declare f32 of unknown rank refuses bf16, naming both).
+    return spec.type is TensorType.F32 and not spec.rank_known
+
+
+#: How numpy's format stores bf16, which it has no type for: 2-byte raw values.
+_RAW_2_BYTES = np.dtype("V2")
 
 
 def _described(specs: Sequence[TensorSpec]) -> str:
@@ -351,7 +401,78 @@ def check_save_path(path: Path) -> None:
 
 
 def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
-    """The outputs as a numpy archive, one array per output name."""
-    arrays: dict[str, Any] = {name: tensor.numpy() for name, tensor in outputs.items()}
-    with path.open("wb") as file:
-        np.savez(file, **arrays)
+    """The outputs as a numpy archive, as ``numpy.savez`` writes one: a ``NAME.npy``
+    member per output (numpy's own format), whatever the name (``file``, ``a/b:0``,
+    non-ASCII), so ``numpy.load(path)[NAME]`` and ``--input path`` give each back by its
+    name. A bf16 output is stored as numpy stores an ``ml_dtypes.bfloat16`` array: 2-byte
+    raw values (``|V2``), which ``.view(ml_dtypes.bfloat16)`` (or ``--input``) reads as bf16.
+
+    The archive is written to a new file beside the target (through a symbolic link, the
+    file it names), then renamed onto it: a save that fails leaves what was there as it
+    was. The new file keeps a replaced file's permissions. Raises InvalidArgumentError,
+    naming the file, for names no archive can hold (with a NUL character, which zip member
+    names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
+    apart) and for a file that cannot be written (read-only, a full disk, a folder not
+    writable).
+    """
+    _check_member_names(path, outputs)
+    target = Path(os.path.realpath(path))
+    if target.exists() and not os.access(target, os.W_OK):  # as open("wb") would refuse
+        raise InvalidArgumentError(
+            f"--save {path}: {target} is read-only: expected a file wasinn may write, or a "
+            "new name")
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+    created = False
+    try:
+        # O_EXCL: never someone else's file; 0o666 less the umask, as open() would give.
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        created = True
+        with os.fdopen(fd, "wb") as file:
+            with contextlib.suppress(FileNotFoundError):  # (a new file: open()'s mode)
+                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+            _write_archive(file, outputs)
+            file.flush()
+            os.fsync(fd)  # the data on disk before the rename makes it the target
+        os.replace(temporary, target)
+    except OSError as exc:
+        if created:
+            temporary.unlink(missing_ok=True)
+        raise InvalidArgumentError(
+            f"--save {path}: cannot write {target}: {exc.strerror or exc}: expected a "
+            "writable folder with room for the archive") from exc
+    except BaseException:
+        if created:
+            temporary.unlink(missing_ok=True)
+        raise
+
+
+def _check_member_names(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    # InvalidArgumentError for an output name that the archive would not give back.
+    for name in outputs:
+        if "\0" in name:
+            raise InvalidArgumentError(
+                f"--save {path}: output {name!r} has a NUL character, which a zip member "
+                "name cannot hold: expected names without one")
+        if name.endswith(".npy") and name.removesuffix(".npy") in outputs:
+            raise InvalidArgumentError(
+                f"--save {path}: outputs {name.removesuffix('.npy')!r} and {name!r} cannot "
+                f"share an archive: numpy.load reads its member {name!r} for both: expected "
+                "names that differ by more than a '.npy' ending")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(
+                f"--save {path}: output {name!r} is not valid Unicode: expected a name "
+                "that UTF-8 can write, as a zip member name is") from None
+
+
+def _write_archive(file: BinaryIO, outputs: Mapping[str, Tensor]) -> None:
+    # What numpy.savez writes, without its keyword arguments, which output names can
+    # collide with (an output named "file" or "allow_pickle"): stored, zip64 members.
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, tensor in outputs.items():
+            array = tensor.numpy()
+            if tensor.type is TensorType.BF16:
+                array = array.view(_RAW_2_BYTES)  # what numpy.save makes of bfloat16
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)

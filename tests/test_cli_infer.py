@@ -4,14 +4,20 @@ callers, outputs printed and saved; every bad input an error that says what to g
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from tests.backend_models import scripted
 from tests.example_configs import example_config
 from tests.support import require_backend
 from tests.test_pipeline import native_reference
@@ -19,8 +25,21 @@ from wasinn.backends.base import TensorSpec
 from wasinn.cli import main
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError
-from wasinn.infer import Load, complete_inputs, describe_output, parse_shape, read_inputs
-from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
+from wasinn.infer import (
+    Load,
+    complete_inputs,
+    describe_output,
+    parse_shape,
+    read_inputs,
+    save_outputs,
+)
+from wasinn.modelgen import (
+    ModelFiles,
+    affine_onnx,
+    identity_onnx,
+    onnx_model_bytes,
+    sample_image,
+)
 from wasinn.tensor import Tensor
 
 
@@ -237,3 +256,192 @@ def test_a_command_line_models_errors_name_its_flag_not_a_config_file(
     err = capfd.readouterr().err
     assert f"--nn-preload {spec!r}: no gpu device in this runtime" in err, err
     assert "default.toml" not in err
+
+
+#: Output names that numpy.savez's keywords would take (file, allow_pickle, args) or that
+#: are odd in a zip member name, each with the op that makes it and numpy's equivalent.
+_ODD_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "file": ("Identity", lambda x: x),
+    "allow_pickle": ("Neg", lambda x: -x),
+    "args": ("Abs", np.abs),
+    "logits/Softmax:0": ("Relu", lambda x: np.maximum(x, 0)),
+    "ünï cödé": ("Sign", np.sign),
+    "y.npy": ("Mul", lambda x: x * x),
+}
+
+
+def _odd_names_onnx() -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    nodes = [helper.make_node(op, ["x", "x"] if op == "Mul" else ["x"], [name])
+             for name, (op, _) in _ODD_NAMES.items()]
+    outs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4])
+            for name in _ODD_NAMES]
+    return onnx_model_bytes(helper.make_graph(nodes, "odd_names", [x], outs))
+
+
+def test_outputs_of_any_name_are_saved_under_that_name(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Before: np.savez(file, **outputs) took "file" as its own argument (a TypeError after
+    # truncating the target) and "allow_pickle" as its flag (an empty archive, status 0).
+    require_backend("onnxruntime")
+    (tmp_path / "odd.onnx").write_bytes(_odd_names_onnx())
+    x = np.array([[-2, -1, 1, 2]], np.float32)
+    np.save(tmp_path / "x.npy", x)
+    saved = tmp_path / "out.npz"
+    np.savez(saved, earlier=np.arange(5))  # replaced as a whole
+    code = main(["infer", "--nn-preload", f"m:onnx:cpu:{tmp_path / 'odd.onnx'}", "m",
+                 "--input", f"x={tmp_path / 'x.npy'}", "--save", str(saved)])
+    assert code == 0, capfd.readouterr().err
+    assert f"outputs written to {saved}" in capfd.readouterr().out
+    with np.load(saved) as archive:
+        assert sorted(archive.files) == sorted(_ODD_NAMES)
+        for name, (_, reference) in _ODD_NAMES.items():
+            np.testing.assert_array_equal(archive[name], reference(x), err_msg=name)
+    assert sorted(read_inputs([str(saved)])) == sorted(_ODD_NAMES)  # --input reads it back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.onnx", "out.npz", "x.npy"]
+
+
+def test_a_failed_save_leaves_the_earlier_file_as_it_was(
+        affine: list[str], tmp_path: Path) -> None:
+    # A real write failure: the archive (32 KiB) is past the process's file size limit,
+    # as it would be past a full disk. Before: the target was truncated first.
+    saved = tmp_path / "results.npz"
+    np.savez(saved, important=np.arange(5))
+    before = saved.read_bytes()
+    argv = ["infer", *affine, "a", "--zeros", "--shape", "x=2048,4", "--save", str(saved)]
+    child = ("import resource, sys\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE,"
+             " (8192, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+             "from wasinn.cli import main\n"
+             f"sys.exit(main({argv!r}))\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    assert saved.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["affine.onnx", "results.npz"]
+    assert (f"wasinn: error: --save {saved}: cannot write {saved}: File too large: expected "
+            "a writable folder with room for the archive") in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("names", "message"), [
+    (["a", "a.npy"], "outputs 'a' and 'a.npy' cannot share an archive: numpy.load reads "
+                     "its member 'a.npy' for both"),
+    (["a\0b"], "output 'a\\x00b' has a NUL character, which a zip member name cannot hold"),
+], ids=["x-and-x.npy", "nul"])
+def test_names_no_archive_can_give_back_are_refused_leaving_the_file(
+        tmp_path: Path, names: list[str], message: str) -> None:
+    saved = tmp_path / "out.npz"
+    np.savez(saved, important=np.arange(5))
+    before = saved.read_bytes()
+    tensor = Tensor.from_numpy(np.zeros((1, 4), np.float32))
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"--save {saved}: {message}")):
+        save_outputs(saved, dict.fromkeys(names, tensor))
+    assert saved.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out.npz"]
+
+
+def test_a_read_only_file_is_not_saved_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    # The archive replaces the file by a rename, which a read-only file does not stop
+    # (its folder's permission decides): the file's own is checked, as open("wb") would
+    # check it. os.access answers for the tests' user (root passes any check).
+    import wasinn.infer
+
+    saved = tmp_path / "out.npz"
+    np.savez(saved, important=np.arange(5))
+    saved.chmod(0o444)
+    before = saved.read_bytes()
+    real_access = os.access
+    monkeypatch.setattr(wasinn.infer.os, "access", lambda path, mode: (
+        False if Path(path) == saved and mode == os.W_OK else real_access(path, mode)))
+    tensor = Tensor.from_numpy(np.zeros((1, 4), np.float32))
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"--save {saved}: {saved} is read-only: expected a file wasinn may write")):
+        save_outputs(saved, {"y": tensor})
+    assert saved.read_bytes() == before
+
+
+def _cast_onnx(source: int, target: int, in_name: str, out_name: str) -> bytes:
+    from onnx import helper
+
+    x = helper.make_tensor_value_info(in_name, source, [1, 4])
+    y = helper.make_tensor_value_info(out_name, target, [1, 4])
+    node = helper.make_node("Cast", [in_name], [out_name], to=target)
+    return onnx_model_bytes(helper.make_graph([node], "cast", [x], [y]))
+
+
+def test_a_bf16_file_goes_in_and_a_saved_bf16_output_comes_back(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # numpy saves an ml_dtypes.bfloat16 array as 2-byte raw values (|V2). Before, --input
+    # refused them and --save wrote bf16 outputs as such values that nothing read back.
+    from onnx import TensorProto
+
+    require_backend("onnxruntime")
+    (tmp_path / "same.onnx").write_bytes(identity_onnx(TensorType.BF16))  # bf16 x -> y
+    (tmp_path / "widen.onnx").write_bytes(
+        _cast_onnx(TensorProto.BFLOAT16, TensorProto.FLOAT, "y", "z"))  # bf16 y -> f32 z
+    preload = ["--nn-preload", f"same:onnx:cpu:{tmp_path / 'same.onnx'}",
+               "--nn-preload", f"widen:onnx:cpu:{tmp_path / 'widen.onnx'}"]
+    values = np.array([[1.5, 2.25, -3, 100]], ml_dtypes.bfloat16)
+    np.save(tmp_path / "x.npy", values)
+    assert np.load(tmp_path / "x.npy").dtype == np.dtype("V2")
+    assert main(["infer", *preload, "same", "--input", f"x={tmp_path / 'x.npy'}",
+                 "--save", str(tmp_path / "y.npz")]) == 0, capfd.readouterr().err
+    assert "y: bf16[1, 4] min -3 max 100 mean 25.1875" in capfd.readouterr().out
+    with np.load(tmp_path / "y.npz") as archive:  # as the README says to load it
+        y = archive["y"].view(ml_dtypes.bfloat16)
+    assert y.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(y, values)
+    assert main(["infer", *preload, "widen", "--input", str(tmp_path / "y.npz"),
+                 "--save", str(tmp_path / "z.npz")]) == 0, capfd.readouterr().err
+    with np.load(tmp_path / "z.npz") as archive:
+        np.testing.assert_array_equal(archive["z"], values.astype(np.float32))
+
+
+@pytest.mark.parametrize(("model", "given", "message"), [
+    ("bf16", np.float32, "--input x: f32 values but the model expects x: bf16[?, 4]: expected "
+                         "bf16 values, saved from an ml_dtypes.bfloat16 array (numpy.save(FILE, "
+                         "a.astype(ml_dtypes.bfloat16)), which numpy stores as |V2)"),
+    ("bf16", np.int16, "--input x: numpy int16 values but the model expects x: bf16[?, 4]: "
+                       "expected bf16 values"),
+    ("f32", ml_dtypes.bfloat16,
+     "--input x: 2-byte raw values (numpy dtype |V2, as numpy saves an ml_dtypes.bfloat16 "
+     "array) but the model expects x: f32[?, 4]: expected f32 values (|V2 is read as bf16, "
+     "for a bf16 input)"),
+], ids=["f32-for-bf16", "i16-for-bf16", "v2-for-f32"])
+def test_a_bf16_type_mismatch_says_what_the_input_takes(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], model: str, given: Any,
+        message: str) -> None:
+    # An f32 file for a bf16 input is refused, as any other type mismatch is, not rounded.
+    require_backend("onnxruntime")
+    ttype = TensorType.BF16 if model == "bf16" else TensorType.F32
+    (tmp_path / "m.onnx").write_bytes(identity_onnx(ttype))
+    np.save(tmp_path / "x.npy", np.ones((1, 4), given))
+    code = main(["infer", "--nn-preload", f"m:onnx:cpu:{tmp_path / 'm.onnx'}", "m",
+                 "--input", f"x={tmp_path / 'x.npy'}"])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err.startswith("wasinn: error: ") and message in err, err
+
+
+def test_a_bf16_file_goes_to_a_torchscript_model_which_declares_no_types(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # TorchScript's inputs say f32 of unknown rank, a placeholder: the file's 2-byte raw
+    # values go to it as bf16, which the module widens.
+    require_backend("torch")
+    import torch
+
+    class Widen(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float() * 2
+
+    (tmp_path / "widen.pt").write_bytes(scripted(Widen()))
+    np.save(tmp_path / "x.npy", np.array([[1.5, -3]], ml_dtypes.bfloat16))
+    code = main(["infer", "--nn-preload", f"w:pytorch:cpu:{tmp_path / 'widen.pt'}", "w",
+                 "--input", f"0={tmp_path / 'x.npy'}"])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    assert "f32[1, 2] min -6 max 3 mean -1.5" in captured.out
