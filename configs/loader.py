@@ -313,8 +313,9 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
 
     ``backends`` names the backends the runtime will be given in code
     (``Runtime(..., backends=...)``), which a config may name besides the installed ones.
-    Raises NotFoundError when the file does not exist, ConfigError when it is not TOML
-    or does not validate (an unknown backend name included).
+    The file is UTF-8, with or without a byte-order mark. Raises NotFoundError when the
+    file does not exist, ConfigError when it is not TOML or does not validate (an
+    unknown backend name included).
     """
     if not isinstance(path, str | os.PathLike):
         raise InvalidArgumentError(
@@ -324,7 +325,10 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
             f"config path {str(path)!r:.60} contains a NUL byte: expected a file path")
     source = Path(path).absolute()
     try:
-        text = source.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark at the start (what Windows editors save as "UTF-8
+        # with BOM") is dropped, not taken for an invisible character the TOML parser
+        # refuses at line 1, column 1 with no word of why.
+        text = source.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise NotFoundError(f"config file {source} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -17,7 +17,9 @@
 end each device's requests by outcome and their latency percentiles), ``-vv``
 every wasi-nn call with its time. ``run`` exits with the guest's exit code; a guest
 trap prints its message and exits with 134; an error before the guest starts prints
-``wasinn: error: ...`` and exits with 1 (2 for a malformed command line).
+``wasinn: error: ...`` and exits with 1 (2 for a malformed command line). A command
+whose stdout's reader has gone (``wasinn devices | head -1``) stops quietly with 141, the
+shell's status for a process that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -34,13 +35,13 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wasinn.enums import ExecutionTarget
+from wasinn._cli_parser import METRICS_ADDR, build_parser
 from wasinn.errors import InvalidArgumentError, UnsupportedOperationError, WasiNNError
 
 if TYPE_CHECKING:
     import trio
 
-    from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
+    from wasinn.configs.schema import RuntimeConfig
     from wasinn.host.preload import Preload
     from wasinn.scheduler import Runtime
 
@@ -50,10 +51,9 @@ log = logging.getLogger("wasinn.cli")
 EXIT_ERROR = 1
 #: Exit status after a Ctrl-C (SIGINT), as a shell reports a process it ended: 128 + 2.
 EXIT_INTERRUPTED = 130
-#: The most fuel ``--fuel`` may give (wasmtime counts fuel in a u64).
-MAX_FUEL = 2**64 - 1
-#: Where ``--metrics-port`` listens unless ``--metrics-addr`` says: this machine only.
-METRICS_ADDR = "127.0.0.1"
+#: Exit status when stdout's reader has gone (``wasinn devices | head -1``), as a shell
+#: reports a process that SIGPIPE ended: 128 + 13. Nothing is said.
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(Exception):
@@ -99,167 +99,6 @@ def parse_env(spec: str) -> tuple[str, str]:
             raise UsageError(f"--env {key}: not set in the host environment; use KEY=VALUE")
         value = os.environ[key]
     return key, value
-
-
-def _parser() -> argparse.ArgumentParser:
-    # -v is accepted before and after the command; SUPPRESS keeps the subcommand's
-    # parser from resetting a count given before it.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                        help="progress and timing (-vv: every wasi-nn call)")
-    config = argparse.ArgumentParser(add_help=False)
-    config.add_argument("--config", metavar="FILE",
-                        help="runtime config (TOML); default: the embedded default")
-
-    parser = argparse.ArgumentParser(
-        prog="wasinn",
-        description="Run wasi-nn WebAssembly guests on an async multi-device scheduler.")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="progress and timing (-vv: every wasi-nn call)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    registry = argparse.ArgumentParser(add_help=False, parents=[config])
-    registry.add_argument("--nn-preload", action="append", default=[],
-                          metavar="NAME:ENCODING:TARGET:PATH[:PATH...]",
-                          help="register a model for load_by_name (WasmEdge syntax)")
-    registry.add_argument("-S", "--wasi", action="append", default=[],
-                          metavar="nn-graph=ENCODING::DIR",
-                          help="register DIR's model under DIR's name (Wasmtime syntax; "
-                               "-S nn is accepted: wasi-nn is always on)")
-
-    run = sub.add_parser("run", parents=[common, registry], help="run a guest (.wasm or .wat)",
-                         description="Run a core-module or component guest to completion.",
-                         usage="wasinn run [options] GUEST.wasm [ARGS ...]")
-    run.add_argument("--dir", action="append", default=[], metavar="HOST[::GUEST]",
-                     help="preopen a host directory (GUEST:HOST also accepted)")
-    run.add_argument("--env", action="append", default=[], metavar="K[=V]",
-                     help="set a guest environment variable")
-    sandbox = run.add_mutually_exclusive_group()
-    sandbox.add_argument("--sandbox", action="store_const", const=True, default=None,
-                         help="run each model the guest loads from its own bytes in a "
-                              "process of its own on every device, not only the CPU "
-                              "([guests] sandbox = true)")
-    sandbox.add_argument("--no-sandbox", dest="sandbox", action="store_const", const=False,
-                         help="run the models the guest loads from its own bytes in this "
-                              "process ([guests] sandbox = false): faster, but a library "
-                              "crash on the guest's model or inputs ends the run")
-    run.add_argument("--timeout", type=_seconds, metavar="SECONDS",
-                     help="stop the guest if it runs longer (a trap: status 134; "
-                          "[guests] run_timeout)")
-    run.add_argument("--fuel", type=_fuel, metavar="N",
-                     help="stop the guest once it has executed N units of wasm fuel (about "
-                          "one an instruction; a trap: status 134; wasi-nn calls use none; "
-                          "[guests] max_fuel)")
-    run.add_argument("--metrics-port", type=_port, metavar="PORT",
-                     help="serve the run's figures (devices, models, tenants) to Prometheus "
-                          "at http://ADDR:PORT/metrics while it runs; 0: a free port, "
-                          "printed (needs wasinn[metrics])")
-    run.add_argument("--metrics-addr", metavar="ADDR",
-                     help=f"the address --metrics-port listens on (default {METRICS_ADDR}: "
-                          "this machine only)")
-    # Optional here only so that its absence is reported alone (argparse would name ARGS
-    # as required too): main() refuses a run without it.
-    run.add_argument("guest", metavar="GUEST.wasm", nargs="?")
-    run.set_defaults(command_parser=run)
-    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
-                     help="arguments passed to the guest")
-
-    infer = sub.add_parser(
-        "infer", parents=[common, registry], help="run a registered model or pipeline",
-        description="Run a model or pipeline of the registry on inputs from numpy files "
-                    "(no guest); with --requests, as a load test.")
-    infer.add_argument("name", metavar="NAME",
-                       help="a [models] or [pipelines] entry, or a model registered here")
-    infer.add_argument("--input", action="append", default=[],
-                       metavar="NAME=FILE.npy|FILE.npz",
-                       help="an input from a .npy file, or every input of a .npz archive")
-    infer.add_argument("--zeros", action="store_true",
-                       help="fill the inputs not given with zeros of the model's shapes")
-    infer.add_argument("--shape", action="append", default=[], metavar="NAME=D,D,...",
-                       help="the shape of a zero-filled input (where the model has none)")
-    infer.add_argument("--target", type=_target,
-                       help="cpu, gpu or tpu (default: the entry's target)")
-    infer.add_argument("--requests", type=int, default=1, metavar="N",
-                       help="requests to send (default 1)")
-    infer.add_argument("--concurrency", type=int, default=1, metavar="C",
-                       help="callers sending them at once, a context each (default 1)")
-    infer.add_argument("--timeout", type=float, metavar="SECONDS",
-                       help="each request's timeout (default: none)")
-    infer.add_argument("--save", metavar="FILE.npz",
-                       help="write the last request's outputs to a numpy archive")
-    infer.set_defaults(command_parser=infer)
-
-    sub.add_parser("devices", parents=[common, config],
-                   help="list the devices and backends found")
-    models = sub.add_parser("models", parents=[common, registry],
-                            help="list the model registry")
-    models.set_defaults(command_parser=models)
-    demo = sub.add_parser("demo", parents=[common],
-                          help="classify a generated image with the C example guest")
-    demo.add_argument("--width", type=_width, default=0.35,
-                      help="MobileNetV2-like width multiplier, > 0 and <= 4 (default 0.35)")
-    demo.add_argument("--workdir", metavar="DIR",
-                      help="where the model and input go (default: wasinn's cache)")
-    return parser
-
-
-def _target(text: str) -> str:
-    # --target: an execution target's name, checked before anything starts.
-    try:
-        return ExecutionTarget.coerce(text).value
-    except InvalidArgumentError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-
-
-def _seconds(text: str) -> float:
-    # --timeout: a finite number of seconds > 0.
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a number of seconds > 0, such as 30 or 0.5")
-    return value
-
-
-def _fuel(text: str) -> int:
-    # --fuel: a whole number of fuel units, 1 to 2**64 - 1 (wasmtime's fuel is a u64).
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_FUEL:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a whole number of fuel units from 1 to {MAX_FUEL}, such "
-            "as 1000000000")
-    return value
-
-
-def _port(text: str) -> int:
-    # --metrics-port: a TCP port, 0 for a free one.
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a TCP port from 0 to 65535 (0: a free one), such as 9100")
-    return value
-
-
-def _width(text: str) -> float:
-    # --width: a finite multiplier of MobileNetV2's channel counts.
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number: expected a width multiplier such as 0.35 or 1.0"
-        ) from None
-    if not 0 < value <= 4:  # NaN fails too
-        raise argparse.ArgumentTypeError(
-            f"{text}: expected a width multiplier > 0 and <= 4 (MobileNetV2's are 0.35 to 1.4)")
-    return value
 
 
 def _configure_logging(verbose: int) -> None:
@@ -487,80 +326,17 @@ async def _infer(args: argparse.Namespace) -> int:
 
 
 async def _devices(args: argparse.Namespace) -> int:
-    from wasinn.backends.registry import BackendRegistry
-    from wasinn.scheduler import Runtime
+    from wasinn._cli_listings import print_devices
 
-    config = _load_config(args.config)
-    registry = BackendRegistry(config.runtime.backends or ())
-    rows: list[tuple[str, ...]] = []
-    found: dict[str, list[str]] = {}
-    for name in registry.names():
-        if not registry.is_installed(name):
-            rows.append((name, "not installed", "-", "-"))
-            continue
-        try:
-            backend = registry.get(name)
-            devices = [d.name for d in backend.devices()]
-        except WasiNNError as exc:
-            rows.append((name, "unavailable", "-", exc.message))
-            continue
-        encodings = ", ".join(sorted(e.value for e in backend.encodings))
-        rows.append((name, "installed", ", ".join(devices) or "-", encodings))
-        for device in devices:
-            found.setdefault(device, []).append(name)
-    print(_table(("BACKEND", "STATUS", "DEVICES", "ENCODINGS"), rows))
-    print()
-    async with Runtime(config) as rt:
-        served = [(d.name, d.kind.value, ", ".join(found.get(d.name, [])) or "-")
-                  for d in rt.devices]
-    print(_table(("DEVICE", "KIND", "BACKENDS"), served))
+    await print_devices(_load_config(args.config))
     return 0
 
 
 def _models(args: argparse.Namespace) -> int:
-    config = _registry_config(args)
-    rows: list[tuple[str, ...]] = [
-        (name, "model", m.encoding, m.target, _loaded(m), _batching(m), ", ".join(m.files))
-        for name, m in config.models.items()
-    ]
-    rows += [
-        (name, "pipeline", "-", p.target, _loaded(p), _batching(p),
-         " -> ".join(s.model for s in p.steps))
-        for name, p in config.pipelines.items()
-    ]
-    if not rows:
-        where = args.config or "the embedded default config"
-        print(f"no models registered in {where}: add a [models] table, or give "
-              "--nn-preload / --wasi nn-graph (to run, infer or models)")
-        return 0
-    print(_table(("NAME", "KIND", "ENCODING", "TARGET", "LOADED", "BATCHING", "FILES / STEPS"),
-                 rows))
+    from wasinn._cli_listings import print_models
+
+    print_models(_registry_config(args), args.config or "the embedded default config")
     return 0
-
-
-def _loaded(entry: ModelConfig | PipelineConfig) -> str:
-    """When the runtime loads a registry entry, and for how long."""
-    if entry.warmup:
-        return f"at start, {entry.warmup} warm-up run(s)"
-    if entry.preload:
-        return "at start"
-    return "first use, kept" if entry.kept else "first use"
-
-
-def _batching(entry: ModelConfig | PipelineConfig) -> str:
-    """How a registry entry's requests are batched, in a few words."""
-    batching = entry.batching
-    if batching is None:
-        return "-"
-    delay = f", waits {batching.max_delay_ms:g} ms" if batching.max_delay_ms else ""
-    return f"up to {batching.max_batch}{delay}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-             for row in [header, *rows]]
-    return "\n".join(lines)
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -572,26 +348,24 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``wasinn`` console script; returns the exit status."""
-    import trio
-
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run" and args.guest is None:
         args.command_parser.error("the following arguments are required: GUEST.wasm")
     _configure_logging(args.verbose)
     try:
         _parse_values(args)
-        if args.command == "run":
-            return int(trio.run(_run, args))
-        if args.command == "infer":
-            return int(trio.run(_infer, args))
-        if args.command == "devices":
-            return int(trio.run(_devices, args))
-        if args.command == "models":
-            return _models(args)
-        return int(trio.run(_demo, args))
+        status = _command(args)
+        sys.stdout.flush()  # (a closed stdout is met here, not at the interpreter's exit)
+        return status
     except UsageError as exc:  # with the subcommand's usage line
         getattr(args, "command_parser", parser).error(str(exc))
+    except BrokenPipeError as exc:  # (an OSError: before _FAILURES)
+        if _stdout_closed():
+            _stop_writing()
+            return EXIT_BROKEN_PIPE
+        _say(exc)
+        return EXIT_ERROR
     except _FAILURES as exc:
         _say(exc)
         return EXIT_ERROR
@@ -604,10 +378,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures, rest = group.split(_FAILURES)
         if failures is None or rest is not None:
             raise
-        for failure in _leaves(failures):
+        leaves = _leaves(failures)
+        said = [f for f in leaves if not (isinstance(f, BrokenPipeError) and _stdout_closed())]
+        for failure in said:
             _say(failure)
+        if len(said) < len(leaves):  # a print met a closed stdout
+            _stop_writing()
+            if not said:
+                return EXIT_BROKEN_PIPE
         return EXIT_ERROR
     return EXIT_ERROR  # pragma: no cover - parser.error exits
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names; its exit status."""
+    import trio
+
+    if args.command == "run":
+        return int(trio.run(_run, args))
+    if args.command == "infer":
+        return int(trio.run(_infer, args))
+    if args.command == "devices":
+        return int(trio.run(_devices, args))
+    if args.command == "models":
+        return _models(args)
+    return int(trio.run(_demo, args))
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone, as after
+    ``wasinn devices | head -1``: where a BrokenPipeError came from a print, not from
+    another pipe of the command's (a sandbox process's), which stays an error."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # (no poll(); stdout replaced or closed)
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _stop_writing() -> None:
+    """Point stdout, whose reader has gone, at /dev/null: the command then ends quietly
+    (:data:`EXIT_BROKEN_PIPE`), as one that SIGPIPE ends does, since the reader asked for
+    no more, and the interpreter's last flush does not report the same pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 #: What ends a command with ``wasinn: error: ...`` and status 1.

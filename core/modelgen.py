@@ -121,7 +121,9 @@ def mobilenet_v2(width: float = 1.0, seed: int = 0, num_classes: int = NUM_CLASS
 def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -> ModelFiles:
     """Export the MobileNetV2-like network to ONNX, TorchScript and OpenVINO IR in ``directory``.
 
-    Files already there from an earlier call with the same arguments are reused.
+    Files already there from an earlier call with the same arguments are reused. Each is
+    written under a temporary name and renamed into place, so an interrupted export leaves
+    no partial model that a later call would reuse.
     """
     import warnings
 
@@ -148,7 +150,18 @@ def export_mobilenet(directory: Path | str, width: float = 1.0, seed: int = 0) -
         tmp.replace(files.torchscript)
     import openvino as ov
 
-    ov.save_model(ov.convert_model(str(files.onnx)), str(files.ir_xml), compress_to_fp16=False)
+    # Through temporary names too: an interrupted save must not leave a truncated IR that
+    # the check above would take for a finished one. (save_model writes the .bin beside
+    # the .xml, under its stem; the .bin is renamed first, so a .xml in place has its .bin.)
+    tmp_xml = files.ir_xml.with_name(f"{stem}.{os.getpid()}.partial.xml")
+    tmp_bin = tmp_xml.with_suffix(".bin")
+    try:
+        ov.save_model(ov.convert_model(str(files.onnx)), str(tmp_xml), compress_to_fp16=False)
+        tmp_bin.replace(files.ir_bin)
+        tmp_xml.replace(files.ir_xml)
+    finally:
+        tmp_xml.unlink(missing_ok=True)
+        tmp_bin.unlink(missing_ok=True)
     return files
 
 

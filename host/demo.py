@@ -12,6 +12,8 @@ disagree on the class.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -32,15 +34,17 @@ class _Format:
 async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
     """Run the demo; returns 0 when every guest ran and every backend gave the same class.
 
-    Raises UnsupportedOperationError when no C compiler or no model tooling
-    (torch/onnx/openvino) is installed, naming what to install.
+    ``workdir`` (``--workdir``) is where the model and input go, created if need be;
+    default: ``demo`` in wasinn's cache. Raises InvalidArgumentError naming it when it
+    cannot be created or written, UnsupportedOperationError when no C compiler or no model
+    tooling (torch/onnx/openvino) is installed, naming what to install.
     """
     from wasinn.errors import UnsupportedOperationError
     from wasinn.host.guests import build_example
     from wasinn.scheduler import Runtime
 
-    workdir = workdir or cache_dir() / "demo"
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = (_folder(workdir, "--workdir") if workdir is not None
+               else _folder(cache_dir() / "demo", "the demo's folder in wasinn's cache"))
     try:
         from wasinn.modelgen import export_mobilenet, sample_image
 
@@ -67,8 +71,10 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
                 print(f"\ndemo: skipping {fmt.label}: {fmt.library} is not installed")
                 continue
             model_arg = "+".join(f"/demo/{p.name}" for p in fmt.files)
-            print(f"\n$ wasinn run --dir {workdir}::/demo {wasm.name} {model_arg} "
-                  "/demo/input.bin", flush=True)
+            # (what a user can copy and run: the guest by its full path, in the cache)
+            command = ["wasinn", "run", "--dir", f"{workdir}::/demo", str(wasm.absolute()),
+                       model_arg, "/demo/input.bin"]
+            print(f"\n$ {shlex.join(command)}", flush=True)
             start = time.perf_counter()
             code = await rt.run_wasm(wasm, argv=[model_arg, "/demo/input.bin"],
                                      dirs={"/demo": str(workdir)})
@@ -90,6 +96,26 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
         print("demo: the backends disagree on the class")
         status = status or 1
     return status
+
+
+def _folder(path: Path, what: str) -> Path:
+    """``path`` as an absolute folder that exists and can be written, created if need be;
+    InvalidArgumentError naming ``what`` (the flag that gave it) and what is wrong."""
+    from wasinn.errors import InvalidArgumentError
+
+    given, path = path, path.absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        why = "not a folder"
+    except OSError as exc:
+        why = f"cannot be created ({exc.strerror or exc})"
+    else:
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+        why = "not writable"
+    raise InvalidArgumentError(
+        f"{what} {given}: {why}: expected a folder wasinn can create or write in")
 
 
 def _print_table(rows: list[tuple[str, str, int, float, float]]) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +244,45 @@ def test_devices_table(capfd: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^cpu\s+cpu\s+.*onnxruntime", out, re.M)
 
 
+def test_devices_of_a_config_whose_models_cannot_load(tmp_path: Path,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    # What an operator asks when a start has just failed: the devices do not depend on
+    # the models, which are neither loaded nor warmed up to list them.
+    config = tmp_path / "c.toml"
+    config.write_text('[models.d]\nfiles = ["not_there_yet.onnx"]\npreload = true\nwarmup = 2\n')
+    assert main(["devices", "--config", str(config)]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"^DEVICE\s+KIND\s+BACKENDS\ncpu\s+cpu\s+\w", out, re.M), out
+    assert main(["run", "--config", str(config), str(WAT_DIR / "exit_code.wat")]) == 1
+    assert "not_there_yet.onnx' cannot be read" in capfd.readouterr().err  # (as a start does)
+
+
+@pytest.mark.parametrize("command", ["devices", "models"])
+def test_a_command_whose_stdout_is_closed_stops_quietly(command: str) -> None:
+    # `wasinn devices | head -1`: the reader has gone, which is no error of wasinn's;
+    # status 141, as a shell reports a command that SIGPIPE ended.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "wasinn", command], stdout=write,
+                              stderr=subprocess.PIPE, text=True, check=False, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    import wasinn._cli_listings
+
+    def broken(*args: object) -> None:  # a pipe to another process, say
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(wasinn._cli_listings, "print_models", broken)
+    assert main(["models"]) == 1
+    assert capfd.readouterr().err == "wasinn: error: [Errno 32] Broken pipe\n"
+
+
 def test_models_table(models: GuestModels, tmp_path: Path,
                       capfd: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.toml"
@@ -266,12 +307,32 @@ def test_models_table(models: GuestModels, tmp_path: Path,
         "no models registered in the embedded default config: add a [models] table")
 
 
+def test_demo_workdir_that_cannot_be_a_folder(tmp_path: Path,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    for workdir, said in ((tmp_path / "afile" / "sub", "cannot be created (Not a directory)"),
+                          (tmp_path / "afile", "not a folder")):
+        assert main(["demo", "--workdir", str(workdir)]) == 1
+        assert capfd.readouterr().err == (
+            f"wasinn: error: --workdir {workdir}: {said}: expected a folder wasinn can "
+            "create or write in\n")
+
+
 @pytest.mark.slow
 def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
     example_guest("classify", tmp_path)  # skips without a compiler
-    proc = subprocess.run([sys.executable, "-m", "wasinn", "demo", "--workdir", str(tmp_path)],
+    workdir = tmp_path / "demo's files"  # (printed quoted)
+    wasinn = [sys.executable, "-m", "wasinn"]
+    proc = subprocess.run([*wasinn, "demo", "--workdir", str(workdir)],
                           capture_output=True, text=True, check=False, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    # The command it shows for each format runs as shown (the guest by its full path).
+    [shown, *_] = re.findall(r"^\$ (wasinn run .*)$", proc.stdout, re.M)
+    again = subprocess.run([*wasinn, *shlex.split(shown)[1:]], capture_output=True,
+                           text=True, check=False, timeout=600)
+    assert again.returncode == 0, (shown, again.stderr)
+    assert re.findall(r"^top-1: .*", again.stdout, re.M) == re.findall(
+        r"^top-1: .*", proc.stdout, re.M)[:1]
     # One guest run per format, the host picking the backend from the bytes.
     guests = re.findall(r"^top-1: class (\d+) score (\S+)", proc.stdout, re.M)
     table = dict(re.findall(r"^(ONNX|OpenVINO IR|TorchScript)\s+(\w+)\s+\d+", proc.stdout, re.M))

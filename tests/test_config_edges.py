@@ -38,6 +38,23 @@ def test_toml_nested_too_deeply_is_a_config_error_naming_the_file(tmp_path: Path
             load_config(path)
 
 
+def test_a_config_saved_with_a_byte_order_mark_reads_as_one_without(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # What Windows editors save as "UTF-8 with BOM": tomllib alone refused it at line 1,
+    # column 1, pointing at a character nobody can see.
+    text = '[pools.cpu]\nkind = "cpu"\n[models.m]\nfiles = ["m.onnx"]\nthreads = 2\n'
+    plain = write(tmp_path, text, "plain.toml")
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(bom).model_dump() == load_config(plain).model_dump()
+    assert main(["models", "--config", str(bom)]) == 0
+    assert capfd.readouterr().out.splitlines()[1].startswith("m ")
+    # Only at the start: a BOM anywhere else is a character, which TOML refuses.
+    bom.write_bytes(text.encode() + b"\xef\xbb\xbf")
+    with pytest.raises(ConfigError, match=r"bom\.toml: not valid TOML: .*line 6"):
+        load_config(bom)
+
+
 def test_a_config_path_with_a_nul_byte_is_an_invalid_argument(tmp_path: Path) -> None:
     # Not a ValueError from the file system ("embedded null byte").
     with pytest.raises(InvalidArgumentError, match=r"config path .* contains a NUL byte"):

@@ -52,6 +52,58 @@ def test_the_examples_makefile_builds_with_clang_unless_told_otherwise() -> None
     assert "mycc --target=wasm32-wasi" in planned("CC=mycc")
 
 
+def test_make_reinstalls_when_a_module_is_added_or_removed(tmp_path: Path) -> None:
+    """``make demo`` / ``make test`` redo the strict editable install, which links each
+    file of the package folders once, when a folder gains or loses a module (a git pull
+    of a split module), and only then: neither an edit nor a ``__pycache__`` plans one."""
+    import os
+    import shutil
+    import time
+    import tomllib
+
+    root = README.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    folders = sorted(set(pyproject["tool"]["setuptools"]["package-dir"].values()))
+    [listed] = re.findall(r"^PACKAGE_DIRS := (.*)$", (root / "Makefile").read_text(), re.M)
+    assert sorted(listed.split()) == folders  # every folder the install links
+    copy = tmp_path / "checkout"
+    shutil.copytree(root / ".ci", copy / ".ci")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(root / name, copy / name)
+    for folder in folders:
+        shutil.copytree(root / folder, copy / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.wasm"))
+
+    def plans_install() -> bool:
+        planned = subprocess.run(["make", "-n", "-C", str(copy), "demo", "VENV=v"],
+                                 check=True, capture_output=True, text=True).stdout
+        assert "v/bin/wasinn demo" in planned
+        return "VENV=v bash .ci/bootstrap" in planned
+
+    def installed() -> None:
+        # As .ci/bootstrap leaves it: the stamp newer than all it depends on.
+        then = time.time() - 100
+        for path in (copy / "pyproject.toml", copy / ".ci" / "bootstrap",
+                     copy / "v" / ".package-files"):
+            os.utime(path, (then, then))
+        (copy / "v" / ".installed").touch()
+        os.utime(copy / "v" / ".installed", (then + 50, then + 50))
+
+    assert plans_install()  # a fresh checkout
+    installed()
+    assert not plans_install()
+    (copy / "core" / "cli.py").write_text((copy / "core" / "cli.py").read_text() + "\n")
+    (copy / "backends" / "__pycache__").mkdir()
+    (copy / "backends" / "__pycache__" / "base.cpython-311.pyc").write_bytes(b"")
+    assert not plans_install()
+    (copy / "backends" / "_added_by_a_pull.py").write_text("")
+    assert plans_install()
+    installed()
+    assert not plans_install()
+    (copy / "backends" / "_added_by_a_pull.py").unlink()
+    assert plans_install()
+
+
 def _section(title: str) -> str:
     """The README's text from the heading ``title`` to the next heading of any level (a
     ``#`` line outside code blocks)."""
@@ -179,9 +231,9 @@ def _command_lines() -> list[str]:
 
 
 def test_readme_commands_use_the_parsers_commands_and_options() -> None:
-    from wasinn.cli import _parser
+    from wasinn._cli_parser import build_parser
 
-    parser = _parser()
+    parser = build_parser()
     [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     top = {s for a in parser._actions for s in a.option_strings}
     lines = _command_lines()
