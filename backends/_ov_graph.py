@@ -20,7 +20,7 @@ import openvino as ov
 
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import CheckedGraph, uncarried_type
 from ._ov_cancel import _infer
@@ -208,13 +208,20 @@ class OvGraph(CheckedGraph):
             del weights
         if keep_on_device:
             return self._kept(request, picked, values, ov_inputs, ordered)
+        result = self._copied(picked, values)
+        if reusable:
+            idle.put(request)
+        return result
+
+    def _copied(self, picked: tuple[int, ...], values: list[Any]) -> dict[str, Tensor]:
+        # A host run's outputs, copied out of the request's memory (which its next run
+        # reuses): each counted as a host copy.
         specs = self.outputs
         result = {}
         for i, value in zip(picked, values, strict=True):
             array = _host_array(value, specs[i].type)
             result[specs[i].name] = Tensor(array.shape, specs[i].type, array=array)
-        if reusable:
-            idle.put(request)
+        count_host_copies(len(values))
         return result
 
     def _kept(self, request: Any, picked: tuple[int, ...], values: list[Any],

@@ -19,7 +19,7 @@ import torch
 
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import CheckedGraph
 from ._torch_cancel import _Checkpoints, _StopChecked
@@ -245,6 +245,7 @@ class TorchGraph(CheckedGraph):
             return _native(value, ttype, self.device.name if on_device else "cpu",
                            ready if on_device else None)
         array = _to_numpy(value)
+        count_host_copies(1)
         return Tensor(array.shape, ttype, array=array)
 
 

@@ -10,8 +10,9 @@ BFLOAT16 element type and are read back through the value's raw bytes.
 
 A :class:`OrtGraph` owns one ``InferenceSession`` (thread-safe for concurrent runs).
 A run of host tensors calls ``InferenceSession.run`` directly, so the layer adds only
-input checks; native inputs, bf16 and ``keep_on_device`` go through a per-run
-``IOBinding`` so that ``OrtValue`` s are bound as they are, without a copy.
+input checks (and counts the outputs it hands back as host arrays, see
+:func:`wasinn.host_copies`); native inputs, bf16 and ``keep_on_device`` go through a
+per-run ``IOBinding`` so that ``OrtValue`` s are bound as they are, without a copy.
 
 Cancellation: a run under a :class:`~wasinn.backends.base.Cancellation` (see
 :func:`~wasinn.backends.base.current_cancellation`) runs with a ``RunOptions`` of its
@@ -70,7 +71,7 @@ from wasinn.errors import (
     UnsupportedOperationError,
     WasiNNError,
 )
-from wasinn.tensor import Tensor, numpy_dtype
+from wasinn.tensor import Tensor, count_host_copies, numpy_dtype
 
 from . import cuda
 from ._dlpack import KDL_CPU, KDL_CUDA, shareable
@@ -318,6 +319,7 @@ class OrtGraph(CheckedGraph):
             results = session.run(wanted, feed, options)
         except Exception as exc:
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
+        count_host_copies(len(results))  # ORT's values, handed back as numpy arrays
         specs = self.outputs
         out: dict[str, Tensor] = {}
         for i, arr in zip(picked, results, strict=True):
@@ -366,6 +368,8 @@ class OrtGraph(CheckedGraph):
             else:
                 array = _host_array(value, spec.type)
                 result[spec.name] = Tensor(array.shape, spec.type, array=array)
+        if not keep:
+            count_host_copies(len(unique))
         return result
 
 

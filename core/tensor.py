@@ -5,8 +5,11 @@ zero-copy for a C-contiguous array in that order, other arrays are copied, see
 :meth:`Tensor.from_numpy`) or a *backend-native* value (an ``OrtValue``, a
 ``torch.Tensor``, an ``ov.Tensor``) that stays where the backend put it, on the CPU or
 on a GPU. A native tensor is materialized into host memory only when someone asks for
-``numpy()``; every such materialization is counted (:func:`host_copies`) so tests can
-prove that chained models never route their intermediate tensors through host memory.
+``numpy()``. Every tensor that leaves backend-native form for a host array is counted
+(:func:`host_copies`): a native tensor's first ``numpy()``, and each output a backend
+copies to the host itself, run without ``keep_on_device`` (:func:`count_host_copies`), so
+tests can prove that chained models never route their intermediate tensors through host
+memory.
 
 bf16 has no numpy dtype of its own: wasinn carries it as ``ml_dtypes.bfloat16``,
 a real numpy dtype with the same 2-byte layout, so bf16 data is zero-copy as well.
@@ -61,11 +64,11 @@ def tensor_type_of(dtype: npt.DTypeLike) -> TensorType:
 
 class _CopyCounter:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.count = 0
 
     def add(self) -> None:
-        with self._lock:
+        with self.lock:
             self.count += 1
 
 
@@ -73,8 +76,23 @@ _HOST_COPIES = _CopyCounter()
 
 
 def host_copies() -> int:
-    """How many device-resident tensors have been materialized into host memory so far."""
+    """How many tensors have left backend-native form for host memory in this process so
+    far: native tensors materialized by ``Tensor.numpy()`` (once each: it caches) and
+    outputs that a backend copied to host arrays itself, for a run without
+    ``keep_on_device`` (ONNX Runtime's ``run`` returning numpy arrays, an OpenVINO output's
+    data copied out, a torch output's ``.cpu().numpy()``). A host tensor read, or a native
+    value shared with another library without a copy (DLPack, :meth:`Tensor.host_view`),
+    is not counted; nor is what a sandbox process copies (in that process)."""
     return _HOST_COPIES.count
+
+
+def count_host_copies(n: int) -> None:
+    """Count ``n`` backend-native values a backend has just turned into host arrays (its
+    outputs, for a run without ``keep_on_device``): see :func:`host_copies`. For
+    backends; ``Tensor.numpy()`` counts its own materializations."""
+    counter = _HOST_COPIES
+    with counter.lock:  # (inlined, not counter.add: this runs on every host-output run)
+        counter.count += n
 
 
 def as_int(value: object) -> int | None:
@@ -362,7 +380,8 @@ class Tensor:
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """The data as a numpy array (C-contiguous, of shape ``dims``: 0-d for a rank-0
-        tensor), materializing a device-resident value once."""
+        tensor), materializing a device-resident value once (counted by
+        :func:`host_copies`)."""
         if self._array is None:
             if self._materialize is None:
                 raise InvalidArgumentError("tensor has neither host data nor a materializer")

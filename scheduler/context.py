@@ -11,7 +11,8 @@ Two ways to run, both from trio:
   On a GPU (or with ``keep_on_device=True``) outputs are backend-native values left on
   the device: pass one straight into another compute on the same device and it is not
   copied through host memory; ``.numpy()`` reads it (counted by ``wasinn.host_copies``).
-  On the CPU they are host arrays by default, which feed the next compute without a copy;
+  On the CPU they are host arrays by default (each counted by ``wasinn.host_copies`` too:
+  it left the backend's native form), which feed the next compute without a copy;
 * staged (wasi-nn): ``set_input`` / ``set_output`` (bind a host buffer that ``run`` fills
   in place) / ``await run()`` / ``get_output``. Inputs stay set across runs.
 

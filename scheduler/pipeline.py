@@ -5,10 +5,14 @@ first step's, its outputs the last step's. A request runs as ONE job on one devi
 every step is compiled on that actor and each step's outputs are produced with
 ``keep_on_device=True`` and fed as they are (OrtValue, torch tensor, ov.Tensor) into the
 next step, so intermediates never pass through host memory when consecutive steps use the
-same backend (zero :func:`wasinn.host_copies` on the CPU; on a GPU they stay in device
-memory). When consecutive steps use different backends, the next backend cannot take the
-other library's value: it materializes it through ``Tensor.numpy()``, which is allowed
-and counted in :func:`wasinn.host_copies`.
+same backend (on a GPU they stay in device memory). :func:`wasinn.host_copies` counts
+every tensor that leaves native form for a host array, a backend's own copy of an output
+included: a pipeline's request adds exactly its final outputs brought to the host (none
+with ``keep_on_device=True``), none between the steps. When consecutive steps use
+different backends, the next library takes the other's value over the same memory where
+it can (DLPack; an OpenVINO tensor on the CPU as a view of its memory); where it cannot
+(a strided value, device memory it cannot read), the value is materialized through
+``Tensor.numpy()``, which is allowed and counted in :func:`wasinn.host_copies`.
 
 Wiring: each step after the first maps the previous step's output names to its own input
 names (``wire = { y = "input" }``); it may be omitted when the previous step has exactly

@@ -305,6 +305,31 @@ def test_keep_on_device_chains_without_host_copies(backend: Backend) -> None:
     assert wasinn.host_copies() == before + 1  # the final read is the one copy
 
 
+def test_every_output_brought_to_the_host_is_counted_as_a_host_copy(
+        backend: Backend) -> None:
+    # The library's own copies too (ONNX Runtime's run returning numpy arrays, an
+    # OpenVINO output's data copied out, a torch output's .numpy()): before, only
+    # Tensor.numpy() counted, so a chain whose intermediate went through host memory
+    # showed no host copy.
+    builders, encoding, names = backend_models.two_outputs(backend.name)
+    graph = backend.load(builders, encoding, CPU)
+    x = f32([1, 2, 3, 4])
+    before = wasinn.host_copies()
+    kept = graph.run({"x": x}, keep_on_device=True)
+    assert wasinn.host_copies() == before
+    assert not any(t.is_host for t in kept.values())
+    for inputs in ({"x": x}, {"x": kept[names[0]]}):  # host, then a native input
+        before = wasinn.host_copies()
+        out = graph.run(inputs)
+        assert wasinn.host_copies() == before + 2, inputs  # one per output, no more
+        assert all(t.is_host for t in out.values())
+        np.testing.assert_array_equal(out[names[1]].numpy(), -x.numpy())
+        assert wasinn.host_copies() == before + 2  # a host output is read as it is
+    before = wasinn.host_copies()
+    graph.run({"x": x}, outputs=[names[1]])
+    assert wasinn.host_copies() == before + 1  # only the outputs asked for
+
+
 def test_kept_outputs_are_cut_into_rows_in_place_where_the_library_can(
         backend: Backend) -> None:
     # What a merged batch relies on: torch tensors and OpenVINO tensors give row views
@@ -342,7 +367,8 @@ def test_native_tensor_of_another_backend_is_accepted(
     assert not mid.is_host
     before = wasinn.host_copies()
     (out,) = second.run({"x": mid}).values()
-    assert wasinn.host_copies() == before
+    assert out.is_host
+    assert wasinn.host_copies() == before + 1  # the output brought to the host, only
     np.testing.assert_allclose(out.numpy(), [[9, 15, 21, 27]])
 
 
@@ -367,7 +393,7 @@ def test_a_strided_torch_value_reaches_onnx_runtime_through_the_host(
     assert not mid.native.is_contiguous()
     before = wasinn.host_copies()
     (out,) = second.run({"x": mid}).values()
-    assert wasinn.host_copies() == before + 1
+    assert wasinn.host_copies() == before + 2  # the input through the host, the output to it
     np.testing.assert_allclose(out.numpy(), (x * 2 + 1).T * 3)
 
 

@@ -1,8 +1,11 @@
-"""Chained pipelines: graph-like, run on one device actor, intermediates never copied
-through host memory on the CPU (same backend), counted when backends differ."""
+"""Chained pipelines: graph-like, run on one device actor, each intermediate handed to the
+next step's library as it is (the same native value, or ONNX Runtime's memory as
+OpenVINO's tensor), never through host memory: a request's host copies are exactly the
+final outputs it brings to the host."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,13 @@ import trio
 import trio.testing
 
 import wasinn
+from tests.backend_models import affine
 from tests.example_configs import example_config
-from tests.support import require_backend
+from tests.support import LibraryInputs, passed_as_is, require_backend
 from wasinn import InvalidArgumentError
 from wasinn.backends import TensorSpec
+from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
 from wasinn.enums import TensorType
 from wasinn.modelgen import ModelFiles, affine_onnx, onnx_model_bytes, sample_image, scale_onnx
 
@@ -45,7 +51,9 @@ async def test_a_pipeline_behaves_like_one_graph(tmp_path: Path,
         ctx = pipeline.init_execution_context()
         before = wasinn.host_copies()
         out = await ctx.compute({"x": image})
-        assert wasinn.host_copies() == before  # nothing went through host memory
+        assert out["output"].is_host
+        # The one output brought to the host; the intermediate went through no host memory.
+        assert wasinn.host_copies() == before + 1
         np.testing.assert_allclose(out["output"].numpy(),
                                    native_reference(image, small_mobilenet), atol=1e-4)
         # The staged form, with the output bound to a buffer.
@@ -58,17 +66,117 @@ async def test_a_pipeline_behaves_like_one_graph(tmp_path: Path,
         await pipeline.unload()
 
 
-async def test_intermediates_stay_native_between_steps(tmp_path: Path,
-                                                       small_mobilenet: ModelFiles) -> None:
-    path = example_config("pipeline.toml", tmp_path, small_mobilenet)
-    async with wasinn.Runtime.from_config(path) as rt:
-        pipeline = await rt.load_by_name("classify")
+@dataclass
+class StepRun:
+    """One backend run of a pipeline step, as :func:`step_runs` saw it."""
+
+    keep_on_device: bool
+    outputs: dict[str, wasinn.Tensor]
+    #: What the step's library itself was handed as inputs (:class:`LibraryInputs`).
+    received: list[Any] = field(default_factory=list)
+
+
+def step_runs(monkeypatch: pytest.MonkeyPatch) -> list[StepRun]:
+    """Spy on every real backend run (``CheckedGraph.run``, whichever thread runs it): what
+    it was asked to keep, what it returned and what its library was handed, in order."""
+    from wasinn.backends._graphio import CheckedGraph
+
+    runs: list[StepRun] = []
+    run = CheckedGraph.run
+
+    def spy(self: CheckedGraph, inputs: Any, **kwargs: Any) -> Any:
+        with LibraryInputs(self._backend) as received:
+            outputs = run(self, inputs, **kwargs)
+        runs.append(StepRun(bool(kwargs.get("keep_on_device")), outputs, received))
+        return outputs
+
+    monkeypatch.setattr(CheckedGraph, "run", spy)
+    return runs
+
+
+def over_the_memory_of(received: list[Any], native: Any) -> bool:
+    """Whether every ``ov.Tensor`` in ``received`` lies over ``native``'s memory (an
+    ``OrtValue`` on the CPU, as OpenVINO is handed it over DLPack); False for none."""
+    import openvino as ov
+
+    return bool(received) and all(
+        isinstance(r, ov.Tensor) and r.data.__array_interface__["data"][0] == native.data_ptr()
+        for r in received)
+
+
+#: Each step's backend: the same one twice, and ONNX Runtime into OpenVINO (DLPack).
+CHAINS = [("onnxruntime", "onnxruntime"), ("openvino", "openvino"),
+          ("pytorch", "pytorch"), ("onnxruntime", "openvino")]
+LIBRARY = {"onnxruntime": "onnxruntime", "openvino": "openvino", "pytorch": "torch"}
+
+
+def chain_config(directory: Path, first: str, second: str, target: str = "cpu"
+                 ) -> RuntimeConfig:
+    """Pipeline ``p`` on ``target`` = ``a`` (y = 2x + 1, run by ``first``) then ``b``
+    (3y, run by ``second``), over f32 ``(n, 4)``."""
+    for backend in (first, second):
+        require_backend(LIBRARY[backend])
+    models = {}
+    for name, backend, model in (("a", first, affine(first, 2.0, 1.0)),
+                                 ("b", second, affine(second, 3.0, 0.0))):
+        ((data,), _) = model
+        file = f"{name}.{'pt2' if backend == 'pytorch' else 'onnx'}"
+        (directory / file).write_bytes(data)
+        models[name] = {"files": [file], "backend": backend}
+    wire = {"output" if first == "pytorch" else "y": "x"}
+    return parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1},
+                  **({"gpu": {"kind": "gpu"}} if target == "gpu" else {})},
+        "models": models,
+        "pipelines": {"p": {"target": target,
+                            "steps": [{"model": "a"}, {"model": "b", "wire": wire}]}},
+    }, directory / "wasinn.toml")
+
+
+async def check_intermediates_pass_as_they_are(
+        rt: wasinn.Runtime, monkeypatch: pytest.MonkeyPatch, first: str, second: str,
+        device: str) -> None:
+    """Run pipeline ``p`` (:func:`chain_config`) keeping its outputs on ``device`` (the
+    kind: "cpu", "gpu") and bringing them to the host: the host copies are exactly the
+    final outputs brought there, and step 2's library is handed step 1's native output
+    itself, on ``device``."""
+    pipeline = await rt.load_by_name("p")
+    ctx = pipeline.init_execution_context()
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    await ctx.compute({0: x})  # compiles both steps
+    runs = step_runs(monkeypatch)
+    default_keep = device != "cpu"  # outputs stay native off the CPU unless told
+    for keep in (True, False, None):
+        runs.clear()
         before = wasinn.host_copies()
-        out = await pipeline.compute({"x": sample_image(0)}, keep_on_device=True)
-        assert out["output"].native is not None
-        assert wasinn.host_copies() == before
-        out["output"].numpy()
-        assert wasinn.host_copies() == before + 1  # the count does see materializations
+        out = await ctx.compute({0: x}, keep_on_device=keep)
+        copies = wasinn.host_copies() - before
+        kept = default_keep if keep is None else keep
+        (value,) = out.values()
+        # Exactly the outputs brought to the host crossed into host memory: none between
+        # the steps (a backend's own copy of an output to the host is counted too).
+        assert copies == (0 if kept else len(out)), (keep, copies)
+        assert value.is_host is not kept
+        one, two = runs
+        assert one.keep_on_device and two.keep_on_device is kept
+        (mid,) = one.outputs.values()
+        assert mid.native is not None and mid.device.split(":")[0] == device, mid
+        # ...nor went round the count: step 2's library was handed step 1's value itself
+        # (ONNX Runtime's OrtValue to OpenVINO as a tensor over its memory, no copy).
+        if first == second:
+            assert passed_as_is(two.received, mid.native), (two.received, mid.native)
+        else:
+            assert over_the_memory_of(two.received, mid.native), (two.received, mid.native)
+        before = wasinn.host_copies()
+        np.testing.assert_allclose(value.numpy(), 3 * (2 * x + 1))
+        assert wasinn.host_copies() == before + kept  # reading a kept output: once
+
+
+@pytest.mark.parametrize(("first", "second"), CHAINS, ids=lambda b: b)
+async def test_a_pipeline_hands_each_intermediate_on_as_it_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str, second: str) -> None:
+    async with wasinn.Runtime(chain_config(tmp_path, first, second)) as rt:
+        await check_intermediates_pass_as_they_are(rt, monkeypatch, first, second, "cpu")
 
 
 def mixed_config(directory: Path, mobilenet: ModelFiles, second_backend: str) -> Path:
@@ -104,7 +212,8 @@ async def test_mixed_backends_share_the_intermediate(tmp_path: Path,
         pipeline = await rt.load_by_name("mixed")
         before = wasinn.host_copies()
         out = await pipeline.compute({"x": image})
-        assert wasinn.host_copies() == before  # ORT's value handed to OpenVINO over DLPack
+        # ORT's value handed to OpenVINO over DLPack; only the output came to the host.
+        assert wasinn.host_copies() == before + 1
         np.testing.assert_allclose(out["output"].numpy(),
                                    native_reference(image, small_mobilenet), atol=1e-4)
 
@@ -137,35 +246,11 @@ async def test_unloading_a_pipeline_frees_its_steps(tmp_path: Path,
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("gpu")
-async def test_a_gpu_pipeline_keeps_intermediates_on_the_device(tmp_path: Path) -> None:
-    from tests.backend_models import affine
-
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "affine.pt2").write_bytes(affine("pytorch", 2.0, 1.0)[0][0])
-    path = tmp_path / "gpu.toml"
-    path.write_text("""
-[pools.cpu]
-kind = "cpu"
-[pools.gpu]
-kind = "gpu"
-[models.a]
-files = ["models/affine.pt2"]
-encoding = "pytorch"
-[models.b]
-files = ["models/affine.pt2"]
-encoding = "pytorch"
-[pipelines.twice]
-target = "gpu"
-steps = [{ model = "a" }, { model = "b", wire = { output = "x" } }]
-""")
-    async with wasinn.Runtime.from_config(path) as rt:
-        pipeline = await rt.load_by_name("twice")
-        before = wasinn.host_copies()
-        out = await pipeline.compute({0: np.ones((2, 4), np.float32)})
-        assert wasinn.host_copies() == before  # the intermediate stayed on the GPU
-        (value,) = out.values()
-        assert value.device.startswith("gpu")
-        np.testing.assert_allclose(value.numpy(), np.full((2, 4), 7, np.float32))
+async def test_a_gpu_pipeline_keeps_intermediates_on_the_device(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with wasinn.Runtime(chain_config(tmp_path, "pytorch", "pytorch", "gpu")) as rt:
+        await check_intermediates_pass_as_they_are(rt, monkeypatch, "pytorch", "pytorch",
+                                                   "gpu")
 
 
 def two_step_config(directory: Path, *, extra: str = "",
