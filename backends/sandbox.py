@@ -98,7 +98,7 @@ from typing import Any
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import BackendRuntimeError, ClosedResourceError, WasiNNError
-from wasinn.tensor import Tensor
+from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import InputChecker
 from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
@@ -270,7 +270,8 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         """As an in-process graph's run (see :class:`~.base.CompiledGraph`), which takes
         the same ``inputs`` (host tensors or numpy arrays, by name, alias or position)
         and ``outputs`` (a str is one name), checked here: the process gets the inputs
-        by name. Outputs are host tensors whatever ``keep_on_device``."""
+        by name. Outputs are host tensors whatever ``keep_on_device``: each is counted
+        by :func:`wasinn.host_copies`, as the host arrays of an in-process run are."""
         if self._closed:
             raise ClosedResourceError(f"{self._backend.name}: the graph is closed")
         ordered = self._checker.check(inputs)
@@ -296,6 +297,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
             raise child_error(payload)
         self._reserve = max(self._reserve, min(self._most, sum(t.nbytes + ALIGN
                                                                for t in result.values())))
+        count_host_copies(len(result))  # each left the library's form, in the process
         return result
 
     def _refuse_crashed(self, inputs: Mapping[str, Tensor]) -> bytes | None:

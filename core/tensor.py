@@ -82,7 +82,8 @@ def host_copies() -> int:
     ``keep_on_device`` (ONNX Runtime's ``run`` returning numpy arrays, an OpenVINO output's
     data copied out, a torch output's ``.cpu().numpy()``). A host tensor read, or a native
     value shared with another library without a copy (DLPack, :meth:`Tensor.host_view`),
-    is not counted; nor is what a sandbox process copies (in that process)."""
+    is not counted. A sandboxed graph's outputs (:mod:`wasinn.backends.sandbox`) are
+    counted whatever ``keep_on_device``: they reach the host from the graph's process."""
     return _HOST_COPIES.count
 
 

@@ -179,6 +179,25 @@ async def test_a_pipeline_hands_each_intermediate_on_as_it_is(
         await check_intermediates_pass_as_they_are(rt, monkeypatch, first, second, "cpu")
 
 
+async def test_a_sandboxed_steps_intermediate_is_counted_as_a_host_copy(
+        tmp_path: Path) -> None:
+    # A sandboxed graph's outputs reach the host from its process whatever
+    # keep_on_device. Before, they were not counted: a pipeline of sandboxed steps passed
+    # its intermediate through host memory with host_copies() unchanged.
+    config = chain_config(tmp_path, "onnxruntime", "onnxruntime")
+    sandboxed = {name: model.model_copy(update={"sandbox": True})
+                 for name, model in config.models.items()}
+    async with wasinn.Runtime(config.model_copy(update={"models": sandboxed})) as rt:
+        pipeline = await rt.load_by_name("p")
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        await pipeline.compute({0: x})  # compiles both steps
+        before = wasinn.host_copies()
+        (value,) = (await pipeline.compute({0: x}, keep_on_device=True)).values()
+        assert value.is_host  # (from the process, kept or not)
+        assert wasinn.host_copies() == before + 2  # the intermediate and the output
+        np.testing.assert_allclose(value.numpy(), 3 * (2 * x + 1))
+
+
 def mixed_config(directory: Path, mobilenet: ModelFiles, second_backend: str) -> Path:
     (directory / "models").mkdir()
     (directory / "models" / "scale.onnx").write_bytes(scale_onnx())
