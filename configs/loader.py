@@ -30,7 +30,8 @@ from pydantic import BaseModel, ValidationError
 from wasinn.errors import InvalidArgumentError, NotFoundError, SecurityError
 
 from . import ConfigError, read_by_no_backend, shown_name
-from .schema import FAULT, RuntimeConfig, _Startup, key_name
+from ._values import FAULT, key_name
+from .schema import RuntimeConfig, _Startup
 
 DEFAULT_NAME = "default.toml"
 

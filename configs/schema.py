@@ -61,13 +61,10 @@ shared by hosts that set their pools apart).
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -77,113 +74,26 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from wasinn.actors.affinity import unsupported_reason
 from wasinn.actors.batching import MAX_BATCH, Batching
 from wasinn.actors.queue import check_weight
-from wasinn.backends.base import MAX_THREADS, Device, sandbox_setting
+from wasinn.backends.base import MAX_THREADS, Device
 from wasinn.backends.sandbox import MAX_SPARES, MIN_MAX_BYTES
-from wasinn.enums import ExecutionTarget, GraphEncoding
-from wasinn.errors import InvalidArgumentError
 
-from . import BACKEND_OPTIONS, check_precision, cut_name, name_problem, option_problem
-
-#: The error type of :func:`fault`: the loader joins its ``key`` to the error's location.
-FAULT = "wasinn_config"
-
-
-def fault(key: str, message: str) -> PydanticCustomError:
-    """An error about ``key``, a path relative to where the validator runs (``""``: the
-    field itself, ``"[0]"``, ``"steps[0].wire"``; from the top-level validator, the whole
-    path), so that the message names the key the user wrote."""
-    return PydanticCustomError(FAULT, "{key}: {message}", {"key": key, "message": message})
-
-
-def key_name(name: str) -> str:
-    """``name`` as one part of a key path: as it is where it is a plain identifier of at
-    most 60 characters, else quoted as TOML writes it (control characters escaped), its
-    first 57 characters and ``...`` where it is longer."""
-    shown = cut_name(name)
-    if shown == name and re.fullmatch(r"[A-Za-z0-9_\-]+", name):
-        return name
-    return json.dumps(shown, ensure_ascii=False)
-
-
-def _target(value: str) -> str:
-    try:
-        return ExecutionTarget.coerce(value).value
-    except InvalidArgumentError as exc:
-        raise ValueError(exc.message) from None
-
-
-def _encoding(value: str) -> str:
-    try:
-        return GraphEncoding.coerce(value).value
-    except InvalidArgumentError as exc:
-        raise ValueError(exc.message) from None
-
-
-def _device(value: str) -> str:
-    try:
-        device = Device.parse(value)
-    except (InvalidArgumentError, ValueError) as exc:
-        raise ValueError(
-            f"not a device: expected cpu, gpu, gpu:N, tpu:N or npu:N ({exc})"
-        ) from None
-    if device.kind is ExecutionTarget.CPU and device.index != 0:
-        raise ValueError(f"{value!r}: there is one CPU device, expected 'cpu'")
-    return device.name
-
-
-def _precision(value: str) -> str:
-    try:
-        return check_precision(value)
-    except InvalidArgumentError as exc:
-        raise ValueError(exc.message) from None
-
-
-def _sandbox(value: object) -> bool | Literal["cpu"]:
-    setting = sandbox_setting(value)
-    if setting is not None:
-        return setting
-    raise fault("", f"{value!r:.60}: expected true (a process of its own on every device), "
-                "\"cpu\" (on the CPU only) or false")
-
-
-def _file(value: str) -> str:
-    if not value.strip():
-        raise ValueError("an empty file name: expected the path of a model file, relative "
-                         "to the config file's directory")
-    return value
-
-
-def _name(value: str) -> str:
-    problem = name_problem(value)
-    if problem is not None:
-        raise ValueError(problem)
-    return value
-
-
-def _once_each(backends: list[str]) -> list[str]:
-    # A preference order names each backend once: a second mention would mean nothing.
-    for i, name in enumerate(backends):
-        if name in backends[:i]:
-            raise fault(f"[{i}]", f"backend {name!r} is listed twice: expected each once "
-                                  "(the list is a preference order)")
-    return backends
-
-
-TargetName = Annotated[str, AfterValidator(_target)]
-EncodingName = Annotated[str, AfterValidator(_encoding)]
-DeviceName = Annotated[str, AfterValidator(_device)]
-PrecisionName = Annotated[str, AfterValidator(_precision)]
-FileName = Annotated[str, AfterValidator(_file)]
-Sandbox = Annotated[bool | Literal["cpu"], PlainValidator(_sandbox)]
-#: Model and pipeline names: looked up as keys, so plain identifiers only.
-Name = Annotated[str, AfterValidator(_name)]
-#: A backend preference order.
-Backends = Annotated[list[str], AfterValidator(_once_each)]
+from . import BACKEND_OPTIONS, option_problem
+from ._values import (
+    Backends,
+    DeviceName,
+    EncodingName,
+    FileName,
+    Name,
+    PrecisionName,
+    Sandbox,
+    TargetName,
+    fault,
+    key_name,
+)
 
 
 class _Strict(BaseModel):

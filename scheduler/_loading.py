@@ -180,7 +180,7 @@ def _step_key(config: RuntimeConfig, pipeline: str, index: int, kind: ExecutionT
 
 def pipeline_key(config: RuntimeConfig, pipeline: str, key: str) -> str:
     # Where a pipeline's ``key`` is written, for the errors it causes.
-    from wasinn.configs.schema import key_name
+    from wasinn.configs._values import key_name
 
     return config.where(f"pipelines.{key_name(pipeline)}.{key}")
 
