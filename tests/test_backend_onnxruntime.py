@@ -243,7 +243,7 @@ def test_a_value_declared_without_a_shape_has_an_unknown_rank(backend: Any) -> N
 
 
 def test_only_an_onnx_protobuf_is_read_for_undeclared_shapes() -> None:
-    from wasinn.backends.onnxruntime import _shapeless
+    from wasinn.backends._ort_graph import _shapeless
 
     assert _shapeless(scalar_onnx(declared=False)) == {"x", "y"}
     assert _shapeless(scalar_onnx()) == frozenset()
@@ -288,8 +288,8 @@ def test_every_area_of_session_config_entries_reaches_the_session(backend: Any) 
 def test_an_entry_onnx_runtime_is_not_known_to_read_is_passed_on_with_a_warning(
         backend: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     # A newer ONNX Runtime may read it; this one would ignore it without a word.
-    from wasinn.backends import onnxruntime as module
-    monkeypatch.setattr(module, "_warned", set())
+    from wasinn.backends import _ort_session
+    monkeypatch.setattr(_ort_session, "_warned", set())
     key = "session.an_entry_from_the_future"
     with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
         graph = backend.load([affine_onnx()], GraphEncoding.ONNX, CPU,
@@ -397,7 +397,7 @@ def test_cancellable_run_options_answer_the_graph_id_lookup_without_an_exception
     # run_with_iobinding (pipelines, kept outputs, GPU runs) asks the run options for
     # "gpu_graph_id" on every run; a missing entry is a C++ exception each time (25-50 us,
     # benchmarks/pipeline.py). The value set is the one an unset entry stands for.
-    from wasinn.backends.onnxruntime import _run_options
+    from wasinn.backends._ort_cancel import _run_options
 
     assert _run_options().get_run_config_entry("gpu_graph_id") == "0"
 
