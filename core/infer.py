@@ -30,6 +30,7 @@ input are refused, as any other type mismatch is, saying how to write a bf16 fil
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import re
@@ -409,7 +410,9 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
 
     The archive is written to a new file beside the target (through a symbolic link, the
     file it names), then renamed onto it: a save that fails leaves what was there as it
-    was. The new file keeps a replaced file's permissions. Raises InvalidArgumentError,
+    was. The new file keeps a replaced file's permissions. A target that is not a regular
+    file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
+    "wb")`` would, never replaced. Raises InvalidArgumentError,
     naming the file, for names no archive can hold (with a NUL character, which zip member
     names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
     apart) and for a file that cannot be written (read-only, a full disk, a folder not
@@ -421,6 +424,9 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
         raise InvalidArgumentError(
             f"--save {path}: {target} is read-only: expected a file wasinn may write, or a "
             "new name")
+    if _special(target):
+        _write_into(path, outputs)
+        return
     temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
     created = False
     try:
@@ -444,6 +450,30 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
         if created:
             temporary.unlink(missing_ok=True)
         raise
+
+
+def _special(target: Path) -> bool:
+    # Whether target exists and is not a regular file: a pipe, a FIFO or a device, which
+    # a rename would replace by a regular file (root's /dev/null included).
+    try:
+        return not stat.S_ISREG(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False  # (the write below names the error)
+
+
+def _write_into(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    # The archive, built in memory (a pipe cannot seek), written into the file at path.
+    archive = io.BytesIO()
+    _write_archive(archive, outputs)
+    try:
+        with open(path, "wb") as file:
+            file.write(archive.getbuffer())
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"--save {path}: cannot write into it: {exc.strerror or exc}: expected a file, "
+            "pipe or device wasinn may write") from exc
 
 
 def _check_member_names(path: Path, outputs: Mapping[str, Tensor]) -> None:

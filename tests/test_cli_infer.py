@@ -4,10 +4,13 @@ callers, outputs printed and saved; every bad input an error that says what to g
 
 from __future__ import annotations
 
+import io
 import os
 import re
+import stat
 import subprocess
 import sys
+import threading
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -362,6 +365,22 @@ def test_a_read_only_file_is_not_saved_over(tmp_path: Path, monkeypatch: pytest.
             f"--save {saved}: {saved} is read-only: expected a file wasinn may write")):
         save_outputs(saved, {"y": tensor})
     assert saved.read_bytes() == before
+
+
+def test_a_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
+    # Before: the archive was renamed onto the FIFO, which became a regular file, and its
+    # reader waited for ever (a device, /dev/null as root, would have been replaced too).
+    fifo = tmp_path / "out.npz"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    save_outputs(fifo, {"y": Tensor.from_numpy(np.arange(4, dtype=np.float32))})
+    reader.join(timeout=60)
+    assert not reader.is_alive() and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with np.load(io.BytesIO(received[0])) as archive:
+        assert archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.npz"]  # no temporary left
 
 
 def _cast_onnx(source: int, target: int, in_name: str, out_name: str) -> bytes:
