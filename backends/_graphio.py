@@ -180,7 +180,9 @@ class OutputSelector:
         self._by_key = _keys(self._specs, aliases)
 
     def select(self, outputs: Sequence[str] | None) -> tuple[int, ...]:
-        """Indices of the requested outputs (all when None); InvalidArgumentError if unknown."""
+        """Indices of the requested outputs (all when None), each once, in the order first
+        asked for (a name and an alias of one output are one); InvalidArgumentError if
+        unknown."""
         if outputs is None:
             return self._all
         if isinstance(outputs, str):
@@ -193,7 +195,8 @@ class OutputSelector:
                     f"{self._backend}: the model has no output {_shown(key)}: expected outputs "
                     f"{_describe_all(self._specs)}"
                 )
-            picked.append(index)
+            if index not in picked:  # (runs, and counts, each output once)
+                picked.append(index)
         return tuple(picked)
 
 

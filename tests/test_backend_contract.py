@@ -328,6 +328,9 @@ def test_every_output_brought_to_the_host_is_counted_as_a_host_copy(
     before = wasinn.host_copies()
     graph.run({"x": x}, outputs=[names[1]])
     assert wasinn.host_copies() == before + 1  # only the outputs asked for
+    before = wasinn.host_copies()
+    assert list(graph.run({"x": x}, outputs=[names[1], names[1]])) == [names[1]]
+    assert wasinn.host_copies() == before + 1  # asked for twice, handed back once
 
 
 def test_kept_outputs_are_cut_into_rows_in_place_where_the_library_can(
