@@ -412,7 +412,8 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     file it names), then renamed onto it: a save that fails leaves what was there as it
     was. The new file keeps a replaced file's permissions. A target that is not a regular
     file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
-    "wb")`` would, never replaced. Raises InvalidArgumentError,
+    "wb")`` would, never replaced; so is a file in a folder where no new file may be
+    created. Raises InvalidArgumentError,
     naming the file, for names no archive can hold (with a NUL character, which zip member
     names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
     apart) and for a file that cannot be written (read-only, a full disk, a folder not
@@ -430,8 +431,14 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
     created = False
     try:
-        # O_EXCL: never someone else's file; 0o666 less the umask, as open() would give.
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            # O_EXCL: never someone else's file; 0o666 less the umask, as open() gives.
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except PermissionError:
+            if not target.exists():
+                raise
+            _write_into(path, outputs)  # a file we may write, in a folder we may not
+            return
         created = True
         with os.fdopen(fd, "wb") as file:
             with contextlib.suppress(FileNotFoundError):  # (a new file: open()'s mode)

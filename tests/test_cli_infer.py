@@ -383,6 +383,32 @@ def test_a_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["out.npz"]  # no temporary left
 
 
+def test_a_file_in_a_folder_closed_to_new_files_is_written_into(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The temporary file beside it cannot be created there (os.open answers as for a
+    # user who may write the file but not its folder: root may write anywhere). Before,
+    # the save failed where open("wb") had written the file.
+    import wasinn.infer
+
+    saved = tmp_path / "out.npz"
+    np.savez(saved, old=np.arange(2))
+    real_open = os.open
+
+    def no_new_files(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_CREAT and not os.path.exists(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(wasinn.infer.os, "open", no_new_files)
+    save_outputs(saved, {"y": Tensor.from_numpy(np.arange(4, dtype=np.float32))})
+    monkeypatch.undo()
+    with np.load(saved) as archive:
+        assert list(archive) == ["y"] and archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(InvalidArgumentError, match="cannot write"):  # a new name: refused
+        monkeypatch.setattr(wasinn.infer.os, "open", no_new_files)
+        save_outputs(tmp_path / "new.npz", {"y": Tensor.from_numpy(np.zeros(1, np.float32))})
+
+
 def _cast_onnx(source: int, target: int, in_name: str, out_name: str) -> bytes:
     from onnx import helper
 
