@@ -30,12 +30,15 @@ requests they are taken. Devices add gauges (``workers``, ``running``, ``queued`
 stores a label of empty value as no label; ``{tenant=""}`` selects it all the same).
 
 The ``model`` label is a model's name, once per name (see
-:meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, and the graphs
-``Runtime.load`` loaded (a guest's ``load`` from bytes too, named after its tenant and
-how many it loaded before: ``classify.wasm#0``) while they are loaded. Loads that share
-a name, with each other or with a registry model, are one series: their counters add
-up, their latency percentiles are those of their windows together; so a scrape never
-has one label set twice.
+:meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, from their
+first load for the runtime's lifetime, and the graphs ``Runtime.load`` loaded (a guest's
+``load`` from bytes too, named after its tenant and how many it loaded before:
+``classify.wasm#0``) while they are loaded. Loads that share a name, with each other or
+with a registry model, are one series: their counters add up, their latency percentiles
+are those of their windows together; so a scrape never has one label set twice. A
+series' counters never go down: a registry model released (by every handle, as each
+guest's is when it exits) and loaded again goes on from its counts, and a graph unloaded
+while its name's series lasts leaves its counts in it. The gauges are the figures now.
 
 A scrape never fails for the runtime's lifetime: before the runtime starts there are no
 device series (models and tenants have none yet either), once it is closed the final

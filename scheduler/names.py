@@ -5,7 +5,10 @@ never joined to a path, so a guest cannot reach host files through it. The first
 of a name loads it; callers arriving meanwhile wait for that same load (one load however
 many ask) and share the result. The entry is kept while any handle or context uses it
 (or for the runtime's lifetime when the model is ``resident``); after it is released the
-next caller loads it again.
+next caller loads it again. A name's request figures last the runtime's lifetime: each new
+load of it takes up the counts of the loads before (:meth:`NameRegistry.requests`), so a
+host that runs guest after guest, each loading the name and releasing it as it exits,
+never sees its counters go down.
 
 :class:`LoadedGraphs` keeps the names of the graphs ``Runtime.load`` loads from bytes,
 which the registry never holds, so that ``Runtime.model_stats`` (and a Prometheus scrape)
@@ -18,7 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from wasinn.actors.pending import Pending
@@ -50,6 +53,11 @@ class NameRegistry:
         self._loaded: dict[str, Entry] = {}
         #: Each name's request figures, kept by drop_all (the runtime is closed).
         self._dropped: dict[str, RequestStats] = {}
+        #: Each name's SUMMED figures of its loads before the latest.
+        self._earlier: dict[str, Tally] = {}
+        #: Held to change or read the three above: a scrape (any thread) must never see
+        #: a name's new load without the counts of the one it replaced.
+        self._lock = threading.Lock()
         self._loading: dict[str, Pending] = {}
         #: How many loads actually ran, per name (for tests and metrics).
         self.loads: dict[str, int] = {}
@@ -93,7 +101,12 @@ class NameRegistry:
             self.loads[name] = self.loads.get(name, 0) + 1
             if name in self._resident:
                 entry[0].retain()  # the registry's own reference: never released
-            self._loaded[name] = entry
+            with self._lock:
+                previous = self._loaded.get(name)
+                if previous is not None:  # (released: its counts go on in the new load's)
+                    _add(self._earlier.setdefault(name, _nothing()),
+                         previous[0].requests.figures())
+                self._loaded[name] = entry
             return entry
         except WasiNNError as exc:
             pending.error = exc
@@ -108,21 +121,29 @@ class NameRegistry:
         entries = [self._loaded.get(name) for name in self._names]
         return [entry[0] for entry in entries if entry is not None]
 
-    def requests(self) -> list[tuple[str, RequestStats]]:
-        """Each name loaded so far and the requests of its latest load, released since or
-        not, in the registry's order; after :meth:`drop_all` too."""
-        # Snapshots, each one C call that holds the GIL: any thread may read this (a
-        # metrics scrape) while the event loop loads a model.
-        loaded, dropped = list(self._loaded.items()), dict(self._dropped)
-        live = {name: entry[0].requests for name, entry in loaded}
-        return [(name, live[name] if name in live else dropped[name])
-                for name in self._names if name in live or name in dropped]
+    def requests(self) -> list[tuple[str, RequestStats, Tally | None]]:
+        """Each name loaded so far, in the registry's order, with the requests of its
+        latest load (released since or not) and the :data:`SUMMED` figures of its loads
+        before that (None: it was loaded once): together, its figures since the runtime
+        started. After :meth:`drop_all` too. Any thread may call this (a metrics scrape)
+        while the event loop loads a model.
+
+        The earlier loads' counts are those they had when the name was loaded again: a
+        run that ends on a load after the next load replaced it (a lease run by a thread
+        after every handle was unloaded) is not counted for the name."""
+        with self._lock:
+            live = {name: entry[0].requests for name, entry in self._loaded.items()}
+            live = {**self._dropped, **live}
+            earlier = {name: dict(tally) for name, tally in self._earlier.items()}
+        return [(name, live[name], earlier.get(name)) for name in self._names if name in live]
 
     def drop_all(self) -> None:
         """Forget every entry (the runtime is closing; device actors free the graphs), but
         keep what :meth:`requests` reports."""
-        self._dropped.update({name: entry[0].requests for name, entry in self._loaded.items()})
-        self._loaded.clear()
+        with self._lock:
+            self._dropped.update(
+                {name: entry[0].requests for name, entry in self._loaded.items()})
+            self._loaded.clear()
 
 
 #: The request figures that add up over the loads of one name (the others, the latency
@@ -137,6 +158,24 @@ Tally = dict[str, float]
 def _nothing() -> Tally:
     # The SUMMED figures of no request.
     return {**dict.fromkeys(SUMMED, 0), "running_seconds": 0.0}
+
+
+def _add(tally: Tally, figures: Mapping[str, Any]) -> None:
+    # Add the SUMMED fields of ``figures`` (a tally, or RequestStats.figures()) to ``tally``.
+    for field in SUMMED:
+        tally[field] += figures[field]
+
+
+def added(*tallies: Tally | None) -> Tally | None:
+    """The :data:`SUMMED` figures of ``tallies`` taken together (None stands for none;
+    all None: None), for :func:`merged_figures`."""
+    given = [tally for tally in tallies if tally is not None]
+    if not given:
+        return None
+    total = _nothing()
+    for tally in given:
+        _add(total, tally)
+    return total
 
 
 def merged_figures(parts: Sequence[RequestStats], retired: Tally | None = None
@@ -256,10 +295,7 @@ class LoadedGraphs:
         name, requests = entry
         self._count[name] -= 1
         if self._count[name] or name in self._kept:
-            tally = self._retired.setdefault(name, _nothing())
-            figures = requests.figures()
-            for field in SUMMED:
-                tally[field] += figures[field]
+            _add(self._retired.setdefault(name, _nothing()), requests.figures())
         else:
             del self._count[name]
             self._retired.pop(name, None)

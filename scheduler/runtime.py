@@ -48,7 +48,7 @@ from ._loading import ModelLoading, pipeline_key
 from ._pools import plan_pools
 from .actorhost import ActorHost
 from .graph import Graph
-from .names import LoadedGraphs, NameRegistry, merged_figures
+from .names import LoadedGraphs, NameRegistry, added, merged_figures
 from .pipeline import Pipeline, PipelineModel
 from .placement import Scheduler
 from .tenants import TenantLedger
@@ -306,11 +306,13 @@ class Runtime(ModelLoading):
 
     def model_stats(self) -> list[ModelStats]:
         """The requests of each model by name (see :meth:`Graph.stats`): of each registry
-        model and pipeline loaded so far, since its latest load (also when every handle
-        has released it since, as a guest does when it exits), in the registry's order;
-        then of the graphs :meth:`load` loaded (a guest's ``load`` too) that are loaded
-        still, under their ``name`` (``graph#N`` for one given none), in the order of
-        their first loads. After the runtime is closed, the final figures.
+        model and pipeline loaded so far, since the runtime started, over all its loads
+        (one released by every handle, as a guest's is when it exits, and loaded again
+        goes on from the counts it had; its latency percentiles are its latest load's),
+        in the registry's order; then of the graphs :meth:`load` loaded (a guest's
+        ``load`` too) that are loaded still, under their ``name`` (``graph#N`` for one
+        given none), in the order of their first loads. After the runtime is closed, the
+        final figures.
 
         One name, one entry: graphs loaded under the same name, and a registry model of
         that name, are added up (counts and running seconds add; the latency
@@ -323,9 +325,10 @@ class Runtime(ModelLoading):
         would be without them."""
         loaded = {name: (parts, retired) for name, parts, retired in self._graphs.requests()}
         stats = []
-        for name, requests in self._names.requests():
+        for name, requests, earlier in self._names.requests():
             parts, retired = loaded.pop(name, ([], None))
-            stats.append(ModelStats(**merged_figures([requests, *parts], retired), name=name))
+            stats.append(ModelStats(**merged_figures([requests, *parts], added(earlier, retired)),
+                                    name=name))
         return stats + [ModelStats(**merged_figures(parts, retired), name=name)
                         for name, (parts, retired) in loaded.items()]
 

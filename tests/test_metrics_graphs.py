@@ -1,6 +1,8 @@
 """Graphs loaded with ``rt.load`` in ``rt.model_stats()`` and so in a scrape: by name
 while they are loaded, loads that share a name (with each other or with a registry
-model) as one series whose counters never go down, held weakly, final after the close."""
+model) as one series whose counters never go down, held weakly, final after the close;
+and the registry's models and pipelines, whose counts go on across their loads (a host
+running guest after guest, each releasing the model as it exits)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import wasinn
+from tests.guest_support import WAT_DIR
 from tests.support import cpu_pool, require_backend
 from wasinn import InvalidArgumentError
 from wasinn.actors.stats import Outcome, RequestStats
@@ -25,7 +28,7 @@ from wasinn.enums import GraphEncoding
 from wasinn.modelgen import affine_onnx
 from wasinn.scheduler.metrics import register_metrics
 from wasinn.scheduler.model import LoadedModel
-from wasinn.scheduler.names import LoadedGraphs, merged_figures
+from wasinn.scheduler.names import LoadedGraphs, added, merged_figures
 
 X = np.ones((1, 4), np.float32)
 BAD = np.ones((1, 5), np.float32)
@@ -139,6 +142,118 @@ async def test_a_load_named_as_a_registry_model_is_added_to_its_series(tmp_path:
     assert model_counts(rt) == {"affine": 3}
 
 
+async def test_a_registry_model_loaded_again_goes_on_from_its_counts(tmp_path: Path) -> None:
+    # Released by every handle, then loaded again: a counter back at 0 would read as a
+    # reset to Prometheus (the requests since the last scrape lost from increase()).
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(config_with_affine(tmp_path)) as rt:
+        registry = registry_of(rt)
+        first = await rt.load_by_name("affine")
+        for _ in range(3):
+            await first.compute({"x": X})
+        with pytest.raises(InvalidArgumentError, match="the model expects"):
+            await first.compute({"x": BAD})
+        await first.unload()
+        assert scraped(registry) == {"affine": 3}
+        second = await rt.load_by_name("affine")
+        assert rt.name_registry.loads["affine"] == 2  # (loaded again, not kept)
+        assert scraped(registry) == {"affine": 3}
+        await second.compute({"x": X})
+        assert scraped(registry) == {"affine": 4}
+        assert registry.get_sample_value("wasinn_model_requests_total",
+                                         {"model": "affine", "outcome": "failed"}) == 1
+        (stats,) = rt.model_stats()
+        assert (stats.completed, stats.failed) == (4, 1)
+        assert stats.running_seconds == pytest.approx(
+            first.stats().running_seconds + second.stats().running_seconds)
+        # The percentiles are the latest load's (gauges: the figures now), and a handle's
+        # own figures that load's alone.
+        assert stats.latency_window == 1
+        assert (second.stats().completed, second.stats().failed) == (1, 0)
+        # A graph of the name from rt.load in between, then the registry's loaded again.
+        await second.unload()
+        own = await rt.load([affine_onnx()], "onnx", name="affine")
+        await own.compute({"x": X})
+        await own.unload()
+        assert scraped(registry) == {"affine": 5}
+        third = await rt.load_by_name("affine")
+        assert scraped(registry) == {"affine": 5}
+        await third.compute({"x": X})
+        assert scraped(registry) == {"affine": 6}
+    assert model_counts(rt) == {"affine": 6}  # the final figures, after the close
+    assert scraped(registry) == {"affine": 6}
+
+
+def config_with_pipeline(tmp_path: Path) -> Path:
+    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (tmp_path / "b.onnx").write_bytes(affine_onnx(3.0, 0.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
+                    '[models.a]\nfiles = ["a.onnx"]\nencoding = "onnx"\n\n'
+                    '[models.b]\nfiles = ["b.onnx"]\nencoding = "onnx"\n\n'
+                    '[pipelines.p]\nsteps = [{ model = "a" }, '
+                    '{ model = "b", wire = { y = "x" } }]\n')
+    return path
+
+
+async def test_a_registry_pipeline_loaded_again_goes_on_from_its_counts(
+        tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(config_with_pipeline(tmp_path)) as rt:
+        registry = registry_of(rt)
+        for round_ in range(1, 4):
+            pipeline = await rt.load_by_name("p")
+            out = await pipeline.compute({"x": X})
+            assert out["y"].numpy().tolist() == [[9.0] * 4]  # 3 * (2x + 1)
+            await pipeline.unload()  # the pipeline and its steps released
+            assert scraped(registry)["p"] == round_
+        assert rt.name_registry.loads["p"] == 3
+        by_name = {s.name: s for s in rt.model_stats()}
+        assert (by_name["p"].completed, by_name["a"].completed) == (3, 0)  # (steps: one job)
+
+
+async def test_guest_after_guest_counts_all_their_requests(tmp_path: Path) -> None:
+    # Each guest loads "affine" by name, runs it once and exits, which releases it: the
+    # next guest loads it again.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(config_with_affine(tmp_path)) as rt:
+        registry = registry_of(rt)
+        seen = []
+        for _ in range(3):
+            assert await rt.run_wasm(WAT_DIR / "affine_compute.wat", tenant="guest") == 0
+            seen.append(scraped(registry)["affine"])
+        assert rt.name_registry.loads["affine"] == 3
+        assert seen == [1, 2, 3]
+        (tenant,) = rt.tenant_stats()
+        assert (tenant.name, tenant.completed) == ("guest", 3)
+
+
+async def test_scrapes_from_another_thread_while_a_registry_model_is_loaded_again(
+        tmp_path: Path) -> None:
+    # Each scrape sees the name's counts never lower than the scrape before's, also while
+    # the registry swaps a released load for a new one.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(config_with_affine(tmp_path)) as rt:
+        registry = registry_of(rt)
+        stop = threading.Event()
+        seen: list[float] = []
+
+        def scrape_until_stopped() -> None:
+            while not stop.is_set() or not seen:
+                seen.append(scraped(registry).get("affine", 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, scrape_until_stopped)
+            for _ in range(20):
+                graph = await rt.load_by_name("affine")
+                await graph.compute({"x": X})
+                await graph.unload()
+            stop.set()
+        assert rt.name_registry.loads["affine"] == 20
+        assert seen == sorted(seen)
+        assert scraped(registry) == {"affine": 20}
+
+
 async def test_the_figures_are_held_not_the_graph() -> None:
     # (Checked once the runtime is closed: until then the device's compile of a model may
     # be held a while by the thread that ran it.)
@@ -227,6 +342,10 @@ def test_merged_percentiles_are_those_of_the_windows_together() -> None:
     assert merged_figures([a]) == a.figures()  # one part: its own figures
     nothing = merged_figures([], retired)  # only graphs gone: no latency
     assert nothing["latency_p50"] is None and nothing["latency_window"] == 0
+    # Tallies of one name from two places (the registry's earlier loads, graphs gone).
+    assert added(None, None) is None
+    assert added(retired, None) == retired
+    assert added(retired, retired) == {key: 2 * value for key, value in retired.items()}
 
 
 def test_a_graph_collected_without_a_release_leaves_as_an_unloaded_one() -> None:
