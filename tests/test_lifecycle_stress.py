@@ -348,6 +348,13 @@ async def test_aclose_while_loads_computes_leases_and_compiles_are_in_flight(
     assert set(outcomes) == {"slow", "slow2", "queued0", "queued1", "queued2", "lease",
                              "ctx lease", "load", "by name", "thread"}
     for name, outcome in outcomes.items():
+        if name in ("load", "by name") and isinstance(outcome, wasinn.Graph):
+            # A load whose thread finished before aclose began (the thread's work does
+            # not count as blocked for wait_all_tasks_blocked): done, then closed with
+            # the runtime, as every graph is.
+            with pytest.raises(ClosedResourceError):
+                await outcome.compute({"x": X})
+            continue
         assert isinstance(outcome, ClosedResourceError), (name, outcome)
     assert actor.session_keys() == [] and actor.stats().running == 0
     assert not actor.ready and actor.busy == 0
