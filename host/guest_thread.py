@@ -5,7 +5,10 @@ runs in a trio worker thread of its own, started by :meth:`GuestRun.run`. Stoppi
 guest (its caller is cancelled, its ``run_timeout`` passes, it overflows its scratch
 quota) asks it to stop: the ``stop`` callback given to :class:`GuestRun` requests its
 :class:`~wasinn.host.interrupt.Interrupter` and interrupts the inference it runs, and
-every call it waits on in trio is cancelled. Nearly every guest then ends at once. One
+every call it waits on in trio is cancelled. Nearly every guest then ends at once (while
+it has not, the run reminds it every :data:`REMIND_S`: a guest computing in wasm whose
+request fell between its epoch-deadline callback and its new deadline is reached so, see
+:mod:`wasinn.host.interrupt`). One
 blocked in a host call that wasinn cannot interrupt ends only when that call returns:
 a component sleeping in ``wasi:io/poll`` (wasmtime's own WASI 0.2), any guest opening or
 reading a FIFO in a directory it was given, an inference that ignores interruption (a
@@ -68,6 +71,10 @@ T = TypeVar("T")
 #: Seconds a stopped guest's thread is waited for before it is abandoned (see the module
 #: docstring); ``wasinn run`` says the same on Ctrl-C and at ``run_timeout``.
 STOP_GRACE_S = 2.0
+
+#: Seconds between the reminders of a stopped guest whose thread has not ended yet
+#: (see :class:`GuestRun`).
+REMIND_S = 0.05
 
 # Every guest gets its own worker thread for as long as it runs: guests mostly wait in
 # wasi-nn calls, so they must not compete with the device actors' inference threads.
@@ -143,13 +150,18 @@ class GuestRun:
     :meth:`stop` and abandoned :data:`STOP_GRACE_S` seconds later if it has not ended.
 
     ``stop`` asks the guest to stop (from the trio thread, at most once): request its
-    interrupter, interrupt its inference. ``program`` names it in logs and thread names.
-    One GuestRun runs one function once.
+    interrupter, interrupt its inference. ``remind`` (from the trio thread, every
+    :data:`REMIND_S` while the stopped guest's thread goes on, during the grace) asks
+    again where a request may have been missed: it moves the epoch once more
+    (:meth:`~wasinn.host.interrupt.Interrupter.remind`). ``program`` names it in logs and
+    thread names. One GuestRun runs one function once.
     """
 
-    def __init__(self, program: str, stop: Callable[[], None]) -> None:
+    def __init__(self, program: str, stop: Callable[[], None],
+                 remind: Callable[[], None] | None = None) -> None:
         self.program = program
         self._stop_guest = stop
+        self._remind = remind
         self._stop_requested = trio.Event()
         # The cancel scopes of the guest's calls in trio (trio thread only).
         self._calls: set[trio.CancelScope] = set()
@@ -209,7 +221,11 @@ class GuestRun:
                     self.stop()
                     with trio.CancelScope(shield=True) as grace:
                         grace.deadline = trio.current_time() + STOP_GRACE_S
-                        await ended.wait()
+                        while not ended.is_set():
+                            with trio.move_on_after(REMIND_S):
+                                await ended.wait()
+                            if not ended.is_set() and self._remind is not None:
+                                self._remind()
                     if not ended.is_set() and self._abandon(borrow):
                         keep.cancel()
                     with trio.CancelScope(shield=True):

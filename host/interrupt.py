@@ -7,6 +7,13 @@ running store calls its callback once at its next check, and the callback traps 
 if its own guest was asked to stop; the others carry on with a new one-tick deadline.
 Epochs move only when a guest is interrupted, so the callbacks cost nothing otherwise.
 
+No request is lost to timing. One made before the store is armed (while the guest's
+thread starts) arms it to trap at its first check. One made while the store's callback
+decides to carry on may fall before wasmtime sets the new deadline, which then counts the
+request's tick already: the guest's run moves the epoch again every
+:data:`~wasinn.host.guest_thread.REMIND_S` while the stopped guest goes on
+(:meth:`Interrupter.remind`).
+
 wasmtime-py exposes the callback only in its raw C bindings
 (``wasmtime_store_epoch_deadline_callback``, present since wasmtime 14); their presence
 is checked at import. Without them a guest is still stopped at its next host call.
@@ -59,24 +66,42 @@ class Interrupter:
         return self._requested
 
     def install(self, store: wasmtime.Store) -> None:
-        """Arm ``store``: it traps at its next epoch check after :meth:`request`."""
+        """Arm ``store``: it traps at its next epoch check after :meth:`request`, and at
+        its first one if the request came before (while the guest's thread was starting).
+        """
         if _SET_CALLBACK is None:
             log.warning("this wasmtime-py has no epoch-deadline callback: a cancelled guest "
                         "stops only at its next wasi-nn call")
             store.set_epoch_deadline(2**62)
-            return
+        else:
 
-        def on_deadline(_ctx: Any, _env: Any, delta: Any, kind: Any) -> int:
-            if self._requested:
-                err = _ERROR_NEW(INTERRUPTED.encode())
-                return ctypes.cast(err, ctypes.c_void_p).value or 0
-            delta[0] = 1
-            kind[0] = _CONTINUE
-            return 0
+            def on_deadline(_ctx: Any, _env: Any, delta: Any, kind: Any) -> int:
+                return self._on_deadline(delta, kind)
 
-        self._callback = _CALLBACK_TYPE(on_deadline)
-        _SET_CALLBACK(store.ptr(), self._callback, None, _FINALIZER_TYPE())
-        store.set_epoch_deadline(1)
+            self._callback = _CALLBACK_TYPE(on_deadline)
+            _SET_CALLBACK(store.ptr(), self._callback, None, _FINALIZER_TYPE())
+            store.set_epoch_deadline(1)
+        # The deadline is one tick past the epoch as it is now: a request made before
+        # has moved the epoch already, and its tick is not awaited. request() sets the flag
+        # before it moves the epoch, so a request this check misses moves it after the
+        # deadline was set, and reaches it.
+        if self._requested:
+            store.set_epoch_deadline(0)  # the first check traps (the callback sees the flag)
+
+    def _on_deadline(self, delta: Any, kind: Any) -> int:
+        """The store's epoch-deadline callback: trap if the guest was asked to stop,
+        else carry on with a deadline one tick on.
+
+        wasmtime sets that deadline once this has returned, from the epoch as it is then:
+        a request made in between has moved the epoch already and is not awaited. The
+        guest's run moves the epoch again while the stopped guest goes on
+        (:meth:`remind`), which reaches it."""
+        if self._requested:
+            err = _ERROR_NEW(INTERRUPTED.encode())
+            return ctypes.cast(err, ctypes.c_void_p).value or 0
+        delta[0] = 1
+        kind[0] = _CONTINUE
+        return 0
 
     def request(self) -> None:
         """Ask the guest to stop (no effect once it has finished)."""
@@ -89,6 +114,17 @@ class Interrupter:
         self._engine.increment_epoch()
         for action in also:
             action()
+
+    def remind(self) -> None:
+        """Move the epoch again if the guest was asked to stop and has not finished: for
+        a request that the store's callback missed (see :meth:`_on_deadline`). Called
+        while a stopped guest's thread has not ended
+        (:class:`~wasinn.host.guest_thread.GuestRun`); every running guest's callback then
+        runs once, and only this one traps."""
+        with self._lock:
+            if not self._requested or self._finished:
+                return
+        self._engine.increment_epoch()
 
     def also_stop(self, action: Callable[[], None]) -> None:
         """Call ``action`` (once) when the guest is asked to stop, at once if it already

@@ -164,7 +164,7 @@ async def run_core_module(module: wasmtime.Module, config: wasmtime.WasiConfig, 
         interrupter.request()  # a no-op once the guest has finished
         nn.interrupt()  # and an inference it is running stops now, not when done
 
-    run = GuestRun(program, stop)
+    run = GuestRun(program, stop, interrupter.remind)
     try:
         result = await run.run(_run_start, engine, module, config, nn, interrupter, program)
     finally:

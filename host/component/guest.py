@@ -296,7 +296,7 @@ class ComponentGuest:
             self.interrupter.request()
             self.service.interrupt()  # an inference it runs stops now
 
-        run = GuestRun(self.program, stop)
+        run = GuestRun(self.program, stop, self.interrupter.remind)
 
         async def watch_scratch(scratch: ScratchDir) -> None:
             # WASI has no quota: the guest's file writes go straight to the host's disk
