@@ -31,7 +31,7 @@ class Member:
     run."""
 
     __slots__ = ("abandoned", "deadline", "done", "granted", "inputs", "keep", "priority",
-                 "result", "share")
+                 "released", "result", "share")
 
     def __init__(self, inputs: BatchInputs, keep: bool, priority: int, deadline: float
                  ) -> None:
@@ -42,6 +42,8 @@ class Member:
         self.done = trio.Event()
         self.result: outcome.Outcome[dict[str, Tensor]] | None = None
         self.granted = math.inf  # perf_counter when its batch started running
+        #: perf_counter when the batch's worker thread passed its slot on (inf: it did not)
+        self.released = math.inf
         self.share = 1.0  # its rows' share of the batch's run (its device time)
         self.abandoned = False
 

@@ -45,19 +45,21 @@ class Batcher:
     ``take_slot(request)`` queues for a worker slot as ``request``; ``requeue_slot(request,
     priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
     back; ``run_in_slot(job, label, tenant)`` runs a job in a worker thread on a held slot
-    (which it frees when the thread is done), its run charged to ``tenant`` (a batch's
-    members are all of one tenant, so a merged run is charged whole to it); ``start``
-    starts a task that lives as long as the actor; ``stats`` counts the device's
-    batches. A run whose exception :attr:`fatal` says the device cannot survive (a lost
-    GPU) ends the whole batch with it: nothing more is run there, and the job raises it,
-    for the device context to see.
+    (which it frees when the thread is done) and returns its result and when
+    (perf_counter) its thread passed the slot on (inf: it did not), the run charged to
+    ``tenant`` (a batch's members are all of one tenant, so a merged run is charged whole
+    to it); ``start`` starts a task that lives as long as the actor; ``stats`` counts the
+    device's batches. A run whose exception :attr:`fatal` says the device cannot survive
+    (a lost GPU) ends the whole batch with it: nothing more is run there, and the job
+    raises it, for the device context to see.
     """
 
     def __init__(self, device: str,
                  take_slot: Callable[[Request], Awaitable[None]],
                  requeue_slot: Callable[[Request, int, float], None],
                  free_slot: Callable[[], None],
-                 run_in_slot: Callable[[Callable[[], Any], str, str], Awaitable[Any]],
+                 run_in_slot: Callable[[Callable[[], Any], str, str],
+                                       Awaitable[tuple[Any, float]]],
                  start: Callable[[Callable[[Batch], Awaitable[None]], Batch], None],
                  stats: RequestStats) -> None:
         self._device = device
@@ -91,10 +93,11 @@ class Batcher:
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
                      label: str, account: Account | None
-                     ) -> tuple[dict[str, Tensor], float, float]:
+                     ) -> tuple[dict[str, Tensor], float, float, float]:
         """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
-        when (perf_counter) its batch started running, and its share of that run (its
-        rows' share: the part of the run's device time that is its own). ``key`` names
+        when (perf_counter) its batch started running and when its worker thread passed
+        the slot on (inf: it did not), and its share of that run (its rows' share: the
+        part of the run's device time that is its own). ``key`` names
         what may run together (the graph on this device); the input signature is added
         to it."""
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -140,7 +143,7 @@ class Batcher:
         result = member.result
         assert result is not None
         try:
-            return result.unwrap(), member.granted, member.share
+            return result.unwrap(), member.granted, member.released, member.share
         except WasiNNError:
             raise
         except Exception as exc:
@@ -148,12 +151,13 @@ class Batcher:
 
     async def _run_alone(self, inputs: BatchInputs, keep: bool, run: RunInputs,
                          priority: int, deadline: float, tenant: str, label: str
-                         ) -> tuple[dict[str, Tensor], float, float]:
+                         ) -> tuple[dict[str, Tensor], float, float, float]:
         # A plain request: queued on its own terms, run in a job of its own.
         await self._take_slot(Request(priority, deadline, tenant))
         granted = time.perf_counter()
         job = functools.partial(run, inputs.tensors, keep)
-        return await self._run_in_slot(job, label, tenant), granted, 1.0
+        result, released = await self._run_in_slot(job, label, tenant)
+        return result, granted, released, 1.0
 
     def _joinable(self, key: Hashable, inputs: BatchInputs, priority: int, deadline: float,
                   tenant: str) -> Batch | None:
@@ -237,8 +241,10 @@ class Batcher:
             member.share = member.inputs.rows / rows if rows else 1 / len(members)
         self.waiting -= len(members)
         job = BatchJob(batch.run, members, batch.label, self.fatal)
-        outcomes: list[outcome.Outcome[dict[str, Tensor]]] = await self._run_in_slot(
-            job, batch.label, batch.tenant)
+        outcomes: list[outcome.Outcome[dict[str, Tensor]]]
+        outcomes, released = await self._run_in_slot(job, batch.label, batch.tenant)
+        for member in members:
+            member.released = released
         if job.unsplittable:
             if len(self._alone) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
                 self._alone.clear()

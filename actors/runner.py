@@ -90,22 +90,36 @@ class RequestRunner:
 
     # -- counting ---------------------------------------------------------------------------
     async def counted(self, account: Account | None, reached: float | None,
-                      request: Callable[..., Awaitable[tuple[T, float, float]]],
+                      request: Callable[..., Awaitable[tuple[T, float, float, float]]],
                       *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
-        latency; ``request`` returns its result, when it was granted a slot, and its
-        share of the run's device time (1, but for a merged batch's member). The latency
-        and the time queued run from ``reached`` (perf_counter): when the request reached
-        the device, before it waited there for its graph's compile; None: now."""
+        latency; ``request`` returns its result, when (perf_counter) it was granted its
+        slot and when its worker thread passed that slot on (inf: trio freed it, as it
+        took the result), and its share of the run's device time (1, but for a merged
+        batch's member). The latency and the time queued run from ``reached``
+        (perf_counter): when the request reached the device, before it waited there for
+        its graph's compile; None: now.
+
+        Its time running is the time it held its slot, from the grant to the release.
+        Under load a worker thread grants the slot to the next request as a run ends and
+        starts that request's run at once (see :mod:`wasinn.actors.workers`), before
+        trio learns of either: both moments come from the thread's stamps, not from when
+        trio got round to them, and the wait for trio to take the result after the slot
+        went on counts as queued (the device is saturated), not as running. So each
+        request's running time is its own run's, and no run is counted for two
+        requests (in the device time its model and its tenant are charged)."""
         # (Arguments, not a partial: this is on every request's path.)
         start = time.perf_counter() if reached is None else reached
         try:
-            result, granted, share = await request(*args)
+            result, granted, released, share = await request(*args)
         except BaseException as exc:
             self.record(account, outcome_of(exc), time.perf_counter() - start)
             raise
-        self.record(account, Outcome.COMPLETED, time.perf_counter() - start,
-                    queued=granted - start, share=share)
+        end = time.perf_counter()
+        seconds = end - start
+        running = (released if released < end else end) - granted
+        self.record(account, Outcome.COMPLETED, seconds, queued=seconds - running,
+                    share=share)
         return result
 
     def record(self, account: Account | None, outcome: Outcome, seconds: float, *,
@@ -120,9 +134,10 @@ class RequestRunner:
     # -- one request --------------------------------------------------------------------------
     async def request(self, job: Callable[[], T], priority: int, deadline: float,
                       tenant: str, profile: RunProfile | None, nbytes: int | None,
-                      label: str) -> tuple[T, float, float]:
-        """The job's result, when (perf_counter) it was granted a slot, and its share of
-        the run (1: its own): run inline or in a worker thread, within ``deadline``."""
+                      label: str) -> tuple[T, float, float, float]:
+        """The job's result, when (perf_counter) it was granted a slot and when its slot
+        was passed on (see :meth:`counted`), and its share of the run (1: its own): run
+        inline or in a worker thread, within ``deadline``."""
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
             # not only on their size: a request that must end by a deadline always goes
@@ -132,7 +147,8 @@ class RequestRunner:
                     and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
                 granted = time.perf_counter()
-                return await self._run_inline(job, profile, nbytes, tenant), granted, 1.0
+                return (await self._run_inline(job, profile, nbytes, tenant), granted,
+                        math.inf, 1.0)
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:  # (the common case, without _within's frame)
             return await self._execute(job, priority, deadline, tenant, label)
@@ -150,18 +166,24 @@ class RequestRunner:
         raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
-                       tenant: str, label: str) -> tuple[T, float, float]:
+                       tenant: str, label: str) -> tuple[T, float, float, float]:
         work = self._slot_job(job, label, tenant)
         await self.take_slot(priority, deadline, tenant, handoff=work)
-        granted = time.perf_counter()
-        return await self._run_job(work), granted, 1.0
+        # A job that a worker thread started as it passed its slot on (its thread known,
+        # then) was granted the slot when the thread started it, maybe runs ago.
+        granted = work.started if work.worker is not None else time.perf_counter()
+        result = await self._run_job(work)
+        return result, granted, work.released, 1.0
 
-    async def run_in_slot(self, job: Callable[[], T], label: str, tenant: str) -> T:
+    async def run_in_slot(self, job: Callable[[], T], label: str, tenant: str
+                          ) -> tuple[T, float]:
         """``job`` in a worker thread, on a slot already held, which is passed on or
         freed when the worker thread has finished the job (abandoned or not); its run
-        is ``tenant``'s device time."""
-        result: T = await self._run_job(self._slot_job(job, label, tenant))
-        return result
+        is ``tenant``'s device time. Its result, and when (perf_counter) the thread
+        passed the slot on (inf: trio freed it)."""
+        work = self._slot_job(job, label, tenant)
+        result: T = await self._run_job(work)
+        return result, work.released
 
     def _slot_job(self, job: Callable[[], Any], label: str, tenant: str) -> Job:
         # ``job`` for the worker threads, holding one of the device's slots, which its
@@ -244,7 +266,7 @@ class RequestRunner:
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
                       batching: Batching, keep: bool, priority: int, deadline: float,
                       tenant: str, label: str, account: Account | None
-                      ) -> tuple[dict[str, Tensor], float, float]:
+                      ) -> tuple[dict[str, Tensor], float, float, float]:
         """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
         ``batching`` allows (see :mod:`wasinn.actors.batching`)."""
         job = functools.partial(run, inputs.tensors, keep)
@@ -255,8 +277,9 @@ class RequestRunner:
                 and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
-            return (await self._within(deadline, self.run_in_slot, job, label, tenant),
-                    granted, 1.0)
+            result, released = await self._within(deadline, self.run_in_slot, job, label,
+                                                  tenant)
+            return result, granted, released, 1.0
         if self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
         return await self._within(

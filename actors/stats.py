@@ -5,10 +5,14 @@ Every request an actor admits ends in exactly one :class:`Outcome`, counted by
 or a lease holder's own thread). Latency is end to end as the caller sees it: from the
 request reaching the device (before it waits for its graph's compile there, or any
 queueing) to its result, for completed requests, over a window of the most recent ones.
-It is split, as an inference server's metrics are, into the time queued (until a worker
-slot was granted, that compile included) and the time running (from
-the grant to the result, the hand-off to a worker thread and back included), so that a
-saturated device (queue time grows) can be told from a slow model (run time grows).
+It is split, as an inference server's metrics are, into the time running (while it held
+a worker slot: from the grant to the result, the hand-off to a worker thread and back
+included, or, under load, to the moment its worker thread passed the slot straight on to
+the next request; see :meth:`RequestRunner.counted
+<wasinn.actors.runner.RequestRunner.counted>`) and the time queued (the rest: until a
+worker slot was granted, that compile included, and under load the wait for the event
+loop to take a result whose slot had gone on), so that a saturated device (queue time
+grows) can be told from a slow model (run time grows).
 :meth:`DeviceActor.stats` reads it all, with the actor's current queue and slots, as one
 :class:`DeviceStats` snapshot. Each completed request's running time is also summed
 (``running_seconds``): the device time it took.
@@ -65,16 +69,19 @@ class RequestFigures:
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
-    #: of those latencies, seconds before the run: waiting for the graph's compile on
-    #: the device, then for a worker slot
+    #: of those latencies, seconds not running: waiting for the graph's compile on the
+    #: device, then for a worker slot (and, under load, for the event loop to take the
+    #: result once the slot had gone on)
     queued_p50: float | None
     queued_p99: float | None
-    running_p50: float | None  #: and seconds from the slot's grant to the result
+    #: and seconds running: holding a worker slot (from its grant to the result, or to
+    #: the slot passed on by the worker thread as the run ended)
+    running_p50: float | None
     running_p99: float | None
     batches: int  #: merged runs (dynamic batching): two requests or more run as one
     batched: int  #: requests answered by those merged runs
-    #: Seconds from slot grant to result, summed over every completed request (not only
-    #: the window's): the device time they took, a tenant's use of the devices.
+    #: Seconds running, summed over every completed request (not only the window's): the
+    #: device time they took, a tenant's use of the devices.
     running_seconds: float
 
     @property
@@ -169,8 +176,8 @@ class Latencies(NamedTuple):
     """The completed requests of a window, each list sorted (seconds)."""
 
     total: list[float]  #: end to end
-    queued: list[float]  #: waiting for the graph's compile, then for a worker slot
-    running: list[float]  #: from the slot's grant to the result
+    queued: list[float]  #: not running: waiting for the graph's compile, for a worker slot
+    running: list[float]  #: holding a worker slot
 
 
 class Account(Protocol):
@@ -203,9 +210,10 @@ class RequestStats:
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
                leased: bool = False, share: float = 1.0) -> None:
         """One request ended with ``outcome``, ``seconds`` after it reached the actor, of
-        which it spent ``queued`` waiting for a worker slot; ``share`` of the rest was
-        its own device time (less than all of it for a merged batch's member, whose run
-        was shared: its rows' share), summed in ``running_seconds``."""
+        which it spent ``queued`` not running (waiting for a worker slot, see the module
+        docstring); ``share`` of the rest, its time running, was its own device time
+        (less than all of it for a merged batch's member, whose run was shared: its
+        rows' share), summed in ``running_seconds``."""
         with self._lock:
             self._counts[outcome] += 1
             if leased:

@@ -19,6 +19,11 @@ thread writes for the ended job then also tells trio which job its thread runs n
 caller of the ended job (or the task that reaps it) tells the next request that it was
 granted, and that request's caller waits on the same socket for its own byte. Each
 finished job's byte is read once, in order, so one socket serves a thread's whole chain.
+Trio may take that byte only after the next run has ended (a busy event loop, a run that
+holds the GIL), so the thread stamps the moment the slot changed hands (perf_counter) on
+both jobs before it writes it: the ended job's ``released``, the next job's ``started``,
+from which the requests' time queued and running are reckoned (see
+:meth:`RequestRunner.counted <wasinn.actors.runner.RequestRunner.counted>`).
 A thread passes nothing on while a job that holds no slot waits for a thread: under
 load the queue never empties, and a thread going from one request to the next would
 never become free for it. The slot is then freed in trio, and the thread handed to the
@@ -99,7 +104,8 @@ class Job:
     thread may start it (``Request.handoff``)."""
 
     __slots__ = ("abandoned", "cancellation", "fn", "label", "on_done", "pin", "relay",
-                 "result", "started", "successor", "tenant", "threads", "unpinned", "worker")
+                 "released", "result", "started", "successor", "tenant", "threads",
+                 "unpinned", "worker")
 
     def __init__(self, threads: WorkerThreads, fn: Callable[[], Any], label: str,
                  on_done: Callable[[], None] | None, relay: Relay | None,
@@ -115,7 +121,12 @@ class Job:
         self.label = label
         self.on_done = on_done
         self.relay = relay
-        self.started = math.nan  # when handed to a thread
+        #: When (perf_counter) it was handed to a thread: by trio, or by the thread that
+        #: passed it its slot (then also when its request was granted the slot).
+        self.started = math.nan
+        #: When (perf_counter) its thread passed its slot on to the next request (inf:
+        #: it did not; trio frees the slot once it has the result).
+        self.released = math.inf
         self.abandoned = False
         #: The thread that runs it, once trio knows.
         self.worker: _Worker | None = None
@@ -128,7 +139,7 @@ class Job:
 
     def describe(self) -> str:
         state = ", abandoned" if self.abandoned else ""
-        return f"{self.label} (for {time.monotonic() - self.started:.1f} s{state})"
+        return f"{self.label} (for {time.perf_counter() - self.started:.1f} s{state})"
 
     def abandon(self) -> None:
         """Its caller gave up on it after a worker thread had started it on its own (in
@@ -295,7 +306,7 @@ class WorkerThreads:
             self.busy -= 1
             job.release()
             raise
-        job.started = time.monotonic()
+        job.started = time.perf_counter()
         if self._loop_pin is not None:
             if pin:
                 job.pin = self._loop_pin.hold()
@@ -422,10 +433,17 @@ class WorkerThreads:
                     if relay is not None and not self._stopped and not self._waiters:
                         # (Charged first, under the same lock: the choice counts it.)
                         successor = job.successor = relay.pass_on(tenant, seconds)
-                        if successor is not None and successor.started:
-                            following = cast(Job, successor.handoff)
-                            if self._stopped:  # stop() ran meanwhile, and missed it
-                                following.cancellation.cancel()
+                        if successor is not None:
+                            # The slot changed hands now: the end of this job's hold and
+                            # the grant of the next request, which trio learns only once
+                            # it takes this job's result (maybe after the next run has
+                            # ended): stamped here, before the byte lets trio read them.
+                            job.released = granted = time.perf_counter()
+                            if successor.started:
+                                following = cast(Job, successor.handoff)
+                                following.started = granted
+                                if self._stopped:  # stop() ran meanwhile, and missed it
+                                    following.cancellation.cancel()
                     elif relay is not None and tenant is not None:
                         relay.charge(tenant, seconds)  # the slot is freed in trio
                     try:
@@ -434,7 +452,6 @@ class WorkerThreads:
                         return  # trio let go of the reader (it is shutting down)
                     if following is None:
                         break
-                    following.started = time.monotonic()
                     job = following  # under the same mask: trio moves the pin over
                 if pin is not None:
                     # Wait for the next job on the loop's CPU. After the send: a thread

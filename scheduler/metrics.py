@@ -212,14 +212,15 @@ def _request_families(prefix: str, scope: str,
         f"{name}_batched_requests", f"Requests answered by merged runs, per {scope}.",
         labels=[scope])
     running_seconds = CounterMetricFamily(
-        f"{name}_running_seconds", f"Seconds from worker slot grant to result, summed over "
-                                   f"the completed requests: their device time, per "
-                                   f"{scope}.", labels=[scope])
+        f"{name}_running_seconds", f"Seconds holding a worker slot (to the result, or to the "
+                                   f"slot passed on as the run ended), summed over the "
+                                   f"completed requests: their device time, per {scope}.",
+        labels=[scope])
     latency = GaugeMetricFamily(
         f"{name}_request_latency_seconds",
         f"Latency percentile (quantile) of the latest completed requests, per {scope}: end "
-        f"to end (phase total), waiting for a worker slot (queued), from the grant to the "
-        f"result (running).", labels=[scope, "phase", "quantile"])
+        f"to end (phase total), waiting for a worker slot (queued), holding it "
+        f"(running).", labels=[scope, "phase", "quantile"])
     window = GaugeMetricFamily(
         f"{name}_request_latency_window",
         f"Completed requests the latency percentiles are taken over, per {scope}.",
