@@ -54,11 +54,12 @@ class Request:
     ``handoff``: the job the request will run once granted, prepared before it queued,
     so that the worker thread that frees a slot can start it at once (see
     :meth:`Slots.pass_on <wasinn.actors.slots.Slots.pass_on>`); ``started`` is set when
-    one did, and the slot is then the job's.
+    one did, and the slot is then the job's. ``withdrawn`` says why its owner took it
+    out of the queue unrun (see :meth:`Slots.withdraw <wasinn.actors.slots.Slots.withdraw>`).
     """
 
     __slots__ = ("deadline", "displaced_by", "event", "granted", "handoff", "key", "priority",
-                 "queued", "removed", "seq", "started", "tenant")
+                 "queued", "removed", "seq", "started", "tenant", "withdrawn")
 
     _counter = itertools.count()
 
@@ -77,6 +78,9 @@ class Request:
         #: Set when a full queue pushed it out for another tenant's request (see
         #: :meth:`QueuePolicy.displace`): the tenant whose request took its place.
         self.displaced_by: str | None = None
+        #: Set when its owner withdrew it from the queue (an execution context that
+        #: closed): why, as its waiter's ClosedResourceError says.
+        self.withdrawn: str | None = None
 
     def sort_key(self) -> tuple[int, float, int]:
         """Higher priority first, then earlier deadline, then arrival order."""

@@ -27,11 +27,20 @@ so that the check "free slot and empty queue" and the queueing of a request are 
 with respect to a slot given back by another thread (otherwise a request could queue
 just after the last slot was freed and wait for ever). Granting a queued request
 (setting its trio Event) happens in trio.
+
+A request's owner may withdraw it while it waits (:class:`QueueOwner`: an execution
+context that closes drops the requests it has queued, unrun, instead of letting them run
+for nobody). The owner is named for the request's duration by :data:`QUEUE_OWNER`, a
+context variable read only when a request has to queue: the scheduler and the runner
+between the context and the queue have no business with it, and a request that takes a
+free slot at once pays nothing for it. Withdrawal is decided under the lock, so a request
+is either withdrawn unrun or granted its slot, never both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 
@@ -44,6 +53,55 @@ from .queue import Handoff, QueuePolicy, Request
 
 class QueueFullError(TooLargeError):
     """A request refused because the device's queue holds ``queue_limit`` requests."""
+
+
+class RequestWithdrawn(ClosedResourceError):
+    """A queued request its owner withdrew, unrun (see :class:`QueueOwner`)."""
+
+
+class QueueOwner:
+    """Who may withdraw the requests made on its behalf while they wait in a device's
+    queue: an execution context, which withdraws them when it closes. Named as
+    :data:`QUEUE_OWNER` while a request is made; in trio only.
+
+    Only requests that queue are noted (until they leave the queue), so an owner costs
+    nothing while its requests find free slots.
+    """
+
+    __slots__ = ("_waiting", "why")
+
+    def __init__(self) -> None:
+        self._waiting: dict[Request, Slots] = {}
+        #: Once :meth:`withdraw_all` was called: why (a request that queues later is
+        #: withdrawn at once).
+        self.why: str | None = None
+
+    def queued(self, request: Request, slots: Slots) -> None:
+        """``request`` waits in ``slots``' queue: withdraw it with the others (at once
+        when they were withdrawn already)."""
+        if self.why is not None:
+            slots.withdraw(request, self.why)
+        else:
+            self._waiting[request] = slots
+
+    def left(self, request: Request) -> None:
+        """``request`` no longer waits (granted, withdrawn, cancelled, refused)."""
+        self._waiting.pop(request, None)
+
+    def withdraw_all(self, why: str) -> None:
+        """Withdraw every request of this owner still queued, and any that queues from now
+        on: their callers raise :class:`RequestWithdrawn` saying ``why``. A request
+        already granted its slot is left to run."""
+        self.why = why
+        waiting, self._waiting = self._waiting, {}
+        for request, slots in waiting.items():
+            slots.withdraw(request, why)
+
+
+#: The owner of the request the current task is making (None: nobody may withdraw it):
+#: set by the caller around the request, read by :meth:`Slots.take` when it queues one.
+QUEUE_OWNER: contextvars.ContextVar[QueueOwner | None] = contextvars.ContextVar(
+    "wasinn_queue_owner", default=None)
 
 
 class Slots:
@@ -87,18 +145,23 @@ class Slots:
         slot may start at once (:meth:`pass_on`). Returns whether one did: the slot is
         then the job's, which frees it when it is over.
         Raises ClosedResourceError when closed (before or while queued), TooLargeError when
-        the queue is full. Cancelled while queued, the request leaves the queue (a slot
-        granted at that very moment is handed on; a job started by then is abandoned).
+        the queue is full, RequestWithdrawn (a ClosedResourceError) when the request's
+        :class:`QueueOwner` withdraws it while it waits (only a request made here, not a
+        given ``request``: a batch's serves several callers). Cancelled while queued, the
+        request leaves the queue (a slot granted at that very moment is handed on; a job
+        started by then is abandoned).
         """
         if self._closed:
             raise ClosedResourceError(f"{self.name}: the device actor is closed")
         await trio.lowlevel.checkpoint_if_cancelled()
+        owner = None
         with self._lock:
             if self._running < self.workers and not len(self._policy):
                 self._running += 1
                 return False
             if request is None:
                 request = Request(priority, deadline, tenant)
+                owner = QUEUE_OWNER.get()
             displaced = None
             if len(self._policy) >= self.queue_limit:
                 displaced = self._policy.displace(request.tenant)
@@ -113,6 +176,8 @@ class Slots:
             self._policy.push(request)
         if displaced is not None:
             displaced.event.set()  # not granted: its waiter raises QueueFullError
+        if owner is not None:
+            owner.queued(request, self)
         try:
             await request.event.wait()
         except BaseException:
@@ -130,7 +195,12 @@ class Slots:
                 else:
                     self.free()
             raise
+        finally:
+            if owner is not None:
+                owner.left(request)
         if not request.granted:
+            if request.withdrawn is not None:
+                raise RequestWithdrawn(request.withdrawn)
             if request.displaced_by is not None:
                 raise QueueFullError(
                     f"{self.name}: the request queue is full ({self.queue_limit} waiting) "
@@ -139,6 +209,19 @@ class Slots:
                     "pool's queue_limit")
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
+
+    def withdraw(self, request: Request, why: str) -> bool:
+        """Take ``request`` out of the queue unrun if it still waits there (in trio): its
+        waiter wakes at once and raises RequestWithdrawn saying ``why``. False, changing
+        nothing, once it has left the queue (granted a slot: it runs; or refused)."""
+        with self._lock:
+            if request.removed:  # granted, refused or withdrawn already
+                return False
+            self._policy.remove(request)
+            request.withdrawn = why
+            request.handoff = None  # (and the inputs its job holds)
+        request.event.set()
+        return True
 
     def requeue(self, request: Request, priority: int, deadline: float) -> None:
         """New terms for ``request`` (in trio): it moves in the queue if it waits there,

@@ -38,7 +38,7 @@ import trio
 
 from wasinn.errors import TimeoutError_
 
-from .slots import QueueFullError
+from .slots import QueueFullError, RequestWithdrawn
 
 
 class Outcome(enum.Enum):
@@ -259,8 +259,8 @@ def outcome_of(exc: BaseException) -> Outcome:
         return Outcome.REJECTED
     if isinstance(exc, TimeoutError_):
         return Outcome.TIMED_OUT
-    if isinstance(exc, trio.Cancelled):
-        return Outcome.CANCELLED
+    if isinstance(exc, (trio.Cancelled, RequestWithdrawn)):  # (withdrawn: its context
+        return Outcome.CANCELLED  # closed while it waited, unrun)
     return Outcome.FAILED
 
 

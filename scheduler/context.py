@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from wasinn.actors.slots import QUEUE_OWNER, QueueOwner
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import (
@@ -202,7 +203,7 @@ def tensor_inputs(inputs: object) -> Inputs:
 class ExecutionContext:
     """A lightweight ticket for running one graph (or pipeline) on ``target`` devices."""
 
-    __slots__ = ("_bound", "_closed", "_executable", "_inputs", "_outputs", "target")
+    __slots__ = ("_bound", "_closed", "_executable", "_inputs", "_outputs", "_owner", "target")
 
     def __init__(self, executable: Executable, target: ExecutionTarget) -> None:
         executable.retain()
@@ -212,6 +213,9 @@ class ExecutionContext:
         self._outputs: dict[str, Tensor] | None = None
         self._bound: dict[str, OutputBuffer] | None = None
         self._closed = False
+        # Who notes its requests waiting in device queues, withdrawn by close: made at
+        # its first request (a context never used costs nothing more).
+        self._owner: QueueOwner | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -256,16 +260,20 @@ class ExecutionContext:
         Cancelling the caller drops a queued request, or abandons a running one (its
         result is discarded).
 
-        A context closed (from another task) while its compute is in flight: the compute
-        raises ClosedResourceError when the run ends and its outputs are dropped, neither
-        recorded nor written into bound buffers. As with any resource closed under an
-        operation in progress (trio's streams do the same), the caller learns that its
-        result went nowhere instead of a success whose outputs the context no longer
-        holds.
+        A context closed (from another task) while its compute is in flight, as trio's
+        streams do to an operation in progress: a request still waiting in the device's
+        queue is withdrawn at once, unrun (ClosedResourceError saying so, counted as
+        cancelled in the stats); one already running runs to its end, then raises
+        ClosedResourceError and its outputs are dropped, neither recorded nor written into
+        bound buffers (the caller learns that its result went nowhere instead of a
+        success whose outputs the context no longer holds). A request waiting in a
+        batch that has not started yet (a model loaded with batching) is not withdrawn:
+        it runs with its batch, then is dropped.
         """
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
         bound = self._bound  # as bound now: set_output replaces the dict, never edits it
+        token = QUEUE_OWNER.set(self._queue_owner())
         try:
             outputs = await self._executable.execute(
                 self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
@@ -273,8 +281,17 @@ class ExecutionContext:
             )
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
+        finally:
+            QUEUE_OWNER.reset(token)
         self._record(outputs, bound)
         return outputs
+
+    def _queue_owner(self) -> QueueOwner:
+        # Who withdraws this context's queued requests when it closes (see compute).
+        owner = self._owner
+        if owner is None:
+            owner = self._owner = QueueOwner()
+        return owner
 
     def _record(self, outputs: dict[str, Tensor], bound: dict[str, OutputBuffer] | None
                 ) -> None:
@@ -315,14 +332,17 @@ class ExecutionContext:
         (and, on a busy device, while running); cancelled while queued, the request is
         removed, and while it runs in a worker thread, it is abandoned. ``timeout`` bounds
         the wait and the run: a run still going when it passes is stopped where the
-        backend can (see the module docstring) and raises TimeoutError_. A context closed before
-        :meth:`ContextRun.run` has the slot given back there, unrun (ClosedResourceError).
+        backend can (see the module docstring) and raises TimeoutError_. A context closed
+        while the request is queued withdraws it at once, as :meth:`compute` explains; one
+        closed before :meth:`ContextRun.run` has the slot given back there, unrun
+        (ClosedResourceError either way).
         """
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
         if inputs is None:
             inputs = self._staged()
         bound = self._bound
+        token = QUEUE_OWNER.set(self._queue_owner())
         try:
             lease = await self._executable.lease(
                 self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
@@ -330,6 +350,8 @@ class ExecutionContext:
             )
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
+        finally:
+            QUEUE_OWNER.reset(token)
         return ContextRun(self, lease, bound, timeout)
 
     def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
@@ -487,12 +509,21 @@ class ExecutionContext:
 
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        """Finalize the context; idempotent. The graph's compiled sessions are freed when
-        the graph is unloaded and its last context is closed."""
+        """Finalize the context; idempotent. Synchronous, and may be called from another
+        task than the one computing: its requests still waiting in a device's queue are
+        withdrawn at once, unrun (their callers raise ClosedResourceError saying so; the
+        stats count them cancelled), while a request already running ends its run and is
+        dropped (see :meth:`compute`). The graph's compiled sessions are freed when the
+        graph is unloaded and its last context is closed."""
         if self._closed:
             return
         self._closed = True
         self._inputs = self._outputs = self._bound = None
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.withdraw_all(
+                f"the execution context of {self._executable.name} was closed while its "
+                "request waited in the device's queue: it was withdrawn, unrun")
         self._executable.release()
 
     def __enter__(self) -> ExecutionContext:

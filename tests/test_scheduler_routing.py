@@ -304,7 +304,9 @@ async def test_closing_the_last_context_fails_its_queued_request_saying_so(
             ctx.close()  # the model's last user: its graph is freed
             fake.gate.set()
         (error,) = errors
-        assert "last execution context using it was closed" in str(error)
+        # Withdrawn from the queue as the context closed: it never reaches the freed graph.
+        assert "was closed while its request waited in the device's queue" in str(error)
+        assert [v for _, v in fake.runs] == [0.0, 0.0]  # the first compute and busy's
 
 
 async def test_priority_through_the_api(fake: FakeBackend) -> None:
