@@ -143,29 +143,26 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _fuel(text: str) -> int:
-    # --fuel: a whole number of fuel units, 1 to 2**64 - 1 (wasmtime's fuel is a u64).
+def _whole(text: str, low: int, high: int, expected: str) -> int:
+    # An int from low to high, else an error saying what was expected.
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_FUEL:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a whole number of fuel units from 1 to {MAX_FUEL}, such "
-            "as 1000000000")
+        value = low - 1
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {expected}")
     return value
+
+
+def _fuel(text: str) -> int:
+    # --fuel: a whole number of fuel units, 1 to 2**64 - 1 (wasmtime's fuel is a u64).
+    return _whole(text, 1, MAX_FUEL, f"a whole number of fuel units from 1 to {MAX_FUEL}, "
+                  "such as 1000000000")
 
 
 def _port(text: str) -> int:
     # --metrics-port: a TCP port, 0 for a free one.
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a TCP port from 0 to 65535 (0: a free one), such as 9100")
-    return value
+    return _whole(text, 0, 65535, "a TCP port from 0 to 65535 (0: a free one), such as 9100")
 
 
 def _width(text: str) -> float:

@@ -464,10 +464,8 @@ def _special(target: Path) -> bool:
     # a rename would replace by a regular file (root's /dev/null included).
     try:
         return not stat.S_ISREG(os.stat(target).st_mode)
-    except FileNotFoundError:
+    except OSError:  # (none there; or the write below names the error)
         return False
-    except OSError:
-        return False  # (the write below names the error)
 
 
 def _write_into(path: Path, outputs: Mapping[str, Tensor]) -> None:
