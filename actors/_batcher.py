@@ -8,6 +8,12 @@ members' terms, waits for company if ``max_delay`` asks it to, runs them as one
 keys whose merged outputs could not be split are remembered, and their requests run
 alone. The rules (who may join, when a batch runs, what a member that leaves frees) are
 in :mod:`wasinn.actors.batching`.
+
+A member leaves a batch that has not started when its caller is cancelled, or when its
+:class:`~wasinn.actors.slots.QueueOwner` withdraws it (its execution context closed:
+:meth:`Batcher.withdraw`); either way the batch goes on without its rows, or leaves the
+queue when nobody is left. The batch's own entry in the device's queue belongs to no
+owner: it serves several callers.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from ._batch_job import BatchJob
 from ._batch_rows import BatchInputs, RunInputs
 from .jobs import backend_failure
 from .queue import Request
+from .slots import QUEUE_OWNER, RequestWithdrawn, withdrawal
 from .stats import Account, RequestStats
 
 if TYPE_CHECKING:
@@ -121,25 +128,21 @@ class Batcher:
         if batch.rows >= batching.max_batch:
             self._close(batch)
             batch.full.set()
+        # Noted (withdrawn when its context closes) only here, where it waits: a request
+        # that found a free slot above never pays for it.
+        owner = QUEUE_OWNER.get()
+        entry = (batch, member)
+        if owner is not None:
+            owner.queued(entry, self)  # (withdrawn at once if its context closed already)
         try:
             await member.done.wait()
         except BaseException:
             if member.result is None:  # still waiting: leave the batch
-                member.abandoned = True
-                batch.live -= 1
-                if member.granted == math.inf:  # its batch has not started: its rows free
-                    self.waiting -= 1
-                    batch.rows -= inputs.rows
-                if not batch.live:  # nobody wants it any more
-                    self._close(batch)
-                    batch.scope.cancel()
-                else:
-                    if member.granted == math.inf and batch.full.is_set():
-                        self._reopen(batch)
-                    if batch.left() and batch.request is not None:
-                        # Still queued: it waits on its remaining members' terms.
-                        self._requeue_slot(batch.request, batch.priority, batch.deadline)
+                self._leave(batch, member)
             raise
+        finally:
+            if owner is not None:
+                owner.left(entry)
         result = member.result
         assert result is not None
         try:
@@ -149,10 +152,47 @@ class Batcher:
         except Exception as exc:
             raise backend_failure(self._device, exc) from exc
 
+    def withdraw(self, entry: tuple[Batch, Member], why: str, /) -> bool:
+        """Take a member out of its batch unrun if that batch has not started (in trio; see
+        :class:`~wasinn.actors.slots.WaitingPlace`): its caller raises RequestWithdrawn
+        saying ``why``, and the batch goes on without its rows (or leaves the queue when
+        nobody is left), as when a member's caller is cancelled. False, changing nothing,
+        once the batch has started running (the member runs to its end) or the member
+        has its outcome."""
+        batch, member = entry
+        if member.result is not None or member.granted != math.inf:
+            return False
+        member.result = outcome.Error(RequestWithdrawn(
+            withdrawal(why, "in a batch that had not started")))
+        self._leave(batch, member)
+        member.done.set()
+        return True
+
+    def _leave(self, batch: Batch, member: Member) -> None:
+        # ``member`` no longer wants its result (its caller was cancelled, or it was
+        # withdrawn). Before its batch starts, its rows free room for others, and the
+        # batch requeues on the terms of the members left; a batch everyone left leaves
+        # the queue (or, started, its run is abandoned).
+        member.abandoned = True
+        batch.live -= 1
+        if member.granted == math.inf:  # its batch has not started: its rows free
+            self.waiting -= 1
+            batch.rows -= member.inputs.rows
+        if not batch.live:  # nobody wants it any more
+            self._close(batch)
+            batch.scope.cancel()
+        else:
+            if member.granted == math.inf and batch.full.is_set():
+                self._reopen(batch)
+            if batch.left() and batch.request is not None:
+                # Still queued: it waits on its remaining members' terms.
+                self._requeue_slot(batch.request, batch.priority, batch.deadline)
+
     async def _run_alone(self, inputs: BatchInputs, keep: bool, run: RunInputs,
                          priority: int, deadline: float, tenant: str, label: str
                          ) -> tuple[dict[str, Tensor], float, float, float]:
-        # A plain request: queued on its own terms, run in a job of its own.
+        # A plain request: queued on its own terms (withdrawn as any, by the owner its
+        # caller's task names), run in a job of its own.
         await self._take_slot(Request(priority, deadline, tenant))
         granted = time.perf_counter()
         job = functools.partial(run, inputs.tensors, keep)
@@ -191,6 +231,10 @@ class Batcher:
         # company if asked, run every member as one job, hand each its outcome.
         outcomes: list[outcome.Outcome[dict[str, Tensor]]] | None = None
         failure: BaseException | None = None
+        # Started from its opener's task, it inherited that caller's owner: its entry in
+        # the queue serves every member, so no member's context may withdraw it (each
+        # member is withdrawn on its own, see withdraw).
+        QUEUE_OWNER.set(None)
         try:
             with batch.scope:
                 batch.request = Request(batch.priority, batch.deadline, batch.tenant)

@@ -39,7 +39,9 @@ Correctness never rests on the merge:
   one job for each other where other workers are free.
 * A member cancelled or past its deadline leaves the batch (its part of the result is
   dropped); when every member has left, the batch leaves the queue, or its run is
-  abandoned like any request's.
+  abandoned like any request's. A member whose execution context closes leaves a batch
+  that has not started (queued or gathering) at once, unrun, its caller told so
+  (:class:`~wasinn.actors.slots.RequestWithdrawn`); one whose batch started runs with it.
 * A merged run keeps its outputs on the device when any member asked to
   (``keep_on_device``, the default on a GPU). Each such member gets its rows as a view on
   the device where the backend can cut its value without a copy (torch tensors, OpenVINO

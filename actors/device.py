@@ -388,7 +388,9 @@ class DeviceActor(DeviceRequests):
         ClosedResourceError. A failed compile is not cached: its error reaches every
         caller waiting for it, and a later call tries again. Raises ClosedResourceError
         once the actor is closed (a compile under way is cancelled then, and closed if it
-        lands all the same).
+        lands all the same), and RequestWithdrawn (one) at once when the caller's
+        :class:`~wasinn.actors.slots.QueueOwner` (its execution context) withdraws it
+        while it waits: the compile goes on, as for a caller cancelled.
         """
         try:
             return await self._cache.session(key, compile_graph, backend, wanted=wanted)

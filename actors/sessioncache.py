@@ -23,6 +23,12 @@ last closes it: the compile thread, when the compile lands after its task stoppe
 waiting (a call that ignored its cancellation, possibly after the actor has gone), or the
 task, when the graph had landed and the job then failed or was given up before the task
 took it (see :class:`_Compile`).
+
+A caller waiting for a compile on behalf of an execution context (its
+:class:`~wasinn.actors.slots.QueueOwner`, named by :data:`~wasinn.actors.slots.QUEUE_OWNER`)
+is withdrawn at once when that context closes (:meth:`SessionCache.withdraw`): it stops
+waiting and raises RequestWithdrawn, as a caller that gives up does, and the compile goes
+on for the next caller.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from wasinn.errors import ClosedResourceError, WasiNNError
 
 from .pending import Pending
 from .session import Session
+from .slots import QUEUE_OWNER, QueueOwner, RequestWithdrawn, withdrawal
 
 log = logging.getLogger("wasinn.actors")
 
@@ -113,6 +120,17 @@ class _Compile:
         return landed
 
 
+class _CompileWait:
+    """One caller waiting for a compile on behalf of an execution context: ``scope``
+    (around its wait) is cancelled once the context withdraws it, ``why`` says why."""
+
+    __slots__ = ("scope", "why")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.why: str | None = None
+
+
 class SessionCache:
     """The sessions compiled on ``device``, by key (see the module docstring).
 
@@ -157,7 +175,35 @@ class SessionCache:
                 except ClosedResourceError:
                     del self._compiling[key]
                     raise
-            await compiling.pending.wait()
+            owner = QUEUE_OWNER.get()
+            if owner is None:
+                await compiling.pending.wait()
+            else:
+                await self._wait_owned(compiling.pending, owner)
+
+    async def _wait_owned(self, pending: Pending, owner: QueueOwner) -> None:
+        # ``pending.wait()`` for a request ``owner`` may withdraw meanwhile (see withdraw).
+        wait = _CompileWait()
+        owner.queued(wait, self)  # (withdrawn at once if its context closed already)
+        try:
+            with wait.scope:
+                await pending.wait()
+        finally:
+            owner.left(wait)
+        if wait.why is not None:  # (even if the compile ended as it was withdrawn)
+            raise RequestWithdrawn(wait.why)
+
+    def withdraw(self, wait: _CompileWait, why: str, /) -> bool:
+        """Stop a caller waiting for a compile (in trio; see
+        :class:`~wasinn.actors.slots.WaitingPlace`): it raises RequestWithdrawn saying
+        ``why``; the compile goes on, and is cached for the next caller. False once it
+        was withdrawn already."""
+        if wait.why is not None:
+            return False
+        wait.why = withdrawal(why, "for its graph to compile on the device (the compile "
+                                   "goes on)")
+        wait.scope.cancel()
+        return True
 
     async def _compile_task(self, job: tuple[Hashable, _Compile, str]) -> None:
         # In the actor's nursery: compile, cache, tell the waiting callers.

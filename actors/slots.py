@@ -31,10 +31,13 @@ just after the last slot was freed and wait for ever). Granting a queued request
 A request's owner may withdraw it while it waits (:class:`QueueOwner`: an execution
 context that closes drops the requests it has queued, unrun, instead of letting them run
 for nobody). The owner is named for the request's duration by :data:`QUEUE_OWNER`, a
-context variable read only when a request has to queue: the scheduler and the runner
+context variable read only when a request has to wait: the scheduler and the runner
 between the context and the queue have no business with it, and a request that takes a
 free slot at once pays nothing for it. Withdrawal is decided under the lock, so a request
-is either withdrawn unrun or granted its slot, never both.
+is either withdrawn unrun or granted its slot, never both. The queue is one place a
+request waits (a :class:`WaitingPlace`); the others are a batch that has not started
+(:mod:`wasinn.actors.batching`) and its graph's first compile on the device
+(:mod:`wasinn.actors.sessioncache`), which withdraw it the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import contextlib
 import contextvars
 import math
 import threading
+from typing import Any, Protocol
 
 import trio
 
@@ -56,46 +60,65 @@ class QueueFullError(TooLargeError):
 
 
 class RequestWithdrawn(ClosedResourceError):
-    """A queued request its owner withdrew, unrun (see :class:`QueueOwner`)."""
+    """A waiting request its owner withdrew, unrun (see :class:`QueueOwner`)."""
+
+
+def withdrawal(why: str, where: str) -> str:
+    """What the caller of a request withdrawn while it waited ``where`` is told, its
+    owner having withdrawn it because ``why`` (see :meth:`QueueOwner.withdraw_all`)."""
+    return f"{why} while its request waited {where}: it was withdrawn, unrun"
+
+
+class WaitingPlace(Protocol):
+    """Where a request waits before it runs (a device's queue, a batch that has not
+    started, its graph's compile): it can take one of its waiting requests out, unrun."""
+
+    def withdraw(self, waiting: Any, why: str, /) -> bool:
+        """Take ``waiting`` out unrun if it still waits here (in trio): its caller wakes
+        at once and raises :class:`RequestWithdrawn`, saying ``why`` (see
+        :func:`withdrawal`). False, changing nothing, once it has stopped waiting."""
+        ...
 
 
 class QueueOwner:
-    """Who may withdraw the requests made on its behalf while they wait in a device's
-    queue: an execution context, which withdraws them when it closes. Named as
+    """Who may withdraw the requests made on its behalf while they wait on a device (in
+    its queue, in a batch that has not started, for its graph's first compile): an
+    execution context, which withdraws them when it closes. Named as
     :data:`QUEUE_OWNER` while a request is made; in trio only.
 
-    Only requests that queue are noted (until they leave the queue), so an owner costs
+    Only requests that wait are noted (until they stop waiting), so an owner costs
     nothing while its requests find free slots.
     """
 
     __slots__ = ("_waiting", "why")
 
     def __init__(self) -> None:
-        self._waiting: dict[Request, Slots] = {}
-        #: Once :meth:`withdraw_all` was called: why (a request that queues later is
+        self._waiting: dict[Any, WaitingPlace] = {}
+        #: Once :meth:`withdraw_all` was called: why (a request that waits later is
         #: withdrawn at once).
         self.why: str | None = None
 
-    def queued(self, request: Request, slots: Slots) -> None:
-        """``request`` waits in ``slots``' queue: withdraw it with the others (at once
-        when they were withdrawn already)."""
+    def queued(self, waiting: Any, place: WaitingPlace) -> None:
+        """``waiting`` (a request, as ``place`` knows it) waits in ``place``: withdraw it
+        with the others (at once when they were withdrawn already)."""
         if self.why is not None:
-            slots.withdraw(request, self.why)
+            place.withdraw(waiting, self.why)
         else:
-            self._waiting[request] = slots
+            self._waiting[waiting] = place
 
-    def left(self, request: Request) -> None:
-        """``request`` no longer waits (granted, withdrawn, cancelled, refused)."""
-        self._waiting.pop(request, None)
+    def left(self, waiting: Any) -> None:
+        """``waiting`` no longer waits (granted, withdrawn, cancelled, refused)."""
+        self._waiting.pop(waiting, None)
 
     def withdraw_all(self, why: str) -> None:
-        """Withdraw every request of this owner still queued, and any that queues from now
-        on: their callers raise :class:`RequestWithdrawn` saying ``why``. A request
-        already granted its slot is left to run."""
+        """Withdraw every request of this owner still waiting, and any that waits from
+        now on: their callers raise :class:`RequestWithdrawn` saying ``why`` (what
+        happened: "the execution context of m was closed") and where the request waited
+        (see :func:`withdrawal`). A request already granted its slot is left to run."""
         self.why = why
         waiting, self._waiting = self._waiting, {}
-        for request, slots in waiting.items():
-            slots.withdraw(request, why)
+        for request, place in waiting.items():
+            place.withdraw(request, why)
 
 
 #: The owner of the request the current task is making (None: nobody may withdraw it):
@@ -146,10 +169,10 @@ class Slots:
         then the job's, which frees it when it is over.
         Raises ClosedResourceError when closed (before or while queued), TooLargeError when
         the queue is full, RequestWithdrawn (a ClosedResourceError) when the request's
-        :class:`QueueOwner` withdraws it while it waits (only a request made here, not a
-        given ``request``: a batch's serves several callers). Cancelled while queued, the
-        request leaves the queue (a slot granted at that very moment is handed on; a job
-        started by then is abandoned).
+        :class:`QueueOwner` (the task's :data:`QUEUE_OWNER`) withdraws it while it waits
+        (a batch's task names none: its entry serves several callers). Cancelled while
+        queued, the request leaves the queue (a slot granted at that very moment is handed
+        on; a job started by then is abandoned).
         """
         if self._closed:
             raise ClosedResourceError(f"{self.name}: the device actor is closed")
@@ -161,7 +184,7 @@ class Slots:
                 return False
             if request is None:
                 request = Request(priority, deadline, tenant)
-                owner = QUEUE_OWNER.get()
+            owner = QUEUE_OWNER.get()
             displaced = None
             if len(self._policy) >= self.queue_limit:
                 displaced = self._policy.displace(request.tenant)
@@ -210,15 +233,16 @@ class Slots:
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
 
-    def withdraw(self, request: Request, why: str) -> bool:
+    def withdraw(self, request: Request, why: str, /) -> bool:
         """Take ``request`` out of the queue unrun if it still waits there (in trio): its
-        waiter wakes at once and raises RequestWithdrawn saying ``why``. False, changing
-        nothing, once it has left the queue (granted a slot: it runs; or refused)."""
+        waiter wakes at once and raises RequestWithdrawn saying ``why`` (see
+        :func:`withdrawal`). False, changing nothing, once it has left the queue (granted
+        a slot: it runs; or refused)."""
         with self._lock:
             if request.removed:  # granted, refused or withdrawn already
                 return False
             self._policy.remove(request)
-            request.withdrawn = why
+            request.withdrawn = withdrawal(why, "in the device's queue")
             request.handoff = None  # (and the inputs its job holds)
         request.event.set()
         return True

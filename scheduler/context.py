@@ -261,14 +261,14 @@ class ExecutionContext:
         result is discarded).
 
         A context closed (from another task) while its compute is in flight, as trio's
-        streams do to an operation in progress: a request still waiting in the device's
-        queue is withdrawn at once, unrun (ClosedResourceError saying so, counted as
-        cancelled in the stats); one already running runs to its end, then raises
-        ClosedResourceError and its outputs are dropped, neither recorded nor written into
-        bound buffers (the caller learns that its result went nowhere instead of a
-        success whose outputs the context no longer holds). A request waiting in a
-        batch that has not started yet (a model loaded with batching) is not withdrawn:
-        it runs with its batch, then is dropped.
+        streams do to an operation in progress: a request still waiting on the device (in
+        its queue, in a batch that has not started, or for its graph's first compile
+        there, which goes on) is withdrawn at once, unrun (ClosedResourceError saying so,
+        counted as cancelled in the stats); one already running (in a batch that started,
+        too) runs to its end, then raises ClosedResourceError and its outputs are
+        dropped, neither recorded nor written into bound buffers (the caller learns that
+        its result went nowhere instead of a success whose outputs the context no longer
+        holds).
         """
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
@@ -510,9 +510,10 @@ class ExecutionContext:
     # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
         """Finalize the context; idempotent. Synchronous, and may be called from another
-        task than the one computing: its requests still waiting in a device's queue are
-        withdrawn at once, unrun (their callers raise ClosedResourceError saying so; the
-        stats count them cancelled), while a request already running ends its run and is
+        task than the one computing: its requests still waiting on a device (in its
+        queue, in a batch that has not started, for their graph's compile) are withdrawn
+        at once, unrun (their callers raise ClosedResourceError saying so; the stats
+        count them cancelled), while a request already running ends its run and is
         dropped (see :meth:`compute`). The graph's compiled sessions are freed when the
         graph is unloaded and its last context is closed."""
         if self._closed:
@@ -521,9 +522,8 @@ class ExecutionContext:
         self._inputs = self._outputs = self._bound = None
         owner, self._owner = self._owner, None
         if owner is not None:
-            owner.withdraw_all(
-                f"the execution context of {self._executable.name} was closed while its "
-                "request waited in the device's queue: it was withdrawn, unrun")
+            # (Each request's error adds where it waited: the queue, a batch, a compile.)
+            owner.withdraw_all(f"the execution context of {self._executable.name} was closed")
         self._executable.release()
 
     def __enter__(self) -> ExecutionContext:

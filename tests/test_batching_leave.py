@@ -2,11 +2,14 @@
 graph: the rows of a member that left no longer count against ``max_batch``, so a later
 request that fits beside the members still there joins them (one run, not two), a
 gathering batch is not cut short as "full", and a queued batch closed for being full
-reopens, still only to requests of its tenant whose terms it would not worsen."""
+reopens, still only to requests of its tenant whose terms it would not worsen. A member
+leaves too when its execution context closes: at once, unrun, while its batch has not
+started (queued or gathering); a member of a batch already running runs to its end."""
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,11 +22,13 @@ from tests.test_batching import (
     cancellable,
     compute_into,
     device_busy,
+    first_row_onnx,
     only_actor,
     rows,
     run_sizes,
 )
-from wasinn import Batching
+from tests.test_context_close import dropped, withdrawn
+from wasinn import Batching, ClosedResourceError
 from wasinn.modelgen import affine_onnx
 
 
@@ -128,3 +133,158 @@ async def test_a_queued_batch_closed_as_full_reopens_when_a_member_leaves() -> N
         stats = graph.stats()
         assert (stats.completed, stats.cancelled, stats.batches, stats.batched) == (6, 1, 1, 3)
         assert actor.stats().queued == 0
+
+
+# -- members whose execution context closes -----------------------------------------------
+def withdrawn_from_batch(name: str) -> str:
+    return (f"the execution context of {name} was closed while its request waited in a "
+            "batch that had not started: it was withdrawn, unrun")
+
+
+async def context_compute(ctx: wasinn.ExecutionContext, x: np.ndarray[Any, Any],
+                          results: dict[str, Any], key: str) -> None:
+    """``ctx.compute`` on ``x``: its output, or its ClosedResourceError's message."""
+    try:
+        results[key] = (await ctx.compute({"x": x}))["y"].numpy()
+    except ClosedResourceError as exc:
+        results[key] = exc.message
+
+
+async def test_a_closed_contexts_member_leaves_its_queued_batch_at_once() -> None:
+    # Behind a busy device, A (1 row: it opened the batch), B (2) and C (1) wait in one
+    # batch, and A's context closes. A is told at once, unrun; the batch runs B and C
+    # (3 rows), its queue entry (opened by A's task) left alone. Before: A ran with the
+    # batch (4 rows) and was told only then that its outputs were dropped.
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+        sizes = run_sizes(rt, graph)
+        actor = only_actor(rt)
+        contexts = {name: graph.init_execution_context() for name in "ABC"}
+        results: dict[str, Any] = {}
+        async with device_busy(actor) as nursery:
+            for name, value, count in (("A", 1, 1), ("B", 2, 2), ("C", 3, 1)):
+                nursery.start_soon(context_compute, contexts[name], rows(value, count),
+                                   results, name)
+                await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().queued == 3
+            contexts["A"].close()
+            await trio.testing.wait_all_tasks_blocked()
+            # Told at once, while the run the batch waits behind still holds the device.
+            assert results == {"A": withdrawn_from_batch(graph.name)}
+            assert actor.stats().queued == 2
+        assert sizes == [3]
+        np.testing.assert_allclose(results["B"], expected(2, 2))
+        np.testing.assert_allclose(results["C"], expected(3, 1))
+        stats = graph.stats()
+        assert (stats.completed, stats.cancelled, stats.batches, stats.batched) == (2, 1, 1, 2)
+
+
+async def test_a_batch_whose_only_member_is_withdrawn_leaves_the_queue_at_once() -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+        sizes = run_sizes(rt, graph)
+        actor = only_actor(rt)
+        ctx = graph.init_execution_context()
+        results: dict[str, Any] = {}
+        async with device_busy(actor) as nursery:
+            nursery.start_soon(context_compute, ctx, rows(1), results, "only")
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().queued == 1
+            ctx.close()
+            await trio.testing.wait_all_tasks_blocked()
+            assert results == {"only": withdrawn_from_batch(graph.name)}
+            # Nothing waits in the queue any more: the batch's entry left it too.
+            assert (actor.stats().queued, actor.load, actor.stats().running) == (0, 1, 1)
+        assert sizes == []  # never ran
+        np.testing.assert_allclose((await graph.compute({"x": rows(5)}))["y"].numpy(),
+                                   expected(5, 1))
+        stats = graph.stats()
+        assert (stats.completed, stats.cancelled, stats.batches) == (1, 1, 0)
+        assert actor.stats().running == 0
+
+
+async def test_a_closed_contexts_member_leaves_a_gathering_batch_at_once(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # B opens a batch that holds the slot and waits for company (max_delay); A joins, and
+    # its context closes: A is told at once, and B runs alone at max_delay.
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx",
+                              batching=Batching(max_batch=8, max_delay=5))
+        sizes = run_sizes(rt, graph)
+        ctx = graph.init_execution_context()
+        results: dict[str, Any] = {}
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute_into, graph, {"x": rows(1, 1)}, results, "B")
+            await trio.testing.wait_all_tasks_blocked()  # B's batch holds the slot, waiting
+            nursery.start_soon(context_compute, ctx, rows(2, 3), results, "A")
+            await trio.testing.wait_all_tasks_blocked()
+            assert only_actor(rt).stats().queued == 2
+            ctx.close()
+            await trio.testing.wait_all_tasks_blocked()
+            assert results == {"A": withdrawn_from_batch(graph.name)}
+            assert trio.current_time() == start  # at once, not at the run
+        assert sizes == [1]
+        assert trio.current_time() - start == 5  # (trio's mock clock) at max_delay
+        np.testing.assert_allclose(results["B"], expected(1, 1))
+        stats = graph.stats()
+        assert (stats.completed, stats.cancelled, stats.batches) == (1, 1, 0)
+
+
+async def test_a_member_of_a_batch_that_started_runs_to_its_end_and_is_dropped() -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8))
+        sizes = run_sizes(rt, graph)
+        session = only_actor(rt).cached_session(graph._executable.id)  # type: ignore[attr-defined]
+        assert session is not None
+        compiled, counted_run = session.compiled, session.compiled.run
+        running, go_on = threading.Event(), threading.Event()
+
+        def held_run(inputs: Any, **kwargs: Any) -> dict[str, wasinn.Tensor]:
+            running.set()
+            if not go_on.wait(30):
+                raise RuntimeError("never let go on")
+            return counted_run(inputs, **kwargs)
+
+        compiled.run = held_run  # type: ignore[method-assign]
+        ctx = graph.init_execution_context()
+        results: dict[str, Any] = {}
+        try:
+            async with trio.open_nursery() as nursery:
+                async with device_busy(only_actor(rt)):
+                    nursery.start_soon(compute_into, graph, {"x": rows(1)}, results, "B")
+                    nursery.start_soon(context_compute, ctx, rows(2), results, "C")
+                    await trio.testing.wait_all_tasks_blocked()
+                await trio.to_thread.run_sync(running.wait, 30)  # the merged run started
+                ctx.close()
+                await trio.testing.wait_all_tasks_blocked()
+                assert results == {}  # not withdrawn: its run goes on
+                go_on.set()
+        finally:
+            go_on.set()
+        assert sizes == [2]  # one merged run, C's row in it
+        np.testing.assert_allclose(results["B"], expected(1, 1))
+        assert results["C"] == dropped(graph.name)
+
+
+async def test_a_request_of_a_model_that_runs_alone_is_withdrawn_at_once() -> None:
+    # A model whose merged outputs cannot be split runs its requests alone, each queued
+    # on its own terms: a closed context's is withdrawn from the queue as any request is.
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([first_row_onnx()], "onnx", batching=Batching(max_batch=8))
+        actor = only_actor(rt)
+        results: dict[str, Any] = {}
+        async with device_busy(actor) as nursery:  # a merged run: found unsplittable
+            for i in range(2):
+                nursery.start_soon(compute_into, graph, {"x": rows(i, 2)}, results, f"r{i}")
+        ctx = graph.init_execution_context()
+        async with device_busy(actor) as nursery:
+            nursery.start_soon(context_compute, ctx, rows(3, 2), results, "alone")
+            await trio.testing.wait_all_tasks_blocked()
+            assert actor.stats().queued == 1
+            ctx.close()
+            await trio.testing.wait_all_tasks_blocked()
+            assert results["alone"] == withdrawn(graph.name)
+            assert actor.stats().queued == 0
+        stats = graph.stats()
+        assert (stats.completed, stats.cancelled) == (2, 1)

@@ -1,11 +1,13 @@
 """Closing an execution context while its requests are in flight: those still waiting in
-the device's queue are withdrawn at once, unrun, and their callers told so; one already
-running ends its run and is dropped. Routing and timing come from a fake backend whose
-gated runs hold the device's only slot (tests.fake_backend); the user's case runs a real
-ONNX Runtime graph queued behind a busy device."""
+the device's queue, or for their graph's first compile there, are withdrawn at once,
+unrun, and their callers told so; one already running ends its run and is dropped.
+Routing and timing come from a fake backend whose gated runs hold the device's only slot
+(tests.fake_backend); the user's cases run a real ONNX Runtime graph queued behind a busy
+device, or whose compile is held. (Members of batches: tests.test_batching_leave.)"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from wasinn.actors.slots import QUEUE_OWNER, QueueOwner, RequestWithdrawn, Slots
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.modelgen import affine_onnx
+from wasinn.scheduler import _sessions
 
 GATED = [b"fake:add=1:gate"]  # each run waits for fake.gate
 
@@ -32,6 +35,11 @@ GATED = [b"fake:add=1:gate"]  # each run waits for fake.gate
 def withdrawn(name: str) -> str:
     return (f"the execution context of {name} was closed while its request waited in the "
             "device's queue: it was withdrawn, unrun")
+
+
+def withdrawn_from_compile(name: str) -> str:
+    return (f"the execution context of {name} was closed while its request waited for its "
+            "graph to compile on the device (the compile goes on): it was withdrawn, unrun")
 
 
 def dropped(name: str) -> str:
@@ -275,6 +283,10 @@ async def test_a_compute_queued_behind_a_busy_device_on_onnxruntime() -> None:
 
 
 # -- the queue's side ------------------------------------------------------------------------
+def queue_withdrawal(why: str) -> str:
+    return f"{why} while its request waited in the device's queue: it was withdrawn, unrun"
+
+
 async def queued(slots: Slots, owner: QueueOwner, outcome: list[BaseException | None]
                  ) -> None:
     """Take a slot as a request of ``owner``; note how it ended (None: granted)."""
@@ -302,7 +314,7 @@ async def test_withdrawal_takes_only_requests_still_queued() -> None:
         assert slots.queued == 2
         second.withdraw_all("second closed")
         await trio.testing.wait_all_tasks_blocked()
-        assert [str(e) for e in ends["second"]] == ["second closed"]
+        assert [str(e) for e in ends["second"]] == [queue_withdrawal("second closed")]
         assert (slots.queued, slots.running) == (1, 1)
         slots.free()  # granted to the first: withdrawing it now changes nothing
         first.withdraw_all("first closed")
@@ -312,7 +324,8 @@ async def test_withdrawal_takes_only_requests_still_queued() -> None:
     late: list[BaseException | None] = []
     with trio.fail_after(10):
         await queued(slots, second, late)
-    assert [str(e) for e in late] == ["second closed"] and slots.queued == 0
+    assert [str(e) for e in late] == [queue_withdrawal("second closed")]
+    assert slots.queued == 0
     # Nor does a request that never queued (a free slot) concern its owner.
     slots.free()
     token = QUEUE_OWNER.set(first)
@@ -323,23 +336,76 @@ async def test_withdrawal_takes_only_requests_still_queued() -> None:
     assert slots.running == 1
 
 
-async def test_a_batchs_queue_entry_belongs_to_no_owner() -> None:
-    # A batch's request (given to take) serves several callers: the owner of the task
-    # that takes it cannot withdraw it.
+async def test_a_given_request_is_withdrawn_by_the_owner_its_task_names() -> None:
+    # A request given to take (a batched model's that runs alone) is its caller's own:
+    # withdrawn as one made there. (A batch's task names no owner: see
+    # tests.test_batching_leave.)
     slots = Slots("dev", 1, 8, PriorityDeadlinePolicy())
     slots.open()
     await slots.take()
     owner = QueueOwner()
-    batch = Request()
+    request = Request()
 
-    async def take_for_a_batch() -> None:
+    async def take_as_given() -> None:
         QUEUE_OWNER.set(owner)
-        await slots.take(request=batch)
+        with pytest.raises(RequestWithdrawn) as raised:
+            await slots.take(request=request)
+        assert str(raised.value) == queue_withdrawal("closed")
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(take_for_a_batch)
+        nursery.start_soon(take_as_given)
         await trio.testing.wait_all_tasks_blocked()
         owner.withdraw_all("closed")
-        assert slots.queued == 1 and batch.withdrawn is None
-        slots.free()
-    assert batch.granted and slots.running == 1
+        assert slots.queued == 0 and request.withdrawn is not None
+    assert slots.running == 1
+
+
+# -- the compile's side -----------------------------------------------------------------------
+async def test_a_request_waiting_for_its_graphs_compile_is_withdrawn_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The graph's compile on the device is held; a context's request waits for it with
+    # the queue free, and the context closes. Before: the request went on waiting, then
+    # ran on the free slot for nobody once the compile ended.
+    require_backend("onnxruntime")
+    loading, go_on = threading.Event(), threading.Event()
+    load_here = _sessions._load_here
+
+    def held_load(*args: Any) -> Any:
+        loading.set()
+        if not go_on.wait(30):
+            raise RuntimeError("the compile was never let go on")
+        return load_here(*args)
+
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx")
+        (actor,) = rt.actors
+        key = graph._executable.id  # type: ignore[attr-defined]
+        monkeypatch.setattr(_sessions, "_load_here", held_load)
+        actor.evict(key)  # the next request compiles it again, held
+        compiles = actor.stats().compiles
+        ctx = graph.init_execution_context()
+        outcomes = Outcomes()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(outcomes.of, "victim",
+                                   lambda: ctx.compute({"x": np.ones((1, 4), np.float32)}))
+                await trio.to_thread.run_sync(loading.wait, 30)
+                await trio.testing.wait_all_tasks_blocked()
+                assert (actor.load, actor.stats().running) == (1, 0)  # placed, waiting
+                ctx.close()
+                await trio.testing.wait_all_tasks_blocked()
+                # Told at once, while the compile still runs.
+                assert outcomes == {"victim": withdrawn_from_compile(graph.name)}
+                assert actor.load == 0 and not actor.cached(key)
+                go_on.set()
+        finally:
+            go_on.set()
+        # The compile went on and is kept: the next request runs on it.
+        with trio.fail_after(30):
+            while not actor.cached(key):
+                await trio.sleep(0.01)
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_allclose(out["y"].numpy(), np.full((1, 4), 3.0))
+        assert actor.stats().compiles == compiles + 1  # compiled once
+        for stats in (actor.stats(), graph.stats()):
+            assert (stats.completed, stats.cancelled, stats.failed) == (1, 1, 0), stats
