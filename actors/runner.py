@@ -94,50 +94,57 @@ class RequestRunner:
                       *args: Any) -> T:
         """``request(*args)``, counted (device and ``account``) by how it ended, with its
         latency; ``request`` returns its result, when (perf_counter) it was granted its
-        slot and when its worker thread passed that slot on (inf: trio freed it, as it
-        took the result), and its share of the run's device time (1, but for a merged
-        batch's member). The latency and the time queued run from ``reached``
-        (perf_counter): when the request reached the device, before it waited there for
-        its graph's compile; None: now.
+        slot and when its run ended (stamped by its worker thread; inf: not known, taken
+        to be now), and its share of the run's device time (1, but for a merged batch's
+        member). The latency and the time queued run from ``reached`` (perf_counter):
+        when the request reached the device, before it waited there for its graph's
+        compile; None: now.
 
-        Its time running is the time it held its slot, from the grant to the release.
-        Under load a worker thread grants the slot to the next request as a run ends and
-        starts that request's run at once (see :mod:`wasinn.actors.workers`), before
-        trio learns of either: both moments come from the thread's stamps, not from when
-        trio got round to them, and the wait for trio to take the result after the slot
-        went on counts as queued (the device is saturated), not as running. So each
-        request's running time is its own run's, and no run is counted for two
-        requests (in the device time its model and its tenant are charged)."""
+        The latency is split in three phases that add up to it: queued, until the grant;
+        running, from the grant to the run's end; delivering, from the run's end to now,
+        as this task takes the result: the wait for the event loop (busy with other
+        tasks, or held by a run that keeps the GIL) to get round to it, which an
+        inline run's yield to the other tasks is too. Under load a worker thread grants
+        the slot to the next request as a run ends and starts that request's run at
+        once (see :mod:`wasinn.actors.workers`), before trio learns of either: the run's
+        end and the next grant come from the thread's stamp, not from when trio got
+        round to them. So a busy loop's late pick-up counts as delivering, neither as
+        queued (a saturated device) nor as running (a slow model); each request's
+        running time is its own run's, and no run is counted for two requests (in the
+        device time its model and its tenant are charged)."""
         # (Arguments, not a partial: this is on every request's path.)
         start = time.perf_counter() if reached is None else reached
         try:
-            result, granted, released, share = await request(*args)
+            result, granted, ended, share = await request(*args)
         except BaseException as exc:
             self.record(account, outcome_of(exc), time.perf_counter() - start)
             raise
         end = time.perf_counter()
-        seconds = end - start
-        running = (released if released < end else end) - granted
-        self.record(account, Outcome.COMPLETED, seconds, queued=seconds - running,
+        self.record(account, Outcome.COMPLETED, end - start, queued=granted - start,
+                    delivering=end - ended if ended < end else 0.0,  # (inf: not known)
                     share=share)
         return result
 
     def record(self, account: Account | None, outcome: Outcome, seconds: float, *,
-               queued: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
+               queued: float = 0.0, delivering: float = 0.0, leased: bool = False,
+               share: float = 1.0) -> None:
         """Count one request in the device's stats, and in ``account`` when given (from
-        any thread); ``share``: the part of its running time that was its own device time
-        (a merged batch's member's rows' share)."""
-        self._stats.record(outcome, seconds, queued=queued, leased=leased, share=share)
+        any thread); ``queued`` and ``delivering``: the phases of its ``seconds`` before
+        and after its run (see :meth:`counted`); ``share``: the part of its running time
+        that was its own device time (a merged batch's member's rows' share)."""
+        self._stats.record(outcome, seconds, queued=queued, delivering=delivering,
+                           leased=leased, share=share)
         if account is not None:
-            account.record(outcome, seconds, queued=queued, leased=leased, share=share)
+            account.record(outcome, seconds, queued=queued, delivering=delivering,
+                           leased=leased, share=share)
 
     # -- one request --------------------------------------------------------------------------
     async def request(self, job: Callable[[], T], priority: int, deadline: float,
                       tenant: str, profile: RunProfile | None, nbytes: int | None,
                       label: str) -> tuple[T, float, float, float]:
-        """The job's result, when (perf_counter) it was granted a slot and when its slot
-        was passed on (see :meth:`counted`), and its share of the run (1: its own): run
-        inline or in a worker thread, within ``deadline``."""
+        """The job's result, when (perf_counter) it was granted a slot and when its run
+        ended (see :meth:`counted`), and its share of the run (1: its own): run inline or
+        in a worker thread, within ``deadline``."""
         if profile is not None and self.inline_below and nbytes is not None:
             # A run's time can depend on its input values (an ONNX Loop's trip count),
             # not only on their size: a request that must end by a deadline always goes
@@ -147,8 +154,8 @@ class RequestRunner:
                     and trio.current_effective_deadline() == math.inf
                     and await self._take_idle_slot()):
                 granted = time.perf_counter()
-                return (await self._run_inline(job, profile, nbytes, tenant), granted,
-                        math.inf, 1.0)
+                result, ended = await self._run_inline(job, profile, nbytes, tenant)
+                return result, granted, ended, 1.0
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:  # (the common case, without _within's frame)
             return await self._execute(job, priority, deadline, tenant, label)
@@ -173,17 +180,17 @@ class RequestRunner:
         # then) was granted the slot when the thread started it, maybe runs ago.
         granted = work.started if work.worker is not None else time.perf_counter()
         result = await self._run_job(work)
-        return result, granted, work.released, 1.0
+        return result, granted, work.ended, 1.0
 
     async def run_in_slot(self, job: Callable[[], T], label: str, tenant: str
                           ) -> tuple[T, float]:
         """``job`` in a worker thread, on a slot already held, which is passed on or
         freed when the worker thread has finished the job (abandoned or not); its run
-        is ``tenant``'s device time. Its result, and when (perf_counter) the thread
-        passed the slot on (inf: trio freed it)."""
+        is ``tenant``'s device time. Its result, and when (perf_counter) the thread ended
+        the run (see :meth:`counted`)."""
         work = self._slot_job(job, label, tenant)
         result: T = await self._run_job(work)
-        return result, work.released
+        return result, work.ended
 
     def _slot_job(self, job: Callable[[], Any], label: str, tenant: str) -> Job:
         # ``job`` for the worker threads, holding one of the device's slots, which its
@@ -242,9 +249,10 @@ class RequestRunner:
         return not self._closed and self._slots.try_take_idle()
 
     async def _run_inline(self, job: Callable[[], T], profile: RunProfile, nbytes: int,
-                          tenant: str) -> T:
+                          tenant: str) -> tuple[T, float]:
         # On the trio thread, holding an idle slot: run, time it, free the slot, then
         # yield to the other tasks so that a stream of tiny requests cannot starve them.
+        # The result, and when (perf_counter) the run ended: the yield is its delivery.
         work = in_context(job, self.wrap)
         start = time.perf_counter()
         try:
@@ -254,13 +262,14 @@ class RequestRunner:
         except Exception as exc:
             raise backend_failure(self.device, exc) from exc
         finally:
-            seconds = time.perf_counter() - start
+            ended = time.perf_counter()
+            seconds = ended - start
             if self._charges:  # before the slot goes to a request queued meanwhile
                 self._slots.charge(tenant, seconds)
             self._slots.free()
         profile.observe(seconds, nbytes, self.inline_below)
         await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
+        return result, ended
 
     # -- batched requests ---------------------------------------------------------------------
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
@@ -277,9 +286,9 @@ class RequestRunner:
                 and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
-            result, released = await self._within(deadline, self.run_in_slot, job, label,
-                                                  tenant)
-            return result, granted, released, 1.0
+            result, ended = await self._within(deadline, self.run_in_slot, job, label,
+                                               tenant)
+            return result, granted, ended, 1.0
         if self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
         return await self._within(

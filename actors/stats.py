@@ -5,14 +5,14 @@ Every request an actor admits ends in exactly one :class:`Outcome`, counted by
 or a lease holder's own thread). Latency is end to end as the caller sees it: from the
 request reaching the device (before it waits for its graph's compile there, or any
 queueing) to its result, for completed requests, over a window of the most recent ones.
-It is split, as an inference server's metrics are, into the time running (while it held
-a worker slot: from the grant to the result, the hand-off to a worker thread and back
-included, or, under load, to the moment its worker thread passed the slot straight on to
-the next request; see :meth:`RequestRunner.counted
-<wasinn.actors.runner.RequestRunner.counted>`) and the time queued (the rest: until a
-worker slot was granted, that compile included, and under load the wait for the event
-loop to take a result whose slot had gone on), so that a saturated device (queue time
-grows) can be told from a slow model (run time grows).
+It is split, as an inference server's metrics are, into three phases that add up to it
+(see :meth:`RequestRunner.counted <wasinn.actors.runner.RequestRunner.counted>`): the
+time queued (until a worker slot was granted, that compile included), the time running
+(from the grant to the run's end in its worker thread, the hand-off to that thread
+included) and the time delivering (from the run's end to its caller's task taking the
+result: the wait for a busy event loop; none for a run in the caller's own thread), so
+that a saturated device (queue time grows) can be told from a slow model (run time
+grows) and from an overloaded event loop (delivery time grows).
 :meth:`DeviceActor.stats` reads it all, with the actor's current queue and slots, as one
 :class:`DeviceStats` snapshot. Each completed request's running time is also summed
 (``running_seconds``): the device time it took.
@@ -69,15 +69,17 @@ class RequestFigures:
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
-    #: of those latencies, seconds not running: waiting for the graph's compile on the
-    #: device, then for a worker slot (and, under load, for the event loop to take the
-    #: result once the slot had gone on)
+    #: of those latencies, seconds queued: waiting for the graph's compile on the
+    #: device, then for a worker slot
     queued_p50: float | None
     queued_p99: float | None
-    #: and seconds running: holding a worker slot (from its grant to the result, or to
-    #: the slot passed on by the worker thread as the run ended)
+    #: seconds running: from the grant of a worker slot to the run's end in its thread
     running_p50: float | None
     running_p99: float | None
+    #: and seconds delivering: from the run's end in its thread to the caller's task
+    #: taking the result (waiting for a busy event loop; 0 in the caller's own thread)
+    delivering_p50: float | None
+    delivering_p99: float | None
     batches: int  #: merged runs (dynamic batching): two requests or more run as one
     batched: int  #: requests answered by those merged runs
     #: Seconds running, summed over every completed request (not only the window's): the
@@ -95,7 +97,8 @@ class RequestFigures:
         if self.latency_window:
             latency = (f", latency {_ms(self.latency_p50, self.latency_p99)}: queued "
                        f"{_ms(self.queued_p50, self.queued_p99)}, running "
-                       f"{_ms(self.running_p50, self.running_p99)} (last "
+                       f"{_ms(self.running_p50, self.running_p99)}, delivering "
+                       f"{_ms(self.delivering_p50, self.delivering_p99)} (last "
                        f"{self.latency_window})")
         batches = ""
         if self.batches:
@@ -172,12 +175,26 @@ def _ms(p50: float | None, p99: float | None) -> str:
     return f"p50 {(p50 or 0.0) * 1e3:.2f} ms p99 {(p99 or 0.0) * 1e3:.2f} ms"
 
 
+#: The RequestFigures fields' stem of each of Latencies' lists, in order.
+_STEMS = ("latency", "queued", "running", "delivering")
+
+
 class Latencies(NamedTuple):
     """The completed requests of a window, each list sorted (seconds)."""
 
     total: list[float]  #: end to end
-    queued: list[float]  #: not running: waiting for the graph's compile, for a worker slot
-    running: list[float]  #: holding a worker slot
+    queued: list[float]  #: waiting for the graph's compile, then for a worker slot
+    running: list[float]  #: from the slot's grant to the run's end in its thread
+    delivering: list[float]  #: from the run's end to the caller's task taking the result
+
+    def figures(self) -> dict[str, Any]:
+        """The :class:`RequestFigures` latency fields: the window's size and each
+        phase's p50 and p99."""
+        figures: dict[str, Any] = {"latency_window": len(self.total)}
+        for stem, ordered in zip(_STEMS, self, strict=True):
+            figures[f"{stem}_p50"] = percentile(ordered, 0.5)
+            figures[f"{stem}_p99"] = percentile(ordered, 0.99)
+        return figures
 
 
 class Account(Protocol):
@@ -186,7 +203,7 @@ class Account(Protocol):
     (:class:`wasinn.scheduler.tenants.TenantAccount`)."""
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False, share: float = 1.0) -> None:
+               delivering: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
         """One request ended (see :meth:`RequestStats.record`)."""
 
     def record_batch(self, requests: int) -> None:
@@ -205,22 +222,24 @@ class RequestStats:
         self._batches = 0
         self._batched = 0
         self._running = 0.0
-        self._latencies: deque[tuple[float, float]] = deque(maxlen=window)
+        #: (total, queued, delivering) seconds of the latest completed requests
+        self._latencies: deque[tuple[float, float, float]] = deque(maxlen=window)
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False, share: float = 1.0) -> None:
+               delivering: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
         """One request ended with ``outcome``, ``seconds`` after it reached the actor, of
-        which it spent ``queued`` not running (waiting for a worker slot, see the module
-        docstring); ``share`` of the rest, its time running, was its own device time
-        (less than all of it for a merged batch's member, whose run was shared: its
-        rows' share), summed in ``running_seconds``."""
+        which it spent ``queued`` waiting (for its graph's compile, for a worker slot)
+        and ``delivering`` after its run (its result on the way to its caller; see the
+        module docstring); the rest is its time running, of which ``share`` was its own
+        device time (less than all of it for a merged batch's member, whose run was
+        shared: its rows' share), summed in ``running_seconds``."""
         with self._lock:
             self._counts[outcome] += 1
             if leased:
                 self._leased += 1
             if outcome is Outcome.COMPLETED:
-                self._latencies.append((seconds, queued))
-                self._running += (seconds - queued) * share
+                self._latencies.append((seconds, queued, delivering))
+                self._running += (seconds - queued - delivering) * share
 
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests (each also ``record``-ed)."""
@@ -230,7 +249,7 @@ class RequestStats:
 
     def figures(self) -> dict[str, Any]:
         """The :class:`RequestFigures` fields, as keyword arguments for it or a subclass."""
-        counts, leased, (total, queued, running) = self.snapshot()
+        counts, leased, latencies = self.snapshot()
         with self._lock:
             batches, batched, running_seconds = self._batches, self._batched, self._running
         return {
@@ -238,19 +257,17 @@ class RequestStats:
             "completed": counts[Outcome.COMPLETED], "failed": counts[Outcome.FAILED],
             "timed_out": counts[Outcome.TIMED_OUT], "cancelled": counts[Outcome.CANCELLED],
             "rejected": counts[Outcome.REJECTED], "in_caller_thread": leased,
-            "latency_p50": percentile(total, 0.5), "latency_p99": percentile(total, 0.99),
-            "latency_window": len(total),
-            "queued_p50": percentile(queued, 0.5), "queued_p99": percentile(queued, 0.99),
-            "running_p50": percentile(running, 0.5), "running_p99": percentile(running, 0.99),
+            **latencies.figures(),
         }
 
     def snapshot(self) -> tuple[dict[Outcome, int], int, Latencies]:
         """(counts per outcome, lease runs, the window's latencies)."""
         with self._lock:
             counts, leased, window = dict(self._counts), self._leased, list(self._latencies)
-        return counts, leased, Latencies(sorted(total for total, _ in window),
-                                         sorted(queued for _, queued in window),
-                                         sorted(total - queued for total, queued in window))
+        return counts, leased, Latencies(
+            sorted(total for total, _, _ in window), sorted(queued for _, queued, _ in window),
+            sorted(total - queued - delivering for total, queued, delivering in window),
+            sorted(delivering for _, _, delivering in window))
 
 
 def outcome_of(exc: BaseException) -> Outcome:

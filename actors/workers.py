@@ -20,10 +20,12 @@ caller of the ended job (or the task that reaps it) tells the next request that 
 granted, and that request's caller waits on the same socket for its own byte. Each
 finished job's byte is read once, in order, so one socket serves a thread's whole chain.
 Trio may take that byte only after the next run has ended (a busy event loop, a run that
-holds the GIL), so the thread stamps the moment the slot changed hands (perf_counter) on
-both jobs before it writes it: the ended job's ``released``, the next job's ``started``,
-from which the requests' time queued and running are reckoned (see
-:meth:`RequestRunner.counted <wasinn.actors.runner.RequestRunner.counted>`).
+holds the GIL), so the thread stamps the moment its run ended (perf_counter) before it
+writes it, every job's ``ended``, and, when the slot changed hands then, the next job's
+``started``: from these the requests' time queued, running and delivering (the wait for
+trio to take the result) are reckoned (see :meth:`RequestRunner.counted
+<wasinn.actors.runner.RequestRunner.counted>`): one clock read per job (a run charged
+to a tenant is timed besides).
 A thread passes nothing on while a job that holds no slot waits for a thread: under
 load the queue never empties, and a thread going from one request to the next would
 never become free for it. The slot is then freed in trio, and the thread handed to the
@@ -103,8 +105,8 @@ class Job:
     :meth:`WorkerThreads.run_job`. Also what a queued request carries so that a worker
     thread may start it (``Request.handoff``)."""
 
-    __slots__ = ("abandoned", "cancellation", "fn", "label", "on_done", "pin", "relay",
-                 "released", "result", "started", "successor", "tenant", "threads",
+    __slots__ = ("abandoned", "cancellation", "ended", "fn", "label", "on_done", "pin",
+                 "relay", "result", "started", "successor", "tenant", "threads",
                  "unpinned", "worker")
 
     def __init__(self, threads: WorkerThreads, fn: Callable[[], Any], label: str,
@@ -124,9 +126,9 @@ class Job:
         #: When (perf_counter) it was handed to a thread: by trio, or by the thread that
         #: passed it its slot (then also when its request was granted the slot).
         self.started = math.nan
-        #: When (perf_counter) its thread passed its slot on to the next request (inf:
-        #: it did not; trio frees the slot once it has the result).
-        self.released = math.inf
+        #: When (perf_counter) its thread ended it, its slot passed on to the next request
+        #: then if it was (else trio frees the slot once it has the result); inf: not yet.
+        self.ended = math.inf
         self.abandoned = False
         #: The thread that runs it, once trio knows.
         self.worker: _Worker | None = None
@@ -425,6 +427,7 @@ class WorkerThreads:
                             job.result = outcome.capture(fn)
                         seconds = time.perf_counter() - seconds
                     following: Job | None = None
+                    successor: Request | None = None
                     relay = job.relay
                     # Not while a job waits for a thread (a compile, a warm-up: they
                     # hold no slot): passed on from job to job under load, the thread
@@ -433,19 +436,19 @@ class WorkerThreads:
                     if relay is not None and not self._stopped and not self._waiters:
                         # (Charged first, under the same lock: the choice counts it.)
                         successor = job.successor = relay.pass_on(tenant, seconds)
-                        if successor is not None:
-                            # The slot changed hands now: the end of this job's hold and
-                            # the grant of the next request, which trio learns only once
-                            # it takes this job's result (maybe after the next run has
-                            # ended): stamped here, before the byte lets trio read them.
-                            job.released = granted = time.perf_counter()
-                            if successor.started:
-                                following = cast(Job, successor.handoff)
-                                following.started = granted
-                                if self._stopped:  # stop() ran meanwhile, and missed it
-                                    following.cancellation.cancel()
                     elif relay is not None and tenant is not None:
                         relay.charge(tenant, seconds)  # the slot is freed in trio
+                    # The run's end and, the slot passed on, the grant of the next
+                    # request, which trio learns only once it takes this job's result
+                    # (maybe after the next run has ended): stamped here, after the
+                    # grant (the next request reached the device before it) and before
+                    # the byte lets trio read them.
+                    job.ended = ended = time.perf_counter()
+                    if successor is not None and successor.started:
+                        following = cast(Job, successor.handoff)
+                        following.started = ended
+                        if self._stopped:  # stop() ran meanwhile, and missed it
+                            following.cancellation.cancel()
                     try:
                         wake(worker.writer)  # keeping the GIL: see wasinn.actors.wakeup
                     except OSError:

@@ -21,13 +21,15 @@ cancelled, rejected), ``requests_in_caller_thread_total``, ``batches_total`` and
 answered), ``running_seconds_total`` (the device time of the completed requests), and
 ``request_latency_seconds{phase, quantile}``: the p50 and p99 (``quantile`` "0.5",
 "0.99") of the latest completed requests, end to end (``phase="total"``), queued for a
-worker slot (``"queued"``) and running (``"running"``), as gauges: a series whose
-percentile has no request yet is left out. ``request_latency_window`` says over how many
-requests they are taken. Devices add gauges (``workers``, ``running``, ``queued``,
-``queue_limit``, ``graphs_held``, ``abandoned_running``, ``lost`` 1 or 0) and counters
-(``compiles_total``, ``warm_ups_total``, ``runs_passed_on_total``); tenants add
-``tenant_weight``. The tenant ``""`` stands for the requests that name none (Prometheus
-stores a label of empty value as no label; ``{tenant=""}`` selects it all the same).
+worker slot (``"queued"``), running (``"running"``) and delivering (``"delivering"``:
+from the run's end to its caller taking the result, the wait for a busy event loop), as
+gauges: a series whose percentile has no request yet is left out.
+``request_latency_window`` says over how many requests they are taken. Devices add
+gauges (``workers``, ``running``, ``queued``, ``queue_limit``, ``graphs_held``,
+``abandoned_running``, ``lost`` 1 or 0) and counters (``compiles_total``,
+``warm_ups_total``, ``runs_passed_on_total``); tenants add ``tenant_weight``. The
+tenant ``""`` stands for the requests that name none (Prometheus stores a label of empty
+value as no label; ``{tenant=""}`` selects it all the same).
 
 The ``model`` label is a model's name, once per name (see
 :meth:`wasinn.Runtime.model_stats`): the registry's models and pipelines, from their
@@ -87,7 +89,8 @@ _PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 #: (the ``quantile`` label, the RequestFigures field's suffix)
 _QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
 #: (the ``phase`` label, the RequestFigures field's stem)
-_PHASES = (("total", "latency"), ("queued", "queued"), ("running", "running"))
+_PHASES = (("total", "latency"), ("queued", "queued"), ("running", "running"),
+           ("delivering", "delivering"))
 
 _Read = Callable[[DeviceStats], float]
 
@@ -212,15 +215,16 @@ def _request_families(prefix: str, scope: str,
         f"{name}_batched_requests", f"Requests answered by merged runs, per {scope}.",
         labels=[scope])
     running_seconds = CounterMetricFamily(
-        f"{name}_running_seconds", f"Seconds holding a worker slot (to the result, or to the "
-                                   f"slot passed on as the run ended), summed over the "
-                                   f"completed requests: their device time, per {scope}.",
+        f"{name}_running_seconds", f"Seconds running (from the grant of a worker slot to "
+                                   f"the run's end), summed over the completed requests: "
+                                   f"their device time, per {scope}.",
         labels=[scope])
     latency = GaugeMetricFamily(
         f"{name}_request_latency_seconds",
         f"Latency percentile (quantile) of the latest completed requests, per {scope}: end "
-        f"to end (phase total), waiting for a worker slot (queued), holding it "
-        f"(running).", labels=[scope, "phase", "quantile"])
+        f"to end (phase total), waiting for a worker slot (queued), from its grant to the "
+        f"run's end (running), from there to the caller taking the result (delivering: "
+        f"a busy event loop).", labels=[scope, "phase", "quantile"])
     window = GaugeMetricFamily(
         f"{name}_request_latency_window",
         f"Completed requests the latency percentiles are taken over, per {scope}.",

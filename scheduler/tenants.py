@@ -148,11 +148,13 @@ class TenantAccount:
         self.tenant = tenant
 
     def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
-               leased: bool = False, share: float = 1.0) -> None:
+               delivering: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
         if self.model is not None:
-            self.model.record(outcome, seconds, queued=queued, leased=leased, share=share)
+            self.model.record(outcome, seconds, queued=queued, delivering=delivering,
+                              leased=leased, share=share)
         self.ledger.requests(self.tenant).record(outcome, seconds, queued=queued,
-                                                 leased=leased, share=share)
+                                                 delivering=delivering, leased=leased,
+                                                 share=share)
 
     def record_batch(self, requests: int) -> None:
         if self.model is not None:

@@ -1,6 +1,6 @@
 """DeviceActor.stats() and Runtime.stats(): every request counted once, by how it ended,
 whichever path ran it; latencies end to end, queueing included, and split into the time
-queued for a worker slot and the time running."""
+queued for a worker slot, the time running and the time delivering its result."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.example_configs import example_config
 from tests.support import cpu_pool, require_backend, serving_actor
 from wasinn import BackendRuntimeError, InvalidArgumentError, TimeoutError_, TooLargeError
 from wasinn.actors import DeviceActor, DeviceStats
-from wasinn.actors.stats import RequestStats, percentile
+from wasinn.actors.stats import ModelStats, Outcome, RequestStats, percentile
 from wasinn.backends.base import Device
 from wasinn.enums import ExecutionTarget
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
@@ -63,7 +63,7 @@ async def test_a_fresh_actor_has_done_nothing(actor: DeviceActor) -> None:
     assert (stats.running, stats.queued, stats.graphs, stats.compiles) == (0, 0, 0, 0)
     assert stats.finished == 0 and stats.latency_window == 0
     assert stats.latency_p50 is None and stats.latency_p99 is None
-    assert (stats.queued_p50, stats.running_p99) == (None, None)
+    assert (stats.queued_p50, stats.running_p99, stats.delivering_p50) == (None, None, None)
     assert "latency" not in stats.describe()
 
 
@@ -135,6 +135,8 @@ async def test_requests_run_by_a_lease_holder_are_counted_too(actor: DeviceActor
                              "rejected": 0}
     assert stats.in_caller_thread == 4 and stats.latency_window == 2
     assert stats.running == 0
+    # Run in the caller's own thread: no result to hand back, nothing delivering.
+    assert (stats.delivering_p50, stats.delivering_p99) == (0.0, 0.0)
 
 
 async def test_a_lease_that_waited_for_its_slot_is_counted_as_queued(
@@ -163,6 +165,38 @@ async def test_a_lease_whose_deadline_passes_in_the_queue_is_timed_out(
             await actor.lease(lambda: None, deadline=trio.current_time() + 0.05)
     stats = actor.stats()
     assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 1, 1)
+
+
+def test_the_three_phases_add_up_to_the_latency() -> None:
+    requests = RequestStats()
+    requests.record(Outcome.COMPLETED, 10.0, queued=2.0, delivering=3.0, share=0.5)
+    requests.record(Outcome.FAILED, 7.0, queued=7.0)  # no latency, no running time
+    figures = ModelStats.of("m", requests)
+    assert (figures.latency_p50, figures.queued_p50, figures.running_p50,
+            figures.delivering_p99) == (10.0, 2.0, 5.0, 3.0)
+    assert figures.running_seconds == 2.5  # its share of the 5 s running, not delivering
+    assert ("latency p50 10000.00 ms p99 10000.00 ms: queued p50 2000.00 ms p99 2000.00 ms, "
+            "running p50 5000.00 ms p99 5000.00 ms, delivering p50 3000.00 ms p99 "
+            "3000.00 ms (last 1)") in figures.describe()
+
+
+async def test_a_requests_phases_add_up_to_its_latency_on_each_path() -> None:
+    require_backend("onnxruntime")
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with Runtime(cpu_pool(workers=1)) as rt:
+        threaded = await rt.load([affine_onnx()], "onnx", backend="onnxruntime", name="t")
+        leased = await rt.load([affine_onnx()], "onnx", backend="onnxruntime", name="l")
+        await threaded.compute(x)  # in a worker thread
+        ctx = leased.init_execution_context()
+        await trio.to_thread.run_sync(ctx.compute_in_caller_thread, x)
+        figures = {s.name: s for s in rt.model_stats()}
+    for name in ("t", "l"):  # one request each: its own phases
+        stats = figures[name]
+        assert stats.latency_window == 1, name
+        phases = (stats.queued_p50, stats.running_p50, stats.delivering_p50)
+        assert all(phase is not None and phase >= 0 for phase in phases), (name, phases)
+        assert sum(phases) == pytest.approx(stats.latency_p50, abs=1e-12), (name, phases)
+    assert figures["l"].in_caller_thread == 1 and figures["l"].delivering_p50 == 0.0
 
 
 def test_a_latency_window_must_hold_something() -> None:

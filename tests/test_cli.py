@@ -128,7 +128,8 @@ def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
                      r"completed, 0 failed", caplog.text)
     assert re.search(r"cpu: 1 completed, 0 failed, .*\(1 in the caller's thread\), "
                      r"latency p50 [\d.]+ ms p99 [\d.]+ ms: queued p50 [\d.]+ ms p99 [\d.]+ "
-                     r"ms, running p50 [\d.]+ ms p99 [\d.]+ ms \(last 1\); 0/\d+ running, "
+                     r"ms, running p50 [\d.]+ ms p99 [\d.]+ ms, delivering p50 0\.00 ms p99 "
+                     r"0\.00 ms \(last 1\); 0/\d+ running, "
                      r"0 queued, 0 graph\(s\) held, 1 compiled", caplog.text)
 
 

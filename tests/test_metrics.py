@@ -29,7 +29,8 @@ from wasinn.scheduler.metrics import RuntimeCollector, register_metrics
 X = np.ones((1, 4), np.float32)
 BAD = np.ones((1, 5), np.float32)
 OUTCOMES = ("completed", "failed", "timed_out", "cancelled", "rejected")
-PHASES = {"total": "latency", "queued": "queued", "running": "running"}
+PHASES = {"total": "latency", "queued": "queued", "running": "running",
+          "delivering": "delivering"}
 QUANTILES = {"0.5": "p50", "0.99": "p99"}
 #: Every family a scrape has (the README lists them), by name and type.
 FAMILIES = {
@@ -211,7 +212,7 @@ def made_up(base: int) -> dict[str, Any]:
     counts = ["completed", "failed", "timed_out", "cancelled", "rejected",
               "in_caller_thread", "batches", "batched", "latency_window"]
     times = ["latency_p50", "latency_p99", "queued_p50", "queued_p99", "running_p50",
-             "running_p99", "running_seconds"]
+             "running_p99", "delivering_p50", "delivering_p99", "running_seconds"]
     return {**RequestStats().figures(), **{name: base + i for i, name in enumerate(counts)},
             **{name: (base + i) / 1000 for i, name in enumerate(times)}}
 

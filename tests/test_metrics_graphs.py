@@ -323,9 +323,9 @@ async def test_scrapes_from_another_thread_while_graphs_come_and_go() -> None:
 def test_merged_percentiles_are_those_of_the_windows_together() -> None:
     a, b = RequestStats(), RequestStats()
     for seconds in (0.001, 0.002, 0.003):
-        a.record(Outcome.COMPLETED, seconds, queued=0.0005)
+        a.record(Outcome.COMPLETED, seconds, queued=0.0005, delivering=0.0002)
     a.record(Outcome.FAILED, 0.5)
-    b.record(Outcome.COMPLETED, 0.010, queued=0.004, leased=True)
+    b.record(Outcome.COMPLETED, 0.010, queued=0.004, delivering=0.001, leased=True)
     b.record_batch(2)
     retired = {**dict.fromkeys(("completed", "failed", "timed_out", "cancelled", "rejected",
                                 "in_caller_thread", "batches", "batched"), 1),
@@ -333,12 +333,13 @@ def test_merged_percentiles_are_those_of_the_windows_together() -> None:
     merged = merged_figures([a, b], retired)
     assert (merged["completed"], merged["failed"], merged["timed_out"]) == (5, 2, 1)
     assert (merged["in_caller_thread"], merged["batches"], merged["batched"]) == (2, 2, 3)
-    assert merged["running_seconds"] == pytest.approx(1.0 + 0.0045 + 0.006)
+    assert merged["running_seconds"] == pytest.approx(1.0 + 0.0039 + 0.005)
     # [1, 2, 3, 10] ms: the nearest-rank p50 is the 2nd, the p99 the 4th.
     assert merged["latency_window"] == 4
     assert (merged["latency_p50"], merged["latency_p99"]) == (0.002, 0.010)
     assert (merged["queued_p50"], merged["queued_p99"]) == (0.0005, 0.004)
-    assert merged["running_p99"] == pytest.approx(0.006)
+    assert (merged["delivering_p50"], merged["delivering_p99"]) == (0.0002, 0.001)
+    assert merged["running_p99"] == pytest.approx(0.005)
     assert merged_figures([a]) == a.figures()  # one part: its own figures
     nothing = merged_figures([], retired)  # only graphs gone: no latency
     assert nothing["latency_p50"] is None and nothing["latency_window"] == 0

@@ -1,13 +1,14 @@
-"""A request's time queued and running, and the device time its model and tenant are
-charged, when a worker thread grants the slot.
+"""A request's time queued, running and delivering, and the device time its model and
+tenant are charged, when a worker thread grants the slot or trio takes a result late.
 
 Under load the thread that ends a run passes its slot straight to the next queued request
 and starts that request's run; trio learns of both only once it takes the ended run's
 result, maybe several runs later (a busy event loop, a run that holds the GIL). The
 figures must be each run's own whenever trio gets round to them: they come from the
-thread's stamps. Here the clock is a fake one (the actors' perf_counter), advanced only by
-the runs, each by its own cost, and the event loop is kept busy (blocked, as a long
-callback would block it) while the worker thread runs the queue down.
+thread's stamps, and the wait for trio to take a result is each request's time
+delivering, neither queued nor running. Here the clock is a fake one (the actors'
+perf_counter), advanced only by the runs, each by its own cost, or by the test while the
+event loop is kept busy (blocked, as a long callback would block it) after a run ended.
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ def costed_runs(monkeypatch: pytest.MonkeyPatch, clock: list[float], runs: int
 
 
 def split(figures: RequestFigures) -> tuple[Any, ...]:
-    """(running p50, p99, queued p50, p99, latency p50, p99, device seconds)."""
+    """(running p50, p99, queued p50, p99, delivering p50, p99, latency p50, p99, device
+    seconds)."""
     return (figures.running_p50, figures.running_p99, figures.queued_p50,
-            figures.queued_p99, figures.latency_p50, figures.latency_p99,
-            figures.running_seconds)
+            figures.queued_p99, figures.delivering_p50, figures.delivering_p99,
+            figures.latency_p50, figures.latency_p99, figures.running_seconds)
 
 
 async def test_runs_a_worker_thread_started_are_each_timed_and_charged_as_their_own(
@@ -117,12 +119,13 @@ async def test_runs_a_worker_thread_started_are_each_timed_and_charged_as_their_
         by_tenant = {stats.name: stats for stats in rt.tenant_stats()}
     assert device.passed_on == len(LOAD)
     # Running: each run's own seconds (the last one's slot freed by trio as it took the
-    # result); queued: the rest of the latency, the wait for the busy loop included.
+    # result); queued: the runs before it (1, 4, 2, 8: 0, 1, 5, 7); delivering: the
+    # wait for the busy loop, from the run's end to the clock at TOTAL (14, 10, 8, 0).
     # With two requests each, p50 is the smaller figure and p99 the larger.
-    assert split(by_model["cheap"]) == (1.0, 2.0, TOTAL - 2.0, TOTAL - 1.0, TOTAL, TOTAL, 3.0)
-    assert split(by_model["costly"]) == (4.0, 8.0, TOTAL - 8.0, TOTAL - 4.0, TOTAL, TOTAL, 12.0)
-    assert split(by_tenant["a"]) == (1.0, 8.0, TOTAL - 8.0, TOTAL - 1.0, TOTAL, TOTAL, 9.0)
-    assert split(by_tenant["b"]) == (2.0, 4.0, TOTAL - 4.0, TOTAL - 2.0, TOTAL, TOTAL, 6.0)
+    assert split(by_model["cheap"]) == (1.0, 2.0, 0.0, 5.0, 8.0, 14.0, TOTAL, TOTAL, 3.0)
+    assert split(by_model["costly"]) == (4.0, 8.0, 1.0, 7.0, 0.0, 10.0, TOTAL, TOTAL, 12.0)
+    assert split(by_tenant["a"]) == (1.0, 8.0, 0.0, 7.0, 0.0, 14.0, TOTAL, TOTAL, 9.0)
+    assert split(by_tenant["b"]) == (2.0, 4.0, 1.0, 5.0, 8.0, 10.0, TOTAL, TOTAL, 6.0)
     # The device's running times tile its one slot's time: never more than the clock.
     assert device.running_seconds == TOTAL
 
@@ -167,7 +170,45 @@ async def test_a_merged_batch_is_timed_to_its_run_when_its_thread_starts_the_nex
             gate.set()
             batch_gate.set()
     assert actor.stats().passed_on == 1
-    # Each member: the batch's 2 s, half of it its own device time; the plain request:
-    # its 4 s, from the moment the batch's thread granted it the slot.
-    assert split(ModelStats.of("members", members)) == (2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 2.0)
-    assert split(ModelStats.of("alone", alone)) == (4.0, 4.0, 2.0, 2.0, 6.0, 6.0, 4.0)
+    # Each member: the batch's 2 s, half of it its own device time, then 4 s delivering
+    # (trio took its result only once the plain run had ended); the plain request: its
+    # 4 s, from the moment the batch's thread granted it the slot, queued 2 s before.
+    assert split(ModelStats.of("members", members)) == (
+        2.0, 2.0, 0.0, 0.0, 4.0, 4.0, 6.0, 6.0, 2.0)
+    assert split(ModelStats.of("alone", alone)) == (4.0, 4.0, 2.0, 2.0, 0.0, 0.0, 6.0, 6.0, 4.0)
+
+
+async def test_a_result_taken_late_by_a_busy_event_loop_counts_as_delivering(
+        clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The device idle, its slot freed by trio as it takes the result: the thread's stamp
+    # of the run's end still splits the run from the wait for the loop.
+    woke = threading.Event()
+    wake = workers_module.wake
+
+    def waking(writer: Any) -> None:  # after the run's end is stamped
+        wake(writer)
+        woke.set()
+
+    monkeypatch.setattr(workers_module, "wake", waking)
+
+    go = threading.Event()
+
+    def run() -> str:
+        assert go.wait(10)
+        clock[0] += 1.0
+        return "ran"
+
+    requests = RequestStats()
+    async with serving_actor(workers=1) as actor, trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(actor.execute, run, account=requests))
+        await trio.testing.wait_all_tasks_blocked()  # its caller waits for the result
+        # The event loop busy (blocked here, as a long callback would block it) from
+        # before the run ends until 5 s after, its result waiting to be taken.
+        go.set()
+        assert woke.wait(10)
+        clock[0] += 5.0
+    device = actor.stats()
+    for figures in (ModelStats.of("model", requests), device):
+        # Queued: nothing (the slot was free); running: the run's 1 s; delivering: 5 s.
+        assert split(figures) == (1.0, 1.0, 0.0, 0.0, 5.0, 5.0, 6.0, 6.0, 1.0)
+    assert "delivering p50 5000.00 ms p99 5000.00 ms" in device.describe()
