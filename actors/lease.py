@@ -100,7 +100,7 @@ class Lease(Generic[T]):
         self._done = False  # taken: run or cancelled
         self._over = False  # run and given back, or cancelled
         self._interrupted = ""  # why interrupt() stopped the run: "deadline" or "interrupt"
-        self._then: Callable[[], object] | None = None  # see then()
+        self._then: tuple[Callable[[], object], ...] = ()  # see then()
         self._later = later
         self._lost = lost
 
@@ -210,10 +210,17 @@ class Lease(Generic[T]):
 
     def then(self, callback: Callable[[], object]) -> None:
         """Have ``callback`` called once the lease is over (its run has given the slot
-        back, or it was cancelled), in the thread that ends it: to let go of what the job
-        holds (a compiled graph kept open for it). It must not raise. Set it before the
-        lease is handed to the thread that runs it; one callback per lease."""
-        self._then = callback
+        back and been counted, or it was cancelled), in the thread that ends it: to let
+        go of what the job holds (a compiled graph kept open for it). It must not raise.
+        Set it before the lease is handed to the thread that runs it; callbacks set on
+        one lease are called in the order they were set."""
+        self._then = (*self._then, callback)
+
+    @property
+    def lends_slot(self) -> bool:
+        """Whether it holds a slot until it is over (False: a settled lease, whose
+        request has run elsewhere and been counted there)."""
+        return self._release is not _nothing_to_give_back
 
     def cancel(self) -> None:
         """Give the slot back without running the job (from any thread). Idempotent."""
@@ -238,19 +245,19 @@ class Lease(Generic[T]):
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
         self._over = True
         self._release(outcome)
-        then, self._then = self._then, None
-        if then is not None:
-            then()
+        then, self._then = self._then, ()
+        for callback in then:
+            callback()
 
 
 def _give_back_dropped(release: Callable[[Outcome], None],
-                       then: Callable[[], object] | None) -> None:
+                       then: tuple[Callable[[], object], ...]) -> None:
     """In trio: what :meth:`Lease.run` or :meth:`Lease.cancel` would have given back.
     Nothing may escape: an exception here would end trio itself."""
     try:
         release(Outcome.CANCELLED)
-        if then is not None:
-            then()
+        for callback in then:
+            callback()
     except Exception:
         log.exception("giving back a dropped lease's slot and graphs failed")
 

@@ -21,7 +21,7 @@ from .inline import RunProfile
 class Session:
     """One :class:`CompiledGraph` on one device, with an in-use count."""
 
-    __slots__ = ("_evicted", "_lock", "_users", "backend", "compiled", "profile")
+    __slots__ = ("_evicted", "_lock", "_unused", "_users", "backend", "compiled", "profile")
 
     def __init__(self, compiled: CompiledGraph, backend: str) -> None:
         self.compiled = compiled
@@ -29,6 +29,8 @@ class Session:
         self._lock = threading.Lock()
         self._users = 0
         self._evicted = False
+        #: Called once an evicted session's last run has closed it (see when_unused).
+        self._unused: list[Callable[[], None]] = []
         #: How long its runs take here: decides whether they may run inline (None: they
         #: never may, see CompiledGraph.may_run_inline).
         self.profile = RunProfile() if compiled.may_run_inline else None
@@ -54,8 +56,23 @@ class Session:
         with self._lock:
             self._users -= 1
             close = self._evicted and self._users == 0
+            unused, self._unused = (self._unused, []) if close else ([], self._unused)
         if close:
-            self.compiled.close()
+            try:
+                self.compiled.close()
+            finally:
+                for callback in unused:
+                    callback()
+
+    def when_unused(self, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called once the last run using this evicted session has
+        ended and closed its graph, in that run's thread (it must not raise); False,
+        keeping nothing, when no run uses it now (from any thread)."""
+        with self._lock:
+            if self._users == 0:
+                return False
+            self._unused.append(callback)
+            return True
 
     def evict(self, close_later: Callable[[CompiledGraph], None] | None = None) -> None:
         """No new runs; close now, or when the last running one finishes. Idempotent.

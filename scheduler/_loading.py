@@ -60,6 +60,7 @@ class ModelLoading:
                             batching=batching)
         model.runner = scheduler
         model.on_release = scheduler.release
+        model.in_flight.changed = scheduler.runs_changed
         try:
             compiled = await scheduler.compile(model, kind)
             model.inputs, model.outputs = compiled.inputs, compiled.outputs

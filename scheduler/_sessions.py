@@ -6,11 +6,13 @@ pool's preference order that reads its encoding there), and its actor compiles i
 first use and caches the session (a sandboxed model in processes of its own). A model
 that names no backend, which the chosen one cannot run on a device, is compiled by the
 next backend that can, with a warning. :meth:`Sessions.release` frees a model's
-sessions on every device when it is unloaded.
+sessions on every device when it is unloaded; those a run still uses are closed by the
+run as it ends, and :meth:`Sessions.runs_over` waits for that (an unload does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -36,7 +38,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor
 
 from ._jobs import Link, run_chain
-from .model import Inputs, LoadedModel
+from .model import Executable, Inputs, LoadedModel
 
 log = logging.getLogger("wasinn.scheduler")
 
@@ -49,6 +51,9 @@ class Sessions:
     #: Sandbox processes started ahead of sandboxed loads (None: each load starts its own).
     spares: Spares | None
     _registries: dict[ExecutionTarget, BackendRegistry]
+    trio_token: trio.lowlevel.TrioToken | None
+    #: Set (and dropped) when a run that an unload may be waiting for ends.
+    _run_ended: trio.Event | None = None
 
     async def backend_for(self, model: LoadedModel, kind: ExecutionTarget) -> str:
         """The name of the backend that runs ``model`` on ``kind`` (chosen once, in a
@@ -167,13 +172,50 @@ class Sessions:
         return functools.partial(run_chain, sessions, links, inputs, False)
 
     def release(self, model: LoadedModel) -> None:
-        """Free ``model``'s compiled graphs on every device (now or after running jobs).
-        Marks it released first: a compile of it still under way is then cancelled (a
-        sandboxed load's process is killed), and one that ends all the same is closed
-        instead of being cached (see DeviceActor.session's ``wanted``)."""
+        """Free ``model``'s compiled graphs on every device (now or after running jobs:
+        each graph a run still uses is closed by the last one as it ends, and counted in
+        ``model.in_flight`` until then). Marks it released first: a compile of it still
+        under way is then cancelled (a sandboxed load's process is killed), and one that
+        ends all the same is closed instead of being cached (see DeviceActor.session's
+        ``wanted``)."""
         model.released = True
+        in_flight = model.in_flight
         for actor in self.actors:
+            session = actor.cached_session(model.id)
             actor.evict(model.id)
+            if session is None:
+                continue
+            key = id(session)
+            in_flight.graph_in_use(key, f"{session.backend} graph on {actor.device}")
+            if not session.when_unused(functools.partial(in_flight.graph_unused, key)):
+                in_flight.graph_unused(key)  # (closed already: no run used it)
+
+    def runs_changed(self) -> None:
+        """From any thread (a run's, as it ends): wake the :meth:`runs_over` waiting."""
+        token = self.trio_token
+        if token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._wake_runs_over)
+
+    def _wake_runs_over(self) -> None:
+        event, self._run_ended = self._run_ended, None
+        if event is not None:
+            event.set()
+
+    async def runs_over(self, executable: Executable) -> list[str]:
+        """Wait until the runs an unload of ``executable`` waits for have ended (see
+        :meth:`Executable.waited_for`: none while a handle or context keeps it loaded),
+        the graphs they used closed; at most the largest ``close_timeout`` of the
+        runtime's pools. Returns what is still waited for then (empty: nothing).
+        Cancellation: raised, whatever is left still ending on its own."""
+        timeout = max((actor.close_timeout for actor in self.actors), default=0.0)
+        with trio.move_on_after(timeout):
+            while executable.waited_for():
+                if self._run_ended is None:
+                    self._run_ended = trio.Event()
+                await self._run_ended.wait()
+            return []
+        return executable.waited_for()
 
     async def graphs_closed(self) -> None:
         """Wait until the graphs evicted so far on every device are closed, those whose

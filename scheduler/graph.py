@@ -4,10 +4,15 @@ A graph's model is loaded once (bytes kept, backend chosen, compiled on its defa
 target's device at load so that bad bytes fail the load); contexts are tickets made from
 it. Handles are refcounted against the model: ``unload`` ends this handle, and the
 compiled sessions and device memory are freed once every handle is unloaded and every
-context made from them is closed.
+context made from them is closed, and the runs still using them have ended, which the
+unload that frees them waits for.
 """
 
 from __future__ import annotations
+
+import logging
+
+import trio
 
 from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
@@ -27,6 +32,8 @@ from .context import (
 from .model import Executable, Inputs
 from .placement import Scheduler
 from .triorun import check_trio_run, yields_when_refused
+
+log = logging.getLogger("wasinn.scheduler")
 
 
 class Graph:
@@ -125,7 +132,8 @@ class Graph:
         inputs = tensor_inputs(inputs)
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         executable = self._executable
-        executable.retain()  # an unload during the run frees after it
+        executable.retain()  # an unload during the run frees after it, and waits for it
+        executable.in_flight.request_began()
         try:
             return await executable.execute(kind, inputs, priority=priority, deadline=deadline,
                                             tenant=tenant, keep_on_device=keep_on_device)
@@ -133,6 +141,7 @@ class Graph:
             raise naming_timeout(exc, timeout) from exc
         finally:
             executable.release()
+            executable.in_flight.request_ended()
 
     @yields_when_refused
     async def lease(
@@ -157,6 +166,7 @@ class Graph:
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         executable = self._executable
         executable.retain()  # until the lease holds its compiled graphs (see placement)
+        executable.in_flight.request_began()
         try:
             lease = await executable.lease(kind, inputs, priority=priority, deadline=deadline,
                                            tenant=tenant, keep_on_device=keep_on_device)
@@ -164,6 +174,7 @@ class Graph:
             raise naming_timeout(exc, timeout) from exc
         finally:
             executable.release()
+            executable.in_flight.request_ended()
         lease.timeout = timeout  # named if it passes during the run
         return lease
 
@@ -186,18 +197,40 @@ class Graph:
     async def unload(self) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed.
 
-        Returns once the compiled graphs it freed are closed (a sandboxed one's
-        processes have ended: they are closed in a thread, the event loop serving on),
-        but for those a run still uses: each is closed by the last run's thread, as that
-        run ends.
+        When no other handle or open context keeps the model loaded, this returns once
+        its compiled graphs are closed and their device memory freed: after the runs
+        still using them have ended (a ``compute`` or ``lease`` request made on a handle,
+        queued or running; a lease not yet run or cancelled; a run whose caller gave up
+        on it; a merged batch), as an inference server finishes the requests in flight
+        before it unloads a model, and after a sandboxed graph's processes have ended
+        (closed in a thread, the event loop serving on). New requests on this handle
+        raise ClosedResourceError from the start. The wait lasts at most the largest
+        ``close_timeout`` of the runtime's pools: past it, a warning names the graph and
+        the runs it still waits for, and this returns; the last of them frees the
+        graphs as it ends. An open context keeps them until it is closed: nothing is
+        waited for then.
+
+        An unload from a trio task that holds a lease of this graph not yet over (one
+        its own ``lease`` call returned) waits for nothing: that lease may only run once
+        this returns, and its run frees the graphs as it ends.
 
         Cancellation: the handle is ended and its reference released before the first
         checkpoint, so a cancelled unload has still unloaded (a model no other handle or
-        context uses is freed on every device); the cancellation is raised after.
-        RuntimeError, with nothing unloaded, outside the runtime's trio run.
+        context uses is freed on every device, by its last run if one is in flight); the
+        cancellation is raised after. RuntimeError, with nothing unloaded, outside the
+        runtime's trio run.
         """
-        check_trio_run(self._scheduler.trio_token, "Graph.unload")
+        scheduler = self._scheduler
+        check_trio_run(scheduler.trio_token, "Graph.unload")
+        executable = self._executable
         if not self._unloaded:
             self._unloaded = True
-            self._executable.release()
-        await self._scheduler.graphs_closed()
+            executable.release()
+        if not executable.in_flight.lent_to(trio.lowlevel.current_task()):
+            still = await scheduler.runs_over(executable)
+            if still:
+                log.warning("%s: unloaded, but after %g s (close_timeout) it still waits "
+                            "for %s: its compiled graphs are freed as they end",
+                            executable.name, max(a.close_timeout for a in scheduler.actors),
+                            "; ".join(still))
+        await scheduler.graphs_closed()

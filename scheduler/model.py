@@ -3,12 +3,17 @@
 A :class:`LoadedModel` is loaded once: its bytes are kept (owned copies, so a guest may
 reuse its memory), its encoding is known (autodetected once), and its specs come from the
 first compile. Graph handles and contexts hold references to it; when the last one goes,
-``on_release`` frees its compiled graphs on every device.
+``on_release`` frees its compiled graphs on every device. Its :class:`RunsInFlight` says
+which of its runs have not ended yet: what ``Graph.unload`` waits for, and what the
+registry waits for before it stops reading a replaced load's counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -42,6 +47,8 @@ class Executable(Protocol):
     requests: RequestStats
     #: How its requests are merged on a device (None: they are not).
     batching: Batching | None
+    #: Its runs that have not ended yet (see :class:`RunsInFlight`).
+    in_flight: RunsInFlight
 
     def backend_for(self, target: ExecutionTarget) -> str:
         """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""
@@ -55,6 +62,11 @@ class Executable(Protocol):
 
     def release(self) -> None:
         """One fewer; the last release frees the compiled graphs everywhere."""
+
+    def waited_for(self) -> list[str]:
+        """What freeing its compiled graphs still waits for, for people: its runs not
+        ended yet (see :meth:`RunsInFlight.waiting`). Empty when nothing is waited for,
+        and while a handle or a context, not only a run, keeps it loaded."""
 
     async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                       deadline: float, tenant: str, keep_on_device: bool | None
@@ -72,6 +84,93 @@ class Executable(Protocol):
         """From any thread: a lease if a slot is free now and no compile is needed."""
 
 
+class RunsInFlight:
+    """A model's (or a pipeline's) runs that have not ended yet, from any thread:
+
+    * the ``compute`` and ``lease`` requests made through its graph handles, from the
+      call until it returns (:meth:`request_began`, :meth:`request_ended`: in trio);
+      each holds a reference to the model meanwhile;
+    * its leases lent and not over (:meth:`lent`), by the trio task that asked for
+      each (None: a thread, as ``try_lease``'s callers are); a settled lease (its
+      request ran as a job) is not one;
+    * once it is released, its compiled graphs evicted while a run still used them (a
+      lease's, a job whose caller gave up on it, a merged batch's): each is closed by
+      that run's thread as it ends (:meth:`graph_in_use`, :meth:`graph_unused`).
+
+    ``changed`` (set by whoever runs the model: its scheduler) is called, from any
+    thread, whenever one of them ends.
+    """
+
+    __slots__ = ("_graphs", "_leases", "_lock", "changed", "requests")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self._leases: Counter[object] = Counter()
+        self._graphs: dict[int, str] = {}
+        self.changed: Callable[[], None] | None = None
+
+    def request_began(self) -> None:
+        self.requests += 1
+
+    def request_ended(self) -> None:
+        self.requests -= 1
+        self._changed()
+
+    def lent(self, lease: Lease[Any]) -> None:
+        """``lease`` was lent for it (before its holder has it): counted until it is
+        over, after its run is counted in the model's stats."""
+        if not lease.lends_slot:
+            return
+        holder = trio.lowlevel.current_task() if trio.lowlevel.in_trio_run() else None
+        with self._lock:
+            self._leases[holder] += 1
+        lease.then(lambda: self._lease_over(holder))
+
+    def _lease_over(self, holder: object) -> None:
+        with self._lock:
+            self._leases[holder] -= 1
+            if not self._leases[holder]:
+                del self._leases[holder]
+        self._changed()
+
+    def lent_to(self, task: object) -> bool:
+        """Whether a lease lent for it at ``task``'s request is not over yet."""
+        with self._lock:
+            return task in self._leases
+
+    def graph_in_use(self, key: int, what: str) -> None:
+        """A compiled graph (``key``: its session's id) was evicted while a run used it;
+        ``what`` names it (its backend and device)."""
+        with self._lock:
+            self._graphs[key] = what
+
+    def graph_unused(self, key: int) -> None:
+        """The last run of that graph ended and closed it (in that run's thread)."""
+        with self._lock:
+            self._graphs.pop(key, None)
+        self._changed()
+
+    def waiting(self) -> list[str]:
+        """What has not ended yet, for people (empty: nothing)."""
+        with self._lock:
+            leases = sum(self._leases.values())
+            graphs = list(self._graphs.values())
+        what = []
+        if self.requests:
+            what.append(f"{self.requests} compute or lease request(s) made on its graph "
+                        "handle(s)")
+        if leases:
+            what.append(f"{leases} lease(s) not yet run or cancelled")
+        return what + [f"a run on its {graph}" for graph in graphs]
+
+    def _changed(self) -> None:
+        changed = self.changed
+        if changed is not None:
+            with contextlib.suppress(Exception):  # (never into a run's thread)
+                changed()
+
+
 class LoadedModel:
     """One model's bytes and what is known about them; refcounted by handles and contexts."""
 
@@ -82,6 +181,7 @@ class LoadedModel:
         "builders",
         "encoding",
         "id",
+        "in_flight",
         "input_aliases",
         "inputs",
         "name",
@@ -124,6 +224,7 @@ class LoadedModel:
         self.requests = RequestStats()
         #: How its requests are merged on a device (None: never; see wasinn.actors.batching).
         self.batching = batching
+        self.in_flight = RunsInFlight()
 
     def backend_for(self, target: ExecutionTarget) -> str:
         return self.backends.get(target, "")
@@ -145,6 +246,11 @@ class LoadedModel:
             # its bytes go now, though the registry keeps the model for its stats.
             self.builders = ()
 
+    def waited_for(self) -> list[str]:
+        if self.refs > self.in_flight.requests:
+            return []  # a handle or a context keeps it loaded
+        return self.in_flight.waiting()
+
     async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                       deadline: float, tenant: str, keep_on_device: bool | None
                       ) -> dict[str, Tensor]:
@@ -157,16 +263,21 @@ class LoadedModel:
                     deadline: float, tenant: str, keep_on_device: bool | None
                     ) -> Lease[dict[str, Tensor]]:
         assert self.runner is not None, "a model is bound to its scheduler when loaded"
-        return await self.runner.lease_model(self, target, inputs, priority=priority,
-                                             deadline=deadline, tenant=tenant,
-                                             keep_on_device=keep_on_device)
+        lease = await self.runner.lease_model(self, target, inputs, priority=priority,
+                                              deadline=deadline, tenant=tenant,
+                                              keep_on_device=keep_on_device)
+        self.in_flight.lent(lease)
+        return lease
 
     def try_lease(self, target: ExecutionTarget, inputs: Inputs, *, timeout: float | None,
                   tenant: str, keep_on_device: bool | None
                   ) -> Lease[dict[str, Tensor]] | None:
         assert self.runner is not None, "a model is bound to its scheduler when loaded"
-        return self.runner.try_lease_model(self, target, inputs, timeout=timeout,
-                                           tenant=tenant, keep_on_device=keep_on_device)
+        lease = self.runner.try_lease_model(self, target, inputs, timeout=timeout,
+                                            tenant=tenant, keep_on_device=keep_on_device)
+        if lease is not None:
+            self.in_flight.lent(lease)
+        return lease
 
     def __repr__(self) -> str:
         return f"<LoadedModel {self.name} {self.encoding.value} refs={self.refs}>"

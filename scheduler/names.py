@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from wasinn.actors.pending import Pending
-from wasinn.actors.stats import RequestStats, percentile
+from wasinn.actors.stats import Latencies, RequestStats
 from wasinn.configs import shown_name
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError, NotFoundError, WasiNNError
@@ -55,6 +55,10 @@ class NameRegistry:
         self._dropped: dict[str, RequestStats] = {}
         #: Each name's SUMMED figures of its loads before the latest.
         self._earlier: dict[str, Tally] = {}
+        #: Each name's loads before the latest that had runs in flight when it was
+        #: loaded again (a lease not yet run): read live until those end, then summed
+        #: into ``_earlier`` (see _settle).
+        self._replaced: dict[str, list[Executable]] = {}
         #: Held to change or read the three above: a scrape (any thread) must never see
         #: a name's new load without the counts of the one it replaced.
         self._lock = threading.Lock()
@@ -104,8 +108,8 @@ class NameRegistry:
             with self._lock:
                 previous = self._loaded.get(name)
                 if previous is not None:  # (released: its counts go on in the new load's)
-                    _add(self._earlier.setdefault(name, _nothing()),
-                         previous[0].requests.figures())
+                    self._replaced.setdefault(name, []).append(previous[0])
+                self._settle(name)
                 self._loaded[name] = entry
             return entry
         except WasiNNError as exc:
@@ -114,6 +118,16 @@ class NameRegistry:
         finally:
             del self._loading[name]
             pending.done.set()
+
+    def _settle(self, name: str) -> None:
+        # Under the lock: sum the replaced loads of ``name`` whose runs have all ended
+        # (each run is counted before it ends) into its earlier figures.
+        replaced = self._replaced.get(name, [])
+        for load in [load for load in replaced if not load.in_flight.waiting()]:
+            _add(self._earlier.setdefault(name, _nothing()), load.requests.figures())
+            replaced.remove(load)
+        if not replaced:
+            self._replaced.pop(name, None)
 
     def loaded(self) -> list[Executable]:
         """Every name's latest load so far, released since or not, in the registry's
@@ -128,13 +142,17 @@ class NameRegistry:
         started. After :meth:`drop_all` too. Any thread may call this (a metrics scrape)
         while the event loop loads a model.
 
-        The earlier loads' counts are those they had when the name was loaded again: a
-        run that ends on a load after the next load replaced it (a lease run by a thread
-        after every handle was unloaded) is not counted for the name."""
+        A run that ends on a load after the next load replaced it (a lease lent before
+        every handle was unloaded, run by its thread after the name was loaded again) is
+        counted for the name too, as it ends."""
         with self._lock:
             live = {name: entry[0].requests for name, entry in self._loaded.items()}
             live = {**self._dropped, **live}
             earlier = {name: dict(tally) for name, tally in self._earlier.items()}
+            for name, loads in self._replaced.items():
+                tally = earlier.setdefault(name, _nothing())
+                for load in loads:
+                    _add(tally, load.requests.figures())
         return [(name, live[name], earlier.get(name)) for name in self._names if name in live]
 
     def drop_all(self) -> None:
@@ -188,24 +206,17 @@ def merged_figures(parts: Sequence[RequestStats], retired: Tally | None = None
     if len(parts) == 1 and not retired:
         return parts[0].figures()
     sums: Tally = {**_nothing(), **(retired or {})}
-    total: list[float] = []
-    queued: list[float] = []
-    running: list[float] = []
+    together = Latencies([], [], [], [])
     for part in parts:
         figures = part.figures()
         for key in SUMMED:
             sums[key] += figures[key]
         _, _, window = part.snapshot()
-        total += window.total
-        queued += window.queued
-        running += window.running
-    total.sort()
-    queued.sort()
-    running.sort()
-    return {**sums, "latency_window": len(total),
-            "latency_p50": percentile(total, 0.5), "latency_p99": percentile(total, 0.99),
-            "queued_p50": percentile(queued, 0.5), "queued_p99": percentile(queued, 0.99),
-            "running_p50": percentile(running, 0.5), "running_p99": percentile(running, 0.99)}
+        for ordered, more in zip(together, window, strict=True):
+            ordered.extend(more)
+    for ordered in together:
+        ordered.sort()
+    return {**sums, **together.figures()}
 
 
 class LoadedGraphs:

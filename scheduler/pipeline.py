@@ -44,7 +44,7 @@ from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
 
 from .graph import Graph
-from .model import Inputs, LoadedModel
+from .model import Inputs, LoadedModel, RunsInFlight
 from .placement import Link, Scheduler
 
 
@@ -151,12 +151,13 @@ def _primary(specs: Sequence[TensorSpec], aliases: Mapping[str, int], name: str)
 
 def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
     """Why ``out`` can never feed ``inp`` (element types, ranks or fixed dimensions that
-    differ), or None. Only specs whose rank is known are compared: a TorchScript model
-    declares neither types nor shapes (its specs say f32 of unknown rank)."""
+    differ), or None. Only what both declare is compared: a TorchScript model declares
+    neither types nor shapes (its specs say ``any`` of unknown rank); an ONNX value
+    declared without a shape still declares its type."""
+    if out.type_known and inp.type_known and out.type is not inp.type:
+        return f"their element types differ ({out.type.value}, {inp.type.value})"
     if not (out.rank_known and inp.rank_known):
         return None
-    if out.type is not inp.type:
-        return f"their element types differ ({out.type.value}, {inp.type.value})"
     if len(out.shape) != len(inp.shape):
         return f"their ranks differ ({len(out.shape)}, {len(inp.shape)})"
     for axis, (have, want) in enumerate(zip(out.shape, inp.shape, strict=True)):
@@ -182,8 +183,8 @@ def check_chain_batchable(name: str, steps: Sequence[LoadedModel],
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("batching", "input_aliases", "inputs", "links", "name", "output_aliases",
-                 "outputs", "refs", "released",
+    __slots__ = ("batching", "in_flight", "input_aliases", "inputs", "links", "name",
+                 "output_aliases", "outputs", "refs", "released",
                  "requests", "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel], links: Sequence[Link],
@@ -207,6 +208,8 @@ class PipelineModel:
         self.requests = RequestStats()
         #: How its requests are merged on a device (None: never), whatever its steps'.
         self.batching = batching
+        self.in_flight = RunsInFlight()
+        self.in_flight.changed = scheduler.runs_changed
         for step in self.steps:
             step.retain()
 
@@ -223,6 +226,15 @@ class PipelineModel:
             for step in self.steps:
                 step.release()
 
+    def waited_for(self) -> list[str]:
+        if self.refs > self.in_flight.requests:
+            return []  # a handle or a context keeps it loaded
+        what = self.in_flight.waiting()
+        if self.released:  # (its steps that nobody else holds are freed too)
+            what += [f"step {step.name!r}: {each}" for step in self.steps
+                     for each in step.waited_for()]
+        return what
+
     async def execute(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                       deadline: float, tenant: str, keep_on_device: bool | None
                       ) -> dict[str, Tensor]:
@@ -234,10 +246,12 @@ class PipelineModel:
     async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                     deadline: float, tenant: str, keep_on_device: bool | None
                     ) -> Lease[dict[str, Tensor]]:
-        return await self.scheduler.lease_chain(self.name, self.steps, self.links, target,
-                                                inputs, priority=priority, deadline=deadline,
-                                                tenant=tenant, keep_on_device=keep_on_device,
-                                                account=self.requests, batching=self.batching)
+        lease = await self.scheduler.lease_chain(
+            self.name, self.steps, self.links, target, inputs, priority=priority,
+            deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
+            account=self.requests, batching=self.batching)
+        self.in_flight.lent(lease)
+        return lease
 
     @property
     def trio_token(self) -> trio.lowlevel.TrioToken | None:
@@ -248,10 +262,13 @@ class PipelineModel:
                   ) -> Lease[dict[str, Tensor]] | None:
         if self.released:
             return None
-        return self.scheduler.try_lease_chain(self.name, self.steps, self.links, target, inputs,
-                                              timeout=timeout, tenant=tenant,
-                                              keep_on_device=keep_on_device,
-                                              account=self.requests, batching=self.batching)
+        lease = self.scheduler.try_lease_chain(self.name, self.steps, self.links, target,
+                                               inputs, timeout=timeout, tenant=tenant,
+                                               keep_on_device=keep_on_device,
+                                               account=self.requests, batching=self.batching)
+        if lease is not None:
+            self.in_flight.lent(lease)
+        return lease
 
 
 class Pipeline(Graph):

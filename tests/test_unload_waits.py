@@ -1,0 +1,234 @@
+"""``Graph.unload`` returns once the graph's compiled sessions are closed: after the runs
+still using them (a lease, a compute queued or running) have ended, bounded by the
+pools' ``close_timeout``; a cancelled unload has still unloaded; an unload from the task
+holding a lease of the graph does not wait for it. And a lease granted on a registry
+model's load that ends after the name was loaded again is counted for the name.
+
+Runs are held in flight with leases (a real ONNX Runtime graph, run by a thread when the
+test says so) and a compute queued behind one (``workers = 1``): no clock involved."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import wasinn
+from tests.support import cpu_pool, require_backend
+from wasinn.backends._ort_graph import OrtGraph
+from wasinn.errors import ClosedResourceError
+from wasinn.modelgen import affine_onnx
+
+X = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture
+def closed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[OrtGraph]]:
+    """The ONNX Runtime graphs closed so far, in order."""
+    require_backend("onnxruntime")
+    seen: list[OrtGraph] = []
+    close = OrtGraph.close
+
+    def recording(self: OrtGraph) -> None:
+        close(self)
+        seen.append(self)
+
+    monkeypatch.setattr(OrtGraph, "close", recording)
+    yield seen
+
+
+async def unload_in(nursery: trio.Nursery, graph: wasinn.Graph) -> trio.Event:
+    """Unload ``graph`` in a task of its own (not the one holding its leases); the event
+    is set once the unload has returned."""
+    done = trio.Event()
+
+    async def unload() -> None:
+        await graph.unload()
+        done.set()
+
+    nursery.start_soon(unload)
+    await trio.testing.wait_all_tasks_blocked()
+    return done
+
+
+async def test_unload_returns_once_a_lease_in_flight_has_run(closed: list[OrtGraph]) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        lease = await graph.lease({"x": X})
+        async with trio.open_nursery() as nursery:
+            unloaded = await unload_in(nursery, graph)
+            assert not unloaded.is_set() and closed == []  # the lease holds the graph
+            with pytest.raises(ClosedResourceError, match="affine was unloaded"):
+                await graph.compute({"x": X})  # unusable from the start
+            out = await trio.to_thread.run_sync(lease.run)
+            await unloaded.wait()
+            assert len(closed) == 1  # closed before unload returned
+        assert out["y"].numpy().tolist() == [[3.0] * 4]
+
+
+async def test_unload_waits_for_a_compute_queued_behind_a_lease(
+        closed: list[OrtGraph]) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        lease = await graph.lease({"x": X})  # the device's one slot
+        outputs: list[Any] = []
+        async with trio.open_nursery() as nursery:
+
+            async def compute() -> None:
+                outputs.append(await graph.compute({"x": 2 * X}))
+
+            nursery.start_soon(compute)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.stats()[0].queued == 1
+            unloaded = await unload_in(nursery, graph)
+            assert not unloaded.is_set() and closed == []
+            await trio.to_thread.run_sync(lease.run)
+            await unloaded.wait()
+            assert outputs and len(closed) == 1  # the compute ran, then the graph closed
+        assert outputs[0]["y"].numpy().tolist() == [[5.0] * 4]
+        assert graph.stats().completed == 2
+
+
+async def test_a_cancelled_unload_has_unloaded_and_the_lease_frees_the_graph(
+        closed: list[OrtGraph]) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        lease = await graph.lease({"x": X})
+        scope = trio.CancelScope()
+        caught: list[bool] = []
+        async with trio.open_nursery() as nursery:
+
+            async def unload() -> None:
+                with scope:
+                    await graph.unload()
+                caught.append(scope.cancelled_caught)
+
+            nursery.start_soon(unload)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+        assert caught == [True]  # it was waiting, and the cancellation reached it
+        assert graph.unloaded and closed == []
+        with pytest.raises(ClosedResourceError, match="affine was unloaded"):
+            graph.init_execution_context()
+        await trio.to_thread.run_sync(lease.run)
+        assert len(closed) == 1  # the lease's run closed it as it ended
+
+
+async def test_past_close_timeout_unload_returns_with_a_warning(
+        closed: list[OrtGraph], caplog: pytest.LogCaptureFixture) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1, close_timeout=0)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        lease = await graph.lease({"x": X})
+        async with trio.open_nursery() as nursery:
+            with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+                unloaded = await unload_in(nursery, graph)
+            assert unloaded.is_set() and closed == []
+        (record,) = [r for r in caplog.records if "still waits for" in r.getMessage()]
+        assert "affine" in record.getMessage()
+        assert "1 lease(s) not yet run or cancelled" in record.getMessage()
+        assert "a run on its onnxruntime graph on cpu" in record.getMessage()
+        await trio.to_thread.run_sync(lease.run)
+        assert len(closed) == 1
+
+
+async def test_an_unload_from_the_task_holding_a_lease_does_not_wait_for_it(
+        closed: list[OrtGraph], caplog: pytest.LogCaptureFixture) -> None:
+    # It could not run before the unload returned: waiting would only stall until
+    # close_timeout (10 s here), then warn.
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        lease = await graph.lease({"x": X})
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            await graph.unload()
+        assert not [r for r in caplog.records if "still waits for" in r.getMessage()]
+        assert closed == []
+        out = await trio.to_thread.run_sync(lease.run)
+        assert out["y"].numpy().tolist() == [[3.0] * 4] and len(closed) == 1
+
+
+async def test_an_open_context_keeps_the_graph_and_unload_returns_at_once(
+        closed: list[OrtGraph]) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        ctx = graph.init_execution_context()
+        lease = await graph.lease({"x": X})
+        async with trio.open_nursery() as nursery:
+            unloaded = await unload_in(nursery, graph)
+            assert unloaded.is_set()  # the context keeps it: nothing to wait for
+        await trio.to_thread.run_sync(lease.run)
+        assert closed == []
+        ctx.close()
+        assert len(closed) == 1
+
+
+def pipeline_config(tmp_path: Path) -> Path:
+    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (tmp_path / "b.onnx").write_bytes(affine_onnx(3.0, 0.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
+                    '[models.a]\nfiles = ["a.onnx"]\nencoding = "onnx"\n\n'
+                    '[models.b]\nfiles = ["b.onnx"]\nencoding = "onnx"\n\n'
+                    '[pipelines.p]\nsteps = [{ model = "a" }, '
+                    '{ model = "b", wire = { y = "x" } }]\n')
+    return path
+
+
+async def test_a_pipeline_unload_waits_for_its_lease_then_loads_again(
+        tmp_path: Path, closed: list[OrtGraph]) -> None:
+    async with wasinn.Runtime.from_config(pipeline_config(tmp_path)) as rt:
+        pipeline = await rt.load_by_name("p")
+        lease = await pipeline.lease({"x": X})
+        async with trio.open_nursery() as nursery:
+            unloaded = await unload_in(nursery, pipeline)
+            assert not unloaded.is_set() and closed == []
+            out = await trio.to_thread.run_sync(lease.run)
+            await unloaded.wait()
+            assert len(closed) == 2  # both steps' graphs, freed with the pipeline
+        assert out["y"].numpy().tolist() == [[9.0] * 4]
+        again = await rt.load_by_name("p")
+        assert rt.name_registry.loads["p"] == 2
+        assert (await again.compute({"x": X}))["y"].numpy().tolist() == [[9.0] * 4]
+        assert {s.name: s.completed for s in rt.model_stats()}["p"] == 2
+
+
+def affine_config(tmp_path: Path) -> Path:
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
+                    '[models.affine]\nfiles = ["affine.onnx"]\nencoding = "onnx"\n')
+    return path
+
+
+def completed(rt: wasinn.Runtime) -> int:
+    (stats,) = rt.model_stats()
+    return stats.completed
+
+
+async def test_a_lease_run_on_a_load_replaced_by_a_reload_is_counted(
+        tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    async with wasinn.Runtime.from_config(affine_config(tmp_path)) as rt:
+        first = await rt.load_by_name("affine")
+        await first.compute({"x": X})
+        lease = await first.lease({"x": X})
+        await first.unload()  # (this task holds the lease: returns at once)
+        second = await rt.load_by_name("affine")
+        assert rt.name_registry.loads["affine"] == 2
+        assert completed(rt) == 1
+        await trio.to_thread.run_sync(lease.run)  # ends on the first load
+        assert completed(rt) == 2
+        await second.compute({"x": X})
+        assert completed(rt) == 3
+        # Loaded a third time: the first load's counts, now over, are summed for good.
+        await second.unload()
+        third = await rt.load_by_name("affine")
+        await third.compute({"x": X})
+        assert completed(rt) == 4
+        assert not rt.name_registry._replaced
+    assert completed(rt) == 4  # the final figures
