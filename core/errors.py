@@ -24,6 +24,8 @@ or thread boundary keeps its type and message.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import NamedTuple
 
 
 class ErrorCode(enum.Enum):
@@ -120,10 +122,24 @@ class TooLargeError(WasiNNError):
     after which the same request may be accepted, where wasinn knows it (a caller held by
     a sandboxed model's crash back-off), as HTTP's ``Retry-After`` tells a client; None
     where it does not (a full queue drains as fast as the device runs, a tensor too large
-    stays too large)."""
+    stays too large).
+
+    ``bound_sizes`` is set when a run's outputs did not fit the buffers bound to them
+    (``ExecutionContext.set_output``): for every bound output the run produced, by name,
+    the bytes it needed and the bytes its buffer holds (:class:`BoundSize`), measured on
+    that run (an output of dynamic shape may need more than the last one did), so that
+    a caller can grow its buffers and run again; None for every other too-large."""
 
     code = ErrorCode.TOO_LARGE
     retry_after: float | None = None
+    bound_sizes: Mapping[str, BoundSize] | None = None
+
+
+class BoundSize(NamedTuple):
+    """One bound output in a run refused as too large (``TooLargeError.bound_sizes``)."""
+
+    needed: int  #: the output's bytes in that run
+    held: int  #: the bytes of the buffer bound to it
 
 
 class NotFoundError(WasiNNError):

@@ -35,9 +35,11 @@ Data movement (why each copy is or is not made):
   compute finds two inputs' bytes overlapping. A compute whose request may run in a
   device worker thread that outlives the call (a compute timeout, a batching graph on a
   busy device) hands it copies instead of views.
-- Outputs are copied once, straight into the guest's buffer (``get_output``), or written
-  there by the backend itself when the buffer was bound before compute
-  (``set_output_by_name``).
+- Outputs are copied into the guest's buffer: at ``get_output``, or, for a buffer bound
+  before compute (``set_output_by_name``), as the run ends (the backend returns outputs
+  of its own; with a compute timeout they go through a host buffer first, as inputs go
+  through copies). A bound output of dynamic shape that proves too large for its buffer
+  has its size in that run written to ``bytes_written`` (``TooLargeError.bound_sizes``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
 from wasinn.host.tenant import graph_name
 from wasinn.host.tensor_binding import (
-    BoundTooSmall,
     InFlight,
     InputBinding,
     OutputBinding,
@@ -415,10 +416,14 @@ class GuestNN:
                 for name, view in bound.items():
                     size = entry.results[name].nbytes
                     view[:size] = staging[name][:size]
-        except BoundTooSmall as exc:
-            for name, size in exc.sizes.items():
-                mem.write_size(entry.bound_outputs[name].written_ptr, size)
-            raise TooLargeError(exc.message) from None
+        except TooLargeError as exc:
+            sizes = exc.bound_sizes  # a bound buffer too small for this run's output
+            if sizes is None:
+                raise
+            for name, bound_size in sizes.items():
+                mem.write_size(entry.bound_outputs[name].written_ptr, bound_size.needed)
+            raise TooLargeError(f"{exc.message} (the needed size was written to "
+                                "bytes_written)") from None
         for name, binding in entry.bound_outputs.items():
             mem.write_size(binding.written_ptr, entry.results[name].nbytes)
 

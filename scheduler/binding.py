@@ -1,7 +1,8 @@
 """Host buffers bound to a context's outputs (``ExecutionContext.set_output``).
 
-A run writes each bound output into its buffer in place, as wasi-nn's ``get-output``
-writes into a guest's. Two kinds of buffer are accepted:
+A run that ends copies each bound output into its buffer (the backend returns outputs
+of its own), as wasi-nn's ``get-output`` copies one into a guest's. Two kinds of buffer
+are accepted:
 
 * a byte buffer (``bytearray``, a ``memoryview``, a ``uint8`` array, a ctypes byte array:
   what guests bind): it receives the output's bytes and may be larger than they are;
@@ -10,7 +11,8 @@ writes into a guest's. Two kinds of buffer are accepted:
   or a partly written result.
 
 Every bound buffer is checked against the run's outputs before any is written: a run
-whose outputs do not fit leaves every buffer as it was.
+whose outputs do not fit leaves every buffer as it was, and its TooLargeError says what
+each bound output needed (``bound_sizes``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from wasinn.errors import InvalidArgumentError, TooLargeError
+from wasinn.errors import BoundSize, InvalidArgumentError, TooLargeError
 from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
 
 #: memoryview formats of plain bytes (bytearray, bytes-like objects, numpy u8).
@@ -113,9 +115,19 @@ def _not_contiguous(what: str) -> InvalidArgumentError:
 
 
 def fill(bound: dict[str, OutputBuffer], outputs: dict[str, Tensor]) -> None:
-    """Write each of ``outputs`` into its bound buffer: all of them, or (an error) none."""
+    """Write each of ``outputs`` into its bound buffer: all of them, or (an error) none.
+
+    Raises what :meth:`OutputBuffer.check` raises for the first that does not fit; a
+    TooLargeError carries every bound output's size in this run and its buffer's
+    (``bound_sizes``): the context records no outputs of a refused run, so this is the
+    only place that knows what a dynamic output needed.
+    """
     pairs = [(buffer, outputs[name]) for name, buffer in bound.items() if name in outputs]
     for buffer, tensor in pairs:
-        buffer.check(tensor)
+        try:
+            buffer.check(tensor)
+        except TooLargeError as exc:
+            exc.bound_sizes = {b.name: BoundSize(t.nbytes, b.raw.nbytes) for b, t in pairs}
+            raise
     for buffer, tensor in pairs:
         buffer.write(tensor)

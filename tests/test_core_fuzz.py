@@ -576,6 +576,43 @@ async def test_a_size_of_4_gib_or_more_is_written_back_as_the_largest_u32(
     assert host_log.said("output 'y' needs 17179869184 bytes but its bound buffer holds 16")
 
 
+@pytest.mark.parametrize("limits", [None, GuestLimits(compute_timeout=60)],
+                         ids=["guest thread", "compute timeout"])
+async def test_a_dynamic_output_too_large_for_its_bound_buffer_writes_what_it_needs(
+        rt: wasinn.Runtime, host_log: HostLog, limits: GuestLimits | None) -> None:
+    # Was: the size was looked up in the context's last recorded run, which a refused run
+    # is not: a first compute wrote no size (the guest read what it had left there), a
+    # later one the last success's (16 bytes, which fit: a guest growing its buffer to
+    # bytes_written and computing again got too_large for ever).
+    def body(guest: Guest) -> None:
+        ctx = ready(guest, "identity", (2, 4))  # y = x: 32 bytes, known after the run
+        small = guest.record(0x480, [1, 4], 1, DATA_AT, 16)
+        y = guest.name(0x100, "y")
+        guest.write(0x40, struct.pack("<I", 0xDEADBEEF))
+        guest.write(0x6000, b"\xaa" * 16)
+        assert guest.call("set_output_by_name", ctx, *y, 0x6000, 16, 0x40) == SUCCESS
+        assert guest.call("compute", ctx) == TOO_LARGE
+        assert guest.u32(0x40) == 32
+        assert guest.read(0x6000, 16) == b"\xaa" * 16
+        assert guest.call("set_input", ctx, 0, small) == SUCCESS
+        assert guest.call("compute", ctx) == SUCCESS
+        assert guest.u32(0x40) == 16
+        assert guest.call("set_input", ctx, 0, 0x400) == SUCCESS  # 32 bytes again
+        assert guest.call("compute", ctx) == TOO_LARGE
+        assert guest.u32(0x40) == 32
+        assert guest.call("set_output_by_name", ctx, *y, 0x6000, guest.u32(0x40),
+                          0x40) == SUCCESS
+        assert guest.call("compute", ctx) == SUCCESS
+        assert guest.u32(0x40) == 32
+        assert np.frombuffer(guest.read(0x6000, 32), np.float32).tolist() == [
+            1, 2, 3, 4, 5, 6, 7, 8]
+
+    await in_guest(rt, body, limits)
+    assert host_log.bugs() == []
+    assert host_log.said("output 'y' is 32 bytes ([2, 4] of f32) but its bound buffer holds "
+                         "16 (the needed size was written to bytes_written)")
+
+
 async def test_names_longer_than_any_name_are_refused_before_they_are_read(
         rt: wasinn.Runtime, host_log: HostLog) -> None:
     # Was: a name of any length was decoded, looked up and quoted whole in the host's log
