@@ -190,7 +190,8 @@ def _check_bound(bound: int) -> None:
 
 def _specs(graph: CompiledGraph) -> dict[str, Any]:
     def spec(s: Any) -> list[Any]:
-        return [s.name, s.type.value, list(s.shape), s.rank_known]
+        # (null for a type the model does not declare: TorchScript's placeholder)
+        return [s.name, s.type.value if s.type_known else None, list(s.shape), s.rank_known]
 
     return {"inputs": [spec(s) for s in graph.inputs],
             "outputs": [spec(s) for s in graph.outputs],

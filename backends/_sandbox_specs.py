@@ -2,13 +2,15 @@
 :mod:`.sandbox`).
 
 The process answers a load with the model's inputs and outputs (``[name, type, dims,
-rank_known]`` each), their other names (aliases, by position) and whether its output
-types hold, in JSON (:func:`._sandbox_child._specs`). The host believes none of it
-unchecked: a library bug that let a model run code in the process could make it answer
-anything, and what it answers becomes the graph's :class:`~.base.TensorSpec` s, which
-size the arena (:func:`reserve`) and check every run's inputs and outputs. So
-:func:`read_specs` takes only what an in-process graph could declare: a name (a str,
-each input's and each output's its own), one of wasi-nn's element types, at most
+rank_known]`` each, the type null where the model declares none), their other names
+(aliases, by position) and whether its output types hold, in JSON
+(:func:`._sandbox_child._specs`). The host believes none of it unchecked: a library bug
+that let a model run code in the process could make it answer anything, and what it
+answers becomes the graph's :class:`~.base.TensorSpec` s, which size the arena
+(:func:`reserve`) and check every run's inputs and outputs. So :func:`read_specs` takes
+only what an in-process graph could declare: a name (a str, each input's and each
+output's its own), one of wasi-nn's element types or null (none declared, as
+TorchScript's: a spec with ``type_known=False``), at most
 :data:`~wasinn.tensor.MAX_RANK` dimensions, each null (dynamic) or an integer from 0 to
 :data:`MAX_DIM` (JSON's ``Infinity``, a float, a bool or a negative number is none), no
 dimension for a spec of unknown rank, aliases that name a position there is, and a
@@ -68,7 +70,7 @@ def reserve(specs: Sequence[TensorSpec], most: int, align: int) -> int:
 def static_nbytes(spec: TensorSpec) -> int:
     """The bytes a tensor of ``spec`` takes, where its shape is known (else 0)."""
     dims = [d for d in spec.shape if d is not None]
-    if not spec.rank_known or len(dims) != len(spec.shape):
+    if not (spec.rank_known and spec.type_known) or len(dims) != len(spec.shape):
         return 0
     return math.prod(dims) * spec.type.itemsize
 
@@ -99,10 +101,12 @@ def _spec(entry: object, what: str) -> TensorSpec:
     name, type_, dims, rank_known = entry
     what = f"{what} {quoted(name)}"
     try:
-        ttype = TensorType(type_)
+        # null: the model declares no type (the spec's f32 is a placeholder)
+        ttype = TensorType.F32 if type_ is None else TensorType(type_)
     except ValueError:
         raise ValueError(f"{what} of type {type_!r:.40}: expected one of "
-                         f"{', '.join(t.value for t in TensorType)}") from None
+                         f"{', '.join(t.value for t in TensorType)} or null "
+                         "(undeclared)") from None
     if len(dims) > MAX_RANK:
         raise ValueError(f"{what} of {len(dims)} dimensions: expected at most {MAX_RANK}")
     for d in dims:
@@ -112,7 +116,7 @@ def _spec(entry: object, what: str) -> TensorSpec:
     if not rank_known and dims:
         raise ValueError(f"{what} of dimensions {dims!r:.80} but of unknown rank: expected "
                          "no dimension")
-    return TensorSpec(name, ttype, tuple(dims), rank_known)
+    return TensorSpec(name, ttype, tuple(dims), rank_known, type_known=type_ is not None)
 
 
 def _aliases(payload: Mapping[str, Any], key: str, count: int) -> Mapping[str, int]:

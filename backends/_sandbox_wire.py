@@ -425,7 +425,7 @@ class DeclaredOutputs:
         return any(spec.name == name for spec in self._specs)
 
     def _fits(self, ttype: TensorType, dims: tuple[int, ...], spec: TensorSpec) -> bool:
-        if self._typed and ttype is not spec.type:
+        if self._typed and spec.type_known and ttype is not spec.type:
             return False
         if not spec.rank_known:
             return True

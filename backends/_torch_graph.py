@@ -92,12 +92,13 @@ class TorchGraph(CheckedGraph):
         ``checkpoints``: run under :class:`_Checkpoints` (a TorchScript module loaded
         with ``interruptible``); ``stop_checked``: a TorchScript module's forward with
         stop checks, run in its place."""
-        # TorchScript declares no element types: its specs' f32 is a placeholder, unchecked
-        # (their ranks are unknown, so their shapes go unchecked as well).
-        unchecked: frozenset[int] = frozenset() if checked else frozenset(range(len(inputs)))
+        # TorchScript declares no element types (type_known=False): its specs' f32 is a
+        # placeholder, unchecked (their ranks are unknown, so their shapes go unchecked
+        # as well).
+        unchecked = frozenset(i for i, spec in enumerate(inputs) if not spec.type_known)
         super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
         self._checked = checked
-        self.output_types_declared = checked
+        self.output_types_declared = all(spec.type_known for spec in outputs)
         self._private = private
         self._model_storages = model_storages
         self._dim_ranges = dim_ranges

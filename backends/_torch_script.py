@@ -3,9 +3,9 @@
 
 Its code is checked before ``torch.jit.load`` runs any of it, its operators and integer
 divisions after; its specs come from ``forward``'s signature (Tensor arguments first,
-f32 of unknown rank: TorchScript records no types); on the CPU it is frozen and
-optimized for inference where torch can; its loops get stop checks where torch can put
-them in.
+of undeclared element type and rank: TorchScript records neither); on the CPU it is
+frozen and optimized for inference where torch can; its loops get stop checks where
+torch can put them in. A ``torch.save`` checkpoint is refused before torch reads it.
 """
 
 from __future__ import annotations
@@ -24,12 +24,21 @@ from ._torch_graph import NAME, TorchGraph, _first_line, _output_names
 from ._torch_memory import script_keeps_tensors, script_storages, script_written_inputs
 from ._torch_ops import check_torchscript_code, check_torchscript_module
 from .base import Device, TensorSpec, in_sandbox, log
+from .formats import check_not_torch_save
+
+
+def _undeclared(name: str) -> TensorSpec:
+    """A TorchScript tensor's spec: of undeclared element type (the f32 is a placeholder)
+    and of unknown rank."""
+    return TensorSpec(name, TensorType.F32, (), rank_known=False, type_known=False)
 
 
 def _load_torchscript(
     data: bytes, device: Device, torch_device: torch.device, *, optimize: bool,
     interruptible: bool
 ) -> TorchGraph:
+    # torch's reader would call a torch.save checkpoint a corrupted archive.
+    check_not_torch_save(NAME, data)
     sources = check_torchscript_code(NAME, data)  # before torch.jit.load runs __setstate__
     # Before torch.jit.load folds them as it compiles; a sandbox process risks the fold.
     check_folded_divisions(NAME, sources, refuse_unguardable=not in_sandbox())
@@ -62,7 +71,7 @@ def _load_torchscript(
                 f"({defaulted.type}, left to its default): expected the Tensor arguments "
                 "first, the others after them"
             )
-        inputs.append(TensorSpec(arg.name, TensorType.F32, (), rank_known=False))
+        inputs.append(_undeclared(arg.name))
     returns = str(schema.returns[0].type) if schema.returns else "None"
     if returns == "Tensor":
         count = 1
@@ -74,8 +83,7 @@ def _load_torchscript(
         raise UnsupportedOperationError(
             f"{NAME}: forward() returns {returns}: expected a Tensor or a tuple of Tensors"
         )
-    outputs = tuple(TensorSpec(n, TensorType.F32, (), rank_known=False)
-                    for n in _output_names(count))
+    outputs = tuple(map(_undeclared, _output_names(count)))
     if optimize and device.kind is ExecutionTarget.CPU:
         # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
         with contextlib.suppress(Exception):

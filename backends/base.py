@@ -82,6 +82,10 @@ class TensorSpec:
     does not say how many dimensions a tensor has (TorchScript records no shapes; an
     OpenVINO port of dynamic rank; an ONNX value declared without a shape) gives
     ``rank_known=False`` and ``shape == ()``: nothing about its shape is known.
+    A model that does not declare a tensor's element type (TorchScript records none)
+    gives ``type_known=False``: its ``type`` is then a placeholder (f32) that says nothing
+    and that nothing checks, a tensor of any element type may be given or come out, and
+    :meth:`describe` says ``any``.
     Raises InvalidArgumentError for ``rank_known=False`` with dimensions.
     """
 
@@ -89,6 +93,7 @@ class TensorSpec:
     type: TensorType
     shape: tuple[int | None, ...]
     rank_known: bool = True
+    type_known: bool = True
 
     def __post_init__(self) -> None:
         if not self.rank_known and self.shape:
@@ -98,11 +103,13 @@ class TensorSpec:
 
     def describe(self) -> str:
         """``name: type[dims]``, a dynamic dimension as ``?``; ``x: f32[]`` is a scalar,
-        ``x: f32[...]`` an input of unknown rank."""
+        ``x: f32[...]`` an input of unknown rank, ``x: any[...]`` one of undeclared
+        element type and rank (TorchScript's)."""
+        type_ = self.type.value if self.type_known else "any"
         if not self.rank_known:
-            return f"{self.name}: {self.type.value}[...]"
+            return f"{self.name}: {type_}[...]"
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
-        return f"{self.name}: {self.type.value}[{dims}]"
+        return f"{self.name}: {type_}[{dims}]"
 
 
 #: The most intra-op threads a model may ask for (``LoadOptions.threads``, a config's
@@ -212,7 +219,7 @@ class CompiledGraph(abc.ABC):
     output_aliases: Mapping[str, int] = MappingProxyType({})
     #: Whether a run's outputs have the element types :attr:`outputs` declare: False
     #: where those are placeholders (a TorchScript module records no types: its specs
-    #: say f32 of unknown rank, whatever it returns).
+    #: say ``any`` of unknown rank, ``type_known=False``, whatever it returns).
     output_types_declared: bool = True
     #: Whether a run may be made on the caller's event loop (a device's opt-in inline
     #: runs): False where a run can wait on something other than the computation (a

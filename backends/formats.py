@@ -3,7 +3,10 @@
 ``detect_encoding`` answers ``autodetect`` for the registry: ONNX and TensorFlow
 protobufs are told apart by walking their top-level protobuf fields, OpenVINO IR by its
 ``<net`` XML root, TorchScript and ``torch.export`` archives by their zip layout,
-TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic.
+TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic. A
+``torch.save`` checkpoint (pickled weights or module: no model any backend reads) is
+recognised too, and refused saying how to save a model that loads
+(:func:`check_not_torch_save`); it is never unpickled.
 """
 
 from __future__ import annotations
@@ -122,6 +125,46 @@ def _looks_like_ir(data: bytes | bytearray | memoryview) -> bool:
     return root.startswith(b"<net") and root[4:5] in (b" ", b">", b"\t", b"\n", b"\r", b"/")
 
 
+#: How a ``torch.save`` file in its legacy format (before torch 1.6, or with
+#: ``_use_new_zipfile_serialization=False``) begins: a protocol 2 pickle of its magic
+#: number 0x1950a86a20f9469cfc6c.
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+#: What a ``torch.save`` checkpoint is, and what to give instead.
+_TORCH_SAVE_CHECKPOINT = (
+    "the model is a torch.save checkpoint (pickled weights or a pickled module), not a "
+    "TorchScript or torch.export archive, and is not unpickled (that would run any code "
+    "it holds): expected a model saved with torch.jit.save(torch.jit.script(model), f) or "
+    "torch.export.save(torch.export.export(model, args), f)")
+
+
+def _is_torch_save_zip(names: list[str]) -> bool:
+    """Whether the zip member ``names`` are a ``torch.save`` checkpoint's: a ``data.pkl``
+    (which TorchScript archives hold too) but no TorchScript ``code/`` or
+    ``constants.pkl`` and no torch.export ``archive_format``."""
+    return any(n.endswith("/data.pkl") for n in names) and not any(
+        n.endswith(("/constants.pkl", "/archive_format")) or "/code/" in n for n in names)
+
+
+def check_not_torch_save(backend: str, data: bytes | bytearray | memoryview) -> None:
+    """InvalidEncodingError, naming ``backend`` and saying how to save a model that loads,
+    when ``data`` is a ``torch.save`` checkpoint (its zip format or its legacy pickle);
+    other bytes, a zip that cannot be read included, are left for the library to judge."""
+    view = memoryview(data).cast("B")
+    found = _is_legacy_torch_save(view)
+    if not found and bytes(view[:4]) == b"PK\x03\x04":
+        try:
+            found = _is_torch_save_zip(_zip_names(view))
+        except InvalidEncodingError:
+            return
+    if found:
+        raise InvalidEncodingError(f"{backend}: {_TORCH_SAVE_CHECKPOINT}")
+
+
+def _is_legacy_torch_save(data: bytes | bytearray | memoryview) -> bool:
+    return bytes(memoryview(data).cast("B")[:len(_LEGACY_TORCH_SAVE)]) == _LEGACY_TORCH_SAVE
+
+
 def _zip_names(data: bytes | bytearray | memoryview) -> list[str]:
     """The member names of a zip archive.
 
@@ -172,6 +215,8 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
         return GraphEncoding.GGML
     if head[:4] == b"PK\x03\x04":
         names = _zip_names(first)
+        if _is_torch_save_zip(names):
+            raise InvalidEncodingError(f"autodetect: {_TORCH_SAVE_CHECKPOINT}")
         # TorchScript archives hold data.pkl / constants.pkl / code/; torch.export
         # (.pt2) archives hold archive_format and models/*.json.
         if any(n.endswith(("/data.pkl", "/constants.pkl", "/archive_format"))
@@ -181,6 +226,8 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
             "autodetect: a zip archive that is neither a TorchScript archive (no data.pkl) "
             "nor a torch.export archive (no archive_format)"
         )
+    if _is_legacy_torch_save(first):
+        raise InvalidEncodingError(f"autodetect: {_TORCH_SAVE_CHECKPOINT}")
     found = _protobuf_encoding(first)
     if found is not None:
         return found

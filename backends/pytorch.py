@@ -15,8 +15,9 @@ Specs. A ``torch.export`` program records element types and shapes (symbolic dim
 reported as None) and inputs are checked against them, a symbolic dim against the range
 it was exported with (``Dim("n", max=8)``; like torch, only lower bounds above 2): an
 input outside it is InvalidArgumentError naming the input, the dimension and the range.
-A TorchScript archive records neither: its specs say f32 with an unknown rank
-(``rank_known=False``, described as ``x: f32[...]``) and only input names are checked;
+A TorchScript archive records neither: its specs declare no element type and no rank
+(``type_known=False``, ``rank_known=False``, described as ``x: any[...]``; their f32 is a
+placeholder) and only input names are checked;
 a wrong element type or shape then fails inside the model and is reported as
 InvalidArgumentError carrying TorchScript's message.
 

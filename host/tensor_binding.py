@@ -24,8 +24,6 @@ from wasinn.errors import (
     InvalidArgumentError,
     NotFoundError,
     TimeoutError_,
-    TooLargeError,
-    WasiNNError,
 )
 from wasinn.host.guest_memory import TensorRecord
 from wasinn.host.scheduler_api import CallerRunLike, ContextLike, Portal
@@ -50,12 +48,6 @@ class OutputBinding:
 
 
 
-class BoundTooSmall(TooLargeError):
-    def __init__(self, message: str, sizes: dict[str, int]) -> None:
-        super().__init__(message)
-        self.sizes = sizes
-
-
 async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
                        bound: dict[str, np.ndarray[Any, Any]],
                        names: list[str], timeout: float | None = None,
@@ -63,9 +55,10 @@ async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
     """One trio round trip per compute: bind, run (for ``tenant``), collect every output
     (in trio).
 
-    Bound buffers are filled by the context during ``run`` (straight into guest memory).
-    Past ``timeout`` seconds the run is cancelled (its queued request dropped, a running
-    one abandoned) and TimeoutError_ is raised.
+    The context copies the outputs into the bound buffers once the run ends, all or none:
+    a TooLargeError for one that does not fit carries what each needed
+    (``bound_sizes``). Past ``timeout`` seconds the run is cancelled (its queued request
+    dropped, a running one abandoned) and TimeoutError_ is raised.
     """
     for name, tensor in inputs.items():
         ctx.set_input(name, tensor)
@@ -79,22 +72,7 @@ async def run_context(ctx: ContextLike, inputs: dict[str, Tensor],
             f"compute took longer than this guest's limit of {timeout:g} s "
             "([guests] compute_timeout)"
         ) from None
-    except TooLargeError as exc:
-        raise _overflowed(exc, ctx, bound) from None
     return {name: ctx.get_output(name) for name in names}
-
-
-def _overflowed(exc: TooLargeError, ctx: ContextLike,
-                bound: dict[str, np.ndarray[Any, Any]]) -> WasiNNError:
-    """What to raise when a run reported too-large: with bound buffers, a dynamic output
-    overflowed one, so report the sizes each needed (BoundTooSmall); else ``exc``."""
-    if not bound:
-        return exc
-    try:
-        sizes = {name: ctx.get_output(name).nbytes for name in bound}
-    except WasiNNError:
-        return exc
-    return BoundTooSmall(exc.message, sizes)
 
 
 class InFlight:
@@ -149,16 +127,16 @@ def run_context_in_thread(portal: Portal, ctx: ContextLike, inputs: dict[str, Te
     into a batch), and a cancelled guest leaves it at once: its memory may be gone while
     that run still reads it, so such a request is handed copies (one copy of each input,
     only when the device is busy, made while another request runs).
+
+    The outputs are copied into the ``bound`` buffers (views of guest memory) in this
+    thread once the run ends, all or none, as :func:`run_context` says.
     """
     for name, buffer in bound.items():
         ctx.set_output(name, buffer)
     run = ctx.try_lease(inputs, tenant=tenant)
     if run is None:
         run = portal.run(functools.partial(ctx.lease, owned_copies(inputs), tenant=tenant))
-    try:
-        return in_flight.run(run)
-    except TooLargeError as exc:
-        raise _overflowed(exc, ctx, bound) from None
+    return in_flight.run(run)
 
 
 def owned_copies(inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -180,7 +158,7 @@ def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
 
 def static_nbytes(spec: TensorSpec) -> int | None:
     """The byte size of an output whose shape is fully known before running, else None."""
-    if not spec.rank_known or any(d is None for d in spec.shape):
+    if not (spec.rank_known and spec.type_known) or any(d is None for d in spec.shape):
         return None
     return math.prod(d for d in spec.shape if d is not None) * spec.type.itemsize
 
@@ -206,10 +184,12 @@ def spec_named(specs: tuple[TensorSpec, ...], name: str, kind: str) -> TensorSpe
 
 def check_against_spec(record: TensorRecord, spec: TensorSpec) -> None:
     """Reject at set_input what compute would reject anyway, naming what the model wants."""
-    # A spec of unknown rank (TorchScript, a dynamic-rank port): check the type only.
+    # A spec of unknown rank (TorchScript, a dynamic-rank port) takes any shape, one of
+    # undeclared type (TorchScript: type_known=False) any type: the model decides.
     shape_ok = not spec.rank_known or (len(record.dims) == len(spec.shape) and all(
         want is None or want == got for want, got in zip(spec.shape, record.dims, strict=True)))
-    if record.type is not spec.type or not shape_ok:
+    type_ok = record.type is spec.type or not spec.type_known
+    if not (type_ok and shape_ok):
         raise InvalidArgumentError(
             f"input {spec.name!r} got {record.type.value}{list(record.dims)}: the model "
             f"expects {spec.describe()}"

@@ -68,10 +68,66 @@ def test_torchscript_specs_have_an_unknown_rank_not_rank_0(backend: Any) -> None
     graph = backend.load([scripted(_pair_module())], PT, CPU)
     specs = (*graph.inputs, *graph.outputs)
     assert [(s.shape, s.rank_known) for s in specs] == [((), False)] * 4
-    assert [s.describe() for s in graph.inputs] == ["image: f32[...]", "offset: f32[...]"]
+    # ...and no element type: their f32 is a placeholder (before, described as f32[...]).
+    assert [s.type_known for s in specs] == [False] * 4
+    assert [s.describe() for s in graph.inputs] == ["image: any[...]", "offset: any[...]"]
     scalar = Tensor.from_numpy(np.float32(1))  # any rank goes through: here, rank 0
     out = graph.run({"image": Tensor.from_numpy(np.ones((2, 3), np.float32)), "offset": scalar})
     assert out["output_0"].dims == (2, 3)
+
+
+def _argmax_module() -> Any:
+    import torch
+
+    class Argmax(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.argmax(dim=1)
+
+    return Argmax()
+
+
+async def test_a_torchscript_output_declares_no_type_and_a_typed_buffer_is_checked_at_the_run(
+        ) -> None:
+    # Before, g.outputs said output: f32[...] for this i64 output, and a caller sizing a
+    # typed buffer from it had it refused at the run. A typed buffer is taken at
+    # set_output whatever its dtype; the run fills one of the output's type and refuses
+    # another, leaving it as it was.
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([scripted(_argmax_module())], "pytorch")
+        assert [s.describe() for s in graph.outputs] == ["output: any[...]"]
+        x = np.array([[1.0, 5.0, 2.0], [7.0, 0.0, 1.0]], np.float32)
+        with graph.init_execution_context() as ctx:
+            ctx.set_input("x", x)
+            ids = np.full(2, -1, np.int64)
+            ctx.set_output("output", ids)
+            await ctx.run()
+            np.testing.assert_array_equal(ids, [1, 0])
+            wrong = np.full(2, -1.0, np.float32)
+            ctx.set_output("output", wrong)
+            with pytest.raises(InvalidArgumentError, match=(
+                    r"^output 'output' is i64 but its bound buffer is float32: expected a "
+                    r"int64 array, or a byte buffer$")):
+                await ctx.run()
+            np.testing.assert_array_equal(wrong, [-1.0, -1.0])
+
+
+def test_a_torch_save_checkpoint_is_refused_saying_how_to_save_a_model(
+        backend: Any, tmp_path: Any) -> None:
+    # Before: "cannot load the TorchScript archive: PytorchStreamReader failed locating
+    # file constants.pkl: file not found ... your checkpoint file is corrupted".
+    import torch
+
+    module = torch.nn.Linear(2, 2)
+    said = (r"^pytorch: the model is a torch.save checkpoint \(pickled weights or a pickled "
+            r"module\), not a TorchScript or torch.export archive, and is not unpickled .*"
+            r"expected a model saved with torch\.jit\.save\(torch\.jit\.script\(model\), "
+            r"f\) or torch\.export\.save\(torch\.export\.export\(model, args\), f\)$")
+    for saved, legacy in [(module.state_dict(), False), (module, False),
+                          (module.state_dict(), True)]:
+        buffer = io.BytesIO()
+        torch.save(saved, buffer, _use_new_zipfile_serialization=not legacy)
+        with pytest.raises(wasinn.InvalidEncodingError, match=said):
+            backend.load([buffer.getvalue()], PT, CPU)
 
 
 def test_single_output_is_named_output(backend: Any, small_mobilenet: ModelFiles) -> None:

@@ -263,11 +263,28 @@ def test_a_scalar_input_takes_only_a_scalar_and_an_unknown_rank_takes_any() -> N
         check_against_spec(TensorRecord(dims, TensorType.F32, 0, 4), unknown)
 
 
+def test_an_undeclared_type_takes_any_type_and_a_declared_one_of_unknown_rank_only_its_own(
+        ) -> None:
+    # TorchScript's specs: f32 is a placeholder (type_known=False). Before, set_input
+    # refused an i64 tensor for it ("the model expects x: f32[...]").
+    undeclared = TensorSpec("x", TensorType.F32, (), rank_known=False, type_known=False)
+    assert undeclared.describe() == "x: any[...]"
+    for ttype in [TensorType.I64, TensorType.U8, TensorType.BF16, TensorType.F32]:
+        check_against_spec(TensorRecord((1, 4), ttype, 0, 4), undeclared)
+    # An ONNX value declared without a shape still declares its type.
+    shapeless = TensorSpec("x", TensorType.F32, (), rank_known=False)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"^input 'x' got i64\[1, 4\]: the model expects x: f32\[\.\.\.\]$"):
+        check_against_spec(TensorRecord((1, 4), TensorType.I64, 0, 32), shapeless)
+
+
 def test_only_a_known_shape_has_a_static_output_size() -> None:
     assert static_nbytes(TensorSpec("y", TensorType.F32, ())) == 4  # a scalar
     assert static_nbytes(TensorSpec("y", TensorType.F32, (2, 3))) == 24
     assert static_nbytes(TensorSpec("y", TensorType.F32, (None, 3))) is None
     assert static_nbytes(TensorSpec("y", TensorType.F32, (), rank_known=False)) is None
+    # ...and a declared type: an undeclared one's itemsize says nothing.
+    assert static_nbytes(TensorSpec("y", TensorType.F32, (2, 3), type_known=False)) is None
 
 
 def test_a_guest_request_on_a_busy_device_is_handed_copies_of_guest_memory() -> None:

@@ -57,19 +57,49 @@ def printed(out: str, label: str) -> tuple[int, float]:
     return int(match[1]), float(match[2])
 
 
-@pytest.mark.parametrize("name", ["bad_inputs", "old_types", "extensions", "rebind", "grow"])
+@pytest.mark.parametrize("name", ["bad_inputs", "old_types", "extensions", "rebind", "grow",
+                                  "bound_dynamic"])
 async def test_wat_guest_checks(rt: wasinn.Runtime, name: str) -> None:
     code = await rt.run_wasm(WAT_DIR / f"{name}.wat")
     assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
 
 
-@pytest.mark.parametrize("name", ["old_types", "extensions"])
+# bound_dynamic.wat: before, a bound buffer that a dynamic output outgrew got no size (a
+# first compute) or the last successful compute's (16 bytes, which fit: a guest growing
+# its buffer to it never got its output), on both paths.
+@pytest.mark.parametrize("name", ["old_types", "extensions", "bound_dynamic"])
 async def test_wat_guest_checks_with_a_compute_timeout(rt: wasinn.Runtime, name: str) -> None:
     # With a timeout the compute runs abandonably in a device worker, on copies of the
     # inputs and into host buffers copied to the guest after: same answers, bound outputs
     # included.
     code = await run_wasm(rt, WAT_DIR / f"{name}.wat", limits=GuestLimits(compute_timeout=60))
     assert code == 0, f"{name}.wat: check #{code} failed (see the `;; #{code}` comment)"
+
+
+@pytest.mark.parametrize("sandbox", [False, True], ids=["in-process", "sandboxed"])
+@pytest.mark.parametrize("timeout", [None, 60.0], ids=["inline", "compute-timeout"])
+async def test_a_torchscript_model_takes_any_element_type_from_a_guest(
+        tmp_path: Path, sandbox: bool, timeout: float | None) -> None:
+    # TorchScript declares no element types: its specs' f32 is a placeholder. Before,
+    # set_input checked it as the model's type and refused i64 and u8 tensors
+    # (invalid_argument: "the model expects x: f32[...]"), which Graph.compute takes.
+    require_backend("torch")
+    import torch
+
+    from tests.backend_models import scripted
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    (tmp_path / "add_one.pt").write_bytes(scripted(AddOne()))
+    config = parse_config({"models": {"add_one_ts": {
+        "files": [str(tmp_path / "add_one.pt")], "encoding": "pytorch", "sandbox": sandbox}}},
+        None, label="torchscript guest config")
+    async with wasinn.Runtime(config) as runtime:
+        code = await run_wasm(runtime, WAT_DIR / "torchscript_types.wat",
+                              limits=GuestLimits(compute_timeout=timeout))
+    assert code == 0, f"torchscript_types.wat: check #{code} failed"
 
 
 async def test_a_buffer_refilled_for_each_input_is_read_at_compute_and_logged(

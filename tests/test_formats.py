@@ -80,6 +80,40 @@ def test_unknown_bytes_say_what_was_expected(data: bytes, what: str) -> None:
     assert what in str(info.value)
 
 
+_CHECKPOINT = (r"^autodetect: the model is a torch.save checkpoint \(pickled weights or a "
+               r"pickled module\), not a TorchScript or torch.export archive, and is not "
+               r"unpickled \(that would run any code it holds\): expected a model saved with "
+               r"torch\.jit\.save\(torch\.jit\.script\(model\), f\) or "
+               r"torch\.export\.save\(torch\.export\.export\(model, args\), f\)$")
+
+
+async def test_a_torch_save_checkpoint_is_told_apart_from_a_model() -> None:
+    # Before: taken for TorchScript (it holds a data.pkl too), and torch's reader then
+    # called it corrupted ("PytorchStreamReader failed locating file constants.pkl").
+    require_backend("torch")
+    import torch
+
+    import wasinn
+
+    module = torch.nn.Linear(2, 2)
+    saved = []
+    for obj, legacy in [(module.state_dict(), False), (module, False),
+                        (module.state_dict(), True)]:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
+        saved.append(buffer.getvalue())
+    async with wasinn.Runtime() as rt:
+        for data in saved:
+            with pytest.raises(InvalidEncodingError, match=_CHECKPOINT):
+                detect_encoding([data])
+            with pytest.raises(InvalidEncodingError, match=_CHECKPOINT):
+                await rt.load([data], "autodetect")
+    # A TorchScript archive holds code/ and constants.pkl besides its data.pkl.
+    scripted = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), scripted)
+    assert detect_encoding([scripted.getvalue()]) is GraphEncoding.PYTORCH
+
+
 def test_no_builders_is_invalid_encoding() -> None:
     with pytest.raises(InvalidEncodingError, match="empty builder list"):
         detect_encoding([])
