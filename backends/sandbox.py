@@ -285,6 +285,9 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         caller = current_caller()
         child = self._acquire(caller)
         try:
+            # Again, now that it has a process: inputs checked before a wait for one may
+            # have been refused meanwhile (the same poison, sent by another caller too).
+            known = self._refuse_crashed(named, known)
             payload, result = self._run_in(child, named, expected, known, caller)
             if "error" in payload and lost_context(payload, self.device):
                 raise self._retired(child, payload, named, known, caller)
@@ -300,15 +303,17 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         count_host_copies(len(result))  # each left the library's form, in the process
         return result
 
-    def _refuse_crashed(self, inputs: Mapping[str, Tensor]) -> bytes | None:
+    def _refuse_crashed(self, inputs: Mapping[str, Tensor], digest: bytes | None = None
+                        ) -> bytes | None:
         """BackendRuntimeError for inputs that crashed the process often enough to be
         refused (see :mod:`._sandbox_backoff`); the digest of inputs shaped as some that
-        crashed it (else None: not hashed)."""
+        crashed it (else None: not hashed). ``digest``: theirs, where hashed already."""
         shapes = shapes_of(inputs)
         with self._cond:
             if not self.backoff.knows(shapes):
                 return None
-        digest = digest_of(inputs)  # (not under the lock: it reads every input)
+        if digest is None:
+            digest = digest_of(inputs)  # (not under the lock: it reads every input)
         with self._cond:
             refusal = self.backoff.refusal(digest)
         if refusal is not None:

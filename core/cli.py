@@ -292,14 +292,8 @@ async def _serving_metrics(rt: Runtime, port: int | None, addr: str | None
 
 
 async def _infer(args: argparse.Namespace) -> int:
-    from wasinn.infer import (
-        Load,
-        check_save_path,
-        describe_output,
-        infer,
-        read_inputs,
-        save_outputs,
-    )
+    from wasinn._save import check_save_path, save_outputs
+    from wasinn.infer import Load, describe_output, infer, read_inputs
     from wasinn.scheduler import Runtime
 
     load: Load = args.load

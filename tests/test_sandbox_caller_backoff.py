@@ -228,6 +228,81 @@ def test_another_caller_runs_at_once_while_the_crashing_callers_runs_are_refused
         graph.close()
 
 
+#: The refusal of inputs that crashed the process twice (a pattern).
+POISON_REFUSED = (r"^crashing: these inputs crashed the model's process 2 times \(the last "
+                  r"0\.0 s ago: it was killed by SIGSEGV\): they are refused without a run "
+                  r"until 600 s after their last crash; other inputs run as usual$")
+
+
+@pytest.mark.parametrize("caller", ["a", None], ids=["caller", "nobody"])
+def test_known_poison_is_refused_as_poison_before_any_back_off_of_its_caller(
+        clock: StillClock, spawns: list[int], caller: str | None) -> None:  # noqa: F811
+    # The poison refusal comes first, and must: inputs refused for 600 s whoever sends
+    # them are told so (runtime-error), not to retry in 0.5 s (too-large, retry_after),
+    # which would invite a retry refused again, by the same poison refusal then. Nor
+    # does a known poison wait for the graph's delayed process (for ever here, the clock
+    # standing still), holding a worker slot for a run it will never make.
+    graph = _crashing_graph()
+    try:
+        for _ in range(2):  # the same poison twice: refused from now on
+            with pytest.raises(BackendRuntimeError, match=SEGV):
+                _as(caller, graph.run, _poison())
+        (backoff,) = clock.backoffs
+        assert (backoff.holding(caller), backoff.remaining(caller)) == (
+            (FIRST_DELAY_S, FIRST_DELAY_S) if caller else (0.0, FIRST_DELAY_S))
+        for sender in (caller, "b"):  # whoever sends it
+            with pytest.raises(BackendRuntimeError, match=POISON_REFUSED):
+                _as(sender, graph.run, _poison())
+        assert len(spawns) == 2 and graph.pids == []  # the load's, one after a crash
+    finally:
+        graph.close()
+
+
+def test_poison_sent_at_once_by_several_callers_crashes_the_process_twice_at_most(
+        spawns: list[int]) -> None:  # noqa: F811 - the fixture
+    # Three callers send the same poison to a graph of one process at once: b's and c's
+    # runs are checked (unknown inputs: they run), then wait for a's process. a's run
+    # crashes it, then b's the next: the inputs are refused from then on, and c's run,
+    # checked again once it has its process, is refused instead of crashing a third.
+    graph = _crashing_graph()
+    waiting = threading.Semaphore(0)
+    go = threading.Event()
+    real_wait, real_run_in = graph._cond.wait, graph._run_in
+
+    def counted_wait(timeout: float | None = None) -> bool:
+        waiting.release()
+        return real_wait(timeout)
+
+    def gated_run_in(*args: Any) -> Any:
+        assert go.wait(HELD_S)  # a's run, until b's and c's wait for its process
+        return real_run_in(*args)
+
+    graph._cond.wait = counted_wait  # type: ignore[method-assign]
+    graph._run_in = gated_run_in  # type: ignore[method-assign]
+    said: dict[str, BaseException] = {}
+
+    def send(caller: str) -> None:
+        try:
+            _as(caller, graph.run, _poison())
+        except BaseException as exc:  # (each one's is asserted on below)
+            said[caller] = exc
+
+    senders = [threading.Thread(target=send, args=(c,), daemon=True) for c in "abc"]
+    try:
+        senders[0].start()
+        for sender in senders[1:]:
+            sender.start()
+            assert waiting.acquire(timeout=HELD_S)  # checked, and waiting for a process
+        go.set()
+        for sender in senders:
+            sender.join(HELD_S)
+        crashed = [c for c, exc in said.items() if f"the model {SEGV}:" in str(exc)]
+        refused = [c for c, exc in said.items() if "are refused without a run" in str(exc)]
+        assert (len(crashed), len(refused)) == (2, 1), said
+    finally:
+        graph.close()
+
+
 def test_a_graph_used_directly_is_one_caller_as_before(
         clock: StillClock, spawns: list[int]) -> None:  # noqa: F811 - the fixture
     graph = _crashing_graph()

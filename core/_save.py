@@ -1,0 +1,226 @@
+"""``wasinn infer --save``: a run's outputs written to a numpy archive, as
+``numpy.savez`` writes one, and the check, before the run, that the archive can be written
+where ``--save`` says (see :func:`check_save_path`, :func:`save_outputs`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import secrets
+import stat
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from wasinn.enums import TensorType
+from wasinn.errors import InvalidArgumentError
+from wasinn.tensor import Tensor
+
+#: How numpy's format stores bf16, which it has no type for: 2-byte raw values.
+_RAW_2_BYTES = np.dtype("V2")
+
+
+def check_save_path(path: Path) -> None:
+    """Before any run: InvalidArgumentError, with the message :func:`save_outputs` would
+    give after it, when ``--save`` names a file that the save could not write: its folder
+    missing, a folder itself, a read-only file, or a new file in a folder where none may
+    be created (or on a read-only file system). The save's own rules decide: where it
+    would write a new file beside the target, one is created and removed at once; a
+    target it would write into (a FIFO, a device, a file with other hard links, a file in
+    a folder closed to new files) must be writable, and is not opened (a FIFO would wait
+    for its reader). What changes during the run, the save itself still finds."""
+    if not path.parent.is_dir():
+        raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
+                                   "expected a file in an existing folder")
+    if path.is_dir():
+        raise InvalidArgumentError(f"--save {path}: a folder: expected a file name "
+                                   "(FILE.npz)")
+    target = Path(os.path.realpath(path))
+    _refuse_read_only(path, target)
+    if _special(target) or _linked(target):
+        return
+    opened = _open_temporary(path, target)
+    if opened is not None:
+        temporary, fd = opened
+        os.close(fd)
+        temporary.unlink(missing_ok=True)
+
+
+def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    """The outputs as a numpy archive, as ``numpy.savez`` writes one: a ``NAME.npy``
+    member per output (numpy's own format), whatever the name (``file``, ``a/b:0``,
+    non-ASCII), so ``numpy.load(path)[NAME]`` and ``--input path`` give each back by its
+    name. A bf16 output is stored as numpy stores an ``ml_dtypes.bfloat16`` array: 2-byte
+    raw values (``|V2``), which ``.view(ml_dtypes.bfloat16)`` (or ``--input``) reads as bf16.
+
+    The archive is written to a new file beside the target (through a symbolic link, the
+    file it names), then renamed onto it: a save that fails leaves what was there as it
+    was. The new file keeps a replaced file's permissions. A target that is not a regular
+    file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
+    "wb")`` would, never replaced. So is, in place, a file with other hard links (a
+    rename would leave them the old archive) and a file in a folder where no new file may
+    be created: room for the archive is reserved first (``posix_fallocate``, where the
+    file system has it), so that a full disk fails the save before the file changes.
+    Raises InvalidArgumentError,
+    naming the file, for names no archive can hold (with a NUL character, which zip member
+    names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
+    apart) and for a file that cannot be written (read-only, a full disk, a folder not
+    writable); :func:`check_save_path` finds the latter before a run.
+    """
+    _check_member_names(path, outputs)
+    target = Path(os.path.realpath(path))
+    _refuse_read_only(path, target)
+    if _special(target):
+        _write_into(path, outputs)
+        return
+    opened = None if _linked(target) else _open_temporary(path, target)
+    if opened is None:  # other hard links, or a folder closed to new files
+        _overwrite(path, target, outputs)
+        return
+    temporary, fd = opened
+    try:
+        with os.fdopen(fd, "wb") as file:
+            with contextlib.suppress(FileNotFoundError):  # (a new file: open()'s mode)
+                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+            _write_archive(file, outputs)
+            file.flush()
+            os.fsync(fd)  # the data on disk before the rename makes it the target
+        os.replace(temporary, target)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise _cannot_write(path, target, exc) from exc
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _refuse_read_only(path: Path, target: Path) -> None:
+    # The archive replaces the file by a rename, which a read-only file does not stop
+    # (its folder's permission decides): the file's own is checked, as open("wb") would.
+    if target.exists() and not os.access(target, os.W_OK):
+        raise InvalidArgumentError(
+            f"--save {path}: {target} is read-only: expected a file wasinn may write, or a "
+            "new name")
+
+
+def _open_temporary(path: Path, target: Path) -> tuple[Path, int] | None:
+    """A new file beside ``target``, opened for writing; None where the folder takes no
+    new file but ``target`` exists (then it is written into). InvalidArgumentError where
+    neither can be written (a folder not writable, missing, on a read-only file system)."""
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        # O_EXCL: never someone else's file; 0o666 less the umask, as open() gives.
+        return temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except PermissionError as exc:
+        if target.exists():
+            return None  # a file we may write, in a folder we may not
+        raise _cannot_write(path, target, exc) from exc
+    except OSError as exc:
+        raise _cannot_write(path, target, exc) from exc
+
+
+def _cannot_write(path: Path, target: Path, exc: OSError) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"--save {path}: cannot write {target}: {exc.strerror or exc}: expected a writable "
+        "folder with room for the archive")
+
+
+def _special(target: Path) -> bool:
+    # Whether target exists and is not a regular file: a pipe, a FIFO or a device, which
+    # a rename would replace by a regular file (root's /dev/null included).
+    try:
+        return not stat.S_ISREG(os.stat(target).st_mode)
+    except OSError:  # (none there; or the write below names the error)
+        return False
+
+
+def _linked(target: Path) -> bool:
+    # Whether target is a file with other hard links: a rename would part it from them,
+    # leaving them the earlier archive.
+    try:
+        return os.stat(target).st_nlink > 1
+    except OSError:
+        return False
+
+
+def _overwrite(path: Path, target: Path, outputs: Mapping[str, Tensor]) -> None:
+    # The archive, built in memory, written over the regular file at target in place
+    # (its inode, and so every hard link to it, kept), its room reserved first.
+    archive = io.BytesIO()
+    _write_archive(archive, outputs)
+    data = archive.getbuffer()
+    try:
+        with os.fdopen(os.open(target, os.O_WRONLY), "wb") as file:
+            _reserve(file.fileno(), len(data))
+            file.write(data)
+            file.truncate()  # (an earlier, longer archive's end)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"--save {path}: cannot write into {target}: {exc.strerror or exc}: expected "
+            "room for the archive") from exc
+
+
+def _reserve(fd: int, size: int) -> None:
+    # The disk blocks for size bytes of the file, so that a full disk (or a file size
+    # limit) fails here, before a byte is written. A file system without the call, or
+    # a platform, goes on unreserved.
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
+def _write_into(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    # The archive, built in memory (a pipe cannot seek), written into the file at path.
+    archive = io.BytesIO()
+    _write_archive(archive, outputs)
+    try:
+        with open(path, "wb") as file:
+            file.write(archive.getbuffer())
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"--save {path}: cannot write into it: {exc.strerror or exc}: expected a file, "
+            "pipe or device wasinn may write") from exc
+
+
+def _check_member_names(path: Path, outputs: Mapping[str, Tensor]) -> None:
+    # InvalidArgumentError for an output name that the archive would not give back.
+    for name in outputs:
+        if "\0" in name:
+            raise InvalidArgumentError(
+                f"--save {path}: output {name!r} has a NUL character, which a zip member "
+                "name cannot hold: expected names without one")
+        if name.endswith(".npy") and name.removesuffix(".npy") in outputs:
+            raise InvalidArgumentError(
+                f"--save {path}: outputs {name.removesuffix('.npy')!r} and {name!r} cannot "
+                f"share an archive: numpy.load reads its member {name!r} for both: expected "
+                "names that differ by more than a '.npy' ending")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(
+                f"--save {path}: output {name!r} is not valid Unicode: expected a name "
+                "that UTF-8 can write, as a zip member name is") from None
+
+
+def _write_archive(file: BinaryIO, outputs: Mapping[str, Tensor]) -> None:
+    # What numpy.savez writes, without its keyword arguments, which output names can
+    # collide with (an output named "file" or "allow_pickle"): stored, zip64 members.
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, tensor in outputs.items():
+            array = tensor.numpy()
+            if tensor.type is TensorType.BF16:
+                array = array.view(_RAW_2_BYTES)  # what numpy.save makes of bfloat16
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
