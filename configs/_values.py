@@ -1,7 +1,7 @@
 """The value types of config keys: each a pydantic annotation that checks one kind of
-value (a target, an encoding, a device, a precision, a model file, a name, a sandbox
-setting, a backend preference order), and :func:`fault`, the error that names the key.
-The tables that use them are :mod:`wasinn.configs.schema`'s."""
+value (a target, an encoding, a device, a precision, a tensor element type, a model file,
+a name, a sandbox setting, a backend preference order), and :func:`fault`, the error that
+names the key. The tables that use them are :mod:`wasinn.configs.schema`'s."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pydantic import AfterValidator, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from wasinn.backends.base import Device, sandbox_setting
-from wasinn.enums import ExecutionTarget, GraphEncoding
+from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import InvalidArgumentError
 
 from . import check_precision, cut_name, name_problem
@@ -49,6 +49,13 @@ def _target(value: str) -> str:
 def _encoding(value: str) -> str:
     try:
         return GraphEncoding.coerce(value).value
+    except InvalidArgumentError as exc:
+        raise ValueError(exc.message) from None
+
+
+def _tensor_type(value: str) -> str:
+    try:
+        return TensorType.coerce(value).value
     except InvalidArgumentError as exc:
         raise ValueError(exc.message) from None
 
@@ -105,6 +112,8 @@ def _once_each(backends: list[str]) -> list[str]:
 
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
+#: A tensor element type as wasinn names them (f32, i64, ...), any case.
+TensorTypeName = Annotated[str, AfterValidator(_tensor_type)]
 DeviceName = Annotated[str, AfterValidator(_device)]
 PrecisionName = Annotated[str, AfterValidator(_precision)]
 FileName = Annotated[str, AfterValidator(_file)]

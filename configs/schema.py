@@ -62,14 +62,17 @@ shared by hosts that set their pools apart).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PlainValidator,
     PrivateAttr,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -80,6 +83,7 @@ from wasinn.actors.batching import MAX_BATCH, Batching
 from wasinn.actors.queue import check_weight
 from wasinn.backends.base import MAX_THREADS, Device
 from wasinn.backends.sandbox import MAX_SPARES, MIN_MAX_BYTES
+from wasinn.enums import TensorType
 
 from . import BACKEND_OPTIONS, option_problem
 from ._values import (
@@ -91,6 +95,7 @@ from ._values import (
     PrecisionName,
     Sandbox,
     TargetName,
+    TensorTypeName,
     fault,
     key_name,
 )
@@ -222,6 +227,52 @@ class BatchingConfig(_Strict):
         return Batching(self.max_batch, self.max_delay_ms / 1e3)
 
 
+class WarmupInput(_Strict):
+    """One input's zero-filled warm-up value in ``warmup_inputs``: its ``shape``, and,
+    written as a table (``ids = { shape = [1, 8], type = "i64" }``), its element ``type``
+    where the model declares none (TorchScript's; f32 when not given). A plain list
+    (``ids = [1, 8]``) is the shape alone."""
+
+    shape: list[Annotated[int, Field(ge=1)]]
+    #: The element type (None: the model's own; f32 where it declares none).
+    type: TensorTypeName | None = None
+
+    @property
+    def tensor_type(self) -> TensorType | None:
+        """``type`` as a :class:`~wasinn.enums.TensorType`."""
+        return None if self.type is None else TensorType(self.type)
+
+
+def _warmup_input_form(value: object) -> str | None:
+    # Which form a warmup_inputs value is written in: its union member's tag, spelt as
+    # pydantic names union members (``list[...]``) so that the loader leaves it out of
+    # the key paths its errors name. None (neither form) gets one error saying both
+    # forms, not one per form.
+    if isinstance(value, list):
+        return "list[shape]"
+    if isinstance(value, dict | WarmupInput):
+        return "table[shape, type]"
+    return None
+
+
+def _as_warmup_input(value: list[int] | WarmupInput) -> WarmupInput:
+    return value if isinstance(value, WarmupInput) else WarmupInput(shape=value)
+
+
+#: A ``warmup_inputs`` value: a shape, or a table of shape and type; read as the table
+#: (its type, to the type checker).
+if TYPE_CHECKING:
+    WarmupInputValue = WarmupInput
+else:
+    WarmupInputValue = Annotated[
+        Annotated[list[Annotated[int, Field(ge=1)]], Tag("list[shape]")]
+        | Annotated[WarmupInput, Tag("table[shape, type]")],
+        Discriminator(_warmup_input_form, custom_error_type="warmup_input_form",
+                      custom_error_message='expected a shape ([1, 8]; [] for a scalar) or '
+                                           'a table { shape = [1, 8], type = "i64" }'),
+        AfterValidator(_as_warmup_input)]
+
+
 class _Startup(_Strict):
     """What models and pipelines share: whether the runtime readies them as it starts
     (see :mod:`wasinn.scheduler.warmup`), and how their requests are batched."""
@@ -233,9 +284,10 @@ class _Startup(_Strict):
     #: start, so the first request finds the backend's first-run work done. Implies
     #: ``preload``.
     warmup: int = Field(default=0, ge=0, le=100)
-    #: Shapes of the warm-up inputs by input name: needed for inputs whose shape the
-    #: model does not declare (TorchScript declares none), or to warm up a given size.
-    warmup_inputs: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    #: The warm-up inputs by input name, each its shape or a table of shape and element
+    #: type (see :class:`WarmupInput`): needed for inputs whose shape the model does not
+    #: declare (TorchScript declares none, nor types), or to warm up a given size.
+    warmup_inputs: dict[str, WarmupInputValue] = Field(default_factory=dict)
     #: Dynamic batching (None: every request runs on its own).
     batching: BatchingConfig | None = None
 

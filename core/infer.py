@@ -3,7 +3,8 @@
 ::
 
     wasinn infer [--config FILE] [--nn-preload ...] [--wasi nn-graph=...] NAME
-                 [--input NAME=FILE.npy | --input FILE.npz]... [--zeros] [--shape NAME=D,D,...]...
+                 [--input NAME=FILE.npy | --input FILE.npz]... [--zeros]
+                 [--shape NAME=D,D,...[:TYPE]]...
                  [--target cpu|gpu|tpu] [--requests N] [--concurrency C] [--timeout S]
                  [--save FILE.npz]
 
@@ -11,14 +12,18 @@
 or a model registered on the command line as for ``wasinn run``. Inputs come from numpy
 files: ``--input x=x.npy`` for one, ``--input inputs.npz`` for every array of the archive
 by name (an input's position works as its name). ``--zeros`` fills the inputs not given
-with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` gives).
+with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` gives) and
+types: an input whose type the model does not declare (TorchScript's) gets f32 unless its
+``--shape`` ends in ``:TYPE`` (``--shape ids=1,8:i64``); a type where the model declares
+another is refused, and a run that fails on f32 zeros of an undeclared type says how to
+give one.
 
 ``--requests N`` runs N requests from ``--concurrency C`` callers, each with an execution
 context of its own, as a load test would: the command then prints the requests per
 second, the latency percentiles as the callers saw them, and the model's and each
 device's stats (time queued and time running apart). The outputs of the last request
 are printed (type, shape, range and, along the last axis, the five largest values) and,
-with ``--save``, written to a numpy archive (see :func:`save_outputs`).
+with ``--save``, written to a numpy archive (see :mod:`wasinn._save`).
 
 bf16 has no type in numpy's file format: numpy saves an ``ml_dtypes.bfloat16`` array as
 2-byte raw values (``|V2``). ``--input`` reads such values as bf16 where the model's input
@@ -29,13 +34,8 @@ input are refused, as any other type mismatch is, saying how to write a bf16 fil
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
-import os
 import re
-import secrets
-import stat
 import statistics
 import time
 import zipfile
@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import trio
 
+from wasinn._save import _RAW_2_BYTES
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from wasinn.actors.stats import ModelStats
     from wasinn.backends.base import TensorSpec
     from wasinn.scheduler import ExecutionContext, Graph, Runtime
+    from wasinn.scheduler.warmup import ZeroInput
 
 
 class Load:
@@ -75,31 +77,59 @@ class Load:
         self.timeout = timeout
 
 
-def parse_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """Every ``--shape NAME=D,D,...``; InvalidArgumentError for a name given twice."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def parse_shapes(specs: Sequence[str]) -> dict[str, ZeroInput]:
+    """Every ``--shape NAME=D,D,...[:TYPE]``; InvalidArgumentError for a name given
+    twice."""
+    shapes: dict[str, ZeroInput] = {}
     for spec in specs:
-        name, shape = parse_shape(spec)
+        name, zero = parse_shape(spec)
         if name in shapes:
             raise InvalidArgumentError(
                 f"--shape {spec!r}: {name} already has the shape "
-                f"{','.join(map(str, shapes[name]))}: expected one --shape per input")
-        shapes[name] = shape
+                f"{_shape_arg(shapes[name])}: expected one --shape per input")
+        shapes[name] = zero
     return shapes
 
 
-def parse_shape(spec: str) -> tuple[str, tuple[int, ...]]:
-    """``--shape NAME=D,D,...`` as (name, dimensions)."""
-    name, sep, dims = spec.partition("=")
+def parse_shape(spec: str) -> tuple[str, ZeroInput]:
+    """``--shape NAME=D,D,...[:TYPE]`` as (name, dimensions and element type: None
+    where not given). The name is everything before the first ``=`` (it may hold a
+    ``:``), the type everything after the last ``:``."""
+    from wasinn.scheduler.warmup import ZeroInput
+
+    name, sep, value = spec.partition("=")
+    dims, colon, type_name = value.rpartition(":") if ":" in value else (value, "", "")
     try:
         shape = tuple(int(d) for d in dims.split(","))
     except ValueError:
         shape = ()
     if not name or not sep or not shape or min(shape) < 1:
         raise InvalidArgumentError(
-            f"--shape {spec!r}: expected NAME=D,D,... with dimensions >= 1 "
-            "(e.g. input=1,3,224,224)")
-    return name, shape
+            f"--shape {spec!r}: expected NAME=D,D,... with dimensions >= 1, or "
+            "NAME=D,D,...:TYPE (e.g. input=1,3,224,224, or ids=1,8:i64 for an input whose "
+            "type the model does not declare)")
+    type_ = None
+    if colon:
+        try:
+            type_ = TensorType.coerce(type_name)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--shape {spec!r}: {exc.message}") from None
+    return name, ZeroInput(shape, type_)
+
+
+def _shape_arg(zero: ZeroInput | tuple[int, ...]) -> str:
+    # A --shape's value as written: D,D,... or D,D,...:TYPE.
+    from wasinn.scheduler.warmup import ZeroInput
+
+    if not isinstance(zero, ZeroInput):
+        return ",".join(map(str, zero))
+    dims = ",".join(map(str, zero.shape or ()))
+    return dims if zero.type is None else f"{dims}:{zero.type.value}"
+
+
+#: How ``--shape`` gives the element type of an input that declares none (see
+#: :data:`wasinn.scheduler.warmup.WARMUP_TYPE_HINT`).
+SHAPE_TYPE_HINT = "give it with --shape {name}={dims}:TYPE (e.g. --shape {name}={dims}:i64)"
 
 
 def check_input_specs(specs: Sequence[str]) -> None:
@@ -194,13 +224,23 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # (the second: an empty archive)
 
 
 def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[Any, Any]],
-                    *, zeros: bool, shapes: Mapping[str, tuple[int, ...]]
+                    *, zeros: bool, shapes: Mapping[str, ZeroInput | tuple[int, ...]]
                     ) -> dict[str, Tensor]:
     """``given`` by input name (a position counts as a name), the rest zero-filled when
-    ``zeros``; 2-byte raw values (``|V2``) as bf16, see :func:`_as_declared`. Raises
-    InvalidArgumentError naming the model's inputs for a name that is no input, and for
-    inputs left without a value; naming what the input expects for a bf16 mismatch."""
-    from wasinn.scheduler.warmup import zero_inputs
+    ``zeros``, of the shapes (and types) ``shapes`` gives; 2-byte raw values (``|V2``)
+    as bf16, see :func:`_as_declared`. Raises InvalidArgumentError naming the model's
+    inputs for a name that is no input, and for inputs left without a value; naming what
+    the input expects for a bf16 mismatch, and for a ``--shape`` type where the model
+    declares another."""
+    return _complete_inputs(specs, given, zeros=zeros, shapes=shapes)[0]
+
+
+def _complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[Any, Any]],
+                     *, zeros: bool, shapes: Mapping[str, ZeroInput | tuple[int, ...]]
+                     ) -> tuple[dict[str, Tensor], str]:
+    # complete_inputs, and what a failed run's error adds where an input of undeclared
+    # type was zero-filled as f32 (see wasinn.scheduler.warmup.untyped_hint).
+    from wasinn.scheduler.warmup import ZeroInput, type_conflict, untyped_hint, zero_inputs
 
     names = [spec.name for spec in specs]
     declared = {spec.name: spec for spec in specs}
@@ -226,13 +266,17 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
             inputs[name] = Tensor.from_numpy(_as_declared(array, declared[name]))
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"--input {key}: {exc.message}") from None
-    by_name: dict[str, tuple[int, ...]] = {}
+    by_name: dict[str, ZeroInput | tuple[int, ...]] = {}
     for key, shape in shapes.items():
         name = named(key)
         if name in by_name:
             raise InvalidArgumentError(f"--shape {key}: {name} is given a shape twice "
                                        "(by name and by position): expected one")
         by_name[name] = shape
+        spec = declared.get(name)
+        type_ = shape.type if isinstance(shape, ZeroInput) else None
+        if spec is not None and type_ is not None and (problem := type_conflict(spec, type_)):
+            raise InvalidArgumentError(f"--shape {key}={_shape_arg(shape)}: {problem}")
     shapes = by_name
     unknown = sorted(set(shapes) - set(names))
     if unknown:
@@ -242,11 +286,13 @@ def complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray[
     if missing and not zeros:
         raise InvalidArgumentError(
             f"no value for {_described(missing)}: give --input NAME=FILE.npy, or --zeros")
-    if missing:
-        inputs.update(zero_inputs(
-            missing, {k: v for k, v in shapes.items() if k in {s.name for s in missing}},
-            shape_hint="give it with --shape {name}=D,D,..."))
-    return inputs
+    if not missing:
+        return inputs, ""
+    zeroed = {k: v for k, v in shapes.items() if k in {s.name for s in missing}}
+    filled = zero_inputs(missing, zeroed, shape_hint="give it with --shape {name}=D,D,... "
+                         "(and :TYPE where f32 will not do, e.g. {name}=1,8:i64)")
+    inputs.update(filled)
+    return inputs, untyped_hint(missing, filled, zeroed, SHAPE_TYPE_HINT)
 
 
 def _as_declared(array: np.ndarray[Any, Any], spec: TensorSpec) -> np.ndarray[Any, Any]:
@@ -257,13 +303,14 @@ def _as_declared(array: np.ndarray[Any, Any], spec: TensorSpec) -> np.ndarray[An
     them too; this says how to write a bf16 file)."""
     bf16 = numpy_dtype(TensorType.BF16)
     if array.dtype == _RAW_2_BYTES:
-        if spec.type is TensorType.BF16 or _type_undeclared(spec):
+        # A model that declares no type (TorchScript) gets them as bf16 and decides.
+        if spec.type is TensorType.BF16 or not spec.type_known:
             return array.view(bf16)
         raise InvalidArgumentError(
             "2-byte raw values (numpy dtype |V2, as numpy saves an ml_dtypes.bfloat16 "
             f"array) but the model expects {spec.describe()}: expected {spec.type.value} "
             "values (|V2 is read as bf16, for a bf16 input)")
-    if spec.type is TensorType.BF16 and array.dtype != bf16:
+    if spec.type_known and spec.type is TensorType.BF16 and array.dtype != bf16:
         try:
             given = tensor_type_of(array.dtype).value
         except InvalidArgumentError:
@@ -275,31 +322,21 @@ def _as_declared(array: np.ndarray[Any, Any], spec: TensorSpec) -> np.ndarray[An
     return array
 
 
-def _type_undeclared(spec: TensorSpec) -> bool:
-    # A TorchScript model declares no types: its inputs say f32 of unknown rank, a
-    # placeholder its backend does not check. Raw values go to it as bf16 and the backend
-    # decides (one that does declare f32 of unknown rank refuses bf16, naming both).
-    return spec.type is TensorType.F32 and not spec.rank_known
-
-
-#: How numpy's format stores bf16, which it has no type for: 2-byte raw values.
-_RAW_2_BYTES = np.dtype("V2")
-
-
 def _described(specs: Sequence[TensorSpec]) -> str:
     return ", ".join(spec.describe() for spec in specs) or "none"
 
 
 async def infer(rt: Runtime, name: str, given: Mapping[str, np.ndarray[Any, Any]], *,
-                zeros: bool = False, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                zeros: bool = False,
+                shapes: Mapping[str, ZeroInput | tuple[int, ...]] | None = None,
                 target: str | None = None, load: Load | None = None) -> InferReport:
     """Run ``name`` as the module docstring says; the outputs of the last request and
     the callers' latencies."""
     load = load or Load()
     graph = await rt.load_by_name(name)
     try:
-        inputs = complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
-        outputs, latencies, seconds = await _drive(graph, inputs, target, load)
+        inputs, hint = _complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
+        outputs, latencies, seconds = await _drive(graph, inputs, target, load, hint)
         return InferReport(outputs, latencies, seconds, load.concurrency, graph.stats())
     finally:
         await graph.unload()
@@ -335,9 +372,10 @@ class InferReport:
 
 
 async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
-                 load: Load) -> tuple[dict[str, Tensor], list[float], float]:
+                 load: Load, hint: str = "") -> tuple[dict[str, Tensor], list[float], float]:
     # The last request's outputs, every request's latency and the whole run's seconds.
-    # Every caller's context is made first: a target no device provides fails here.
+    # Every caller's context is made first: a target no device provides fails here. A
+    # failed request's error gets the hint on an input of undeclared type (untyped_hint).
     contexts = [graph.init_execution_context(target) for _ in range(load.concurrency)]
     latencies: list[float] = []
     last: dict[str, Tensor] = {}
@@ -367,7 +405,9 @@ async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
         for ctx in contexts:
             ctx.close()
     if failure is not None:
-        raise failure
+        from wasinn.scheduler.warmup import hinted
+
+        raise hinted(failure, hint)
     return last, latencies, time.perf_counter() - began
 
 
@@ -388,126 +428,3 @@ def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
         line += "; largest along the last axis: " + ", ".join(
             f"[{i}] {row[i]:.6g}" for i in best)
     return line
-
-
-def check_save_path(path: Path) -> None:
-    """Before any run: InvalidArgumentError when ``--save`` names a file that cannot be
-    written (its folder missing, or a folder itself)."""
-    if not path.parent.is_dir():
-        raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
-                                   "expected a file in an existing folder")
-    if path.is_dir():
-        raise InvalidArgumentError(f"--save {path}: a folder: expected a file name "
-                                   "(FILE.npz)")
-
-
-def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
-    """The outputs as a numpy archive, as ``numpy.savez`` writes one: a ``NAME.npy``
-    member per output (numpy's own format), whatever the name (``file``, ``a/b:0``,
-    non-ASCII), so ``numpy.load(path)[NAME]`` and ``--input path`` give each back by its
-    name. A bf16 output is stored as numpy stores an ``ml_dtypes.bfloat16`` array: 2-byte
-    raw values (``|V2``), which ``.view(ml_dtypes.bfloat16)`` (or ``--input``) reads as bf16.
-
-    The archive is written to a new file beside the target (through a symbolic link, the
-    file it names), then renamed onto it: a save that fails leaves what was there as it
-    was. The new file keeps a replaced file's permissions. A target that is not a regular
-    file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
-    "wb")`` would, never replaced; so is a file in a folder where no new file may be
-    created. Raises InvalidArgumentError,
-    naming the file, for names no archive can hold (with a NUL character, which zip member
-    names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
-    apart) and for a file that cannot be written (read-only, a full disk, a folder not
-    writable).
-    """
-    _check_member_names(path, outputs)
-    target = Path(os.path.realpath(path))
-    if target.exists() and not os.access(target, os.W_OK):  # as open("wb") would refuse
-        raise InvalidArgumentError(
-            f"--save {path}: {target} is read-only: expected a file wasinn may write, or a "
-            "new name")
-    if _special(target):
-        _write_into(path, outputs)
-        return
-    temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.tmp")
-    created = False
-    try:
-        try:
-            # O_EXCL: never someone else's file; 0o666 less the umask, as open() gives.
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except PermissionError:
-            if not target.exists():
-                raise
-            _write_into(path, outputs)  # a file we may write, in a folder we may not
-            return
-        created = True
-        with os.fdopen(fd, "wb") as file:
-            with contextlib.suppress(FileNotFoundError):  # (a new file: open()'s mode)
-                os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
-            _write_archive(file, outputs)
-            file.flush()
-            os.fsync(fd)  # the data on disk before the rename makes it the target
-        os.replace(temporary, target)
-    except OSError as exc:
-        if created:
-            temporary.unlink(missing_ok=True)
-        raise InvalidArgumentError(
-            f"--save {path}: cannot write {target}: {exc.strerror or exc}: expected a "
-            "writable folder with room for the archive") from exc
-    except BaseException:
-        if created:
-            temporary.unlink(missing_ok=True)
-        raise
-
-
-def _special(target: Path) -> bool:
-    # Whether target exists and is not a regular file: a pipe, a FIFO or a device, which
-    # a rename would replace by a regular file (root's /dev/null included).
-    try:
-        return not stat.S_ISREG(os.stat(target).st_mode)
-    except OSError:  # (none there; or the write below names the error)
-        return False
-
-
-def _write_into(path: Path, outputs: Mapping[str, Tensor]) -> None:
-    # The archive, built in memory (a pipe cannot seek), written into the file at path.
-    archive = io.BytesIO()
-    _write_archive(archive, outputs)
-    try:
-        with open(path, "wb") as file:
-            file.write(archive.getbuffer())
-    except OSError as exc:
-        raise InvalidArgumentError(
-            f"--save {path}: cannot write into it: {exc.strerror or exc}: expected a file, "
-            "pipe or device wasinn may write") from exc
-
-
-def _check_member_names(path: Path, outputs: Mapping[str, Tensor]) -> None:
-    # InvalidArgumentError for an output name that the archive would not give back.
-    for name in outputs:
-        if "\0" in name:
-            raise InvalidArgumentError(
-                f"--save {path}: output {name!r} has a NUL character, which a zip member "
-                "name cannot hold: expected names without one")
-        if name.endswith(".npy") and name.removesuffix(".npy") in outputs:
-            raise InvalidArgumentError(
-                f"--save {path}: outputs {name.removesuffix('.npy')!r} and {name!r} cannot "
-                f"share an archive: numpy.load reads its member {name!r} for both: expected "
-                "names that differ by more than a '.npy' ending")
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InvalidArgumentError(
-                f"--save {path}: output {name!r} is not valid Unicode: expected a name "
-                "that UTF-8 can write, as a zip member name is") from None
-
-
-def _write_archive(file: BinaryIO, outputs: Mapping[str, Tensor]) -> None:
-    # What numpy.savez writes, without its keyword arguments, which output names can
-    # collide with (an output named "file" or "allow_pickle"): stored, zip64 members.
-    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for name, tensor in outputs.items():
-            array = tensor.numpy()
-            if tensor.type is TensorType.BF16:
-                array = array.view(_RAW_2_BYTES)  # what numpy.save makes of bfloat16
-            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, array, allow_pickle=False)

@@ -53,7 +53,7 @@ from .pipeline import Pipeline, PipelineModel
 from .placement import Scheduler
 from .tenants import TenantLedger
 from .triorun import check_trio_run, yields_when_refused
-from .warmup import WarmUp, preload
+from .warmup import WarmUp, ZeroInput, preload
 
 if TYPE_CHECKING:
     from wasinn.configs.schema import RuntimeConfig
@@ -192,7 +192,8 @@ class Runtime(ModelLoading):
                 **{name: pipeline_key(config, name, "warmup_inputs")
                    for name in config.pipelines}}
         plan = {name: WarmUp(entry.warmup,
-                             {k: tuple(dims) for k, dims in entry.warmup_inputs.items()},
+                             {k: ZeroInput(tuple(given.shape), given.tensor_type)
+                              for k, given in entry.warmup_inputs.items()},
                              keys[name])
                 for name, entry in [*config.models.items(), *config.pipelines.items()]
                 if entry.at_start}

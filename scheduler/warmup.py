@@ -12,9 +12,13 @@ on its first run (allocating its memory arena, choosing kernels; TorchScript pro
 optimises the graph on its first calls). An input's shape is the model's, dynamic
 dimensions as 1 (a scalar input gets a scalar), or the one ``warmup_inputs`` gives
 (``[]`` for a scalar): it must give every input whose rank the model does not declare
-(a TorchScript module declares none). Warm-ups run in the device's compile threads (no
-worker thread, no request slot), and they are not requests: a device's stats count them
-only in ``warm_ups``, so they do not skew its latency percentiles.
+(a TorchScript module declares none). An input's element type is the model's; where the
+model declares none (TorchScript), it is f32 unless ``warmup_inputs`` gives one
+(``ids = { shape = [1, 8], type = "i64" }``), and a warm-up that then fails says so. A
+type given for an input the model declares another type for fails the start. Warm-ups
+run in the device's compile threads (no worker thread, no request slot), and they are
+not requests: a device's stats count them only in ``warm_ups``, so they do not skew its
+latency percentiles.
 
 Everything is preloaded concurrently; when something fails, the start fails with the
 first failure in config order (the others are logged), raised as the same error type
@@ -23,6 +27,7 @@ with the name in front of its message.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -32,7 +37,15 @@ import numpy as np
 import trio
 
 from wasinn.backends.base import TensorSpec
-from wasinn.errors import InvalidArgumentError, TooLargeError, WasiNNError
+from wasinn.enums import TensorType
+from wasinn.errors import (
+    BackendRuntimeError,
+    InvalidArgumentError,
+    TooLargeError,
+    UnknownError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
 from wasinn.tensor import Tensor, numpy_dtype
 
 from .model import LoadedModel
@@ -43,28 +56,56 @@ from .placement import Link, Scheduler
 log = logging.getLogger("wasinn.scheduler")
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroInput:
+    """How one input's zero-filled value is made: of this ``shape`` (None: the model's),
+    and of this element ``type`` (None: the model's; f32 where the model declares none)."""
+
+    shape: tuple[int, ...] | None = None
+    type: TensorType | None = None
+
+
 class WarmUp(NamedTuple):
     """What to do at start for one name: ``runs`` warm-up runs per device (0: only
-    preload), on inputs of these ``shapes`` where given; ``key``: where the shapes are
-    written (``FILE: models.NAME.warmup_inputs``), for their errors."""
+    preload), on inputs of these ``shapes`` (and types) where given; ``key``: where they
+    are written (``FILE: models.NAME.warmup_inputs``), for their errors."""
 
     runs: int = 0
-    shapes: Mapping[str, tuple[int, ...]] = {}
+    shapes: Mapping[str, ZeroInput | tuple[int, ...]] = {}
     key: str = ""
 
 
 #: How a config gives the shape of an input that declares none (``{name}``: the input).
 WARMUP_SHAPE_HINT = "give it in warmup_inputs (e.g. {name} = [1, 3, 224, 224])"
+#: How a config gives the element type of an input that declares none (``{name}``: the
+#: input, ``{shape}``: its shape as a list, ``{dims}``: as D,D,...).
+WARMUP_TYPE_HINT = 'give it in warmup_inputs (e.g. {name} = {{ shape = {shape}, type = "i64" }})'
+#: The failures of a run that an input of the wrong element type may cause.
+_TYPE_FAILURES = (InvalidArgumentError, BackendRuntimeError, UnsupportedOperationError,
+                  UnknownError)
 
 
-def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...]],
+def type_conflict(spec: TensorSpec, type_: TensorType) -> str | None:
+    """Why input ``spec`` cannot be given element type ``type_`` (None: it can, the model
+    declaring that type or none)."""
+    if not spec.type_known or spec.type is type_:
+        return None
+    return (f"type {type_.value} given, but the model declares {spec.describe()}: expected "
+            f"{spec.type.value}, or no type (the model's)")
+
+
+def zero_inputs(specs: Sequence[TensorSpec],
+                shapes: Mapping[str, ZeroInput | tuple[int, ...]],
                 *, shape_hint: str = WARMUP_SHAPE_HINT) -> dict[str, Tensor]:
-    """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives,
-    else of the input's own, dynamic dimensions as 1 (rank 0 for a scalar input).
+    """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives
+    (a shape, or a :class:`ZeroInput` of shape and type), else of the input's own,
+    dynamic dimensions as 1 (rank 0 for a scalar input); of the type given, else of the
+    input's (f32 for one of undeclared type, ``type_known=False``).
 
-    Raises InvalidArgumentError for a name in ``shapes`` that is no input, and for an
-    input whose rank is unknown (``rank_known=False``) and whose shape is not given
-    (``shape_hint`` says how to give it).
+    Raises InvalidArgumentError for a name in ``shapes`` that is no input, for a type
+    given where the model declares another, and for an input whose rank is unknown
+    (``rank_known=False``) and whose shape is not given (``shape_hint`` says how to give
+    it); TooLargeError for a value too large to allocate.
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(shapes) - set(names))
@@ -74,25 +115,65 @@ def zero_inputs(specs: Sequence[TensorSpec], shapes: Mapping[str, tuple[int, ...
             f"input: expected one of {', '.join(map(repr, names)) or 'none'}")
     inputs = {}
     for spec in specs:
-        shape = shapes.get(spec.name)
+        given = _zero_input(shapes.get(spec.name))
+        if given.type is not None and (problem := type_conflict(spec, given.type)):
+            raise InvalidArgumentError(f"input {spec.name!r}: {problem}")
+        shape = given.shape
         if shape is None:
             if not spec.rank_known:
                 raise InvalidArgumentError(
                     f"input {spec.name!r} declares no shape, not even its rank, so no "
                     f"zero-filled value can be made for it: {shape_hint.format(name=spec.name)}")
             shape = tuple(1 if d is None else d for d in spec.shape)
-        inputs[spec.name] = Tensor.from_numpy(_zeros(spec, shape))
+        inputs[spec.name] = Tensor.from_numpy(_zeros(spec, shape, given.type or spec.type))
     return inputs
 
 
-def _zeros(spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    dtype = numpy_dtype(spec.type)
+def _zero_input(given: ZeroInput | tuple[int, ...] | None) -> ZeroInput:
+    # A shape alone as a ZeroInput; nothing given: the model's shape and type.
+    if isinstance(given, ZeroInput):
+        return given
+    return ZeroInput(None if given is None else tuple(given))
+
+
+def untyped_hint(specs: Sequence[TensorSpec], inputs: Mapping[str, Tensor],
+                 shapes: Mapping[str, ZeroInput | tuple[int, ...]],
+                 type_hint: str = WARMUP_TYPE_HINT) -> str:
+    """What to add to the error of a failed run on zero-filled ``inputs`` where an input
+    of undeclared element type got f32 zeros, no type being given for it in ``shapes``:
+    that the model declares none, and how to give one (``type_hint``); "" where none
+    did."""
+    untyped = [spec.name for spec in specs
+               if not spec.type_known and spec.name in inputs
+               and _zero_input(shapes.get(spec.name)).type is None]
+    if not untyped:
+        return ""
+    first = inputs[untyped[0]]
+    dims = list(first.dims)
+    how = type_hint.format(name=untyped[0], shape=dims, dims=",".join(map(str, dims)))
+    which = (f"input {untyped[0]!r}, so its zeros were" if len(untyped) == 1 else
+             f"inputs {', '.join(map(repr, untyped))}, so their zeros were")
+    return (f"; the model declares no element type for {which} {first.type.value}: "
+            f"if it takes another type, {how}")
+
+
+def hinted(exc: WasiNNError, hint: str) -> WasiNNError:
+    """``exc`` with ``hint`` (see :func:`untyped_hint`) after its message where the
+    failure may come from an input's element type (not a timeout, nor a cancellation)."""
+    if not hint or not isinstance(exc, _TYPE_FAILURES):
+        return exc
+    return exc.retold(exc.message + hint)
+
+
+def _zeros(spec: TensorSpec, shape: tuple[int, ...], type_: TensorType
+           ) -> np.ndarray[Any, Any]:
+    dtype = numpy_dtype(type_)
     try:
         return np.zeros(shape, dtype)
     except (ValueError, MemoryError) as exc:  # beyond numpy's bounds, or this host's memory
         size = math.prod(shape) * dtype.itemsize
         raise TooLargeError(
-            f"input {spec.name!r}: a zero-filled {spec.type.value} value of shape "
+            f"input {spec.name!r}: a zero-filled {type_.value} value of shape "
             f"{list(shape)} takes {size:,} bytes, which cannot be allocated here ({exc}): "
             f"expected a smaller shape") from exc
 
@@ -146,6 +227,7 @@ async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
                 await actor.warm_up(job, label=f"warm-up of {name}")
             except WasiNNError as exc:
                 given = ", ".join(f"{k}: {v.type.value}{list(v.dims)}" for k, v in inputs.items())
-                raise exc.prefixed(
+                hint = untyped_hint(executable.inputs, inputs, warm.shapes)
+                raise hinted(exc, hint).prefixed(
                     f"{actor.device}: the warm-up run on zero-filled inputs ({given}; dynamic "
                     "dimensions as 1 unless warmup_inputs gives them) failed") from exc

@@ -24,18 +24,13 @@ from tests.backend_models import scripted
 from tests.example_configs import example_config
 from tests.support import require_backend
 from tests.test_pipeline import native_reference
+from tests.test_warmup import token_model
+from wasinn._save import check_save_path, save_outputs
 from wasinn.backends.base import TensorSpec
 from wasinn.cli import main
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError
-from wasinn.infer import (
-    Load,
-    complete_inputs,
-    describe_output,
-    parse_shape,
-    read_inputs,
-    save_outputs,
-)
+from wasinn.infer import Load, complete_inputs, describe_output, parse_shape, read_inputs
 from wasinn.modelgen import (
     ModelFiles,
     affine_onnx,
@@ -43,6 +38,7 @@ from wasinn.modelgen import (
     onnx_model_bytes,
     sample_image,
 )
+from wasinn.scheduler.warmup import ZeroInput
 from wasinn.tensor import Tensor
 
 
@@ -124,6 +120,12 @@ def test_a_pipeline_runs_on_an_archive_of_inputs(tmp_path: Path, small_mobilenet
     (["--input", "x={archive}"], "is a .npz archive: give it as --input"),
     (["--input", "{x}"], "a single array: give it as --input NAME="),
     (["--zeros", "--shape", "z=1,4"], "--shape z: the model has no such input"),
+    # A type where the model declares another: refused before any run.
+    (["--zeros", "--shape", "x=2,4:i64"],
+     "--shape x=2,4:i64: type i64 given, but the model declares x: f32[?, 4]: expected f32, "
+     "or no type (the model's)"),
+    (["--zeros", "--shape", "0=2,4:U8"],
+     "--shape 0=2,4:u8: type u8 given, but the model declares x: f32[?, 4]"),
     (["--zeros", "--target", "gpu"], "no gpu device in this runtime"),
 ])
 def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
@@ -211,9 +213,17 @@ def test_inputs_by_position_and_zero_filled_shapes() -> None:
 
 
 def test_shapes_and_loads_are_checked() -> None:
-    assert parse_shape("input=1,3,224,224") == ("input", (1, 3, 224, 224))
-    for bad in ("input", "input=", "=1,2", "input=1,x", "input=0,3"):
+    assert parse_shape("input=1,3,224,224") == ("input", ZeroInput((1, 3, 224, 224)))
+    assert parse_shape("ids=1,8:i64") == ("ids", ZeroInput((1, 8), TensorType.I64))
+    # The name is all before the first '=', the type all after the last ':'.
+    assert parse_shape("in:0=2:BF16") == ("in:0", ZeroInput((2,), TensorType.BF16))
+    for bad in ("input", "input=", "=1,2", "input=1,x", "input=0,3", "ids=:i64", "ids=1:8:i64"):
         with pytest.raises(InvalidArgumentError, match="expected NAME=D,D,"):
+            parse_shape(bad)
+    for bad in ("ids=1,8:int64", "ids=1,8:"):
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"^--shape '{bad}': unknown tensor type '.*': expected one of "
+                                 "f16, f32, f64, bf16, u8, i32, i64$"):
             parse_shape(bad)
     assert Load(requests=2, concurrency=8).concurrency == 2  # no idle callers
     with pytest.raises(InvalidArgumentError, match="--concurrency 0"):
@@ -306,12 +316,20 @@ def test_outputs_of_any_name_are_saved_under_that_name(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.onnx", "out.npz", "x.npy"]
 
 
+@pytest.mark.parametrize(("linked", "said"), [
+    (False, "cannot write {saved}: File too large: expected a writable folder with room "
+            "for the archive"),
+    # Written in place, to keep the link: its room reserved before a byte is written.
+    (True, "cannot write into {saved}: File too large: expected room for the archive"),
+], ids=["replaced", "hard-linked"])
 def test_a_failed_save_leaves_the_earlier_file_as_it_was(
-        affine: list[str], tmp_path: Path) -> None:
+        affine: list[str], tmp_path: Path, linked: bool, said: str) -> None:
     # A real write failure: the archive (32 KiB) is past the process's file size limit,
     # as it would be past a full disk. Before: the target was truncated first.
     saved = tmp_path / "results.npz"
     np.savez(saved, important=np.arange(5))
+    if linked:
+        os.link(saved, tmp_path / "link.npz")
     before = saved.read_bytes()
     argv = ["infer", *affine, "a", "--zeros", "--shape", "x=2048,4", "--save", str(saved)]
     child = ("import resource, sys\n"
@@ -323,10 +341,12 @@ def test_a_failed_save_leaves_the_earlier_file_as_it_was(
                           timeout=120, check=False)
     assert done.returncode == 1, done.stderr
     assert saved.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["affine.onnx", "results.npz"]
-    assert (f"wasinn: error: --save {saved}: cannot write {saved}: File too large: expected "
-            "a writable folder with room for the archive") in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["affine.onnx", "results.npz", *(["link.npz"] if linked else [])])
+    assert f"wasinn: error: --save {saved}: {said.format(saved=saved)}" in done.stderr
     assert "Traceback" not in done.stderr
+    if linked:
+        assert (tmp_path / "link.npz").read_bytes() == before
 
 
 @pytest.mark.parametrize(("names", "message"), [
@@ -351,14 +371,14 @@ def test_a_read_only_file_is_not_saved_over(tmp_path: Path, monkeypatch: pytest.
     # The archive replaces the file by a rename, which a read-only file does not stop
     # (its folder's permission decides): the file's own is checked, as open("wb") would
     # check it. os.access answers for the tests' user (root passes any check).
-    import wasinn.infer
+    import wasinn._save
 
     saved = tmp_path / "out.npz"
     np.savez(saved, important=np.arange(5))
     saved.chmod(0o444)
     before = saved.read_bytes()
     real_access = os.access
-    monkeypatch.setattr(wasinn.infer.os, "access", lambda path, mode: (
+    monkeypatch.setattr(wasinn._save.os, "access", lambda path, mode: (
         False if Path(path) == saved and mode == os.W_OK else real_access(path, mode)))
     tensor = Tensor.from_numpy(np.zeros((1, 4), np.float32))
     with pytest.raises(InvalidArgumentError, match=re.escape(
@@ -388,7 +408,7 @@ def test_a_file_in_a_folder_closed_to_new_files_is_written_into(
     # The temporary file beside it cannot be created there (os.open answers as for a
     # user who may write the file but not its folder: root may write anywhere). Before,
     # the save failed where open("wb") had written the file.
-    import wasinn.infer
+    import wasinn._save
 
     saved = tmp_path / "out.npz"
     np.savez(saved, old=np.arange(2))
@@ -399,14 +419,116 @@ def test_a_file_in_a_folder_closed_to_new_files_is_written_into(
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(wasinn.infer.os, "open", no_new_files)
+    monkeypatch.setattr(wasinn._save.os, "open", no_new_files)
     save_outputs(saved, {"y": Tensor.from_numpy(np.arange(4, dtype=np.float32))})
     monkeypatch.undo()
     with np.load(saved) as archive:
         assert list(archive) == ["y"] and archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
     with pytest.raises(InvalidArgumentError, match="cannot write"):  # a new name: refused
-        monkeypatch.setattr(wasinn.infer.os, "open", no_new_files)
+        monkeypatch.setattr(wasinn._save.os, "open", no_new_files)
         save_outputs(tmp_path / "new.npz", {"y": Tensor.from_numpy(np.zeros(1, np.float32))})
+
+
+def test_a_file_with_other_hard_links_is_written_in_place(tmp_path: Path) -> None:
+    # Before: the archive was renamed onto it, a new file: the other link kept the old one.
+    saved = tmp_path / "out.npz"
+    np.savez(saved, old=np.arange(2000))  # longer than the new archive: cut at its end
+    os.link(saved, tmp_path / "link.npz")
+    inode = os.stat(saved).st_ino
+    save_outputs(saved, {"y": Tensor.from_numpy(np.arange(4, dtype=np.float32))})
+    for name in ("out.npz", "link.npz"):
+        with np.load(tmp_path / name) as archive:
+            assert list(archive) == ["y"] and archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert (os.stat(saved).st_ino, os.stat(saved).st_nlink) == (inode, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.npz", "out.npz"]
+
+
+def _closed_to_new_files(folder: Path) -> Callable[..., int]:
+    """``os.open`` as for a user who may not create files in ``folder`` (root may)."""
+    real_open = os.open
+
+    def no_new_files(path: Any, flags: int, *args: Any) -> int:
+        if (flags & os.O_CREAT and Path(path).parent == folder
+                and not os.path.exists(path)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    return no_new_files
+
+
+def _read_only_fs(folder: Path) -> Callable[..., int]:
+    """``os.open`` as on a read-only file system mounted at ``folder``."""
+    real_open = os.open
+
+    def read_only(path: Any, flags: int, *args: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR) and Path(path).parent == folder:
+            raise OSError(30, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    return read_only
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("read-only", "--save {out}/a.npz: {out}/a.npz is read-only: expected a file wasinn may "
+                  "write, or a new name"),
+    ("closed", "--save {out}/new.npz: cannot write {out}/new.npz: Permission denied: "
+               "expected a writable folder with room for the archive"),
+    ("read-only-fs", "--save {out}/a.npz: cannot write {out}/a.npz: Read-only file system: "
+                     "expected a writable folder with room for the archive"),
+    ("dangling", "--save {out}/link.npz: cannot write {out}/gone/a.npz: No such file or "
+                 "directory: expected a writable folder with room for the archive"),
+], ids=["read-only", "closed", "read-only-fs", "dangling"])
+def test_a_save_that_cannot_be_written_fails_before_the_model_runs(
+        affine: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str], case: str, message: str) -> None:
+    # Before: only a missing folder or a folder for a file was found before the run; a
+    # read-only file or folder failed the save once the model had run, its outputs lost.
+    import wasinn._save
+    import wasinn.infer
+
+    out = tmp_path / "out"
+    out.mkdir()
+    np.savez(out / "a.npz", important=np.arange(5))
+    target = {"closed": out / "new.npz", "dangling": out / "link.npz"}.get(case, out / "a.npz")
+    if case == "read-only":  # (os.access answers for the tests' user: root may write)
+        real_access = os.access
+        monkeypatch.setattr(wasinn._save.os, "access", lambda path, mode: (
+            False if Path(path) == target and mode == os.W_OK else real_access(path, mode)))
+    elif case == "closed":
+        monkeypatch.setattr(wasinn._save.os, "open", _closed_to_new_files(out))
+    elif case == "read-only-fs":
+        monkeypatch.setattr(wasinn._save.os, "open", _read_only_fs(out))
+    else:
+        target.symlink_to(out / "gone" / "a.npz")
+    before = sorted(p.name for p in out.iterdir())
+    ran: list[str] = []
+    real_infer = wasinn.infer.infer
+    monkeypatch.setattr(wasinn.infer, "infer", lambda rt, name, *args, **kwargs: (
+        ran.append(name), real_infer(rt, name, *args, **kwargs))[1])
+    code = main(["infer", *affine, "a", "--zeros", "--shape", "x=1,4", "--save", str(target)])
+    captured = capfd.readouterr()
+    assert code == 1
+    assert f"wasinn: error: {message.format(out=out)}\n" in captured.err
+    assert (ran, captured.out) == ([], "")  # nothing run, no output printed
+    assert sorted(p.name for p in out.iterdir()) == before  # no temporary left
+
+
+def test_a_save_that_can_be_written_passes_the_check_before_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The check tries the save's own temporary file and removes it; a FIFO, which the
+    # save writes into, it does not open (with no reader, that would wait for ever).
+    import wasinn._save
+
+    check_save_path(tmp_path / "new.npz")
+    os.mkfifo(tmp_path / "fifo")
+    checked = threading.Thread(target=check_save_path, args=(tmp_path / "fifo",), daemon=True)
+    checked.start()
+    checked.join(timeout=60)
+    assert not checked.is_alive()
+    np.savez(tmp_path / "a.npz", old=np.arange(2))
+    monkeypatch.setattr(wasinn._save.os, "open", _closed_to_new_files(tmp_path))
+    check_save_path(tmp_path / "a.npz")  # a file it may write, in a folder it may not
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz", "fifo"]
 
 
 def _cast_onnx(source: int, target: int, in_name: str, out_name: str) -> bytes:
@@ -446,6 +568,25 @@ def test_a_bf16_file_goes_in_and_a_saved_bf16_output_comes_back(
         np.testing.assert_array_equal(archive["z"], values.astype(np.float32))
 
 
+def test_raw_2_byte_values_for_an_f32_input_declared_without_a_shape_are_refused(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Before, an f32 input of unknown rank was taken for TorchScript's placeholder (a type
+    # undeclared): the values went in as bf16 and the backend refused them, saying
+    # nothing of the |V2 file.
+    from tests.backend_models import scalar_onnx
+
+    require_backend("onnxruntime")
+    (tmp_path / "m.onnx").write_bytes(scalar_onnx(declared=False))  # x: f32[...]
+    np.save(tmp_path / "x.npy", np.ones((1, 4), ml_dtypes.bfloat16))
+    code = main(["infer", "--nn-preload", f"m:onnx:cpu:{tmp_path / 'm.onnx'}", "m",
+                 "--input", f"x={tmp_path / 'x.npy'}"])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert ("--input x: 2-byte raw values (numpy dtype |V2, as numpy saves an "
+            "ml_dtypes.bfloat16 array) but the model expects x: f32[...]: expected f32 "
+            "values") in err, err
+
+
 @pytest.mark.parametrize(("model", "given", "message"), [
     ("bf16", np.float32, "--input x: f32 values but the model expects x: bf16[?, 4]: expected "
                          "bf16 values, saved from an ml_dtypes.bfloat16 array (numpy.save(FILE, "
@@ -474,8 +615,8 @@ def test_a_bf16_type_mismatch_says_what_the_input_takes(
 
 def test_a_bf16_file_goes_to_a_torchscript_model_which_declares_no_types(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    # TorchScript's inputs say f32 of unknown rank, a placeholder: the file's 2-byte raw
-    # values go to it as bf16, which the module widens.
+    # TorchScript's inputs declare no type (x: any[...]): the file's 2-byte raw values go
+    # to it as bf16, which the module widens.
     require_backend("torch")
     import torch
 
@@ -490,3 +631,46 @@ def test_a_bf16_file_goes_to_a_torchscript_model_which_declares_no_types(
     captured = capfd.readouterr()
     assert code == 0, captured.err
     assert "f32[1, 2] min -6 max 3 mean -1.5" in captured.out
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> list[str]:
+    """``--nn-preload`` of a TorchScript embedding of i64 token ids (10 rows of 3, no
+    declared input type) as model ``t``."""
+    require_backend("torch")
+    path = tmp_path / "tokens.pt"
+    path.write_bytes(token_model("i64"))
+    return ["--nn-preload", f"t:pytorch:cpu:{path}"]
+
+
+@pytest.mark.parametrize("shape", ["ids=2,8:i64", "0=2,8:I64"], ids=["name", "position"])
+def test_zeros_are_of_the_type_given_where_the_model_declares_none(
+        tokens: list[str], capfd: pytest.CaptureFixture[str], shape: str) -> None:
+    assert main(["infer", *tokens, "t", "--zeros", "--shape", shape]) == 0
+    # Token 0's row, for every one of the 2 x 8 zero ids.
+    assert capfd.readouterr().out.startswith("output: f32[2, 8, 3] min ")
+
+
+def test_a_run_failing_on_f32_zeros_of_an_undeclared_type_says_how_to_give_one(
+        tokens: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["infer", *tokens, "t", "--zeros", "--shape", "ids=2,8"]) == 1
+    err = capfd.readouterr().err
+    assert err.startswith("wasinn: error: pytorch: the TorchScript model rejected its inputs")
+    assert err.rstrip().endswith(
+        "; the model declares no element type for input 'ids', so its zeros were f32: if it "
+        "takes another type, give it with --shape ids=2,8:TYPE (e.g. --shape ids=2,8:i64)"), err
+    # Not for values from a file: their type is the file's, not a default of wasinn's.
+    np.save(tmp_path / "ids.npy", np.zeros((1, 3), np.float32))
+    assert main(["infer", *tokens, "t", "--input", f"ids={tmp_path / 'ids.npy'}"]) == 1
+    err = capfd.readouterr().err
+    assert "the TorchScript model rejected its inputs" in err
+    assert "declares no element type" not in err
+
+
+def test_a_type_that_does_not_parse_is_a_usage_error(
+        tokens: list[str], capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["infer", *tokens, "t", "--zeros", "--shape", "ids=2,8:int64"])
+    assert exc.value.code == 2
+    assert ("wasinn infer: error: --shape 'ids=2,8:int64': unknown tensor type 'int64': "
+            "expected one of f16, f32, f64, bf16, u8, i32, i64") in capfd.readouterr().err

@@ -158,6 +158,27 @@ def test_default_runtime_needs_no_files() -> None:
     ('[models.m]\nfiles = ["m.onnx"]\npreload = 2\n', r"models\.m\.preload: .*boolean"),
     ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\nwarmup_inputs = { x = [true, 2] }\n',
      r"models\.m\.warmup_inputs\.x\[0\]: Input should be a valid integer \(got True\)"),
+    # A warm-up input as a table of shape and type: each key named, once.
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\n'
+     'warmup_inputs = { ids = { shape = [1, 8], type = "int64" } }\n',
+     r"^[^;]*: models\.m\.warmup_inputs\.ids\.type: unknown tensor type 'int64': expected one "
+     r"of f16, f32, f64, bf16, u8, i32, i64$"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\nwarmup_inputs = { ids = { type = "i64" } }\n',
+     r"^[^;]*: models\.m\.warmup_inputs\.ids\.shape: required, and missing$"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\n'
+     'warmup_inputs = { ids = { shape = [1, 8], dtype = "i64" } }\n',
+     r"^[^;]*: models\.m\.warmup_inputs\.ids\.dtype: unknown key: did you mean type\? "
+     r"expected one of shape, type$"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\n'
+     'warmup_inputs = { ids = { shape = [1, 0], type = "i64" } }\n',
+     r"^[^;]*: models\.m\.warmup_inputs\.ids\.shape\[1\]: .*greater than or equal to 1"),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\nwarmup_inputs = { ids = "1x8:i64" }\n',
+     r'^[^;]*: models\.m\.warmup_inputs\.ids: expected a shape \(\[1, 8\]; \[\] for a '
+     r'scalar\) or a table \{ shape = \[1, 8\], type = "i64" \} \(got \'1x8:i64\'\)$'),
+    ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.p]\nsteps = [{ model = "m" }]\nwarmup = 1\n'
+     'warmup_inputs = { x = { shape = [2], type = 64 } }\n',
+     r"^[^;]*: pipelines\.p\.warmup_inputs\.x\.type: Input should be a valid string "
+     r"\(got 64\)$"),
     ('[models.m]\nfiles = ["m.onnx"]\n[pipelines.p]\nsteps = [{ model = "m" }]\n'
      'warmup = 1.5\n', r"pipelines\.p\.warmup: .*integer"),
     ('[runtime]\nfallback = "gpu:0:1"\n', r"runtime\.fallback"),

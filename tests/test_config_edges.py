@@ -72,6 +72,12 @@ def test_a_config_path_with_a_nul_byte_is_an_invalid_argument(tmp_path: Path) ->
     ('[models."list[x]"]\nfiles = 3\n',
      r'models\."list\[x\]": name .* is not a plain identifier.*; '
      r'models\."list\[x\]"\.files: Input should be a valid list'),
+    # (the tags of a warm-up input's forms look alike: "list[shape]")
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\nwarmup_inputs = { "list[shape]" = [true] }\n',
+     r'models\.m\.warmup_inputs\."list\[shape\]"\[0\]: Input should be a valid integer'),
+    ('[models.m]\nfiles = ["m.onnx"]\nwarmup = 1\n'
+     'warmup_inputs = { "table[shape, type]" = { shape = [1], type = "x" } }\n',
+     r'models\.m\.warmup_inputs\."table\[shape, type\]"\.type: unknown tensor type'),
     # ... while pydantic's own union members still leave the path.
     ('[pools.g]\nkind = "gpu"\ndevices = ["gpu:0", 3]\n',
      r'pools\.g\.devices\[1\]: Input should be a valid string'),

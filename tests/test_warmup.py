@@ -4,6 +4,7 @@ inputs before ``start`` returns; a failure fails the start, naming the model."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import wasinn
-from tests.backend_models import scalar_onnx
+from tests.backend_models import scalar_onnx, scripted
 from tests.fake_backend import FakeBackend
 from tests.support import require_backend
 from tests.test_batching import device_busy
@@ -27,7 +28,7 @@ from wasinn import (
 from wasinn.backends import TensorSpec
 from wasinn.configs.loader import load_config
 from wasinn.modelgen import ModelFiles, affine_onnx, sample_image
-from wasinn.scheduler.warmup import zero_inputs
+from wasinn.scheduler.warmup import ZeroInput, zero_inputs
 
 X = np.ones((1, 4), np.float32)
 
@@ -379,3 +380,95 @@ preload = true
     with pytest.raises(wasinn.ClosedResourceError, match="closed"):
         await runtime.load_by_name("fine")
     assert [s.warm_ups for s in runtime.stats()] == [1]  # the final figures: fine's run
+
+
+def token_model(kind: str) -> bytes:
+    """A TorchScript module (which declares no input types) that takes ``kind`` values
+    only: "i64" token ids (an embedding lookup into 10 rows of 3) or "u8" bytes (their
+    bitwise not); f32 zeros make either fail."""
+    import torch
+
+    class Embedding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(10, 3)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.table(ids)
+
+    class Invert(torch.nn.Module):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.bitwise_not(ids)
+
+    return scripted(Embedding() if kind == "i64" else Invert())
+
+
+def token_config(directory: Path, kind: str, inputs: str) -> Path:
+    """Model ``tokens`` (:func:`token_model`), warmed up once with these ``inputs``
+    lines."""
+    (directory / "tokens.pt").write_bytes(token_model(kind))
+    path = directory / "wasinn.toml"
+    path.write_text('[models.tokens]\nfiles = ["tokens.pt"]\nencoding = "pytorch"\n'
+                    f"warmup = 1\n{inputs}")
+    return path
+
+
+@pytest.mark.parametrize("inputs", [
+    'warmup_inputs = {{ ids = {{ shape = [2, 8], type = "{kind}" }} }}\n',
+    '[models.tokens.warmup_inputs.ids]\nshape = [2, 8]\ntype = "{kind}"\n',  # as a table
+    'warmup_inputs = {{ ids = {{ shape = [2, 8], type = "{upper}" }} }}\n',  # any case
+], ids=["inline", "table", "upper-case"])
+@pytest.mark.parametrize("kind", ["i64", "u8"])
+async def test_a_torchscript_model_of_token_ids_is_warmed_up_on_the_type_given(
+        tmp_path: Path, inputs: str, kind: str) -> None:
+    require_backend("torch")
+    path = token_config(tmp_path, kind, inputs.format(kind=kind, upper=kind.upper()))
+    async with wasinn.Runtime.from_config(path) as rt:
+        (actor,) = rt.actors
+        assert actor.stats().warm_ups == 1
+        graph = await rt.load_by_name("tokens")
+        ids = np.array([[1, 2, 3]], np.int64 if kind == "i64" else np.uint8)
+        out = (await graph.compute({"ids": ids}))[graph.outputs[0].name].numpy()
+        assert out.shape == ((1, 3, 3) if kind == "i64" else (1, 3))
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("i64", "[2, 8]"), ("u8", "[5]")])
+async def test_a_warm_up_failing_on_f32_zeros_of_an_undeclared_type_says_how_to_give_one(
+        tmp_path: Path, kind: str, shape: str) -> None:
+    require_backend("torch")
+    path = token_config(tmp_path, kind, f"warmup_inputs = {{ ids = {shape} }}\n")
+    await refused_start(
+        path, InvalidArgumentError,
+        rf"^preloading 'tokens': cpu: the warm-up run on zero-filled inputs "
+        rf"\(ids: f32{re.escape(shape)}; .*\) failed: pytorch: the TorchScript model rejected "
+        rf"its inputs .*; the model declares no element type for input 'ids', so its zeros "
+        rf"were f32: if it takes another type, give it in warmup_inputs \(e\.g\. ids = "
+        rf'\{{ shape = {re.escape(shape)}, type = "i64" \}}\)$')
+
+
+async def test_a_type_the_model_declares_otherwise_fails_the_start_naming_both(
+        tmp_path: Path) -> None:
+    # The affine model declares x: f32[?, 4]: i64 zeros would only fail in the backend.
+    path = warmed_on(tmp_path, '{ shape = [2, 4], type = "i64" }')
+    await refused_start(path, InvalidArgumentError,
+                        rf"^preloading 'a': {re.escape(str(path))}: models\.a\.warmup_inputs: "
+                        r"input 'x': type i64 given, but the model declares x: f32\[\?, 4\]: "
+                        r"expected f32, or no type \(the model's\)$")
+    # The type it declares may be given (written as a table or not, the same warm-up).
+    for given in ('{ shape = [2, 4], type = "f32" }', "{ shape = [2, 4] }", "[2, 4]"):
+        async with wasinn.Runtime.from_config(warmed_on(tmp_path, given)) as rt:
+            assert rt.stats()[0].warm_ups == 1
+
+
+def test_zero_inputs_are_of_the_type_given_where_the_model_declares_none() -> None:
+    specs = [TensorSpec("ids", TensorType.F32, (), rank_known=False, type_known=False),
+             TensorSpec("mask", TensorType.U8, (None, 8))]
+    zeros = zero_inputs(specs, {"ids": ZeroInput((2, 8), TensorType.I64),
+                                "mask": ZeroInput(None, TensorType.U8)})
+    assert [(t.type, t.dims) for t in zeros.values()] == [(TensorType.I64, (2, 8)),
+                                                          (TensorType.U8, (1, 8))]
+    assert zero_inputs(specs, {"ids": (3,)})["ids"].type is TensorType.F32  # (the default)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"^input 'mask': type i32 given, but the model declares mask: "
+                             r"u8\[\?, 8\]: expected u8, or no type \(the model's\)$"):
+        zero_inputs(specs, {"ids": (3,), "mask": ZeroInput((1, 8), TensorType.I32)})
