@@ -52,6 +52,9 @@ class Sessions:
     spares: Spares | None
     _registries: dict[ExecutionTarget, BackendRegistry]
     trio_token: trio.lowlevel.TrioToken | None
+    #: Set when the runtime closes: its close then frees every graph, and an unload
+    #: waits for no run (a lease not yet run never will be).
+    stopped: bool
     #: Set (and dropped) when a run that an unload may be waiting for ends.
     _run_ended: trio.Event | None = None
 
@@ -202,15 +205,22 @@ class Sessions:
         if event is not None:
             event.set()
 
+    def stop_waiting(self) -> None:
+        """As the runtime closes (in trio, once ``stopped`` is set): the unloads waiting
+        in :meth:`runs_over` return."""
+        self._wake_runs_over()
+
     async def runs_over(self, executable: Executable) -> list[str]:
         """Wait until the runs an unload of ``executable`` waits for have ended (see
         :meth:`Executable.waited_for`: none while a handle or context keeps it loaded),
         the graphs they used closed; at most the largest ``close_timeout`` of the
-        runtime's pools. Returns what is still waited for then (empty: nothing).
-        Cancellation: raised, whatever is left still ending on its own."""
+        runtime's pools, and not once the runtime is closed (its close frees every
+        graph, and a lease not yet run never will be: see :meth:`stop_waiting`).
+        Returns what is still waited for then (empty: nothing). Cancellation: raised,
+        whatever is left still ending on its own."""
         timeout = max((actor.close_timeout for actor in self.actors), default=0.0)
         with trio.move_on_after(timeout):
-            while executable.waited_for():
+            while executable.waited_for() and not self.stopped:
                 if self._run_ended is None:
                     self._run_ended = trio.Event()
                 await self._run_ended.wait()

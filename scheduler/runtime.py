@@ -226,6 +226,7 @@ class Runtime(ModelLoading):
             self._closed = True
             if self._scheduler is not None:
                 self._scheduler.stopped = True
+                self._scheduler.stop_waiting()
             self._names.drop_all()
             self._graphs.close()
         try:

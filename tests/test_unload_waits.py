@@ -137,6 +137,46 @@ async def test_past_close_timeout_unload_returns_with_a_warning(
         assert len(closed) == 1
 
 
+#: A hang guard (never reached when the unload returns as it should): far below the
+#: pools' close_timeout of an hour, far above anything these runs take.
+HANG_GUARD_S = 120
+
+
+async def test_an_unload_waiting_for_a_lease_returns_as_the_runtime_closes(
+        closed: list[OrtGraph]) -> None:
+    # The lease can never run once the runtime is closed: its close frees the graph.
+    rt = wasinn.Runtime(cpu_pool(workers=1, close_timeout=3600))
+    with trio.fail_after(HANG_GUARD_S):
+        async with rt, trio.open_nursery() as nursery:
+            graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+            lease = await graph.lease({"x": X})
+            unloaded = await unload_in(nursery, graph)
+            assert not unloaded.is_set()
+            await rt.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            assert unloaded.is_set()
+    with pytest.raises(ClosedResourceError, match="the device closed before it ran"):
+        await trio.to_thread.run_sync(lease.run)
+
+
+async def test_an_unload_after_the_runtime_closed_waits_for_no_lease(
+        closed: list[OrtGraph]) -> None:
+    leases: list[Any] = []
+
+    async def take_lease(graph: wasinn.Graph) -> None:  # another task than the unload's
+        leases.append(await graph.lease({"x": X}))
+
+    rt = wasinn.Runtime(cpu_pool(workers=1, close_timeout=3600))
+    with trio.fail_after(HANG_GUARD_S):
+        async with rt:
+            graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(take_lease, graph)
+        await graph.unload()  # (the runtime is closed: nothing left to wait for)
+    with pytest.raises(ClosedResourceError, match="the device closed before it ran"):
+        await trio.to_thread.run_sync(leases[0].run)
+
+
 async def test_an_unload_from_the_task_holding_a_lease_does_not_wait_for_it(
         closed: list[OrtGraph], caplog: pytest.LogCaptureFixture) -> None:
     # It could not run before the unload returned: waiting would only stall until
