@@ -18,6 +18,7 @@ owner: it serves several callers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
@@ -56,7 +57,9 @@ class Batcher:
     (perf_counter) its thread passed the slot on (inf: it did not), the run charged to
     ``tenant`` (a batch's members are all of one tenant, so a merged run is charged whole
     to it); ``start`` starts a task that lives as long as the actor; ``stats`` counts the
-    device's batches. A run whose exception :attr:`fatal` says the device cannot survive
+    device's batches; ``idle_slot(scope)``, while a batch holds a slot waiting for
+    company in ``scope``, cancels it once other work waits for the device (None: none
+    ever does). A run whose exception :attr:`fatal` says the device cannot survive
     (a lost GPU) ends the whole batch with it: nothing more is run there, and the job
     raises it, for the device context to see.
     """
@@ -68,7 +71,9 @@ class Batcher:
                  run_in_slot: Callable[[Callable[[], Any], str, str],
                                        Awaitable[tuple[Any, float]]],
                  start: Callable[[Callable[[Batch], Awaitable[None]], Batch], None],
-                 stats: RequestStats) -> None:
+                 stats: RequestStats, *,
+                 idle_slot: Callable[[trio.CancelScope], contextlib.AbstractContextManager[None]]
+                 | None = None) -> None:
         self._device = device
         #: Whether a run's exception leaves the device unusable (set by the actor from
         #: its device context once the device is open; never, until then).
@@ -79,6 +84,7 @@ class Batcher:
         self._run_in_slot = run_in_slot
         self._start = start
         self._stats = stats
+        self._idle_slot = idle_slot
         self._open: dict[Hashable, list[Batch]] = {}
         #: Requests in batches that have not started running (queued or gathering).
         self.waiting = 0
@@ -265,9 +271,10 @@ class Batcher:
                 if batch.deadline < until:  # leave the run half of the time that is left
                     now = trio.current_time()
                     until = min(until, now + (batch.deadline - now) / 2)
-                with trio.move_on_at(until):
+                with trio.move_on_at(until) as waiting, self._idling(waiting):
                     # Woken as it filled up: it runs, unless a member left meanwhile and
-                    # reopened it (a new event then).
+                    # reopened it (a new event then). Other work queued for the device
+                    # ends the wait too (a request that may join has joined instead).
                     while batch.open:
                         await batch.full.wait()
             self._close(batch)
@@ -300,6 +307,12 @@ class Batcher:
             if batch.account is not None:
                 batch.account.record_batch(answered)
         return outcomes
+
+    def _idling(self, scope: trio.CancelScope) -> contextlib.AbstractContextManager[None]:
+        # The slot idles in ``scope`` until other work waits for the device.
+        if self._idle_slot is None:
+            return contextlib.nullcontext()
+        return self._idle_slot(scope)
 
     def _settle(self, batch: Batch, outcomes: Sequence[outcome.Outcome[Any]] | None,
                 failure: BaseException | None) -> None:

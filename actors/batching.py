@@ -18,7 +18,9 @@ How a batch forms (all in trio, per device actor, see :class:`Batcher`):
   back in the queue to where its remaining members' terms place it).
 * Until that entry is granted a slot (and, with ``max_delay``, until ``max_delay`` after
   the batch opened, until it is full, or until half the time left before its earliest
-  member's deadline has passed, so that a short timeout is not spent waiting), later
+  member's deadline has passed, so that a short timeout is not spent waiting; or until
+  another request waits for a slot on the device: an idle slot must not keep other work
+  waiting, see :meth:`Slots.idle <wasinn.actors.slots.Slots.idle>`), later
   requests join it when they are for the
   same graph and input signature, of the same tenant, would not be served earlier on
   their own (priority no higher, deadline no earlier than the batch's), and their rows
@@ -99,8 +101,9 @@ class Batching:
 
     ``max_batch``: the most rows one run takes (a request with more runs alone).
     ``max_delay``: seconds a batch that holds a slot waits for more requests before it
-    runs, unless it fills up first; 0 (the default) batches only what queued while the
-    device was busy and never delays a request on an idle device. Other values raise
+    runs, unless it fills up first or another request waits for a slot on the device;
+    0 (the default) batches only what queued while the device was busy and never delays
+    a request on an idle device. Other values raise
     :class:`BatchingError` (an InvalidArgumentError, and a ValueError).
     """
 

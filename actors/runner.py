@@ -80,7 +80,7 @@ class RequestRunner:
         self._charges = slots.charges
         self._closed = False
         self.batcher = Batcher(device, self._take_batch_slot, slots.requeue, slots.free,
-                               self.run_in_slot, start_task, stats)
+                               self.run_in_slot, start_task, stats, idle_slot=slots.idle)
 
     def close(self) -> None:
         """Start nothing more: a request granted a slot from now on, or that would run

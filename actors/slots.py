@@ -38,6 +38,12 @@ is either withdrawn unrun or granted its slot, never both. The queue is one plac
 request waits (a :class:`WaitingPlace`); the others are a batch that has not started
 (:mod:`wasinn.actors.batching`) and its graph's first compile on the device
 (:mod:`wasinn.actors.sessioncache`), which withdraw it the same way.
+
+A slot may be held idle: a batch waiting for company (``max_delay``, see
+:mod:`wasinn.actors.batching`). It waits only while the device has nothing else to do:
+the request that queues next ends the wait (:meth:`Slots.idle`), so nothing that cannot
+join the batch waits behind an idle slot. A request that finds a free slot pays nothing
+for it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import contextlib
 import contextvars
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import trio
@@ -141,6 +148,8 @@ class Slots:
         self._token: trio.lowlevel.TrioToken | None = None
         #: Slots given back: by every request that held one, whether its job ran or not.
         self.released = 0
+        #: The scopes of slot holders idling until other work comes (see :meth:`idle`).
+        self._idle: set[trio.CancelScope] = set()
 
     @property
     def running(self) -> int:
@@ -195,8 +204,7 @@ class Slots:
                 displaced.displaced_by = request.tenant
                 displaced.handoff = None  # (and the inputs its job holds)
             request.handoff = handoff
-            request.queued = True
-            self._policy.push(request)
+            self._enqueue(request)
         if displaced is not None:
             displaced.event.set()  # not granted: its waiter raises QueueFullError
         if owner is not None:
@@ -232,6 +240,27 @@ class Slots:
                     "pool's queue_limit")
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
+
+    @contextlib.contextmanager
+    def idle(self, scope: trio.CancelScope) -> Iterator[None]:
+        """While a held slot idles in ``scope`` (in trio: a batch waiting for company),
+        cancel ``scope`` as soon as a request queues for a slot, at once if one waits
+        already: the device has other work, which an idle slot must not keep waiting."""
+        if len(self._policy):
+            scope.cancel()
+        self._idle.add(scope)
+        try:
+            yield
+        finally:
+            self._idle.discard(scope)
+
+    def _enqueue(self, request: Request) -> None:
+        # (Under the lock, in trio.) The device now has work for any slot kept idle: its
+        # wait ends (the cancel only marks the scope; the idler wakes when trio runs it).
+        request.queued = True
+        self._policy.push(request)
+        for scope in self._idle:
+            scope.cancel()
 
     def withdraw(self, request: Request, why: str, /) -> bool:
         """Take ``request`` out of the queue unrun if it still waits there (in trio): its

@@ -369,3 +369,122 @@ async def test_a_batch_that_fills_up_runs_before_max_delay(
     sizes, finished = await runs_of(Batching(max_batch=3, max_delay=10), [(0.0, 1), (1.0, 2)])
     assert sizes == [3]
     assert finished == [1.0, 1.0]  # when the second made it full, not at 10 s
+
+
+# A batch that holds the device's only slot while it waits for company must not keep other
+# work waiting: once another request queues for the device, it runs with what it has
+# (as Triton's dynamic batcher sends its batch when the next request cannot join it).
+
+#: Real seconds the clock waits, idle, before it jumps, once the runs of a scenario are
+#: under way: a run in a worker thread takes real time, which the clock must not skip
+#: (at 0 it would jump to a request's deadline while the run before it is still going).
+RUN_ALLOWANCE = 2.0
+
+
+async def gather_then(clock: trio.testing.MockClock,
+                      arrivals: list[tuple[float, str, dict[str, Any]]], *,
+                      workers: int = 1, policy: str = "priority",
+                      ) -> tuple[list[int], dict[str, Any]]:
+    """On an idle runtime of ``workers`` workers, tenant alice's request ("opener") for a
+    graph loaded with ``max_delay=5`` opens a batch at once; each of ``arrivals``
+    ``(when, graph, compute's keyword arguments)`` is made ``when`` seconds (trio time)
+    later, for that graph ("batched") or for another that does not batch ("other"). The
+    size of each run of the batching graph, and for each request (named "opener" or by
+    its index in ``arrivals``) when it finished (trio seconds after the first) or the
+    WasiNNError it raised."""
+    async with wasinn.Runtime(cpu_pool(workers=workers, policy=policy)) as rt:
+        graphs = {
+            "batched": await rt.load([affine_onnx()], "onnx",
+                                     batching=Batching(max_batch=8, max_delay=5)),
+            "other": await rt.load([affine_onnx(scale=3.0, bias=0.0)], "onnx"),
+        }
+        expected = {"batched": lambda x: 2 * x + 1, "other": lambda x: 3 * x}
+        sizes = run_sizes(rt, graphs["batched"])
+        start = trio.current_time()
+        finished: dict[str, Any] = {}
+
+        async def call_at(name: str, when: float, graph: str, kwargs: dict[str, Any]
+                          ) -> None:
+            await trio.sleep_until(start + when)
+            if when == arrivals[-1][0]:
+                clock.autojump_threshold = RUN_ALLOWANCE
+            x = rows(when + 1)
+            try:
+                out = await graphs[graph].compute({"x": x}, **kwargs)
+            except wasinn.WasiNNError as exc:
+                finished[name] = exc
+                return
+            np.testing.assert_allclose(out["y"].numpy(), expected[graph](x))
+            finished[name] = trio.current_time() - start
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call_at, "opener", 0.0, "batched", {"tenant": "alice"})
+            for i, (when, graph, kwargs) in enumerate(arrivals):
+                nursery.start_soon(call_at, str(i), when, graph, kwargs)
+        return sizes, finished
+
+
+@pytest.mark.parametrize(("policy", "kwargs"), [
+    ("priority", {"priority": 5}),
+    ("priority", {"timeout": 1}),
+    ("fair", {"tenant": "carol"}),
+], ids=["higher-priority", "short-timeout", "other-tenant-on-a-fair-pool"])
+async def test_a_batch_waiting_for_company_runs_once_other_work_queues(
+        autojump_clock: trio.testing.MockClock, policy: str, kwargs: dict[str, Any]) -> None:
+    # Before: the other request waited behind the batch's idle slot for the whole 5 s
+    # (and the one with timeout=1 timed out on an idle device).
+    sizes, finished = await gather_then(autojump_clock, [(0.1, "other", kwargs)],
+                                        policy=policy)
+    assert sizes == [1]
+    assert finished["opener"] < 1, finished
+    assert finished["0"] < 1, finished
+
+
+async def test_a_short_timeout_behind_a_waiting_batch_of_its_graph_does_not_time_out(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Its deadline keeps it out of the batch: it queues in a batch of its own, which ends
+    # the first one's wait, and gathers for half the time left to its deadline.
+    sizes, finished = await gather_then(autojump_clock, [(0.1, "batched", {"timeout": 1})])
+    assert sizes == [1, 1]
+    assert finished["opener"] < 1, finished
+    assert finished["0"] < 1, finished
+
+
+async def test_a_request_that_may_join_a_waiting_batch_joins_it(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The same graph and terms join the waiting batch (no queueing, no end to its wait);
+    # the other graph's request then queues and the batch runs with both rows.
+    sizes, finished = await gather_then(autojump_clock, [
+        (0.05, "batched", {"tenant": "alice"}), (0.1, "other", {"priority": 5})])
+    assert sizes == [2]
+    assert max(finished.values()) < 1, finished
+
+
+async def test_a_batch_waits_out_max_delay_while_other_work_finds_a_free_slot(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Two workers: the other graph's request takes the free one without queueing, so the
+    # batch still waits for company, and the later request joins it.
+    sizes, finished = await gather_then(autojump_clock, [
+        (0.1, "other", {}), (0.2, "batched", {"tenant": "alice"})], workers=2)
+    assert sizes == [2]
+    assert finished["opener"] == finished["1"] == 5.0, finished
+
+
+async def test_a_batch_granted_its_slot_with_others_queued_does_not_wait(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        batched = await rt.load([affine_onnx()], "onnx",
+                                batching=Batching(max_batch=8, max_delay=5))
+        other = await rt.load([affine_onnx(scale=3.0, bias=0.0)], "onnx")
+        start = trio.current_time()
+        results: dict[Any, Any] = {}
+        async with device_busy(only_actor(rt)) as nursery:
+            # Queued in this order behind the busy slot: the batch is granted it first.
+            nursery.start_soon(compute_into, batched, {"x": rows(1)}, results, "batched")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(compute_into, other, {"x": rows(2)}, results, "other")
+            await trio.testing.wait_all_tasks_blocked()
+            autojump_clock.autojump_threshold = RUN_ALLOWANCE
+        assert trio.current_time() - start < 1
+        np.testing.assert_allclose(results["batched"], 2 * rows(1) + 1)
+        np.testing.assert_allclose(results["other"], 3 * rows(2))
