@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -28,6 +29,7 @@ from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import ClosedResourceError
+from wasinn.modelgen import affine_onnx
 
 
 def required() -> set[str]:
@@ -317,3 +319,18 @@ def core_nn_guest_wat(memory: bytes, model: bytes, body: str, locals_: str = "")
     (if (local.get $e) (then (call $exit (i32.add (i32.const 200) (local.get $e)))))
     (local.set $ctx (i32.load (i32.const 68)))
     {body}))"""
+
+
+def affine_pipeline_config(tmp_path: Path) -> Path:
+    """A config file in ``tmp_path``: one CPU pool of one worker, registry models ``a``
+    (``2 x + 1``) and ``b`` (``3 x``), and pipeline ``p``: a, then b (a's ``y`` into b's
+    ``x``)."""
+    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    (tmp_path / "b.onnx").write_bytes(affine_onnx(3.0, 0.0))
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
+                    '[models.a]\nfiles = ["a.onnx"]\nencoding = "onnx"\n\n'
+                    '[models.b]\nfiles = ["b.onnx"]\nencoding = "onnx"\n\n'
+                    '[pipelines.p]\nsteps = [{ model = "a" }, '
+                    '{ model = "b", wire = { y = "x" } }]\n')
+    return path

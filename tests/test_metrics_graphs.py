@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import wasinn
 from tests.guest_support import WAT_DIR
-from tests.support import cpu_pool, require_backend
+from tests.support import affine_pipeline_config, cpu_pool, require_backend
 from wasinn import InvalidArgumentError
 from wasinn.actors.stats import Outcome, RequestStats
 from wasinn.backends.base import LoadOptions
@@ -184,22 +184,10 @@ async def test_a_registry_model_loaded_again_goes_on_from_its_counts(tmp_path: P
     assert scraped(registry) == {"affine": 6}
 
 
-def config_with_pipeline(tmp_path: Path) -> Path:
-    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
-    (tmp_path / "b.onnx").write_bytes(affine_onnx(3.0, 0.0))
-    path = tmp_path / "wasinn.toml"
-    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
-                    '[models.a]\nfiles = ["a.onnx"]\nencoding = "onnx"\n\n'
-                    '[models.b]\nfiles = ["b.onnx"]\nencoding = "onnx"\n\n'
-                    '[pipelines.p]\nsteps = [{ model = "a" }, '
-                    '{ model = "b", wire = { y = "x" } }]\n')
-    return path
-
-
 async def test_a_registry_pipeline_loaded_again_goes_on_from_its_counts(
         tmp_path: Path) -> None:
     require_backend("onnxruntime")
-    async with wasinn.Runtime.from_config(config_with_pipeline(tmp_path)) as rt:
+    async with wasinn.Runtime.from_config(affine_pipeline_config(tmp_path)) as rt:
         registry = registry_of(rt)
         for round_ in range(1, 4):
             pipeline = await rt.load_by_name("p")

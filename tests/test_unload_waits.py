@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.support import cpu_pool, require_backend
+from tests.support import affine_pipeline_config, cpu_pool, require_backend
 from wasinn.backends._ort_graph import OrtGraph
 from wasinn.errors import ClosedResourceError
 from wasinn.modelgen import affine_onnx
@@ -207,21 +207,9 @@ async def test_an_open_context_keeps_the_graph_and_unload_returns_at_once(
         assert len(closed) == 1
 
 
-def pipeline_config(tmp_path: Path) -> Path:
-    (tmp_path / "a.onnx").write_bytes(affine_onnx(2.0, 1.0))
-    (tmp_path / "b.onnx").write_bytes(affine_onnx(3.0, 0.0))
-    path = tmp_path / "wasinn.toml"
-    path.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\nworkers = 1\n\n'
-                    '[models.a]\nfiles = ["a.onnx"]\nencoding = "onnx"\n\n'
-                    '[models.b]\nfiles = ["b.onnx"]\nencoding = "onnx"\n\n'
-                    '[pipelines.p]\nsteps = [{ model = "a" }, '
-                    '{ model = "b", wire = { y = "x" } }]\n')
-    return path
-
-
 async def test_a_pipeline_unload_waits_for_its_lease_then_loads_again(
         tmp_path: Path, closed: list[OrtGraph]) -> None:
-    async with wasinn.Runtime.from_config(pipeline_config(tmp_path)) as rt:
+    async with wasinn.Runtime.from_config(affine_pipeline_config(tmp_path)) as rt:
         pipeline = await rt.load_by_name("p")
         lease = await pipeline.lease({"x": X})
         async with trio.open_nursery() as nursery:
