@@ -24,16 +24,20 @@ from wasinn.tensor import Tensor
 #: How numpy's format stores bf16, which it has no type for: 2-byte raw values.
 _RAW_2_BYTES = np.dtype("V2")
 
+#: The errors of a write that found no room: a full disk, a quota, a file size limit.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
 
 def check_save_path(path: Path) -> None:
     """Before any run: InvalidArgumentError, with the message :func:`save_outputs` would
     give after it, when ``--save`` names a file that the save could not write: its folder
-    missing, a folder itself, a read-only file, or a new file in a folder where none may
-    be created (or on a read-only file system). The save's own rules decide: where it
-    would write a new file beside the target, one is created and removed at once; a
-    target it would write into (a FIFO, a device, a file with other hard links, a file in
-    a folder closed to new files) must be writable, and is not opened (a FIFO would wait
-    for its reader). What changes during the run, the save itself still finds."""
+    missing, a folder itself, a folder on a file system mounted read-only (said first, as
+    such: there no name can be written), a read-only file, or a new file in a folder
+    where none may be created. The save's own rules decide: where it would write a new
+    file beside the target, one is created and removed at once; a target it would write
+    into (a FIFO, a device, a file with other hard links, a file in a folder closed to
+    new files) must be writable, and is not opened (a FIFO would wait for its reader).
+    What changes during the run, the save itself still finds."""
     if not path.parent.is_dir():
         raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
                                    "expected a file in an existing folder")
@@ -41,6 +45,7 @@ def check_save_path(path: Path) -> None:
         raise InvalidArgumentError(f"--save {path}: a folder: expected a file name "
                                    "(FILE.npz)")
     target = Path(os.path.realpath(path))
+    _refuse_read_only_file_system(path, target)
     _refuse_read_only(path, target)
     if _special(target) or _linked(target):
         return
@@ -70,10 +75,12 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     naming the file, for names no archive can hold (with a NUL character, which zip member
     names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
     apart) and for a file that cannot be written (read-only, a full disk, a folder not
-    writable); :func:`check_save_path` finds the latter before a run.
+    writable, a read-only file system); :func:`check_save_path` finds the latter before a
+    run.
     """
     _check_member_names(path, outputs)
     target = Path(os.path.realpath(path))
+    _refuse_read_only_file_system(path, target)
     _refuse_read_only(path, target)
     if _special(target):
         _write_into(path, outputs)
@@ -99,13 +106,37 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
         raise
 
 
+def _refuse_read_only_file_system(path: Path, target: Path) -> None:
+    # Checked first: on a file system mounted read-only every other check fails too (root
+    # included), and would blame the file or the folder, or offer a new name that fails
+    # as well. A FIFO or a device there may still be written (the kernel allows it).
+    if _special(target):
+        return
+    try:
+        read_only = os.statvfs(target.parent).f_flag & os.ST_RDONLY
+    except OSError:  # (a folder missing, or gone: the checks after this one say so)
+        return
+    if read_only:
+        raise _on_read_only_file_system(path, target.parent)
+
+
+def _on_read_only_file_system(path: Path, place: Path) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"--save {path}: {place} is on a file system mounted read-only, where no file may "
+        "be written or created: expected FILE on a writable file system (save it elsewhere)")
+
+
 def _refuse_read_only(path: Path, target: Path) -> None:
     # The archive replaces the file by a rename, which a read-only file does not stop
     # (its folder's permission decides): the file's own is checked, as open("wb") would.
+    # Permission bits stop no write of root's: for root this is an immutable file.
     if target.exists() and not os.access(target, os.W_OK):
+        new_name = ("a new name" if os.access(target.parent, os.W_OK | os.X_OK)
+                    else f"a name in a folder wasinn may write ({target.parent} takes no "
+                         "new file)")
         raise InvalidArgumentError(
-            f"--save {path}: {target} is read-only: expected a file wasinn may write, or a "
-            "new name")
+            f"--save {path}: {target} is read-only: expected a file wasinn may write, or "
+            f"{new_name}")
 
 
 def _open_temporary(path: Path, target: Path) -> tuple[Path, int] | None:
@@ -125,6 +156,8 @@ def _open_temporary(path: Path, target: Path) -> tuple[Path, int] | None:
 
 
 def _cannot_write(path: Path, target: Path, exc: OSError) -> InvalidArgumentError:
+    if exc.errno == errno.EROFS:  # (mounted read-only since the check, or no statvfs)
+        return _on_read_only_file_system(path, target.parent)
     return InvalidArgumentError(
         f"--save {path}: cannot write {target}: {exc.strerror or exc}: expected a writable "
         "folder with room for the archive")
@@ -162,9 +195,13 @@ def _overwrite(path: Path, target: Path, outputs: Mapping[str, Tensor]) -> None:
             file.flush()
             os.fsync(file.fileno())
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise _on_read_only_file_system(path, target) from exc
+        expected = ("room for the archive" if exc.errno in _NO_ROOM
+                    else "a file wasinn may write")
         raise InvalidArgumentError(
             f"--save {path}: cannot write into {target}: {exc.strerror or exc}: expected "
-            "room for the archive") from exc
+            f"{expected}") from exc
 
 
 def _reserve(fd: int, size: int) -> None:

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import types
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -387,6 +388,59 @@ def test_a_read_only_file_is_not_saved_over(tmp_path: Path, monkeypatch: pytest.
     assert saved.read_bytes() == before
 
 
+@pytest.mark.parametrize(("errno_", "said"), [
+    # Before: both were told "expected room for the archive", which was no help.
+    (13, "cannot write into {saved}: Permission denied: expected a file wasinn may write"),
+    (30, "{saved} is on a file system mounted read-only, where no file may be written or "
+         "created: expected FILE on a writable file system (save it elsewhere)"),
+], ids=["permission", "read-only-fs"])
+def test_a_file_written_in_place_that_cannot_be_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int, said: str) -> None:
+    # A hard-linked file is written in place; os.open fails on it as a write would.
+    import wasinn._save
+
+    saved = tmp_path / "out.npz"
+    np.savez(saved, important=np.arange(5))
+    os.link(saved, tmp_path / "link.npz")
+    before = saved.read_bytes()
+    real_open = os.open
+
+    def refused(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_WRONLY and Path(path) == saved:
+            raise OSError(errno_, os.strerror(errno_), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(wasinn._save.os, "open", refused)
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            f"--save {saved}: {said.format(saved=saved)}")):
+        save_outputs(saved, {"y": Tensor.from_numpy(np.zeros((1, 4), np.float32))})
+    assert saved.read_bytes() == before
+
+
+def test_a_save_onto_a_read_only_mount_says_so_and_leaves_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mounted read-only during the run (os.statvfs says so: no test may mount one). Before:
+    # "is read-only: expected a file wasinn may write, or a new name", and a new name
+    # failed too. A FIFO there may still be written: the kernel allows it.
+    import wasinn._save
+
+    saved = tmp_path / "out.npz"
+    np.savez(saved, important=np.arange(5))
+    before = saved.read_bytes()
+    monkeypatch.setattr(wasinn._save.os, "statvfs", _read_only_mount(tmp_path))
+    tensor = Tensor.from_numpy(np.zeros((1, 4), np.float32))
+    for name in ("out.npz", "new.npz"):
+        with pytest.raises(InvalidArgumentError, match=re.escape(
+                f"--save {tmp_path / name}: {tmp_path} is on a file system mounted read-only, "
+                "where no file may be written or created: expected FILE on a writable file "
+                "system (save it elsewhere)")):
+            save_outputs(tmp_path / name, {"y": tensor})
+    assert saved.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out.npz"]
+    os.mkfifo(tmp_path / "fifo")
+    check_save_path(tmp_path / "fifo")  # passes, unopened
+
+
 def test_a_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
     # Before: the archive was renamed onto the FIFO, which became a regular file, and its
     # reader waited for ever (a device, /dev/null as root, would have been replaced too).
@@ -468,16 +522,39 @@ def _read_only_fs(folder: Path) -> Callable[..., int]:
     return read_only
 
 
+def _read_only_mount(folder: Path) -> Callable[..., Any]:
+    """``os.statvfs`` as for a file system mounted read-only at ``folder``."""
+    real_statvfs = os.statvfs
+
+    def statvfs(path: Any) -> Any:
+        if Path(path) == folder:
+            return types.SimpleNamespace(f_flag=real_statvfs(path).f_flag | os.ST_RDONLY)
+        return real_statvfs(path)
+
+    return statvfs
+
+
+_READ_ONLY_FS = ("--save {out}/{name}: {out} is on a file system mounted read-only, where no "
+                 "file may be written or created: expected FILE on a writable file system "
+                 "(save it elsewhere)")
+
+
 @pytest.mark.parametrize(("case", "message"), [
     ("read-only", "--save {out}/a.npz: {out}/a.npz is read-only: expected a file wasinn may "
                   "write, or a new name"),
+    ("read-only-closed", "--save {out}/a.npz: {out}/a.npz is read-only: expected a file "
+                         "wasinn may write, or a name in a folder wasinn may write ({out} "
+                         "takes no new file)"),
     ("closed", "--save {out}/new.npz: cannot write {out}/new.npz: Permission denied: "
                "expected a writable folder with room for the archive"),
-    ("read-only-fs", "--save {out}/a.npz: cannot write {out}/a.npz: Read-only file system: "
-                     "expected a writable folder with room for the archive"),
+    # A read-only mount, which stops root too: said as such, with no new name offered.
+    ("read-only-fs", _READ_ONLY_FS),
+    ("read-only-fs-new", _READ_ONLY_FS),
+    ("read-only-fs-errno", _READ_ONLY_FS),  # (as the write itself finds it)
     ("dangling", "--save {out}/link.npz: cannot write {out}/gone/a.npz: No such file or "
                  "directory: expected a writable folder with room for the archive"),
-], ids=["read-only", "closed", "read-only-fs", "dangling"])
+], ids=["read-only", "read-only-closed", "closed", "read-only-fs", "read-only-fs-new",
+        "read-only-fs-errno", "dangling"])
 def test_a_save_that_cannot_be_written_fails_before_the_model_runs(
         affine: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capfd: pytest.CaptureFixture[str], case: str, message: str) -> None:
@@ -489,16 +566,22 @@ def test_a_save_that_cannot_be_written_fails_before_the_model_runs(
     out = tmp_path / "out"
     out.mkdir()
     np.savez(out / "a.npz", important=np.arange(5))
-    target = {"closed": out / "new.npz", "dangling": out / "link.npz"}.get(case, out / "a.npz")
-    if case == "read-only":  # (os.access answers for the tests' user: root may write)
+    target = {"closed": out / "new.npz", "dangling": out / "link.npz",
+              "read-only-fs-new": out / "new.npz"}.get(case, out / "a.npz")
+    if case.startswith("read-only") and case != "read-only-fs-errno":
+        # (os.access answers for the tests' user: root may write; not on a read-only mount)
         real_access = os.access
         monkeypatch.setattr(wasinn._save.os, "access", lambda path, mode: (
-            False if Path(path) == target and mode == os.W_OK else real_access(path, mode)))
-    elif case == "closed":
+            False if ((Path(path) == target and mode == os.W_OK)
+                      or (Path(path) == out and case != "read-only"))
+            else real_access(path, mode)))
+    if case == "closed":
         monkeypatch.setattr(wasinn._save.os, "open", _closed_to_new_files(out))
-    elif case == "read-only-fs":
+    elif case.startswith("read-only-fs"):
         monkeypatch.setattr(wasinn._save.os, "open", _read_only_fs(out))
-    else:
+        if case != "read-only-fs-errno":
+            monkeypatch.setattr(wasinn._save.os, "statvfs", _read_only_mount(out))
+    elif case == "dangling":
         target.symlink_to(out / "gone" / "a.npz")
     before = sorted(p.name for p in out.iterdir())
     ran: list[str] = []
@@ -508,7 +591,7 @@ def test_a_save_that_cannot_be_written_fails_before_the_model_runs(
     code = main(["infer", *affine, "a", "--zeros", "--shape", "x=1,4", "--save", str(target)])
     captured = capfd.readouterr()
     assert code == 1
-    assert f"wasinn: error: {message.format(out=out)}\n" in captured.err
+    assert f"wasinn: error: {message.format(out=out, name=target.name)}\n" in captured.err
     assert (ran, captured.out) == ([], "")  # nothing run, no output printed
     assert sorted(p.name for p in out.iterdir()) == before  # no temporary left
 
