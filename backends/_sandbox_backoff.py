@@ -44,9 +44,13 @@ up to :data:`MAX_DELAY_S` per crash. So :class:`CrashBackoff` does three things 
   Inputs that crashed it :data:`REFUSED_AFTER` times are refused at once, without a run
   and without a process started: the same poison sent again costs nothing. Once only,
   they still run: a crash may be another run's doing (an out-of-bounds write that
-  corrupts the heap aborts a later run), and the next process is a clean one. Inputs
-  that run without a crash are forgotten. Only inputs whose names, types and dimensions
-  match remembered ones are hashed, so a graph that never crashed hashes nothing.
+  corrupts the heap aborts a later run), and the next process is a clean one; but on
+  one process at a time (the graph keeps them so, :meth:`CrashBackoff.suspect`), so that
+  the same poison sent by several callers at once crashes it twice, not once for each
+  of the graph's processes (but for the runs of it that were running already when it
+  first crashed: each crashes its process). Inputs that run without a crash are
+  forgotten. Only inputs whose names, types and dimensions match remembered ones are
+  hashed, so a graph that never crashed hashes nothing.
 
 So a caller varying its poison makes the host start one process per its own delay at
 most once its streak is long (as many as the graph runs at once, ``processes``, where
@@ -219,9 +223,10 @@ class CrashBackoff:
                     "other callers' runs go on")
         if inputs is None:
             return then
-        if self._remember(*inputs, how, now) < REFUSED_AFTER:
+        times = self._remember(*inputs, how, now)
+        if times < REFUSED_AFTER:
             return then
-        return (f"{then}; these inputs, which crashed it {REFUSED_AFTER} times, are "
+        return (f"{then}; these inputs, which crashed it {times} times, are "
                 f"refused for {REMEMBERED_S:g} s")
 
     def remaining(self, caller: str | None = None) -> float:
@@ -281,6 +286,12 @@ class CrashBackoff:
                 f"times (the last {ago:.1f} s ago: it {crashed.how}): they are refused "
                 f"without a run until {REMEMBERED_S:g} s after their last crash; other "
                 "inputs run as usual")
+
+    def suspect(self, digest: bytes) -> bool:
+        """Whether inputs of ``digest`` crashed the process, but too few times to be
+        refused: the graph runs them on one process at a time (see :mod:`.sandbox`)."""
+        crashed = self._inputs.get(digest)
+        return crashed is not None and crashed.times < REFUSED_AFTER
 
     def ran(self, digest: bytes) -> None:
         """Inputs of ``digest`` ran without a crash: forget them."""

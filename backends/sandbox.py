@@ -44,11 +44,13 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   caller's runs are refused at once (TooLargeError), for longer with each crash, rather
   than wait (a waiting run would hold its device's worker slot), while other callers'
   runs go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are
-  refused at once, whoever sends them. So a caller crashing it on purpose can neither keep the host
-  starting processes nor fail, or delay, the good runs of the other callers of a shared
-  graph. On a GPU, a run whose library exception lost the process's CUDA context (the
-  process says so: :func:`~._sandbox_errors.lost_context`) retires the process and
-  counts as such a crash; on the CPU no error retires one.
+  refused at once, whoever sends them, and those that crashed it once run on one
+  process at a time meanwhile (:meth:`SandboxedGraph._turn`). So a caller crashing it
+  on purpose can neither keep the host starting processes nor fail, or delay, the good
+  runs of the other callers of a shared graph. On a GPU, a run whose library exception
+  lost the process's CUDA context (the process says so:
+  :func:`~._sandbox_errors.lost_context`) retires the process and counts as such a
+  crash; on the CPU no error retires one.
 * Cancelling a run (the actor's :class:`~.base.Cancellation`) tells the child, whose
   backend stops at its library's next check; a run that has not stopped
   :data:`CANCEL_GRACE_S` later (TorchScript code between loops, an OpenVINO ``Loop``)
@@ -89,6 +91,7 @@ outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -210,7 +213,15 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         #: Bytes a run's outputs are expected to need in the arena: the largest so far.
         self._reserve = 0
         # Guards what follows; notified when a process becomes idle or goes.
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        #: The digests of the inputs that crashed a process once (suspect) and are being
+        #: run, each by one run at a time (see :meth:`_turn`).
+        self._suspects: set[bytes] = set()
+        # Under the same lock; notified when a run of suspect inputs ends. Apart from
+        # ``_cond``: a process given back wakes one of that's waiters, which must be a run
+        # waiting for a process, not one waiting for its turn.
+        self._settled = threading.Condition(lock)
         self._closed = False
         self.backoff = CrashBackoff(backend.name)
         self._idle: list[SandboxProcess] = []
@@ -281,21 +292,36 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         # (outputs may share the inputs' memory in the process: not counted in its bound)
         expected = Expected(self._declared, self._declared.wanted(asked),
                             self._most + sum(t.nbytes for t in ordered))
-        known = self._refuse_crashed(named)
+        known = self._digest_if_known(named)
         caller = current_caller()
-        child = self._acquire(caller)
+        turn = False  # whether this run holds its suspect inputs' turn (see _turn)
         try:
-            # Again, now that it has a process: inputs checked before a wait for one may
-            # have been refused meanwhile (the same poison, sent by another caller too).
-            known = self._refuse_crashed(named, known)
-            payload, result = self._run_in(child, named, expected, known, caller)
-            if "error" in payload and lost_context(payload, self.device):
-                raise self._retired(child, payload, named, known, caller)
+            while True:
+                if known is not None:  # (waited for holding no process)
+                    turn = bool(self._turn(known, held=turn, wait=True))
+                child = self._acquire(caller)
+                try:
+                    # Again, now that it has a process: inputs checked before a wait for
+                    # one may have crashed it meanwhile (the same poison, sent by another
+                    # caller too), and be refused now, or have to wait for their turn.
+                    known = self._digest_if_known(named, known)
+                    if known is not None:
+                        took = self._turn(known, held=turn, wait=False)
+                        if took is None:  # another run of them has it: this process is
+                            continue  # given back (finally), then their outcome waited for
+                        turn = took
+                    payload, result = self._run_in(child, named, expected, known, caller)
+                    if "error" in payload and lost_context(payload, self.device):
+                        raise self._retired(child, payload, named, known, caller)
+                finally:
+                    self._release(child)
+                break
+            if known is not None:
+                with self._cond:
+                    self.backoff.ran(known)  # an earlier crash was not theirs
         finally:
-            self._release(child)
-        if known is not None:
-            with self._cond:
-                self.backoff.ran(known)  # an earlier crash was not theirs
+            if turn and known is not None:
+                self._end_turn(known)
         if "error" in payload:
             raise child_error(payload)
         self._reserve = max(self._reserve, min(self._most, sum(t.nbytes + ALIGN
@@ -303,22 +329,79 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         count_host_copies(len(result))  # each left the library's form, in the process
         return result
 
-    def _refuse_crashed(self, inputs: Mapping[str, Tensor], digest: bytes | None = None
-                        ) -> bytes | None:
-        """BackendRuntimeError for inputs that crashed the process often enough to be
-        refused (see :mod:`._sandbox_backoff`); the digest of inputs shaped as some that
-        crashed it (else None: not hashed). ``digest``: theirs, where hashed already."""
-        shapes = shapes_of(inputs)
+    def _digest_if_known(self, inputs: Mapping[str, Tensor], digest: bytes | None = None
+                         ) -> bytes | None:
+        """The digest of ``inputs`` where they are shaped as some that crashed the process
+        (else None: not hashed, so that a graph that never crashed hashes nothing; see
+        :mod:`._sandbox_backoff`). ``digest``: theirs, where hashed already."""
+        if digest is not None:
+            return digest
         with self._cond:
-            if not self.backoff.knows(shapes):
+            if not self.backoff.knows(shapes_of(inputs)):
                 return None
-        if digest is None:
-            digest = digest_of(inputs)  # (not under the lock: it reads every input)
+        return digest_of(inputs)  # (not under the lock: it reads every input)
+
+    def _turn(self, digest: bytes, *, held: bool, wait: bool) -> bool | None:
+        """Whether a run of the inputs of ``digest`` holds their turn, once they may run:
+        True where they crashed the process once, not yet refused (suspect, see
+        :meth:`~._sandbox_backoff.CrashBackoff.suspect`): such inputs run on one process
+        at a time, so that the same poison sent at once to a graph of several processes
+        crashes it twice, not once in each; False where they run as any inputs do (they
+        never crashed it, or ran since). ``held``: the run holds it already (it keeps
+        it). BackendRuntimeError where they are refused (crashed often enough).
+
+        Where another run of them holds it: None, unless ``wait``; then wait for that
+        run's outcome, and decide again (refused after its crash; run as any after its
+        success). A run waits holding no process (see :meth:`run`): the run it waits for
+        may need one. BackendRuntimeError when the job is cancelled while it waits (its
+        caller gave up, or its deadline passed), ClosedResourceError when the graph is
+        closed meanwhile."""
+        name = self._backend.name
+        cancelled: threading.Event | None = None
+        forget = None
+        try:
+            with self._cond:
+                while True:
+                    refusal = self.backoff.refusal(digest)
+                    if refusal is not None:
+                        raise BackendRuntimeError(refusal)
+                    if held:
+                        return True
+                    if not self.backoff.suspect(digest):
+                        return False
+                    if digest not in self._suspects:
+                        self._suspects.add(digest)
+                        return True
+                    if not wait:
+                        return None
+                    if self._closed:
+                        raise ClosedResourceError(f"{name}: the graph is closed")
+                    if cancelled is None:  # (a callback run at once takes the lock again)
+                        cancelled = threading.Event()
+                        forget = on_current_cancel(
+                            functools.partial(self._wake_turns, cancelled))
+                    if cancelled.is_set():
+                        raise BackendRuntimeError(
+                            f"{name}: cancelled while waiting for another run of these "
+                            "inputs, which crashed the model's process once: such inputs "
+                            "run on one process at a time until they run without a crash "
+                            "or are refused")
+                    self._settled.wait()
+        finally:
+            if forget is not None:
+                forget()
+
+    def _end_turn(self, digest: bytes) -> None:
+        """The run holding the turn of the inputs of ``digest`` ended (see :meth:`_turn`):
+        the runs waiting for it decide again."""
         with self._cond:
-            refusal = self.backoff.refusal(digest)
-        if refusal is not None:
-            raise BackendRuntimeError(refusal)
-        return digest
+            self._suspects.discard(digest)
+            self._settled.notify_all()
+
+    def _wake_turns(self, cancelled: threading.Event) -> None:
+        cancelled.set()
+        with self._cond:
+            self._settled.notify_all()
 
     def _run_in(self, child: SandboxProcess, inputs: Mapping[str, Tensor], expected: Expected,
                 digest: bytes | None, caller: str | None
@@ -394,4 +477,5 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
             self._closed = True
             idle, self._idle = self._idle, []
             self._cond.notify_all()
+            self._settled.notify_all()
         close_idle(idle, self._limit)

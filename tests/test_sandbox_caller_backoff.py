@@ -14,6 +14,7 @@ first input of 666, and, through the runtime, OpenVINO's CPU plugin kills it on 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -104,8 +105,9 @@ def _as(caller: str | None, run: Callable[[], Any], *args: Any) -> Any:
         timer.cancel()
 
 
-def _crashing_graph() -> SandboxedGraph:
-    return load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+def _crashing_graph(processes: int = 1) -> SandboxedGraph:
+    return load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU,
+                          processes=processes)
 
 
 # -- the back-off itself -------------------------------------------------------------------
@@ -301,6 +303,227 @@ def test_poison_sent_at_once_by_several_callers_crashes_the_process_twice_at_mos
         assert (len(crashed), len(refused)) == (2, 1), said
     finally:
         graph.close()
+
+
+def _sending(graph: SandboxedGraph, inputs: dict[str, Tensor], caller: str,
+             said: dict[str, Any], job: Cancellation | None = None) -> threading.Thread:
+    """A thread, started, that runs ``inputs`` on ``graph`` as ``caller`` (under ``job``
+    where given, else as :func:`_as` does): its outputs or what it raised in
+    ``said[caller]``."""
+    def send() -> None:
+        try:
+            if job is None:
+                said[caller] = _as(caller, graph.run, inputs)
+            else:
+                with running_under(job):
+                    said[caller] = graph.run(inputs)
+        except BaseException as exc:  # (each one's is asserted on by the test)
+            said[caller] = exc
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _crashes_and_refusals(said: dict[str, Any]) -> tuple[int, int]:
+    """How many of the runs ``said`` crashed the process, and how many were refused as
+    poison."""
+    told = [str(exc) for exc in said.values() if isinstance(exc, BaseException)]
+    return (sum(f"the model {SEGV}:" in text for text in told),
+            sum("are refused without a run" in text for text in told))
+
+
+def test_poison_sent_at_once_to_a_graph_of_several_processes_crashes_it_twice_at_most(
+        spawns: list[int]) -> None:  # noqa: F811 - the fixture
+    # Four callers send the same new poison to a graph of four processes at once: one
+    # run has the process the load started, the other three are checked (unknown inputs:
+    # they run) and each starts a process beside it. The first run crashes its process;
+    # then the three have their processes, and each, checked again, finds that the
+    # inputs crashed it once only. Before, each ran them and crashed its own process (4
+    # crashes). Now inputs that crashed it once run on one process at a time: one of the
+    # three crashes its process, the second crash, and the two that waited for its
+    # outcome (having given their processes back) are refused.
+    graph = _crashing_graph(processes=4)
+    starting, arrived = threading.Semaphore(0), threading.Semaphore(0)
+    go, crashed_once, again = threading.Event(), threading.Event(), threading.Event()
+    entries = itertools.count()
+    real_start, real_run_in = graph._start, graph._run_in
+
+    def gated_start(**kwargs: Any) -> Any:
+        starting.release()
+        assert crashed_once.wait(HELD_S)  # until the first run has crashed its process
+        return real_start(**kwargs)
+
+    def gated_run_in(*args: Any) -> Any:
+        if next(entries):  # one of the three, on the process it started
+            arrived.release()
+            assert again.wait(HELD_S)  # until each runs, or waits for the one that does
+            return real_run_in(*args)
+        assert go.wait(HELD_S)  # the first, until the three others start processes
+        try:
+            return real_run_in(*args)
+        finally:
+            crashed_once.set()
+
+    graph._start = gated_start  # type: ignore[method-assign]
+    graph._run_in = gated_run_in  # type: ignore[method-assign]
+    graph._settled = _CountedWaits(graph._settled, arrived)  # type: ignore[attr-defined]
+    said: dict[str, Any] = {}
+    try:
+        senders = [_sending(graph, _poison(), "a", said)]
+        for caller in "bcd":
+            senders.append(_sending(graph, _poison(), caller, said))
+            assert starting.acquire(timeout=HELD_S)  # checked, and starting a process
+        go.set()
+        for _ in range(3):
+            assert arrived.acquire(timeout=HELD_S)
+        again.set()
+        for sender in senders:
+            sender.join(HELD_S)
+        assert _crashes_and_refusals(said) == (2, 2), said
+        assert len(spawns) == 4  # the load's, and one for each of the three: no more
+    finally:
+        graph.close()
+
+
+def test_inputs_that_crashed_the_process_once_run_one_at_a_time_until_they_run(
+        spawns: list[int]) -> None:  # noqa: F811 - the fixture
+    # Inputs that crashed the process once (another run's doing, say: a heap corrupted
+    # earlier) are sent by three callers at once to a graph of three processes: one run
+    # of them at a time, the others waiting for its outcome holding no process. It runs
+    # without a crash: they are forgotten, and the two that waited run too (not
+    # refused), as any inputs do.
+    graph = _crashing_graph(processes=3)
+    graph.backoff.crashed(SEGV, (shapes_of(ONES), digest_of(ONES)), "z")
+    lock = threading.Lock()
+    entered, waiting = threading.Event(), threading.Semaphore(0)
+    go = threading.Event()
+    runs = [0]  # the runs that reached their process, of these inputs
+    real_run_in = graph._run_in
+
+    def gated_run_in(*args: Any) -> Any:
+        with lock:
+            runs[0] += 1
+            first = runs[0] == 1
+        if first:
+            entered.set()
+        else:  # (a second run beside the first: it did not wait, as it must)
+            waiting.release()
+        assert go.wait(HELD_S)
+        return real_run_in(*args)
+
+    graph._run_in = gated_run_in  # type: ignore[method-assign]
+    graph._settled = _CountedWaits(graph._settled, waiting)  # type: ignore[attr-defined]
+    said: dict[str, Any] = {}
+    try:
+        senders = [_sending(graph, ONES, "a", said)]
+        assert entered.wait(HELD_S)
+        senders += [_sending(graph, ONES, caller, said) for caller in "bc"]
+        for _ in range(2):
+            assert waiting.acquire(timeout=HELD_S)
+        assert runs[0] == 1 and len(spawns) == 1  # the others took no process
+        go.set()
+        for sender in senders:
+            sender.join(HELD_S)
+        assert sorted(said) == ["a", "b", "c"]
+        for out in said.values():
+            np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 2.0, np.float32))
+        assert runs[0] == 3 and not graph.backoff.knows(shapes_of(ONES))  # forgotten
+    finally:
+        graph.close()
+
+
+def test_a_run_waiting_for_another_run_of_the_same_inputs_may_be_cancelled(
+        spawns: list[int]) -> None:  # noqa: F811 - the fixture
+    # Its job cancelled (its caller gave up, or its deadline passed), a run waiting for
+    # the outcome of another run of inputs that crashed the process once stops waiting;
+    # it held no process, and the other run goes on.
+    graph = _crashing_graph(processes=2)
+    graph.backoff.crashed(SEGV, (shapes_of(ONES), digest_of(ONES)), "z")
+    entered, waiting, go = threading.Event(), threading.Semaphore(0), threading.Event()
+    real_run_in = graph._run_in
+
+    def gated_run_in(*args: Any) -> Any:
+        entered.set()
+        assert go.wait(HELD_S)
+        return real_run_in(*args)
+
+    graph._run_in = gated_run_in  # type: ignore[method-assign]
+    graph._settled = _CountedWaits(graph._settled, waiting)  # type: ignore[attr-defined]
+    said: dict[str, Any] = {}
+    job = Cancellation("b")
+    try:
+        first = _sending(graph, ONES, "a", said)
+        assert entered.wait(HELD_S)
+        second = _sending(graph, ONES, "b", said, job)
+        assert waiting.acquire(timeout=HELD_S)
+        job.cancel()
+        second.join(HELD_S)
+        assert isinstance(said["b"], BackendRuntimeError), said
+        assert str(said["b"]) == (
+            "crashing: cancelled while waiting for another run of these inputs, which "
+            "crashed the model's process once: such inputs run on one process at a time "
+            "until they run without a crash or are refused")
+        go.set()
+        first.join(HELD_S)
+        np.testing.assert_array_equal(said["a"]["y"].numpy(),
+                                      np.full((1, 4), 2.0, np.float32))
+        assert len(spawns) == 1 and len(graph.pids) == 1  # none started for b
+    finally:
+        graph.close()
+
+
+def test_the_crash_of_inputs_already_refused_says_how_often_they_crashed_it(
+        spawns: list[int]) -> None:  # noqa: F811 - the fixture
+    # Three runs of the same new poison have their processes before any crashes: none
+    # can know it, and each crashes its process. Each crash says how often these inputs
+    # have crashed it (before, the third said 2 times, the count from which they are
+    # refused), and so does the refusal after.
+    graph = _crashing_graph(processes=3)
+    entered, go = threading.Semaphore(0), threading.Event()
+    real_run_in = graph._run_in
+
+    def gated_run_in(*args: Any) -> Any:
+        entered.release()
+        assert go.wait(HELD_S)  # until all three have their processes
+        return real_run_in(*args)
+
+    graph._run_in = gated_run_in  # type: ignore[method-assign]
+    said: dict[str, Any] = {}
+    try:
+        senders = [_sending(graph, _poison(), caller, said) for caller in "abc"]
+        for _ in senders:
+            assert entered.acquire(timeout=HELD_S)
+        go.set()
+        for sender in senders:
+            sender.join(HELD_S)
+        assert _crashes_and_refusals(said) == (3, 0), said
+        ends = sorted(str(exc).rsplit("(the host goes on; ", 1)[1] for exc in said.values())
+        assert ends == [
+            "the next run starts a new process)",
+            "the next run starts a new process; these inputs, which crashed it 2 times, "
+            "are refused for 600 s)",
+            "the next run starts a new process; these inputs, which crashed it 3 times, "
+            "are refused for 600 s)"]
+        with pytest.raises(BackendRuntimeError,
+                           match="these inputs crashed the model's process 3 times"):
+            _as("d", graph.run, _poison())
+    finally:
+        graph.close()
+
+
+class _CountedWaits:
+    """A condition whose every wait releases ``waiting`` first (the rest as ``cond``)."""
+
+    def __init__(self, cond: threading.Condition, waiting: threading.Semaphore) -> None:
+        self._cond, self._waiting = cond, waiting
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._waiting.release()
+        return self._cond.wait(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cond, name)
 
 
 def test_a_graph_used_directly_is_one_caller_as_before(
