@@ -24,6 +24,7 @@ from tests.support import affine_pipeline_config, cpu_pool, require_backend
 from wasinn.backends._ort_graph import OrtGraph
 from wasinn.errors import ClosedResourceError
 from wasinn.modelgen import affine_onnx
+from wasinn.scheduler._sessions import Sessions
 
 X = np.ones((1, 4), np.float32)
 
@@ -260,3 +261,36 @@ async def test_a_lease_run_on_a_load_replaced_by_a_reload_is_counted(
         assert completed(rt) == 4
         assert not rt.name_registry._replaced
     assert completed(rt) == 4  # the final figures
+
+
+async def test_runs_ending_wake_the_event_loop_only_while_an_unload_waits(
+        closed: list[OrtGraph], monkeypatch: pytest.MonkeyPatch) -> None:
+    # On every request's path: a wake-up of the loop per request ending costs tens of
+    # microseconds on a virtual machine, for nobody, when no unload waits.
+    wakes: list[None] = []
+    wake = Sessions._wake_runs_over
+
+    def counted(self: Sessions) -> None:
+        wakes.append(None)
+        wake(self)
+
+    monkeypatch.setattr(Sessions, "_wake_runs_over", counted)
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine")
+        ctx = graph.init_execution_context()
+        for _ in range(5):
+            await graph.compute({"x": X})
+            await ctx.compute({"x": X})
+            await trio.to_thread.run_sync(ctx.compute_in_caller_thread, {"x": X})
+            lease = await graph.lease({"x": X})
+            await trio.to_thread.run_sync(lease.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert wakes == []
+        # ... but while one waits, a lease ending wakes it.
+        lease = await graph.lease({"x": X})
+        ctx.close()
+        async with trio.open_nursery() as nursery:
+            unloaded = await unload_in(nursery, graph)
+            await trio.to_thread.run_sync(lease.run)
+            await unloaded.wait()
+        assert wakes and len(closed) == 1
