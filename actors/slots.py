@@ -148,8 +148,9 @@ class Slots:
         self._token: trio.lowlevel.TrioToken | None = None
         #: Slots given back: by every request that held one, whether its job ran or not.
         self.released = 0
-        #: The scopes of slot holders idling until other work comes (see :meth:`idle`).
-        self._idle: set[trio.CancelScope] = set()
+        #: The scopes of slot holders idling until other work comes (see :meth:`idle`),
+        #: the longest idle first.
+        self._idle: dict[trio.CancelScope, None] = {}
 
     @property
     def running(self) -> int:
@@ -245,21 +246,28 @@ class Slots:
     def idle(self, scope: trio.CancelScope) -> Iterator[None]:
         """While a held slot idles in ``scope`` (in trio: a batch waiting for company),
         cancel ``scope`` as soon as a request queues for a slot, at once if one waits
-        already: the device has other work, which an idle slot must not keep waiting."""
+        already: the device has other work, which an idle slot must not keep waiting.
+        One request ends one idle slot's wait, the longest idle's: the others keep
+        waiting for their company."""
         if len(self._policy):
             scope.cancel()
-        self._idle.add(scope)
+            yield
+            return
+        self._idle[scope] = None
         try:
             yield
         finally:
-            self._idle.discard(scope)
+            self._idle.pop(scope, None)
 
     def _enqueue(self, request: Request) -> None:
-        # (Under the lock, in trio.) The device now has work for any slot kept idle: its
-        # wait ends (the cancel only marks the scope; the idler wakes when trio runs it).
+        # (Under the lock, in trio.) The device now has work for a slot kept idle: the
+        # longest idle one's wait ends (the cancel only marks the scope; the idler wakes
+        # when trio runs it), and it no longer counts as idle.
         request.queued = True
         self._policy.push(request)
-        for scope in self._idle:
+        if self._idle:
+            scope = next(iter(self._idle))
+            del self._idle[scope]
             scope.cancel()
 
     def withdraw(self, request: Request, why: str, /) -> bool:

@@ -488,3 +488,34 @@ async def test_a_batch_granted_its_slot_with_others_queued_does_not_wait(
         assert trio.current_time() - start < 1
         np.testing.assert_allclose(results["batched"], 2 * rows(1) + 1)
         np.testing.assert_allclose(results["other"], 3 * rows(2))
+
+
+async def test_one_queued_request_ends_one_waiting_batchs_wait_the_longest_idle(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Two workers, each held by a batch waiting for company (first: graph 1's). One
+    # request for a third graph needs one slot: graph 1's batch gives its up, graph 2's
+    # keeps waiting, and graph 2's later request joins it.
+    async with wasinn.Runtime(cpu_pool(workers=2)) as rt:
+        batching = Batching(max_batch=8, max_delay=5)
+        first = await rt.load([affine_onnx()], "onnx", batching=batching)
+        second = await rt.load([affine_onnx(scale=5.0, bias=0.0)], "onnx", batching=batching)
+        other = await rt.load([affine_onnx(scale=3.0, bias=0.0)], "onnx")
+        sizes = {"first": run_sizes(rt, first), "second": run_sizes(rt, second)}
+        start = trio.current_time()
+        finished: dict[str, float] = {}
+
+        async def call_at(name: str, when: float, graph: wasinn.Graph) -> None:
+            await trio.sleep_until(start + when)
+            if name == "second, later":
+                autojump_clock.autojump_threshold = RUN_ALLOWANCE
+            await graph.compute({"x": rows(1)})
+            finished[name] = trio.current_time() - start
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call_at, "first", 0.0, first)
+            nursery.start_soon(call_at, "second", 0.05, second)
+            nursery.start_soon(call_at, "other", 0.1, other)
+            nursery.start_soon(call_at, "second, later", 0.2, second)
+    assert sizes == {"first": [1], "second": [2]}
+    assert finished["first"] < 1 and finished["other"] < 1, finished
+    assert finished["second"] == finished["second, later"] == 5.05, finished
