@@ -269,8 +269,10 @@ class GuestNN:
             return  # release() took it meanwhile (an abandoned guest): it unloads it
         self.model_bytes -= entry.model_bytes
         # Shielded: out of the table, nobody else would unload it (were the guest stopped
-        # while this call waits in trio, release() would not see the graph).
-        self.portal.run(shielded, entry.graph.unload)
+        # while this call waits in trio, release() would not see the graph). Not waiting
+        # for runs in flight: a compute the guest gave up on (compute_timeout) may still
+        # run, and it frees the graph as it ends; the guest must not wait for it here.
+        self.portal.run(shielded, functools.partial(entry.graph.unload, wait_for_runs=False))
 
     # -- contexts -----------------------------------------------------------------
     def init_execution_context(self, mem: GuestMemory, graph_handle: int, ctx_out: int,
@@ -517,7 +519,9 @@ class GuestNN:
             if graph is None:  # the guest's thread unloaded it meanwhile (abandoned)
                 continue
             try:
-                await graph.graph.unload()
+                # (Its runs are not waited for: the guest is gone, and its abandoned
+                # thread may still run a lease, which frees the graph as it ends.)
+                await graph.graph.unload(wait_for_runs=False)
             except Exception:
                 log.exception("unloading graph %d failed", handle)
         self.model_bytes = 0

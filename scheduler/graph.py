@@ -194,7 +194,7 @@ class Graph:
             lease.timeout = timeout  # named if it passes during the run
         return lease
 
-    async def unload(self) -> None:
+    async def unload(self, *, wait_for_runs: bool = True) -> None:
         """End this handle; idempotent. Contexts already made keep working until closed.
 
         When no other handle or open context keeps the model loaded, this returns once
@@ -212,7 +212,9 @@ class Graph:
 
         An unload from a trio task that holds a lease of this graph not yet over (one
         its own ``lease`` call returned) waits for nothing: that lease may only run once
-        this returns, and its run frees the graphs as it ends.
+        this returns, and its run frees the graphs as it ends. Nor does one with
+        ``wait_for_runs=False``, for a caller with nobody to tell (a stopped guest's
+        cleanup, whose abandoned thread may still be running a lease of its own).
 
         Cancellation: the handle is ended and its reference released before the first
         checkpoint, so a cancelled unload has still unloaded (a model no other handle or
@@ -226,7 +228,7 @@ class Graph:
         if not self._unloaded:
             self._unloaded = True
             executable.release()
-        if not executable.in_flight.lent_to(trio.lowlevel.current_task()):
+        if wait_for_runs and not executable.in_flight.lent_to(trio.lowlevel.current_task()):
             still = await scheduler.runs_over(executable)
             if still:
                 log.warning("%s: unloaded, but after %g s (close_timeout) it still waits "

@@ -845,3 +845,33 @@ async def test_contexts_interleaved_on_one_graph_keep_their_own_inputs_and_outpu
 
     await in_guest(rt, body)
     assert host_log.bugs() == []
+
+
+async def test_a_guests_unload_does_not_wait_for_a_run_still_going_on_its_graph(
+        rt: wasinn.Runtime, caplog: pytest.LogCaptureFixture) -> None:
+    # A run may still be going on the guest's graph when the guest unloads it: one its
+    # thread started in its own slot (try_lease) before it was stopped, or a compute it
+    # gave up on (compute_timeout). The guest's unload (and its release at exit) returns
+    # at once, and that run frees the graph as it ends. Before, the guest's call waited
+    # for it, shielded, up to close_timeout, and a warning said so.
+    nn = GuestNN(rt, GuestPortal())
+    try:
+        guest = await trio.to_thread.run_sync(Guest, nn)
+        model = identity_onnx(TensorType.F32)  # its own bytes: no registry name keeps it
+        guest.write(0x1000, model)
+        guest.write(0x200, struct.pack("<II", 0x1000, len(model)))
+        assert await trio.to_thread.run_sync(guest.call, "load", 0x200, 1, 1, 0, 0x10) == \
+            SUCCESS  # (ONNX, on the CPU)
+        handle = guest.u32(0x10)
+        graph = nn.graphs[handle].graph
+        inputs = {graph.inputs[0].name: np.ones((1, 4), np.float32)}
+        lease = await trio.to_thread.run_sync(graph.try_lease, inputs)  # (from a thread)
+        assert lease is not None
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            assert await trio.to_thread.run_sync(guest.call, "unload", handle) == SUCCESS
+        assert not [r for r in caplog.records if "still waits for" in r.getMessage()]
+        assert graph.unloaded
+        out = await trio.to_thread.run_sync(lease.run)  # the run goes on, then frees it
+        np.testing.assert_array_equal(next(iter(out.values())).numpy(), np.ones((1, 4)))
+    finally:
+        await nn.release()

@@ -148,11 +148,14 @@ class GraphOperations:
         graph stays in ``_unloading``, still counted against the guest, for :meth:`close`."""
         if entry.unloaded:
             return
+        # Not waiting for runs in flight: a compute the guest gave up on (its timeout) may
+        # still run, and it frees the graph as it ends; the guest must not wait for it.
+        unload = functools.partial(entry.graph.unload, wait_for_runs=False)
         try:
             if self._closed:  # after close(): nobody else would unload it
-                self.portal.run(shielded, entry.graph.unload)
+                self.portal.run(shielded, unload)
             else:
-                self.portal.run(entry.graph.unload)
+                self.portal.run(unload)
         except Exception:  # the guest has let go; a failed unload must not reach it
             log.exception("unloading %s failed", entry.label)
         entry.unloaded = True
