@@ -1,6 +1,7 @@
 """wasinn.actors: one actor per device, owning its compiled graphs, queue and threads."""
 
 from .device import DeviceActor
+from .lease import Lease
 from .queue import (
     FairSharePolicy,
     PriorityDeadlinePolicy,
@@ -14,6 +15,7 @@ __all__ = [
     "DeviceActor",
     "DeviceStats",
     "FairSharePolicy",
+    "Lease",
     "ModelStats",
     "Outcome",
     "PriorityDeadlinePolicy",

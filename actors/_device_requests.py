@@ -179,7 +179,8 @@ class DeviceRequests:
         try:
             expires = await self._lease_slot(priority, deadline, tenant)
         except BaseException as exc:
-            self._record(account, outcome_of(exc), time.perf_counter() - start, leased=True)
+            # Never run (no slot): not a request run in the caller's thread.
+            self._record(account, outcome_of(exc), time.perf_counter() - start)
             if isinstance(exc, ClosedResourceError):
                 self._raise_if_lost()
             raise

@@ -58,7 +58,8 @@ class Lease(Generic[T]):
     """One worker slot of ``device`` reserved for ``job``, to be run by the caller's thread.
 
     ``release`` gives the slot back, told how the request ended (see
-    :class:`~wasinn.actors.stats.Outcome`).
+    :class:`~wasinn.actors.stats.Outcome`) and whether its run started in the holder's
+    thread (False: cancelled, dropped, or stopped before it ran).
 
     ``expires`` is a ``time.perf_counter()`` instant (``math.inf`` = none): a run still
     going then is stopped where its backend can (:meth:`interrupt`, called by the device
@@ -79,7 +80,7 @@ class Lease(Generic[T]):
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
-                 release: Callable[[Outcome], None], expires: float,
+                 release: Callable[[Outcome, bool], None], expires: float,
                  cancellation: Cancellation | None = None,
                  later: Callable[[Callable[[], None]], None] | None = None,
                  lost: Callable[[], DeviceLostError | None] | None = None) -> None:
@@ -163,7 +164,7 @@ class Lease(Generic[T]):
                 raise
             raise backend_failure(self.device, exc) from exc
         finally:
-            self._give_back(outcome)
+            self._give_back(outcome, ran=True)
         if outcome is Outcome.TIMED_OUT:
             raise self._timed_out("before it finished")
         return result
@@ -241,21 +242,21 @@ class Lease(Generic[T]):
             self.job = None
             return job
 
-    def _give_back(self, outcome: Outcome) -> None:
+    def _give_back(self, outcome: Outcome, *, ran: bool = False) -> None:
         # Thread-safe and never waits: trio is woken only if a queued request gets the slot.
         self._over = True
-        self._release(outcome)
+        self._release(outcome, ran)
         then, self._then = self._then, ()
         for callback in then:
             callback()
 
 
-def _give_back_dropped(release: Callable[[Outcome], None],
+def _give_back_dropped(release: Callable[[Outcome, bool], None],
                        then: tuple[Callable[[], object], ...]) -> None:
     """In trio: what :meth:`Lease.run` or :meth:`Lease.cancel` would have given back.
     Nothing may escape: an exception here would end trio itself."""
     try:
-        release(Outcome.CANCELLED)
+        release(Outcome.CANCELLED, False)
         for callback in then:
             callback()
     except Exception:
@@ -269,5 +270,5 @@ def settled(device: str, result: T) -> Lease[T]:
     return Lease(device, lambda: result, None, _nothing_to_give_back, math.inf)
 
 
-def _nothing_to_give_back(outcome: Outcome) -> None:
+def _nothing_to_give_back(outcome: Outcome, ran: bool) -> None:
     """A settled lease holds no slot (its request was counted where it ran)."""

@@ -11,7 +11,8 @@ The actor grants a lease its worker slot (:meth:`DeviceActor.lease
   actor serves (:meth:`LeaseDesk.watch_deadlines`): a run still going when its deadline
   passes is stopped (:meth:`Lease.interrupt <wasinn.actors.lease.Lease.interrupt>`);
 * the give-back, from the holder's thread: the slot is freed (trio is woken only when a
-  queued request gets it) and the request is counted, leased, by how it ended.
+  queued request gets it) and the request is counted by how it ended (and as run in the
+  caller's thread if its run started there).
 
 :meth:`LeaseDesk.lend`, :meth:`LeaseDesk.soon`, :meth:`LeaseDesk.close` and the
 give-back may be called from any thread; the rest in trio.
@@ -143,14 +144,14 @@ class LeaseDesk:
 
     def _given_back(self, cancellation: Cancellation, account: Account | None,
                     start: float, granted: float, tenant: str | None,
-                    outcome: Outcome) -> None:
+                    outcome: Outcome, ran: bool) -> None:
         # From the lease holder's thread: forget the run, give its slot back (charging
-        # its tenant the time it held it), count it.
+        # its tenant the time it held it), count it (in the caller's thread if it ran).
         with self._lock:
             self._running.discard(cancellation)
         now = time.perf_counter()
         self._free_slot(tenant, now - granted)
-        self._record(account, outcome, now - start, queued=granted - start, leased=True)
+        self._record(account, outcome, now - start, queued=granted - start, leased=ran)
 
     def soon(self, call: Callable[..., object], *args: object) -> None:
         """From any thread, even inside a collection: ``call(*args)`` in trio (trio's

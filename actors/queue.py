@@ -40,6 +40,8 @@ from typing import Protocol
 
 import trio
 
+from wasinn.errors import InvalidArgumentError
+
 
 class Request:
     """One caller waiting for a worker slot on a device actor.
@@ -200,31 +202,42 @@ class PriorityDeadlinePolicy:
         return self._live
 
 
+class WeightError(InvalidArgumentError, ValueError):
+    """A tenant's weight that is not a finite number > 0: invalid-argument, and a
+    ValueError for callers that caught that before."""
+
+
+class TenantNameError(InvalidArgumentError, TypeError):
+    """A tenant named by something other than a str: invalid-argument, and a TypeError
+    for callers that caught that before."""
+
+
 def check_weight(weight: object) -> float:
     """``weight`` as a tenant's weight in a :class:`FairSharePolicy`: a finite real
-    number > 0 (ValueError otherwise, naming what was expected; a bool is no weight)."""
+    number > 0 (:class:`WeightError`, a ValueError, otherwise, naming what was expected;
+    a bool is no weight)."""
     try:
         value = (float(weight) if isinstance(weight, numbers.Real)
                  and not isinstance(weight, bool) else math.nan)
     except OverflowError:  # an int past the floats
         value = math.inf
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{weight!r:.60}: expected a finite number > 0 (a share of device "
-                         "time: weight 2 gets twice the device time of weight 1)")
+        raise WeightError(f"{weight!r:.60}: expected a finite number > 0 (a share of device "
+                          "time: weight 2 gets twice the device time of weight 1)")
     return value
 
 
 def check_tenant_weight(tenant: object, weight: object, where: str = "") -> float:
-    """``weight`` checked as :func:`check_weight` does, as ``tenant``'s (ValueError naming
-    the tenant), and ``tenant`` as a tenant's name (TypeError unless a str; ``where``
-    says where it was given)."""
+    """``weight`` checked as :func:`check_weight` does, as ``tenant``'s (WeightError
+    naming the tenant), and ``tenant`` as a tenant's name (:class:`TenantNameError`, a
+    TypeError, unless a str; ``where`` says where it was given)."""
     if not isinstance(tenant, str):
-        raise TypeError(f"tenant {tenant!r:.60} ({type(tenant).__name__}){where}: expected "
-                        "a str naming a tenant")
+        raise TenantNameError(f"tenant {tenant!r:.60} ({type(tenant).__name__}){where}: "
+                              "expected a str naming a tenant")
     try:
         return check_weight(weight)
-    except ValueError as exc:
-        raise ValueError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
+    except WeightError as exc:
+        raise WeightError(f"the weight of tenant {tenant!r:.60}: {exc}") from None
 
 
 class _Tenant:
@@ -292,8 +305,8 @@ class FairSharePolicy:
                          for tenant, weight in (weights or {}).items()}
         try:
             self._default_weight = check_weight(default_weight)
-        except ValueError as exc:
-            raise ValueError(f"default_weight: {exc}") from None
+        except WeightError as exc:
+            raise WeightError(f"default_weight: {exc}") from None
         self._tenants: dict[str, _Tenant] = {}
         #: Entries (virtual time, order, tenant), least first: at most one per tenant; a
         #: tenant's time may have grown since its entry was made (charged while waiting:

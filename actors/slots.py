@@ -57,13 +57,9 @@ from typing import Any, Protocol
 
 import trio
 
-from wasinn.errors import ClosedResourceError, TooLargeError
+from wasinn.errors import ClosedResourceError, QueueFullError
 
 from .queue import Handoff, QueuePolicy, Request
-
-
-class QueueFullError(TooLargeError):
-    """A request refused because the device's queue holds ``queue_limit`` requests."""
 
 
 class RequestWithdrawn(ClosedResourceError):

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple, Protocol
 
 import trio
 
-from wasinn.errors import TimeoutError_
+from wasinn.errors import QueueFullError, TimeoutError_
 
-from .slots import QueueFullError, RequestWithdrawn
+from .slots import RequestWithdrawn
 
 
 class Outcome(enum.Enum):
@@ -65,7 +65,9 @@ class RequestFigures:
     timed_out: int
     cancelled: int
     rejected: int
-    in_caller_thread: int  #: requests (any outcome) a lease holder's thread ran
+    #: of those requests, the ones a lease holder's own thread ran (whatever the run's
+    #: outcome); a lease cancelled, dropped or refused before its run started is not one
+    in_caller_thread: int
     latency_p50: float | None  #: seconds, over the last completed requests (None: none)
     latency_p99: float | None
     latency_window: int  #: completed requests the percentiles are taken over
@@ -232,7 +234,8 @@ class RequestStats:
         and ``delivering`` after its run (its result on the way to its caller; see the
         module docstring); the rest is its time running, of which ``share`` was its own
         device time (less than all of it for a merged batch's member, whose run was
-        shared: its rows' share), summed in ``running_seconds``."""
+        shared: its rows' share), summed in ``running_seconds``. ``leased``: its run
+        started in a lease holder's own thread (``in_caller_thread``)."""
         with self._lock:
             self._counts[outcome] += 1
             if leased:

@@ -17,6 +17,7 @@ from wasinn.errors import (
     InvalidArgumentError,
     InvalidEncodingError,
     NotFoundError,
+    QueueFullError,
     SecurityError,
     TimeoutError_,
     TooLargeError,
@@ -45,19 +46,22 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'wasinn' has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which see the imports above instead: a module
+    # ``__getattr__`` would make them type every misspelt ``wasinn.X`` as Any.
 
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'wasinn' has no attribute {name!r}")
+        import importlib
 
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
@@ -76,6 +80,7 @@ __all__ = [
     "InvalidEncodingError",
     "NotFoundError",
     "Pipeline",
+    "QueueFullError",
     "Runtime",
     "RuntimeConfig",
     "SecurityError",

@@ -12,6 +12,7 @@ bindings) can raise the precise leaf and the guest ABIs translate it without gue
     │   └── DeviceLostError                             the device can run nothing more here
     ├── UnsupportedOperationError unsupported-operation no backend/device can do this here
     ├── TooLargeError             too-large             a tensor, buffer or quota is exceeded
+    │   └── QueueFullError                              a device's queue is full: retry later
     ├── NotFoundError             not-found             unknown name, handle or index
     │   └── ClosedResourceError                         the handle was closed/unloaded by its owner
     ├── SecurityError             security              refused for safety (e.g. path escape)
@@ -133,6 +134,13 @@ class TooLargeError(WasiNNError):
     code = ErrorCode.TOO_LARGE
     retry_after: float | None = None
     bound_sizes: Mapping[str, BoundSize] | None = None
+
+
+class QueueFullError(TooLargeError):
+    """A request refused because its device's queue holds ``queue_limit`` requests (or,
+    on a fair pool, pushed out of it by another tenant's): unlike a tensor or buffer too
+    large, the same request may be accepted once the queue drains, which it does as fast
+    as the device runs (so ``retry_after`` is None)."""
 
 
 class BoundSize(NamedTuple):

@@ -301,9 +301,9 @@ class Runtime(ModelLoading):
         from now on, as ``[tenants.NAME] weight`` does at start-up: while other tenants
         have requests waiting too, a tenant of weight 2 gets twice the device time of one
         of weight 1. The device time it has had so far is not made up for. Raises
-        ValueError unless ``weight`` is a finite number > 0, TypeError unless ``tenant``
-        is a str; pools of another policy ignore weights. From any thread, before the
-        runtime starts too."""
+        InvalidArgumentError unless ``weight`` is a finite number > 0 (also a ValueError)
+        and unless ``tenant`` is a str (also a TypeError); pools of another policy ignore
+        weights. From any thread, before the runtime starts too."""
         self._tenants.set_weight(tenant, weight)
 
     def model_stats(self) -> list[ModelStats]:

@@ -97,8 +97,9 @@ class TenantLedger:
             return self._weights.get(tenant, self._default_weight)
 
     def set_weight(self, tenant: str, weight: float) -> float:
-        """Make ``tenant``'s weight ``weight`` (checked: ValueError unless a finite number
-        > 0, TypeError for a tenant that is not a str); returns it as a float."""
+        """Make ``tenant``'s weight ``weight`` (checked: an InvalidArgumentError that is a
+        ValueError unless a finite number > 0, one that is a TypeError for a tenant that
+        is not a str; see :func:`check_tenant_weight`); returns it as a float."""
         value = check_tenant_weight(tenant, weight)
         with self._lock:  # (held: an actor attached meanwhile gets it too, in order)
             self._weights[tenant] = value

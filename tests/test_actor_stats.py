@@ -133,7 +133,8 @@ async def test_requests_run_by_a_lease_holder_are_counted_too(actor: DeviceActor
     stats = actor.stats()
     assert counts(stats) == {"completed": 2, "failed": 1, "timed_out": 0, "cancelled": 1,
                              "rejected": 0}
-    assert stats.in_caller_thread == 4 and stats.latency_window == 2
+    # Run in the holder's thread, whatever the outcome: not the one cancelled unrun.
+    assert stats.in_caller_thread == 3 and stats.latency_window == 2
     assert stats.running == 0
     # Run in the caller's own thread: no result to hand back, nothing delivering.
     assert (stats.delivering_p50, stats.delivering_p99) == (0.0, 0.0)
@@ -164,7 +165,27 @@ async def test_a_lease_whose_deadline_passes_in_the_queue_is_timed_out(
         with pytest.raises(TimeoutError_):
             await actor.lease(lambda: None, deadline=trio.current_time() + 0.05)
     stats = actor.stats()
-    assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 1, 1)
+    # It never ran, in the caller's thread or any other.
+    assert (stats.timed_out, stats.in_caller_thread, stats.completed) == (1, 0, 1)
+
+
+async def test_leases_ended_before_their_run_started_are_not_counted_as_run(
+        actor: DeviceActor) -> None:
+    def in_thread() -> None:
+        for _ in range(3):
+            unused = actor.try_lease(lambda: "never")
+            assert unused is not None
+            unused.cancel()
+        stopped = actor.try_lease(lambda: "never")
+        assert stopped is not None
+        stopped.interrupt()  # its caller gave up before the run started
+        with pytest.raises(BackendRuntimeError, match="interrupted before it ran"):
+            stopped.run()
+
+    await trio.to_thread.run_sync(in_thread)
+    stats = actor.stats()
+    assert (stats.cancelled, stats.in_caller_thread, stats.completed) == (4, 0, 0)
+    assert "(0 in the caller's thread)" in stats.describe()
 
 
 def test_the_three_phases_add_up_to_the_latency() -> None:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
+import pytest
+
 import wasinn
+import wasinn.actors
 import wasinn.backends
+import wasinn.errors
+import wasinn.scheduler
 
 PUBLIC = {
     # core types
@@ -14,7 +22,7 @@ PUBLIC = {
     "WasiNNError", "ErrorCode", "InvalidArgumentError", "InvalidEncodingError", "TimeoutError_",
     "BackendRuntimeError", "BatchingError", "UnsupportedOperationError", "TooLargeError",
     "NotFoundError", "ClosedResourceError", "SecurityError", "UnknownError", "ConfigError",
-    "UnknownNameError", "DeviceLostError",
+    "UnknownNameError", "DeviceLostError", "QueueFullError",
 }
 
 
@@ -55,3 +63,63 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("expected AttributeError")
+
+
+def test_types_documented_calls_return_or_raise_are_exported() -> None:
+    # A full queue (retry later) is told apart from a tensor too large (don't).
+    assert wasinn.QueueFullError is wasinn.errors.QueueFullError
+    assert issubclass(wasinn.QueueFullError, wasinn.TooLargeError)
+    assert wasinn.QueueFullError.__module__ == "wasinn.errors"
+    # What g.lease() / ctx.lease() return, to annotate a helper that runs one.
+    assert "Lease" in wasinn.actors.__all__ and wasinn.actors.Lease.__name__ == "Lease"
+    assert "ContextRun" in wasinn.scheduler.__all__
+    assert wasinn.scheduler.ContextRun.__name__ == "ContextRun"
+    for module in (wasinn.actors, wasinn.scheduler):
+        for name in module.__all__:
+            assert hasattr(module, name), (module.__name__, name)
+
+
+def test_the_lazy_getattr_is_hidden_from_type_checkers() -> None:
+    # A module __getattr__ a type checker can see types every misspelt wasinn.X as Any:
+    # it must sit under `if not TYPE_CHECKING:`, and every lazy name be imported under
+    # `if TYPE_CHECKING:` instead.
+    source = Path(wasinn.__file__).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    top_level_defs = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert not top_level_defs & {"__getattr__", "__dir__"}
+    hidden: set[str] = set()
+    typed: set[str] = set()
+    for node in tree.body:
+        if not isinstance(node, ast.If):
+            continue
+        test = ast.unparse(node.test)
+        if test == "not TYPE_CHECKING":
+            hidden |= {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+        elif test == "TYPE_CHECKING":
+            typed |= {alias.asname or alias.name for n in node.body
+                      if isinstance(n, ast.ImportFrom) for alias in n.names}
+    assert {"__getattr__", "__dir__"} <= hidden
+    assert set(wasinn._LAZY) <= typed
+
+
+@pytest.mark.slow
+def test_mypy_refuses_a_misspelt_public_name(tmp_path: Path) -> None:
+    api = pytest.importorskip("mypy.api")
+    typo = tmp_path / "typo.py"
+    typo.write_text("import wasinn\n\ntry:\n    pass\nexcept wasinn.TimeoutError:\n    pass\n")
+    good = tmp_path / "good.py"
+    good.write_text(
+        "import wasinn\nimport wasinn.actors\nimport wasinn.scheduler\n\n"
+        "try:\n    pass\nexcept (wasinn.TimeoutError_, wasinn.QueueFullError):\n    pass\n"
+        "config: wasinn.RuntimeConfig | None = None\n"
+        "lease: wasinn.actors.Lease[dict[str, wasinn.Tensor]] | None = None\n"
+        "run: wasinn.scheduler.ContextRun | None = None\n")
+    # One run for both files (most of its time goes to the packages wasinn imports).
+    stdout, stderr, status = api.run([
+        "--strict", "--no-error-summary", "--cache-dir", str(tmp_path / "cache"),
+        str(typo), str(good)])
+    errors = [line for line in stdout.splitlines() if ": error:" in line]
+    assert status == 1, (stdout, stderr)
+    assert len(errors) == 1, stdout
+    assert errors[0].startswith(f"{typo}:5: error: Module has no attribute \"TimeoutError\"")
+    assert errors[0].endswith("[attr-defined]")

@@ -192,6 +192,24 @@ async def test_set_tenant_weight_reaches_every_fair_pool_before_and_after_start(
         assert (gold.name, gold.weight) == ("gold", 4.0)
 
 
+def test_a_refused_tenant_weight_is_in_the_error_tree(tmp_path: Path) -> None:
+    # The same bad values as a config's: invalid-argument (a WasiNNError), and still the
+    # builtin error a caller may have caught before; the config keeps its ConfigError.
+    rt = wasinn.Runtime(cpu_pool(policy="fair"))
+    with pytest.raises(InvalidArgumentError, match=r"^the weight of tenant 'bob': 0\.0: ") as bad:
+        rt.set_tenant_weight("bob", 0.0)
+    assert isinstance(bad.value, ValueError)
+    assert bad.value.code is wasinn.ErrorCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidArgumentError, match=r"^tenant 3 \(int\): expected a str") as bad:
+        rt.set_tenant_weight(3, 1.0)  # type: ignore[arg-type]
+    assert isinstance(bad.value, TypeError)
+    assert rt.tenant_weight("bob") == 1.0  # a refused weight changes nothing
+    path = tmp_path / "w0.toml"
+    path.write_text("[tenants.bob]\nweight = 0\n")
+    with pytest.raises(wasinn.ConfigError, match=r"w0\.toml.*tenants\.bob\.weight"):
+        wasinn.Runtime.from_config(path)
+
+
 async def test_a_priority_pool_takes_weights_without_using_them() -> None:
     async with wasinn.Runtime(cpu_pool(policy="priority")) as rt:
         rt.set_tenant_weight("gold", 2.0)
