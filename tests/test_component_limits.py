@@ -291,12 +291,12 @@ class _FirstUnloadHangs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.graph, name)
 
-    async def unload(self) -> None:
+    async def unload(self, *, wait_for_runs: bool = True) -> None:
         self.unload_calls += 1
         if self.unload_calls == 1:
             self.unload_started.set()
             await trio.sleep_forever()
-        await self.graph.unload()
+        await self.graph.unload(wait_for_runs=wait_for_runs)
 
 
 class _HangingUnloads(RecordingRuntime):
