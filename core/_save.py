@@ -44,12 +44,7 @@ def check_save_path(path: Path) -> None:
     if path.is_dir():
         raise InvalidArgumentError(f"--save {path}: a folder: expected a file name "
                                    "(FILE.npz)")
-    target = Path(os.path.realpath(path))
-    _refuse_read_only_file_system(path, target)
-    _refuse_read_only(path, target)
-    if _special(target) or _linked(target):
-        return
-    opened = _open_temporary(path, target)
+    _, opened = _destination(path)
     if opened is not None:
         temporary, fd = opened
         os.close(fd)
@@ -79,15 +74,12 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     run.
     """
     _check_member_names(path, outputs)
-    target = Path(os.path.realpath(path))
-    _refuse_read_only_file_system(path, target)
-    _refuse_read_only(path, target)
-    if _special(target):
-        _write_into(path, outputs)
-        return
-    opened = None if _linked(target) else _open_temporary(path, target)
-    if opened is None:  # other hard links, or a folder closed to new files
-        _overwrite(path, target, outputs)
+    target, opened = _destination(path)
+    if opened is None:
+        if _special(target):
+            _write_into(path, outputs)
+        else:  # other hard links, or a folder closed to new files
+            _overwrite(path, target, outputs)
         return
     temporary, fd = opened
     try:
@@ -104,6 +96,20 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _destination(path: Path) -> tuple[Path, tuple[Path, int] | None]:
+    """Where the save of ``path`` writes, by its rules (:func:`save_outputs`; the same
+    for :func:`check_save_path`): the target (through a symbolic link, the file it
+    names), and a new file opened beside it to be renamed onto it; None where the target
+    is written into instead (not a regular file, a file with other hard links, a file in
+    a folder closed to new files). InvalidArgumentError where nothing can be written."""
+    target = Path(os.path.realpath(path))
+    _refuse_read_only_file_system(path, target)
+    _refuse_read_only(path, target)
+    if _special(target) or _linked(target):
+        return target, None
+    return target, _open_temporary(path, target)
 
 
 def _refuse_read_only_file_system(path: Path, target: Path) -> None:
