@@ -22,7 +22,7 @@ from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
 
 #: How numpy's format stores bf16, which it has no type for: 2-byte raw values.
-_RAW_2_BYTES = np.dtype("V2")
+RAW_2_BYTES = np.dtype("V2")
 
 #: The errors of a write that found no room: a full disk, a quota, a file size limit.
 _NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -264,6 +264,6 @@ def _write_archive(file: BinaryIO, outputs: Mapping[str, Tensor]) -> None:
         for name, tensor in outputs.items():
             array = tensor.numpy()
             if tensor.type is TensorType.BF16:
-                array = array.view(_RAW_2_BYTES)  # what numpy.save makes of bfloat16
+                array = array.view(RAW_2_BYTES)  # what numpy.save makes of bfloat16
             with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, array, allow_pickle=False)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import trio
 
-from wasinn._save import _RAW_2_BYTES
+from wasinn._save import RAW_2_BYTES
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor, numpy_dtype, tensor_type_of
@@ -302,7 +302,7 @@ def _as_declared(array: np.ndarray[Any, Any], spec: TensorSpec) -> np.ndarray[An
     type, and for values of another type where it declares bf16 (the backend would refuse
     them too; this says how to write a bf16 file)."""
     bf16 = numpy_dtype(TensorType.BF16)
-    if array.dtype == _RAW_2_BYTES:
+    if array.dtype == RAW_2_BYTES:
         # A model that declares no type (TorchScript) gets them as bf16 and decides.
         if spec.type is TensorType.BF16 or not spec.type_known:
             return array.view(bf16)
