@@ -94,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--zeros", action="store_true",
                        help="fill the inputs not given with zeros of the model's shapes")
     infer.add_argument("--shape", action="append", default=[], metavar="NAME=D,D,...[:TYPE]",
-                       help="the shape of a zero-filled input (where the model has none), "
-                            "and its element type (f16, bf16, f32, f64, u8, i32, i64) where "
-                            "the model declares none and f32 will not do, as TorchScript "
-                            "token ids: ids=1,8:i64")
+                       help="the shape of a zero-filled input (where the model has none; "
+                            "no dimensions, NAME= or NAME=:TYPE, for a scalar), and its "
+                            "element type (f16, bf16, f32, f64, u8, i32, i64) where the "
+                            "model declares none and f32 will not do, as TorchScript token "
+                            "ids: ids=1,8:i64")
     infer.add_argument("--target", type=_target,
                        help="cpu, gpu or tpu (default: the entry's target)")
     infer.add_argument("--requests", type=int, default=1, metavar="N",

@@ -32,12 +32,14 @@ def check_save_path(path: Path) -> None:
     """Before any run: InvalidArgumentError, with the message :func:`save_outputs` would
     give after it, when ``--save`` names a file that the save could not write: its folder
     missing, a folder itself, a folder on a file system mounted read-only (said first, as
-    such: there no name can be written), a read-only file, or a new file in a folder
-    where none may be created. The save's own rules decide: where it would write a new
-    file beside the target, one is created and removed at once; a target it would write
-    into (a FIFO, a device, a file with other hard links, a file in a folder closed to
-    new files) must be writable, and is not opened (a FIFO would wait for its reader).
-    What changes during the run, the save itself still finds."""
+    such: there no name can be written), a read-only file (said to be another user's in a
+    sticky folder where it is, since no rename may replace it either), or a new file in
+    a folder where none may be created. The save's own rules decide: where it would write
+    a new file beside the target, one is created and removed at once; a target it would
+    write into (a FIFO, a device, a file with other hard links, a file in a folder closed
+    to new files, another user's file in a sticky folder) must be writable, and is not
+    opened (a FIFO would wait for its reader). What changes during the run, the save
+    itself still finds."""
     if not path.parent.is_dir():
         raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
                                    "expected a file in an existing folder")
@@ -63,9 +65,11 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     was. The new file keeps a replaced file's permissions. A target that is not a regular
     file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
     "wb")`` would, never replaced. So is, in place, a file with other hard links (a
-    rename would leave them the old archive) and a file in a folder where no new file may
-    be created: room for the archive is reserved first (``posix_fallocate``, where the
-    file system has it), so that a full disk fails the save before the file changes.
+    rename would leave them the old archive), a file in a folder where no new file may
+    be created, and another user's file in a sticky folder (mode 1777, as /tmp), which
+    the kernel lets only the file's owner, the folder's owner or root rename over: room
+    for the archive is reserved first (``posix_fallocate``, where the file system has
+    it), so that a full disk fails the save before the file changes.
     Raises InvalidArgumentError,
     naming the file, for names no archive can hold (with a NUL character, which zip member
     names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
@@ -78,7 +82,7 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     if opened is None:
         if _special(target):
             _write_into(path, outputs)
-        else:  # other hard links, or a folder closed to new files
+        else:  # other hard links, a folder closed to new files, or a sticky folder's rule
             _overwrite(path, target, outputs)
         return
     temporary, fd = opened
@@ -103,11 +107,12 @@ def _destination(path: Path) -> tuple[Path, tuple[Path, int] | None]:
     for :func:`check_save_path`): the target (through a symbolic link, the file it
     names), and a new file opened beside it to be renamed onto it; None where the target
     is written into instead (not a regular file, a file with other hard links, a file in
-    a folder closed to new files). InvalidArgumentError where nothing can be written."""
+    a folder closed to new files, a file a sticky folder keeps from a rename).
+    InvalidArgumentError where nothing can be written."""
     target = Path(os.path.realpath(path))
     _refuse_read_only_file_system(path, target)
     _refuse_read_only(path, target)
-    if _special(target) or _linked(target):
+    if _special(target) or _linked(target) or _kept_by_sticky_folder(target) is not None:
         return target, None
     return target, _open_temporary(path, target)
 
@@ -140,9 +145,42 @@ def _refuse_read_only(path: Path, target: Path) -> None:
         new_name = ("a new name" if os.access(target.parent, os.W_OK | os.X_OK)
                     else f"a name in a folder wasinn may write ({target.parent} takes no "
                          "new file)")
+        owner = None if _special(target) else _kept_by_sticky_folder(target)
+        if owner is not None:  # (said so: neither a rename nor a write can replace it)
+            raise InvalidArgumentError(
+                f"--save {path}: {target} is another user's (uid {owner}) in a sticky "
+                f"folder, {target.parent} (mode {_mode(target.parent)}, as /tmp), where "
+                "only the file's owner, the folder's owner or root may replace it, and it "
+                "is read-only to wasinn, which cannot write into it instead: expected "
+                f"{new_name}, or a file of your own")
         raise InvalidArgumentError(
             f"--save {path}: {target} is read-only: expected a file wasinn may write, or "
             f"{new_name}")
+
+
+def _kept_by_sticky_folder(target: Path) -> int | None:
+    """The owner (uid) of the file at ``target`` where its folder's sticky bit keeps this
+    process from renaming over it; None where a rename may replace it (or there is no
+    file)."""
+    # The kernel's rule (man 7 inode, "The sticky bit"): in a folder with the sticky bit
+    # (/tmp, mode 1777) only the file's owner, the folder's owner or a privileged process
+    # may unlink or rename over a file; for anyone else os.replace fails (EPERM), after
+    # the run. Root stands for the privileged (CAP_FOWNER alone is not looked for).
+    try:
+        file, folder = os.stat(target), os.stat(target.parent)
+    except OSError:  # (none there; or the write names the error)
+        return None
+    if not folder.st_mode & stat.S_ISVTX:
+        return None
+    user = os.geteuid()
+    if user == 0 or user in (file.st_uid, folder.st_uid):
+        return None
+    return file.st_uid
+
+
+def _mode(place: Path) -> str:
+    # A file's permission bits as chmod takes them: 1777.
+    return f"{stat.S_IMODE(os.stat(place).st_mode):o}"
 
 
 def _open_temporary(path: Path, target: Path) -> tuple[Path, int] | None:

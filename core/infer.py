@@ -12,7 +12,8 @@
 or a model registered on the command line as for ``wasinn run``. Inputs come from numpy
 files: ``--input x=x.npy`` for one, ``--input inputs.npz`` for every array of the archive
 by name (an input's position works as its name). ``--zeros`` fills the inputs not given
-with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` gives) and
+with zeros of the model's shapes (dynamic dimensions as 1, or as ``--shape`` gives:
+``--shape x=``, no dimensions, for a scalar where the model declares no shape) and
 types: an input whose type the model does not declare (TorchScript's) gets f32 unless its
 ``--shape`` ends in ``:TYPE`` (``--shape ids=1,8:i64``); a type where the model declares
 another is refused, and a run that fails on f32 zeros of an undeclared type says how to
@@ -94,20 +95,21 @@ def parse_shapes(specs: Sequence[str]) -> dict[str, ZeroInput]:
 def parse_shape(spec: str) -> tuple[str, ZeroInput]:
     """``--shape NAME=D,D,...[:TYPE]`` as (name, dimensions and element type: None
     where not given). The name is everything before the first ``=`` (it may hold a
-    ``:``), the type everything after the last ``:``."""
+    ``:``), the type everything after the last ``:``. No dimensions (``x=``,
+    ``x=:i64``) is a scalar, shape ``()``."""
     from wasinn.scheduler.warmup import ZeroInput
 
     name, sep, value = spec.partition("=")
     dims, colon, type_name = value.rpartition(":") if ":" in value else (value, "", "")
     try:
-        shape = tuple(int(d) for d in dims.split(","))
+        shape = tuple(int(d) for d in dims.split(",")) if dims else ()
     except ValueError:
-        shape = ()
-    if not name or not sep or not shape or min(shape) < 1:
+        shape = (0,)  # (refused below, as a dimension < 1 is)
+    if not name or not sep or (shape and min(shape) < 1):
         raise InvalidArgumentError(
-            f"--shape {spec!r}: expected NAME=D,D,... with dimensions >= 1, or "
-            "NAME=D,D,...:TYPE (e.g. input=1,3,224,224, or ids=1,8:i64 for an input whose "
-            "type the model does not declare)")
+            f"--shape {spec!r}: expected NAME=D,D,... with dimensions >= 1 (NAME= for a "
+            "scalar), or NAME=D,D,...:TYPE (e.g. input=1,3,224,224, or ids=1,8:i64 for an "
+            "input whose type the model does not declare)")
     type_ = None
     if colon:
         try:
@@ -118,7 +120,7 @@ def parse_shape(spec: str) -> tuple[str, ZeroInput]:
 
 
 def _shape_arg(zero: ZeroInput | tuple[int, ...]) -> str:
-    # A --shape's value as written: D,D,... or D,D,...:TYPE.
+    # A --shape's value as written: D,D,... or D,D,...:TYPE ("" or :TYPE for a scalar).
     from wasinn.scheduler.warmup import ZeroInput
 
     if not isinstance(zero, ZeroInput):
@@ -290,7 +292,8 @@ def _complete_inputs(specs: Sequence[TensorSpec], given: Mapping[str, np.ndarray
         return inputs, ""
     zeroed = {k: v for k, v in shapes.items() if k in {s.name for s in missing}}
     filled = zero_inputs(missing, zeroed, shape_hint="give it with --shape {name}=D,D,... "
-                         "(and :TYPE where f32 will not do, e.g. {name}=1,8:i64)")
+                         "({name}= for a scalar; and :TYPE where f32 will not do, e.g. "
+                         "{name}=1,8:i64)")
     inputs.update(filled)
     return inputs, untyped_hint(missing, filled, zeroed, SHAPE_TYPE_HINT)
 

@@ -218,8 +218,14 @@ def test_shapes_and_loads_are_checked() -> None:
     assert parse_shape("ids=1,8:i64") == ("ids", ZeroInput((1, 8), TensorType.I64))
     # The name is all before the first '=', the type all after the last ':'.
     assert parse_shape("in:0=2:BF16") == ("in:0", ZeroInput((2,), TensorType.BF16))
-    for bad in ("input", "input=", "=1,2", "input=1,x", "input=0,3", "ids=:i64", "ids=1:8:i64"):
-        with pytest.raises(InvalidArgumentError, match="expected NAME=D,D,"):
+    # No dimensions: a scalar (shape ()), for an input that declares no shape.
+    assert parse_shape("x=") == ("x", ZeroInput(()))
+    assert parse_shape("x=:i64") == ("x", ZeroInput((), TensorType.I64))
+    for bad in ("input", "=1,2", "input=1,x", "input=0,3", "ids=1:8:i64", "x=1,,2", "x=-1",
+                "x=a", "x=,", "x=1,", "x= "):
+        with pytest.raises(InvalidArgumentError, match=re.escape(
+                f"--shape {bad!r}: expected NAME=D,D,... with dimensions >= 1 (NAME= for a "
+                "scalar), or NAME=D,D,...:TYPE")):
             parse_shape(bad)
     for bad in ("ids=1,8:int64", "ids=1,8:"):
         with pytest.raises(InvalidArgumentError,
@@ -668,6 +674,48 @@ def test_raw_2_byte_values_for_an_f32_input_declared_without_a_shape_are_refused
     assert ("--input x: 2-byte raw values (numpy dtype |V2, as numpy saves an "
             "ml_dtypes.bfloat16 array) but the model expects x: f32[...]: expected f32 "
             "values") in err, err
+
+
+def test_a_scalar_zero_goes_to_an_input_declared_without_a_shape(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # x declares no shape, not even its rank: --shape x= (no dimensions) makes its zero a
+    # scalar, and y, x * 3, is one too. Before, --shape needed a dimension: no scalar.
+    from tests.backend_models import scalar_onnx
+
+    require_backend("onnxruntime")
+    (tmp_path / "m.onnx").write_bytes(scalar_onnx(3.0, declared=False))  # x: f32[...]
+    preload = ["--nn-preload", f"m:onnx:cpu:{tmp_path / 'm.onnx'}", "m", "--zeros"]
+    saved = tmp_path / "y.npz"
+    assert main(["infer", *preload, "--shape", "x=", "--save", str(saved)]) == 0, (
+        capfd.readouterr().err)
+    assert capfd.readouterr().out.startswith("y: f32[] min 0 max 0 mean 0")
+    with np.load(saved) as archive:
+        assert (archive["y"].shape, archive["y"].dtype) == ((), np.float32)
+    assert main(["infer", *preload]) == 1  # says how to give a shape, a scalar's included
+    assert ("input 'x' declares no shape, not even its rank, so no zero-filled value can be "
+            "made for it: give it with --shape x=D,D,... (x= for a scalar; and :TYPE where "
+            "f32 will not do, e.g. x=1,8:i64)") in capfd.readouterr().err
+    assert main(["infer", *preload, "--shape", "0=:i64"]) == 1  # the model declares f32
+    assert ("--shape 0=:i64: type i64 given, but the model declares x: f32[...]: expected "
+            "f32") in capfd.readouterr().err
+
+
+def test_a_scalar_zero_of_the_type_given_goes_to_a_torchscript_model(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # TorchScript declares neither shapes nor types: --shape x=:i64 gives both, a scalar.
+    require_backend("torch")
+    import torch
+
+    class Successor(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    (tmp_path / "next.pt").write_bytes(scripted(Successor()))
+    code = main(["infer", "--nn-preload", f"n:pytorch:cpu:{tmp_path / 'next.pt'}", "n",
+                 "--zeros", "--shape", "x=:i64"])
+    captured = capfd.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.startswith("output: i64[] min 1 max 1 mean 1")
 
 
 @pytest.mark.parametrize(("model", "given", "message"), [
