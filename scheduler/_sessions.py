@@ -7,7 +7,9 @@ first use and caches the session (a sandboxed model in processes of its own). A 
 that names no backend, which the chosen one cannot run on a device, is compiled by the
 next backend that can, with a warning. :meth:`Sessions.release` frees a model's
 sessions on every device when it is unloaded; those a run still uses are closed by the
-run as it ends, and :meth:`Sessions.runs_over` waits for that (an unload does).
+run as it ends, and :meth:`Sessions.runs_over` waits for that (an unload does), at most
+the ``close_timeout`` of the pools the model was compiled on (its ``placed_on``: noted
+before each compile, so never on the path of a request whose graph is compiled).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Sessions:
         backend of the preference order that reads its encoding on that device, with a
         warning; where none can, the first backend's error is raised."""
         kind = actor.device.kind
+        model.placed_on.add(kind)  # (first: an unload from now on waits for this pool)
         backend = await self.backend_for(model, kind)
         try:
             return await self._session_with(actor, model, backend)
@@ -217,15 +220,21 @@ class Sessions:
         in :meth:`runs_over` return."""
         self._wake_runs_over()
 
-    async def runs_over(self, executable: Executable) -> list[str]:
+    async def runs_over(self, executable: Executable) -> tuple[list[str], float]:
         """Wait until the runs an unload of ``executable`` waits for have ended (see
         :meth:`Executable.waited_for`: none while a handle or context keeps it loaded),
-        the graphs they used closed; at most the largest ``close_timeout`` of the
-        runtime's pools, and not once the runtime is closed (its close frees every
-        graph, and a lease not yet run never will be: see :meth:`stop_waiting`).
-        Returns what is still waited for then (empty: nothing). Cancellation: raised,
-        whatever is left still ending on its own."""
-        timeout = max((actor.close_timeout for actor in self.actors), default=0.0)
+        the graphs they used closed; at most the largest ``close_timeout`` of the pools
+        it is on (:attr:`Executable.placed_on`: its runs and graphs are on no other; on
+        none yet, of all pools), and not once the runtime is closed (its close
+        frees every graph, and a lease not yet run never will be: see
+        :meth:`stop_waiting`). Returns what is still waited for then (empty: nothing)
+        and that bound, in seconds. Cancellation: raised, whatever is left still ending
+        on its own."""
+        placed = executable.placed_on
+        timeout = max((actor.close_timeout for actor in self.actors
+                       if actor.device.kind in placed), default=None)
+        if timeout is None:  # compiled nowhere yet: a first request may be on its way
+            timeout = max((actor.close_timeout for actor in self.actors), default=0.0)
         self._unloads_waiting += 1  # (first: see runs_changed)
         try:
             with trio.move_on_after(timeout):
@@ -234,9 +243,9 @@ class Sessions:
                         self._run_ended = trio.Event()
                     ended = self._run_ended
                     if self.stopped or not executable.waited_for():
-                        return []
+                        return [], timeout
                     await ended.wait()
-            return executable.waited_for()
+            return executable.waited_for(), timeout
         finally:
             self._unloads_waiting -= 1
 

@@ -205,10 +205,11 @@ class Graph:
         before it unloads a model, and after a sandboxed graph's processes have ended
         (closed in a thread, the event loop serving on). New requests on this handle
         raise ClosedResourceError from the start. The wait lasts at most the largest
-        ``close_timeout`` of the runtime's pools: past it, a warning names the graph and
-        the runs it still waits for, and this returns; the last of them frees the
-        graphs as it ends. An open context keeps them until it is closed: nothing is
-        waited for then.
+        ``close_timeout`` of the pools the graph was compiled on (those its runs and
+        graphs are on; a pool it never used is no bound): past it, a warning names the
+        graph, that bound and the runs it still waits for, and this returns; the last
+        of them frees the graphs as it ends. An open context keeps them until it is
+        closed: nothing is waited for then.
 
         An unload from a trio task that holds a lease of this graph not yet over (one
         its own ``lease`` call returned) waits for nothing: that lease may only run once
@@ -229,10 +230,9 @@ class Graph:
             self._unloaded = True
             executable.release()
         if wait_for_runs and not executable.in_flight.lent_to(trio.lowlevel.current_task()):
-            still = await scheduler.runs_over(executable)
+            still, waited = await scheduler.runs_over(executable)
             if still:
                 log.warning("%s: unloaded, but after %g s (close_timeout) it still waits "
                             "for %s: its compiled graphs are freed as they end",
-                            executable.name, max(a.close_timeout for a in scheduler.actors),
-                            "; ".join(still))
+                            executable.name, waited, "; ".join(still))
         await scheduler.graphs_closed()

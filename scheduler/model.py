@@ -4,8 +4,9 @@ A :class:`LoadedModel` is loaded once: its bytes are kept (owned copies, so a gu
 reuse its memory), its encoding is known (autodetected once), and its specs come from the
 first compile. Graph handles and contexts hold references to it; when the last one goes,
 ``on_release`` frees its compiled graphs on every device. Its :class:`RunsInFlight` says
-which of its runs have not ended yet: what ``Graph.unload`` waits for, and what the
-registry waits for before it stops reading a replaced load's counts.
+which of its runs have not ended yet: what ``Graph.unload`` waits for (at most the
+``close_timeout`` of the pools it is ``placed_on``), and what the registry waits for
+before it stops reading a replaced load's counts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Any, Protocol
 
 import trio
@@ -49,6 +50,12 @@ class Executable(Protocol):
     batching: Batching | None
     #: Its runs that have not ended yet (see :class:`RunsInFlight`).
     in_flight: RunsInFlight
+
+    @property
+    def placed_on(self) -> Set[ExecutionTarget]:
+        """The kinds of device (one pool each) it has been compiled on, or sent to
+        compile on, so far: the pools its runs and compiled graphs may be on, whose
+        ``close_timeout`` bounds an unload's wait for them."""
 
     def backend_for(self, target: ExecutionTarget) -> str:
         """The backend(s) chosen to run on ``target`` so far ("" before the first compile)."""
@@ -189,6 +196,7 @@ class LoadedModel:
         "options",
         "output_aliases",
         "outputs",
+        "placed_on",
         "refs",
         "released",
         "requests",
@@ -225,6 +233,10 @@ class LoadedModel:
         #: How its requests are merged on a device (None: never; see wasinn.actors.batching).
         self.batching = batching
         self.in_flight = RunsInFlight()
+        #: The kinds of device it was sent to compile on (see Executable.placed_on),
+        #: filled by its scheduler before a compile there: not on the path of a request
+        #: that finds its graph compiled (that graph's compile filled it).
+        self.placed_on: set[ExecutionTarget] = set()
 
     def backend_for(self, target: ExecutionTarget) -> str:
         return self.backends.get(target, "")

@@ -216,6 +216,12 @@ class PipelineModel:
     def backend_for(self, target: ExecutionTarget) -> str:
         return "+".join(dict.fromkeys(step.backend_for(target) for step in self.steps))
 
+    @property
+    def placed_on(self) -> set[ExecutionTarget]:
+        # Its requests compile every step where they run (those of a step shared with
+        # another graph count, though the pipeline may never have run there).
+        return set().union(*(step.placed_on for step in self.steps))
+
     def retain(self) -> None:
         self.refs += 1
 

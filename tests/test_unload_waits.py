@@ -1,11 +1,14 @@
 """``Graph.unload`` returns once the graph's compiled sessions are closed: after the runs
 still using them (a lease, a compute queued or running) have ended, bounded by the
-pools' ``close_timeout``; a cancelled unload has still unloaded; an unload from the task
-holding a lease of the graph does not wait for it. And a lease granted on a registry
-model's load that ends after the name was loaded again is counted for the name.
+``close_timeout`` of the pools the graph is on; a cancelled unload has still unloaded;
+an unload from the task holding a lease of the graph does not wait for it. And a lease
+granted on a registry model's load that ends after the name was loaded again is counted
+for the name.
 
 Runs are held in flight with leases (a real ONNX Runtime graph, run by a thread when the
-test says so) and a compute queued behind one (``workers = 1``): no clock involved."""
+test says so) and a compute queued behind one (``workers = 1``); the bound is measured on
+trio's autojump clock, beside a second pool (a fake GPU's) with a close_timeout of its
+own."""
 
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import trio
 import trio.testing
 
 import wasinn
+from tests.fake_backend import FakeBackend
 from tests.support import affine_pipeline_config, cpu_pool, require_backend
 from wasinn.backends._ort_graph import OrtGraph
+from wasinn.configs.loader import parse_config
+from wasinn.configs.schema import RuntimeConfig
 from wasinn.errors import ClosedResourceError
 from wasinn.modelgen import affine_onnx
 from wasinn.scheduler._sessions import Sessions
@@ -294,3 +300,70 @@ async def test_runs_ending_wake_the_event_loop_only_while_an_unload_waits(
             await trio.to_thread.run_sync(lease.run)
             await unloaded.wait()
         assert wakes and len(closed) == 1
+
+
+# -- the bound: the close_timeout of the pools the graph is on -------------------------
+def two_pools(cpu_close_timeout: float, gpu_close_timeout: float) -> RuntimeConfig:
+    """A CPU pool (ONNX Runtime, the fake backend's recipes too) and a fake GPU pool,
+    each with its ``close_timeout``."""
+    return parse_config({"pools": {
+        "cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1,
+                "backends": ["onnxruntime", "fake"], "close_timeout": cpu_close_timeout},
+        "gpu": {"kind": "gpu", "devices": ["gpu:0"], "workers": 1, "backends": ["fake"],
+                "close_timeout": gpu_close_timeout},
+    }}, None)
+
+
+async def unload_timed(graph: wasinn.Graph) -> float:
+    """Unload ``graph`` in a task of its own (not the one holding its leases): the
+    seconds (trio's clock) it took to return."""
+    took: list[float] = []
+
+    async def unload() -> None:
+        start = trio.current_time()
+        await graph.unload()
+        took.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(unload)
+    return took[0]
+
+
+def still_waits(caplog: pytest.LogCaptureFixture) -> str:
+    (record,) = [r for r in caplog.records if "still waits for" in r.getMessage()]
+    return record.getMessage()
+
+
+async def test_an_unload_waits_no_longer_than_the_close_timeout_of_the_pools_it_is_on(
+        autojump_clock: trio.testing.MockClock, closed: list[OrtGraph],
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The GPU pool's hour is no bound for a graph that never ran there.
+    async with wasinn.Runtime(two_pools(1, 3600), backends=[FakeBackend()]) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", "cpu", name="affine")
+        lease = await graph.lease({"x": X})  # held past the CPU pool's close_timeout
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            took = await unload_timed(graph)
+        assert closed == []
+        await trio.to_thread.run_sync(lease.run)
+        assert len(closed) == 1
+    assert took == pytest.approx(1)
+    assert "affine: unloaded, but after 1 s (close_timeout) it still waits" in (
+        still_waits(caplog))
+
+
+async def test_an_unload_waits_up_to_the_largest_close_timeout_of_the_pools_it_is_on(
+        autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    # Compiled on both pools: its run on the CPU is waited for up to the GPU pool's bound.
+    fake = FakeBackend()
+    async with wasinn.Runtime(two_pools(1, 30), backends=[fake]) as rt:
+        graph = await rt.load([b"fake:add=1"], "ggml", "cpu", name="twice")
+        await graph.compute({"x": X}, target="gpu")
+        lease = await graph.lease({"x": X})
+        with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+            took = await unload_timed(graph)
+        assert fake.closed == ["gpu:0"]  # the CPU graph waits for the lease
+        await trio.to_thread.run_sync(lease.run)
+        assert fake.closed == ["gpu:0", "cpu"]
+    assert took == pytest.approx(30)
+    assert "twice: unloaded, but after 30 s (close_timeout) it still waits" in (
+        still_waits(caplog))
