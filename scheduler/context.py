@@ -515,16 +515,37 @@ class ExecutionContext:
         at once, unrun (their callers raise ClosedResourceError saying so; the stats
         count them cancelled), while a request already running ends its run and is
         dropped (see :meth:`compute`). The graph's compiled sessions are freed when the
-        graph is unloaded and its last context is closed."""
+        graph is unloaded and its last context is closed.
+
+        Any thread may call it: from one outside the runtime's trio thread (the
+        application's own, or a worker thread), the context is closed at once (its
+        calls raise ClosedResourceError) and the withdrawal and release are handed to
+        the runtime's trio run, which does them next."""
         if self._closed:
             return
         self._closed = True
         self._inputs = self._outputs = self._bound = None
         owner, self._owner = self._owner, None
-        if owner is not None:
-            # (Each request's error adds where it waited: the queue, a batch, a compile.)
-            owner.withdraw_all(f"the execution context of {self._executable.name} was closed")
-        self._executable.release()
+        token = self._executable.trio_token
+        if token is None or _in_run_of(token):
+            self._finalize(owner)
+            return
+        try:
+            token.run_sync_soon(self._finalize, owner)
+        except trio.RunFinishedError:  # (the runtime's run is over: no task left to wake)
+            self._executable.release()
+
+    def _finalize(self, owner: QueueOwner | None) -> None:
+        # In the runtime's trio thread (withdrawing wakes trio tasks; the reference
+        # count is trio's): withdraw the requests still waiting, then let the graph go.
+        try:
+            if owner is not None:
+                # (Each request's error adds where it waited: the queue, a batch, a
+                # compile.)
+                owner.withdraw_all(
+                    f"the execution context of {self._executable.name} was closed")
+        finally:
+            self._executable.release()
 
     def __enter__(self) -> ExecutionContext:
         return self
@@ -532,6 +553,11 @@ class ExecutionContext:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _in_run_of(token: trio.lowlevel.TrioToken) -> bool:
+    """Whether this is the trio thread of the run ``token`` belongs to."""
+    return trio.lowlevel.in_trio_run() and trio.lowlevel.current_trio_token() is token
 
 
 def _started_by_trio() -> bool:

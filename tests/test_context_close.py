@@ -125,6 +125,49 @@ async def test_a_queued_compute_is_withdrawn_at_once_and_never_runs(
     assert fake.closed == ["cpu"]  # every context's hold on the graph was let go once
 
 
+@pytest.mark.parametrize("closer", ["application thread", "trio worker thread"])
+async def test_a_close_from_another_thread_withdraws_and_lets_the_graph_go(
+        rt: wasinn.Runtime, fake: FakeBackend, closer: str) -> None:
+    # close() is synchronous and documented for any caller: one from a thread that is not
+    # trio's hands the withdrawal to trio. It raised trio's "must be called from async
+    # context" midway, the queued caller hung for ever and the graph stayed held.
+    graph = await rt.load(GATED, "ggml", "cpu")
+    (actor,) = rt.actors
+    victim = graph.init_execution_context()
+    outcomes = Outcomes()
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            victim.close()
+        except BaseException as exc:
+            raised.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(graph.compute, {"x": x(1)})
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(outcomes.of, "victim", lambda: victim.compute({"x": x(2)}))
+        await trio.testing.wait_all_tasks_blocked()
+        assert actor.stats().queued == 1
+        if closer == "trio worker thread":
+            await trio.to_thread.run_sync(close)
+        else:
+            thread = threading.Thread(target=close)
+            thread.start()
+            await trio.to_thread.run_sync(thread.join)
+        assert raised == []
+        assert victim.closed
+        with trio.fail_after(10):
+            while "victim" not in outcomes:
+                await trio.sleep(0.001)
+        assert outcomes == {"victim": withdrawn(graph.name)}
+        assert actor.stats().queued == 0
+        fake.gate.set()
+    assert fake.runs == [("cpu", 1.0)]
+    await graph.unload()
+    assert fake.closed == ["cpu"]  # the context's hold on the graph was let go
+
+
 async def test_a_withdrawn_request_counts_as_cancelled(rt: wasinn.Runtime,
                                                       fake: FakeBackend) -> None:
     graph = await rt.load(GATED, "ggml", "cpu")
