@@ -185,10 +185,11 @@ def _checked_dims(array: np.ndarray[Any, Any], dims: Sequence[int], ttype: Tenso
             f"{_DTYPES[ttype]} (or Tensor.from_numpy, which takes the element type from "
             "the array)")
     shape: tuple[int, ...] = array.shape
-    if not isinstance(dims, Sequence) or tuple(dims) != shape:
+    given = check_dims(dims)  # (a list or a numpy array of them, as from_bytes takes)
+    if given != shape:
         raise InvalidArgumentError(
-            f"tensor dimensions {dims!r} over an array of shape {list(shape)}: expected "
-            "the array's own shape")
+            f"tensor dimensions {list(given)} over an array of shape {list(shape)}: "
+            "expected the array's own shape")
     return shape
 
 
@@ -235,12 +236,17 @@ class Tensor:
         host_view: Callable[[], np.ndarray[Any, Any] | None] | None = None,
     ) -> None:
         if array is not None:
-            if (array.shape != dims or array.dtype is not _DTYPES.get(type)
+            if (dims.__class__ is not tuple or array.shape != dims
+                    or array.dtype is not _DTYPES.get(type)
                     or not array.flags.c_contiguous):
                 dims = _checked_dims(array, dims, type)
                 array = _canonical(array, type)
             else:
                 dims = array.shape  # ints, even where equal floats were given
+        elif native is None:
+            raise InvalidArgumentError(
+                f"a tensor of {getattr(type, 'value', type)} {list(dims)} needs its data: "
+                "expected array=... (or Tensor.from_numpy / Tensor.from_bytes)")
         self.dims = dims
         self.type = type
         self.device = device
@@ -382,12 +388,20 @@ class Tensor:
     def numpy(self) -> np.ndarray[Any, Any]:
         """The data as a numpy array (C-contiguous, of shape ``dims``: 0-d for a rank-0
         tensor), materializing a device-resident value once (counted by
-        :func:`host_copies`)."""
+        :func:`host_copies`).
+
+        The array of a backend-native value (an output kept on its device) is read-only:
+        some libraries' values it copies (OpenVINO's, any GPU's), others it shows over
+        their memory, and an edit would reach some of the graphs it is passed to and not
+        others. Edit a copy (``t.numpy().copy()``)."""
         if self._array is None:
             if self._materialize is None:
-                raise InvalidArgumentError("tensor has neither host data nor a materializer")
+                raise InvalidArgumentError(
+                    f"a tensor of {self.type.value} {list(self.dims)} has no data to read")
             _HOST_COPIES.add()
-            self._array = _canonical(self._materialize(), self.type)
+            array = _canonical(self._materialize(), self.type).view()
+            array.flags.writeable = False
+            self._array = array
         return self._array
 
     def synchronize(self) -> None:

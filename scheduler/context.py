@@ -250,7 +250,9 @@ class ExecutionContext:
         (the ``fair`` queue policy). ``keep_on_device``: see the module docstring (None =
         native off the CPU, host on it). Values that are not Tensors are converted here
         (:func:`wasinn.tensor.as_tensor`: a copy for lists, non-contiguous arrays and
-        arrays not in native byte order).
+        arrays not in native byte order). An array that is not copied is read when the
+        request runs, not when it is made: leave it unchanged until this returns (or
+        pass a copy).
 
         Raises InvalidArgumentError for wrong inputs (naming what the model expects) or a
         bad ``priority`` (an int), ``timeout`` (seconds >= 0, or None) or ``tenant`` (a

@@ -247,7 +247,7 @@ def test_the_constructor_refuses_an_array_of_another_element_type_or_shape() -> 
     with pytest.raises(InvalidArgumentError, match=r"^tensor of f64 over an array of float32: "
                        r"expected an array of float64 \(or Tensor.from_numpy"):
         Tensor((2, 4), TensorType.F64, array=small)
-    with pytest.raises(InvalidArgumentError, match=r"^tensor dimensions \(8,\) over an array "
+    with pytest.raises(InvalidArgumentError, match=r"^tensor dimensions \[8\] over an array "
                        r"of shape \[2, 4\]: expected the array's own shape$"):
         Tensor((8,), TensorType.F32, array=small)
     with pytest.raises(InvalidArgumentError, match=r"^tensor element type 'f32' \(str\): "
@@ -293,3 +293,65 @@ def test_dims_given_as_equal_floats_are_kept_as_the_arrays_ints() -> None:
     tensor = Tensor((1.0, 4.0), TensorType.F32,  # type: ignore[arg-type]
                     array=np.ones((1, 4), np.float32))
     assert tensor.dims == (1, 4) and all(type(d) is int for d in tensor.dims)
+
+
+def test_the_constructor_takes_dims_as_a_numpy_array_as_from_bytes_does() -> None:
+    # Before, ``array.shape != dims`` compared elementwise and numpy raised its bare
+    # "truth value of an array ... is ambiguous" ValueError, or a broadcast error.
+    values = np.ones((2, 4), np.float32)
+    dims: object = np.array([2, 4])
+    assert Tensor(dims, TensorType.F32, array=values).dims == (2, 4)  # type: ignore[arg-type]
+    for dims in (np.array([4, 2]), np.array([2, 4, 1])):
+        with pytest.raises(InvalidArgumentError, match=r"^tensor dimensions \[(4, 2|2, 4, 1)\] "
+                           r"over an array of shape \[2, 4\]: expected the array's own shape"):
+            Tensor(dims, TensorType.F32, array=values)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="is negative"):
+        Tensor([2, -4], TensorType.F32, array=values)  # type: ignore[arg-type]
+
+
+def test_a_tensor_without_data_is_refused_when_made() -> None:
+    # Before, it was made (its repr said native@cpu) and every backend failed the compute
+    # with "tensor has neither host data nor a materializer", naming no input.
+    with pytest.raises(InvalidArgumentError, match=r"^a tensor of f32 \[2, 4\] needs its data: "
+                       r"expected array=\.\.\. \(or Tensor.from_numpy / Tensor.from_bytes\)$"):
+        Tensor((2, 4), TensorType.F32)
+
+
+def test_the_array_of_a_native_value_is_read_only() -> None:
+    # Some libraries' values numpy() copies, others it shows over their memory: an edit
+    # reached some graphs the tensor was passed to and not others (see below).
+    made = np.arange(4, dtype=np.float32)
+    native = Tensor.from_native(object(), (4,), TensorType.F32, device="cpu",
+                                materialize=lambda: made)
+    array = native.numpy()
+    assert not array.flags.writeable and array.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="read-only"):
+        array[0] = 100
+    assert made.flags.writeable  # (the library's own array is left as it was)
+    editable = array.copy()
+    editable[0] = 100
+    assert native.numpy().tolist() == [0, 1, 2, 3]
+    assert Tensor.from_numpy(made).numpy().flags.writeable  # the caller's own array
+
+
+async def test_an_edit_cannot_make_a_kept_openvino_output_feed_graphs_different_values(
+        ) -> None:
+    # An OpenVINO output kept on the CPU: numpy() is a copy. Edited, ONNX Runtime was
+    # given the edited copy (the tensor's host data) while OpenVINO read the ov.Tensor's
+    # memory, unedited: the result depended on the consuming library.
+    require_backend("openvino")
+    require_backend("onnxruntime")
+    from wasinn.modelgen import affine_onnx
+
+    async with wasinn.Runtime() as rt:
+        producer = await rt.load([affine_onnx(2.0, 1.0)], "onnx", backend="openvino")
+        consumers = [await rt.load([affine_onnx(1.0, 0.0)], "onnx", backend=name)
+                     for name in ("onnxruntime", "openvino")]
+        out = await producer.compute({"x": np.ones((1, 4), np.float32)}, keep_on_device=True)
+        kept = out["y"]
+        assert kept.native is not None
+        with pytest.raises(ValueError, match="read-only"):
+            kept.numpy()[:] = 100.0
+        for consumer in consumers:
+            result = await consumer.compute({"x": kept}, keep_on_device=False)
+            assert result["y"].numpy().tolist() == [[3.0] * 4]
