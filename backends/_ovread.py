@@ -10,7 +10,13 @@
   bytes go to a private temporary directory that is removed after reading.
 
 These two frontends run in a throw-away child process, never in the host: it reads the
-files and writes the model back as IR, which the host then reads as above. OpenVINO's
+files and writes the model back as IR, which the host then reads as above. In a
+sandboxed graph's own process (:mod:`.sandbox`, see :func:`.base.in_sandbox`) they run
+in that process instead: it is confined already, may start no process (its seccomp
+filter refuses ``fork`` and ``execve``, and Landlock leaves ``/dev/null`` read-only),
+and a crash there ends only it, which the host reports as it does any library crash on
+a model; a frontend that hangs there is stopped by cancelling the load, which kills the
+process (the child's :data:`CONVERT_TIMEOUT_S` does not apply). OpenVINO's
 TFLite frontend follows the flatbuffer's offsets and indices unchecked, and one changed
 byte of a valid model killed the host with SIGSEGV; a crash now kills only the child and
 is an InvalidEncodingError. TFLite bytes are also checked before the child starts
@@ -56,7 +62,7 @@ from ._onnx_check import (
     read_external_data,
 )
 from ._tflite_check import check_tflite
-from .base import Builders
+from .base import Builders, in_sandbox
 from .formats import check_declared, protobuf_fields
 
 NAME = "openvino"
@@ -192,11 +198,15 @@ def _read(reader: Any, what: str) -> Any:
 def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
                 main: str) -> tuple[Any, object]:
     """Write ``files`` to a private directory, convert ``main`` (a file or the directory
-    itself) to IR in a child process, and read that IR here."""
+    itself) to IR in a child process, and read that IR here; in a sandbox process, read
+    ``main`` here (see the module docstring). What OpenVINO maps of the files outlives
+    their removal with the directory."""
     what = "SavedModel" if main == "." else main
     with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
         root = Path(tmp)
         _write_into(root, files)
+        if in_sandbox():
+            return _read(lambda: core.read_model(str(root / main)), what), None
         size = sum(memoryview(data).nbytes for data in files.values())
         xml, weights = _convert_in_child(root, main, what, IR_SIZE_FACTOR * size + IR_SIZE_MARGIN)
         return _read_ir(core, _read_written(xml, what), _read_written(weights, what),
