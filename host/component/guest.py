@@ -42,7 +42,7 @@ import wasmtime
 import wasmtime.component as wc
 
 from wasinn.errors import InvalidArgumentError
-from wasinn.host.component import fastlist
+from wasinn.host.component import fastlist, hostcall_fuel
 from wasinn.host.component.linking import nn_linker
 from wasinn.host.component.scratch import (
     GUEST_PATH,
@@ -203,6 +203,8 @@ class ComponentGuest:
                 failure = GuestTrap(INTERRUPTED)
             elif limits.counts_fuel and ran_out_of_fuel(exc, store):
                 failure = GuestTrap(out_of_fuel(self.program, limits.max_fuel))
+            elif hostcall_fuel.exhausted(_trap_message(exc)):
+                failure = GuestTrap(hostcall_fuel.explained(self.program, _trap_message(exc)))
             elif _raised_in_wasm(exc):
                 failure = GuestTrap(
                     f"{self.program} trapped while starting: {_trap_message(exc)}")
@@ -247,14 +249,19 @@ class ComponentGuest:
             except wasmtime.ExitTrap:
                 raise
             except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:
-                trap = trap_message(exc, self.program, self.service.limits, self.interrupter,
-                                    store)
+                trap = self._describe_trap(exc, store)
                 forget_frames(exc)
         if trap is not None:
             if not in_abandoned_thread():
                 self._forget_store(trap)
             raise GuestTrap(trap)
         return result
+
+    def _describe_trap(self, exc: BaseException, store: wasmtime.Store) -> str:
+        """What GuestTrap says for ``exc``, a trap of one of this guest's calls."""
+        if not self.interrupter.requested and hostcall_fuel.exhausted(_trap_message(exc)):
+            return hostcall_fuel.explained(self.program, _trap_message(exc))
+        return trap_message(exc, self.program, self.service.limits, self.interrupter, store)
 
     def _forget_store(self, trap: str) -> None:
         # A trapped instance cannot be entered again: its Store (the guest's memory) is
