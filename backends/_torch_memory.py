@@ -13,9 +13,10 @@ uses what is computed here to keep every run's memory its own:
 - :func:`exported_written_inputs` and :func:`script_written_inputs` find the inputs a
   model writes to (``x.sub_(mean)``, ``x[0].relu_()``), which then get a copy each run;
   a model that writes only to its intermediates (an in-place ReLU) costs no copy. Both
-  follow the operators' alias annotations, which some operators lack although they may
-  return their input itself or a view of it (:data:`UNANNOTATED_ALIASES`): an input
-  given to one of those counts as written.
+  follow the operators' alias annotations (through views, lists of views from ``split``
+  or ``unbind`` included), which some operators lack although they may return their
+  input itself or a view of it (:data:`UNANNOTATED_ALIASES`): an input given to one of
+  those counts as written.
 - :func:`script_keeps_tensors` finds a TorchScript model that keeps tensors it computes
   (``self.state = x * 2``): :func:`script_storages` cannot name their memory at load,
   so each of its outputs is cloned.
@@ -126,16 +127,27 @@ def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[
     """The inputs (by position among ``placeholders``) that the exported ``program``
     may write to: those its signature says it mutates (a functionalized program), and
     those an operator writes to in place, directly or through a view (export's default
-    IR keeps in-place operators), by the operators' schema alias annotations. A
-    higher-order operator (``cond``...) or an operator of :data:`UNANNOTATED_ALIASES`
-    given an input or a view of one counts as writing to it."""
+    IR keeps in-place operators), by the operators' schema alias annotations
+    (:func:`_returns_alias`). A view is followed through every operator whose schema
+    says it returns one, those returning a list of views (``unbind``, ``split``,
+    ``chunk``...) and the items taken from it included. A higher-order operator
+    (``cond``...), any other call that is no ATen operator, or an operator of
+    :data:`UNANNOTATED_ALIASES` given an input or a view of one counts as writing to it;
+    all inputs count as written if the graph cannot be read this way."""
+    try:
+        return _exported_written_inputs(program, placeholders)
+    except Exception:
+        return frozenset(range(len(placeholders)))
+
+
+def _exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[int]:
     mutated = set(program.graph_signature.user_inputs_to_mutate.values())
     written = {i for i, node in enumerate(placeholders) if node.name in mutated}
     roots: dict[Any, set[int]] = {node: {i} for i, node in enumerate(placeholders)}
     for node in program.graph.nodes:
-        if node.op != "call_function":
+        if node.op in ("placeholder", "get_attr", "output"):
             continue
-        bound = _bound_arguments(node)
+        bound = _bound_arguments(node) if node.op == "call_function" else None
         if bound is not None and node.target._schema.name in UNANNOTATED_ALIASES:
             written |= _roots(roots, (node.args, node.kwargs))
         if bound is None:  # not an ATen operator: a HOP, getitem, shape arithmetic
@@ -145,6 +157,7 @@ def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[
             elif reached:
                 written |= reached
             continue
+        returns = node.target._schema.returns
         for value, argument in bound:
             info = argument.alias_info
             reached = _roots(roots, value) if info is not None else set()
@@ -152,10 +165,28 @@ def exported_written_inputs(program: Any, placeholders: list[Any]) -> frozenset[
                 continue
             if info.is_write:
                 written |= reached
-            if any(r.alias_info is not None and r.alias_info.before_set & info.before_set
-                   for r in node.target._schema.returns):
+            if _returns_alias(info, returns):
                 roots.setdefault(node, set()).update(reached)  # returns a view of it
     return frozenset(written)
+
+
+def _returns_alias(argument: Any, returns: list[Any]) -> bool:
+    """Whether a schema's ``returns`` may alias the argument whose alias annotation is
+    ``argument``. The argument joins the wildcard set (``Tensor(a -> *) self``: what
+    ``split`` returns, a list of its views), or shares a set with an annotated return.
+    The Python schema objects show the annotation of a list's elements (``Tensor(a)[]``,
+    ``Tensor(a!)[]``) as one with no sets: such an annotation, on either side, is taken
+    to share every set."""
+    if "*" in argument.after_set:
+        return True
+    for result in returns:
+        info = result.alias_info
+        if info is None:
+            continue
+        sets = info.before_set | info.after_set
+        if not sets or not argument.before_set or "*" in sets or sets & argument.before_set:
+            return True
+    return False
 
 
 def _bound_arguments(node: Any) -> list[tuple[Any, Any]] | None:

@@ -2,8 +2,9 @@
 the code before its fix: exported programs taking or returning more than a flat tuple of
 tensors, outputs that are no tensor's values (None, a negated view, a meta tensor),
 TorchScript signatures a run cannot fill, writes to the caller's input through operators
-that do not declare their aliasing, models keeping tensors across runs, and TorchScript
-archives whose tensors claim more bytes than their records hold."""
+that do not declare their aliasing or through a list of views (``unbind``, ``split``),
+models keeping tensors across runs, and TorchScript archives whose tensors claim more
+bytes than their records hold."""
 # Inputs and outputs are also named by position (ints), which run()'s annotations leave out.
 # mypy: disable-error-code="dict-item,list-item,arg-type"
 
@@ -22,6 +23,7 @@ from wasinn import (
     BackendRuntimeError,
     GraphEncoding,
     InvalidEncodingError,
+    Runtime,
     Tensor,
     TensorType,
     UnsupportedOperationError,
@@ -243,6 +245,112 @@ def test_an_input_reaching_no_such_operator_is_still_not_copied(backend: Any) ->
         assert graph._private == frozenset()
         np.testing.assert_array_equal(graph.run({"x": _f32(1.0, -1.0)})["output"].numpy(),
                                       [2.0, 0.0])
+
+
+def _foreach_mul_(piece: Any) -> None:
+    import torch
+
+    torch._foreach_mul_([piece], 2.0)
+
+
+_PIECES: dict[str, Any] = {  # a piece of x (2 x 4) from an operator returning many views
+    "unbind": lambda x: x.unbind(1)[1],
+    "split": lambda x: x.split(1, 0)[1],
+    "split_with_sizes": lambda x: x.split([1, 3], 1)[1],
+    "chunk": lambda x: x.chunk(2, 1)[1],
+    "tensor_split": lambda x: x.tensor_split(2, 1)[0],
+}
+_WRITES: dict[str, Any] = {
+    "add_": lambda piece: piece.add_(1.0),
+    "mul_": lambda piece: piece.mul_(3.0),
+    "copy_": lambda piece: piece.copy_(piece * 0 + 5.0),
+    "index_put_": lambda piece: piece.index_put_((piece.new_zeros(1).long(),),
+                                                 piece.new_full((), 9.0)),
+    "_foreach_mul_": _foreach_mul_,
+}
+
+
+def _piece_writer(piece: Any, write: Any) -> Any:
+    import torch
+
+    class PieceWriter(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            write(piece(x))
+            return x * 1
+
+    return PieceWriter()
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+@pytest.mark.parametrize("piece", list(_PIECES))
+def test_writes_into_a_piece_of_a_list_of_views_never_reach_the_callers_input(
+        backend: Any, piece: str, write: str) -> None:
+    # Before: the caller's array was written: the views in what unbind/split/chunk return
+    # (schema Tensor(a -> *) self -> Tensor(a)[]) were not followed to the input.
+    import torch
+
+    model = _piece_writer(_PIECES[piece], _WRITES[write])
+    graph = backend.load([_exported(model, (torch.zeros(2, 4),))], PT, CPU)
+    caller = np.arange(1.0, 9.0, dtype=np.float32).reshape(2, 4)
+    eager = caller.copy()
+    expected = model(torch.from_numpy(eager)).numpy()
+    assert not np.array_equal(eager, caller)  # the model does write into its input
+    for _ in range(2):
+        np.testing.assert_array_equal(
+            graph.run({"x": Tensor.from_numpy(caller)})["output"].numpy(), expected)
+    np.testing.assert_array_equal(caller, np.arange(1.0, 9.0).reshape(2, 4))
+
+
+async def test_compute_leaves_the_callers_array_as_it_was_after_a_write_through_unbind(
+        ) -> None:
+    import torch
+
+    model = _piece_writer(_PIECES["unbind"], _WRITES["add_"])
+    async with Runtime() as rt:
+        graph = await rt.load([_exported(model, (torch.zeros(2, 4),))], "pytorch")
+        x = np.ones((2, 4), np.float32)
+        out = await graph.compute({"x": x})
+        np.testing.assert_array_equal(out["output"].numpy(), [[1, 2, 1, 1], [1, 2, 1, 1]])
+        np.testing.assert_array_equal(x, np.ones((2, 4)))
+
+
+def test_a_model_only_reading_pieces_of_its_input_is_still_not_copied(backend: Any) -> None:
+    # Following the views in a list costs a copy only where one is written to.
+    import torch
+
+    class Reader(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.unbind(0)
+            left, right = x.chunk(2, 1)
+            total = rows[0] + x.split([1, 1], 0)[1].squeeze(0) + x.tensor_split(2, 1)[1].sum()
+            return total * left.sum() - right.mean()
+
+    graph = backend.load([_exported(Reader(), (torch.zeros(2, 4),))], PT, CPU)
+    assert graph._private == frozenset()
+    caller = np.arange(1.0, 9.0, dtype=np.float32).reshape(2, 4)
+    expected = Reader()(torch.from_numpy(caller.copy())).numpy()
+    np.testing.assert_allclose(graph.run({"x": Tensor.from_numpy(caller)})["output"].numpy(),
+                               expected, rtol=1e-6)
+
+
+def test_a_program_the_write_analysis_cannot_read_has_every_input_copied(
+        backend: Any) -> None:
+    # Before: an analysis that failed was an error out of the load; it now copies (safe).
+    import types
+
+    import torch
+
+    from wasinn.backends._torch_memory import exported_written_inputs
+
+    class Pair(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + y
+
+    program = torch.export.export(Pair(), (torch.zeros(2), torch.zeros(2)))
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    assert exported_written_inputs(program, placeholders) == frozenset()
+    unreadable = types.SimpleNamespace(graph=program.graph, graph_signature=None)
+    assert exported_written_inputs(unreadable, placeholders) == frozenset({0, 1})
 
 
 # -- models that keep what they computed ---------------------------------------------------
