@@ -53,18 +53,21 @@ class Batch:
     (open again if a member leaves it full before it starts: ``rows`` counts its live
     members' rows until then).
     ``priority`` and ``deadline``: its live members' highest and earliest; ``request``:
-    its entry in the device's queue until it is granted a slot."""
+    its entry in the device's queue until it is granted a slot; ``probe``: whether the
+    first merged run of its key is checked against a run alone (see
+    :meth:`Batcher.submit <wasinn.actors._batcher.Batcher.submit>`)."""
 
     __slots__ = ("account", "batching", "deadline", "full", "key", "label", "live",
-                 "members", "open", "opened", "priority", "request", "rows", "run", "scope",
-                 "tenant")
+                 "members", "open", "opened", "priority", "probe", "request", "rows", "run",
+                 "scope", "tenant")
 
     def __init__(self, key: Hashable, run: RunInputs, batching: Batching, priority: int,
                  deadline: float, tenant: str, label: str,
-                 account: Account | None) -> None:
+                 account: Account | None, *, probe: bool = False) -> None:
         self.key = key
         self.run = run
         self.batching = batching
+        self.probe = probe
         self.priority = priority
         self.deadline = deadline
         self.tenant = tenant

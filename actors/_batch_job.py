@@ -4,6 +4,12 @@ One merged run, split back by rows; when that run fails, or its outputs cannot b
 (a warning, once per label), one run per member in the same job, so that one bad request
 fails alone. An exception that loses the device ends the job (see
 :mod:`wasinn.actors.batching`, "Correctness never rests on the merge").
+
+A job told to ``probe`` (the first merged run of an input signature, for a model that
+does not declare its outputs batch-major: :mod:`wasinn.actors._batch_axes`) also runs
+its member of fewest rows alone, which gets that run's outputs, and compares their
+shapes with its rows of the merged run (:func:`~wasinn.actors._batch_rows.check_alone`):
+when they differ, the merged run is unsplittable, as above.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from wasinn.errors import ClosedResourceError
 from wasinn.tensor import Tensor
 
 from ._batch import Member
-from ._batch_rows import RunInputs, Unsplittable, merge_rows, split_rows
+from ._batch_rows import RunInputs, Unsplittable, check_alone, merge_rows, split_rows
 
 log = logging.getLogger("wasinn.actors")
 
@@ -27,18 +33,22 @@ log = logging.getLogger("wasinn.actors")
 class BatchJob:
     """The job a batch runs in a worker thread: one merged run, split by rows, or (when
     that fails or cannot be split) one run per member. ``merged`` says which happened;
-    ``unsplittable``, that the merged run's outputs could not be split by rows."""
+    ``unsplittable``, that the merged run's outputs could not be split by rows;
+    ``checked``, that ``probe`` found them shaped as a member's run alone."""
 
-    __slots__ = ("fatal", "label", "members", "merged", "run", "unsplittable")
+    __slots__ = ("checked", "fatal", "label", "members", "merged", "probe", "run",
+                 "unsplittable")
 
     def __init__(self, run: RunInputs, members: Sequence[Member], label: str,
-                 fatal: Callable[[BaseException], bool]) -> None:
+                 fatal: Callable[[BaseException], bool], *, probe: bool = False) -> None:
         self.run = run
         self.fatal = fatal
         self.members = members
         self.label = label
+        self.probe = probe
         self.merged = False
         self.unsplittable = False
+        self.checked = False
 
     def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
         # Members that left since the batch was granted its slot (their flag is set in
@@ -53,9 +63,18 @@ class BatchJob:
         if not members:
             return results
         keeps = [m.keep for m in members]
+        ran = -1  # the member already run alone (by the probe), if any
         try:
-            parts = split_rows(self.run(merge_rows([m.inputs for m in members]), any(keeps)),
-                               [m.inputs.rows for m in members], keeps)
+            outputs = self.run(merge_rows([m.inputs for m in members]), any(keeps))
+            parts = split_rows(outputs, [m.inputs.rows for m in members], keeps)
+            if self.probe and not _cancelled():
+                # Its member of fewest rows runs alone too (that run is its result), and
+                # checks the merged outputs' shapes: Unsplittable when they differ.
+                ran = min(range(len(members)), key=lambda k: members[k].inputs.rows)
+                alone = results[alive[ran]] = self._alone(members[ran])
+                if isinstance(alone, outcome.Value):  # (an error: the next one probes)
+                    check_alone(outputs, alone.value, members[ran].inputs.rows)
+                    self.checked = True
         except Unsplittable as exc:
             self.unsplittable = True
             _warn_once(self.label, str(exc))
@@ -66,12 +85,13 @@ class BatchJob:
                       exc_info=True)
         else:
             self.merged = True
-            for i, part in zip(alive, parts, strict=True):
-                results[i] = outcome.Value(part)
+            for k, (i, part) in enumerate(zip(alive, parts, strict=True)):
+                if k != ran:
+                    results[i] = outcome.Value(part)
             return results
         cancellation = current_cancellation()
-        for i, member in zip(alive, members, strict=True):
-            if member.abandoned:
+        for k, (i, member) in enumerate(zip(alive, members, strict=True)):
+            if member.abandoned or k == ran:
                 continue
             if cancellation is not None and cancellation.cancelled:
                 results[i] = outcome.Error(ClosedResourceError(
@@ -94,6 +114,11 @@ class BatchJob:
     def _left(self) -> outcome.Outcome[dict[str, Tensor]]:
         # The outcome of a member that left: never handed to anyone.
         return outcome.Error(ClosedResourceError(f"{self.label}: the request left its batch"))
+
+
+def _cancelled() -> bool:
+    cancellation = current_cancellation()
+    return cancellation is not None and cancellation.cancelled
 
 
 _warned: set[str] = set()

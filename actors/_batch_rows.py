@@ -6,8 +6,10 @@ A request may join a batch when its inputs are host tensors that all share their
 :data:`Signature` (element types and dimensions after the first) can run together.
 :func:`merge_rows` concatenates the members' inputs along that axis for the merged run;
 :func:`split_rows` cuts its outputs back into each member's rows, or raises
-:class:`Unsplittable` when they do not have one row per input row. How batches form and
-run: :mod:`wasinn.actors.batching`.
+:class:`Unsplittable` when they do not have one row per input row;
+:func:`check_alone` compares them with one member's run alone, where the model does not
+declare its outputs batch-major (see :mod:`wasinn.actors._batch_axes`). How batches form
+and run: :mod:`wasinn.actors.batching`.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class BatchInputs:
 
 
 class Unsplittable(Exception):
-    """A merged run's outputs do not have one row per input row."""
+    """A merged run's outputs do not have one row per input row, or a member's rows of
+    them are not shaped as its run alone."""
 
 
 def merge_rows(members: Sequence[BatchInputs]) -> dict[Any, Tensor]:
@@ -99,3 +102,29 @@ def split_rows(outputs: Mapping[str, Tensor], rows: Sequence[int], keeps: Sequen
             part[name] = piece
             start = stop
     return parts
+
+
+def check_alone(outputs: Mapping[str, Tensor], alone: Mapping[str, Tensor], rows: int
+                ) -> None:
+    """Raises Unsplittable unless ``alone``, a member's outputs run alone on its ``rows``
+    rows, are shaped as its rows of the merged run's ``outputs``: the same outputs, each
+    ``rows`` long and otherwise as the merged one. An output whose other dimensions
+    changed with the rows merged does not have the batch axis first (``z = x.T``: its
+    first dimension may still happen to be the merged row count): the merged run's rows
+    of it are not any member's result."""
+    total = next((tensor.dims[0] for tensor in outputs.values()), 0)
+    for name, tensor in outputs.items():
+        got = alone.get(name)
+        want = (rows, *tensor.dims[1:])
+        if got is None or tuple(got.dims) != want:
+            have = "no such output" if got is None else f"shape {list(got.dims)}"
+            raise Unsplittable(
+                f"output {name!r} of a merged run of {total} rows has shape "
+                f"{list(tensor.dims)}, but one of its requests ({rows} rows) run alone "
+                f"gives {have}, not {list(want)}: its first axis is not the inputs' batch "
+                "axis, so its requests run one by one, and alone from now on")
+    extra = sorted(set(alone) - set(outputs))
+    if extra:
+        raise Unsplittable(
+            f"a request run alone gives outputs {extra} that its merged run (of {total} "
+            "rows) does not: its requests run one by one, and alone from now on")

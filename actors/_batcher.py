@@ -6,8 +6,10 @@ each batch is a task in the actor's nursery that queues for a worker slot on its
 members' terms, waits for company if ``max_delay`` asks it to, runs them as one
 :class:`~wasinn.actors._batch_job.BatchJob` and hands each member its outcome. Batch
 keys whose merged outputs could not be split are remembered, and their requests run
-alone. The rules (who may join, when a batch runs, what a member that leaves frees) are
-in :mod:`wasinn.actors.batching`.
+alone; so are those whose merged outputs a run alone checked (the first merged run of a
+key whose model does not declare its outputs batch-major probes: see
+:mod:`wasinn.actors._batch_axes`). The rules (who may join, when a batch runs, what a
+member that leaves frees) are in :mod:`wasinn.actors.batching`.
 
 A member leaves a batch that has not started when its caller is cancelled, or when its
 :class:`~wasinn.actors.slots.QueueOwner` withdraws it (its execution context closed:
@@ -43,7 +45,8 @@ from .stats import Account, RequestStats
 if TYPE_CHECKING:
     from .batching import Batching
 
-#: How many batch keys that run alone (see Batcher) are remembered before starting again.
+#: How many batch keys that run alone, or that were checked (see Batcher), are remembered
+#: before starting again.
 _MAX_ALONE = 1024
 
 
@@ -92,6 +95,8 @@ class Batcher:
         self._requests: set[Request] = set()
         #: Batch keys whose merged outputs could not be split: their requests run alone.
         self._alone: set[Hashable] = set()
+        #: Batch keys whose merged outputs a member's run alone found batch-major.
+        self._checked: set[Hashable] = set()
 
     @property
     def queued_batches(self) -> int:
@@ -105,14 +110,16 @@ class Batcher:
 
     async def submit(self, key: Hashable, inputs: BatchInputs, keep: bool, run: RunInputs,
                      batching: Batching, *, priority: int, deadline: float, tenant: str,
-                     label: str, account: Account | None
+                     label: str, account: Account | None, probe: bool = False
                      ) -> tuple[dict[str, Tensor], float, float, float]:
         """Join (or open) a batch for ``inputs``; the request's outputs once it has run,
         when (perf_counter) its batch started running and when its worker thread passed
         the slot on (inf: it did not), and its share of that run (its rows' share: the
         part of the run's device time that is its own). ``key`` names
         what may run together (the graph on this device); the input signature is added
-        to it."""
+        to it. ``probe``: check the first merged run of each such key against a run of one
+        of its requests alone, for a graph that does not declare its outputs batch-major
+        (see :mod:`wasinn.actors._batch_axes`): unsplittable when their shapes differ."""
         await trio.lowlevel.checkpoint_if_cancelled()
         if type(priority) is not int:
             priority = operator.index(priority)  # a numpy integer: compared and negated
@@ -123,7 +130,7 @@ class Batcher:
         batch = self._joinable(full_key, inputs, priority, deadline, tenant)
         if batch is None:
             batch = Batch(full_key, run, batching, priority, deadline, tenant, label,
-                           account)
+                           account, probe=probe)
             self._start(self._lead, batch)  # raises ClosedResourceError once closed
             self._open.setdefault(full_key, []).append(batch)
         member = Member(inputs, keep, priority, deadline)
@@ -291,15 +298,16 @@ class Batcher:
             member.granted = granted
             member.share = member.inputs.rows / rows if rows else 1 / len(members)
         self.waiting -= len(members)
-        job = BatchJob(batch.run, members, batch.label, self.fatal)
+        job = BatchJob(batch.run, members, batch.label, self.fatal,
+                       probe=batch.probe and batch.key not in self._checked)
         outcomes: list[outcome.Outcome[dict[str, Tensor]]]
         outcomes, released = await self._run_in_slot(job, batch.label, batch.tenant)
         for member in members:
             member.released = released
         if job.unsplittable:
-            if len(self._alone) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
-                self._alone.clear()
-            self._alone.add(batch.key)
+            _remember(self._alone, batch.key)
+        if job.checked:
+            _remember(self._checked, batch.key)
         if job.merged:
             # Members that left while it ran are counted as they ended, not as answered.
             answered = sum(not member.abandoned for member in members)
@@ -339,3 +347,9 @@ class Batcher:
 
 def _survivable(exc: BaseException) -> bool:
     return False
+
+
+def _remember(keys: set[Hashable], key: Hashable) -> None:
+    if len(keys) >= _MAX_ALONE:  # graphs loaded and unloaded for ever
+        keys.clear()
+    keys.add(key)

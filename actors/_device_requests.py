@@ -128,10 +128,14 @@ class DeviceRequests:
         label: str = "run",
         account: Account | None = None,
         reached: float | None = None,
+        probe: bool = False,
     ) -> dict[str, Tensor]:
         """``run(inputs, keep_on_device)`` here, merged with other requests for the same
         ``key`` (a graph on this device) as ``batching`` allows (see
         :mod:`wasinn.actors.batching`): outputs of a merged run are host tensors.
+        ``probe``: check the first merged run of each input signature against a run
+        alone, for a graph that does not declare its outputs batch-major (see
+        :func:`~wasinn.actors.batching.check_batchable`).
 
         Same errors, deadline, cancellation and accounting (``reached`` included) as
         :meth:`execute`; a request that runs alone (a free slot with nobody queued and no
@@ -141,7 +145,7 @@ class DeviceRequests:
         try:
             return await self._counted(account, reached, self._batched, key, inputs, run,
                                        batching, keep_on_device, priority, deadline, tenant,
-                                       label, account)
+                                       label, account, probe)
         except ClosedResourceError:
             self._raise_if_lost()
             raise

@@ -33,9 +33,18 @@ How a batch forms (all in trio, per device actor, see :class:`Batcher`):
 
 Correctness never rests on the merge:
 
-* A merged run that fails, or whose outputs do not have the batch's row count as their
-  first dimension, is re-run request by request in the same job, so one bad request
-  fails alone and a model whose outputs cannot be split still answers (with a warning).
+* A model is loaded with batching only when it may be batch-major: every output's first
+  dimension the inputs' batch dimension. What it declares is checked at load
+  (:func:`check_batchable`, :mod:`~wasinn.actors._batch_axes`): a fixed first dimension,
+  or ONNX dimension names that show an output has another first dimension, is refused.
+  Where its declarations do not show every output batch-major (no names, no shapes),
+  the first merged run of each graph and input signature on a device is checked: its
+  member of fewest rows runs alone too, and the merged outputs must be shaped as that
+  run's but for their rows (a transposed output may have as many rows as the batch).
+* A merged run that fails, whose outputs do not have the batch's row count as their
+  first dimension, or that the check above finds shaped otherwise, is re-run request by
+  request in the same job, so one bad request fails alone and a model whose outputs
+  cannot be split still answers (with a warning).
   Such a model's later requests (for that graph and input signature) run alone, as
   plain requests: they no longer pay for a merged run that is thrown away, nor wait in
   one job for each other where other workers are free.
@@ -57,7 +66,8 @@ axis): the merged run computes each row as a run of its own would, up to the bac
 floating-point reassociation in larger matrix products.
 
 The parts: this module holds what a model is loaded with (:class:`Batching`, checked by
-:func:`check_batchable`); :mod:`~wasinn.actors._batcher` forms the batches and runs them,
+:func:`check_batchable`, from :mod:`~wasinn.actors._batch_axes`);
+:mod:`~wasinn.actors._batcher` forms the batches and runs them,
 :mod:`~wasinn.actors._batch` is one batch and its members, :mod:`~wasinn.actors._batch_job`
 the job a batch runs in a worker thread, and :mod:`~wasinn.actors._batch_rows` how rows
 are merged for a run and split back.
@@ -65,15 +75,14 @@ are merged for a run and split back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from wasinn.backends.base import TensorSpec
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import as_int
 
+from ._batch_axes import check_batchable
 from ._batch_rows import BatchInputs, RunInputs, Signature, merge_rows, split_rows
 from ._batcher import Batcher
 
@@ -130,25 +139,3 @@ class Batching:
 class BatchingError(InvalidArgumentError, ValueError):
     """A :class:`Batching` with bounds out of range (``wasinn.BatchingError``):
     invalid-argument, and a ValueError for callers that caught that before."""
-
-
-def check_batchable(name: str, inputs: Sequence[TensorSpec],
-                    outputs: Sequence[TensorSpec]) -> None:
-    """InvalidArgumentError unless every input and output whose rank is known has a
-    variable first (batch) dimension: rows cannot be merged along a fixed one, nor along
-    a scalar's, which has none."""
-    for role, specs in (("input", inputs), ("output", outputs)):
-        for spec in specs:
-            if not spec.rank_known:
-                continue
-            if not spec.shape:
-                raise InvalidArgumentError(
-                    f"{name}: batching merges requests along the first dimension, but "
-                    f"{role} {spec.describe()} is a scalar: expected a variable batch "
-                    "dimension, or load the model without batching")
-            if spec.shape[0] is not None:
-                raise InvalidArgumentError(
-                    f"{name}: batching merges requests along the first dimension, but "
-                    f"{role} {spec.describe()} fixes it: expected a variable batch "
-                    "dimension (export the model with a dynamic first axis), or load it "
-                    "without batching")

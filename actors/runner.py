@@ -274,10 +274,12 @@ class RequestRunner:
     # -- batched requests ---------------------------------------------------------------------
     async def batched(self, key: Hashable, inputs: BatchInputs, run: RunInputs,
                       batching: Batching, keep: bool, priority: int, deadline: float,
-                      tenant: str, label: str, account: Account | None
+                      tenant: str, label: str, account: Account | None,
+                      probe: bool = False
                       ) -> tuple[dict[str, Tensor], float, float, float]:
         """:meth:`request` for ``run(inputs, keep)``, merged with others for ``key`` as
-        ``batching`` allows (see :mod:`wasinn.actors.batching`)."""
+        ``batching`` allows (see :mod:`wasinn.actors.batching`; ``probe``: see
+        :meth:`Batcher.submit <wasinn.actors._batcher.Batcher.submit>`)."""
         job = functools.partial(run, inputs.tensors, keep)
         await trio.lowlevel.checkpoint_if_cancelled()
         if inputs.rows >= batching.max_batch:  # a batch of its own already
@@ -294,7 +296,8 @@ class RequestRunner:
         return await self._within(
             deadline, functools.partial(
                 self.batcher.submit, key, inputs, keep, run, batching, priority=priority,
-                deadline=deadline, tenant=tenant, label=label, account=account))
+                deadline=deadline, tenant=tenant, label=label, account=account,
+                probe=probe))
 
     # -- slots --------------------------------------------------------------------------------
     async def take_slot(self, priority: int, deadline: float, tenant: str, *,

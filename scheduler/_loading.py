@@ -67,7 +67,8 @@ class ModelLoading:
             model.input_aliases = compiled.input_aliases
             model.output_aliases = compiled.output_aliases
             if batching is not None:
-                check_batchable(model.name, model.inputs, model.outputs)
+                model.batch_major = check_batchable(model.name, model.inputs,
+                                                    model.outputs, model.declared_dims())
         except BaseException:
             # Nobody holds it: leave nothing compiled, and no compile still under way
             # (this load was cancelled) cached for a model nobody can unload.

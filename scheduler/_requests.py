@@ -69,7 +69,8 @@ class Requests:
         return await _execute(actor, model.id, run, _keep(actor, keep_on_device),
                               model.batching, inputs, priority=priority, deadline=deadline,
                               tenant=tenant, label=_label(model, session),
-                              account=account, profile=session.profile, reached=reached)
+                              account=account, profile=session.profile, reached=reached,
+                              batch_major=model.batch_major)
 
     async def lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                           *, priority: int = 0, deadline: float = float("inf"),
@@ -88,7 +89,7 @@ class Requests:
                             model.batching, inputs, priority=priority, deadline=deadline,
                             tenant=tenant, label=_label(model, session),
                             account=account, sessions=(session,), run_held=run_first,
-                            reached=reached)
+                            reached=reached, batch_major=model.batch_major)
 
     def try_lease_model(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
                         *, timeout: float | None = None, tenant: str = "",
@@ -193,12 +194,15 @@ class Requests:
                         deadline: float = float("inf"), tenant: str = "",
                         keep_on_device: bool | None = None,
                         account: Account | None = None,
-                        batching: Batching | None = None) -> dict[str, Tensor]:
+                        batching: Batching | None = None, batch_major: bool = False
+                        ) -> dict[str, Tensor]:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
         stats, where the request is counted too (and in its tenant's); ``batching``: the
-        pipeline's, if any."""
+        pipeline's, if any; ``batch_major``: whether its steps declare the outputs they
+        pass on batch-major (see :func:`~.pipeline.check_chain_batchable`): if not, the
+        first merged run of each input signature is checked against a run alone."""
         account = self.tenants.account(account, tenant)
         actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
                                                          deadline, account)
@@ -207,14 +211,15 @@ class Requests:
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
                               label=f"run of pipeline {name!r}", account=account,
-                              reached=reached)
+                              reached=reached, batch_major=batch_major)
 
     async def lease_chain(self, name: str, models: Sequence[LoadedModel],
                           links: Sequence[Link], target: ExecutionTarget, inputs: Inputs, *,
                           priority: int = 0, deadline: float = float("inf"), tenant: str = "",
                           keep_on_device: bool | None = None,
                           account: Account | None = None,
-                          batching: Batching | None = None) -> Lease[dict[str, Tensor]]:
+                          batching: Batching | None = None, batch_major: bool = False
+                          ) -> Lease[dict[str, Tensor]]:
         """:meth:`run_chain` for the caller's own thread (see :meth:`lease_model`)."""
         account = self.tenants.account(account, tenant)
         actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
@@ -227,7 +232,7 @@ class Requests:
                             label=f"run of pipeline {name!r}", account=account,
                             sessions=sessions,
                             run_held=functools.partial(chain, links, named=named),
-                            reached=reached)
+                            reached=reached, batch_major=batch_major)
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
                          target: ExecutionTarget, inputs: Inputs, deadline: float,
@@ -255,18 +260,20 @@ class Requests:
 async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                    batching: Batching | None, inputs: Inputs, *, priority: int,
                    deadline: float, tenant: str, label: str, account: Account | None,
-                   profile: RunProfile | None = None, reached: float | None = None
-                   ) -> dict[str, Tensor]:
+                   profile: RunProfile | None = None, reached: float | None = None,
+                   batch_major: bool = False) -> dict[str, Tensor]:
     # ``run`` on ``actor``: merged with others when the model batches and ``inputs`` can;
     # else as one job (``profile``: the graph's run timings, for inline runs; ``reached``:
-    # when the request reached the device, if it waited there for its graph's compile).
+    # when the request reached the device, if it waited there for its graph's compile;
+    # ``batch_major``: whether the model declares its outputs batch-major, else the first
+    # merged run of each input signature is checked against a run alone).
     if batching is not None:
         batch = BatchInputs.of(inputs)
         if batch is not None:
             return await actor.execute_batched(
                 key, batch, run, batching, keep_on_device=keep, priority=priority,
                 deadline=deadline, tenant=tenant, label=label, account=account,
-                reached=reached)
+                reached=reached, probe=not batch_major)
     return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
                                deadline=deadline, tenant=tenant, profile=profile,
                                nbytes=None if profile is None else _input_bytes(inputs),
@@ -276,8 +283,8 @@ async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
                  batching: Batching | None, inputs: Inputs, *, priority: int,
                  deadline: float, tenant: str, label: str, account: Account | None,
-                 sessions: Sequence[Session], run_held: RunHeld, reached: float | None
-                 ) -> Lease[dict[str, Tensor]]:
+                 sessions: Sequence[Session], run_held: RunHeld, reached: float | None,
+                 batch_major: bool = False) -> Lease[dict[str, Tensor]]:
     # A lease for the caller's thread, whose job runs ``sessions``' graphs held from now
     # until the lease is over (run or cancelled), so that an unload meanwhile closes them
     # only after it. On a busy device, or when the request may join a batch that waits
@@ -289,7 +296,7 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
     if not actor.slot_free() or (_gathers(batching) and BatchInputs.of(inputs) is not None):
         outputs = await _execute(actor, key, run, keep, batching, inputs, priority=priority,
                                  deadline=deadline, tenant=tenant, label=label,
-                                 account=account, reached=reached)
+                                 account=account, reached=reached, batch_major=batch_major)
         return settled(str(actor.device), outputs)
     held = hold(sessions)
     try:

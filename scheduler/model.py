@@ -24,6 +24,7 @@ from wasinn.actors.batching import Batching
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import RequestStats
 from wasinn.backends.base import LoadOptions, TensorSpec
+from wasinn.backends.onnx_dims import DeclaredDim, declared_dims
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.tensor import Tensor
 
@@ -184,6 +185,7 @@ class LoadedModel:
     __slots__ = (
         "backend_name",
         "backends",
+        "batch_major",
         "batching",
         "builders",
         "encoding",
@@ -232,6 +234,10 @@ class LoadedModel:
         self.requests = RequestStats()
         #: How its requests are merged on a device (None: never; see wasinn.actors.batching).
         self.batching = batching
+        #: Whether its declared shapes show its outputs batch-major (set at load when it
+        #: batches, see wasinn.actors.batching.check_batchable): if not, the first merged
+        #: run of each input signature is checked against a run alone.
+        self.batch_major = False
         self.in_flight = RunsInFlight()
         #: The kinds of device it was sent to compile on (see Executable.placed_on),
         #: filled by its scheduler before a compile there: not on the path of a request
@@ -240,6 +246,15 @@ class LoadedModel:
 
     def backend_for(self, target: ExecutionTarget) -> str:
         return self.backends.get(target, "")
+
+    def declared_dims(self) -> dict[str, tuple[DeclaredDim, ...]]:
+        """The dimensions its bytes declare for its inputs and outputs, by name, symbolic
+        names included (see :mod:`wasinn.backends.onnx_dims`): an ONNX model's (read
+        each time: only a load with batching asks), empty for other formats and once its
+        bytes are gone."""
+        if self.encoding is not GraphEncoding.ONNX or not self.builders:
+            return {}
+        return declared_dims(self.builders[0])
 
     @property
     def trio_token(self) -> trio.lowlevel.TrioToken | None:

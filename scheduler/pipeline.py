@@ -167,32 +167,36 @@ def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
 
 
 def check_chain_batchable(name: str, steps: Sequence[LoadedModel],
-                          links: Sequence[Link]) -> None:
+                          links: Sequence[Link]) -> bool:
     """InvalidArgumentError unless a merged run's rows can pass through every step (see
     :func:`~wasinn.actors.batching.check_batchable`): each step's inputs, and the outputs
-    it passes on (the last step's: all of them), must have a variable first dimension.
-    Outputs a step does not wire on are dropped, so they may be anything."""
+    it passes on (the last step's: all of them), must have a variable first dimension,
+    the inputs' batch axis. Outputs a step does not wire on are dropped, so they may be
+    anything. Whether every step's declared shapes show those outputs batch-major."""
+    declared = True
     for i, step in enumerate(steps):
         outputs = step.outputs
         if i < len(links):  # links[i] feeds step i + 1 from step i
             passed = {out for out, _ in links[i]}
             outputs = tuple(spec for spec in outputs if spec.name in passed)
-        check_batchable(f"pipeline {name!r} step {i} ({step.name})", step.inputs, outputs)
+        declared = check_batchable(f"pipeline {name!r} step {i} ({step.name})",
+                                   step.inputs, outputs, step.declared_dims()) and declared
+    return declared
 
 
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("batching", "in_flight", "input_aliases", "inputs", "links", "name",
-                 "output_aliases", "outputs", "refs", "released",
+    __slots__ = ("batch_major", "batching", "in_flight", "input_aliases", "inputs", "links",
+                 "name", "output_aliases", "outputs", "refs", "released",
                  "requests", "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel], links: Sequence[Link],
                  scheduler: Scheduler, *, batching: Batching | None = None) -> None:
         if not steps:
             raise InvalidArgumentError(f"pipeline {name!r} has no steps: expected at least one")
-        if batching is not None:
-            check_chain_batchable(name, steps, links)
+        #: Whether its steps declare the outputs they pass on batch-major (see LoadedModel).
+        self.batch_major = batching is not None and check_chain_batchable(name, steps, links)
         self.name = name
         self.steps = tuple(steps)
         self.links = tuple(links)  # resolve_wiring's
@@ -247,7 +251,8 @@ class PipelineModel:
         return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
                                               inputs, priority=priority, deadline=deadline,
                                               tenant=tenant, keep_on_device=keep_on_device,
-                                              account=self.requests, batching=self.batching)
+                                              account=self.requests, batching=self.batching,
+                                              batch_major=self.batch_major)
 
     async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
                     deadline: float, tenant: str, keep_on_device: bool | None
@@ -255,7 +260,7 @@ class PipelineModel:
         lease = await self.scheduler.lease_chain(
             self.name, self.steps, self.links, target, inputs, priority=priority,
             deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
-            account=self.requests, batching=self.batching)
+            account=self.requests, batching=self.batching, batch_major=self.batch_major)
         self.in_flight.lent(lease)
         return lease
 

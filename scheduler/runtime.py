@@ -368,7 +368,8 @@ class Runtime(ModelLoading):
         :meth:`Graph.unload` (or the runtime closes). Raises InvalidEncodingError (bytes
         no backend reads, an empty builder list), InvalidArgumentError (unknown
         encoding/target/backend names, bad options, batching for a model whose first
-        dimension is fixed),
+        dimension is fixed or whose declared shapes show an output without the inputs'
+        batch dimension first: see :func:`wasinn.actors.batching.check_batchable`),
         UnsupportedOperationError (no device or backend for the target).
         """
         self._check_trio("load")
