@@ -37,6 +37,8 @@ def _assert_explains_the_bound(message: str, program: str = "shim_1028") -> None
     assert "wasinn:nn/bulk's tensor-from-words (8 bytes a value: up to about 22.4 MB" in message
     assert "wasinn:nn/scratch's tensor-from-scratch (any size up to [guests] max_tensor_bytes" \
         in message
+    assert ("models with wasinn:nn/scratch's load-from-scratch (any size up to [guests] "
+            "max_model_bytes, through files)") in message
     assert "load-words (up to about 22.4 MB of builders a call) or load-by-name" in message
     assert message.rstrip().endswith(EXHAUSTED)  # wasmtime's own words, last
 

@@ -160,7 +160,8 @@ async def test_an_empty_tensor_comes_from_an_empty_file(g: Guest) -> None:
 
 
 # -- errors ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("name", "why"), [
+#: Names that are not one plain file name of the scratch directory, and why not.
+BAD_NAMES = [
     ("", "is empty"),
     (".", "names a directory"),
     ("..", "names a directory"),
@@ -170,7 +171,10 @@ async def test_an_empty_tensor_comes_from_an_empty_file(g: Guest) -> None:
     ("..\\x", "path separator"),
     ("nul\0x", "NUL byte"),
     ("n" * 256, "at most 255"),
-])
+]
+
+
+@pytest.mark.parametrize(("name", "why"), BAD_NAMES)
 async def test_a_name_that_is_not_a_plain_file_name_is_invalid(
         g: Guest, name: str, why: str) -> None:
     await g.write("x.bin", X.tobytes())
@@ -357,6 +361,31 @@ def test_write_tensor_respects_the_limit_and_use_after_remove_fails(tmp_path: Pa
         scratch.read("t", 0)
 
 
+def test_read_files_checks_the_total_before_reading_and_copies_in_order(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    try:
+        scratch.write("a", b"first")
+        scratch.write("b", b"second!")
+        totals: list[int] = []
+        assert scratch.read_files(["b", "a", "b"], totals.append) == [b"second!", b"first",
+                                                                      b"second!"]
+        assert totals == [19]
+
+        def refuse(total: int) -> None:
+            raise TooLargeError(f"{total} bytes: too many")
+
+        with pytest.raises(TooLargeError, match="12 bytes: too many"):
+            scratch.read_files(["a", "b"], refuse)
+        # A file that changes between its measurement and its reading is refused.
+        with pytest.raises(InvalidArgumentError, match="'a' changed from 5 to 6 bytes"):
+            scratch.read_files(["a"], lambda total: scratch.write("a", b"longer"))
+        with pytest.raises(NotFoundError, match="'absent' does not exist"):
+            scratch.read_files(["a", "absent"], totals.append)
+        assert totals == [19]  # nothing read past a missing name
+    finally:
+        scratch.remove()
+
+
 # -- the WIT ---------------------------------------------------------------------------------
 def test_the_scratch_interface_is_declared_and_served(tmp_path: Path) -> None:
     from tests.test_component_wit import declared, served
@@ -364,7 +393,8 @@ def test_the_scratch_interface_is_declared_and_served(tmp_path: Path) -> None:
 
     ext = wit.package_dir("wasinn-nn-0.1.0")
     functions = declared(ext, [wit.package_dir("wasi-nn-2024-10-28")], tmp_path)
-    assert functions["wasinn:nn/scratch@0.1.0"] == {"tensor-from-scratch", "tensor-to-scratch"}
+    assert functions["wasinn:nn/scratch@0.1.0"] == {"tensor-from-scratch", "tensor-to-scratch",
+                                                    "load-from-scratch"}
     assert served()["wasinn:nn/scratch@0.1.0"] == functions["wasinn:nn/scratch@0.1.0"]
 
 

@@ -2,12 +2,14 @@
 
 :class:`GraphOperations` is the part of :class:`~wasinn.host.component.service.NNService`
 that implements wasi-nn's ``graph`` interface (``load``, ``load-by-name``,
-``init-execution-context``) and ``wasinn:nn/bulk.load-words``. A graph is unloaded when
-its last holder, the graph handle or a context created from it, is dropped; one whose
-unload was cancelled waits for :meth:`~wasinn.host.component.service.NNService.close`, and
-one a guest's call obtains after the close is released at once. A guest holds at most
-``max_graphs`` graphs and ``max_model_bytes`` of models, and only graphs whose default
-target it is allowed to use, whichever way they were loaded.
+``init-execution-context``), ``wasinn:nn/bulk.load-words`` and
+``wasinn:nn/scratch.load-from-scratch`` (builders read from the guest's scratch files).
+A graph is unloaded when its last holder, the graph handle or a context created from it,
+is dropped; one whose unload was cancelled waits for
+:meth:`~wasinn.host.component.service.NNService.close`, and one a guest's call obtains
+after the close is released at once. A guest holds at most ``max_graphs`` graphs and
+``max_model_bytes`` of models, and only graphs whose default target it is allowed to use,
+whichever way they were loaded.
 """
 
 from __future__ import annotations
@@ -21,9 +23,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from wasinn.enums import ExecutionTarget, GraphEncoding
-from wasinn.errors import InvalidArgumentError, TooLargeError, WasiNNError
+from wasinn.errors import (
+    InvalidArgumentError,
+    TooLargeError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
+from wasinn.host.component.scratch import ScratchDir
 from wasinn.host.component.tables import ContextEntry, GraphEntry, GuestTables
-from wasinn.host.guest_memory import check_model_name
+from wasinn.host.guest_memory import MAX_BUILDERS, check_model_name
 from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
@@ -41,6 +49,7 @@ class GraphOperations:
     portal: Portal
     limits: GuestLimits
     tables: GuestTables
+    scratch: ScratchDir | None
     tenant: str
     _model_bytes: int
     _loaded: int
@@ -52,11 +61,43 @@ class GraphOperations:
         self.limits.check_target(target)
 
     def load(self, builders: Sequence[bytes | memoryview], encoding: str, target: str) -> int:
+        enc, tgt = self._load_request(encoding, target)
+        if not builders:
+            raise InvalidArgumentError("load needs at least one graph-builder; got none")
+        return self._load(builders, enc, tgt)
+
+    def load_from_scratch(self, names: Sequence[str], encoding: str, target: str) -> int:
+        """``wasinn:nn/scratch.load-from-scratch``: ``graph.load`` of the scratch files
+        ``names``, one a builder, in order. Their sizes are checked against
+        ``max_model_bytes`` before any byte is read (:meth:`ScratchDir.read_files`);
+        then the bytes load exactly as ``graph.load``'s would."""
+        enc, tgt = self._load_request(encoding, target)
+        if not names:
+            raise InvalidArgumentError(
+                "load-from-scratch needs at least one scratch file name; got none")
+        if len(names) > MAX_BUILDERS:
+            raise InvalidArgumentError(
+                f"load-from-scratch got {len(names)} scratch file names: expected at most "
+                f"{MAX_BUILDERS}, one a graph builder (a model is one file, or a few for "
+                "formats such as OpenVINO IR's xml + weights)")
+        if self.scratch is None:
+            raise UnsupportedOperationError(
+                "this guest was started without a scratch directory: load the model with "
+                "graph.load, wasinn:nn/bulk's load-words or load-by-name instead")
+        self._check_graph_room()  # before reading what could not be kept
+        builders = self.scratch.read_files(names, self._reserve_model_bytes)
+        return self._load(builders, enc, tgt)
+
+    def _load_request(self, encoding: str, target: str) -> tuple[GraphEncoding, ExecutionTarget]:
+        """A load's encoding and target, the target checked against the guest's."""
         enc = GraphEncoding.coerce(encoding)
         tgt = ExecutionTarget.coerce(target)
         self._check_target(tgt)
-        if not builders:
-            raise InvalidArgumentError("load needs at least one graph-builder; got none")
+        return enc, tgt
+
+    def _load(self, builders: Sequence[bytes | memoryview], enc: GraphEncoding,
+              tgt: ExecutionTarget) -> int:
+        """Load a model from the guest's own bytes, within its model and graph limits."""
         size = sum(len(b) for b in builders)
         self._reserve_model_bytes(size)
         self._check_graph_room()

@@ -13,7 +13,8 @@ So a ``list<u8>`` argument holds at most about 2.8 MB: the spec's tensor constru
 cannot take an f32 1x3x512x512 image, nor ``graph.load`` a MobileNet-size model. The
 ``wasinn:nn`` extension's ways round are ``wasinn:nn/bulk`` (``tensor-from-words``,
 ``load-words``: eight bytes a value, about 22.4 MB a call) and ``wasinn:nn/scratch``
-(``tensor-from-scratch``: the bytes go through a file, no list at all), and
+(``tensor-from-scratch``, and ``load-from-scratch`` for a model of any size up to
+``[guests] max_model_bytes``: the bytes go through files, no list at all), and
 ``load-by-name`` for a model the host registered. :func:`explained` turns the trap into
 a message that says all that. The figures were measured on wasmtime-py 50
 (``tests/test_component_hostcall_fuel.py`` fails if they change).
@@ -56,7 +57,9 @@ def explained(program: str, message: str) -> str:
         "a graph.load builder. Pass tensor data with wasinn:nn/bulk's tensor-from-words "
         f"(8 bytes a value: up to about {8 * byte_list / 1e6:.1f} MB a call) or "
         "wasinn:nn/scratch's tensor-from-scratch (any size up to [guests] "
-        "max_tensor_bytes, through a file), and models with wasinn:nn/bulk's load-words "
+        "max_tensor_bytes, through a file), and models with wasinn:nn/scratch's "
+        "load-from-scratch (any size up to [guests] max_model_bytes, through files), "
+        "wasinn:nn/bulk's load-words "
         f"(up to about {8 * byte_list / 1e6:.1f} MB of builders a call) or load-by-name "
         f"(a model the host registered). Wasmtime's message: {message.strip()}"
     )

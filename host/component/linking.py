@@ -299,6 +299,9 @@ class Binder:
                 svc.tensor_from_scratch(name, dims, ty), TENSOR), tagged=True))
         inst.add_func("tensor-to-scratch", self.fallible(
             lambda store, h, name: svc.tensor_to_scratch(_rep(store, h), name), tagged=False))
+        inst.add_func("load-from-scratch", self.fallible(
+            lambda store, names, enc, target: ResourceHost.own(
+                svc.load_from_scratch(list(names), enc, target), GRAPH), tagged=True))
 
     def define_all(self, linker: Linker) -> None:
         """Every wasi-nn release candidate plus the wasinn extension."""

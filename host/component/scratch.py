@@ -1,4 +1,4 @@
-"""A component guest's private scratch directory: tensor bytes handed over as files.
+"""A component guest's private scratch directory: tensor and model bytes handed over as files.
 
 wasmtime-py passes component values through its C API one element at a time, so even
 the fast ``list<u8>`` path (:mod:`wasinn.host.component.fastlist`) costs tens of
@@ -6,7 +6,10 @@ milliseconds for an image. WASI file I/O does not: Wasmtime's own (Rust) WASI ho
 copies a ``descriptor.write`` buffer out of guest memory in one piece. So each guest
 gets a directory of its own, preopened at :data:`GUEST_PATH`; the guest writes a
 tensor's bytes to a file there and calls ``wasinn:nn/scratch.tensor-from-scratch``,
-or asks ``tensor-to-scratch`` for an output and reads the file back.
+or asks ``tensor-to-scratch`` for an output and reads the file back. A model is loaded
+the same way: the guest writes its file(s) there and calls ``load-from-scratch``
+(:meth:`ScratchDir.read_files`), so no model byte passes as a component value either,
+which Wasmtime bounds per call (:mod:`wasinn.host.component.hostcall_fuel`).
 
 The directory lives on ``/dev/shm`` when that exists (memory, no disk I/O), otherwise
 in the system temporary directory. It is created empty (mode 0700) when the guest
@@ -18,8 +21,9 @@ it is resolved relative to a descriptor of this guest's own directory, never fol
 through a symbolic link, and must name a regular file. Every failure is a
 :class:`~wasinn.errors.WasiNNError`: NotFoundError for a missing file,
 InvalidArgumentError for a bad name or a file of the wrong size or kind, TooLargeError
-beyond the guest's ``max_tensor_bytes``. Tensor data is *copied* out of the file, so a
-guest rewriting the file later does not change a tensor it already made.
+beyond the guest's ``max_tensor_bytes`` (for a model: ``max_model_bytes``, checked on the
+files' sizes before any is read). Tensor and model data are *copied* out of the file, so
+a guest rewriting the file later does not change a tensor or graph it already made.
 
 Quota: WASI has no quota of its own, so what a guest writes through plain WASI calls is
 measured instead (:meth:`ScratchDir.usage`, :func:`quota_exceeded`): the guest runner
@@ -64,6 +68,7 @@ import stat
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,8 +153,27 @@ def _os_error(exc: OSError, name: str, doing: str) -> WasiNNError:
 def _require_regular(mode: int, name: str) -> None:
     if stat.S_ISREG(mode):
         return
-    kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+    kind = ("a directory" if stat.S_ISDIR(mode) else
+            "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file")
     raise InvalidArgumentError(f"scratch file {name!r} is {kind}: expected a regular file")
+
+
+def _shrank(name: str, done: int, nbytes: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"scratch file {name!r} shrank to {done} bytes while being read: expected {nbytes}")
+
+
+def _read_exactly(fd: int, name: str, nbytes: int) -> bytes:
+    """The next ``nbytes`` of ``fd`` (scratch file ``name``), in one piece when the
+    system hands them over at once (no copy); InvalidArgumentError when it ends first."""
+    pieces, done = [], 0
+    while done < nbytes:
+        piece = os.read(fd, nbytes - done)
+        if not piece:
+            raise _shrank(name, done, nbytes)
+        pieces.append(piece)
+        done += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _cleanup(path: str, fd: int, proc: int | None) -> None:
@@ -421,17 +445,71 @@ class ScratchDir:
         if self.removed:
             raise NotFoundError("this guest's scratch directory was already removed")
 
-    def read(self, name: str, nbytes: int) -> np.ndarray[Any, Any]:
-        """A copy of scratch file ``name``, which must be exactly ``nbytes`` long (uint8)."""
+    def _open_regular(self, name: str) -> tuple[int, os.stat_result]:
+        """A read-only descriptor of scratch file ``name`` and its status: a plain name,
+        resolved in this directory only, never through a symbolic link, naming a regular
+        file (else the errors of the module docstring). The caller closes it."""
         check_name(name)
         self._require_open()
         try:
             fd = os.open(name, _READ_FLAGS, dir_fd=self._fd)
         except OSError as exc:
             raise _os_error(exc, name, "reading") from None
+        opened = False
         try:
             info = os.fstat(fd)
             _require_regular(info.st_mode, name)
+            opened = True
+        except OSError as exc:
+            raise _os_error(exc, name, "reading") from None
+        finally:
+            if not opened:
+                os.close(fd)
+        return fd, info
+
+    def _size(self, name: str) -> int:
+        """The size of scratch file ``name``, checked as :meth:`_open_regular` does but
+        without opening it (no descriptor that would count against the guest)."""
+        check_name(name)
+        self._require_open()
+        try:
+            info = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except OSError as exc:
+            raise _os_error(exc, name, "reading") from None
+        _require_regular(info.st_mode, name)
+        return info.st_size
+
+    def read_files(self, names: Sequence[str], check_total: Callable[[int], None]
+                   ) -> list[bytes]:
+        """Copies of scratch files ``names``, whole, in order (a name may repeat).
+
+        Every name is checked and every file's size taken first; ``check_total`` is then
+        given their total and raises (its error propagates) when that is more than may be
+        read, so nothing past a limit is ever read. The files are then read one at a time
+        (one descriptor at once); one whose size changed meanwhile is InvalidArgumentError.
+        Other errors as :meth:`read`.
+        """
+        sizes = [self._size(name) for name in names]
+        check_total(sum(sizes))
+        copies = []
+        for name, size in zip(names, sizes, strict=True):
+            fd, info = self._open_regular(name)
+            try:
+                if info.st_size != size:
+                    raise InvalidArgumentError(
+                        f"scratch file {name!r} changed from {size} to {info.st_size} bytes "
+                        "while it was being read")
+                copies.append(_read_exactly(fd, name, size))
+            except OSError as exc:
+                raise _os_error(exc, name, "reading") from None
+            finally:
+                os.close(fd)
+        return copies
+
+    def read(self, name: str, nbytes: int) -> np.ndarray[Any, Any]:
+        """A copy of scratch file ``name``, which must be exactly ``nbytes`` long (uint8)."""
+        fd, info = self._open_regular(name)
+        try:
             if info.st_size != nbytes:
                 raise InvalidArgumentError(
                     f"scratch file {name!r} is {info.st_size} bytes but the tensor needs "
@@ -441,9 +519,7 @@ class ScratchDir:
             while done < nbytes:
                 got = os.readv(fd, [view[done:]])
                 if got == 0:
-                    raise InvalidArgumentError(
-                        f"scratch file {name!r} shrank to {done} bytes while being read: "
-                        f"expected {nbytes}")
+                    raise _shrank(name, done, nbytes)
                 done += got
             return data
         except OSError as exc:

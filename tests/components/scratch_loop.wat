@@ -24,6 +24,10 @@
 ;;   read-file(name: string, len: u32) -> list<u8>   up to `len` bytes (empty on any error)
 ;;   from-scratch(name: string, dims: list<u32>, ty: u32) -> result<u32, u32>
 ;;   to-scratch(t: u32, name: string) -> result<u64, u32>
+;;   load-from-scratch(names: list<string>, encoding: u32, target: u32) -> result<u32, u32>
+;;       the graph of wasinn:nn/scratch.load-from-scratch (`encoding`, `target`: case indices)
+;;   use-graph(g: u32) -> u32             init-execution-context on graph `g`, which then
+;;       stands for the prepared graph and context (compute1, release); 0 or 1 + code
 ;;   compute1(input: string, t: u32) -> result<u32, u32>   first output of a compute on the
 ;;       prepared context (the other outputs dropped)
 ;;   tensor-data(t: u32) -> list<u8>; tensor-drop(t: u32)
@@ -91,6 +95,15 @@
             (result (result (own $t) (error (own $e))))))
     (export "tensor-to-scratch"
       (func (param "tensor" (borrow $t)) (param "name" string) (result (result u64 (error (own $e))))))
+    (alias outer 1 $graph-t (type $g-outer))
+    (export "graph" (type $g (eq $g-outer)))
+    (type $enc (enum "openvino" "onnx" "tensorflow" "pytorch" "tensorflowlite" "ggml" "autodetect"))
+    (export "graph-encoding" (type $enc-e (eq $enc)))
+    (type $target (enum "cpu" "gpu" "tpu"))
+    (export "execution-target" (type $target-e (eq $target)))
+    (export "load-from-scratch"
+      (func (param "names" (list string)) (param "encoding" $enc-e) (param "target" $target-e)
+            (result (result (own $g) (error (own $e))))))
   ))
   (import "wasi:filesystem/types@0.2.0" (instance $fs
     (export "descriptor" (type $descriptor (sub resource)))
@@ -169,6 +182,7 @@
   (core func $graph.drop (canon resource.drop $graph-t))
   (core func $scratch.from (canon lower (func $scratch "tensor-from-scratch") (memory $memory)))
   (core func $scratch.to (canon lower (func $scratch "tensor-to-scratch") (memory $memory)))
+  (core func $scratch.load (canon lower (func $scratch "load-from-scratch") (memory $memory)))
   (core func $fs.open-at (canon lower (func $fs "[method]descriptor.open-at") (memory $memory)))
   (core func $fs.write (canon lower (func $fs "[method]descriptor.write") (memory $memory)))
   (core func $fs.read (canon lower (func $fs "[method]descriptor.read") (memory $memory) (realloc $realloc)))
@@ -188,6 +202,7 @@
     (import "nn" "graph.drop" (func $graph.drop (param i32)))
     (import "nn" "scratch.from" (func $scratch.from (param i32 i32 i32 i32 i32 i32)))
     (import "nn" "scratch.to" (func $scratch.to (param i32 i32 i32 i32)))
+    (import "nn" "scratch.load" (func $scratch.load (param i32 i32 i32 i32 i32)))
     (import "fs" "open-at" (func $fs.open-at (param i32 i32 i32 i32 i32 i32 i32)))
     (import "fs" "write" (func $fs.write (param i32 i32 i32 i64 i32)))
     (import "fs" "read" (func $fs.read (param i32 i64 i64 i32)))
@@ -383,6 +398,20 @@
       (call $scratch.to (local.get $t) (local.get $name) (local.get $len) (i32.const 64))
       (i32.const 64))
 
+    ;; the names arrive as the import takes them (pairs of string pointer and length)
+    (func (export "load-from-scratch") (param $names i32) (param $count i32) (param $enc i32)
+          (param $target i32) (result i32)
+      (call $scratch.load (local.get $names) (local.get $count) (local.get $enc)
+                          (local.get $target) (i32.const 64))
+      (i32.const 64))
+
+    (func (export "use-graph") (param $g i32) (result i32)
+      (global.set $graph (local.get $g))
+      (call $graph.init (local.get $g) (i32.const 0))
+      (if (i32.load8_u (i32.const 0)) (then (return (call $error (i32.load (i32.const 4))))))
+      (global.set $ctx (i32.load (i32.const 4)))
+      (i32.const 0))
+
     (func (export "compute1") (param $name i32) (param $len i32) (param $t i32) (result i32)
       (local $outs i32) (local $count i32) (local $j i32)
       (i32.store (i32.const 32) (local.get $name))
@@ -426,6 +455,7 @@
       (export "graph.drop" (func $graph.drop))
       (export "scratch.from" (func $scratch.from))
       (export "scratch.to" (func $scratch.to))
+      (export "scratch.load" (func $scratch.load))
     ))
     (with "fs" (instance
       (export "open-at" (func $fs.open-at))
@@ -455,6 +485,11 @@
     (canon lift (core func $main "from-scratch") (memory $memory) (realloc $realloc) (post-return $reset1)))
   (func (export "to-scratch") (param "t" u32) (param "name" string) (result $result-u64)
     (canon lift (core func $main "to-scratch") (memory $memory) (realloc $realloc) (post-return $reset1)))
+  (func (export "load-from-scratch") (param "names" (list string)) (param "encoding" u32)
+        (param "target" u32) (result $result-u32)
+    (canon lift (core func $main "load-from-scratch") (memory $memory) (realloc $realloc)
+                (post-return $reset1)))
+  (func (export "use-graph") (param "g" u32) (result u32) (canon lift (core func $main "use-graph")))
   (func (export "compute1") (param "input" string) (param "t" u32) (result $result-u32)
     (canon lift (core func $main "compute1") (memory $memory) (realloc $realloc) (post-return $reset1)))
   (func (export "tensor-data") (param "t" u32) (result (list u8))
