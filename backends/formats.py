@@ -7,23 +7,41 @@ TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic. A
 ``torch.save`` checkpoint (pickled weights or module: no model any backend reads) is
 recognised too, and refused saying how to save a model that loads
 (:func:`check_not_torch_save`); it is never unpickled.
+
+The host sniffs a guest's bytes before any sandbox, so what sniffing reads is bounded
+whatever the model's size: the first 64 KiB for IR, the first :data:`SNIFF_FIELDS`
+top-level protobuf fields, the first :data:`SNIFF_ZIP_ENTRIES` zip entries (read in
+place, one name at a time: :mod:`._zip_directory`), each field or entry in constant
+time and memory.
 """
 
 from __future__ import annotations
 
+import enum
 import re
-import zipfile
 from collections.abc import Iterator
-from io import BytesIO
+from itertools import islice
 
 from wasinn.enums import GraphEncoding
 from wasinn.errors import InvalidEncodingError
 
+from ._zip_directory import central_directory_names
 from .base import Builders
 
 _ONNX_FIELDS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 14, 20, 25, 26})  # onnx.ModelProto
 _GRAPHDEF_FIELDS = frozenset({1, 2, 3, 4})
 _SAVEDMODEL_FIELDS = frozenset({1, 2})
+
+#: The most top-level protobuf fields sniffing reads; the answer is taken from those.
+#: A real model is told apart by its first few fields (a length-delimited one, such as
+#: ONNX's ``graph``, is skipped at once, whatever its size), written in field number
+#: order: ONNX's ``graph`` (7) and ``opset_import`` (8) come before its repeated
+#: ``metadata_props`` and ``functions``, and a GraphDef of more nodes than this (field
+#: 1, one each) is all nodes as far as read.
+SNIFF_FIELDS = 4096
+#: The most central directory entries sniffing reads: a TorchScript or torch.export
+#: archive names its code, constants or format after an entry for each of its tensors.
+SNIFF_ZIP_ENTRIES = 65_536
 
 
 def read_varint(data: memoryview, pos: int, end: int | None = None) -> tuple[int, int]:
@@ -94,13 +112,15 @@ def protobuf_records(data: bytes | bytearray | memoryview
         yield number, wire, value if isinstance(value, memoryview) else None
 
 
-def protobuf_fields(data: bytes | bytearray | memoryview) -> dict[int, int]:
-    """Top-level field numbers of a protobuf message -> wire type of their first occurrence.
+def protobuf_fields(data: bytes | bytearray | memoryview, limit: int | None = None
+                    ) -> dict[int, int]:
+    """Top-level field numbers of a protobuf message -> wire type of their first occurrence,
+    among its first ``limit`` fields (all by default).
 
-    Raises ValueError when the bytes are not a well-formed protobuf message.
+    Raises ValueError when the bytes read are not a well-formed protobuf message.
     """
     fields: dict[int, int] = {}
-    for number, wire, _ in protobuf_records(data):
+    for number, wire, _ in islice(protobuf_records(data), limit):
         fields.setdefault(number, wire)
     return fields
 
@@ -138,12 +158,35 @@ _TORCH_SAVE_CHECKPOINT = (
     "torch.export.save(torch.export.export(model, args), f)")
 
 
-def _is_torch_save_zip(names: list[str]) -> bool:
-    """Whether the zip member ``names`` are a ``torch.save`` checkpoint's: a ``data.pkl``
-    (which TorchScript archives hold too) but no TorchScript ``code/`` or
-    ``constants.pkl`` and no torch.export ``archive_format``."""
-    return any(n.endswith("/data.pkl") for n in names) and not any(
-        n.endswith(("/constants.pkl", "/archive_format")) or "/code/" in n for n in names)
+class _ZipHolds(enum.Enum):
+    """What a zip archive holds, judged by its member names."""
+
+    #: A TorchScript archive's ``code/`` or ``constants.pkl``, or a torch.export
+    #: archive's ``archive_format``.
+    MODEL = enum.auto()
+    #: A ``data.pkl`` (which TorchScript archives hold too) and none of a model's names:
+    #: a ``torch.save`` checkpoint.
+    CHECKPOINT = enum.auto()
+    #: Neither.
+    OTHER = enum.auto()
+    #: More entries than were read, none of those read a model's.
+    UNREAD = enum.auto()
+
+
+def _zip_holds(data: bytes | bytearray | memoryview, limit: int | None) -> _ZipHolds:
+    """What the zip archive ``data`` holds, judged by its first ``limit`` entries (all
+    for None); the first name of a model's ends the reading.
+
+    Raises ValueError, saying why, for a zip that cannot be read.
+    """
+    pickle = False
+    for index, name in enumerate(central_directory_names(data)):
+        if index == limit:
+            return _ZipHolds.UNREAD
+        if name.endswith((b"/constants.pkl", b"/archive_format")) or b"/code/" in name:
+            return _ZipHolds.MODEL
+        pickle = pickle or name.endswith(b"/data.pkl")
+    return _ZipHolds.CHECKPOINT if pickle else _ZipHolds.OTHER
 
 
 def check_not_torch_save(backend: str, data: bytes | bytearray | memoryview) -> None:
@@ -153,9 +196,10 @@ def check_not_torch_save(backend: str, data: bytes | bytearray | memoryview) -> 
     view = memoryview(data).cast("B")
     found = _is_legacy_torch_save(view)
     if not found and bytes(view[:4]) == b"PK\x03\x04":
+        # Every entry: the backend's library reads them all next.
         try:
-            found = _is_torch_save_zip(_zip_names(view))
-        except InvalidEncodingError:
+            found = _zip_holds(view, None) is _ZipHolds.CHECKPOINT
+        except ValueError:
             return
     if found:
         raise InvalidEncodingError(f"{backend}: {_TORCH_SAVE_CHECKPOINT}")
@@ -165,26 +209,11 @@ def _is_legacy_torch_save(data: bytes | bytearray | memoryview) -> bool:
     return bytes(memoryview(data).cast("B")[:len(_LEGACY_TORCH_SAVE)]) == _LEGACY_TORCH_SAVE
 
 
-def _zip_names(data: bytes | bytearray | memoryview) -> list[str]:
-    """The member names of a zip archive.
-
-    Raises InvalidEncodingError for bytes zipfile cannot read. Any exception counts:
-    besides BadZipFile, zipfile raises NotImplementedError for an unsupported "version
-    needed to extract", and others for other damage.
-    """
-    try:
-        with zipfile.ZipFile(BytesIO(bytes(data))) as archive:
-            return archive.namelist()
-    except Exception as exc:
-        raise InvalidEncodingError(
-            f"autodetect: a zip archive that cannot be read ({type(exc).__name__}: {exc}): "
-            "expected a TorchScript or torch.export archive"
-        ) from exc
-
-
 def _protobuf_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding | None:
+    """ONNX or TensorFlow, as the first :data:`SNIFF_FIELDS` top-level fields say (all
+    of a message with no more), else None."""
     try:
-        fields = protobuf_fields(data)
+        fields = protobuf_fields(data, SNIFF_FIELDS)
     except ValueError:
         return None
     numbers = set(fields)
@@ -198,10 +227,13 @@ def _protobuf_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding | 
 
 
 def detect_encoding(builders: Builders) -> GraphEncoding:
-    """The encoding of ``builders`` judged by content.
+    """The encoding of ``builders`` judged by content: by a bounded part of it, whatever
+    its size (see the module's docstring).
 
     Raises InvalidEncodingError when no known format matches, saying what was seen (and
-    nothing else, whatever the bytes).
+    nothing else, whatever the bytes), and for a zip archive of more than
+    :data:`SNIFF_ZIP_ENTRIES` entries none of which is a model's (saying to declare the
+    encoding).
     """
     if not builders:
         raise InvalidEncodingError("autodetect: no model bytes given (empty builder list)")
@@ -214,18 +246,7 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
     if head[:4] == b"GGUF":
         return GraphEncoding.GGML
     if head[:4] == b"PK\x03\x04":
-        names = _zip_names(first)
-        if _is_torch_save_zip(names):
-            raise InvalidEncodingError(f"autodetect: {_TORCH_SAVE_CHECKPOINT}")
-        # TorchScript archives hold data.pkl / constants.pkl / code/; torch.export
-        # (.pt2) archives hold archive_format and models/*.json.
-        if any(n.endswith(("/data.pkl", "/constants.pkl", "/archive_format"))
-               or "/code/" in n for n in names):
-            return GraphEncoding.PYTORCH
-        raise InvalidEncodingError(
-            "autodetect: a zip archive that is neither a TorchScript archive (no data.pkl) "
-            "nor a torch.export archive (no archive_format)"
-        )
+        return _zip_encoding(first)
     if _is_legacy_torch_save(first):
         raise InvalidEncodingError(f"autodetect: {_TORCH_SAVE_CHECKPOINT}")
     found = _protobuf_encoding(first)
@@ -235,6 +256,33 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
         f"autodetect: {len(memoryview(first).cast('B'))} bytes starting {head.hex()} match no "
         "known format: expected ONNX, OpenVINO IR (xml + bin), TorchScript, TensorFlow Lite "
         "or a TensorFlow GraphDef/SavedModel"
+    )
+
+
+def _zip_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding:
+    """PYTORCH for a TorchScript or torch.export archive; InvalidEncodingError saying
+    what it is for another zip archive."""
+    try:
+        holds = _zip_holds(data, SNIFF_ZIP_ENTRIES)
+    except ValueError as exc:
+        raise InvalidEncodingError(
+            f"autodetect: a zip archive that cannot be read ({exc}): expected a TorchScript "
+            "or torch.export archive"
+        ) from exc
+    if holds is _ZipHolds.MODEL:
+        return GraphEncoding.PYTORCH
+    if holds is _ZipHolds.CHECKPOINT:
+        raise InvalidEncodingError(f"autodetect: {_TORCH_SAVE_CHECKPOINT}")
+    if holds is _ZipHolds.UNREAD:
+        raise InvalidEncodingError(
+            f"autodetect: a zip archive of more than {SNIFF_ZIP_ENTRIES} entries, none of "
+            f"the first {SNIFF_ZIP_ENTRIES} a TorchScript archive's (code/, constants.pkl) "
+            "or a torch.export archive's (archive_format): to have the pytorch backend "
+            "read it, declare its encoding (pytorch) rather than autodetect"
+        )
+    raise InvalidEncodingError(
+        "autodetect: a zip archive that is neither a TorchScript archive (no data.pkl) "
+        "nor a torch.export archive (no archive_format)"
     )
 
 

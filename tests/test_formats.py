@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import struct
 import subprocess
 import sys
+import tracemalloc
 import zipfile
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from tests import backend_models
 from tests.support import require_backend
 from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
 from wasinn import GraphEncoding, InvalidEncodingError, TensorType
-from wasinn.backends import detect_encoding
+from wasinn.backends import detect_encoding, formats
 from wasinn.backends.formats import protobuf_fields
 from wasinn.modelgen import ModelFiles, affine_onnx, identity_onnx
 
@@ -148,8 +151,10 @@ def _unreadable_zip() -> bytes:
 
 def test_a_zip_that_zipfile_cannot_read_is_an_invalid_encoding() -> None:
     # Before: zipfile's NotImplementedError escaped detect_encoding (and Runtime.load).
-    with pytest.raises(InvalidEncodingError, match=r"autodetect: a zip archive that cannot be "
-                       r"read \(NotImplementedError: zip file version 25.5\)"):
+    with pytest.raises(InvalidEncodingError, match=r"^autodetect: a zip archive that cannot be "
+                       r"read \(central directory entry 0 needs zip version 25.5 to extract "
+                       r"\(the newest read is 6.3\)\): expected a TorchScript or torch.export "
+                       r"archive$"):
         detect_encoding([_unreadable_zip()])
 
 
@@ -197,3 +202,210 @@ def test_protobuf_values_carry_varints() -> None:
             for n, w, v in protobuf_values(message)] == [(1, 0, 150), (2, 2, b"hi"), (3, 5, None)]
     assert [(n, v is None) for n, _, v in protobuf_records(message)] == [
         (1, True), (2, False), (3, True)]
+
+
+# -- what sniffing reads is bounded ---------------------------------------------------------
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Counts, in its one item, what the generator ``formats.<name>`` yields from now on:
+    the protobuf fields or zip entries sniffing reads."""
+    read = [0]
+    generator = getattr(formats, name)
+
+    def counting(*args: object) -> Iterator[object]:
+        for item in generator(*args):
+            read[0] += 1
+            yield item
+
+    monkeypatch.setattr(formats, name, counting)
+    return read
+
+
+def _listing(entries: int) -> bytes:
+    """A zip archive of one member whose central directory lists it ``entries`` times
+    (48 bytes each), as a hostile guest's model may: zip64 end records give the count."""
+    one = _zip_with("a")
+    start, end = one.find(b"PK\x01\x02"), one.rfind(b"PK\x05\x06")
+    directory = one[start:end] * entries
+    record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, entries, entries,
+                         len(directory), start)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, start + len(directory), 1)
+    end_record = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
+                             0xFFFFFFFF, 0)
+    return one[:start] + directory + record + locator + end_record
+
+
+def test_a_zip_listing_a_million_entries_is_sniffed_in_bounded_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: zipfile copied the whole archive and built a ZipInfo for every entry, in the
+    # host, before any sandbox: a 94 MB archive listing 2 M entries took the host from
+    # 270 MB to 1 GB (and 30 s), about 8 bytes of memory per byte a guest sent.
+    data = _listing(1_000_000)
+    read = _counted(monkeypatch, "central_directory_names")
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidEncodingError, match=(
+                r"^autodetect: a zip archive of more than 65536 entries, none of the first "
+                r"65536 a TorchScript archive's \(code/, constants.pkl\) or a torch.export "
+                r"archive's \(archive_format\): to have the pytorch backend read it, declare "
+                r"its encoding \(pytorch\) rather than autodetect$")):
+            detect_encoding([data])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read[0] == formats.SNIFF_ZIP_ENTRIES + 1  # one more: there are more
+    assert peak < 1 << 20, f"{peak} bytes held sniffing {len(data)} bytes"
+
+
+def test_a_listing_within_the_bound_is_read_to_its_end() -> None:
+    # The same listing as zipfile reads it, and within the bound: a zip of no model.
+    data = _listing(1000)
+    assert zipfile.ZipFile(io.BytesIO(data)).namelist() == ["a"] * 1000
+    with pytest.raises(InvalidEncodingError, match="neither a TorchScript archive"):
+        detect_encoding([data])
+
+
+@pytest.mark.parametrize(("field", "expected"), [
+    (b"\x08\x00", None),  # field 1, varint 0: no model's
+    (b"\x0a\x00", GraphEncoding.TENSORFLOW),  # field 1, empty: a GraphDef's nodes, as read
+], ids=["varints", "empty-nodes"])
+def test_millions_of_tiny_protobuf_fields_are_sniffed_a_bounded_number(
+        monkeypatch: pytest.MonkeyPatch, field: bytes, expected: GraphEncoding | None) -> None:
+    # Before: every top-level field was read, in Python, in the host: 80 MB of them cost
+    # 62 s of its CPU, which no one could stop.
+    data = field * 2_000_000
+    read = _counted(monkeypatch, "protobuf_values")
+    if expected is None:
+        with pytest.raises(InvalidEncodingError, match=r"^autodetect: 4000000 bytes starting "
+                           r"0800080008000800 match no known format"):
+            detect_encoding([data])
+    else:
+        assert detect_encoding([data]) is expected
+    assert read[0] == formats.SNIFF_FIELDS
+
+
+def _relu_chain(length: int) -> bytes:
+    """A frozen GraphDef: x -> Relu ``length`` times -> y, one top-level field a node."""
+    from tests.tfmodels import (
+        SHAPE,
+        _attr,
+        _attr_shape,
+        _attr_type,
+        _field_bytes,
+        _field_varint,
+        _node,
+    )
+
+    nodes = [_node("x", "Placeholder", (), _attr("dtype", _attr_type(1))
+                   + _attr("shape", _attr_shape(SHAPE)))]
+    nodes += [_node(f"r{i}", "Relu", (f"r{i - 1}" if i else "x",), _attr("T", _attr_type(1)))
+              for i in range(length)]
+    nodes.append(_node("y", "Identity", (f"r{length - 1}",), _attr("T", _attr_type(1))))
+    return b"".join(nodes) + _field_bytes(4, _field_varint(1, 1000))  # versions
+
+
+def _onnx_with_metadata(entries: int) -> bytes:
+    """:func:`affine_onnx` with ``entries`` metadata_props (field 14, one top-level field
+    each, after the graph and opset_import), checked by onnx."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load_from_string(affine_onnx())
+    helper.set_model_props(model, {f"key{i}": str(i) for i in range(entries)})
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def test_real_models_of_more_top_level_fields_than_are_read_are_detected() -> None:
+    graphdef, onnx_model = _relu_chain(formats.SNIFF_FIELDS + 10), _onnx_with_metadata(
+        formats.SNIFF_FIELDS + 10)
+    for data in (graphdef, onnx_model):
+        assert len(protobuf_fields(data)) < formats.SNIFF_FIELDS < sum(
+            1 for _ in formats.protobuf_values(data))
+    assert detect_encoding([graphdef]) is GraphEncoding.TENSORFLOW
+    assert detect_encoding([onnx_model]) is GraphEncoding.ONNX
+
+
+async def test_models_past_the_bound_load_through_autodetect(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The answer taken from the fields read is the library's: shown with a bound of 8
+    # fields (a long GraphDef takes OpenVINO minutes to convert).
+    require_backend("openvino")
+    require_backend("onnxruntime")
+    import wasinn
+
+    monkeypatch.setattr(formats, "SNIFF_FIELDS", 8)
+    x = np.array([[-1, 2, -3, 4]], np.float32)
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([_relu_chain(12)], "autodetect")
+        assert (await graph.compute({"x": x}))["y:0"].numpy().tolist() == [[0, 2, 0, 4]]
+        graph = await rt.load([_onnx_with_metadata(12)], "autodetect")
+        assert (await graph.compute({"x": x}))["y"].numpy().tolist() == [[-1, 5, -5, 9]]
+
+
+def _scripted(tensors: int) -> bytes:
+    """A TorchScript archive of ``tensors`` parameters, written as torch writes one: an
+    entry for each tensor first, then data.pkl, code/, constants.pkl."""
+    require_backend("torch")
+    import torch
+
+    class Sum(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.full((1,), float(i))) for i in range(tensors)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for weight in self.weights:
+                x = x + weight
+            return x
+
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(Sum()), buffer)
+    return buffer.getvalue()
+
+
+def test_a_torchscript_archive_is_told_by_an_entry_past_its_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _scripted(20)
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    first = next(i for i, n in enumerate(names) if "/code/" in n)
+    assert first == 21 and names[20] == "archive/data.pkl"  # data/0..19 before them
+    read = _counted(monkeypatch, "central_directory_names")
+    monkeypatch.setattr(formats, "SNIFF_ZIP_ENTRIES", first + 1)
+    assert detect_encoding([data]) is GraphEncoding.PYTORCH
+    assert read[0] == first + 1  # it stops at the first name of a model's
+    monkeypatch.setattr(formats, "SNIFF_ZIP_ENTRIES", first)
+    with pytest.raises(InvalidEncodingError, match="more than 21 entries, none of the first "
+                                                   "21 a TorchScript archive's"):
+        detect_encoding([data])
+
+
+def test_a_torchscript_archive_past_the_bound_loads_declared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the refusal says to do works: the backend, told the encoding, reads it.
+    require_backend("torch")
+    from wasinn import Tensor
+    from wasinn.backends import Device
+    from wasinn.backends.pytorch import TorchBackend
+
+    monkeypatch.setattr(formats, "SNIFF_ZIP_ENTRIES", 4)
+    data = _scripted(20)
+    with pytest.raises(InvalidEncodingError, match="more than 4 entries"):
+        detect_encoding([data])
+    graph = TorchBackend().load([data], GraphEncoding.PYTORCH, Device.parse("cpu"))
+    out = graph.run({"x": Tensor.from_numpy(np.zeros(1, np.float32))})
+    assert next(iter(out.values())).numpy().tolist() == [190.0]  # 0 + 1 + ... + 19
+
+
+def test_a_checkpoint_past_the_bound_is_still_refused_by_the_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The backend's check reads every entry (its library reads them all next).
+    require_backend("torch")
+    import torch
+
+    monkeypatch.setattr(formats, "SNIFF_ZIP_ENTRIES", 4)
+    buffer = io.BytesIO()
+    torch.save({f"w{i}": torch.zeros(1) for i in range(20)}, buffer)
+    with pytest.raises(InvalidEncodingError, match=r"^pytorch: the model is a torch\.save "
+                                                   r"checkpoint"):
+        formats.check_not_torch_save("pytorch", buffer.getvalue())
