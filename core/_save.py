@@ -8,8 +8,10 @@ import contextlib
 import errno
 import io
 import os
+import re
 import secrets
 import stat
+import sys
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,10 +38,11 @@ def check_save_path(path: Path) -> None:
     sticky folder where it is, since no rename may replace it either), or a new file in
     a folder where none may be created. The save's own rules decide: where it would write
     a new file beside the target, one is created and removed at once; a target it would
-    write into (a FIFO, a device, a file with other hard links, a file in a folder closed
-    to new files, another user's file in a sticky folder) must be writable, and is not
-    opened (a FIFO would wait for its reader). What changes during the run, the save
-    itself still finds."""
+    write into (a FIFO, a device, a pipe or a socket as ``/dev/stdout`` or ``/dev/fd/N``
+    reaches it, a file with other hard links, a file in a folder closed to new files,
+    another user's file in a sticky folder) must be writable, and is not opened (a FIFO
+    would wait for its reader). What changes during the run, the save itself still
+    finds."""
     if not path.parent.is_dir():
         raise InvalidArgumentError(f"--save {path}: there is no folder {path.parent}: "
                                    "expected a file in an existing folder")
@@ -63,14 +66,17 @@ def save_outputs(path: Path, outputs: Mapping[str, Tensor]) -> None:
     The archive is written to a new file beside the target (through a symbolic link, the
     file it names), then renamed onto it: a save that fails leaves what was there as it
     was. The new file keeps a replaced file's permissions. A target that is not a regular
-    file (``/dev/stdout``, a pipe, a FIFO, a device) is written into as ``open(path,
-    "wb")`` would, never replaced. So is, in place, a file with other hard links (a
+    file (a pipe, a socket, a FIFO, a device) is written into, never replaced, as the path
+    given reaches it: through this process's descriptor for ``/dev/stdout``,
+    ``/dev/stderr``, ``/dev/fd/N`` or ``/proc/self/fd/N`` (a shell's ``>(...)``), else
+    as ``open(path, "wb")`` would. So is, in place, a file with other hard links (a
     rename would leave them the old archive), a file in a folder where no new file may
     be created, and another user's file in a sticky folder (mode 1777, as /tmp), which
     the kernel lets only the file's owner, the folder's owner or root rename over: room
     for the archive is reserved first (``posix_fallocate``, where the file system has
     it), so that a full disk fails the save before the file changes.
-    Raises InvalidArgumentError,
+    Where stdout's reader has gone, BrokenPipeError is raised as it is (the CLI then ends
+    quietly, as SIGPIPE would end it). Raises InvalidArgumentError,
     naming the file, for names no archive can hold (with a NUL character, which zip member
     names cannot hold, or both ``X`` and ``X.npy``, which ``numpy.load`` cannot tell
     apart) and for a file that cannot be written (read-only, a full disk, a folder not
@@ -109,6 +115,11 @@ def _destination(path: Path) -> tuple[Path, tuple[Path, int] | None]:
     is written into instead (not a regular file, a file with other hard links, a file in
     a folder closed to new files, a file a sticky folder keeps from a rename).
     InvalidArgumentError where nothing can be written."""
+    if _special(path):
+        # Taken as given, not resolved: /dev/stdout or /dev/fd/N on a pipe or a socket
+        # resolves to a name that is none (/proc/PID/fd/pipe:[N]).
+        _refuse_read_only(path, path)
+        return path, None
     target = Path(os.path.realpath(path))
     _refuse_read_only_file_system(path, target)
     _refuse_read_only(path, target)
@@ -263,16 +274,72 @@ def _reserve(fd: int, size: int) -> None:
 
 
 def _write_into(path: Path, outputs: Mapping[str, Tensor]) -> None:
-    # The archive, built in memory (a pipe cannot seek), written into the file at path.
+    # The archive, built in memory (a pipe cannot seek), written into the file at path:
+    # through this process's descriptor where path names one (a socket can be reached no
+    # other way), else opened by its name. A reader of stdout gone is the CLI's to report
+    # (quietly, as SIGPIPE would), so its BrokenPipeError passes as it is.
     archive = io.BytesIO()
     _write_archive(archive, outputs)
+    fd = _descriptor(path)
     try:
-        with open(path, "wb") as file:
-            file.write(archive.getbuffer())
+        if fd is None:
+            with open(path, "wb") as file:
+                file.write(archive.getbuffer())
+        else:
+            if fd == _stdout_fd():
+                sys.stdout.flush()  # (anything printed before the archive comes first)
+            data = memoryview(archive.getbuffer())
+            while data:
+                data = data[os.write(fd, data):]
+    except BrokenPipeError:
+        if fd is not None and fd == _stdout_fd():
+            raise
+        raise InvalidArgumentError(
+            f"--save {path}: cannot write into it: its reader has gone: expected a pipe "
+            "that is read to its end") from None
     except OSError as exc:
         raise InvalidArgumentError(
             f"--save {path}: cannot write into it: {exc.strerror or exc}: expected a file, "
             "pipe or device wasinn may write") from exc
+
+
+def goes_to_stdout(path: Path) -> bool:
+    """Whether an archive saved to ``path`` goes where this process's stdout does
+    (``--save /dev/stdout``, or the file stdout is redirected to): the command then prints
+    its lines to stderr, so that the archive is all that stdout's reader gets."""
+    fd = _stdout_fd()
+    try:
+        return fd is not None and os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:  # (nothing there, or stdout closed)
+        return False
+
+
+def _stdout_fd() -> int | None:
+    # The descriptor under sys.stdout; None where it has none (replaced, or closed).
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+#: The names of a descriptor of this process: /dev/stdout, /dev/stderr, /dev/fd/N,
+#: /proc/self/fd/N (or thread-self, or this process's id in place of self).
+_DESCRIPTOR_NAME = re.compile(r"/dev/(?P<std>stdout|stderr)"
+                              r"|(?:/dev|/proc/(?P<process>self|thread-self|[0-9]+))"
+                              r"/fd/(?P<fd>[0-9]{1,9})")
+
+
+def _descriptor(path: Path) -> int | None:
+    """The descriptor of this process that ``path`` names (see :data:`_DESCRIPTOR_NAME`)
+    where it is open on the file that ``path`` reaches; None for any other path."""
+    name = _DESCRIPTOR_NAME.fullmatch(os.path.abspath(path))
+    if name is None or name["process"] not in (None, "self", "thread-self", str(os.getpid())):
+        return None
+    fd = {"stdout": 1, "stderr": 2}[name["std"]] if name["std"] else int(name["fd"])
+    try:
+        return fd if os.path.samestat(os.fstat(fd), os.stat(path)) else None
+    except OSError:
+        return None
 
 
 def _check_member_names(path: Path, outputs: Mapping[str, Tensor]) -> None:

@@ -101,6 +101,18 @@ def parse_env(spec: str) -> tuple[str, str]:
     return key, value
 
 
+def parse_envs(specs: Sequence[str]) -> dict[str, str]:
+    """Every ``--env`` as {name: value}; UsageError for a name given two values (the
+    same one twice counts once), one of which the guest would never see."""
+    env: dict[str, str] = {}
+    for spec in specs:
+        key, value = parse_env(spec)
+        if env.setdefault(key, value) != value:
+            raise UsageError(f"--env {spec!r}: {key} is already {env[key]!r}: expected one "
+                             "value per variable")
+    return env
+
+
 def _configure_logging(verbose: int) -> None:
     if verbose <= 0:
         return
@@ -231,7 +243,7 @@ async def _run(args: argparse.Namespace) -> int:
     from wasinn.scheduler import Runtime
 
     dirs = parse_dirs(args.dir)
-    env = dict(parse_env(e) for e in args.env)
+    env = parse_envs(args.env)
     guest = Path(args.guest)
     if not guest.is_file():
         said = "not a file" if guest.exists() else "no such file"
@@ -292,30 +304,35 @@ async def _serving_metrics(rt: Runtime, port: int | None, addr: str | None
 
 
 async def _infer(args: argparse.Namespace) -> int:
-    from wasinn._save import check_save_path, save_outputs
+    from wasinn._save import check_save_path, goes_to_stdout, save_outputs
     from wasinn.infer import Load, describe_output, infer, read_inputs
     from wasinn.scheduler import Runtime
 
     load: Load = args.load
     shapes = args.shapes
     given = read_inputs(args.input)
+    # --save /dev/stdout: the archive is all that stdout's reader gets (numpy.load reads
+    # it), so every line printed goes to stderr.
+    lines_to = sys.stdout
     if args.save:
         check_save_path(Path(args.save))
+        if goes_to_stdout(Path(args.save)):
+            lines_to = sys.stderr
     async with Runtime(_registry_config(args)) as rt:
         report = await infer(rt, args.name, given, zeros=args.zeros, shapes=shapes,
                              target=args.target, load=load)
         stats = rt.stats()
     for name, tensor in report.outputs.items():
-        print(describe_output(name, tensor))
+        print(describe_output(name, tensor), file=lines_to)
     if load.requests > 1:
-        print(report.describe_load())
-        print(report.model.describe())
+        print(report.describe_load(), file=lines_to)
+        print(report.model.describe(), file=lines_to)
         for device in stats:
             if device.finished:
-                print(device.describe())
+                print(device.describe(), file=lines_to)
     if args.save:
         save_outputs(Path(args.save), report.outputs)
-        print(f"outputs written to {args.save}")
+        print(f"outputs written to {args.save}", file=lines_to)
     return 0
 
 

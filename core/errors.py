@@ -6,6 +6,7 @@ bindings) can raise the precise leaf and the guest ABIs translate it without gue
 
     WasiNNError
     ├── InvalidArgumentError      invalid-argument      a caller passed something malformed
+    │   └── ConfigError                                 a config file that cannot be used
     ├── InvalidEncodingError      invalid-encoding      model bytes a backend cannot read
     ├── TimeoutError_             timeout               a deadline passed
     ├── BackendRuntimeError       runtime-error         the backend failed while running
@@ -19,14 +20,32 @@ bindings) can raise the precise leaf and the guest ABIs translate it without gue
     └── UnknownError              unknown               anything else
 
 Messages say what was wrong and what was expected. An error that crosses an actor
-or thread boundary keeps its type and message.
+or thread boundary keeps its type and message. ``ConfigError`` is defined beside the
+config it checks (:mod:`wasinn.configs`, which imports this module) and is this module's
+too, resolved on first use.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    # (The alias marks a re-export, which mypy --strict would refuse to see otherwise.)
+    from wasinn.configs import ConfigError as ConfigError  # noqa: PLC0414
+else:
+    # Hidden from type checkers, which see the import above instead (a module
+    # __getattr__ would make them type every misspelt wasinn.errors.X as Any). Resolved
+    # at first use, not imported here: wasinn.configs imports this module.
+
+    def __getattr__(name: str) -> Any:
+        if name != "ConfigError":
+            raise AttributeError(f"module 'wasinn.errors' has no attribute {name!r}")
+        from wasinn.configs import ConfigError
+
+        globals()[name] = ConfigError
+        return ConfigError
 
 
 class ErrorCode(enum.Enum):

@@ -24,7 +24,9 @@ context of its own, as a load test would: the command then prints the requests p
 second, the latency percentiles as the callers saw them, and the model's and each
 device's stats (time queued and time running apart). The outputs of the last request
 are printed (type, shape, range and, along the last axis, the five largest values) and,
-with ``--save``, written to a numpy archive (see :mod:`wasinn._save`).
+with ``--save``, written to a numpy archive (see :mod:`wasinn._save`). Where the archive
+goes to stdout (``--save /dev/stdout``), every line is printed to stderr instead, so that
+stdout's reader gets the archive alone.
 
 bf16 has no type in numpy's file format: numpy saves an ``ml_dtypes.bfloat16`` array as
 2-byte raw values (``|V2``). ``--input`` reads such values as bf16 where the model's input
@@ -79,12 +81,12 @@ class Load:
 
 
 def parse_shapes(specs: Sequence[str]) -> dict[str, ZeroInput]:
-    """Every ``--shape NAME=D,D,...[:TYPE]``; InvalidArgumentError for a name given
-    twice."""
+    """Every ``--shape NAME=D,D,...[:TYPE]``; InvalidArgumentError for a name given two
+    shapes (the same one twice counts once)."""
     shapes: dict[str, ZeroInput] = {}
     for spec in specs:
         name, zero = parse_shape(spec)
-        if name in shapes:
+        if shapes.setdefault(name, zero) != zero:
             raise InvalidArgumentError(
                 f"--shape {spec!r}: {name} already has the shape "
                 f"{_shape_arg(shapes[name])}: expected one --shape per input")
@@ -136,24 +138,33 @@ SHAPE_TYPE_HINT = "give it with --shape {name}={dims}:TYPE (e.g. --shape {name}=
 
 def check_input_specs(specs: Sequence[str]) -> None:
     """InvalidArgumentError for an ``--input`` that is neither ``NAME=FILE.npy`` nor a
-    file name (its files are read by :func:`read_inputs`)."""
+    file name, and for two ``NAME=`` that give one name different files (the same one
+    twice counts once); before their files are read (by :func:`read_inputs`)."""
+    named: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if (sep and (not name or not path)) or not spec:
             raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
+        if sep and named.setdefault(name, spec) != spec:
+            raise InvalidArgumentError(
+                f"--input {spec!r}: {name} is already given by --input {named[name]!r}: "
+                "expected one value per input")
 
 
 def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
-    """The arrays ``--input`` names: ``NAME=FILE.npy`` or a whole ``FILE.npz``.
+    """The arrays ``--input`` names: ``NAME=FILE.npy`` or a whole ``FILE.npz`` (a spec
+    given twice is read once).
 
-    Raises InvalidArgumentError for a malformed spec, a file of the other kind or one that
-    is not numpy's (not numpy's format, object arrays, a corrupt or truncated archive,
-    an archive member that is no array), for one that cannot be read and for one whose
-    header declares an array too large to allocate, naming the file.
+    Raises InvalidArgumentError for a malformed spec or two that give one name (see
+    :func:`check_input_specs`; an archive's names are known once it is read), a file of
+    the other kind or one that is not numpy's (not numpy's format, object arrays, a
+    corrupt or truncated archive, an archive member that is no array), for one that
+    cannot be read and for one whose header declares an array too large to allocate,
+    naming the file.
     """
     check_input_specs(specs)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for spec in specs:
+    for spec in dict.fromkeys(specs):
         name, sep, path = spec.partition("=")
         file = Path(path if sep else spec)
         # Opened here, not by np.load: it leaves the file open when an archive is corrupt.

@@ -247,10 +247,18 @@ def scale_onnx(factor: float = 0.5, in_name: str = "x", out_name: str = "y") -> 
     return onnx_model_bytes(graph)
 
 
+#: What :func:`example_models` needs: torch builds the MobileNetV2-like network and
+#: exports it, onnx writes ``scale.onnx`` (both in ``wasinn[all]``).
+EXAMPLE_MODEL_LIBRARIES = ("torch", "onnx")
+
+
 def example_models(directory: Path | str, width: float = 1.0) -> list[Path]:
     """The model files the example configs name (``configs/pipeline.toml``:
     ``models/scale.onnx`` and ``models/mobilenet.onnx``), written into ``directory``
-    (their ``models/`` folder); returns their paths."""
+    (their ``models/`` folder); returns their paths. Raises ImportError, before anything
+    is written, where a library of :data:`EXAMPLE_MODEL_LIBRARIES` cannot be imported:
+    the configs name both files, and half of them would leave a config that fails later."""
+    _import_all(EXAMPLE_MODEL_LIBRARIES, "the example models (scale.onnx, mobilenet.onnx)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     scale = directory / "scale.onnx"
@@ -258,6 +266,24 @@ def example_models(directory: Path | str, width: float = 1.0) -> list[Path]:
     mobilenet = directory / "mobilenet.onnx"
     _export_onnx(mobilenet_v2(width, 0), mobilenet)  # only the ONNX file is named
     return [scale, mobilenet]
+
+
+def _import_all(libraries: tuple[str, ...], what: str) -> None:
+    # ImportError naming every library of those needed that cannot be imported, why, and
+    # how to install them.
+    import importlib
+
+    missing: list[str] = []
+    for library in libraries:
+        try:
+            importlib.import_module(library)
+        except ImportError as exc:
+            missing.append(f"{library} ({exc})")
+    if missing:
+        raise ImportError(
+            f"generating {what} needs {' and '.join(libraries)}, and cannot import "
+            f"{', '.join(missing)}: expected pip install \"wasinn[all]\" (or "
+            f"{' and '.join(libraries)} installed beside wasinn)")
 
 
 def digest(data: bytes) -> str:
@@ -271,12 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m wasinn.modelgen",
         description="Write the models the example configs name into DIR (their models/ "
-                    "folder): scale.onnx and a MobileNetV2-like mobilenet.onnx.")
+                    "folder): scale.onnx and a MobileNetV2-like mobilenet.onnx. Needs torch "
+                    "and onnx (pip install \"wasinn[all]\"); without them it writes "
+                    "nothing and exits with status 1.")
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--width", type=float, default=1.0,
                         help="MobileNetV2 width multiplier (default 1.0)")
     args = parser.parse_args(argv)
-    for path in example_models(args.directory, args.width):
+    try:
+        paths = example_models(args.directory, args.width)
+    except ImportError as exc:  # (as wasinn demo says it: one line, not a traceback)
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
+    for path in paths:
         print(path)
     return 0
 

@@ -14,11 +14,14 @@ import pytest
 from tests.component_guests import build_sleep
 from tests.guest_support import WAT_DIR, GuestModels, example_guest, make_guest_models
 from tests.support import require_backend
-from wasinn.cli import main, parse_dir, parse_env
+from wasinn._cli_parser import build_parser
+from wasinn.cli import main, parse_dir, parse_env, parse_envs
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.preload import parse_nn_graph, parse_nn_preload
+from wasinn.infer import parse_shapes
 from wasinn.modelgen import ModelFiles
+from wasinn.scheduler.warmup import ZeroInput
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,26 @@ def test_dir_syntaxes() -> None:
     assert parse_dir("/srv/m::/models") == ("/models", "/srv/m")   # Wasmtime HOST::GUEST
     assert parse_dir("data") == ("data", "data")                   # HOST alone
     assert parse_dir("/models:/srv/m") == ("/models", "/srv/m")    # WasmEdge GUEST:HOST
+
+
+def test_a_flag_given_twice_does_what_the_readme_says() -> None:
+    # Before, the README said a flag "given twice" was a usage error, while --timeout,
+    # --fuel, --requests and --env given twice were silently accepted, the last winning.
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert ("Of a flag that takes one value (`--timeout`, `--fuel`, `--requests`, "
+            "`--concurrency`, `--target`, `--save`, `--config`, ...), the last one given "
+            "counts") in readme
+    assert "the same one given twice counts once" in readme
+    parser = build_parser()
+    run = parser.parse_args(["run", "--timeout", "5", "--timeout", "50", "--fuel", "7",
+                             "--fuel", "9", "--config", "a", "--config", "b", "g.wasm"])
+    assert (run.timeout, run.fuel, run.config) == (50.0, 9, "b")
+    infer = parser.parse_args(["infer", "m", "--requests", "2", "--requests", "3",
+                               "--concurrency", "4", "--concurrency", "1", "--target", "gpu",
+                               "--target", "cpu", "--save", "a", "--save", "b"])
+    assert (infer.requests, infer.concurrency, infer.target, infer.save) == (3, 1, "cpu", "b")
+    assert parse_envs(["A=1", "B=2", "A=1"]) == {"A": "1", "B": "2"}
+    assert parse_shapes(["x=1,4", "x=1,4"]) == {"x": ZeroInput((1, 4))}
 
 
 def test_env_syntaxes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,6 +195,12 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
             (["infer", "m", "--shape", "x=2,x"], "wasinn infer: error: --shape 'x=2,x': expected"),
             (["infer", "m", "--shape", "x=1,4", "--shape", "x=2,4"],
              "--shape 'x=2,4': x already has the shape 1,4: expected one --shape per input"),
+            (["infer", "m", "--input", "x=a.npy", "--input", "x=b.npy"],
+             "wasinn infer: error: --input 'x=b.npy': x is already given by --input "
+             "'x=a.npy': expected one value per input"),
+            (["run", "--env", "A=1", "--env", "A=2", guest],
+             "wasinn run: error: --env 'A=2': A is already '1': expected one value per "
+             "variable"),
             (["infer", "m", "--requests", "0"], "wasinn infer: error: --requests 0: expected"),
             (["infer", "m", "--timeout", "-1"], "wasinn infer: error: --timeout -1.0: expected"),
             (["infer", "m", "--input", "=x.npy"],

@@ -103,7 +103,8 @@ def test_a_pipeline_runs_on_an_archive_of_inputs(tmp_path: Path, small_mobilenet
     (["--input", "x={missing}"], "--input x={missing}: cannot read {missing}: No such file or "
                                  "directory: expected a readable .npy or .npz file"),
     (["--input", "x={folder}"], "--input x={folder}: cannot read {folder}: Is a directory"),
-    (["--input", "x={x}", "--input", "x={x}"],
+    # (Through an archive: known once it is read. `x=A --input x=B`: a usage error.)
+    (["--input", "{archive}", "--input", "x={x}"],
      "--input x={x}: x is already given by an earlier --input: expected one value per input"),
     (["--input", "x={x}", "--input", "0={x}"],
      "--input 0: x is given twice (by name and by position): expected one value per input"),
@@ -145,6 +146,24 @@ def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
     assert code == 1
     assert err.startswith("wasinn: error: ") and message.format(**files) in err
     assert "Traceback" not in err
+
+
+def test_an_input_given_twice_is_a_usage_error_unless_it_is_the_same(
+        affine: list[str], tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Before: status 1 without the usage line, for the same --input twice too. README:
+    # two of a repeatable flag that give one thing different values are a usage error.
+    np.save(tmp_path / "x.npy", np.array([[0, 1, 2, 3]], np.float32))
+    np.save(tmp_path / "y.npy", np.array([[1, 1, 1, 1]], np.float32))
+    x, y = f"x={tmp_path / 'x.npy'}", f"x={tmp_path / 'y.npy'}"
+    with pytest.raises(SystemExit) as exc:
+        main(["infer", *affine, "a", "--input", x, "--input", y])
+    assert exc.value.code == 2
+    err = capfd.readouterr().err
+    assert err.startswith("usage: wasinn infer ")
+    assert err.endswith(f"wasinn infer: error: --input {y!r}: x is already given by --input "
+                        f"{x!r}: expected one value per input\n")
+    assert main(["infer", *affine, "a", "--input", x, "--input", x]) == 0  # counts once
+    assert "y: f32[1, 4] min 1 max 7" in capfd.readouterr().out
 
 
 def test_a_big_endian_input_file_gives_the_right_results(
@@ -461,6 +480,59 @@ def test_a_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
     with np.load(io.BytesIO(received[0])) as archive:
         assert archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert [p.name for p in tmp_path.iterdir()] == ["out.npz"]  # no temporary left
+
+
+def test_an_archive_saved_to_stdout_is_all_that_its_pipe_carries(affine: list[str],
+                                                                  tmp_path: Path) -> None:
+    # Before: /dev/stdout on a pipe was resolved to /proc/PID/fd/pipe:[N], taken for a
+    # regular file to rename onto, and the save failed (status 1); and the summary lines
+    # were printed to the same stdout, ahead of the archive and after it.
+    np.save(tmp_path / "x.npy", np.array([[0, 1, 2, 3]], np.float32))
+    argv = ["infer", *affine, "a", "--input", f"x={tmp_path / 'x.npy'}", "--requests", "2",
+            "--save", "/dev/stdout"]
+    done = subprocess.run([sys.executable, "-c", f"import sys\nfrom wasinn.cli import main\n"
+                           f"sys.exit(main({argv!r}))\n"], capture_output=True,
+                          timeout=120, check=False)
+    said = done.stderr.decode()
+    assert done.returncode == 0, said
+    with np.load(io.BytesIO(done.stdout)) as archive:
+        assert archive.files == ["y"]
+        np.testing.assert_array_equal(archive["y"], [[1, 3, 5, 7]])
+    assert "y: f32[1, 4] min 1 max 7" in said and "2 requests from 1 concurrent" in said
+    assert said.endswith("outputs written to /dev/stdout\n")
+
+
+@pytest.mark.parametrize("name", ["/dev/fd/{fd}", "/proc/self/fd/{fd}"])
+@pytest.mark.parametrize("kind", ["pipe", "socket"])
+def test_a_pipe_or_socket_named_by_its_descriptor_is_written_into(name: str, kind: str
+                                                                  ) -> None:
+    # What a shell's >(...) passes: /dev/fd/63. Before, the pre-run check refused it
+    # ("cannot write /proc/PID/fd/pipe:[N]"); a socket cannot be opened by such a name
+    # at all (ENXIO), only written through its descriptor.
+    if kind == "pipe":
+        read_end, write_end = os.pipe()
+        ends: tuple[Any, Any] = (os.fdopen(read_end, "rb"), os.fdopen(write_end, "wb"))
+    else:
+        import socket
+
+        ends = socket.socketpair()
+    received: list[bytes] = []
+
+    def read_to_the_end() -> None:
+        while chunk := os.read(reader.fileno(), 1 << 16):
+            received.append(chunk)
+
+    with ends[0] as reader, ends[1] as writer:
+        path = Path(name.format(fd=writer.fileno()))
+        check_save_path(path)
+        thread = threading.Thread(target=read_to_the_end, daemon=True)
+        thread.start()
+        save_outputs(path, {"y": Tensor.from_numpy(np.arange(4, dtype=np.float32))})
+        writer.close()  # (the reader's end of file; the save leaves the descriptor open)
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    with np.load(io.BytesIO(b"".join(received))) as archive:
+        assert archive["y"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_a_file_in_a_folder_closed_to_new_files_is_written_into(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,25 @@ def test_types_documented_calls_return_or_raise_are_exported() -> None:
     for module in (wasinn.actors, wasinn.scheduler):
         for name in module.__all__:
             assert hasattr(module, name), (module.__name__, name)
+
+
+def test_every_error_the_readme_puts_in_the_tree_is_in_wasinn_errors() -> None:
+    # Before: `except wasinn.errors.ConfigError:`, as the README reads, raised
+    # AttributeError (it was wasinn.ConfigError only).
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    tree = readme.partition("Errors form one tree (`wasinn.errors`):")[2]
+    tree = tree.partition("each message says")[0]
+    named = set(re.findall(r"`([A-Z]\w*Error_?)`", tree))
+    assert {"WasiNNError", "ConfigError", "ClosedResourceError", "TimeoutError_"} <= named
+    for name in sorted(named):
+        error = getattr(wasinn.errors, name)  # (AttributeError: not there)
+        assert issubclass(error, wasinn.errors.WasiNNError), name
+        assert error is getattr(wasinn, name), name
+    from wasinn.errors import ConfigError
+
+    assert issubclass(ConfigError, wasinn.errors.InvalidArgumentError)
+    with pytest.raises(AttributeError, match=r"module 'wasinn\.errors' has no attribute 'Nope'"):
+        wasinn.errors.Nope  # type: ignore[attr-defined]  # noqa: B018
 
 
 def test_the_lazy_getattr_is_hidden_from_type_checkers() -> None:
