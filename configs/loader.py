@@ -260,12 +260,19 @@ def _encoding_problem(encoding: str, backend: str | None, known: list[str]) -> s
 
 
 def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None = None,
-                 backends: Iterable[str] | None = None) -> RuntimeConfig:
+                 backends: Iterable[str] | None = None, warn: bool = True) -> RuntimeConfig:
     """Validate already-parsed TOML; ConfigError names ``label`` (the file) and the keys.
 
     ``backends``: the names of backends the runtime will be given besides those known
     here (``Runtime(..., backends=...)``); backend names are then checked. None leaves
-    that check to ``Runtime``.
+    that check to ``Runtime``. ``warn``: log the settings that do nothing as the config
+    stands (False where they were logged already, when ``data`` was first read).
+
+    A model file that leads out of the config directory (a ``..`` or a symlink), names
+    the directory itself or holds a NUL byte is a ConfigError here. One that cannot be
+    resolved (missing, a symlink loop) fails only its model, when it is loaded
+    (NotFoundError naming the model and the file): the other models and the pools stay
+    usable.
     """
     label = label or (str(source) if source else "<config>")
     try:
@@ -278,12 +285,15 @@ def parse_config(data: dict[str, Any], source: Path | None, *, label: str | None
         for i, file in enumerate(model.files):
             try:
                 model_file(config, file)
-            except (SecurityError, InvalidArgumentError, NotFoundError) as exc:
+            except NotFoundError:
+                continue  # as a missing file is: the load says so, naming the model
+            except (SecurityError, InvalidArgumentError) as exc:
                 raise ConfigError(
                     f"{label}: models.{key_name(name)}.files[{i}]: {exc.message}") from None
     if backends is not None:
         check_backends(config, label, backends)
-    _warn_unused(config, label)
+    if warn:
+        _warn_unused(config, label)
     return config
 
 

@@ -12,6 +12,7 @@ it between guests; a missing file is reported to the guest that asks as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +84,10 @@ def parse_nn_graph(spec: str) -> Preload:
             f"one of {', '.join(e.value for e in _DIR_FILES)}"
         )
     path = Path(directory)
-    name = path.resolve().name
+    # DIR's own last part, as Wasmtime names it: a "current version" link
+    # (models/mobilenet -> mobilenet-v3) registers the name the operator typed, not its
+    # target's. abspath settles ".", ".." and a trailing "/" without following links.
+    name = Path(os.path.abspath(path)).name
     problem = name_problem(name)
     if problem is not None:
         raise InvalidArgumentError(f"--wasi {spec!r}: the folder's name is the model's: {problem}")
@@ -94,9 +98,11 @@ def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> Runtime
     """``config`` with each preload added to its ``[models]`` table (absolute paths).
 
     The runtime's model registry then serves them like any configured model: loaded on
-    first ``load_by_name``, shared by every guest. A name already in the config is
-    replaced by the command line's. Raises ConfigError for a name the config would
-    refuse (names are identifiers, never paths).
+    first ``load_by_name``, shared by every guest. A name already in the config, a
+    model's or a pipeline's, is replaced by the command line's (nothing else in a config
+    names a pipeline: steps are models). The config's warnings are not given again: they
+    were when it was read. Raises ConfigError for a name the config would refuse (names
+    are identifiers, never paths).
     """
     from wasinn.configs.loader import parse_config
 
@@ -110,8 +116,9 @@ def with_preloads(config: RuntimeConfig, preloads: Sequence[Preload]) -> Runtime
         }
         if preload.target is not None:
             model["target"] = preload.target.value
+        data["pipelines"].pop(preload.name, None)
         data["models"][preload.name] = model
     label = str(config.source) if config.source else "<command line>"
-    merged = parse_config(data, config.source, label=f"{label} + preloads")
+    merged = parse_config(data, config.source, label=f"{label} + preloads", warn=False)
     return merged.with_given({p.name: p.flag for p in preloads if p.flag})
 
