@@ -7,6 +7,11 @@ tried on the CPU once, only to tell the failures apart); :func:`session_options`
 entries with :data:`SESSION_DEFAULTS`, unknown keys warned about once);
 :func:`providers_for` its execution providers (CUDA's ``device_id`` and ``use_tf32``).
 Also the backend's :data:`NAME`.
+
+An ONNX model reaches ONNX Runtime through a pipe it reads as a file (:mod:`._model_pipe`),
+not as bytes, where it can: its binding holds the GIL while it copies bytes (every thread,
+the trio loop included, stalls: 0.3 to 1.1 s for 512 MB on a 2-core machine), not while
+it reads a file.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import psutil
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError, InvalidEncodingError, UnsupportedOperationError
 
+from ._model_pipe import piped
 from ._onnx_check import external_data_folder
 from ._ort_config_keys import is_config_key
 from ._ort_config_keys import unknown as unknown_config_keys
@@ -33,7 +39,7 @@ _NotImplemented: type[Exception] = ort.capi.onnxruntime_pybind11_state.NotImplem
 
 
 def _session(data: bytes, device: Device, options: LoadOptions,
-             external: Mapping[str, bytes]) -> Any:
+             external: Mapping[str, bytes], *, ort_format: bool) -> Any:
     """An ``InferenceSession`` for ``data`` on ``device``, with ORT's provider fallback off.
 
     ORT's Python wrapper treats any ValueError or RuntimeError while it builds a session
@@ -47,16 +53,16 @@ def _session(data: bytes, device: Device, options: LoadOptions,
     UnsupportedOperationError where only the CUDA provider fails on it or where ONNX
     Runtime has no kernel for what a well-formed model uses (NOT_IMPLEMENTED), and
     InvalidArgumentError for provider options that contradict ``device``
-    (:func:`providers_for`). ``external``: the model's external data files, by location.
+    (:func:`providers_for`). ``external``: the model's external data files, by location;
+    ``ort_format``: whether the checks read ``data`` as an ORT-format model (which ONNX
+    Runtime is given as bytes: see :func:`_built`).
     """
     providers = providers_for(device, options)
     try:
-        session = ort.InferenceSession(
-            data, sess_options=session_options(options, external), providers=providers,
-            enable_fallback=0,
-        )
+        session = _built(data, options, external, providers, ort_format)
     except Exception as exc:
-        if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options, external):
+        if device.kind is ExecutionTarget.GPU and _loads_on_cpu(data, options, external,
+                                                                ort_format):
             raise UnsupportedOperationError(
                 f"{NAME}: the CUDA provider failed on {device}: {exc}") from exc
         if isinstance(exc, _NotImplemented):  # a kernel this build lacks (bf16 Add)
@@ -68,12 +74,55 @@ def _session(data: bytes, device: Device, options: LoadOptions,
     return session
 
 
-def _loads_on_cpu(data: bytes, options: LoadOptions, external: Mapping[str, bytes]) -> bool:
+def _loads_on_cpu(data: bytes, options: LoadOptions, external: Mapping[str, bytes],
+                  ort_format: bool) -> bool:
     """Whether a CPU-only session can be built for ``data`` (the model is readable)."""
     try:
-        ort.InferenceSession(data, sess_options=session_options(options, external),
-                             providers=["CPUExecutionProvider"], enable_fallback=0)
+        _built(data, options, external, ["CPUExecutionProvider"], ort_format)
     except Exception:
+        return False
+    return True
+
+
+#: What an ONNX Runtime error says instead of the pipe's path.
+MODEL_BYTES = "<the model's bytes>"
+
+
+def _built(data: bytes, options: LoadOptions, external: Mapping[str, bytes],
+           providers: list[Any], ort_format: bool) -> Any:
+    """An ``InferenceSession`` for ``data``, ORT's fallback off, read through a pipe
+    (:func:`~._model_pipe.piped`) so that ONNX Runtime takes it with the GIL released
+    (and as ONNX, by the pipe's name, which does not end in ``.ort``). Bytes instead for
+    what the checks read as an ORT-format model (``ort_format``: ONNX Runtime reads one
+    by its file's size, which a pipe has not), where there is no pipe to name, in a sandbox
+    process (its stall holds up only its own graph's requests, and its confinement need
+    not allow the path), and where ONNX Runtime is told a folder for the model's
+    external data (:func:`session_options`), which it reads for a model given as bytes
+    only. ONNX Runtime's errors name the model :data:`MODEL_BYTES`, not the pipe."""
+    so = session_options(options, external)
+    if in_sandbox() or ort_format or _has_entry(so, _EXTERNAL_DATA_FOLDER):
+        return _from_bytes(data, so, providers)
+    with piped(data, "wasinn-onnx-model") as path:
+        if path is None:
+            return _from_bytes(data, so, providers)
+        try:
+            return ort.InferenceSession(path, sess_options=so, providers=providers,
+                                        enable_fallback=0)
+        except Exception as exc:
+            exc.args = tuple(a.replace(path, MODEL_BYTES) if isinstance(a, str) else a
+                             for a in exc.args)
+            raise
+
+
+def _from_bytes(data: bytes, so: Any, providers: list[Any]) -> Any:
+    return ort.InferenceSession(data, sess_options=so, providers=providers, enable_fallback=0)
+
+
+def _has_entry(so: Any, key: str) -> bool:
+    """Whether the ``SessionOptions`` ``so`` hold the session config entry ``key``."""
+    try:
+        so.get_session_config_entry(key)
+    except RuntimeError:  # (what ONNX Runtime raises for a key it was not given)
         return False
     return True
 

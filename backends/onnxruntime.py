@@ -41,6 +41,10 @@ is refused in the host's process only: loaded sandboxed (:func:`~.base.in_sandbo
 where a trap ends just the sandbox process, it is left unguarded and the rest of the
 model guarded.
 
+Loading: ONNX Runtime reads an ONNX model from a pipe, not from bytes, which its binding
+copies holding the GIL (every thread, the trio loop included, would stall: 0.3 to 1.1 s
+for 512 MB); see :func:`._ort_session._built` for where it still gets the bytes.
+
 Spinning: each session's intra-op threads spin while a run is in progress (ONNX Runtime's
 default), but stop when it returns (``session.force_spinning_stop``; ``extra`` can set it
 back to ``"0"``). Left spinning, they hold the cores for a while after every run, and the
@@ -158,7 +162,7 @@ class OnnxRuntimeBackend(Backend):
                         if locations and folder is not None else {})
         data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox(),
                                       ort_format=ort_format)
-        session = _session(data, device, options, external)
+        session = _session(data, device, options, external, ort_format=ort_format)
         del external  # (ONNX Runtime has copied what it needs)
         if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
             session.get_providers()
