@@ -38,6 +38,7 @@ input are refused, as any other type mismatch is, saying how to write a bf16 fil
 from __future__ import annotations
 
 import math
+import os
 import re
 import statistics
 import time
@@ -86,11 +87,14 @@ def parse_shapes(specs: Sequence[str]) -> dict[str, ZeroInput]:
     shapes: dict[str, ZeroInput] = {}
     for spec in specs:
         name, zero = parse_shape(spec)
-        if shapes.setdefault(name, zero) != zero:
+        known = shapes.setdefault(name, zero)
+        types = {known.type, zero.type} - {None}
+        if known.shape != zero.shape or len(types) > 1:
             raise InvalidArgumentError(
-                f"--shape {spec!r}: {name} already has the shape "
-                f"{_shape_arg(shapes[name])}: expected one --shape per input")
-        shapes[name] = zero
+                f"--shape {spec!r}: {name} is already given as {name}={_shape_arg(known)}: "
+                "expected one shape (and type) per input")
+        if zero.type is not None:  # (the same shape, one with the type: the type counts)
+            shapes[name] = zero
     return shapes
 
 
@@ -145,10 +149,31 @@ def check_input_specs(specs: Sequence[str]) -> None:
         name, sep, path = spec.partition("=")
         if (sep and (not name or not path)) or not spec:
             raise InvalidArgumentError(f"--input {spec!r}: expected NAME=FILE.npy or FILE.npz")
-        if sep and named.setdefault(name, spec) != spec:
+        if sep and not _same_file(named.setdefault(name, spec), spec):
             raise InvalidArgumentError(
                 f"--input {spec!r}: {name} is already given by --input {named[name]!r}: "
                 "expected one value per input")
+
+
+def _same_file(one: str, other: str) -> bool:
+    """Whether two ``NAME=FILE`` specs name one file (``x.npy`` and ``./x.npy``)."""
+    first, second = one.partition("=")[2], other.partition("=")[2]
+    return first == second or os.path.realpath(first) == os.path.realpath(second)
+
+
+def _distinct(specs: Sequence[str]) -> list[str]:
+    """``specs`` less those that repeat an earlier one: the same spec, or ``NAME=`` the
+    same file (checked by :func:`check_input_specs`)."""
+    kept: list[str] = []
+    named: set[str] = set()
+    for spec in dict.fromkeys(specs):
+        name, sep, _ = spec.partition("=")
+        if sep:
+            if name in named:
+                continue  # (the same file: check_input_specs refused another)
+            named.add(name)
+        kept.append(spec)
+    return kept
 
 
 def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
@@ -164,7 +189,7 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
     """
     check_input_specs(specs)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
-    for spec in dict.fromkeys(specs):
+    for spec in _distinct(specs):
         name, sep, path = spec.partition("=")
         file = Path(path if sep else spec)
         # Opened here, not by np.load: it leaves the file open when an archive is corrupt.

@@ -18,6 +18,7 @@ a real numpy dtype with the same 2-byte layout, so bf16 data is zero-copy as wel
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import threading
 from collections.abc import Callable, Sequence
@@ -185,12 +186,30 @@ def _checked_dims(array: np.ndarray[Any, Any], dims: Sequence[int], ttype: Tenso
             f"{_DTYPES[ttype]} (or Tensor.from_numpy, which takes the element type from "
             "the array)")
     shape: tuple[int, ...] = array.shape
-    given = check_dims(dims)  # (a list or a numpy array of them, as from_bytes takes)
+    try:
+        given = check_dims(dims)  # (a list or a numpy array of them, as from_bytes takes)
+    except InvalidArgumentError:
+        if not _equal_numbers(dims, shape):
+            raise
+        given = shape  # whole numbers given as floats, equal to the array's: ints kept
     if given != shape:
         raise InvalidArgumentError(
             f"tensor dimensions {list(given)} over an array of shape {list(shape)}: "
             "expected the array's own shape")
     return shape
+
+
+def _equal_numbers(dims: object, shape: tuple[int, ...]) -> bool:
+    # Whether ``dims`` is a sequence of numbers equal to ``shape`` (2.0 for 2), as the
+    # constructor's quick check of a tuple takes them.
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence | np.ndarray):
+        return False
+    try:
+        return len(dims) == len(shape) and all(
+            isinstance(d, numbers.Real) and not isinstance(d, bool | np.bool_) and d == n
+            for d, n in zip(dims, shape, strict=True))
+    except TypeError:
+        return False
 
 
 def _canonical(array: np.ndarray[Any, Any], ttype: TensorType) -> np.ndarray[Any, Any]:

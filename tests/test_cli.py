@@ -194,7 +194,10 @@ def test_bad_command_lines(capfd: pytest.CaptureFixture[str], tmp_path: Path) ->
              "wasinn models: error: --nn-preload 'a:b': expected NAME:ENCODING"),
             (["infer", "m", "--shape", "x=2,x"], "wasinn infer: error: --shape 'x=2,x': expected"),
             (["infer", "m", "--shape", "x=1,4", "--shape", "x=2,4"],
-             "--shape 'x=2,4': x already has the shape 1,4: expected one --shape per input"),
+             "--shape 'x=2,4': x is already given as x=1,4: expected one shape (and type) "
+             "per input"),
+            (["infer", "m", "--shape", "x=1,4:f32", "--shape", "x=1,4:i64"],
+             "--shape 'x=1,4:i64': x is already given as x=1,4:f32: expected one shape"),
             (["infer", "m", "--input", "x=a.npy", "--input", "x=b.npy"],
              "wasinn infer: error: --input 'x=b.npy': x is already given by --input "
              "'x=a.npy': expected one value per input"),

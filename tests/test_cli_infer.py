@@ -164,6 +164,14 @@ def test_an_input_given_twice_is_a_usage_error_unless_it_is_the_same(
                         f"{x!r}: expected one value per input\n")
     assert main(["infer", *affine, "a", "--input", x, "--input", x]) == 0  # counts once
     assert "y: f32[1, 4] min 1 max 7" in capfd.readouterr().out
+    # So does the same file by another path (it was refused: "already given by an
+    # earlier --input"), and one shape given with and without its type.
+    other_path = f"x={tmp_path}/./x.npy"
+    assert main(["infer", *affine, "a", "--input", x, "--input", other_path]) == 0
+    assert "y: f32[1, 4] min 1 max 7" in capfd.readouterr().out
+    assert main(["infer", *affine, "a", "--zeros", "--shape", "x=2,4",
+                 "--shape", "x=2,4:f32"]) == 0
+    assert "y: f32[2, 4] min 1 max 1" in capfd.readouterr().out
 
 
 def test_a_big_endian_input_file_gives_the_right_results(

@@ -355,3 +355,15 @@ async def test_an_edit_cannot_make_a_kept_openvino_output_feed_graphs_different_
         for consumer in consumers:
             result = await consumer.compute({"x": kept}, keep_on_device=False)
             assert result["y"].numpy().tolist() == [[3.0] * 4]
+
+
+def test_whole_number_float_dims_are_taken_whatever_holds_them() -> None:
+    # A tuple of floats passed the quick check while a list of them, or the same tuple
+    # over a strided array, went to check_dims, which refuses floats.
+    strided = np.ones((2, 6), np.float32)[:, ::2]
+    for dims in ((2.0, 3), [2.0, 3], np.array([2.0, 3.0])):
+        for array in (np.ones((2, 3), np.float32), strided):
+            tensor = Tensor(dims, TensorType.F32, array=array)  # type: ignore[arg-type]
+            assert tensor.dims == (2, 3) and all(type(d) is int for d in tensor.dims)
+    with pytest.raises(InvalidArgumentError, match=r"2.5 \(float\) is not an integer"):
+        Tensor([2.5, 3], TensorType.F32, array=np.ones((2, 3), np.float32))  # type: ignore[arg-type]
