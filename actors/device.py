@@ -147,6 +147,7 @@ class DeviceActor(DeviceRequests):
                                               self._slots, self._stats, self._start_task,
                                               inline_below=inline_below)
         self._batcher = runner.batcher
+        self._slots.waiting = lambda: self.queued  # (a full queue's error names both)
         self._closer = GraphCloser(device, self._start_task)
         self._cache = SessionCache(
             str(device), self._start_task,

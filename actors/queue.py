@@ -58,16 +58,24 @@ class Request:
     :meth:`Slots.pass_on <wasinn.actors.slots.Slots.pass_on>`); ``started`` is set when
     one did, and the slot is then the job's. ``withdrawn`` says why its owner took it
     out of the queue unrun (see :meth:`Slots.withdraw <wasinn.actors.slots.Slots.withdraw>`).
+
+    ``expires`` (trio time; ``math.inf``: never) is when the request may no longer be
+    granted a slot: its ``deadline`` where its waiter's own cancel scope ends the wait
+    then (set by :meth:`Slots.take <wasinn.actors.slots.Slots.take>` for the requests it
+    makes), so that a slot freed past it, by trio or by a worker thread, goes to the next
+    request and the waiter times out as any. A batch's entry never expires: its deadline
+    is its earliest member's, which moves when that member leaves.
     """
 
-    __slots__ = ("deadline", "displaced_by", "event", "granted", "handoff", "key", "priority",
-                 "queued", "removed", "seq", "started", "tenant", "withdrawn")
+    __slots__ = ("deadline", "displaced_by", "event", "expires", "granted", "handoff", "key",
+                 "priority", "queued", "removed", "seq", "started", "tenant", "withdrawn")
 
     _counter = itertools.count()
 
     def __init__(self, priority: int = 0, deadline: float = math.inf, tenant: str = "") -> None:
         self.priority = priority if type(priority) is int else operator.index(priority)
         self.deadline = deadline
+        self.expires = math.inf
         self.tenant = tenant
         self.seq = next(Request._counter)
         self.event = trio.Event()

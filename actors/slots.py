@@ -18,6 +18,14 @@ cross-thread wake-ups and two trio scheduling rounds, 0.2-0.3 ms on a small VM),
 priorities, deadlines and fairness decide exactly as when trio grants the slot. The
 request's caller learns it was granted once trio has taken the previous result.
 
+Neither trio nor a worker thread grants a slot to a request whose deadline has passed
+(``Request.expires``, read on trio's own clock: a worker thread reads it too, so a
+test's ``MockClock`` decides there as in trio): it leaves the queue unrun, the slot goes
+to the next request, and its caller's cancel scope, due already, times it out as if
+trio had dropped it. Without this, a busy event loop (a long synchronous callback) would
+let a worker thread chain the runs of requests that had all timed out, spending device
+time on callers that get ``TimeoutError_`` anyway.
+
 A policy that shares device time among tenants (``policy = "fair"``) is charged each
 run's device seconds in the worker thread where it ended, in the same critical section
 as that thread's ``pass_on``, so the next choice already counts it.
@@ -52,7 +60,7 @@ import contextlib
 import contextvars
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import trio
@@ -147,6 +155,12 @@ class Slots:
         #: The scopes of slot holders idling until other work comes (see :meth:`idle`),
         #: the longest idle first.
         self._idle: dict[trio.CancelScope, None] = {}
+        #: Trio's clock (any thread may read it; bound to the run's own by :meth:`open`),
+        #: for the requests' ``expires``.
+        self._now: Callable[[], float] = trio.current_time
+        #: How many requests wait (a merged batch's members each count: the device
+        #: actor's figure), for a full queue's error; None: the queue's entries.
+        self.waiting: Callable[[], int] | None = None
 
     @property
     def running(self) -> int:
@@ -155,12 +169,14 @@ class Slots:
 
     @property
     def queued(self) -> int:
+        """Entries in the queue (a merged batch is one)."""
         return len(self._policy)
 
     def open(self) -> None:
         """Bind to the current trio run (threads giving slots back reach it through its
-        token)."""
+        token; worker threads read its clock)."""
         self._token = trio.lowlevel.current_trio_token()
+        self._now = trio.lowlevel.current_clock().current_time
 
     # -- in trio ----------------------------------------------------------------------------
     async def take(self, priority: int = 0, deadline: float = math.inf, tenant: str = "",
@@ -169,7 +185,10 @@ class Slots:
 
         ``request``: the queue entry to wait as (its own terms then apply), for a caller
         that may :meth:`requeue` it while it waits; by default one is made from
-        ``priority``, ``deadline`` and ``tenant`` when the request has to queue.
+        ``priority``, ``deadline`` and ``tenant`` when the request has to queue, which
+        expires at ``deadline`` (trio time): the caller must wait within a cancel scope
+        of its own that ends the wait then (a timeout), for a request past it is never
+        granted a slot and left to that scope (see ``Request.expires``).
         ``handoff``: the request's job, prepared, which the worker thread that frees the
         slot may start at once (:meth:`pass_on`). Returns whether one did: the slot is
         then the job's, which frees it when it is over.
@@ -190,14 +209,14 @@ class Slots:
                 return False
             if request is None:
                 request = Request(priority, deadline, tenant)
+                request.expires = deadline
             owner = QUEUE_OWNER.get()
             displaced = None
             if len(self._policy) >= self.queue_limit:
                 displaced = self._policy.displace(request.tenant)
                 if displaced is None:
-                    raise QueueFullError(
-                        f"{self.name}: the request queue is full ({self.queue_limit} "
-                        "waiting): retry later or raise the pool's queue_limit")
+                    raise QueueFullError(f"{self.name}: {self._full()}: retry later or "
+                                         "raise the pool's queue_limit")
                 displaced.displaced_by = request.tenant
                 displaced.handoff = None  # (and the inputs its job holds)
             request.handoff = handoff
@@ -231,12 +250,24 @@ class Slots:
                 raise RequestWithdrawn(request.withdrawn)
             if request.displaced_by is not None:
                 raise QueueFullError(
-                    f"{self.name}: the request queue is full ({self.queue_limit} waiting) "
+                    f"{self.name}: {self._full()} "
                     f"and this request, of the tenant with the most waiting, gave its place "
                     f"to one of tenant {request.displaced_by!r}: retry later or raise the "
                     "pool's queue_limit")
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
+
+    def _full(self) -> str:
+        # What a full queue's error says: its entries, and the requests waiting where a
+        # merged batch (one entry) makes them differ, as the device's ``queued`` counts
+        # them (a batch that has not queued yet included: the refused request's own,
+        # when it formed one).
+        entries = len(self._policy)
+        requests = entries if self.waiting is None else self.waiting()
+        if requests == entries:
+            return f"the request queue is full ({entries} waiting)"
+        return (f"the request queue is full ({entries} of {self.queue_limit} entries, "
+                f"{requests} requests waiting: a merged batch is one entry)")
 
     @contextlib.contextmanager
     def idle(self, scope: trio.CancelScope) -> Iterator[None]:
@@ -297,7 +328,8 @@ class Slots:
         self.grant()
 
     def grant(self) -> None:
-        """Grant free slots to queued requests, in the policy's order (in trio)."""
+        """Grant free slots to queued requests, in the policy's order (in trio); one past
+        its ``expires`` leaves the queue ungranted (its waiter times out)."""
         while not self._closed:
             with self._lock:
                 if self._running >= self.workers:
@@ -305,6 +337,8 @@ class Slots:
                 request = self._policy.pop()
                 if request is None:
                     return
+                if self._expired(request):
+                    continue
                 self._running += 1
             request.granted = True
             request.event.set()
@@ -370,19 +404,39 @@ class Slots:
         and ``started`` when it came with a job, which the calling thread must then run.
         Trio tells the request (:meth:`granted_on`) once it has taken the ended job's
         result. ``tenant`` (None: not charged) is charged the job's ``seconds`` first,
-        under the same lock, so the choice counts the run that just ended."""
+        under the same lock, so the choice counts the run that just ended. A request
+        past its ``expires`` is taken out of the queue, neither granted nor started: its
+        waiter's cancel scope, due already, times it out as if trio had dropped it (a
+        busy event loop would otherwise let this thread run requests that all timed
+        out)."""
         with self._lock:
             if tenant is not None:
                 self._policy.charge(tenant, seconds)
             if self._closed or not len(self._policy):
                 return None
-            request = self._policy.pop()
-            if request is None:
-                return None
+            while True:
+                request = self._policy.pop()
+                if request is None:
+                    return None
+                # (_expired inlined: this is every hand-off's path.)
+                expires = request.expires
+                if expires == math.inf or expires > self._now():
+                    break
+                request.handoff = None
             self.released += 1
             request.granted = True
             request.started = request.handoff is not None
             return request
+
+    def _expired(self, request: Request) -> bool:
+        # (Under the lock, ``request`` just popped.) Whether its deadline has passed on
+        # trio's clock, as trio itself decides (``deadline <= now``): then it lets go of
+        # its job (and the inputs it holds) now; its waiter wakes when its scope fires.
+        # One comparison for a request without one.
+        if request.expires == math.inf or request.expires > self._now():
+            return False
+        request.handoff = None
+        return True
 
     @staticmethod
     def granted_on(request: Request) -> None:

@@ -9,6 +9,7 @@ slot counts come back to zero."""
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -395,3 +396,121 @@ async def test_a_waiting_caller_cancelled_as_the_threads_stop_sees_its_cancellat
             gate.set()
         assert await threads.wait_stopped(GUARD_S) == []
     assert len(seen) == 1 and isinstance(seen[0], trio.Cancelled)
+
+
+async def test_a_thread_passes_its_slot_over_queued_requests_whose_deadline_passed(
+        ) -> None:
+    """The event loop is held past the deadline of three queued requests while the run
+    before them ends: the worker thread must not start them (device time for callers
+    that time out anyway), but pass its slot to the request after them. They end as
+    when trio drops them from the queue: TimeoutError_, counted timed out for the
+    device, the model and the tenant, and the slot counts come back to zero."""
+    import time
+
+    import wasinn
+    from tests.fake_backend import FakeBackend
+    from wasinn import TimeoutError_
+
+    fake = FakeBackend(devices=("cpu",))
+    config = cpu_pool(workers=1, backends=["fake"])
+    outcomes: dict[float, object] = {}
+    timeout = 0.1
+    async with wasinn.Runtime(config, backends=[fake]) as rt:
+        gated = await rt.load([b"fake:add=1:gate"], "ggml", name="gated")
+        graph = await rt.load([b"fake:add=1"], "ggml", name="plain")
+        await graph.compute({"x": np.zeros((1, 4), np.float32)})  # compiled here
+        (actor,) = rt.actors
+
+        async def compute(value: float, tenant: str, **terms: Any) -> None:
+            x = np.full((1, 4), value, np.float32)
+            try:
+                outcomes[value] = (await graph.compute({"x": x}, tenant=tenant, **terms)
+                                   )["y"].numpy()[0, 0]
+            except TimeoutError_ as exc:
+                outcomes[value] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(
+                gated.compute, {"x": np.full((1, 4), 100.0, np.float32)}))
+            await trio.to_thread.run_sync(fake.started.wait, GUARD_S)
+            for value in (1.0, 2.0, 3.0):  # earliest deadline first: ahead of 9
+                nursery.start_soon(functools.partial(compute, value, "late",
+                                                     timeout=timeout))
+            nursery.start_soon(compute, 9.0, "live")
+            await trio.testing.wait_all_tasks_blocked()
+            queued_by = trio.current_time()
+            # Held loop: every deadline passes before the gated run ends, and trio sees
+            # neither until the thread has made its choice and started the next run.
+            while trio.current_time() <= queued_by + timeout:
+                time.sleep(0.005)
+            fake.gate.set()
+            held_until = time.monotonic() + GUARD_S
+            while ("cpu", 9.0) not in fake.runs and time.monotonic() < held_until:
+                time.sleep(0.001)
+        assert [x for _, x in fake.runs] == [0.0, 100.0, 9.0], "expired requests ran"
+        assert outcomes[9.0] == 10.0
+        for value in (1.0, 2.0, 3.0):
+            assert isinstance(outcomes[value], TimeoutError_)
+            assert "deadline passed" in str(outcomes[value])
+        device = actor.stats()
+        assert (device.timed_out, device.completed, device.passed_on) == (3, 3, 1)
+        assert (device.running, device.queued, actor.load) == (0, 0, 0)
+        model = graph.stats()
+        assert (model.timed_out, model.completed) == (3, 2)
+        tenants = {s.name: s for s in rt.tenant_stats()}
+        assert (tenants["late"].timed_out, tenants["late"].completed) == (3, 0)
+        assert (tenants["live"].timed_out, tenants["live"].completed) == (0, 1)
+        with trio.fail_after(GUARD_S):  # the slot is free again
+            await compute(4.0, "late")
+        assert outcomes[4.0] == 5.0
+
+
+async def test_no_slot_is_granted_past_a_request_s_deadline_on_trio_s_clock(
+        mock_clock: trio.testing.MockClock) -> None:
+    """Slots alone, on a mock clock that jumps past queued requests' deadlines before
+    trio has seen it: a worker thread passing its slot on, then trio freeing one, skip
+    the requests whose deadline passed on trio's clock (the thread reads it too) and
+    grant the next; those skipped time out in their own scope, never granted."""
+    from wasinn.actors import PriorityDeadlinePolicy
+    from wasinn.actors.queue import Request
+    from wasinn.actors.slots import Slots
+
+    slots = Slots("dev", 2, 8, PriorityDeadlinePolicy())
+    slots.open()
+    assert not await slots.take() and not await slots.take()  # both slots held
+    results: dict[str, str] = {}
+    start = trio.current_time()
+
+    class Prepared:
+        def abandon(self) -> None:
+            raise AssertionError("nothing here was started")
+
+    async def wait(tag: str, priority: int, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            started = await slots.take(priority, deadline, handoff=Prepared())
+            results[tag] = "started" if started else "granted"
+            return
+        results[tag] = "timed out"
+
+    async with trio.open_nursery() as nursery:
+        # In the queue's order (priority first): a, b, c, d.
+        for tag, priority, after in [("a", 3, 1.0), ("b", 2, math.inf), ("c", 1, 4.0),
+                                     ("d", 0, math.inf)]:
+            nursery.start_soon(wait, tag, priority, start + after)
+            await trio.testing.wait_all_tasks_blocked()
+        assert slots.queued == 4
+        mock_clock.jump(2.0)  # past a's deadline; trio has not seen it yet
+        passed: list[Request | None] = []
+        thread = threading.Thread(target=lambda: passed.append(slots.pass_on()))
+        thread.start()
+        thread.join(GUARD_S)  # (the loop held: trio decides nothing meanwhile)
+        assert passed and passed[0] is not None and passed[0].priority == 2, "not b"
+        assert passed[0].started  # its job is the thread's to run now
+        Slots.granted_on(passed[0])
+        mock_clock.jump(3.0)  # past c's deadline too
+        slots.free()  # in trio, b's slot (say): c is skipped, d granted
+        await trio.testing.wait_all_tasks_blocked()
+        # (Within the nursery: were one left waiting, the failure cancels it.)
+        assert results == {"a": "timed out", "b": "started", "c": "timed out",
+                           "d": "granted"}
+    assert (slots.running, slots.queued, slots.released) == (2, 0, 2)
