@@ -7,7 +7,9 @@
 * ``tensorflowlite`` and ``tensorflow`` (a frozen ``GraphDef``, or a ``SavedModel``:
   ``saved_model.pb`` alone or with ``variables.index`` and ``variables.data-00000-of-00001``
   as second and third builders): OpenVINO's frontends for these read files only, so the
-  bytes go to a private temporary directory that is removed after reading.
+  bytes go to a private temporary directory that is removed after reading (named after
+  the process, ``wasinn-ov-<pid>-<random>``: one left by a process killed meanwhile is
+  removed by the next that makes one, see :mod:`._private_dirs`).
 
 These two frontends run in a throw-away child process, never in the host: it reads the
 files and writes the model back as IR, which the host then reads as above. In a
@@ -41,7 +43,6 @@ import errno
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,15 @@ from ._onnx_check import (
     given_external_data,
     read_external_data,
 )
+from ._private_dirs import PrivateDir
 from ._tflite_check import check_tflite
 from .base import Builders, in_sandbox
 from .formats import check_declared, protobuf_fields
 
 NAME = "openvino"
+#: The private folders models are written to for OpenVINO to read them from:
+#: ``wasinn-ov-<pid>-<random>``, in the system temporary folder.
+PRIVATE_DIR_PREFIX = "wasinn-ov-"
 
 
 def _xml(data: bytes | bytearray | memoryview) -> bool:
@@ -169,7 +174,7 @@ def _read_onnx_beside(core: Any, model: bytes | bytearray | memoryview,
     name = "model.onnx"
     while name in taken:
         name = f"_{name}"
-    with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
+    with PrivateDir(PRIVATE_DIR_PREFIX) as tmp:
         root = Path(tmp)
         _write_into(root, {**external, name: model})  # (below root: checked above)
         return _read(lambda: core.read_model(str(root / name)), "ONNX model")
@@ -202,7 +207,7 @@ def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
     ``main`` here (see the module docstring). What OpenVINO maps of the files outlives
     their removal with the directory."""
     what = "SavedModel" if main == "." else main
-    with tempfile.TemporaryDirectory(prefix="wasinn-ov-") as tmp:
+    with PrivateDir(PRIVATE_DIR_PREFIX) as tmp:
         root = Path(tmp)
         _write_into(root, files)
         if in_sandbox():

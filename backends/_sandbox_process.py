@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
@@ -29,6 +28,7 @@ from wasinn.errors import BackendRuntimeError
 from wasinn.tensor import Tensor
 
 from . import _confine
+from ._private_dirs import PrivateDir
 from ._sandbox_child import (
     CANCEL,
     CHILD_START,
@@ -45,6 +45,9 @@ from .base import BackendRef
 CANCEL_GRACE_S = 1.0
 #: How long a child whose socket closed may take to exit before it is killed, in seconds.
 EXIT_WAIT_S = 5.0
+#: The private folders of confined processes: ``wasinn-sandbox-<host's pid>-<random>``,
+#: in the system temporary folder.
+PRIVATE_DIR_PREFIX = "wasinn-sandbox-"
 
 
 def _died(process: subprocess.Popen[bytes]) -> str:
@@ -120,7 +123,7 @@ class SandboxProcess:
                  slot: Slot | None = None) -> None:
         self._slot = slot
         self._name = backend.name
-        self._confine_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._confine_dir: PrivateDir | None = None
         # Each step names what it makes, for the error should it fail (EMFILE from a
         # socket pair, ENOSPC from the private folder, EAGAIN from fork ...): everything
         # made so far is then freed, the slot included, or the host's bound on sandbox
@@ -141,17 +144,19 @@ class SandboxProcess:
             env = _child_env(backend)
             if confined:
                 step = "make the private folder of a sandbox process"
-                self._confine_dir = tempfile.TemporaryDirectory(prefix="wasinn-sandbox-")
-                command.append(self._confine_dir.name)
+                # (named after this process: a later one removes it should this one
+                # be killed before it could, see ._private_dirs)
+                self._confine_dir = PrivateDir(PRIVATE_DIR_PREFIX)
+                command.append(self._confine_dir.path)
                 # Its home and temporary folder too: what libraries write there (OpenVINO
                 # writes a telemetry id as it starts, and an ONNX model's external data
                 # files to read them) it may write only in its own folder.
-                env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.name
+                env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.path
             step = "start a process to run the model in"
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(), their_cancels.fileno(), self.arena.fd),
-                env=env, cwd=self._confine_dir.name if self._confine_dir else None)
+                env=env, cwd=self._confine_dir.path if self._confine_dir else None)
         except BaseException as exc:
             for end in made:
                 end.close()
@@ -276,8 +281,7 @@ class SandboxProcess:
                 with contextlib.suppress(OSError):
                     closeable.close()
         if self._confine_dir is not None:
-            with contextlib.suppress(OSError):  # (its finalizer tries again)
-                self._confine_dir.cleanup()
+            self._confine_dir.remove()
             self._confine_dir = None
         if getattr(self, "arena", None) is not None:
             self.arena.close()

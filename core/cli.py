@@ -19,7 +19,9 @@ every wasi-nn call with its time. ``run`` exits with the guest's exit code; a gu
 trap prints its message and exits with 134; an error before the guest starts prints
 ``wasinn: error: ...`` and exits with 1 (2 for a malformed command line). A command
 whose stdout's reader has gone (``wasinn devices | head -1``) stops quietly with 141, the
-shell's status for a process that SIGPIPE ended.
+shell's status for a process that SIGPIPE ended. Ctrl-C stops a command with 130, and
+SIGTERM (what systemd, ``docker stop`` and Kubernetes send) the same way with 143: the
+guest is stopped and every model, sandbox process and private folder released.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +53,14 @@ log = logging.getLogger("wasinn.cli")
 EXIT_ERROR = 1
 #: Exit status after a Ctrl-C (SIGINT), as a shell reports a process it ended: 128 + 2.
 EXIT_INTERRUPTED = 130
+#: Exit status after SIGTERM, what systemd, ``docker stop`` and Kubernetes send to stop a
+#: process: 128 + 15, as a shell reports a process that SIGTERM ended. The command stops
+#: as after Ctrl-C: every ``finally`` and close runs.
+EXIT_TERMINATED = 143
+#: The signals that stop a command gracefully: how messages name each, and the exit
+#: status after it.
+_STOP_SIGNALS = {signal.SIGINT: ("Ctrl-C", EXIT_INTERRUPTED),
+                 signal.SIGTERM: ("SIGTERM", EXIT_TERMINATED)}
 #: Exit status when stdout's reader has gone (``wasinn devices | head -1``), as a shell
 #: reports a process that SIGPIPE ended: 128 + 13. Nothing is said.
 EXIT_BROKEN_PIPE = 141
@@ -189,48 +199,104 @@ def _check_preload(flag: str, preload: Preload) -> None:
     parse_config({"models": {preload.name: model}}, None, label=flag, backends=())
 
 
+class _Stop:
+    """What :func:`_stopped_by` yields: the scope its signals cancel, and the first of
+    them that came (None: none yet)."""
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.signum: signal.Signals | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a signal stopped the block (its scope caught the cancellation)."""
+        return self.scope.cancelled_caught
+
+    @property
+    def name(self) -> str:
+        """The signal as messages name it ("Ctrl-C", "SIGTERM")."""
+        return _STOP_SIGNALS[self.signum][0] if self.signum is not None else ""
+
+    @property
+    def status(self) -> int:
+        """The command's exit status after the signal (130, 143)."""
+        return _STOP_SIGNALS[self.signum][1] if self.signum is not None else EXIT_ERROR
+
+
 @contextlib.asynccontextmanager
-async def _stopped_by_ctrl_c() -> AsyncIterator[trio.CancelScope]:
-    """A scope that Ctrl-C cancels: the guest is stopped and its models released, and
-    the command exits with 130. A guest blocked in a host call that its cancellation
-    cannot reach (a component's WASI sleep) is given up on by ``run_wasm`` itself
-    :data:`~wasinn.host.guest_thread.STOP_GRACE_S` seconds later: its thread is
-    abandoned (a daemon thread, which does not hold the process's exit), and the command
-    says so and exits. A second Ctrl-C exits at once (status 130)."""
+async def _stopped_by(*signums: signal.Signals) -> AsyncIterator[_Stop]:
+    """A scope that any of ``signums`` (of :data:`_STOP_SIGNALS`) cancels: what runs in
+    it is cancelled, and every ``finally`` and close on the way out runs (a runtime's
+    close, which removes its sandbox processes' private folders, is shielded). Another
+    such signal while it stops exits at once, with that signal's status. Outside the
+    main thread, which alone is told of signals, a scope that nothing cancels."""
     import trio
 
+    with trio.CancelScope() as scope:
+        stop = _Stop(scope)
+        if threading.current_thread() is not threading.main_thread():
+            yield stop
+            return
+        with trio.open_signal_receiver(*signums) as signals:
+
+            async def watch() -> None:
+                async for number in signals:
+                    signum = signal.Signals(number)
+                    name, status = _STOP_SIGNALS[signum]
+                    if stop.signum is not None:
+                        _exit_now(f"a second {name}" if signum is stop.signum
+                                  else f"{name} after {stop.name}", status)
+                    stop.signum = signum
+                    scope.cancel()
+
+            watching = trio.CancelScope()
+
+            async def watch_until_done() -> None:
+                # (it may first run once the block has ended, its receiver closed: a
+                # command that failed before its first checkpoint)
+                with watching:
+                    if not watching.cancel_called:
+                        await watch()
+
+            # A system task, not a nursery: the block's own errors (a guest's trap)
+            # reach the caller as they are, not in an exception group.
+            trio.lowlevel.spawn_system_task(watch_until_done)
+            try:
+                yield stop
+            finally:
+                watching.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _guest_stopped() -> AsyncIterator[_Stop]:
+    """A scope that Ctrl-C or SIGTERM cancels around a guest: the guest is stopped and
+    its models released, and the command exits with 130 (143 after SIGTERM). A guest
+    blocked in a host call that its cancellation cannot reach (a component's WASI
+    sleep) is given up on by ``run_wasm`` itself
+    :data:`~wasinn.host.guest_thread.STOP_GRACE_S` seconds later: its thread is
+    abandoned (a daemon thread, which does not hold the process's exit), and the command
+    says so and exits. A second signal exits at once."""
     from wasinn.host.guest_thread import STOP_GRACE_S, abandoned_guest_threads
 
-    if threading.current_thread() is not threading.main_thread():
-        with trio.CancelScope() as scope:  # (signals reach the main thread only)
-            yield scope
-        return
-    with trio.CancelScope() as scope, trio.open_signal_receiver(signal.SIGINT) as signals:
-
-        async def watch() -> None:
-            async for _ in signals:
-                if scope.cancel_called:
-                    _exit_now("a second Ctrl-C")
-                scope.cancel()
-
-        watching = trio.CancelScope()
-
-        async def watch_until_done() -> None:
-            with watching:
-                await watch()
-
-        # A system task, not a nursery: the guest's own errors (a trap) reach the
-        # caller as they are, not in an exception group.
-        trio.lowlevel.spawn_system_task(watch_until_done)
+    async with _stopped_by(signal.SIGINT, signal.SIGTERM) as stop:
         abandoned_before = abandoned_guest_threads()
         try:
-            yield scope
+            yield stop
         finally:
-            watching.cancel()
-            if scope.cancel_called and abandoned_guest_threads() > abandoned_before:
-                print(f"wasinn: the guest did not stop within {STOP_GRACE_S:g} s of Ctrl-C "
-                      "(it is blocked in a host call, such as a component's WASI sleep): "
-                      "exiting", file=sys.stderr)
+            if stop.signum is not None and abandoned_guest_threads() > abandoned_before:
+                print(f"wasinn: the guest did not stop within {STOP_GRACE_S:g} s of "
+                      f"{stop.name} (it is blocked in a host call, such as a component's "
+                      "WASI sleep): exiting", file=sys.stderr)
+
+
+async def _terminable(command: Callable[[argparse.Namespace], Awaitable[int]],
+                      args: argparse.Namespace) -> int:
+    """``command(args)``, stopped by SIGTERM as by Ctrl-C (see :func:`_stopped_by`): its
+    status, or :data:`EXIT_TERMINATED` once SIGTERM stopped it."""
+    status = EXIT_TERMINATED
+    async with _stopped_by(signal.SIGTERM):
+        status = await command(args)
+    return status
 
 
 def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:
@@ -263,10 +329,10 @@ async def _run(args: argparse.Namespace) -> int:
         try:
             # A guest past its run_timeout that cannot be stopped (blocked in a host
             # call) is given up on by run_wasm after its grace: GuestTrap all the same.
-            async with _stopped_by_ctrl_c() as stop:
+            async with _guest_stopped() as stop:
                 code = await rt.run_wasm(args.guest, argv=args.args, dirs=dirs, env=env,
                                          stdin="inherit")
-            return EXIT_INTERRUPTED if stop.cancelled_caught else code
+            return stop.status if stop.stopped else code
         except GuestTrap as trap:
             print(f"wasinn: {trap.message}", file=sys.stderr)
             return TRAP_EXIT_STATUS
@@ -405,15 +471,10 @@ def _command(args: argparse.Namespace) -> int:
     """Run the command ``args`` names; its exit status."""
     import trio
 
-    if args.command == "run":
-        return int(trio.run(_run, args))
-    if args.command == "infer":
-        return int(trio.run(_infer, args))
-    if args.command == "devices":
-        return int(trio.run(_devices, args))
     if args.command == "models":
         return _models(args)
-    return int(trio.run(_demo, args))
+    command = {"run": _run, "infer": _infer, "devices": _devices}.get(args.command, _demo)
+    return int(trio.run(_terminable, command, args))
 
 
 def _stdout_closed() -> bool:

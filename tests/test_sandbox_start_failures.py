@@ -83,7 +83,7 @@ def _load(spares: Spares) -> SandboxedGraph:
     # Before: a bare OSError, the memfd and a socket pair left open, the slot counted.
     (socket, "socketpair", errno.EMFILE,
      r"cannot open the sockets to a sandbox process: \[Errno 24\] Too many open files"),
-    (sandbox_process.tempfile, "TemporaryDirectory", errno.ENOSPC,
+    (sandbox_process, "PrivateDir", errno.ENOSPC,
      r"cannot make the private folder of a sandbox process: \[Errno 28\] No space left on "
      r"device"),
     (sandbox_process.subprocess, "Popen", errno.EAGAIN,

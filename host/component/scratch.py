@@ -14,7 +14,10 @@ which Wasmtime bounds per call (:mod:`wasinn.host.component.hostcall_fuel`).
 The directory lives on ``/dev/shm`` when that exists (memory, no disk I/O), otherwise
 in the system temporary directory. It is created empty (mode 0700) when the guest
 starts and removed with everything in it when the guest ends (:meth:`ScratchDir.remove`,
-or at garbage collection / interpreter exit if nobody called it).
+or at garbage collection / interpreter exit if nobody called it). It is named after the
+host's process (``wasinn-scratch-<pid>-<random>``): one left by a host killed before it
+could remove it is removed by the next host process that makes one there
+(:mod:`wasinn.backends._private_dirs`).
 
 Security: a name is one plain file name (no separator, not ``.`` or ``..``, no NUL);
 it is resolved relative to a descriptor of this guest's own directory, never followed
@@ -75,6 +78,7 @@ from typing import Any
 
 import numpy as np
 
+from wasinn.backends import _private_dirs as private_dirs
 from wasinn.enums import TensorType
 from wasinn.errors import (
     InvalidArgumentError,
@@ -299,14 +303,17 @@ class ScratchDir:
         Raises OSError when it cannot be created, or when the process has no descriptor
         left for what its measurement keeps open.
         """
-        self.path = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=base or default_base()))
+        path, held = private_dirs.create(_PREFIX, base or default_base())
+        self.path = Path(path)
         #: Serializes measurements (they move the read offset of the held descriptors)
         #: and their end against :meth:`remove`.
         self._lock = threading.Lock()
         try:
             # All file access goes through this descriptor, so names resolve inside this
-            # directory even if its host path were renamed or replaced meanwhile.
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            # directory even if its host path were renamed or replaced meanwhile. It also
+            # holds the directory's lock, which tells a sweep that its owner lives.
+            self._fd = held if held is not None else os.open(
+                self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             shutil.rmtree(self.path, ignore_errors=True)
             raise
