@@ -76,7 +76,8 @@ _PROPERTY_FORM = re.compile(r"[A-Z][A-Z0-9_]*")
 def _supported_properties(core: Any, ov_device: str) -> Any:
     """Each core's and device's SUPPORTED_PROPERTIES, asked once: OpenVINO (2026.4) keeps
     about 3 KB of native memory for good each time it is asked (54 MB in 18,000 asks).
-    (A core hashes by identity; the cache keeps it alive, as the backend does.)"""
+    (A core hashes by identity and the cache keeps it alive: wasinn's backends share the
+    process's one, see ``openvino._process_core``, so this holds one entry per device.)"""
     return core.get_property(ov_device, "SUPPORTED_PROPERTIES")
 
 

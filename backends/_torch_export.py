@@ -8,7 +8,8 @@ included), its operators checked, its integer divisions guarded and a checkpoint
 before each operator. Its specs come from the graph's placeholders; a program whose
 inputs or outputs are more than a flat tuple of tensors is called through
 :class:`_Flattened`; the exported ranges of its symbolic dims are read for the graph
-to check before each run.
+to check before each run. What torch's caches keep of each load is given back after it
+(:mod:`._torch_export_caches`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._graphio import uncarried_type
 from ._pt2_check import check_pt2_archive
 from ._torch_cancel import _interruptible
 from ._torch_division import guard_exported_divisions
+from ._torch_export_caches import drop_dead_sources, forget_shape_envs, sources_mark
 from ._torch_graph import NAME, TorchGraph, _DimRange, _first_line, _output_names
 from ._torch_memory import exported_written_inputs, module_storages
 from ._torch_ops import check_exported_program
@@ -72,9 +74,20 @@ _EXPORT_LOAD = threading.Lock()
 
 def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> TorchGraph:
     check_pt2_archive(NAME, data)  # torch.export.load unpickles and evaluates what it reads
+    mark = sources_mark()
+    try:
+        return _exported_graph(data, device, torch_device)
+    finally:  # what torch keeps of the load, loaded or not (see ._torch_export_caches)
+        drop_dead_sources(mark)
+
+
+def _exported_graph(data: bytes, device: Device, torch_device: torch.device) -> TorchGraph:
     try:
         with _EXPORT_LOAD:
-            program = torch.export.load(io.BytesIO(data))
+            try:
+                program = torch.export.load(io.BytesIO(data))
+            finally:
+                forget_shape_envs()
     except Exception as exc:
         raise InvalidEncodingError(
             f"{NAME}: cannot load the torch.export archive: {_first_line(exc)}"

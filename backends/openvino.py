@@ -88,6 +88,28 @@ from .base import Backend, Builders, Device, LoadOptions, log
 __all__ = ["NAME", "OpenVinoBackend", "OvGraph", "compile_config", "known_properties"]
 
 
+_CORE: Any = None
+_CORE_LOCK = threading.Lock()
+
+
+def _process_core() -> Any:
+    """The process's one ``openvino.Core``, made on first use and never dropped.
+
+    Every :class:`OpenVinoBackend` uses it, and each Runtime makes its own backend: with a
+    Core per backend, each Runtime that compiled anything left its Core alive for good
+    (about 117 KB; the properties cache of :mod:`._ov_compile` holds it), and dropping
+    those Cores while graphs compiled by them closed aborted the process now and then
+    ("Owner died"). Sharing changes nothing a graph sees: wasinn sets nothing on the Core
+    itself, and every property it uses is passed to one compile (``compile_config``),
+    which leaves the Core's own as they were.
+    """
+    global _CORE  # noqa: PLW0603 (one Core for the process is the point)
+    with _CORE_LOCK:
+        if _CORE is None:
+            _CORE = ov.Core()
+        return _CORE
+
+
 class OpenVinoBackend(Backend):
     """OpenVINO: openvino (IR), onnx, tensorflow and tensorflowlite on cpu / gpu:N / tpu:0."""
 
@@ -96,17 +118,14 @@ class OpenVinoBackend(Backend):
                            GraphEncoding.TENSORFLOW, GraphEncoding.TENSORFLOWLITE})
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._core: Any = None
+        self._core: Any = None  # a stand-in for the process's Core, where one is set
         self._devices: dict[Device, str] | None = None
 
     @property
     def core(self) -> Any:
-        """The process's ``openvino.Core`` (created on first use)."""
-        with self._lock:
-            if self._core is None:
-                self._core = ov.Core()
-            return self._core
+        """The process's ``openvino.Core`` (:func:`_process_core`), which every instance
+        shares (unless a stand-in is set as ``_core``)."""
+        return self._core if self._core is not None else _process_core()
 
     def _device_map(self) -> dict[Device, str]:
         if self._devices is None:
