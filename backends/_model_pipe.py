@@ -12,6 +12,11 @@ bytes as the library reads them (by a thread of its own, where they do not fit i
 pipe's buffer at once): no copy of the model is made beyond that buffer (an anonymous
 file would hold a whole one while the library builds its session), nothing is written
 to disk, and the pipe has no name in any folder, where another process could swap it.
+
+:func:`memory_file` is for a library that seeks in the file it reads (torch's zip reader,
+which a pipe fails with "fseek returned -1"): a private file in memory (a ``memfd``, also
+named ``/proc/self/fd/N``) holding one copy of the model while the library reads it,
+written with the GIL released and sealed against writes before the library opens it.
 """
 
 from __future__ import annotations
@@ -65,6 +70,48 @@ def piped(data: bytes, name: str) -> Iterator[str | None]:
         os.close(reader)
         if feeder is not None:
             feeder.join()
+
+
+@contextlib.contextmanager
+def memory_file(data: bytes, name: str) -> Iterator[str | None]:
+    """The path (``/proc/self/fd/N``) of a private file in memory holding ``data`` while
+    the block runs, which a library may read as it likes (seek included); or None where
+    there is none to be had (no ``memfd``, no ``/proc/self/fd``: not Linux; or the system
+    refuses one, for lack of memory or by a seccomp filter): the caller then passes the
+    bytes. The file is never on disk, has no name in any folder, is not inherited by a
+    child process, and is sealed once written, so it holds exactly ``data`` (what the
+    caller checked) whoever opens it; it is gone when the block ends and the library has
+    closed it. ``name`` is the file's in ``/proc/self/fd``'s links."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        yield None
+        return
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            _write(fd, data)
+            if hasattr(fcntl, "F_ADD_SEALS"):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK
+                            | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:  # (no memory for its pages: as where there is no such file)
+            path = None
+        else:
+            path = f"/proc/self/fd/{fd}"
+        yield path
+    finally:
+        os.close(fd)
+
+
+def _write(fd: int, data: bytes) -> None:
+    """All of ``data`` into the file ``fd``: by ``os.write``, which copies it with the GIL
+    released (up to 2 GiB a call)."""
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
 
 
 def _feed_in_thread(writer: int, data: bytes) -> None:

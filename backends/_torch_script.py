@@ -6,18 +6,34 @@ divisions after; its specs come from ``forward``'s signature (Tensor arguments f
 of undeclared element type and rank: TorchScript records neither); on the CPU it is
 frozen and optimized for inference where torch can; its loops get stop checks where
 torch can put them in. A ``torch.save`` checkpoint is refused before torch reads it.
+
+``torch.jit.load`` holds the GIL throughout, which stops every thread of the process, the
+trio loop that serves every other request included. Given bytes (a ``BytesIO``), it
+copies them twice before it reads them (into a ``std::string``, then an
+``istringstream``); given a file, it reads the file once. So it is given a private file
+in memory (:func:`~._model_pipe.memory_file`): measured on a 2-core machine,
+``torch.jit.load`` of a model with 64 / 256 MB of weights stops every thread 45-50 /
+150-170 ms instead of 135-195 / 440-470 ms, and its memory peaks at one copy of the
+model fewer (256 MB: 512 MiB above the bytes held, the file's pages included, against
+768 MiB). What remains is torch's own reading of the weights into its tensors, which no
+way of giving the archive shortens (a pipe cannot be read: torch's zip reader seeks;
+``map_location`` makes no difference, ``"meta"`` included: torch reads every record
+all the same). A sandbox process keeps the ``BytesIO``: its stall holds up only its own
+graph, and its confinement need not allow the file's path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Iterator
 
 import torch
 
 from wasinn.enums import ExecutionTarget, TensorType
 from wasinn.errors import InvalidEncodingError, UnsupportedOperationError
 
+from ._model_pipe import memory_file
 from ._torch_cancel import _with_stop_checks
 from ._torch_division import check_folded_divisions, guard_torchscript_divisions
 from ._torch_graph import NAME, TorchGraph, _first_line, _output_names
@@ -33,6 +49,18 @@ def _undeclared(name: str) -> TensorSpec:
     return TensorSpec(name, TensorType.F32, (), rank_known=False, type_known=False)
 
 
+@contextlib.contextmanager
+def _archive(data: bytes) -> Iterator[str | io.BytesIO]:
+    """What ``torch.jit.load`` is given (see the module's docstring): the path of a private
+    file in memory holding ``data``, or where there is none, or in a sandbox process, a
+    ``BytesIO`` over it."""
+    if in_sandbox():
+        yield io.BytesIO(data)
+        return
+    with memory_file(data, "wasinn-torchscript") as path:
+        yield io.BytesIO(data) if path is None else path
+
+
 def _load_torchscript(
     data: bytes, device: Device, torch_device: torch.device, *, optimize: bool,
     interruptible: bool
@@ -43,9 +71,10 @@ def _load_torchscript(
     # Before torch.jit.load folds them as it compiles; a sandbox process risks the fold.
     check_folded_divisions(NAME, sources, refuse_unguardable=not in_sandbox())
     try:
-        module = torch.jit.load(  # type: ignore[no-untyped-call]
-            io.BytesIO(data), map_location=torch_device
-        ).eval()
+        with _archive(data) as archive:
+            module = torch.jit.load(  # type: ignore[no-untyped-call]
+                archive, map_location=torch_device
+            ).eval()
         schema = module.forward.schema
     except Exception as exc:
         raise InvalidEncodingError(
