@@ -85,6 +85,8 @@ def create(prefix: str, base: str | os.PathLike[str] | None = None) -> tuple[str
         if not CAN_SWEEP:
             return path, None
         locked = _lock_new(path)
+        if locked == _UNLOCKED:
+            return path, None  # (no sweep: nothing on that file system can be told live)
         if locked is not None:
             _sweep_once(prefix, base)
             return path, locked
@@ -92,10 +94,16 @@ def create(prefix: str, base: str | os.PathLike[str] | None = None) -> tuple[str
                   f"process each of {_ATTEMPTS} times, before it could be locked")
 
 
+#: What :func:`_lock_new` returns for a folder kept unlocked: its file system locks no
+#: directory (NFS without local locks: ENOLCK; some FUSE file systems).
+_UNLOCKED = -1
+
+
 def _lock_new(path: str) -> int | None:
     """A locked descriptor of the folder just made at ``path``; None when a sweep in
-    another pid namespace (to which this process's pid means nothing) took it first.
-    Raises OSError, removing the folder, when it cannot be opened or locked."""
+    another pid namespace (to which this process's pid means nothing) took it first;
+    :data:`_UNLOCKED` where its file system cannot lock it (the folder is kept, without a
+    lock). Raises OSError, removing the folder, when it cannot be opened."""
     assert fcntl is not None
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -106,9 +114,17 @@ def _lock_new(path: str) -> int | None:
         raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError as exc:
+        log.debug("%s cannot be locked (%s): kept without a lock, and not swept", path, exc)
+        os.close(fd)
+        return _UNLOCKED
+    try:
         mine = os.fstat(fd)
         there = os.lstat(path)
-    except (BlockingIOError, FileNotFoundError):
+    except FileNotFoundError:
         os.close(fd)
         return None
     except OSError:

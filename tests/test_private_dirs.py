@@ -265,6 +265,29 @@ def _nothing_left(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "tmp").iterdir())
 
 
+def test_a_file_system_that_locks_no_folder_still_gets_private_folders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NFS without local locks refuses flock (ENOLCK): every sandboxed load, guest scratch
+    # folder and OpenVINO read failed with "No locks available", where mkdtemp had worked.
+    import errno
+
+    from wasinn.backends import _private_dirs
+    from wasinn.backends._private_dirs import PrivateDir
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    swept: list[str] = []
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(_private_dirs, "_sweep_once", lambda prefix, base: swept.append(base))
+    folder = PrivateDir("wasinn-scratch-", tmp_path)
+    path = Path(folder.path)
+    assert path.is_dir() and path.parent == tmp_path
+    assert swept == []  # (nothing there can be told live: no sweep)
+    folder.remove()
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_stops_wasinn_run_like_ctrl_c_with_status_143_leaving_no_folder(
         tmp_path: Path) -> None:
     config = _sandboxed_config(tmp_path)
