@@ -34,6 +34,11 @@ which protobuf's C++ parser truncates to another field) and messages nested deep
 protobuf's limit of 100. ORT-format flatbuffers carry no file references: they are
 skipped where ONNX Runtime reads the bytes as one (:func:`reads_as_ort_format`), never
 for OpenVINO, which reads any bytes as ONNX.
+
+:func:`check_external_data` also runs :mod:`._onnx_structure`'s check, which refuses
+nodes whose structure alone crashed a library as it read the model (a Pad without its
+pads input, a DepthToSpace blocksize of 2^32): every load of ONNX bytes by either
+backend comes through it before the library parses them.
 """
 
 from __future__ import annotations
@@ -52,8 +57,12 @@ from wasinn.errors import (
 )
 from wasinn.files import OutsideError, read_regular
 
+from ._onnx_structure import check_structure
+from ._onnx_wire import message_fields, onnx_records, onnx_values
 from .base import in_sandbox
-from .formats import protobuf_values, read_varint
+
+__all__ = ["LOAD_FORMAT_KEY", "ORT_FORMAT", "check_external_data", "external_data_folder",
+           "given_external_data", "onnx_records", "read_external_data", "reads_as_ort_format"]
 
 
 class _Kind(enum.Enum):
@@ -86,10 +95,6 @@ _KEY, _VALUE = 1, 2
 ORT_FORMAT = b"ORTM"
 #: The session config entry that tells ONNX Runtime which format the bytes are in.
 LOAD_FORMAT_KEY = "session.load_model_format"
-#: Protobuf's last field number. A larger one comes from a tag of more than 32 bits,
-#: which protobuf's C++ parser (ONNX Runtime's, OpenVINO's) truncates to its low 32 bits
-#: (another field, which it reads) and onnx's refuses.
-LAST_FIELD = 2**29 - 1
 #: Protobuf's parsers refuse messages nested deeper than this (a model as well).
 _DEPTH = 100
 #: Messages larger than this are walked without the search (they hold children anyway).
@@ -118,23 +123,6 @@ def reads_as_ort_format(data: bytes | bytearray | memoryview, load_format: str =
     return len(data) > 8 and bytes(memoryview(data).cast("B")[4:8]) == ORT_FORMAT
 
 
-def onnx_values(data: bytes | bytearray | memoryview
-                ) -> Iterator[tuple[int, int, memoryview | int | None]]:
-    """:func:`~.formats.protobuf_values`, also raising ValueError for a field number
-    above :data:`LAST_FIELD` (where the libraries' parser reads another field)."""
-    for number, wire, value in protobuf_values(data):
-        if number > LAST_FIELD:
-            raise ValueError(f"field number {number} is above protobuf's {LAST_FIELD}")
-        yield number, wire, value
-
-
-def onnx_records(data: bytes | bytearray | memoryview
-                 ) -> Iterator[tuple[int, int, memoryview | None]]:
-    """:func:`~.formats.protobuf_records`, checked as :func:`onnx_values` checks."""
-    for number, wire, value in onnx_values(data):
-        yield number, wire, value if isinstance(value, memoryview) else None
-
-
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,
                         folder: Path | None = None, *,
                         given: Collection[str] | None = None,
@@ -147,9 +135,11 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
     files the host read and checked for a sandbox process, see
     :func:`given_external_data`), SecurityError for a location not among them.
     InvalidEncodingError if ``data`` is no protobuf message the libraries read alike
-    (see the module docstring). ``ort_format``: whether the library reads ``data`` as
-    an ORT-format model, which holds no file references (None: as ONNX Runtime decides
-    with no load format set, :func:`reads_as_ort_format`; False for OpenVINO).
+    (see the module docstring), or with a node whose structure alone crashed a library
+    reading it (:func:`._onnx_structure.check_structure`). ``ort_format``: whether the
+    library reads ``data`` as an ORT-format model, which holds no file references and
+    is not checked (None: as ONNX Runtime decides with no load format set,
+    :func:`reads_as_ort_format`; False for OpenVINO).
 
     The files are checked by their paths here; read them with :func:`read_external_data`,
     which checks the files it opened, and hand the library their bytes: a library that
@@ -159,11 +149,13 @@ def check_external_data(backend: str, data: bytes | bytearray | memoryview,
         return frozenset()
     inside = None if folder is None else os.path.realpath(folder)
     try:
-        return frozenset(_tensor_locations(backend, view, inside, given))
+        locations = frozenset(_tensor_locations(backend, view, inside, given))
     except ValueError as exc:
         raise InvalidEncodingError(
             f"{backend}: cannot read the ONNX model: not a well-formed protobuf ({exc})"
         ) from exc
+    check_structure(backend, view)  # (every ONNX model either library reads comes here)
+    return locations
 
 
 def _tensor_locations(backend: str, view: memoryview, inside: str | None,
@@ -171,7 +163,7 @@ def _tensor_locations(backend: str, view: memoryview, inside: str | None,
     """The external data location of each tensor of the model ``view`` that has one
     (a location once per tensor), each checked by :func:`_check_tensor`. ValueError
     (as it gets there) for bytes the walk cannot read (see the module docstring)."""
-    stack = [(_Kind.MODEL, _fields(view, 0, len(view)))]
+    stack = [(_Kind.MODEL, message_fields(view, 0, len(view)))]
     while stack:
         kind, fields = stack[-1]
         children = _CHILDREN[kind]
@@ -190,51 +182,10 @@ def _tensor_locations(backend: str, view: memoryview, inside: str | None,
                 continue  # no tag of a field that holds tensors: nothing to walk
             if len(stack) >= _DEPTH:
                 raise ValueError(f"messages nested deeper than protobuf's {_DEPTH}")
-            stack.append((child, _fields(view, start, end)))
+            stack.append((child, message_fields(view, start, end)))
             break
         else:
             stack.pop()
-
-
-def _fields(view: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """The length-delimited fields of the message at ``view[start:end]``, in order:
-    (field number, start, end) of each one's bytes in ``view``; the other fields are
-    skipped. ValueError (as it gets there) for bytes that are no protobuf message, or a
-    field number above :data:`LAST_FIELD`. (:func:`~.formats.protobuf_values` reads the
-    same, slower: this walk visits every node of a model.)"""
-    pos = start
-    while pos < end:
-        key = view[pos]
-        pos += 1
-        if key >= 0x80:
-            key, pos = read_varint(view, pos - 1, end)
-            if key >> 3 > LAST_FIELD:
-                raise ValueError(f"field number {key >> 3} is above protobuf's {LAST_FIELD}")
-        wire = key & 7
-        if key < 8:
-            raise ValueError("field number 0")
-        if wire == 2:
-            length = view[pos] if pos < end else 0x80
-            if length < 0x80:
-                pos += 1
-            else:
-                length, pos = read_varint(view, pos, end)
-            first = pos
-            pos += length
-            if pos > end:
-                raise ValueError("field runs past the end")
-            yield key >> 3, first, pos
-            continue
-        if wire == 0:
-            _, pos = read_varint(view, pos, end)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-        if pos > end:
-            raise ValueError("field runs past the end")
 
 
 def given_external_data(backend: str, data: bytes | bytearray | memoryview,

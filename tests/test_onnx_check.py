@@ -1,10 +1,14 @@
 """The external data check (:mod:`wasinn.backends._onnx_check`) against bytes the
 libraries read otherwise than the check did: a tag of more than 32 bits, ONNX bytes that
 carry ONNX Runtime's ORT-format identifier, nesting beyond protobuf's limit; and the cost
-of its walk, which the host pays for every ONNX model from a guest."""
+of its walk, which the host pays for every ONNX model from a guest. Then the node checks
+that run with it (:mod:`wasinn.backends._onnx_structure`): nodes that crashed a library
+as it read the model load in a child process, which must survive them."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import wasinn
 from tests.support import require_backend
 from tests.tfmodels import varint
 from wasinn import GraphEncoding, InvalidEncodingError, SecurityError, Tensor
@@ -189,3 +194,231 @@ def test_a_node_that_may_hold_an_attribute_is_walked(node: str) -> None:
     model = _field(7, _field(1, b"") * 3 + _field(1, body)) + _field(8, b"")
     with pytest.raises(SecurityError, match="tensor 'w' refers to external data"):
         check_external_data("onnxruntime", model)
+
+
+# -- nodes whose structure alone crashed a library (:mod:`wasinn.backends._onnx_structure`)
+ROOT = Path(__file__).resolve().parents[1]
+X = np.arange(16, dtype=np.float32).reshape(1, 4, 2, 2)
+
+
+def _one_node(op: str, inputs: list[str], opset: int = 18, *,
+              initializers: dict[str, np.ndarray[Any, Any]] | None = None,
+              imports: list[tuple[str, int]] | None = None, **attrs: Any) -> bytes:
+    """``y = op(inputs)`` (the node named after ``op`` in lower case) over the input x,
+    f32[1, 4, 2, 2]; ``imports``: the model's opset imports, where not the default
+    domain at ``opset``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], name=op.lower(), **attrs)], "one_node",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(X.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, k) for k, v in (initializers or {}).items()])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid(domain, version) for domain, version in imports or [("", opset)]])
+    model.ir_version = 8
+    return bytes(model.SerializeToString())
+
+
+def _backend(name: str) -> Any:
+    require_backend(name)
+    require_backend("onnx")
+    return wasinn.backends.registry.BackendRegistry().get(name)
+
+
+def _check(model: bytes) -> None:
+    from wasinn.backends._onnx_structure import check_structure
+
+    check_structure("onnxruntime", model)
+
+
+#: A host process that loads the ONNX model in the file ``sys.argv[2]`` with
+#: ``rt.load`` (in the host's own process: not sandboxed) on the backend ``sys.argv[1]``
+#: and prints the error's type and message, or "loaded".
+_HOST_LOAD = """
+import sys
+from pathlib import Path
+import trio, wasinn
+from wasinn.configs.loader import parse_config
+
+async def main():
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": [sys.argv[1]]}}}, None)
+    async with wasinn.Runtime(config) as rt:
+        try:
+            await rt.load([Path(sys.argv[2]).read_bytes()], "onnx")
+            print("loaded")
+        except wasinn.WasiNNError as exc:
+            print(type(exc).__name__, exc)
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize(("backend_name", "model", "what"), [
+    ("openvino", lambda: _one_node("Pad", ["x"]),
+     "node 'pad' (Pad) has 1 input: expected at least 2, the inputs ONNX requires of Pad "
+     "at opset 18"),
+    ("openvino", lambda: _one_node("Pad", ["x"], imports=[("com.microsoft", 1)],
+                                   pads=[0, 0, 1, 1, 0, 0, 1, 1]),
+     "node 'pad' (Pad) has 1 input: expected at least 2, the inputs ONNX requires of Pad "
+     "at the latest opset (the model imports none)"),
+    ("openvino", lambda: _one_node("Max", []),
+     "node 'max' (Max) has 0 inputs: expected at least 1, the inputs ONNX requires of Max "
+     "at opset 18"),
+    ("openvino", lambda: _one_node("FusedConv", ["x"], domain="com.microsoft",
+                                   imports=[("", 18), ("com.microsoft", 1)]),
+     "node 'fusedconv' (FusedConv) has 1 input: expected at least 2, the inputs ONNX "
+     "Runtime's com.microsoft domain requires of FusedConv"),
+    ("onnxruntime", lambda: _one_node("DepthToSpace", ["x"], blocksize=2**32),
+     "node 'depthtospace' (DepthToSpace) has blocksize 4294967296: expected 1 to "
+     "2,147,483,647 (2**31 - 1; a larger one fits no tensor)"),
+], ids=["openvino-pad-without-pads", "openvino-pad-no-default-opset", "openvino-max-of-none",
+        "openvino-microsoft-fusedconv", "onnxruntime-depthtospace-2**32"])
+def test_a_node_that_crashed_the_host_as_it_loaded_is_an_invalid_encoding(
+        tmp_path: Path, backend_name: str, model: Any, what: str) -> None:
+    # Before: the library died as it read the model in the host's process: OpenVINO's
+    # read_model of SIGSEGV (rc -11), ONNX Runtime's session build of SIGFPE (rc -8).
+    require_backend(backend_name)
+    require_backend("onnx")
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model())
+    done = subprocess.run([sys.executable, "-c", _HOST_LOAD, backend_name, str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == (
+        f"InvalidEncodingError {backend_name}: cannot read the ONNX model: {what}"), done.stdout
+
+
+@pytest.mark.parametrize("backend_name", ["onnxruntime", "openvino"])
+@pytest.mark.parametrize(("model", "expected"), [
+    (lambda: _one_node("Pad", ["x", "pads"], initializers={"pads": np.array(
+        [0, 0, 1, 0, 0, 0, 0, 1], np.int64)}), np.pad(X, [(0, 0), (0, 0), (1, 0), (0, 1)])),
+    (lambda: _one_node("Pad", ["x", "pads", "", "axes"], initializers={
+        "pads": np.array([1, 1], np.int64), "axes": np.array([3], np.int64)}),
+     np.pad(X, [(0, 0), (0, 0), (0, 0), (1, 1)])),  # an omitted optional input between
+    (lambda: _one_node("Pad", ["x"], opset=2, pads=[0, 0, 0, 1, 0, 0, 0, 0]),
+     np.pad(X, [(0, 0), (0, 0), (0, 0), (1, 0)])),  # before opset 11: pads an attribute
+    (lambda: _one_node("DepthToSpace", ["x"], blocksize=2, mode="CRD"),
+     X.reshape(1, 1, 2, 2, 2, 2).transpose(0, 1, 4, 2, 5, 3).reshape(1, 1, 4, 4)),
+    (lambda: _one_node("SpaceToDepth", ["x"], blocksize=1), X),
+    (lambda: _one_node("Max", ["x"]), X),
+], ids=["pad", "pad-with-axes", "pad-opset-2", "depthtospace", "spacetodepth", "max"])
+def test_valid_neighbours_of_those_nodes_load_and_compute(
+        backend_name: str, model: Any, expected: np.ndarray[Any, Any]) -> None:
+    graph = _backend(backend_name).load([model()], GraphEncoding.ONNX, CPU)
+    (y,) = graph.run({"x": Tensor.from_numpy(X)}).values()
+    np.testing.assert_array_equal(y.numpy(), expected)
+
+
+@pytest.mark.parametrize(("model", "what"), [
+    (lambda: _one_node("Pad", ["x", ""]), None),  # counted: the libraries refuse it cleanly
+    (lambda: _one_node("Pad", ["x"], opset=10, pads=[0] * 8), None),
+    (lambda: _one_node("Pad", ["x"], domain="com.example"), None),  # another domain's
+    (lambda: _one_node("Pad", ["x"], domain="ai.onnx"),
+     "node 'pad' (Pad) has 1 input: expected at least 2, the inputs ONNX requires of Pad "
+     "at opset 18"),
+    (lambda: _one_node("Pad", ["x"], opset=10, imports=[("", 10), ("ai.onnx", 11)]),
+     "node 'pad' (Pad) has 1 input: expected at least 2, the inputs ONNX requires of Pad "
+     "at opset 11"),  # imported twice: the higher
+    (lambda: _one_node("Conv", ["x"]), "node 'conv' (Conv) has 1 input: expected at least 2"),
+    (lambda: _one_node("NotAnOperator", []), None),
+    (lambda: _one_node("Pad", ["x"], domain="com.microsoft"), "node 'pad' (Pad) has 1 input: "
+     "expected at least 2, the inputs ONNX Runtime's com.microsoft domain requires of Pad"),
+    (lambda: _one_node("Gelu", [], domain="com.microsoft"), None),  # not seen to crash
+    (lambda: _one_node("DepthToSpace", ["x"], blocksize=2**31 - 1), None),
+    (lambda: _one_node("DepthToSpace", ["x"], blocksize=2**31), "has blocksize 2147483648: "),
+    (lambda: _one_node("SpaceToDepth", ["x"], blocksize=0), "has blocksize 0: "),
+    (lambda: _one_node("SpaceToDepth", ["x"], blocksize=-2**32), "has blocksize -4294967296: "),
+    (lambda: _one_node("DepthToSpace", ["x"], blocksize=-2**63), "has blocksize "
+     "-9223372036854775808: "),  # a 10-byte varint
+], ids=["pad-empty-pads", "pad-opset-10", "other-domain", "ai.onnx-domain", "two-imports",
+        "conv-without-weights", "unknown-operator", "microsoft-pad", "microsoft-other",
+        "blocksize-2**31-1", "blocksize-2**31",
+        "blocksize-0", "blocksize-negative", "blocksize-int64-min"])
+def test_the_checks_read_the_opset_domain_and_attribute_as_the_libraries_do(
+        model: Any, what: str | None) -> None:
+    require_backend("onnx")
+    if what is None:
+        _check(model())
+        return
+    with pytest.raises(InvalidEncodingError, match=r"^onnxruntime: cannot read the ONNX "
+                       r"model: ") as info:
+        _check(model())
+    assert what in str(info.value)
+
+
+def _pad_in_subgraph(depth: int, opset: int = 18) -> bytes:
+    """An If ``if0`` whose then-branch holds an If ``if1`` ... (``depth`` Ifs, built as
+    bytes: onnx's own parser stops at protobuf's nesting limit), the innermost branch a
+    Pad without its pads input."""
+    graph = _field(1, _field(1, b"x") + _field(2, b"y") + _field(4, b"Pad"))
+    for level in reversed(range(depth)):
+        attribute = _field(1, b"then_branch") + _field(6, graph) + varint(20 << 3) + b"\x05"
+        graph = _field(1, _field(1, b"c") + _field(2, b"y") + _field(3, f"if{level}".encode())
+                       + _field(4, b"If") + _field(5, attribute))
+    return _field(7, graph) + _field(8, varint(2 << 3) + varint(opset))
+
+
+def test_nodes_in_subgraphs_and_functions_are_checked() -> None:
+    require_backend("onnx")
+    from onnx import helper
+
+    with pytest.raises(InvalidEncodingError, match=(
+            r"node #0 of attribute 'then_branch' of node 'if2' \(Pad\) has 1 input")):
+        _check(_pad_in_subgraph(3))
+    _check(_pad_in_subgraph(32, opset=2))
+    # The innermost graph 98 messages deep; one level more, beyond protobuf's limit.
+    with pytest.raises(InvalidEncodingError, match=r"\(messages nested deeper than protobuf's "
+                       r"100\)$"):
+        _check(_pad_in_subgraph(33))
+
+    def with_function(function_opset: list[Any]) -> bytes:
+        pad = helper.make_node("Pad", ["a"], ["b"], pads=[0, 1])
+        function = helper.make_function("local", "F", ["a"], ["b"], [pad], function_opset)
+        model = helper.make_model(helper.make_graph(
+            [helper.make_node("F", ["x"], ["y"], domain="local")], "g", [], []),
+            functions=[function],
+            opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("local", 1)])
+        return bytes(model.SerializeToString())
+
+    _check(with_function([helper.make_opsetid("", 2)]))  # the function's own opset
+    with pytest.raises(InvalidEncodingError, match=(
+            r"node #0 of function 'F' \(Pad\) has 1 input: expected at least 2, the inputs "
+            r"ONNX requires of Pad at opset 18$")):
+        _check(with_function([]))  # none of its own: the model's
+
+
+def test_the_required_inputs_are_those_of_the_installed_onnx() -> None:
+    require_backend("onnx")
+    import onnx.defs
+
+    from wasinn.backends._onnx_structure import LATEST, required_inputs
+
+    newest = onnx.defs.onnx_opset_version()
+    checked = 0
+    for schema in onnx.defs.get_all_schemas_with_history():
+        if schema.domain not in ("", "ai.onnx"):
+            continue
+        for opset in range(1, newest + 1):
+            try:
+                at = onnx.defs.get_schema(schema.name, opset)
+            except onnx.defs.SchemaError:
+                continue
+            assert required_inputs(schema.name, opset) == at.min_input, (schema.name, opset)
+            checked += 1
+        assert required_inputs(schema.name, LATEST) == onnx.defs.get_schema(
+            schema.name).min_input
+    assert checked > 3000
+
+
+def test_the_microsoft_required_inputs_are_those_of_the_installed_onnx_runtime() -> None:
+    require_backend("onnxruntime")
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    from wasinn.backends._onnx_structure import _MICROSOFT_REQUIRED_INPUTS
+
+    schemas = {schema.name.encode(): schema.min_input
+               for schema in ort_state.get_all_operator_schema()
+               if schema.domain == "com.microsoft"}
+    assert {op: schemas[op] for op in _MICROSOFT_REQUIRED_INPUTS} == _MICROSOFT_REQUIRED_INPUTS
