@@ -121,11 +121,23 @@ def test_torch_export_loads_leave_no_shape_envs_or_sources() -> None:
             assert graph.run({"x": x})["output"].numpy()[0, 0] == 3.0
             graph.close()
 
-    loads(80)  # torch's bounded caches (256 entries) fill up with the first few dozen
-    envs, sources = _shape_envs(), _sources()
-    loads(120)
-    assert _shape_envs() - envs <= 2
-    assert _sources() - sources <= 8
+    # torch's bounded caches (256 entries each) keep a few dozen ShapeEnvs, however many
+    # loads there are: how many of them are this test's depends on what ran before it in
+    # the process, so the bound is on the total, far below one a load.
+    envs = _shape_envs()
+    loads(80)
+    sources = _settled_sources(loads)
+    loads(220)
+    assert _shape_envs() - envs <= 100  # (before: one a load, 300)
+    assert _settled_sources(loads) - sources <= 8  # (before: 7 a load)
+
+
+def _settled_sources(loads: Any) -> int:
+    # A load drops the sources of modules gone by then: collected first (modules in
+    # reference cycles live until a collection), then one more load.
+    gc.collect()
+    loads(1)
+    return _sources()
 
 
 def test_a_live_program_keeps_running_and_its_source_while_others_load() -> None:
