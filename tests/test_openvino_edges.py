@@ -221,7 +221,9 @@ def test_runs_after_a_run_cancelled_inside_openvino_get_their_own_shapes(backend
     graph = backend.load(_chain_ir(steps), GraphEncoding.OPENVINO, CPU)
     rnd = random.Random(1)
     stopped, wrong = 0, []
-    for _ in range(25):
+    for _ in range(200):  # (until 8 were stopped midway: how many are depends on timing)
+        if stopped >= 8:
+            break
         rows, cancellation, said = rnd.randint(1, 4), Cancellation(), []
 
         def run(rows: int = rows, cancellation: Cancellation = cancellation,
