@@ -15,7 +15,7 @@ import pytest
 
 from tests import backend_models
 from tests.support import require_backend
-from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
+from tests.tfmodels import relu_chain, relu_graphdef, relu_saved_model, relu_tflite
 from wasinn import GraphEncoding, InvalidEncodingError, TensorType
 from wasinn.backends import detect_encoding, formats
 from wasinn.backends.formats import protobuf_fields
@@ -283,26 +283,6 @@ def test_millions_of_tiny_protobuf_fields_are_sniffed_a_bounded_number(
     assert read[0] == formats.SNIFF_FIELDS
 
 
-def _relu_chain(length: int) -> bytes:
-    """A frozen GraphDef: x -> Relu ``length`` times -> y, one top-level field a node."""
-    from tests.tfmodels import (
-        SHAPE,
-        _attr,
-        _attr_shape,
-        _attr_type,
-        _field_bytes,
-        _field_varint,
-        _node,
-    )
-
-    nodes = [_node("x", "Placeholder", (), _attr("dtype", _attr_type(1))
-                   + _attr("shape", _attr_shape(SHAPE)))]
-    nodes += [_node(f"r{i}", "Relu", (f"r{i - 1}" if i else "x",), _attr("T", _attr_type(1)))
-              for i in range(length)]
-    nodes.append(_node("y", "Identity", (f"r{length - 1}",), _attr("T", _attr_type(1))))
-    return b"".join(nodes) + _field_bytes(4, _field_varint(1, 1000))  # versions
-
-
 def _onnx_with_metadata(entries: int) -> bytes:
     """:func:`affine_onnx` with ``entries`` metadata_props (field 14, one top-level field
     each, after the graph and opset_import), checked by onnx."""
@@ -316,7 +296,7 @@ def _onnx_with_metadata(entries: int) -> bytes:
 
 
 def test_real_models_of_more_top_level_fields_than_are_read_are_detected() -> None:
-    graphdef, onnx_model = _relu_chain(formats.SNIFF_FIELDS + 10), _onnx_with_metadata(
+    graphdef, onnx_model = relu_chain(formats.SNIFF_FIELDS + 10), _onnx_with_metadata(
         formats.SNIFF_FIELDS + 10)
     for data in (graphdef, onnx_model):
         assert len(protobuf_fields(data)) < formats.SNIFF_FIELDS < sum(
@@ -336,7 +316,7 @@ async def test_models_past_the_bound_load_through_autodetect(
     monkeypatch.setattr(formats, "SNIFF_FIELDS", 8)
     x = np.array([[-1, 2, -3, 4]], np.float32)
     async with wasinn.Runtime() as rt:
-        graph = await rt.load([_relu_chain(12)], "autodetect")
+        graph = await rt.load([relu_chain(12)], "autodetect")
         assert (await graph.compute({"x": x}))["y:0"].numpy().tolist() == [[0, 2, 0, 4]]
         graph = await rt.load([_onnx_with_metadata(12)], "autodetect")
         assert (await graph.compute({"x": x}))["y"].numpy().tolist() == [[-1, 5, -5, 9]]

@@ -18,37 +18,16 @@ import numpy as np
 import pytest
 
 from tests.support import require_backend
-from tests.tfmodels import (
-    SHAPE,
-    _attr,
-    _attr_shape,
-    _attr_type,
-    _field_bytes,
-    _field_varint,
-    _node,
-)
+from tests.tfmodels import relu_chain
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, formats
 
 pytestmark = pytest.mark.usefixtures("_openvino")
 
-_DT_FLOAT = 1
-
 
 @pytest.fixture
 def _openvino() -> None:
     require_backend("openvino")
-
-
-def relu_chain(length: int) -> bytes:
-    """A frozen GraphDef: x (Placeholder f32[1, 4]) -> Relu ``length`` times -> y
-    (Identity), then its versions: ``length`` + 3 top-level fields."""
-    nodes = [_node("x", "Placeholder", (), _attr("dtype", _attr_type(_DT_FLOAT))
-                   + _attr("shape", _attr_shape(SHAPE)))]
-    nodes += [_node(f"r{i}", "Relu", (f"r{i - 1}" if i else "x",),
-                    _attr("T", _attr_type(_DT_FLOAT))) for i in range(length)]
-    nodes.append(_node("y", "Identity", (f"r{length - 1}",), _attr("T", _attr_type(_DT_FLOAT))))
-    return b"".join(nodes) + _field_bytes(4, _field_varint(1, 1000))
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:

@@ -71,6 +71,17 @@ def relu_graphdef() -> bytes:
     return nodes + versions
 
 
+def relu_chain(length: int) -> bytes:
+    """A frozen GraphDef: x (Placeholder f32[1, 4]) -> Relu ``length`` times -> y
+    (Identity), then its versions: ``length`` + 3 top-level fields, one a node."""
+    nodes = [_node("x", "Placeholder", (), _attr("dtype", _attr_type(_DT_FLOAT))
+                   + _attr("shape", _attr_shape(SHAPE)))]
+    nodes += [_node(f"r{i}", "Relu", (f"r{i - 1}" if i else "x",),
+                    _attr("T", _attr_type(_DT_FLOAT))) for i in range(length)]
+    nodes.append(_node("y", "Identity", (f"r{length - 1}",), _attr("T", _attr_type(_DT_FLOAT))))
+    return b"".join(nodes) + _field_bytes(4, _field_varint(1, 1000))  # versions
+
+
 # -- flatbuffer ----------------------------------------------------------------------------
 _RELU = 19  # BuiltinOperator.RELU
 _FLOAT32 = 0  # TensorType.FLOAT32
