@@ -13,7 +13,13 @@ import pytest
 
 from tests import backend_models
 from tests.support import armed_cancellation, require_backend
-from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
+from tests.tfmodels import (
+    FRONTEND_ARGS,
+    FRONTEND_CASES,
+    FRONTEND_IDS,
+    relu_graphdef,
+    relu_tflite,
+)
 from wasinn import (
     BackendRuntimeError,
     GraphEncoding,
@@ -60,15 +66,7 @@ def test_ir_files_given_the_wrong_way_round_are_named_so(backend: Any) -> None:
         backend.load([weights, xml], encoding, CPU)
 
 
-@pytest.mark.parametrize(
-    ("make", "encoding", "in_name", "out_name"),
-    [
-        (relu_graphdef, GraphEncoding.TENSORFLOW, "x:0", "y:0"),
-        (relu_saved_model, GraphEncoding.TENSORFLOW, "x", "y"),
-        (relu_tflite, GraphEncoding.TENSORFLOWLITE, "x", "y"),
-    ],
-    ids=["graphdef", "savedmodel", "tflite"],
-)
+@pytest.mark.parametrize(FRONTEND_ARGS, FRONTEND_CASES, ids=FRONTEND_IDS)
 def test_tensorflow_frontends_run(
     backend: Any, make: Any, encoding: GraphEncoding, in_name: str, out_name: str
 ) -> None:

@@ -19,7 +19,13 @@ import pytest
 
 import wasinn
 from tests.support import cpu_pool, no_spares, require_backend, sandbox_children
-from tests.tfmodels import relu_graphdef, relu_saved_model, relu_tflite
+from tests.tfmodels import (
+    FRONTEND_ARGS,
+    FRONTEND_CASES,
+    FRONTEND_IDS,
+    relu_graphdef,
+    relu_tflite,
+)
 from wasinn import GraphEncoding, InvalidEncodingError, Tensor
 from wasinn.backends import Device
 from wasinn.backends.sandbox import SandboxedGraph, load_sandboxed
@@ -42,15 +48,7 @@ def _openvino_backend() -> Any:
     return OpenVinoBackend()
 
 
-@pytest.mark.parametrize(
-    ("make", "encoding", "in_name", "out_name"),
-    [
-        (relu_graphdef, GraphEncoding.TENSORFLOW, "x:0", "y:0"),
-        (relu_saved_model, GraphEncoding.TENSORFLOW, "x", "y"),
-        (relu_tflite, GraphEncoding.TENSORFLOWLITE, "x", "y"),
-    ],
-    ids=["graphdef", "savedmodel", "tflite"],
-)
+@pytest.mark.parametrize(FRONTEND_ARGS, FRONTEND_CASES, ids=FRONTEND_IDS)
 def test_tensorflow_models_load_sandboxed_as_in_process(
         make: Any, encoding: GraphEncoding, in_name: str, out_name: str) -> None:
     # Before: "openvino: cannot start a process to read the model.pb in: [Errno 13]

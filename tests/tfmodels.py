@@ -11,7 +11,10 @@ Both compute ``y = relu(x)`` over an f32 ``x`` of shape ``(1, 4)``:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
+
+from wasinn import GraphEncoding
 
 SHAPE = (1, 4)
 
@@ -181,3 +184,15 @@ def relu_saved_model() -> bytes:
     meta_graph = (_field_bytes(1, meta_info) + _field_bytes(2, relu_graphdef())
                   + _map_entry(5, "serving_default", signature))
     return _field_varint(1, 1) + _field_bytes(2, meta_graph)  # SavedModel
+
+
+#: Each TensorFlow model kind: its maker, encoding and input and output names, for a
+#: test parametrized over the frontends (``pytest.mark.parametrize(FRONTEND_ARGS,
+#: FRONTEND_CASES, ids=FRONTEND_IDS)``).
+FRONTEND_ARGS = ("make", "encoding", "in_name", "out_name")
+FRONTEND_CASES: list[tuple[Callable[[], bytes], GraphEncoding, str, str]] = [
+    (relu_graphdef, GraphEncoding.TENSORFLOW, "x:0", "y:0"),
+    (relu_saved_model, GraphEncoding.TENSORFLOW, "x", "y"),
+    (relu_tflite, GraphEncoding.TENSORFLOWLITE, "x", "y"),
+]
+FRONTEND_IDS = ["graphdef", "savedmodel", "tflite"]
