@@ -169,14 +169,22 @@ def context_for(device: Device) -> DeviceContext:
     only another backend reports (an Intel GPU seen by OpenVINO beside an NVIDIA one:
     ``gpu:1`` with one CUDA device)."""
     if device.kind is ExecutionTarget.GPU:
-        import importlib.util
-
-        if importlib.util.find_spec("torch") is not None:
-            with contextlib.suppress(Exception):
-                import torch
-
-                if torch.cuda.is_available() and device.index < torch.cuda.device_count():
-                    return TorchCudaContext(device)
+        if torch_sees(device):
+            return TorchCudaContext(device)
         if device.index < device_count():
             return CudaContext(device)
     return DeviceContext(device)
+
+
+def torch_sees(device: Device) -> bool:
+    """Whether torch is installed and sees CUDA GPU ``device`` (never imports a torch that
+    is not installed; a torch that fails to start CUDA sees none)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    with contextlib.suppress(Exception):
+        import torch
+
+        return bool(torch.cuda.is_available()) and device.index < torch.cuda.device_count()
+    return False

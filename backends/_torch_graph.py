@@ -25,6 +25,7 @@ from ._graphio import CheckedGraph
 from ._torch_cancel import _Checkpoints, _StopChecked
 from ._torch_memory import storage_of
 from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
+from ._torch_tf32 import cuda_allow_tf32
 from .base import Cancelled, Device, TensorSpec, current_cancellation
 
 #: The backend's name, which its messages begin with.
@@ -47,23 +48,6 @@ class _DimRange(NamedTuple):
 #: ``LoadOptions.precision`` -> whether torch may compute f32 in TF32 on CUDA (other
 #: values leave torch's own setting: TF32 for cuDNN convolutions by default).
 _ALLOW_TF32 = {"f32": False, "tf32": True}
-
-
-def _cuda_allow_tf32(allow: bool) -> None:
-    """Let torch compute f32 cuDNN convolutions and RNNs and CUDA matrix products in
-    TensorFloat-32 (a 10-bit mantissa, on Ampere and later GPUs), or not. These settings
-    are process-wide in torch, so each CUDA run sets its graph's before it starts (a
-    write only where one differs). Through torch's ``allow_tf32`` flags, which keep its
-    newer ``fp32_precision`` settings in step; set through the newer ones alone, the
-    flags would raise when read (torch sees the two APIs mixed)."""
-    flags: Any  # (torch.backends.cudnn's flags are module properties, untyped)
-    for flags in (torch.backends.cudnn, torch.backends.cuda.matmul):
-        try:
-            same = flags.allow_tf32 == allow
-        except RuntimeError:  # mixed already (by the application): set it right
-            same = False
-        if not same:
-            flags.allow_tf32 = allow
 
 
 class TorchGraph(CheckedGraph):
@@ -110,7 +94,7 @@ class TorchGraph(CheckedGraph):
         )
         #: Whether f32 convolutions and matrix products may compute in TF32 on CUDA, set
         #: before each run; None leaves torch's setting as it is (see
-        #: :func:`_cuda_allow_tf32`).
+        #: :func:`._torch_tf32.cuda_allow_tf32`).
         self.allow_tf32: bool | None = None
 
     @property
@@ -128,7 +112,7 @@ class TorchGraph(CheckedGraph):
         private = self._private
         on_cuda = device.type == "cuda"
         if on_cuda and self.allow_tf32 is not None:
-            _cuda_allow_tf32(self.allow_tf32)
+            cuda_allow_tf32(self.allow_tf32)
         try:
             args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
             with torch.inference_mode():

@@ -217,7 +217,7 @@ def _check_storages(backend: str, reader: Any, records: set[str]) -> None:
         for key, kind, elements in refs.storages:
             name = f"{folder}/{key}"
             itemsize = _STORAGE_ITEMSIZES.get(kind) if isinstance(kind, str) else None
-            size = reader.get_record_size(name) if name in records else None
+            size = _record_size(reader, name) if name in records else None
             if itemsize is None or type(elements) is not int or elements < 0 \
                     or size is None or size < elements * itemsize:
                 raise InvalidEncodingError(
@@ -227,6 +227,13 @@ def _check_storages(backend: str, reader: Any, records: set[str]) -> None:
                                              else f"holds {size} bytes")
                     + ": expected a record holding them (torch would read past it)"
                 )
+
+
+def _record_size(reader: Any, name: str) -> int:
+    """The size of record ``name`` as torch's reader sees it: asked directly where the
+    reader can say (torch 2.13), else by reading the record (earlier releases)."""
+    size = getattr(reader, "get_record_size", None)
+    return int(size(name)) if size is not None else len(reader.get_record(name))
 
 
 def _storage_itemsizes() -> dict[str, int]:

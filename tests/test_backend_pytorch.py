@@ -362,33 +362,46 @@ def test_a_run_over_onnx_runtime_cuda_memory_ends_before_that_memory_can_be_reus
 
 def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
     # torch computes f32 cuDNN convolutions in TF32 by default on Ampere and later GPUs
-    # (a 10-bit mantissa: emulated, up to 0.075 apart on small_mobilenet), whatever precision
-    # says, unless told otherwise; these settings exist, and are process-wide, in every
-    # torch build, so they are checked here without a GPU.
+    # (on an H100, small_mobilenet's logits 4.35e-2 from a float64 reference, 2.8e-5 in
+    # f32), whatever precision says, unless told otherwise. These settings exist, and are
+    # process-wide, in every torch build, so they are checked here without a GPU, from
+    # every state an application may have left them in (each of the five settings none,
+    # ieee or tf32). Before: the run wrote the allow_tf32 flags only where they read
+    # otherwise, and with the process's or cuDNN's level set to tf32 they read False
+    # while convolutions stayed in TF32 (96 of the 243 states).
+    import itertools
+
     import torch
 
-    from wasinn.backends._torch_graph import _cuda_allow_tf32
+    from wasinn.backends._torch_tf32 import cuda_allow_tf32
 
     cudnn: Any = torch.backends.cudnn
-    kinds = (cudnn.conv, cudnn.rnn, torch.backends.cuda.matmul)
-    before = (cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    matmul: Any = torch.backends.cuda.matmul
+    levels = (torch.backends, cudnn, cudnn.conv, cudnn.rnn, matmul)  # coarse to fine
+    before = [level.fp32_precision for level in levels]
+
+    def effective(*chain: Any) -> str:
+        return next((v for v in (level.fp32_precision for level in chain) if v != "none"),
+                    "none")
+
     try:
-        _cuda_allow_tf32(False)
-        assert not cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
-        # torch's newer per-kernel settings agree: none of the three is TF32.
-        assert all(kind.fp32_precision != "tf32" for kind in kinds)
-        _cuda_allow_tf32(True)
-        assert [kind.fp32_precision for kind in kinds] == ["tf32"] * 3
-        # An application that set the newer API alone left the flags unreadable ("mixed"):
-        # the setting is made all the same.
-        cudnn.conv.fp32_precision = "tf32"
-        cudnn.rnn.fp32_precision = "ieee"
-        with pytest.raises(RuntimeError, match="mix"):
-            _ = cudnn.allow_tf32
-        _cuda_allow_tf32(False)
-        assert not cudnn.allow_tf32 and cudnn.conv.fp32_precision != "tf32"
+        for allow, state in itertools.product((False, True),
+                                              itertools.product(("none", "ieee", "tf32"),
+                                                                repeat=len(levels))):
+            for level, value in zip(levels, state, strict=True):
+                level.fp32_precision = value
+            cuda_allow_tf32(allow)
+            kinds = [effective(cudnn.conv, cudnn, torch.backends),
+                     effective(cudnn.rnn, cudnn, torch.backends),
+                     effective(matmul, torch.backends)]
+            assert [kind == "tf32" for kind in kinds] == [allow] * 3, (allow, state, kinds)
+        # torch's older flags stay readable (an application reading them is not told the
+        # two APIs were mixed) and say the same
+        cuda_allow_tf32(False)
+        assert not cudnn.allow_tf32 and not matmul.allow_tf32
     finally:
-        cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+        for level, value in zip(levels, before, strict=True):
+            level.fp32_precision = value
 
 
 def test_an_exported_program_moves_its_constants_and_devices_with_it(backend: Any) -> None:

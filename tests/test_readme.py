@@ -40,15 +40,23 @@ def test_readme_opens_with_the_two_commands() -> None:
 
 def test_the_examples_makefile_builds_with_clang_unless_told_otherwise() -> None:
     """``make -C examples``, as the README says: make's built-in ``CC`` (cc) must not win
-    over clang-19, and a ``CC`` given on the command line must."""
+    over clang-19, nor a ``CC`` in the environment (the host's compiler: the GPU machine's
+    image exports CC=/opt/gcc/bin/gcc, which planned gcc --target=wasm32-wasi), and a
+    ``CC`` given on the command line must."""
+    import os
+
     examples = README.parent / "examples"
     assert "make -C examples" in README.read_text()
 
-    def planned(*args: str) -> str:
+    def planned(*args: str, cc: str | None = None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "CC"}
+        if cc is not None:
+            env["CC"] = cc
         return subprocess.run(["make", "-n", "-B", "-C", str(examples), *args], check=True,
-                              capture_output=True, text=True).stdout
+                              capture_output=True, text=True, env=env).stdout
 
     assert planned().count("clang-19 --target=wasm32-wasi") == 4
+    assert planned(cc="/opt/gcc/bin/gcc").count("clang-19 --target=wasm32-wasi") == 4
     assert "mycc --target=wasm32-wasi" in planned("CC=mycc")
 
 
