@@ -55,6 +55,11 @@ RUNS: dict[str, tuple[list[str], str]] = {
                     "--backends", "onnxruntime"],
                    r"^  compile_threads = 2: start-up [\d.]+ s \([\d.]+x the native compiles, "
                    r"[\d.]+x compile_threads = 1\)$"),
+    "gpu.py": (["--device", "cpu", "--iters", "3", "--warmup", "1", "--width", "0.25",
+                "--batch", "2"],
+               r"^pytorch\s+1  wasinn pipeline, worker thread\s+[\d.]+ [mu]s\s+[\d.]+  "
+               r"[\d.]+-[\d.]+$(.|\n)*^  onnxruntime batch 2: wasinn pipeline, worker thread "
+               r"0 in \d+ runs; (.|\n)*^every section ran$"),
     "guest_core.py": (["--n", "3", "--rounds", "1", "--mb", "1"],
                       r"native\s+[\d.]+ ms/round"),
     "guest_component.py": (["--n", "2", "--rounds", "1"],
