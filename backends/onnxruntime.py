@@ -75,6 +75,7 @@ from ._onnx_check import (
     reads_as_ort_format,
 )
 from ._onnx_division import guard_integer_division
+from ._ort_cuda_libraries import preload_once
 from ._ort_graph import OrtGraph, _shapeless
 from ._ort_session import (
     NAME,
@@ -98,6 +99,12 @@ __all__ = ["NAME", "SESSION_DEFAULTS", "OnnxRuntimeBackend", "OrtGraph", "provid
            "session_options"]
 
 _CPU = Device(ExecutionTarget.CPU)
+
+
+def _without_cuda(session: ort.InferenceSession, device: Device) -> bool:
+    """Whether ``session``, made for ``device``, is a GPU's without the CUDA provider."""
+    return device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
+        session.get_providers())
 
 
 class OnnxRuntimeBackend(Backend):
@@ -163,11 +170,16 @@ class OnnxRuntimeBackend(Backend):
         data = guard_integer_division(NAME, data, refuse_unguardable=not in_sandbox(),
                                       ort_format=ort_format)
         session = _session(data, device, options, external, ort_format=ort_format)
+        if _without_cuda(session, device) and preload_once(ort):
+            session = _session(data, device, options, external, ort_format=ort_format)
         del external  # (ONNX Runtime has copied what it needs)
-        if device.kind is ExecutionTarget.GPU and "CUDAExecutionProvider" not in (
-            session.get_providers()
-        ):
-            raise UnsupportedOperationError(f"{NAME}: the CUDA provider did not start on {device}")
+        if _without_cuda(session, device):
+            raise UnsupportedOperationError(
+                f"{NAME}: the CUDA provider did not start on {device}: ONNX Runtime could "
+                "not load CUDA or cuDNN (its log says which library), not even from their "
+                "pip packages (onnxruntime.preload_dlls()): expected them installed "
+                "(onnxruntime-gpu[cuda,cudnn], or torch's CUDA build) or on the library "
+                "path (LD_LIBRARY_PATH)")
         try:
             values = (*session.get_inputs(), *session.get_outputs())
             # A value reported without dimensions is a scalar, or declared without a shape.

@@ -536,3 +536,64 @@ def test_a_precision_onnx_runtime_cannot_apply_is_said_so(
     with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
         backend.load([affine_onnx()], GraphEncoding.ONNX, CPU, LoadOptions(precision="f32"))
     assert not caplog.records
+
+
+def test_a_cuda_session_without_its_provider_preloads_cuda_once_then_says_what_is_missing(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # onnxruntime-gpu with CUDA and cuDNN as pip packages and no torch: ONNX Runtime makes
+    # the session on the CPU provider alone (and logs why). Its preload_dlls() loads them
+    # from those packages: asked once a process, and the session made again.
+    import threading
+
+    import onnxruntime as ort
+
+    from wasinn.backends import _ort_cuda_libraries
+    from wasinn.backends import onnxruntime as ort_backend
+
+    _with_cuda(monkeypatch, provider=True, count=1)
+    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
+    made: list[Device] = []
+    preloads: list[None] = []
+    loaded = {"cuda": False}  # whether the (fake) preload found the libraries
+
+    class Session:  # a CPU session, saying which providers the GPU's would have
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+        def get_providers(self) -> list[str]:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"] if loaded["cuda"] \
+                else ["CPUExecutionProvider"]
+
+    real_session = ort_backend._session
+
+    def session(data: bytes, device: Device, *args: Any, **kwargs: Any) -> Session:
+        made.append(device)
+        return Session(real_session(data, CPU, *args, **kwargs))
+
+    monkeypatch.setattr(ort_backend, "_session", session)
+    monkeypatch.setattr(ort, "preload_dlls", lambda: preloads.append(None), raising=False)
+    gpu = Device.parse("gpu:0")
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"^onnxruntime: the CUDA provider did not start on gpu:0: ONNX "
+                             r"Runtime could not load CUDA or cuDNN .*onnxruntime\.preload_dlls"
+                             r"\(\)\): expected them installed"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
+    assert (len(made), len(preloads)) == (2, 1)  # made again after the preload
+    with pytest.raises(UnsupportedOperationError, match="did not start"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
+    assert (len(made), len(preloads)) == (3, 1)  # once a process
+
+    # Where the preload finds them, the second session has the provider.
+    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
+
+    def finds() -> None:
+        loaded["cuda"] = True
+
+    monkeypatch.setattr(ort, "preload_dlls", finds)
+    made.clear()
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
+    assert len(made) == 2 and graph.device == gpu
+    graph.close()
