@@ -379,6 +379,7 @@ def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
     matmul: Any = torch.backends.cuda.matmul
     levels = (torch.backends, cudnn, cudnn.conv, cudnn.rnn, matmul)  # coarse to fine
     before = [level.fp32_precision for level in levels]
+    legacy = (cudnn.allow_tf32, matmul.allow_tf32)  # (torch keeps these apart as well)
 
     def effective(*chain: Any) -> str:
         return next((v for v in (level.fp32_precision for level in chain) if v != "none"),
@@ -399,9 +400,11 @@ def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
         # two APIs were mixed) and say the same
         cuda_allow_tf32(False)
         assert not cudnn.allow_tf32 and not matmul.allow_tf32
-    finally:
+    finally:  # as found, for the tests after this one (torch.export reads the flags)
+        cudnn.allow_tf32, matmul.allow_tf32 = legacy
         for level, value in zip(levels, before, strict=True):
             level.fp32_precision = value
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == legacy
 
 
 def test_an_exported_program_moves_its_constants_and_devices_with_it(backend: Any) -> None:
