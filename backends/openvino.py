@@ -1,6 +1,8 @@
 """OpenVINO behind the wasinn contract: IR, ONNX, TensorFlow Lite and TensorFlow models
-(see :mod:`wasinn.backends._ovread`) on the CPU and on the GPU (``GPU.N`` -> ``gpu:N``)
-and NPU (``NPU`` -> ``tpu:0``) plugins where ``Core.available_devices`` lists them.
+(see :mod:`wasinn.backends._ovread`) on the CPU and on the GPU and NPU (``NPU`` ->
+``tpu:0``) plugins where ``Core.available_devices`` lists them: Intel GPUs only, numbered
+after the CUDA GPUs (``GPU.0`` is ``gpu:1`` beside one CUDA GPU; see
+:mod:`wasinn.backends._ov_devices`).
 
 Inference precision defaults to f32 (``LoadOptions.precision``; ``"default"`` leaves the
 plugin's choice, which is bf16 on CPUs with AMX) so that outputs agree across machines.
@@ -76,6 +78,7 @@ from wasinn.errors import InvalidArgumentError, InvalidEncodingError, WasiNNErro
 
 from ._graphio import no_device
 from ._ov_compile import compile_config, known_properties
+from ._ov_devices import OvDevices, list_devices
 from ._ov_graph import (
     OvGraph,
 )
@@ -119,7 +122,7 @@ class OpenVinoBackend(Backend):
 
     def __init__(self) -> None:
         self._core: Any = None  # a stand-in for the process's Core, where one is set
-        self._devices: dict[Device, str] | None = None
+        self._devices: OvDevices | None = None
 
     @property
     def core(self) -> Any:
@@ -127,22 +130,16 @@ class OpenVinoBackend(Backend):
         shares (unless a stand-in is set as ``_core``)."""
         return self._core if self._core is not None else _process_core()
 
-    def _device_map(self) -> dict[Device, str]:
+    def _listed(self) -> OvDevices:
+        # Asked once per backend (see _ov_devices.list_devices).
         if self._devices is None:
-            found: dict[Device, str] = {}
-            for name in self.core.available_devices:
-                kind, _, index = str(name).partition(".")
-                if kind == "CPU":
-                    found[Device(ExecutionTarget.CPU)] = name
-                elif kind == "GPU":
-                    found[Device(ExecutionTarget.GPU, int(index or 0))] = name
-                elif kind == "NPU":
-                    found[Device(ExecutionTarget.TPU, int(index or 0))] = name
-            self._devices = found
+            self._devices = list_devices(self.core)
         return self._devices
 
     def devices(self) -> list[Device]:
-        return sorted(self._device_map())
+        """cpu, and gpu:N / tpu:N where OpenVINO lists an Intel GPU / an NPU (a GPU of
+        another vendor, which OpenVINO's GPU plugin does not support, is not offered)."""
+        return sorted(self._listed().offered)
 
     def load(
         self,
@@ -157,12 +154,18 @@ class OpenVinoBackend(Backend):
         builder count, IR weights that do not match the XML, input or output names that
         are not UTF-8), SecurityError (an ONNX model that refers to external data files)
         and UnsupportedOperationError (a device OpenVINO does not have here, a type
-        outside the wasi-nn set). TensorFlow and TFLite models are read in a child
+        outside the wasi-nn set; for a GPU, the non-Intel GPUs OpenVINO lists are named,
+        with why they are not offered). TensorFlow and TFLite models are read in a child
         process (see :mod:`._ovread`).
         """
-        ov_device = self._device_map().get(device)
+        listed = self._listed()
+        ov_device = listed.offered.get(device)
         if ov_device is None:
-            raise no_device(NAME, device, self.devices())
+            error = no_device(NAME, device, self.devices())
+            if device.kind is ExecutionTarget.GPU and listed.passed_over:
+                raise error.suffixed(f"({'; '.join(listed.passed_over.values())}: "
+                                     "OpenVINO's GPU plugin supports Intel GPUs only)")
+            raise error
         options = options or LoadOptions()
         model, keep_alive = read_model(self.core, builders, encoding, options.source,
                                        options.external_data)

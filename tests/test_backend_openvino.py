@@ -22,6 +22,7 @@ from tests.tfmodels import (
 )
 from wasinn import (
     BackendRuntimeError,
+    ExecutionTarget,
     GraphEncoding,
     InvalidArgumentError,
     InvalidEncodingError,
@@ -290,9 +291,10 @@ def test_kept_outputs_stay_in_intel_gpu_memory(backend: Any) -> None:
 
     from tests.support import skip_unless
 
-    gpu = Device.parse("gpu:0")
-    skip_unless("openvino-gpu", gpu in backend.devices(),
-                "OpenVINO sees no GPU here (its GPU plugin needs an Intel GPU)")
+    gpus = [d for d in backend.devices() if d.kind is ExecutionTarget.GPU]
+    skip_unless("openvino-gpu", bool(gpus),
+                "OpenVINO sees no Intel GPU here (its GPU plugin supports Intel GPUs only)")
+    gpu = gpus[0]  # gpu:1 beside one CUDA GPU
     graph = backend.load([affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, gpu)
     assert graph.remote_context is not None
     graph.run({"x": Tensor.from_numpy(X)}, keep_on_device=True)  # y's shape: (n, 4)
@@ -305,10 +307,15 @@ def test_kept_outputs_stay_in_intel_gpu_memory(backend: Any) -> None:
 
 
 class _FakeCore:
-    """Stands in for ov.Core to test the device-name mapping only."""
+    """Stands in for ov.Core to test the device-name mapping only: its GPUs are Intel's."""
 
     def __init__(self, names: list[str]) -> None:
         self.available_devices = names
+
+    def get_property(self, name: str, key: str) -> str:
+        assert name.startswith("GPU"), name  # only GPUs are asked
+        return {"DEVICE_ARCHITECTURE": "GPU: vendor=0x8086 arch=v12.0.0",
+                "FULL_DEVICE_NAME": "Intel(R) UHD Graphics 630 (iGPU)"}[key]
 
 
 @pytest.mark.parametrize(
@@ -321,8 +328,11 @@ class _FakeCore:
     ],
 )
 def test_device_names_map_onto_wasi_nn_targets(
-    backend: Any, names: list[str], expected: list[str]
+    backend: Any, names: list[str], expected: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from wasinn.backends import cuda
+
+    monkeypatch.setattr(cuda, "device_count", lambda: 0)  # no CUDA GPU: GPU.N is gpu:N
     backend._core = _FakeCore(names)
     assert [d.name for d in backend.devices()] == expected
 
