@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import trio
 
+from wasinn._memory import available_memory
 from wasinn._save import RAW_2_BYTES
 from wasinn.enums import TensorType
 from wasinn.errors import InvalidArgumentError, WasiNNError
@@ -184,8 +185,9 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
     :func:`check_input_specs`; an archive's names are known once it is read), a file of
     the other kind or one that is not numpy's (not numpy's format, object arrays, a
     corrupt or truncated archive, an archive member that is no array), for one that
-    cannot be read and for one whose header declares an array too large to allocate,
-    naming the file.
+    cannot be read, for one whose arrays take more than the memory available (a .npy:
+    its size; a .npz: its members' uncompressed sizes; checked before reading) and for
+    one whose header declares an array too large to allocate, naming the file.
     """
     check_input_specs(specs)
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -206,6 +208,7 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
                     "written by numpy.save or numpy.savez")
             stream.seek(0)
             try:
+                _check_fits(stream, spec, file)
                 read = _read_arrays(stream, spec, name if sep else None)
             except _UNREADABLE as exc:  # not numpy's format, object arrays, a bad archive
                 raise InvalidArgumentError(
@@ -224,6 +227,30 @@ def read_inputs(specs: Sequence[str]) -> dict[str, np.ndarray[Any, Any]]:
                                        "earlier --input: expected one value per input")
         arrays.update(read)
     return arrays
+
+
+def _check_fits(stream: BinaryIO, spec: str, file: Path) -> None:
+    """Raise InvalidArgumentError where the arrays of ``stream`` (a .npy or .npz file,
+    left at its start) take more than the memory available now. numpy allocates what a
+    header declares and fills it with what the file holds (a .npy's bytes, a .npz
+    member's uncompressed size, which its archive's directory declares and zipfile holds
+    it to), so that is what it touches; where the kernel overcommits, MemoryError never
+    comes and the process is killed instead (see :mod:`wasinn._memory`). A header that
+    declares more than the file holds fails the read (MemoryError, or ValueError)."""
+    if stream.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+        size = os.fstat(stream.fileno()).st_size
+        what = f"{size:,} bytes"
+    else:
+        with zipfile.ZipFile(stream) as archive:  # (leaves the stream open)
+            size = sum(member.file_size for member in archive.infolist())
+        what = f"{size:,} bytes of arrays (uncompressed)"
+    stream.seek(0)
+    available = available_memory()
+    if size > available:
+        raise InvalidArgumentError(
+            f"--input {spec}: {file} holds {what}, more than can be read here "
+            f"({available:,} bytes of memory are available now): expected arrays that fit "
+            "in memory")
 
 
 def _read_arrays(stream: BinaryIO, spec: str, name: str | None

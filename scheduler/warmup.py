@@ -15,10 +15,11 @@ dimensions as 1 (a scalar input gets a scalar), or the one ``warmup_inputs`` giv
 (a TorchScript module declares none). An input's element type is the model's; where the
 model declares none (TorchScript), it is f32 unless ``warmup_inputs`` gives one
 (``ids = { shape = [1, 8], type = "i64" }``), and a warm-up that then fails says so. A
-type given for an input the model declares another type for fails the start. Warm-ups
-run in the device's compile threads (no worker thread, no request slot), and they are
-not requests: a device's stats count them only in ``warm_ups``, so they do not skew its
-latency percentiles.
+type given for an input the model declares another type for fails the start, as do
+zeros that take more than the memory available (checked before they are made, see
+:mod:`wasinn._memory`). Warm-ups run in the device's compile threads (no worker
+thread, no request slot), and they are not requests: a device's stats count them only
+in ``warm_ups``, so they do not skew its latency percentiles.
 
 Everything is preloaded concurrently; when something fails, the start fails with the
 first failure in config order (the others are logged), raised as the same error type
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
+from wasinn._memory import available_memory
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import TensorType
 from wasinn.errors import (
@@ -105,7 +107,9 @@ def zero_inputs(specs: Sequence[TensorSpec],
     Raises InvalidArgumentError for a name in ``shapes`` that is no input, for a type
     given where the model declares another, and for an input whose rank is unknown
     (``rank_known=False``) and whose shape is not given (``shape_hint`` says how to give
-    it); TooLargeError for a value too large to allocate.
+    it); TooLargeError for a value too large to allocate: beyond numpy's bounds, or
+    taking, with those made before it, more than the memory available (checked before
+    allocating, see :mod:`wasinn._memory`).
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(shapes) - set(names))
@@ -114,6 +118,7 @@ def zero_inputs(specs: Sequence[TensorSpec],
             f"warmup_inputs names {', '.join(map(repr, unknown))}, which is not an "
             f"input: expected one of {', '.join(map(repr, names)) or 'none'}")
     inputs = {}
+    available, taken = available_memory(), 0
     for spec in specs:
         given = _zero_input(shapes.get(spec.name))
         if given.type is not None and (problem := type_conflict(spec, given.type)):
@@ -125,7 +130,9 @@ def zero_inputs(specs: Sequence[TensorSpec],
                     f"input {spec.name!r} declares no shape, not even its rank, so no "
                     f"zero-filled value can be made for it: {shape_hint.format(name=spec.name)}")
             shape = tuple(1 if d is None else d for d in spec.shape)
-        inputs[spec.name] = Tensor.from_numpy(_zeros(spec, shape, given.type or spec.type))
+        zeros = _zeros(spec, shape, given.type or spec.type, available, taken)
+        taken += zeros.nbytes
+        inputs[spec.name] = Tensor.from_numpy(zeros)
     return inputs
 
 
@@ -165,17 +172,27 @@ def hinted(exc: WasiNNError, hint: str) -> WasiNNError:
     return exc.retold(exc.message + hint)
 
 
-def _zeros(spec: TensorSpec, shape: tuple[int, ...], type_: TensorType
-           ) -> np.ndarray[Any, Any]:
+def _zeros(spec: TensorSpec, shape: tuple[int, ...], type_: TensorType, available: int,
+           taken: int) -> np.ndarray[Any, Any]:
+    # Zeros for input ``spec`` where ``available`` bytes of memory are, ``taken`` of them
+    # by the zeros made before. Checked first: where the kernel overcommits, np.zeros of
+    # any size succeeds and the process dies once the pages are touched (wasinn._memory).
     dtype = numpy_dtype(type_)
+    size = math.prod(shape) * dtype.itemsize
+
+    def too_large(why: object) -> TooLargeError:
+        return TooLargeError(
+            f"input {spec.name!r}: a zero-filled {type_.value} value of shape "
+            f"{list(shape)} takes {size:,} bytes, which cannot be allocated here ({why}): "
+            f"expected a smaller shape")
+
+    if size > available - taken:
+        before = f", {taken:,} of them taken by the zero-filled inputs before it" if taken else ""
+        raise too_large(f"{available:,} bytes of memory are available now{before}")
     try:
         return np.zeros(shape, dtype)
-    except (ValueError, MemoryError) as exc:  # beyond numpy's bounds, or this host's memory
-        size = math.prod(shape) * dtype.itemsize
-        raise TooLargeError(
-            f"input {spec.name!r}: a zero-filled {type_.value} value of shape "
-            f"{list(shape)} takes {size:,} bytes, which cannot be allocated here ({exc}): "
-            f"expected a smaller shape") from exc
+    except (ValueError, MemoryError) as exc:  # beyond numpy's bounds, or a memory limit
+        raise too_large(exc) from exc
 
 
 async def preload(registry: NameRegistry, scheduler: Scheduler,

@@ -25,7 +25,7 @@ from tests.backend_models import scripted
 from tests.example_configs import example_config
 from tests.support import require_backend
 from tests.test_pipeline import native_reference
-from tests.test_warmup import token_model
+from tests.test_warmup import memory_available, token_model
 from wasinn._save import check_save_path, save_outputs
 from wasinn.backends.base import TensorSpec
 from wasinn.cli import main
@@ -146,6 +146,48 @@ def test_bad_inputs_say_what_was_expected(affine: list[str], tmp_path: Path,
     assert code == 1
     assert err.startswith("wasinn: error: ") and message.format(**files) in err
     assert "Traceback" not in err
+
+
+def test_zeros_beyond_the_memory_available_are_refused_before_they_are_made(
+        affine: list[str], monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    # Where the kernel overcommits (a VM), np.zeros of 16 TB succeeded and the run that
+    # touched it got the process killed. 1.6 MB, which np.zeros allocates anywhere,
+    # against 1 MiB:
+    memory_available(monkeypatch, 2**20)
+    code = main(["infer", *affine, "a", "--zeros", "--shape", "x=100000,4"])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err == ("wasinn: error: input 'x': a zero-filled f32 value of shape [100000, 4] "
+                   "takes 1,600,000 bytes, which cannot be allocated here (1,048,576 bytes of "
+                   "memory are available now): expected a smaller shape\n")
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["npy", "compressed-npz"])
+def test_an_input_file_beyond_the_memory_available_is_refused_before_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compressed: bool) -> None:
+    # numpy fills what a header declares with what the file holds: a .npy's bytes, a
+    # .npz member's uncompressed size (2 MB of zeros compress to a few KB: a small file
+    # can take all the memory there is).
+    array = np.zeros(500_000, np.float32)
+    if compressed:
+        path, spec = tmp_path / "big.npz", str(tmp_path / "big.npz")
+        np.savez_compressed(path, x=array)
+        assert path.stat().st_size < 2**20  # (a small file, a large array)
+        holds = r"2,000,[0-9]{3} bytes of arrays \(uncompressed\)"
+    else:
+        path, spec = tmp_path / "big.npy", f"x={tmp_path / 'big.npy'}"
+        np.save(path, array)
+        holds = f"{path.stat().st_size:,} bytes"
+    memory_available(monkeypatch, 2**20)
+    with pytest.raises(InvalidArgumentError,
+                       match=rf"^--input {re.escape(spec)}: {re.escape(str(path))} holds "
+                             rf"{holds}, more than can be read here \(1,048,576 bytes of "
+                             rf"memory are available now\): expected arrays that fit in "
+                             rf"memory$"):
+        read_inputs([spec])
+    memory_available(monkeypatch, 4_000_000)
+    assert read_inputs([spec])["x"].shape == (500_000,)
 
 
 def test_an_input_given_twice_is_a_usage_error_unless_it_is_the_same(

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from onnx import TensorProto, helper
 
@@ -55,6 +56,12 @@ files = ["models/then.onnx"]
 [pipelines.chain]
 steps = [{{ model = "affine" }}, {{ model = "then" }}]
 {pipeline}''')
+
+
+def memory_available(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """Make psutil read ``nbytes`` as the memory available now (the rest as it is)."""
+    reading = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reading._replace(available=nbytes))
 
 
 def worker_threads() -> list[str]:
@@ -201,7 +208,52 @@ async def test_a_warm_up_shape_too_large_to_allocate_fails_the_start_naming_it(
                         rf"preloading 'a': .*: models\.a\.warmup_inputs: input 'x': a "
                         rf"zero-filled f32 value of shape "
                         rf"\[{rows}, 4\] takes {rows * 16:,} bytes, which cannot be "
-                        rf"allocated here \(.*\): expected a smaller shape")
+                        rf"allocated here \([0-9,]+ bytes of memory are available now\): "
+                        rf"expected a smaller shape$")
+
+
+async def test_a_warm_up_shape_beyond_the_memory_available_fails_the_start_unallocated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the kernel overcommits (a VM), np.zeros of 16 TB succeeds, mapping pages it
+    # has not got, and the backend touching them got the process killed: the size is
+    # checked against the memory available first. 1.6 MB, which np.zeros allocates
+    # anywhere, against 1 MiB:
+    memory_available(monkeypatch, 2**20)
+    await refused_start(warmed_on(tmp_path, "[100000, 4]"), TooLargeError,
+                        r"preloading 'a': .*: models\.a\.warmup_inputs: input 'x': a "
+                        r"zero-filled f32 value of shape \[100000, 4\] takes 1,600,000 "
+                        r"bytes, which cannot be allocated here \(1,048,576 bytes of memory "
+                        r"are available now\): expected a smaller shape$")
+    memory_available(monkeypatch, 1_600_000)  # (as much as it takes will do)
+    async with wasinn.Runtime.from_config(warmed_on(tmp_path, "[100000, 4]")) as rt:
+        assert rt.stats()[0].warm_ups == 1
+
+
+def test_zero_inputs_that_together_take_more_than_the_memory_available_are_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Zeros are mapped lazily: making one does not lower the reading, so the inputs
+    # made before one count against it.
+    specs = [TensorSpec("a", TensorType.F32, (None, 4)), TensorSpec("b", TensorType.I64, (None,))]
+    memory_available(monkeypatch, 1_000_000)
+    assert zero_inputs(specs, {"a": (50_000, 4), "b": (25_000,)})["b"].dims == (25_000,)
+    with pytest.raises(TooLargeError,
+                       match=r"^input 'b': a zero-filled i64 value of shape \[25001\] takes "
+                             r"200,008 bytes, which cannot be allocated here \(1,000,000 "
+                             r"bytes of memory are available now, 800,000 of them taken by "
+                             r"the zero-filled inputs before it\): expected a smaller shape$"):
+        zero_inputs(specs, {"a": (50_000, 4), "b": (25_001,)})
+
+
+def test_a_zero_input_beyond_numpys_bounds_is_refused_whatever_the_memory_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The memory check comes first; numpy's own refusal stays as a backstop (as does
+    # MemoryError, where a limit such as RLIMIT_AS refuses the mapping).
+    memory_available(monkeypatch, 10**30)
+    with pytest.raises(TooLargeError,
+                       match=r"^input 'x': a zero-filled f32 value of shape \[10{20}, 4\] "
+                             r"takes [0-9,]+ bytes, which cannot be allocated here "
+                             r"\((?!.*memory are available).+\): expected a smaller shape$"):
+        zero_inputs([TensorSpec("x", TensorType.F32, (None, 4))], {"x": (10**20, 4)})
 
 
 async def test_an_undeclared_input_shape_is_given_in_warmup_inputs(
