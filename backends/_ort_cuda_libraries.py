@@ -7,7 +7,8 @@ the ``nvidia-*`` wheels) without torch, they are on neither, and ONNX Runtime ma
 session on the CPU provider alone, with a logged error. Its ``preload_dlls()`` (1.21 and
 later) loads them from those packages: tried here once a process, only after a CUDA
 session came up without its provider, so that a machine where they are found already is
-left as it is.
+left as it is. A session made without the provider after that is made once more (the
+preload may have been another thread's, done after that session was begun).
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ _tried = threading.Event()
 
 def preload_once(ort: Any) -> bool:
     """Have ONNX Runtime ``ort`` load CUDA and cuDNN from their pip packages, the first time
-    a process asks; True if this call tried it (the caller may then make its session
-    again), False if it was tried before or ``ort`` cannot."""
+    a process asks (a call while another thread's preload runs waits for it). True where
+    ``ort`` can preload (this call or an earlier one did): the caller may make its session
+    again; False where it cannot (before 1.21)."""
     preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return False
     with _lock:
-        if _tried.is_set() or preload is None:
-            return False
-        _tried.set()
-    try:
-        preload()
-    except Exception as exc:  # (nothing more is loaded: the caller's error says so)
-        log.warning("onnxruntime.preload_dlls() failed: %s: %s", type(exc).__name__, exc)
+        if not _tried.is_set():
+            try:
+                preload()
+            except Exception as exc:  # (nothing more is loaded: the caller's error says so)
+                log.warning("onnxruntime.preload_dlls() failed: %s: %s",
+                            type(exc).__name__, exc)
+            finally:
+                _tried.set()
     return True

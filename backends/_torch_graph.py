@@ -25,7 +25,7 @@ from ._graphio import CheckedGraph
 from ._torch_cancel import _Checkpoints, _StopChecked
 from ._torch_memory import storage_of
 from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
-from ._torch_tf32 import cuda_allow_tf32
+from ._torch_tf32 import tf32_runs
 from .base import Cancelled, Device, TensorSpec, current_cancellation
 
 #: The backend's name, which its messages begin with.
@@ -94,7 +94,7 @@ class TorchGraph(CheckedGraph):
         )
         #: Whether f32 convolutions and matrix products may compute in TF32 on CUDA, set
         #: before each run; None leaves torch's setting as it is (see
-        #: :func:`._torch_tf32.cuda_allow_tf32`).
+        #: :func:`._torch_tf32.tf32_runs`).
         self.allow_tf32: bool | None = None
 
     @property
@@ -111,11 +111,9 @@ class TorchGraph(CheckedGraph):
             self._check_ranges(ordered)
         private = self._private
         on_cuda = device.type == "cuda"
-        if on_cuda and self.allow_tf32 is not None:
-            cuda_allow_tf32(self.allow_tf32)
         try:
             args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
-            with torch.inference_mode():
+            with torch.inference_mode(), tf32_runs(self.allow_tf32 if on_cuda else None):
                 stop_checked = self._stop_checked
                 if self._checkpoints:
                     with _Checkpoints():

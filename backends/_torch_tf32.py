@@ -13,10 +13,19 @@ from and written to the library's level, so where an application set a finer lev
 flags may read False while convolutions still run in TF32. Here each kind's own effective
 setting is what is checked; the flags are written first (which keeps both APIs readable);
 a kind they did not reach is then set by itself.
+
+Being process-wide, one run's setting would hold for another's kernels launched at the
+same time: :func:`tf32_runs` lets runs of one setting launch side by side, and has a run
+of the other wait until they are done (and runs of the first that come after it wait
+for it, so that neither starves).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +33,7 @@ import torch
 _ALL_LEVELS = "none"  # a kind's setting that defers to the level above
 
 
+@functools.cache  # (the same objects for the life of the process)
 def _kinds() -> list[tuple[Any, Any]]:
     """Each kernel kind's settings with its library's: none where torch predates them."""
     cudnn: Any = torch.backends.cudnn
@@ -69,3 +79,53 @@ def cuda_allow_tf32(allow: bool) -> None:
     if not _agrees(allow):
         for kind, _ in _kinds():
             kind.fp32_precision = "tf32" if allow else "ieee"
+
+
+class _Runs:
+    """The runs launching under one TF32 setting now, and those waiting for the other."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.allow = False
+        self.running = 0
+        self.waiting = {False: 0, True: 0}
+
+
+_RUNS = _Runs()
+
+
+def _held_back(runs: _Runs, allow: bool) -> bool:
+    # Behind runs of the other setting; and behind a run of the other setting that waits,
+    # whether runs of this one are still going or have just ended (the setting then
+    # alternates: neither starves).
+    if runs.running and runs.allow != allow:
+        return True
+    return runs.allow == allow and runs.waiting[not allow] > 0
+
+
+@contextlib.contextmanager
+def tf32_runs(allow: bool | None) -> Iterator[None]:
+    """Launch a CUDA run's kernels with TF32 allowed or not (``allow``; None: whatever torch
+    is set to, untouched and unwaited) while no run of the other setting launches: a run
+    of the other setting, or one waiting already, holds this one back until it is done."""
+    if allow is None:
+        yield
+        return
+    runs = _RUNS
+    with runs.changed:
+        runs.waiting[allow] += 1
+        try:
+            while _held_back(runs, allow):
+                runs.changed.wait()
+        finally:
+            runs.waiting[allow] -= 1
+        cuda_allow_tf32(allow)  # (an application may have changed it since the last run)
+        runs.allow = allow
+        runs.running += 1
+    try:
+        yield
+    finally:
+        with runs.changed:
+            runs.running -= 1
+            if not runs.running:
+                runs.changed.notify_all()

@@ -174,12 +174,15 @@ class OnnxRuntimeBackend(Backend):
             session = _session(data, device, options, external, ort_format=ort_format)
         del external  # (ONNX Runtime has copied what it needs)
         if _without_cuda(session, device):
+            tried = ("not even from their pip packages (onnxruntime.preload_dlls())"
+                     if hasattr(ort, "preload_dlls") else "and this onnxruntime "
+                     f"({ort.__version__}, before 1.21) cannot load them from their pip "
+                     "packages")
             raise UnsupportedOperationError(
                 f"{NAME}: the CUDA provider did not start on {device}: ONNX Runtime could "
-                "not load CUDA or cuDNN (its log says which library), not even from their "
-                "pip packages (onnxruntime.preload_dlls()): expected them installed "
-                "(onnxruntime-gpu[cuda,cudnn], or torch's CUDA build) or on the library "
-                "path (LD_LIBRARY_PATH)")
+                f"not load CUDA or cuDNN (its log says which library), {tried}: expected "
+                "them installed (onnxruntime-gpu[cuda,cudnn], or torch's CUDA build) or on "
+                "the library path (LD_LIBRARY_PATH)")
         try:
             values = (*session.get_inputs(), *session.get_outputs())
             # A value reported without dimensions is a scalar, or declared without a shape.

@@ -584,7 +584,43 @@ def test_a_cuda_session_without_its_provider_preloads_cuda_once_then_says_what_i
     assert (len(made), len(preloads)) == (2, 1)  # made again after the preload
     with pytest.raises(UnsupportedOperationError, match="did not start"):
         backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
-    assert (len(made), len(preloads)) == (3, 1)  # once a process
+    assert (len(made), len(preloads)) == (4, 1)  # preloaded once a process
+
+    # A load whose session came up without the provider while another thread's preload
+    # ran waits for it and makes its session again (before: it failed for good).
+    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
+    preloading, finish = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        preloading.set()
+        assert finish.wait(30)
+        loaded["cuda"] = True
+
+    monkeypatch.setattr(ort, "preload_dlls", slow)
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            backend.load([affine_onnx()], GraphEncoding.ONNX, gpu).close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=load)
+    first.start()
+    assert preloading.wait(30)
+    second = threading.Thread(target=load)
+    second.start()
+    finish.set()
+    first.join(30)
+    second.join(30)
+    assert errors == []
+    loaded["cuda"] = False
+
+    # Without preload_dlls (onnxruntime before 1.21), the error does not claim it tried.
+    monkeypatch.delattr(ort, "preload_dlls")
+    with pytest.raises(UnsupportedOperationError,
+                       match=r"cannot load them from their pip packages: expected"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
 
     # Where the preload finds them, the second session has the provider.
     monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
@@ -592,7 +628,7 @@ def test_a_cuda_session_without_its_provider_preloads_cuda_once_then_says_what_i
     def finds() -> None:
         loaded["cuda"] = True
 
-    monkeypatch.setattr(ort, "preload_dlls", finds)
+    monkeypatch.setattr(ort, "preload_dlls", finds, raising=False)
     made.clear()
     graph = backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
     assert len(made) == 2 and graph.device == gpu

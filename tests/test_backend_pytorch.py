@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import numpy as np
@@ -405,6 +406,55 @@ def test_f32_precision_turns_tf32_off_for_every_cuda_f32_kernel_kind() -> None:
         for level, value in zip(levels, before, strict=True):
             level.fp32_precision = value
         assert (cudnn.allow_tf32, matmul.allow_tf32) == legacy
+
+
+def test_runs_of_the_other_tf32_setting_wait_for_each_other() -> None:
+    # torch's setting is process-wide: before, a tf32 graph's run starting while an f32
+    # graph's was launching its kernels turned TF32 on under the rest of them.
+    import torch
+
+    from wasinn.backends._torch_tf32 import tf32_runs
+
+    cudnn: Any = torch.backends.cudnn
+    legacy = (cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    order: list[str] = []
+    release = {name: threading.Event() for name in ("f32", "tf32", "f32 again")}
+    inside = {name: threading.Event() for name in release}
+
+    def run(name: str, allow: bool) -> None:
+        with tf32_runs(allow):
+            order.append(name)
+            assert (cudnn.conv.fp32_precision == "tf32") == allow  # set, and kept
+            inside[name].set()
+            assert release[name].wait(30)
+
+    def start(name: str, allow: bool) -> threading.Thread:
+        thread = threading.Thread(target=run, args=(name, allow))
+        thread.start()
+        return thread
+
+    try:
+        threads = [start("f32", False)]
+        assert inside["f32"].wait(30)
+        threads.append(start("tf32", True))  # the other setting: waits for the f32 run
+        assert not inside["tf32"].wait(0.3)
+        threads.append(start("f32 again", False))  # same as the running one, but one of
+        assert not inside["f32 again"].wait(0.3)  # the other waits first: after it
+        release["f32"].set()
+        assert inside["tf32"].wait(30)
+        assert not inside["f32 again"].is_set()
+        release["tf32"].set()
+        assert inside["f32 again"].wait(30)
+        release["f32 again"].set()
+        for thread in threads:
+            thread.join(30)
+        assert order == ["f32", "tf32", "f32 again"]
+        with tf32_runs(None):  # a graph that leaves torch's setting alone is not held
+            pass
+    finally:
+        for event in release.values():
+            event.set()
+        cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = legacy
 
 
 def test_an_exported_program_moves_its_constants_and_devices_with_it(backend: Any) -> None:
