@@ -13,15 +13,18 @@ logged (info, logger ``wasinn.backends``) once per process, with why.
 Numbering: ``gpu:N`` is one index space for every backend (a pool's ``gpu:0`` is one
 actor, whichever backend compiles there), in which CUDA GPUs come first, as torch and
 ONNX Runtime number them: ``gpu:0`` to ``gpu:n-1``, n being the CUDA driver's count (see
-:mod:`wasinn.backends.cuda`). The Intel GPUs follow, in OpenVINO's order: ``gpu:n``,
-``gpu:n+1``... So an Intel GPU beside one NVIDIA GPU is ``gpu:1`` (OpenVINO calls an
-integrated one ``GPU.0`` always, which would otherwise have been a second ``gpu:0``),
-and on a machine without CUDA GPUs OpenVINO's ``GPU.N`` is ``gpu:N`` (with every GPU
-OpenVINO lists an Intel one). The CUDA driver is asked only where an Intel GPU is found.
+:mod:`wasinn.backends.cuda`), or torch's where it counts more (a ROCm build's AMD GPUs).
+The Intel GPUs follow, in OpenVINO's order: ``gpu:n``, ``gpu:n+1``... So an Intel GPU
+beside one NVIDIA GPU is ``gpu:1`` (OpenVINO calls an integrated one ``GPU.0`` always,
+which would otherwise have been a second ``gpu:0``), and on a machine without CUDA GPUs
+OpenVINO's ``GPU.N`` is ``gpu:N`` (with every GPU OpenVINO lists an Intel one). The CUDA
+driver (and torch) are asked only where an Intel GPU is found.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import re
 import threading
 from dataclasses import dataclass, field
@@ -78,10 +81,24 @@ def list_devices(core: Any) -> OvDevices:
         else:
             devices.passed_over[name] = why
             _tell(name, why)
-    first = cuda.device_count() if intel else 0
+    first = gpus_numbered_first() if intel else 0
     for k, name in enumerate(intel):
         devices.offered[Device(ExecutionTarget.GPU, first + k)] = name
     return devices
+
+
+def gpus_numbered_first() -> int:
+    """How many GPUs come before the Intel ones: those the CUDA driver reports, or those
+    torch reports, where more (a ROCm build of torch numbers AMD GPUs ``gpu:0``... through
+    ``torch.cuda``, which the CUDA driver does not see)."""
+    count = cuda.device_count()
+    if importlib.util.find_spec("torch") is not None:
+        with contextlib.suppress(Exception):  # (a torch that cannot start counts none)
+            import torch
+
+            if torch.cuda.is_available():
+                count = max(count, torch.cuda.device_count())
+    return count
 
 
 def not_intel(core: Any, name: str) -> str | None:

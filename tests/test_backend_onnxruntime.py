@@ -538,70 +538,104 @@ def test_a_precision_onnx_runtime_cannot_apply_is_said_so(
     assert not caplog.records
 
 
+class _CudaSessions:
+    """``onnxruntime-gpu`` on one GPU, whose sessions come up without the CUDA provider
+    until ``found`` (CUDA and cuDNN as pip packages and no torch: ONNX Runtime makes such a
+    session on the CPU provider alone, and logs why). Sessions are real CPU ones; ``made``
+    counts them. ``onnxruntime.preload_dlls`` is ``preload`` (set by the test)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        import onnxruntime as ort
+
+        from wasinn.backends import _ort_cuda_libraries
+        from wasinn.backends import onnxruntime as ort_backend
+
+        _with_cuda(monkeypatch, provider=True, count=1)
+        monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
+        self.made = 0
+        self.found = False
+        self.preloads = 0
+        real_session = ort_backend._session
+        sessions = self
+
+        class Session:
+            def __init__(self, real: Any) -> None:
+                self.real = real
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.real, name)
+
+            def get_providers(self) -> list[str]:
+                return (["CUDAExecutionProvider"] if sessions.found else []) + [
+                    "CPUExecutionProvider"]
+
+        def session(data: bytes, device: Device, *args: Any, **kwargs: Any) -> Session:
+            self.made += 1
+            return Session(real_session(data, CPU, *args, **kwargs))
+
+        monkeypatch.setattr(ort_backend, "_session", session)
+        monkeypatch.setattr(ort, "preload_dlls", self.preload, raising=False)
+
+    def preload(self) -> None:
+        self.preloads += 1
+
+
+_GPU0 = Device.parse("gpu:0")
+
+
 def test_a_cuda_session_without_its_provider_preloads_cuda_once_then_says_what_is_missing(
         backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # onnxruntime-gpu with CUDA and cuDNN as pip packages and no torch: ONNX Runtime makes
-    # the session on the CPU provider alone (and logs why). Its preload_dlls() loads them
-    # from those packages: asked once a process, and the session made again.
-    import threading
-
-    import onnxruntime as ort
-
-    from wasinn.backends import _ort_cuda_libraries
-    from wasinn.backends import onnxruntime as ort_backend
-
-    _with_cuda(monkeypatch, provider=True, count=1)
-    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
-    made: list[Device] = []
-    preloads: list[None] = []
-    loaded = {"cuda": False}  # whether the (fake) preload found the libraries
-
-    class Session:  # a CPU session, saying which providers the GPU's would have
-        def __init__(self, real: Any) -> None:
-            self.real = real
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
-
-        def get_providers(self) -> list[str]:
-            return ["CUDAExecutionProvider", "CPUExecutionProvider"] if loaded["cuda"] \
-                else ["CPUExecutionProvider"]
-
-    real_session = ort_backend._session
-
-    def session(data: bytes, device: Device, *args: Any, **kwargs: Any) -> Session:
-        made.append(device)
-        return Session(real_session(data, CPU, *args, **kwargs))
-
-    monkeypatch.setattr(ort_backend, "_session", session)
-    monkeypatch.setattr(ort, "preload_dlls", lambda: preloads.append(None), raising=False)
-    gpu = Device.parse("gpu:0")
+    sessions = _CudaSessions(monkeypatch)
     with pytest.raises(UnsupportedOperationError,
                        match=r"^onnxruntime: the CUDA provider did not start on gpu:0: ONNX "
                              r"Runtime could not load CUDA or cuDNN .*onnxruntime\.preload_dlls"
                              r"\(\)\): expected them installed"):
-        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
-    assert (len(made), len(preloads)) == (2, 1)  # made again after the preload
+        backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0)
+    assert (sessions.made, sessions.preloads) == (2, 1)  # made again after the preload
     with pytest.raises(UnsupportedOperationError, match="did not start"):
-        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
-    assert (len(made), len(preloads)) == (4, 1)  # preloaded once a process
+        backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0)
+    assert (sessions.made, sessions.preloads) == (4, 1)  # preloaded once a process
 
-    # A load whose session came up without the provider while another thread's preload
-    # ran waits for it and makes its session again (before: it failed for good).
-    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
+
+def test_where_the_preload_finds_cuda_the_session_is_made_again_with_it(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sessions = _CudaSessions(monkeypatch)
+
+    def finds() -> None:
+        sessions.found = True
+
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "preload_dlls", finds, raising=False)
+    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0)
+    assert sessions.made == 2 and graph.device == _GPU0
+    graph.close()
+
+
+def test_a_load_during_another_threads_preload_waits_for_it(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the second load, whose session came up without the provider while the
+    # first load's preload ran, failed for good.
+    import threading
+
+    import onnxruntime as ort
+
+    sessions = _CudaSessions(monkeypatch)
     preloading, finish = threading.Event(), threading.Event()
 
     def slow() -> None:
         preloading.set()
         assert finish.wait(30)
-        loaded["cuda"] = True
+        sessions.found = True
 
-    monkeypatch.setattr(ort, "preload_dlls", slow)
+    monkeypatch.setattr(ort, "preload_dlls", slow, raising=False)
     errors: list[BaseException] = []
 
     def load() -> None:
         try:
-            backend.load([affine_onnx()], GraphEncoding.ONNX, gpu).close()
+            backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0).close()
         except BaseException as exc:
             errors.append(exc)
 
@@ -614,22 +648,16 @@ def test_a_cuda_session_without_its_provider_preloads_cuda_once_then_says_what_i
     first.join(30)
     second.join(30)
     assert errors == []
-    loaded["cuda"] = False
 
-    # Without preload_dlls (onnxruntime before 1.21), the error does not claim it tried.
-    monkeypatch.delattr(ort, "preload_dlls")
+
+def test_without_preload_dlls_the_error_does_not_claim_a_preload(
+        backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime as ort
+
+    sessions = _CudaSessions(monkeypatch)
+    monkeypatch.delattr(ort, "preload_dlls")  # onnxruntime before 1.21
     with pytest.raises(UnsupportedOperationError,
-                       match=r"cannot load them from their pip packages: expected"):
-        backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
-
-    # Where the preload finds them, the second session has the provider.
-    monkeypatch.setattr(_ort_cuda_libraries, "_tried", threading.Event())
-
-    def finds() -> None:
-        loaded["cuda"] = True
-
-    monkeypatch.setattr(ort, "preload_dlls", finds, raising=False)
-    made.clear()
-    graph = backend.load([affine_onnx()], GraphEncoding.ONNX, gpu)
-    assert len(made) == 2 and graph.device == gpu
-    graph.close()
+                       match=r"did not start on gpu:0: .*before 1\.21\) cannot load them "
+                             r"from their pip packages: expected"):
+        backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0)
+    assert (sessions.made, sessions.preloads) == (1, 0)

@@ -80,11 +80,19 @@ def openvino_on(core: ListingCore) -> Any:
     return backend
 
 
-def cuda_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
-    """Make the CUDA driver report ``count`` GPUs to the OpenVINO backend."""
+def cuda_gpus(monkeypatch: pytest.MonkeyPatch, count: int, torch_count: int = 0) -> None:
+    """Make the CUDA driver report ``count`` GPUs to the OpenVINO backend, and torch
+    ``torch_count`` (none by default: the same on a machine whose torch sees GPUs)."""
+    import importlib.util
+
     from wasinn.backends import cuda
 
     monkeypatch.setattr(cuda, "device_count", lambda: count)
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: torch_count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: torch_count)
 
 
 def names(devices: list[Device]) -> list[str]:
@@ -131,6 +139,16 @@ def test_an_intel_gpu_comes_after_the_cuda_gpus(
     assert core.compiled_on == ["GPU.0"]
     (out,) = graph.run({"x": Tensor.from_numpy(X)}).values()
     np.testing.assert_allclose(out.numpy(), X * 2 + 1)
+
+
+def test_an_intel_gpu_comes_after_the_gpus_torch_numbers_where_the_cuda_driver_sees_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ROCm build of torch numbers AMD GPUs gpu:0, gpu:1 through torch.cuda, which the
+    # CUDA driver does not see: before, the Intel GPU was a second gpu:0 (one actor for
+    # two devices).
+    pytest.importorskip("torch")
+    cuda_gpus(monkeypatch, 0, torch_count=2)
+    assert names(openvino_on(ListingCore({"GPU.0": INTEL})).devices()) == ["cpu", "gpu:2"]
 
 
 def test_intel_gpus_keep_openvinos_order(monkeypatch: pytest.MonkeyPatch) -> None:

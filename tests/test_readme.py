@@ -48,15 +48,19 @@ def test_the_examples_makefile_builds_with_clang_unless_told_otherwise() -> None
     examples = README.parent / "examples"
     assert "make -C examples" in README.read_text()
 
-    def planned(*args: str, cc: str | None = None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "CC"}
+    def planned(*args: str, cc: str | None = None, cflags: str | None = None) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("CC", "CFLAGS")}
         if cc is not None:
             env["CC"] = cc
+        if cflags is not None:  # (the host's, which once replaced the wasm target)
+            env["CFLAGS"] = cflags
         return subprocess.run(["make", "-n", "-B", "-C", str(examples), *args], check=True,
                               capture_output=True, text=True, env=env).stdout
 
     assert planned().count("clang-19 --target=wasm32-wasi") == 4
     assert planned(cc="/opt/gcc/bin/gcc").count("clang-19 --target=wasm32-wasi") == 4
+    assert planned(cflags="-O3 -march=native").count(
+        "clang-19 --target=wasm32-wasi -O3 -march=native") == 4
     assert "mycc --target=wasm32-wasi" in planned("CC=mycc")
 
 
