@@ -77,7 +77,11 @@ def _load_exported(data: bytes, device: Device, torch_device: torch.device) -> T
     mark = sources_mark()
     try:
         return _exported_graph(data, device, torch_device)
-    finally:  # what torch keeps of the load, loaded or not (see ._torch_export_caches)
+    finally:  # what torch keeps of the load, loaded or not (see ._torch_export_caches):
+        # the steps after torch.export.load (moving the program, making its module) leave
+        # entries in the ShapeEnv caches too
+        with _EXPORT_LOAD:
+            forget_shape_envs()
         drop_dead_sources(mark)
 
 

@@ -1,18 +1,23 @@
 """What torch's process-wide caches keep of each ``torch.export`` load, given back once the
 load is done (for :mod:`._torch_export`).
 
-torch 2.13 keeps something of every load for good, about 14 KB (1,200 loads of a
-two-operator program took 17 MB): a process that loads ``.pt2`` programs over and over
+torch keeps something of every load for good, about 14 KB on torch 2.13 (1,200 loads of
+a two-operator program took 17 MB): a process that loads ``.pt2`` programs over and over
 (each guest's ``load_by_name`` of a registered model that is not resident) grows
 without limit. Two caches hold it:
 
-- ``ShapeEnv.constrain_symbol_range`` is an unbounded ``functools.lru_cache`` on a
-  method: its keys hold the load's ``ShapeEnv``, and with it the load's fake tensors
-  (about 60 objects). The cache only spares repeating a call whose effect, narrowing a
-  symbol's range, is already made, so clearing it changes no result (torch clears the
-  ``ShapeEnv``'s other caches itself, for every ``ShapeEnv`` at once, whenever one
-  learns something). :func:`forget_shape_envs` clears it after each load; the
-  ``ShapeEnv``'s bounded caches (256 entries) still keep a few dozen, whatever the
+- ``ShapeEnv``'s methods keep their results in process-wide ``functools.lru_cache``
+  caches, keyed by the ``ShapeEnv``: each unbounded one keeps every load's ``ShapeEnv``
+  that reaches it, and with it the load's fake tensors (about 60 objects). On torch 2.13
+  that is ``constrain_symbol_range``'s; on 2.11 also ``replace``'s, ``_find``'s,
+  ``simplify``'s and ``_maybe_evaluate_static``'s, which a 2.11 load calls (``replace``
+  243 times for a two-operator program; torch empties them itself when a call meets a
+  ``ShapeEnv`` that has learnt something, by its version count, since the last call:
+  a load's never does, so 300 loads kept 300). A cache only spares repeating a call whose
+  result or effect (narrowing a symbol's range) is already had, so emptying it changes
+  no result: :func:`forget_shape_envs` empties every unbounded one after each load,
+  found by what it says of itself (``cache_info().maxsize is None``), not by name. The
+  bounded ones (256 entries) still keep a few dozen ``ShapeEnv`` objects, whatever the
   number of loads.
 - ``torch.fx`` keeps the source of every ``GraphModule`` it generates
   (``torch.fx.graph_module._loader.eval_cache`` and a lazy ``linecache`` entry, named
@@ -47,12 +52,15 @@ _pending: set[str] = set()
 
 
 def forget_shape_envs() -> None:
-    """Clear ``ShapeEnv.constrain_symbol_range``'s cache, which keeps every ``ShapeEnv``
-    alive (call it after a load: it only costs a repeated narrowing to a ``ShapeEnv``
-    still in use)."""
-    clear = getattr(getattr(ShapeEnv, "constrain_symbol_range", None), "cache_clear", None)
-    if callable(clear):
-        clear()
+    """Clear the unbounded caches of ``ShapeEnv``'s methods, which keep every
+    ``ShapeEnv`` alive (call it after a load: it only costs a repeated call to a
+    ``ShapeEnv`` still in use). A method whose cache says nothing of its size, or that
+    has none, is left alone."""
+    for method in vars(ShapeEnv).values():
+        info = getattr(method, "cache_info", None)
+        clear = getattr(method, "cache_clear", None)
+        if callable(info) and callable(clear) and getattr(info(), "maxsize", 0) is None:
+            clear()
 
 
 def sources_mark() -> int | None:

@@ -132,6 +132,47 @@ def test_torch_export_loads_leave_no_shape_envs_or_sources() -> None:
     assert _settled_sources(loads) - sources <= 8  # (before: 7 a load)
 
 
+def _unbounded_shape_env_caches() -> dict[str, int]:
+    """The entries in each unbounded cache of ShapeEnv's methods."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    infos = {name: method.cache_info() for name, method in vars(ShapeEnv).items()
+             if callable(getattr(method, "cache_info", None))}
+    return {name: info.currsize for name, info in infos.items() if info.maxsize is None}
+
+
+def test_forgetting_shape_envs_empties_every_unbounded_cache_of_theirs() -> None:
+    # Exporting a program fills several (replace's, _find's, simplify's, ...). Before,
+    # only constrain_symbol_range's was emptied.
+    require_backend("torch")
+    from wasinn.backends._torch_export_caches import forget_shape_envs
+
+    _ranged()
+    caches = _unbounded_shape_env_caches()
+    assert {"constrain_symbol_range", "replace", "_find"} <= set(caches)
+    assert any(caches.values())
+    forget_shape_envs()
+    assert {name: n for name, n in _unbounded_shape_env_caches().items() if n} == {}
+
+
+def test_torch_export_loads_grow_no_unbounded_shape_env_cache() -> None:
+    # On torch 2.11 each load adds to replace's and _find's caches (11 and 1 entries for
+    # this program, each holding the load's ShapeEnv), which torch never empties: 300
+    # loads kept 300 ShapeEnvs. (torch 2.13's loads leave those caches alone.)
+    require_backend("torch")
+    from wasinn.backends.pytorch import TorchBackend
+
+    backend = TorchBackend()
+    (data,), encoding = backend_models.affine("pytorch", 2.0, 1.0)
+
+    def load() -> dict[str, int]:
+        backend.load([data], encoding, CPU).close()
+        return _unbounded_shape_env_caches()
+
+    first = load()
+    assert [load() for _ in range(4)] == [first] * 4
+
+
 def _settled_sources(loads: Any) -> int:
     # A load drops the sources of modules gone by then: collected first (modules in
     # reference cycles live until a collection), then one more load.
