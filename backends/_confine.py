@@ -21,7 +21,11 @@ thread and the threads it starts later only:
   the kernel can, TCP, abstract Unix sockets and signals to processes outside the
   sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host);
   of ``/proc`` only the process's own folder and the CPU and memory files are readable
-  (:data:`SYSTEM_READ`), not the host's environment, command line or open files.
+  (:data:`SYSTEM_READ`), not the host's environment, command line or open files. A
+  GPU graph's process (``gpu=True``) may also read, write and send ioctls to the GPUs'
+  device files that exist (:func:`gpu_device_files`: NVIDIA's, which the CUDA driver
+  opens, and ``/dev/dri``'s, OpenCL's) and read what their drivers read in ``/proc``
+  and ``/etc`` (:data:`GPU_READ`); a CPU graph's gets none of it.
 * ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
   (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
   these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
@@ -35,14 +39,19 @@ thread and the threads it starts later only:
   scheduling calls (which libraries make on their own threads' ids) to the calling
   thread or the process as a whole. ``clone3``, whose flags a filter cannot read, fails
   with ENOSYS, which glibc answers by creating its threads with ``clone``. Everything
-  else is allowed, so that a new library version keeps working.
+  else is allowed, so that a new library version keeps working. The CUDA driver needs
+  nothing it refuses (it maps its device files, ``mmap``/``mremap``, and talks to them
+  through ``ioctl``, which it allows), but for starting ``nvidia-modprobe`` (a ``fork``
+  and an ``execve``) where a device file or a kernel module is missing, which a GPU
+  graph's process cannot do: its host must have made them.
 
 Then :func:`limit`, once the model's size is known, the resource limits, which hold for
 the whole process: no core files, a bound on each file it writes (``RLIMIT_FSIZE``),
-few open files (``RLIMIT_NOFILE``), and where the caller gives one a bound on the memory
-it allocates (``RLIMIT_DATA``: private writable memory, which glibc's reserved but
-unused malloc arenas are not; an allocation past it fails in the library, which reports
-it). ``RLIMIT_AS`` is left alone: glibc reserves 64 MiB of address space per malloc
+few open files (``RLIMIT_NOFILE``: more for a GPU graph's process, whose driver opens its
+device files once per context and library), and where the caller gives one a bound on
+the memory it allocates (``RLIMIT_DATA``: private writable memory, which glibc's reserved
+but unused malloc arenas are not; an allocation past it fails in the library, which
+reports it). ``RLIMIT_AS`` is left alone: glibc reserves 64 MiB of address space per malloc
 arena and TBB starts a thread per core, so any bound that holds on a many-core host
 bounds little. :func:`confine` does both at once (the frontend child, which starts no
 thread before it).
@@ -61,6 +70,7 @@ import errno
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import struct
@@ -72,6 +82,9 @@ log = logging.getLogger("wasinn.backends")
 
 #: Open files the child may hold: Python and OpenVINO need about 20.
 NOFILE = 256
+#: Open files a GPU graph's process may hold: its driver opens the device files again for
+#: each context and library (torch's CUDA libraries, ONNX Runtime's CUDA provider).
+GPU_NOFILE = 1024
 #: Each file a confined child writes may hold this many times the model's bytes, plus
 #: the margin (``RLIMIT_FSIZE``: a library's cache, OpenVINO's IR).
 FILE_SIZE_FACTOR = 4
@@ -155,6 +168,8 @@ _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
 _READ = _FS_READ_FILE | _FS_READ_DIR
+#: A GPU's device files: opened for reading and writing, and their ioctls (Landlock ABI 5).
+_DEVICE = _READ | _FS_WRITE_FILE | _FS_IOCTL_DEV
 _WRITE = _READ | _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_DIR \
     | _FS_MAKE_REG | _FS_REFER | _FS_TRUNCATE
 #: Read-only beyond ``sys.path`` and the Python installation: shared libraries and what
@@ -166,6 +181,20 @@ _WRITE = _READ | _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_DI
 SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", "/etc/localtime",
                "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat",
                "/sys", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+#: Where :func:`gpu_device_files` looks for the GPUs' device files.
+DEV = "/dev"
+#: The names, in :data:`DEV`, of the device files a GPU graph's process may read, write and
+#: send ioctls to: the NVIDIA driver's control file and one per GPU (``nvidia0``...), its
+#: unified memory's two, its MIG capabilities' folder (``nvidia-caps``), and the folder of
+#: the render nodes (``dri``) that OpenCL drivers open (OpenVINO's GPU plugin).
+GPU_DEVICE_NAMES = re.compile(
+    r"nvidiactl|nvidia[0-9]+|nvidia-uvm|nvidia-uvm-tools|nvidia-caps|dri")
+#: What a GPU graph's process may read besides :data:`SYSTEM_READ` (those that exist): the
+#: NVIDIA driver's settings and GPUs (``params``, ``gpus/``, ``capabilities/``), and the
+#: device numbers and modules the CUDA driver checks before it opens its device files
+#: (not finding them there, it would start ``nvidia-modprobe``, which seccomp refuses),
+#: and the OpenCL drivers' list (OpenVINO's GPU plugin).
+GPU_READ = ("/proc/driver/nvidia", "/proc/devices", "/proc/modules", "/etc/OpenCL/vendors")
 
 
 class Report:
@@ -217,12 +246,13 @@ def confine(fsize: int, writable: str, readable: Iterable[str] = (),
     return report
 
 
-def lock_down(writable: str, readable: Iterable[str] = ()) -> Report:
+def lock_down(writable: str, readable: Iterable[str] = (), *, gpu: bool = False) -> Report:
     """Confine this process but for its resource limits (see the module's docstring);
     never raises. ``writable``: the one directory it may write in. ``readable``:
-    directories it may read besides the defaults. Call it before the process starts a
-    thread: landlock binds the calling thread and those it starts later only (one
-    started before is named in the report's failures)."""
+    directories it may read besides the defaults. ``gpu``: it may use the GPUs' device
+    files (a GPU graph's process). Call it before the process starts a thread: landlock
+    binds the calling thread and those it starts later only (one started before is named
+    in the report's failures)."""
     report = Report()
     if not sys.platform.startswith("linux"):
         for name in ("no_new_privs", "capabilities", "landlock", "seccomp"):
@@ -235,18 +265,20 @@ def lock_down(writable: str, readable: Iterable[str] = ()) -> Report:
     except OSError as exc:
         report.failed["no_new_privs"] = str(exc)
     _drop_capabilities(report, libc)
-    _landlock(report, libc, writable, readable)
+    _landlock(report, libc, writable, readable, gpu)
     _seccomp(report, libc)
     return report
 
 
-def limit(report: Report, fsize: int, data: int | None = None) -> None:
+def limit(report: Report, fsize: int, data: int | None = None, *,
+          nofile: int = NOFILE) -> None:
     """Set this process's resource limits, noting them in ``report``; never raises.
     ``fsize``: the most bytes a file it writes may hold. ``data``: the most private
-    writable memory it may hold, in bytes (None: no bound)."""
+    writable memory it may hold, in bytes (None: no bound). ``nofile``: the most files
+    it may hold open (:data:`GPU_NOFILE` for a GPU graph's process)."""
     _limit(report, "core", resource.RLIMIT_CORE, 0)
     _limit(report, "fsize", resource.RLIMIT_FSIZE, fsize)
-    _limit(report, "nofile", resource.RLIMIT_NOFILE, NOFILE)
+    _limit(report, "nofile", resource.RLIMIT_NOFILE, nofile)
     if data is not None:
         _limit(report, "data", resource.RLIMIT_DATA, data)
 
@@ -381,7 +413,7 @@ def _syscall(libc: ctypes.CDLL, what: str, number: int, *args: object) -> int:
 
 
 def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
-              readable: Iterable[str]) -> None:
+              readable: Iterable[str], gpu: bool) -> None:
     try:
         abi = _syscall(libc, "landlock_create_ruleset", _NR_LANDLOCK_CREATE_RULESET, None,
                        ctypes.c_size_t(0), ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
@@ -413,13 +445,16 @@ def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
         report.failed["landlock"] = str(exc)
         return
     try:
-        rules = [(writable, _WRITE & handled)]
-        rules += [(path, _READ) for path in _readable(readable)]
+        # (listed now: once restricted, the process may not list /dev)
+        devices = gpu_device_files() if gpu else []
+        rules = landlock_rules(writable, readable, gpu=gpu, handled=handled)
         for path, access in rules:
             _add_rule(libc, ruleset, path, access)
         _syscall(libc, "landlock_restrict_self", _NR_LANDLOCK_RESTRICT_SELF,
                  ctypes.c_int(ruleset), ctypes.c_uint32(0))
         report.applied.append(f"landlock(abi={abi})")
+        if gpu:  # which device files (a GPU graph whose driver finds none fails to load)
+            report.applied.append(f"gpu({' '.join(devices) or f'no device file in {DEV}'})")
         others = _other_threads()
         if others:
             report.failed["landlock"] = (f"{len(others)} thread(s) started before it are not "
@@ -440,6 +475,31 @@ def _other_threads() -> list[str]:
     return sorted(t for t in tasks if t != me)
 
 
+def landlock_rules(writable: str, readable: Iterable[str] = (), *, gpu: bool = False,
+                   handled: int = _DEVICE | _WRITE) -> list[tuple[str, int]]:
+    """The paths :func:`lock_down` lets this process reach, each with its access rights
+    (of ``handled``, those the kernel's Landlock knows): ``writable`` to write in, what
+    :func:`_readable` lists to read, and for a GPU graph's process (``gpu``) the GPUs'
+    device files (:func:`gpu_device_files`, read, written and sent ioctls) and
+    :data:`GPU_READ` (read), those that exist."""
+    rules = [(writable, _WRITE & handled)]
+    rules += [(path, _READ) for path in _readable(readable)]
+    if gpu:
+        rules += [(path, _DEVICE & handled) for path in gpu_device_files()]
+        rules += [(path, _READ) for path in GPU_READ if os.path.exists(path)]
+    return rules
+
+
+def gpu_device_files() -> list[str]:
+    """The GPUs' device files in :data:`DEV` (see :data:`GPU_DEVICE_NAMES`), sorted; none
+    where it cannot be listed."""
+    try:
+        names = os.listdir(DEV)
+    except OSError:
+        return []
+    return sorted(os.path.join(DEV, name) for name in names if GPU_DEVICE_NAMES.fullmatch(name))
+
+
 def _readable(extra: Iterable[str]) -> list[str]:
     """The directories and files to read: ``extra``, ``sys.path``, the Python installation,
     :data:`SYSTEM_READ`, and ``LD_LIBRARY_PATH``; those that exist, each once."""
@@ -457,7 +517,8 @@ def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
     fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     try:
         if not os.path.isdir(path):  # a file takes only the rights that apply to files
-            access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE
+            access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE \
+                | _FS_IOCTL_DEV
         attr = struct.pack("=Qi", access, fd)
         _syscall(libc, f"landlock_add_rule({path})", _NR_LANDLOCK_ADD_RULE,
                  ctypes.c_int(ruleset), ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),

@@ -17,6 +17,7 @@ it reads a file.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -155,7 +156,11 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
         # calling one (see _confine): the same number, given, leaves them unpinned,
         # instead of a logged failure per thread.
         so.intra_op_num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    entries = {**SESSION_DEFAULTS, **options.extra}
+    bounded: dict[str, str] = {}
+    if in_sandbox():  # (its memory is bounded: see _arena_as_asked)
+        _arena_as_asked()
+        bounded[_USE_ENV_ALLOCATORS] = "1"
+    entries = {**SESSION_DEFAULTS, **bounded, **options.extra}
     if external:
         in_memory = getattr(so, "add_external_initializers_from_files_in_memory", None)
         if in_memory is not None:
@@ -174,6 +179,32 @@ def session_options(options: LoadOptions, external: Mapping[str, bytes] | None =
             so.add_session_config_entry(key, _entry_text(value))
     _warn_unknown_keys(entries)
     return so
+
+
+#: The session config entry that has a session use the allocators registered for the
+#: process (:func:`_arena_as_asked`'s).
+_USE_ENV_ALLOCATORS = "session.use_env_allocators"
+_arena_registered: list[bool] = []
+_arena_lock = threading.Lock()
+
+
+def _arena_as_asked() -> None:
+    """Register, once in this process, a CPU arena that grows by what an allocation asks
+    (``arena_extend_strategy`` 1), for a sandbox process, whose memory is bounded (see
+    :mod:`.sandbox`). The default arena doubles its next growth until it covers a request,
+    before it allocates, and keeps that size when the allocation fails: after a run that
+    asked for more than the bound, the next run that needed the arena to grow took all
+    that was left under the bound, and the runs after it failed (std::bad_alloc) however
+    little they needed (a 4 MB output after a 3.6 GB one failed under a 1 GiB bound).
+    This one runs as fast as the default (MobileNetV2 at batch 8, 2 busy vCPUs: 195-198
+    ms against 193-198); without an arena runs were slower (180-330 ms against 130-190 ms,
+    mapping their buffers afresh each time)."""
+    with _arena_lock:
+        if not _arena_registered:
+            cpu = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                                    ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, 1, -1, -1))
+            _arena_registered.append(True)
 
 
 def _entry_text(value: object) -> str:

@@ -1,7 +1,8 @@
 """The process a sandboxed graph runs in (see :mod:`.sandbox`): ``python -c
-CHILD_START REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR]``, or ``python -c SPARE_START``
-with the same arguments for a spare. A confined one locks itself down first, before it
-imports anything that starts a thread (:data:`CHILD_START`).
+CHILD_START REQUESTS CANCELS ARENA ENTRY [CONFINE_DIR [gpu]]``, or ``python -c
+SPARE_START`` with the same arguments for a spare. A confined one locks itself down
+first, before it imports anything that starts a thread (:data:`CHILD_START`); one for a
+GPU graph (``gpu``: :data:`GPU`) may use the GPUs' device files (see :mod:`._confine`).
 
 It imports the backend named by ENTRY (``module:Class``) and says so with one byte
 (:data:`READY`) on the CANCELS socket. A spare (a process started ahead of its load,
@@ -15,9 +16,10 @@ Then it reads one load request from the REQUESTS socket (the model's bytes in th
 ARENA, see :mod:`._sandbox_wire`, with a registered ONNX model's external data files,
 which it may not read itself: :data:`EXTERNAL`; and the bytes of memory it may hold, or
 None), sets its resource limits (:func:`._confine.limit`, when CONFINE_DIR is given)
-before the library sees the model's bytes, loads it and then answers run requests one
-at a time (their outputs checked against what the graph declared, see :func:`_run`)
-until the host kills it or goes away. A thread reads the CANCELS socket: the sequence
+before the library sees the model's bytes, loads it (a CPU graph's without asking the
+library which devices there are: :func:`_list_the_cpu_only`) and then answers run
+requests one at a time (their outputs checked against what the graph declared, see
+:func:`_run`) until the host kills it or goes away. A thread reads the CANCELS socket: the sequence
 number of a run to cancel, which it hands to that run's Cancellation (the backend's own
 interruption), if that run is still the current one.
 
@@ -55,6 +57,7 @@ from wasinn.backends.base import (
     Backend,
     Cancellation,
     CompiledGraph,
+    Device,
     mark_sandbox_process,
     running_under,
 )
@@ -72,6 +75,9 @@ CODE_FOLDERS = "WASINN_SANDBOX_CODE"
 #: The names of a load request's tensors that hold the model's external data files (this,
 #: then the file's location; the builders' are their positions: "0", "1" ...).
 EXTERNAL = "external:"
+#: The argument after CONFINE_DIR that lets a confined process use the GPUs' device files
+#: (a GPU graph's: :func:`._confine.lock_down`'s ``gpu``).
+GPU = "gpu"
 #: A cancel message: the sequence number of the run to stop.
 CANCEL = struct.Struct("<Q")
 #: What the process sends on the CANCELS socket once it has made its backend.
@@ -93,7 +99,7 @@ if len(sys.argv) > 5:  # confined
     confine = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(confine)
     code = os.environ.get("{CODE_FOLDERS}", "").split(os.pathsep)
-    locked = confine.lock_down(sys.argv[5], code).as_dict()
+    locked = confine.lock_down(sys.argv[5], code, gpu=sys.argv[6:] == ["{GPU}"]).as_dict()
 """
 _RUN = """
 from wasinn.backends._sandbox_child import run_main
@@ -220,8 +226,45 @@ def _load(backend: Backend, load: tuple[Any, ...], files: dict[str, Tensor],
             _check_bound(bound)
         size = sum(map(len, builders)) + sum(map(len, external.values()))
         _confine.limit(locked, _confine.FILE_SIZE_FACTOR * size + _confine.FILE_SIZE_MARGIN,
-                       data=bound)
+                       data=bound, nofile=_confine.GPU_NOFILE
+                       if device.kind is ExecutionTarget.GPU else _confine.NOFILE)
+    if device.kind is ExecutionTarget.CPU:
+        _list_the_cpu_only(backend)
     return backend.load(builders, encoding, device, options)
+
+
+class _CpuListing:
+    """The process's ``openvino.Core`` listing the CPU alone (see :func:`_list_the_cpu_only`);
+    everything else is the Core's own."""
+
+    available_devices = ("CPU",)
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def get_available_devices(self) -> list[str]:
+        return ["CPU"]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+
+def _list_the_cpu_only(backend: Backend) -> None:
+    """Have ``backend`` list the CPU alone, asking its library nothing (a CPU graph's
+    process): which devices there are is the host's to find (it chose this one), and a
+    library's listing loads the GPUs' drivers, which under the lock-down fail, crash or
+    hang. On a machine with an NVIDIA GPU, torch's ``cudaGetDeviceCount`` failed (CUDA
+    error 304: the driver is denied its device files, and may not start
+    ``nvidia-modprobe``), and OpenVINO's ``Core.available_devices``, which loads its GPU
+    plugin and every OpenCL driver, killed the process (SIGSEGV) or hung it. So its
+    ``devices()`` answers the CPU (torch's load asks it; ONNX Runtime's asks it for a GPU
+    only), and OpenVINO's backend, which lists through its Core, is given the process's
+    Core seen through :class:`_CpuListing` as its stand-in."""
+    cpu = Device(ExecutionTarget.CPU)
+    vars(backend)["devices"] = lambda: [cpu]
+    openvino = sys.modules.get("wasinn.backends.openvino")
+    if openvino is not None and isinstance(backend, openvino.OpenVinoBackend):
+        backend._core = _CpuListing(backend.core)
 
 
 def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | None,

@@ -58,6 +58,7 @@ class GraphProcesses:
     _spares: Spares
     _limit: ProcessLimit
     _confined: bool
+    _gpu: bool
     _load: tuple[GraphEncoding, Device, LoadOptions, int | None]
     _files: dict[str, Tensor]
     _external_of: tuple[Builders, GraphEncoding, LoadOptions]
@@ -74,13 +75,14 @@ class GraphProcesses:
         nothing started."""
         # (first: a registered model's external data may be refused)
         files = {**self._files, **external_files(self._backend.name, *self._external_of)}
-        child = self._spares.take(self._backend, self._confined, make_room=make_room)
+        child = self._spares.take(self._backend, self._confined, make_room=make_room,
+                                  gpu=self._gpu)
         if child is None:
             raise NoRoom
         payload = self._load_in(child, files)
         try:
             # (after the load: a spare's imports would slow it; it raises nothing)
-            self._spares.replenish(self._backend, self._confined)
+            self._spares.replenish(self._backend, self._confined, gpu=self._gpu)
             if self._confined:
                 confined = payload.get("confined")
                 self.confinement = confined if isinstance(confined, dict) else None

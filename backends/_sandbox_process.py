@@ -13,6 +13,7 @@ bound included, and raises BackendRuntimeError naming what failed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import socket
@@ -34,6 +35,7 @@ from ._sandbox_child import (
     CHILD_START,
     CODE_FOLDERS,
     CONFINE_MODULE,
+    GPU,
     READY,
     SPARE_START,
 )
@@ -45,6 +47,11 @@ from .base import BackendRef
 CANCEL_GRACE_S = 1.0
 #: How long a child whose socket closed may take to exit before it is killed, in seconds.
 EXIT_WAIT_S = 5.0
+#: What a CPU graph's confined process is given to see no CUDA GPU: torch then answers
+#: ``cuda.is_available()``, which it asks itself (``torch.export.load`` does), from these
+#: alone, without the CUDA driver, which the lock-down denies its device files (on a
+#: machine with an NVIDIA GPU: a warning of CUDA error 304 at each such load).
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 #: The private folders of confined processes: ``wasinn-sandbox-<host's pid>-<random>``,
 #: in the system temporary folder.
 PRIVATE_DIR_PREFIX = "wasinn-sandbox-"
@@ -77,6 +84,37 @@ def _child_env(backend: BackendRef) -> dict[str, str]:
     return env
 
 
+#: The variables :func:`getpass.getuser` reads the user's name from, in its order, before
+#: it asks the passwd database.
+USER_NAME_VARIABLES = ("LOGNAME", "USER", "LNAME", "USERNAME")
+
+
+def _name_the_user(env: dict[str, str]) -> None:
+    """Give a confined child's ``env`` the user's name (``LOGNAME`` and ``USER``) where
+    it names none: the child may not read the passwd database (``/etc/passwd``, which
+    landlock keeps from it), and torch 2.11's ``import torch._dynamo``, which
+    ``torch.export.load`` makes, asks :func:`getpass.getuser` for it and fails with
+    ``KeyError`` ('getpwuid(): uid not found'). The host asks the database instead;
+    where it cannot either, ``env`` is left as it was."""
+    if any(env.get(variable) for variable in USER_NAME_VARIABLES):
+        return
+    name = _database_user_name()
+    if name is not None:
+        env["LOGNAME"] = env["USER"] = name
+
+
+@functools.cache  # (asked once: a database on the network may take its time)
+def _database_user_name() -> str | None:
+    """This process's user's name in the passwd database; None where it has no entry or
+    there is no such database."""
+    try:
+        import pwd  # (not on Windows)
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return None
+
+
 def _top_folder(module: str) -> Path | None:
     """The folder ``module``'s top package is found in (None: not found; the child then
     says what is missing)."""
@@ -107,9 +145,10 @@ def _code_folders(tops: list[Path | None]) -> list[str]:
 class SandboxProcess:
     """One process serving one graph (once loaded), and the sockets to it.
 
-    ``confined``: whether it confines itself before the library reads the model (on the
-    CPU; see :mod:`._confine`), in a private folder that is its working directory.
-    ``spare``: it imports at the lowest priority (see :mod:`._sandbox_child`).
+    ``confined``: whether it confines itself before the library reads the model (see
+    :mod:`._confine`), in a private folder that is its working directory; ``gpu``: it
+    may then use the GPUs' device files (a GPU graph's process). ``spare``: it imports
+    at the lowest priority (see :mod:`._sandbox_child`).
     ``slot``: its place under the host's bound on sandbox processes
     (:class:`~._sandbox_limit.ProcessLimit`), freed when it has ended (or could not be
     started).
@@ -119,8 +158,8 @@ class SandboxProcess:
     was made for it is freed, ``slot`` included.
     """
 
-    def __init__(self, backend: BackendRef, confined: bool, *, spare: bool = False,
-                 slot: Slot | None = None) -> None:
+    def __init__(self, backend: BackendRef, confined: bool, *, gpu: bool = False,
+                 spare: bool = False, slot: Slot | None = None) -> None:
         self._slot = slot
         self._name = backend.name
         self._confine_dir: PrivateDir | None = None
@@ -148,10 +187,15 @@ class SandboxProcess:
                 # be killed before it could, see ._private_dirs)
                 self._confine_dir = PrivateDir(PRIVATE_DIR_PREFIX)
                 command.append(self._confine_dir.path)
+                if gpu:
+                    command.append(GPU)
+                else:
+                    env.update(NO_CUDA)
                 # Its home and temporary folder too: what libraries write there (OpenVINO
                 # writes a telemetry id as it starts, and an ONNX model's external data
                 # files to read them) it may write only in its own folder.
                 env["HOME"] = env["XDG_CACHE_HOME"] = env["TMPDIR"] = self._confine_dir.path
+                _name_the_user(env)
             step = "start a process to run the model in"
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL,
@@ -185,10 +229,13 @@ class SandboxProcess:
         return self._ready
 
     @staticmethod
-    def key_of(backend: BackendRef, confined: bool) -> tuple[str, bool]:
+    def key_of(backend: BackendRef, confined: bool, gpu: bool = False
+               ) -> tuple[str, bool, bool]:
         """What the processes that can serve the same loads share: the backend's
-        ``module:Class``, and whether they are confined."""
-        return backend.entry, confined
+        ``module:Class``, whether they are confined, and whether they may use the GPUs'
+        device files (a process confined for the CPU cannot load on a GPU, and one that
+        may use them is not a CPU graph's)."""
+        return backend.entry, confined, confined and gpu
 
     def call(self, payload: object, tensors: Mapping[str, Tensor] | None = None, *,
              reserve: int = 0, expected: Expected | None = None

@@ -3,16 +3,17 @@
 A sandboxed load (see :mod:`.sandbox`) needs a process that has imported the backend's
 library: 0.1-0.3 s for ONNX Runtime and OpenVINO, 1.4 s for torch on the machine this
 was measured on, each time, before the model is even read. :class:`Spares` keeps that
-many processes started and waiting for each kind of load it has served (a backend, on
-a confined CPU or not), so that the next load of that kind (another guest's model, the
-reload after a crash) only loads the model. The first load of each kind starts its own
-process, and then one spare. A spare is started once a load has ended, so that its
-imports do not compete with that load, and it imports at the lowest CPU priority, so
-that it does not compete with runs either (measured on 2 vCPUs with torch: a guest's
-first run right after its load took 270-360 ms beside a spare importing at normal
-priority, 47-52 ms with no spare). A load takes a spare only once it has imported its
-library; until then the load starts a process of its own. A spare that cannot be
-started is logged, never raised: the load it follows has succeeded.
+many processes started and waiting for each kind of load it has served (a backend,
+confined for the CPU, confined for a GPU, or not confined), so that the next load of
+that kind (another guest's model, the reload after a crash) only loads the model. The
+first load of each kind starts its own process, and then one spare. A spare is started
+once a load has ended, so that its imports do not compete with that load, and it
+imports at the lowest CPU priority, so that it does not compete with runs either
+(measured on 2 vCPUs with torch: a guest's first run right after its load took 270-360
+ms beside a spare importing at normal priority, 47-52 ms with no spare). A load takes a
+spare only once it has imported its library; until then the load starts a process of
+its own. A spare that cannot be started is logged, never raised: the load it follows
+has succeeded.
 
 A spare holds the memory of an interpreter that has imported the library (unshared:
 29 MB for ONNX Runtime, 31 MB for OpenVINO, 153 MB for torch) and nothing else: closing
@@ -56,26 +57,27 @@ class Spares:
         #: The bound on the host's sandbox processes, these spares included.
         self.limit = host_limit() if limit is None else limit
         self._lock = threading.Lock()
-        self._waiting: dict[tuple[str, bool], list[SandboxProcess]] = {}
+        self._waiting: dict[tuple[str, bool, bool], list[SandboxProcess]] = {}
         self._closed = False
 
-    def take(self, backend: BackendRef, confined: bool, *, make_room: bool = True
-             ) -> SandboxProcess | None:
-        """A process for a load with ``backend``: a live spare that has imported its
-        library if there is one, else a new process. A spare still importing stays for
+    def take(self, backend: BackendRef, confined: bool, *, make_room: bool = True,
+             gpu: bool = False) -> SandboxProcess | None:
+        """A process for a load with ``backend`` (``confined``, and ``gpu``: one that may
+        use the GPUs' device files, see :class:`SandboxProcess`): a live spare that has
+        imported its library if there is one, else a new process. A spare still importing stays for
         a later load: at the lowest priority, it may be starved for as long as the
         machine is busy, which a load must not wait for. At the host's bound on sandbox
         processes, a new one is started after another has been ended or waited for
         (see :class:`~._sandbox_limit.ProcessLimit`), or, unless ``make_room``, not at
         all: None. BackendRuntimeError when no process can be started (or the job was
         cancelled while waiting for room)."""
-        taken = self._ready_spare(SandboxProcess.key_of(backend, confined))
+        taken = self._ready_spare(SandboxProcess.key_of(backend, confined, gpu))
         if taken is not None:
             return taken
         slot = self.limit.admit(backend.name) if make_room else self.limit.try_admit()
-        return None if slot is None else SandboxProcess(backend, confined, slot=slot)
+        return None if slot is None else SandboxProcess(backend, confined, gpu=gpu, slot=slot)
 
-    def _ready_spare(self, key: tuple[str, bool]) -> SandboxProcess | None:
+    def _ready_spare(self, key: tuple[str, bool, bool]) -> SandboxProcess | None:
         """A waiting spare of ``key`` that has imported its library, taken from the pool
         and from the processes the limit may end (spares found dead are forgotten)."""
         dead: list[SandboxProcess] = []
@@ -96,12 +98,12 @@ class Spares:
                       key[0], spare.ended())
         return taken
 
-    def replenish(self, backend: BackendRef, confined: bool) -> None:
-        """Start spares for loads like this one until ``keep`` wait (none once closed,
-        nor at the host's bound on sandbox processes). A process that cannot be started
-        is logged, not raised (its slot freed): the next load starts its own. Called
-        right after a load, which this must not fail."""
-        key = SandboxProcess.key_of(backend, confined)
+    def replenish(self, backend: BackendRef, confined: bool, *, gpu: bool = False) -> None:
+        """Start spares for loads like this one (see :meth:`take`) until ``keep`` wait
+        (none once closed, nor at the host's bound on sandbox processes). A process that
+        cannot be started is logged, not raised (its slot freed): the next load starts its
+        own. Called right after a load, which this must not fail."""
+        key = SandboxProcess.key_of(backend, confined, gpu)
         while True:
             with self._lock:
                 if self._closed or len(self._waiting.get(key, ())) >= self.keep:
@@ -112,7 +114,7 @@ class Spares:
                           "sandbox processes (%d)", key[0], self.limit.most)
                 return
             try:
-                spare = SandboxProcess(backend, confined, spare=True, slot=slot)
+                spare = SandboxProcess(backend, confined, gpu=gpu, spare=True, slot=slot)
             except Exception as exc:  # (BackendRuntimeError, naming what failed)
                 slot.free()  # (freed already where the process was tried: idempotent)
                 log.warning("no spare sandbox process started for %s: %s", key[0], exc)

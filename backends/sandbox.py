@@ -29,13 +29,18 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   the model: a confined process may not read the model's folder. It hands the bytes to
   its backend (``LoadOptions.external_data``): ONNX Runtime takes them in memory,
   OpenVINO writes them into the process's private folder and reads them there.
-* On CPU the child confines itself before the library reads the model (:mod:`._confine`:
-  no new privileges, no core files, bounded file sizes, seccomp, Landlock where the
-  kernel has it) and bounds the memory it may hold (``RLIMIT_DATA``: the options'
-  ``max_sandbox_bytes``, by default half the machine's memory). A run or a load that
-  needs more fails with the library's allocation error, which then names the bound; the
-  process goes on. A GPU child is neither confined nor bounded (its driver opens device
-  files and maps its own memory).
+* On the CPU the child confines itself before the library reads the model
+  (:mod:`._confine`: no new privileges, no core files, bounded file sizes, seccomp,
+  Landlock where the kernel has it) and bounds the memory it may hold (``RLIMIT_DATA``:
+  the options' ``max_sandbox_bytes``, by default half the machine's memory). A run or a
+  load that needs more fails with the library's allocation error, which then names the
+  bound; the process goes on. A GPU child confines itself too, and may besides use the
+  GPUs' device files and read what their drivers read (``gpu`` in :mod:`._confine`),
+  which a CPU child may not; its memory is not bounded (its driver maps memory of its
+  own). A CPU child lists no device (see :func:`._sandbox_child._list_the_cpu_only`) and
+  sees no CUDA GPU (:data:`._sandbox_process.NO_CUDA`): listing loads GPU drivers, which
+  the lock-down made fail, crash or hang. A GPU child's confinement has not run on a GPU
+  yet: see the README.
 * A child that dies (a signal, an exit) fails the run or the load that was under way
   with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
   graph starts a new child, and loads the model again, for its next run. The crash is
@@ -190,15 +195,18 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         self._spares = Spares(0) if spares is None else spares
         #: The host's bound on sandbox processes.
         self._limit = self._spares.limit
-        #: Whether its processes confine themselves: on the CPU only (a GPU's driver
-        #: opens device files).
-        self._confined = device.kind is ExecutionTarget.CPU
+        #: Whether its processes confine themselves: on the CPU and on a GPU, whose
+        #: processes may use the GPUs' device files (``_gpu``), which a CPU graph's may
+        #: not; not on another device (an NPU's needs are not known).
+        self._confined = device.kind in (ExecutionTarget.CPU, ExecutionTarget.GPU)
+        self._gpu = device.kind is ExecutionTarget.GPU
         #: What the latest process to load the model reported of its confinement
         #: (applied, unsupported, failed; None: not confined, or it said nothing).
         self.confinement: dict[str, Any] | None = None
-        #: The memory each of its processes may hold (None: not bounded).
+        #: The memory each of its processes may hold (None: not bounded, on a device
+        #: other than the CPU, whose driver maps memory of its own).
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
-                          if self._confined else None)
+                          if device.kind is ExecutionTarget.CPU else None)
         #: The most bytes a run's outputs may take beside its inputs' (which an output
         #: may share): what a process may hold, a GPU's half the machine's memory.
         self._most = self.max_bytes or default_max_bytes()

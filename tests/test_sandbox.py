@@ -37,6 +37,7 @@ from tests.crashing_backend import (
     WRONG_TYPE,
     CrashingBackend,
 )
+from tests.sandbox_memory import held_before_load
 from tests.support import (
     core_nn_guest_wat,
     cpu_pool,
@@ -367,6 +368,13 @@ def _constant_of_shape_onnx() -> bytes:
                              ir_version=8).SerializeToString()
 
 
+def _data_in_use(pid: int | None) -> int:
+    """What the process ``pid`` holds of what RLIMIT_DATA bounds (its VmData), in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmData:"))
+               .split()[1]) * 1024
+
+
 def _data_limit(pid: int | None) -> tuple[int, int]:
     assert pid is not None
     limits: tuple[int, int] = psutil.Process(pid).rlimit(psutil.RLIMIT_DATA)
@@ -379,8 +387,13 @@ def test_a_run_that_needs_more_memory_than_the_bound_fails_and_the_process_goes_
     require_backend(backend_name)
     require_backend("onnx")
     backend = wasinn.backends.registry.BackendRegistry().get(backend_name)
-    bound = 1 << 30
-    graph = load_sandboxed(backend, [_constant_of_shape_onnx()], GraphEncoding.ONNX, CPU,
+    model = [_constant_of_shape_onnx()]
+    # 1 GiB past what the process holds before its load (0.1 GB on 2 cores, 0.7 GB on 16):
+    # room for the library's threads and a 100 MB output, not for a 3.6 GB one.
+    held = held_before_load(backend, model, GraphEncoding.ONNX)
+    bound = held + (1 << 30)
+    assert bound < 3_600_000_000, f"the process holds {held} bytes already"
+    graph = load_sandboxed(backend, model, GraphEncoding.ONNX, CPU,
                            LoadOptions(sandbox=True, max_sandbox_bytes=bound))
     try:
         pid = graph.pid
@@ -390,8 +403,14 @@ def test_a_run_that_needs_more_memory_than_the_bound_fails_and_the_process_goes_
                 rf"{bound} bytes: max_sandbox_bytes\)$")):  # 3.6 GB of zeros (ONNX
             # Runtime: "Failed to allocate memory" or "std::bad_alloc", as it fails)
             graph.run({"shape": Tensor.from_numpy(np.array([30_000, 30_000], np.int64))})
-        out = graph.run({"shape": Tensor.from_numpy(np.array([2, 3], np.int64))})
-        np.testing.assert_array_equal(out["y"].numpy(), np.zeros((2, 3), np.float32))
+        # Before, with ONNX Runtime: its CPU arena, left to grow by 4 GiB next, took all
+        # that was left under the bound for the next run that needed it to grow (100 MB
+        # here), and the runs after failed with std::bad_alloc wherever they allocated
+        # outside it (on 16 cores: the next 4 MB output, and [2, 3]).
+        for shape in ([5_000, 5_000], [2, 3], [5_000, 5_000]):
+            out = graph.run({"shape": Tensor.from_numpy(np.array(shape, np.int64))})
+            assert out["y"].numpy().shape == tuple(shape) and not out["y"].numpy().any()
+            assert _data_in_use(pid) < held + (512 << 20)  # (the threads' stacks, 100 MB)
         assert graph.pid == pid
     finally:
         graph.close()
@@ -1202,6 +1221,62 @@ def test_every_thread_of_a_sandbox_process_is_confined(
     # ONNX Runtime pins its pool's threads by their ids, which the filter refuses: it is
     # given their number there, and so pins none (before: a logged failure per thread).
     assert "pthread_setaffinity_np failed" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's landlock")
+@pytest.mark.parametrize("backend_name", ["user-name", "pytorch"])
+def test_a_confined_sandbox_process_is_told_the_users_name(
+        backend_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the environment names no user (LOGNAME, USER: unset on a GPU machine, as
+    # root), getpass.getuser() reads the passwd database, which landlock keeps from a
+    # confined process. torch 2.11's torch.export.load asks for it (its import of
+    # torch._dynamo): before, every sandboxed .pt2 load there failed with
+    # "getpwuid(): uid not found: 0" (torch 2.13 gets by without it). The fake backend
+    # asks as torch 2.11 does, whatever torch is here.
+    import pwd
+
+    from tests.backend_models import affine
+    from tests.user_name_backend import UserNameBackend
+    from wasinn.backends._sandbox_process import USER_NAME_VARIABLES
+
+    for variable in USER_NAME_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    backend: Any
+    if backend_name == "pytorch":
+        require_backend("torch")
+        backend = wasinn.backends.registry.BackendRegistry().get("pytorch")
+        builders, encoding = affine("pytorch", 2.0, 1.0)
+    else:
+        name = pwd.getpwuid(os.getuid()).pw_name
+        backend, builders = UserNameBackend(), [f"fake:add=1:user={name}".encode()]
+        encoding = GraphEncoding.GGML
+    graph = load_sandboxed(backend, builders, encoding, CPU, LoadOptions(sandbox=True))
+    try:
+        report = graph.confinement
+        assert report is not None
+        if not any(a.startswith("landlock") for a in report["applied"]):  # (readable)
+            pytest.skip(f"landlock was not applied here: {report}")
+        out = graph.run({"x": Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        np.testing.assert_array_equal(out[graph.outputs[0].name].numpy(),
+                                      np.full((1, 4), 2.0 if backend_name == "user-name"
+                                              else 3.0, np.float32))
+    finally:
+        graph.close()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the passwd database")
+def test_a_sandbox_process_keeps_the_user_name_its_environment_gives() -> None:
+    import pwd
+
+    from wasinn.backends._sandbox_process import _name_the_user
+
+    given = {"USER": "alice", "HOME": "/x"}
+    _name_the_user(given)
+    assert given == {"USER": "alice", "HOME": "/x"}
+    unnamed = {"USER": "", "HOME": "/x"}  # (empty: getpass reads on)
+    _name_the_user(unnamed)
+    name = pwd.getpwuid(os.getuid()).pw_name
+    assert unnamed == {"USER": name, "LOGNAME": name, "HOME": "/x"}
 
 
 def test_a_sandbox_process_reads_no_folder_of_the_hosts_path_but_wasinns_and_its_backends(

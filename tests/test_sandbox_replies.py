@@ -20,6 +20,7 @@ import pytest
 
 import wasinn
 from tests.compromised_backend import CompromisedBackend, ones
+from tests.sandbox_memory import held_before_load
 from tests.support import sandbox_children
 from wasinn import BackendRuntimeError, GraphEncoding
 from wasinn.backends import Device, LoadOptions
@@ -88,17 +89,22 @@ def test_a_reply_that_is_not_the_declared_outputs_is_refused(
 
 def test_a_reply_may_ask_for_no_larger_arena_than_the_process_may_hold(
         spares: Spares) -> None:
-    # Before: any arena up to 1 TiB, which the host made and mapped.
-    graph = _replying({"grow": 1 << 30, "tensors": []}, spares,
-                      max_sandbox_bytes=256 * MiB)
+    # Before: any arena up to 1 TiB, which the host made and mapped. The bound leaves the
+    # process 64 MiB past what it holds before its load (0.1 GB on 2 cores, 0.7 GB on 16),
+    # and the reply asks for 1 GiB more than the bound.
+    recipe = [b"reply:" + json.dumps({"tensors": []}).encode()]
+    bound = held_before_load(CompromisedBackend(), recipe, GraphEncoding.GGML, spares) \
+        + 64 * MiB
+    asked = bound + (1 << 30)
+    graph = _replying({"grow": asked, "tensors": []}, spares, max_sandbox_bytes=bound)
     try:
         with pytest.raises(BackendRuntimeError, match=(
                 r"^compromised: the process running the model answered badly: a reply "
-                r"asking for an arena of 1073741824 bytes: expected more than its \d+ and at "
+                rf"asking for an arena of {asked} bytes: expected more than its \d+ and at "
                 r"most \d+$")) as caught:
             graph.run(ones())
         most = int(caught.value.message.rsplit(" ", 1)[1])
-        assert most < 256 * MiB + 2 * MiB  # the arena, and the process's bound
+        assert most < bound + 2 * MiB  # the arena, and the process's bound
     finally:
         graph.close()
 
