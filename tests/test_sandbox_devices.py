@@ -11,11 +11,14 @@ a CUDA model under them yet (see the README's "Sandboxed graphs").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -185,8 +188,7 @@ def test_a_gpu_graphs_process_is_confined_with_the_device_files_and_a_cpu_graphs
         spares: Spares) -> None:
     # Before: a GPU graph's process was not confined at all. Each kind of process is a
     # spare of its own: a CPU graph's spare, confined without them, serves no GPU graph.
-    graphs = []
-    try:
+    with _closed_with_their_processes(spares) as graphs:
         for device in (CPU, GPU0, CPU, GPU0):
             graph = load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML,
                                    device, LoadOptions(sandbox=True), spares=spares)
@@ -209,6 +211,15 @@ def test_a_gpu_graphs_process_is_confined_with_the_device_files_and_a_cpu_graphs
                 assert nofile == (confine.NOFILE,) * 2
                 assert gpu == [], report
             _wait_for_a_spare(spares)
+
+
+@contextlib.contextmanager
+def _closed_with_their_processes(spares: Spares) -> Iterator[list[Any]]:
+    """A list for the graphs a test loads, closed at its end with ``spares``; then no
+    sandbox process is left."""
+    graphs: list[Any] = []
+    try:
+        yield graphs
     finally:
         for graph in graphs:
             graph.close()
@@ -234,8 +245,7 @@ def test_a_cpu_graphs_process_asks_its_library_for_no_device_list(
     require_backend({"pytorch": "torch"}.get(backend_name, backend_name))
     ref = BackendRef(backend_name, ENTRIES[backend_name])
     builders, encoding = affine(backend_name, 2.0, 1.0)
-    graphs = []
-    try:
+    with _closed_with_their_processes(spares) as graphs:
         for _ in range(2):  # in a process started for it, then in a spare
             graph = load_sandboxed(ref, builders, encoding, CPU, LoadOptions(sandbox=True),
                                    spares=spares)
@@ -244,11 +254,6 @@ def test_a_cpu_graphs_process_asks_its_library_for_no_device_list(
             np.testing.assert_array_equal(out[graph.outputs[0].name].numpy(),
                                           np.full((1, 4), 3.0, np.float32))
             _wait_for_a_spare(spares)
-    finally:
-        for graph in graphs:
-            graph.close()
-        spares.close()
-    assert sandbox_children() == []
 
 
 @pytest.mark.parametrize("backend_name", ["openvino", "pytorch"])
