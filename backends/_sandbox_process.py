@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -81,7 +82,19 @@ def _child_env(backend: BackendRef) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(str(top) for top in tops if top is not None)
     env[CONFINE_MODULE] = str(Path(_confine.__file__).resolve())
     env[CODE_FOLDERS] = os.pathsep.join(_code_folders(tops))
+    if _blas_unused(backend):
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
+
+
+def _blas_unused(backend: BackendRef) -> bool:
+    """Whether the child computes without numpy's OpenBLAS: it copies tensors with numpy,
+    and its library has BLAS of its own (ONNX Runtime's, OpenVINO's; torch's MKL on
+    x86-64, but OpenBLAS on other machines). There OpenBLAS's threads, one per core, each
+    reserving a 32 MB buffer at import (about 40 MB of data a core, 0.7 GB on 16 cores),
+    count against the process's memory bound for nothing: one thread is asked for, unless
+    the environment says otherwise."""
+    return backend.name != "pytorch" or platform.machine().lower() in ("x86_64", "amd64")
 
 
 #: The variables :func:`getpass.getuser` reads the user's name from, in its order, before

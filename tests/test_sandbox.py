@@ -1279,6 +1279,39 @@ def test_a_sandbox_process_keeps_the_user_name_its_environment_gives() -> None:
     assert unnamed == {"USER": name, "LOGNAME": name, "HOME": "/x"}
 
 
+def test_a_sandbox_process_asks_numpys_openblas_for_one_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: numpy's OpenBLAS started a thread per core in each process, each reserving a
+    # 32 MB buffer: about 40 MB of data a core (0.7 GB on a 16-core machine) counted
+    # against max_sandbox_bytes, for a process whose library has BLAS of its own.
+    import platform
+
+    from wasinn.backends._sandbox_process import _child_env
+    from wasinn.backends.base import BackendRef
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    ort = BackendRef("onnxruntime", "wasinn.backends.onnxruntime:OnnxRuntimeBackend")
+    torch = BackendRef("pytorch", "wasinn.backends.pytorch:TorchBackend")
+    assert _child_env(ort)["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert _child_env(torch)["OPENBLAS_NUM_THREADS"] == "1"  # (torch's BLAS is MKL there)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # (OpenBLAS is torch's)
+    assert "OPENBLAS_NUM_THREADS" not in _child_env(torch)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")  # the environment's, kept
+    assert _child_env(ort)["OPENBLAS_NUM_THREADS"] == "4"
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS")
+
+    require_backend("onnxruntime")
+    registry = wasinn.backends.registry.BackendRegistry()
+    graph = load_sandboxed(registry.get("onnxruntime"), [affine_onnx()], GraphEncoding.ONNX,
+                           CPU, LoadOptions(sandbox=True))
+    try:
+        environ = Path(f"/proc/{graph.pid}/environ").read_bytes().split(b"\0")
+        assert b"OPENBLAS_NUM_THREADS=1" in environ
+    finally:
+        graph.close()
+
+
 def test_a_sandbox_process_reads_no_folder_of_the_hosts_path_but_wasinns_and_its_backends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: every folder on the host's sys.path was on the child's import path and
