@@ -24,8 +24,10 @@ thread and the threads it starts later only:
   (:data:`SYSTEM_READ`), not the host's environment, command line or open files. A
   GPU graph's process (``gpu=True``) may also read, write and send ioctls to the GPUs'
   device files that exist (:func:`gpu_device_files`: NVIDIA's, which the CUDA driver
-  opens, and ``/dev/dri``'s, OpenCL's) and read what their drivers read in ``/proc``
-  and ``/etc`` (:data:`GPU_READ`); a CPU graph's gets none of it.
+  opens, but for the MIG configuration's and monitor's, and ``/dev/dri``'s render nodes,
+  OpenCL's), read what their drivers read in ``/proc`` and ``/etc``
+  (:data:`GPU_READ`) and name its own threads (their ``/proc`` ``comm`` files, which the
+  CUDA driver writes); a CPU graph's gets none of it.
 * ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
   (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
   these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
@@ -184,17 +186,32 @@ SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/etc/ld.so.cache", "/etc/loc
 #: Where :func:`gpu_device_files` looks for the GPUs' device files.
 DEV = "/dev"
 #: The names, in :data:`DEV`, of the device files a GPU graph's process may read, write and
-#: send ioctls to: the NVIDIA driver's control file and one per GPU (``nvidia0``...), its
-#: unified memory's two, its MIG capabilities' folder (``nvidia-caps``), and the folder of
-#: the render nodes (``dri``) that OpenCL drivers open (OpenVINO's GPU plugin).
-GPU_DEVICE_NAMES = re.compile(
-    r"nvidiactl|nvidia[0-9]+|nvidia-uvm|nvidia-uvm-tools|nvidia-caps|dri")
+#: send ioctls to: the NVIDIA driver's control file and one per GPU (``nvidia0``...), and
+#: its unified memory's two.
+GPU_DEVICE_NAMES = re.compile(r"nvidiactl|nvidia[0-9]+|nvidia-uvm|nvidia-uvm-tools")
+#: The folders in :data:`DEV` whose device files of these names it may use too, one by
+#: one (each folder itself it may only list): the render nodes that OpenCL drivers open
+#: (OpenVINO's GPU plugin), not ``card*``, the display's nodes (whose first opener becomes
+#: the DRM master, who may set the display's modes); and the NVIDIA driver's MIG
+#: capabilities, but for the configuration's and the monitor's (see :data:`MIG_MINORS`).
+GPU_DEVICE_FOLDERS = {"dri": re.compile(r"renderD[0-9]+"),
+                      "nvidia-caps": re.compile(r"nvidia-cap[0-9]+")}
+#: The NVIDIA driver's list of its MIG capabilities' device minors (lines such as
+#: ``config 1``, ``monitor 2``, ``gpu0/gi1/access 12``): ``nvidia-capN`` is minor N.
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+#: The MIG capabilities no CUDA process needs (it needs only the access capabilities of
+#: its GPU or compute instance): configuring the GPU's instances and monitoring them all.
+MIG_ADMIN = ("config", "monitor")
+#: Their minors where :data:`MIG_MINORS` cannot be read (the driver's own numbers).
+MIG_ADMIN_MINORS = frozenset({1, 2})
 #: What a GPU graph's process may read besides :data:`SYSTEM_READ` (those that exist): the
-#: NVIDIA driver's settings and GPUs (``params``, ``gpus/``, ``capabilities/``), and the
-#: device numbers and modules the CUDA driver checks before it opens its device files
-#: (not finding them there, it would start ``nvidia-modprobe``, which seccomp refuses),
-#: and the OpenCL drivers' list (OpenVINO's GPU plugin).
-GPU_READ = ("/proc/driver/nvidia", "/proc/devices", "/proc/modules", "/etc/OpenCL/vendors")
+#: NVIDIA driver's settings and GPUs (``params``, ``gpus/``, ``capabilities/``) and its
+#: unified memory's (which its initialisation reads), the device numbers and modules the
+#: CUDA driver checks before it opens its device files (not finding them there, it would
+#: start ``nvidia-modprobe``, which seccomp refuses), and the OpenCL drivers' list
+#: (OpenVINO's GPU plugin).
+GPU_READ = ("/proc/driver/nvidia", "/proc/driver/nvidia-uvm", "/proc/devices",
+            "/proc/modules", "/etc/OpenCL/vendors")
 
 
 class Report:
@@ -480,24 +497,57 @@ def landlock_rules(writable: str, readable: Iterable[str] = (), *, gpu: bool = F
     """The paths :func:`lock_down` lets this process reach, each with its access rights
     (of ``handled``, those the kernel's Landlock knows): ``writable`` to write in, what
     :func:`_readable` lists to read, and for a GPU graph's process (``gpu``) the GPUs'
-    device files (:func:`gpu_device_files`, read, written and sent ioctls) and
-    :data:`GPU_READ` (read), those that exist."""
+    device files (:func:`gpu_device_files`, read, written and sent ioctls), the folders
+    of :data:`GPU_DEVICE_FOLDERS` (listed) and :data:`GPU_READ` (read), those that exist,
+    and its own threads' ``/proc`` folders (read and written, see below)."""
     rules = [(writable, _WRITE & handled)]
     rules += [(path, _READ) for path in _readable(readable)]
     if gpu:
         rules += [(path, _DEVICE & handled) for path in gpu_device_files()]
+        folders = (os.path.join(DEV, name) for name in GPU_DEVICE_FOLDERS)
+        rules += [(path, _FS_READ_DIR) for path in folders if os.path.isdir(path)]
         rules += [(path, _READ) for path in GPU_READ if os.path.exists(path)]
+        # Its threads' names (``task/<tid>/comm``): the NVIDIA driver (570 and later) names
+        # the threads it starts in cuInit with pthread_setname_np, which writes that file
+        # of a thread other than the caller, and fails with CUDA error 304 where it may
+        # not. The folder, resolved by the process that applies the rules (its own pid),
+        # holds the threads it starts later too; no other process's.
+        rules.append((os.path.realpath("/proc/self/task"), (_READ | _FS_WRITE_FILE) & handled))
     return rules
 
 
 def gpu_device_files() -> list[str]:
-    """The GPUs' device files in :data:`DEV` (see :data:`GPU_DEVICE_NAMES`), sorted; none
-    where it cannot be listed."""
+    """The GPUs' device files in :data:`DEV` (see :data:`GPU_DEVICE_NAMES` and
+    :data:`GPU_DEVICE_FOLDERS`, less the MIG capabilities of :data:`MIG_ADMIN`), sorted;
+    none where it cannot be listed."""
+    files = [os.path.join(DEV, name) for name in _listing(DEV)
+             if GPU_DEVICE_NAMES.fullmatch(name)]
+    admin = {f"nvidia-cap{minor}" for minor in _mig_admin_minors()}
+    for folder, names in GPU_DEVICE_FOLDERS.items():
+        files += [os.path.join(DEV, folder, name) for name in _listing(os.path.join(DEV, folder))
+                  if names.fullmatch(name) and name not in admin]
+    return sorted(files)
+
+
+def _listing(folder: str) -> list[str]:
+    """The names in ``folder``; none where it cannot be listed."""
     try:
-        names = os.listdir(DEV)
+        return os.listdir(folder)
     except OSError:
         return []
-    return sorted(os.path.join(DEV, name) for name in names if GPU_DEVICE_NAMES.fullmatch(name))
+
+
+def _mig_admin_minors() -> set[int]:
+    """The device minors of the MIG capabilities of :data:`MIG_ADMIN`, as
+    :data:`MIG_MINORS` lists them; :data:`MIG_ADMIN_MINORS` where it cannot be read."""
+    try:
+        with open(MIG_MINORS, encoding="ascii") as file:
+            lines = file.read().splitlines()
+    except (OSError, ValueError):
+        return set(MIG_ADMIN_MINORS)
+    fields = [line.split() for line in lines]
+    return {int(minor) for name, minor in (f for f in fields if len(f) == 2)
+            if name in MIG_ADMIN and minor.isdigit()}
 
 
 def _readable(extra: Iterable[str]) -> list[str]:

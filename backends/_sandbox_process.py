@@ -70,14 +70,38 @@ def _died(process: subprocess.Popen[bytes]) -> str:
     return f"exited with status {code}"
 
 
-def _child_env(backend: BackendRef) -> dict[str, str]:
-    """The host's environment, with an import path of two folders: the one the backend's
-    module is found in and wasinn's own (the child imports that module, a plug-in's too,
-    as the host would, whether or not the host has imported it). Not the rest of the
-    host's ``sys.path``: a confined child may read the folders on its path, and the
-    host's holds its working directory or its script's folder (a home directory, with
-    its keys)."""
-    env = dict(os.environ)
+#: The host's environment variables a confined process is given (:func:`_child_env`), by
+#: name: where its programs and libraries are, its language and time zone.
+CONFINED_ENV_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ",
+                                "SYSTEMROOT"})
+#: ... and by prefix: the locale's, the GPUs' and their drivers', the thread pools' (OpenMP,
+#: MKL, OpenBLAS, TBB), the libraries' own (OpenVINO, ONNX Runtime, torch) and wasinn's.
+CONFINED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "CUDNN_", "OMP_", "KMP_", "GOMP_",
+                         "MKL_", "OPENBLAS_", "TBB_", "OV_", "OPENVINO_", "ORT_",
+                         "ONNXRUNTIME_", "TORCH_", "PYTORCH_", "WASINN_")
+
+
+def _confined_env() -> dict[str, str]:
+    """The host's environment variables that :data:`CONFINED_ENV_NAMES` and
+    :data:`CONFINED_ENV_PREFIXES` name, and those that name the user
+    (:data:`USER_NAME_VARIABLES`)."""
+    return {key: value for key, value in os.environ.items()
+            if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
+            or key.startswith(CONFINED_ENV_PREFIXES)}
+
+
+def _child_env(backend: BackendRef, confined: bool = True) -> dict[str, str]:
+    """The environment of a process for ``backend``: of the host's, for a ``confined`` one
+    only what :func:`_confined_env` keeps (not the host's secrets, its keys and tokens:
+    a compromised child could hand them to the guest in its outputs), for one not
+    confined all of it (its library may need what no list foresees, and such a process
+    may read the host's ``/proc/<pid>/environ`` anyway). With an import path of two
+    folders: the one the backend's module is found in and wasinn's own (the child imports
+    that module, a plug-in's too, as the host would, whether or not the host has
+    imported it). Not the rest of the host's ``sys.path``: a confined child may read the
+    folders on its path, and the host's holds its working directory or its script's
+    folder (a home directory, with its keys)."""
+    env = _confined_env() if confined else dict(os.environ)
     tops = [_top_folder(backend.module), _top_folder("wasinn")]
     env["PYTHONPATH"] = os.pathsep.join(str(top) for top in tops if top is not None)
     env[CONFINE_MODULE] = str(Path(_confine.__file__).resolve())
@@ -193,7 +217,7 @@ class SandboxProcess:
             command = [sys.executable, *start, str(theirs.fileno()),
                        str(their_cancels.fileno()), str(self.arena.fd), backend.entry]
             step = "prepare the environment of a sandbox process"
-            env = _child_env(backend)
+            env = _child_env(backend, confined)
             if confined:
                 step = "make the private folder of a sandbox process"
                 # (named after this process: a later one removes it should this one

@@ -1312,6 +1312,35 @@ def test_a_sandbox_process_asks_numpys_openblas_for_one_thread(
         graph.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc/<pid>/environ")
+def test_a_confined_sandbox_process_is_given_none_of_the_hosts_secrets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: it was given the host's whole environment, which it could hand to the guest
+    # in its outputs were it compromised.
+    from wasinn.backends._sandbox_process import _child_env
+    from wasinn.backends.base import BackendRef
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "host-secret")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # (a library's: kept)
+    require_backend("onnxruntime")
+    registry = wasinn.backends.registry.BackendRegistry()
+    graph = load_sandboxed(registry.get("onnxruntime"), [affine_onnx()], GraphEncoding.ONNX,
+                           CPU, LoadOptions(sandbox=True))
+    try:
+        environ = dict(entry.split(b"=", 1) for entry in
+                       Path(f"/proc/{graph.pid}/environ").read_bytes().split(b"\0") if entry)
+        assert b"AWS_SECRET_ACCESS_KEY" not in environ
+        assert environ[b"PATH"] == os.environ["PATH"].encode()
+        assert environ[b"OMP_WAIT_POLICY"] == b"PASSIVE"
+        out = graph.run({graph.inputs[0].name: Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        assert out[graph.outputs[0].name].numpy().shape == (1, 4)
+    finally:
+        graph.close()
+    # (one not confined, for a device other than the CPU or a GPU, is given all of it)
+    ort = BackendRef("onnxruntime", "wasinn.backends.onnxruntime:OnnxRuntimeBackend")
+    assert _child_env(ort, confined=False)["AWS_SECRET_ACCESS_KEY"] == "host-secret"
+
+
 def test_a_sandbox_process_reads_no_folder_of_the_hosts_path_but_wasinns_and_its_backends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: every folder on the host's sys.path was on the child's import path and

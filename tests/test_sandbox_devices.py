@@ -41,28 +41,35 @@ LINUX = sys.platform.startswith("linux")
 # -- the rules ------------------------------------------------------------------------------
 @pytest.fixture
 def fake_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """A /dev with two NVIDIA GPUs, unified memory, MIG capabilities and a render node,
-    beside files of other names, and a driver's /proc folder (``read``) beside one that
-    is missing; named in _confine for the test."""
+    """A /dev with two NVIDIA GPUs, unified memory, MIG capabilities (the configuration's,
+    the monitor's and an instance's) and a render node beside a display's node, beside
+    files of other names, and a driver's /proc folder (``read``) beside one that is
+    missing, and no MIG minors' list; named in _confine for the test."""
     dev = tmp_path / "dev"
     (dev / "nvidia-caps").mkdir(parents=True)
-    (dev / "dri").mkdir()
+    (dev / "dri" / "by-path").mkdir(parents=True)
     for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm", "nvidia-uvm-tools",
-                 "nvidia-caps/nvidia-cap1", "dri/renderD128",
-                 "nvidia-modeset", "nvidia0x", "nvidiafoo", "null", "sda", "kvm"):
+                 "nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2",
+                 "nvidia-caps/nvidia-cap3", "dri/renderD128", "dri/card0",
+                 "dri/by-path/pci-0000:00:02.0-card", "nvidia-modeset", "nvidia0x",
+                 "nvidiafoo", "null", "sda", "kvm"):
         (dev / name).touch()
     read = tmp_path / "proc-driver-nvidia"
     read.mkdir()
     monkeypatch.setattr(confine, "DEV", str(dev))
     monkeypatch.setattr(confine, "GPU_READ", (str(read), str(tmp_path / "missing")))
+    monkeypatch.setattr(confine, "MIG_MINORS", str(tmp_path / "no-mig-minors"))
     return {"dev": str(dev), "read": str(read), "missing": str(tmp_path / "missing")}
 
 
 def test_a_gpu_graphs_process_may_use_the_gpus_device_files_that_exist(
         fake_machine: dict[str, str], tmp_path: Path) -> None:
+    # Before: all of /dev/dri (the display's card0, whose first opener becomes the DRM
+    # master, too) and of /dev/nvidia-caps (the MIG configuration's and monitor's too).
     dev = fake_machine["dev"]
     devices = {f"{dev}/{name}" for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm",
-                                            "nvidia-uvm-tools", "nvidia-caps", "dri")}
+                                            "nvidia-uvm-tools", "nvidia-caps/nvidia-cap3",
+                                            "dri/renderD128")}
     assert set(confine.gpu_device_files()) == devices
     rules = dict(confine.landlock_rules(str(tmp_path), gpu=True))
     device_access = (confine._FS_READ_FILE | confine._FS_READ_DIR | confine._FS_WRITE_FILE
@@ -70,12 +77,29 @@ def test_a_gpu_graphs_process_may_use_the_gpus_device_files_that_exist(
     assert {path for path, access in rules.items() if access & confine._FS_IOCTL_DEV} \
         == devices
     assert all(rules[path] == device_access for path in devices)
+    assert rules[f"{dev}/dri"] == rules[f"{dev}/nvidia-caps"] == confine._FS_READ_DIR
+    assert not [path for path in rules if path.startswith(
+        (f"{dev}/dri/card0", f"{dev}/dri/by-path", f"{dev}/nvidia-caps/nvidia-cap1",
+         f"{dev}/nvidia-caps/nvidia-cap2"))]
     assert rules[fake_machine["read"]] == confine._READ
     assert fake_machine["missing"] not in rules
     # a kernel whose Landlock predates the ioctl right is given the rest
     older = dict(confine.landlock_rules(str(tmp_path), gpu=True,
                                         handled=device_access & ~confine._FS_IOCTL_DEV))
     assert all(older[path] == device_access & ~confine._FS_IOCTL_DEV for path in devices)
+
+
+def test_the_mig_capabilities_left_out_are_those_the_driver_lists(
+        fake_machine: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    minors = tmp_path / "mig-minors"
+    minors.write_text("config 3\nmonitor 1\ngpu0/gi1/access 2\n")
+    monkeypatch.setattr(confine, "MIG_MINORS", str(minors))
+    caps = {path for path in confine.gpu_device_files() if "nvidia-caps" in path}
+    assert caps == {f"{fake_machine['dev']}/nvidia-caps/nvidia-cap2"}
+
+
+def test_a_gpu_graphs_process_may_read_the_unified_memorys_driver_files() -> None:
+    assert "/proc/driver/nvidia-uvm" in confine.GPU_READ  # (its initialisation reads them)
 
 
 def test_a_cpu_graphs_process_gets_none_of_it(fake_machine: dict[str, str],
@@ -86,6 +110,8 @@ def test_a_cpu_graphs_process_gets_none_of_it(fake_machine: dict[str, str],
     assert not any(access & confine._FS_IOCTL_DEV for access in rules.values())
     assert not any(path.startswith(("/proc/driver", "/proc/devices", "/proc/modules"))
                    for path in rules)
+    assert not any(access & confine._FS_WRITE_FILE for path, access in rules.items()
+                   if path.startswith("/proc"))  # (not even its threads' names)
 
 
 def test_no_device_file_where_dev_cannot_be_listed(monkeypatch: pytest.MonkeyPatch,
@@ -139,6 +165,17 @@ attempt("proc_devices", lambda: read("/proc/devices"))
 attempt("proc_modules", lambda: read("/proc/modules"))
 attempt("other_device_file", lambda: os.close(os.open(os.path.join(sys.argv[2], "kvm"),
                                                       os.O_RDWR)))
+
+# What the NVIDIA driver does in cuInit: name a thread other than the caller (glibc writes
+# its /proc/self/task/<tid>/comm); 0 or the errno's name.
+import ctypes, threading
+stop = threading.Event()
+thread = threading.Thread(target=stop.wait)
+thread.start()
+failed = ctypes.CDLL(None).pthread_setname_np(ctypes.c_ulong(thread.ident), b"cuda-EvtHandlr")
+results["name_another_thread"] = errno.errorcode.get(failed, "?") if failed else 0
+stop.set()
+thread.join()
 print(json.dumps(results))
 """
 
@@ -168,6 +205,8 @@ def test_landlock_lets_a_gpu_graphs_process_reach_the_device_files_and_a_cpu_gra
                                            "ENOENT")
         # through to the device, which has no such ioctl (ABI 5: before, not checked)
         assert results["ioctl_device"] == "ENOTTY"
+        # Before: EACCES, which the NVIDIA driver (570 and later) makes CUDA error 304.
+        assert results["name_another_thread"] == 0
     else:
         assert not any(a.startswith("gpu") for a in applied), applied
         assert results["read_write_device"] == "EACCES"
@@ -175,6 +214,7 @@ def test_landlock_lets_a_gpu_graphs_process_reach_the_device_files_and_a_cpu_gra
         assert results["proc_modules"] == ("EACCES" if Path("/proc/modules").exists() else
                                            "ENOENT")
         assert results["ioctl_device"] == "EACCES"  # (it may not even open it)
+        assert results["name_another_thread"] == "EACCES"
     assert results["other_device_file"] == "EACCES"
 
 
