@@ -233,22 +233,6 @@ def _load(backend: Backend, load: tuple[Any, ...], files: dict[str, Tensor],
     return backend.load(builders, encoding, device, options)
 
 
-class _CpuListing:
-    """The process's ``openvino.Core`` listing the CPU alone (see :func:`_list_the_cpu_only`);
-    everything else is the Core's own."""
-
-    available_devices = ("CPU",)
-
-    def __init__(self, core: Any) -> None:
-        self._core = core
-
-    def get_available_devices(self) -> list[str]:
-        return ["CPU"]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._core, name)
-
-
 def _list_the_cpu_only(backend: Backend) -> None:
     """Have ``backend`` list the CPU alone, asking its library nothing (a CPU graph's
     process): which devices there are is the host's to find (it chose this one), and a
@@ -257,14 +241,10 @@ def _list_the_cpu_only(backend: Backend) -> None:
     error 304: the driver is denied its device files, and may not start
     ``nvidia-modprobe``), and OpenVINO's ``Core.available_devices``, which loads its GPU
     plugin and every OpenCL driver, killed the process (SIGSEGV) or hung it. So its
-    ``devices()`` answers the CPU (torch's load asks it; ONNX Runtime's asks it for a GPU
-    only), and OpenVINO's backend, which lists through its Core, is given the process's
-    Core seen through :class:`_CpuListing` as its stand-in."""
+    ``devices()`` answers the CPU (torch's load asks it; ONNX Runtime's and OpenVINO's
+    ask it for another device only)."""
     cpu = Device(ExecutionTarget.CPU)
     vars(backend)["devices"] = lambda: [cpu]
-    openvino = sys.modules.get("wasinn.backends.openvino")
-    if openvino is not None and isinstance(backend, openvino.OpenVinoBackend):
-        backend._core = _CpuListing(backend.core)
 
 
 def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | None,

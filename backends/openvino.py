@@ -136,6 +136,19 @@ class OpenVinoBackend(Backend):
             self._devices = list_devices(self.core)
         return self._devices
 
+    def _ov_name(self, device: Device) -> str:
+        """OpenVINO's name for ``device``, listed; UnsupportedOperationError where it is
+        not offered (naming the GPUs passed over, and why)."""
+        listed = self._listed()
+        ov_device = listed.offered.get(device)
+        if ov_device is None:
+            error = no_device(NAME, device, self.devices())
+            if device.kind is ExecutionTarget.GPU and listed.passed_over:
+                raise error.suffixed(f"({'; '.join(listed.passed_over.values())}: "
+                                     "OpenVINO's GPU plugin supports Intel GPUs only)")
+            raise error
+        return ov_device
+
     def devices(self) -> list[Device]:
         """cpu, and gpu:N / tpu:N where OpenVINO lists an Intel GPU / an NPU (a GPU of
         another vendor, which OpenVINO's GPU plugin does not support, is not offered)."""
@@ -158,14 +171,9 @@ class OpenVinoBackend(Backend):
         with why they are not offered). TensorFlow and TFLite models are read in a child
         process (see :mod:`._ovread`).
         """
-        listed = self._listed()
-        ov_device = listed.offered.get(device)
-        if ov_device is None:
-            error = no_device(NAME, device, self.devices())
-            if device.kind is ExecutionTarget.GPU and listed.passed_over:
-                raise error.suffixed(f"({'; '.join(listed.passed_over.values())}: "
-                                     "OpenVINO's GPU plugin supports Intel GPUs only)")
-            raise error
+        # The CPU without listing: that loads every plugin, the GPU's with OpenCL's
+        # drivers, which a sandbox process's lock-down makes fail, crash or hang.
+        ov_device = "CPU" if device.kind is ExecutionTarget.CPU else self._ov_name(device)
         options = options or LoadOptions()
         model, keep_alive = read_model(self.core, builders, encoding, options.source,
                                        options.external_data)

@@ -319,6 +319,35 @@ def test_the_process_that_lists_no_device_still_names_only_the_cpu() -> None:
     assert Device.parse("gpu:0") in CrashingBackend().devices()  # (that backend alone)
 
 
+def test_an_openvino_cpu_load_lists_no_device() -> None:
+    # OpenVINO's listing loads every plugin (the GPU's, with OpenCL's drivers): a CPU
+    # load, in the host as in a sandbox process, compiles on "CPU" without it.
+    require_backend("openvino")
+    from wasinn.backends.openvino import OpenVinoBackend
+
+    class Unlisted:  # the process's Core, refusing to list
+        def __init__(self, core: Any) -> None:
+            self._core = core
+
+        @property
+        def available_devices(self) -> list[str]:
+            raise AssertionError("OpenVINO was asked which devices there are")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._core, name)
+
+    backend = OpenVinoBackend()
+    backend._core = Unlisted(backend.core)
+    builders, encoding = affine("openvino", 2.0, 1.0)
+    graph = backend.load(builders, encoding, CPU)
+    try:
+        out = graph.run({graph.inputs[0].name: np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out[graph.outputs[0].name].numpy(),
+                                      np.full((1, 4), 3.0, np.float32))
+    finally:
+        graph.close()
+
+
 @pytest.mark.skipif(not LINUX, reason="Linux's /proc/<pid>/maps")
 def test_a_cpu_graphs_openvino_process_loads_no_other_plugin_than_the_cpus() -> None:
     # Before: listing loaded the GPU and NPU plugins (and, through the GPU's, OpenCL and
