@@ -67,6 +67,7 @@ import numpy as np
 import trio
 
 import wasinn
+from wasinn.actors.devicectx import torch_sees
 from wasinn.backends import BackendRegistry, Device
 from wasinn.backends.cuda import device_count as driver_device_count
 from wasinn.configs.loader import parse_config
@@ -264,15 +265,6 @@ class Bench:
 
 
 # -- devices and libraries ------------------------------------------------------------------
-def torch_sees(device: Device) -> bool:
-    """Whether torch is installed and sees ``device`` (a GPU)."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available()) and device.index < torch.cuda.device_count()
-
-
 def checked_device(text: str) -> Device:
     """``--device``, parsed; exits with status 2 where it is no CPU or GPU here."""
     try:
