@@ -47,6 +47,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable
 
+from wasinn._memory import total_memory
 from wasinn.errors import BackendRuntimeError
 
 from .base import on_current_cancel
@@ -64,14 +65,15 @@ LEAST_DEFAULT = 4
 
 def default_max_processes() -> int:
     """The default bound on a host's sandbox processes, from the machine: one per
-    :data:`MEMORY_PER_PROCESS` of half its memory (the other half left to the host and
-    the models), at most :data:`PROCESSES_PER_CPU` per CPU this process may use, and at
-    least :data:`LEAST_DEFAULT`."""
+    :data:`MEMORY_PER_PROCESS` of half its memory (the machine's or, where less, this
+    process's cgroup's limit, :func:`wasinn._memory.total_memory`; the other half left
+    to the host and the models), at most :data:`PROCESSES_PER_CPU` per CPU this process
+    may use, and at least :data:`LEAST_DEFAULT`."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = total_memory()
     return max(LEAST_DEFAULT, min(PROCESSES_PER_CPU * cpus, memory // 2 // MEMORY_PER_PROCESS))
 
 

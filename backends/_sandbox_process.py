@@ -40,6 +40,7 @@ from ._sandbox_child import (
     READY,
     SPARE_START,
 )
+from ._sandbox_env import given
 from ._sandbox_limit import Slot
 from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
 from .base import BackendRef
@@ -71,7 +72,8 @@ def _died(process: subprocess.Popen[bytes]) -> str:
 
 
 #: The host's environment variables a confined process is given (:func:`_child_env`), by
-#: name: where its programs and libraries are, its language and time zone.
+#: name: where its programs and libraries are, its language and time zone. An operator
+#: names others (``[runtime] sandbox_env``, see :mod:`._sandbox_env`).
 CONFINED_ENV_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "TZ",
                                 "SYSTEMROOT"})
 #: ... and by prefix: the locale's, the GPUs' and their drivers', the thread pools' (OpenMP,
@@ -81,19 +83,22 @@ CONFINED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "CUDNN_", "OMP_", "KMP_", "G
                          "ONNXRUNTIME_", "TORCH_", "PYTORCH_", "WASINN_")
 
 
-def _confined_env() -> dict[str, str]:
+def _confined_env(extra: tuple[str, ...] = ()) -> dict[str, str]:
     """The host's environment variables that :data:`CONFINED_ENV_NAMES` and
-    :data:`CONFINED_ENV_PREFIXES` name, and those that name the user
-    (:data:`USER_NAME_VARIABLES`)."""
+    :data:`CONFINED_ENV_PREFIXES` name, those that name the user
+    (:data:`USER_NAME_VARIABLES`), and those that ``extra`` names (names, and prefixes
+    ending in ``*``: see :func:`._sandbox_env.given`)."""
     return {key: value for key, value in os.environ.items()
             if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
-            or key.startswith(CONFINED_ENV_PREFIXES)}
+            or key.startswith(CONFINED_ENV_PREFIXES) or given(key, extra)}
 
 
-def _child_env(backend: BackendRef, confined: bool = True) -> dict[str, str]:
+def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...] = ()
+               ) -> dict[str, str]:
     """The environment of a process for ``backend``: of the host's, for a ``confined`` one
-    only what :func:`_confined_env` keeps (not the host's secrets, its keys and tokens:
-    a compromised child could hand them to the guest in its outputs), for one not
+    only what :func:`_confined_env` keeps, the variables ``extra`` names included (not
+    the host's secrets, its keys and tokens: a compromised child could hand them to the
+    guest in its outputs), for one not
     confined all of it (its library may need what no list foresees, and such a process
     may read the host's ``/proc/<pid>/environ`` anyway). With an import path of two
     folders: the one the backend's module is found in and wasinn's own (the child imports
@@ -101,7 +106,7 @@ def _child_env(backend: BackendRef, confined: bool = True) -> dict[str, str]:
     imported it). Not the rest of the host's ``sys.path``: a confined child may read the
     folders on its path, and the host's holds its working directory or its script's
     folder (a home directory, with its keys)."""
-    env = _confined_env() if confined else dict(os.environ)
+    env = _confined_env(extra) if confined else dict(os.environ)
     tops = [_top_folder(backend.module), _top_folder("wasinn")]
     env["PYTHONPATH"] = os.pathsep.join(str(top) for top in tops if top is not None)
     env[CONFINE_MODULE] = str(Path(_confine.__file__).resolve())
@@ -188,7 +193,9 @@ class SandboxProcess:
     at the lowest priority (see :mod:`._sandbox_child`).
     ``slot``: its place under the host's bound on sandbox processes
     (:class:`~._sandbox_limit.ProcessLimit`), freed when it has ended (or could not be
-    started).
+    started). ``extra_env``: the host's environment variables a confined process is given
+    besides the default ones (names, and prefixes ending in ``*``, checked already: see
+    :mod:`._sandbox_env`); one not confined is given all of them.
 
     Raises BackendRuntimeError, naming what could not be made (the shared memory, the
     sockets, the private folder, the process), when it cannot be started: then whatever
@@ -196,7 +203,8 @@ class SandboxProcess:
     """
 
     def __init__(self, backend: BackendRef, confined: bool, *, gpu: bool = False,
-                 spare: bool = False, slot: Slot | None = None) -> None:
+                 spare: bool = False, slot: Slot | None = None,
+                 extra_env: tuple[str, ...] = ()) -> None:
         self._slot = slot
         self._name = backend.name
         self._confine_dir: PrivateDir | None = None
@@ -217,7 +225,7 @@ class SandboxProcess:
             command = [sys.executable, *start, str(theirs.fileno()),
                        str(their_cancels.fileno()), str(self.arena.fd), backend.entry]
             step = "prepare the environment of a sandbox process"
-            env = _child_env(backend, confined)
+            env = _child_env(backend, confined, extra_env)
             if confined:
                 step = "make the private folder of a sandbox process"
                 # (named after this process: a later one removes it should this one

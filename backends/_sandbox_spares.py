@@ -19,6 +19,10 @@ A spare holds the memory of an interpreter that has imported the library (unshar
 29 MB for ONNX Runtime, 31 MB for OpenVINO, 153 MB for torch) and nothing else: closing
 the pool, or a spare that is no longer wanted, kills it. A spare that has died meanwhile
 is replaced when it is taken. Spares are started with the environment of the load before them.
+A pool's processes, spares included, are given the environment variables the pool is
+given (``extra_env``: the runtime's ``[runtime] sandbox_env``) besides the default ones
+where they are confined: known as the pool is made, before its first process starts, so
+no process started with other variables is ever handed out by it.
 
 The pool also holds the host's bound on sandbox processes (:class:`~._sandbox_limit.
 ProcessLimit`; by default the process-wide one, :func:`~._sandbox_limit.host_limit`),
@@ -33,7 +37,9 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Iterable
 
+from ._sandbox_env import env_patterns
 from ._sandbox_limit import ProcessLimit, host_limit
 from ._sandbox_process import SandboxProcess
 from .base import BackendRef
@@ -48,12 +54,18 @@ class Spares:
     """Up to ``keep`` started sandbox processes per kind of load (see the module
     docstring); ``keep = 0`` keeps none, every load starting its own. ``limit``: the
     bound its processes count against (by default the one every sandbox process of this
-    Python process shares, :func:`~._sandbox_limit.host_limit`)."""
+    Python process shares, :func:`~._sandbox_limit.host_limit`). ``extra_env``: the
+    host's environment variables its confined processes are given besides the default
+    ones, each a name or a prefix ending in ``*`` (ValueError for one that is neither,
+    or ``*`` alone: see :mod:`._sandbox_env`)."""
 
-    def __init__(self, keep: int = 1, *, limit: ProcessLimit | None = None) -> None:
+    def __init__(self, keep: int = 1, *, limit: ProcessLimit | None = None,
+                 extra_env: Iterable[str] = ()) -> None:
         if not 0 <= keep <= MAX_SPARES:
             raise ValueError(f"keep={keep}: expected 0 to {MAX_SPARES}")
         self.keep = keep
+        #: The host's variables its confined processes are given besides the default ones.
+        self.extra_env = env_patterns(extra_env)
         #: The bound on the host's sandbox processes, these spares included.
         self.limit = host_limit() if limit is None else limit
         self._lock = threading.Lock()
@@ -75,7 +87,8 @@ class Spares:
         if taken is not None:
             return taken
         slot = self.limit.admit(backend.name) if make_room else self.limit.try_admit()
-        return None if slot is None else SandboxProcess(backend, confined, gpu=gpu, slot=slot)
+        return None if slot is None else SandboxProcess(backend, confined, gpu=gpu, slot=slot,
+                                                        extra_env=self.extra_env)
 
     def _ready_spare(self, key: tuple[str, bool, bool]) -> SandboxProcess | None:
         """A waiting spare of ``key`` that has imported its library, taken from the pool
@@ -114,7 +127,8 @@ class Spares:
                           "sandbox processes (%d)", key[0], self.limit.most)
                 return
             try:
-                spare = SandboxProcess(backend, confined, gpu=gpu, spare=True, slot=slot)
+                spare = SandboxProcess(backend, confined, gpu=gpu, spare=True, slot=slot,
+                                       extra_env=self.extra_env)
             except Exception as exc:  # (BackendRuntimeError, naming what failed)
                 slot.free()  # (freed already where the process was tried: idempotent)
                 log.warning("no spare sandbox process started for %s: %s", key[0], exc)

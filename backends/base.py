@@ -140,7 +140,8 @@ class LoadOptions:
     host's: True on every device, ``"cpu"`` on the CPU only (see :meth:`sandboxed_on`);
     honoured by the scheduler, which then calls ``load_sandboxed`` instead of ``load``;
     backends ignore it. ``max_sandbox_bytes`` bounds the memory such a
-    process may hold on the CPU (None: half the machine's, see :mod:`.sandbox`).
+    process may hold on the CPU (None: half the machine's memory, or of a lower cgroup
+    limit: see :mod:`.sandbox`).
     ``external_data``: the external data files of the ONNX model of ``source`` (location
     -> bytes), read and checked by the host and handed over in memory, in a sandboxed
     graph's process (set there only, see :mod:`.sandbox`), which may not read the model's

@@ -32,7 +32,8 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
 * On the CPU the child confines itself before the library reads the model
   (:mod:`._confine`: no new privileges, no core files, bounded file sizes, seccomp,
   Landlock where the kernel has it) and bounds the memory it may hold (``RLIMIT_DATA``:
-  the options' ``max_sandbox_bytes``, by default half the machine's memory). A run or a
+  the options' ``max_sandbox_bytes``, by default half the machine's memory or of a lower
+  cgroup limit). A run or a
   load that needs more fails with the library's allocation error, which then names the
   bound; the process goes on. A GPU child confines itself too, and may besides use the
   GPUs' device files and read what their drivers read (``gpu`` in :mod:`._confine`),
@@ -68,14 +69,17 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   library while the host goes on, then waits for its load. ``spares``
   (:class:`Spares`, the runtime's ``[runtime] sandbox_spares``) keeps such processes
   started ahead, so that a load or a reload after a crash takes one that has already
-  imported its library. Every process, spares included, counts towards the host's
-  bound (:class:`ProcessLimit`: the runtime's ``[runtime] max_sandbox_processes``, else
-  the one this Python process shares, :func:`host_limit`, which also bounds the loads
-  given no ``spares``): at it, a start that a graph cannot run without ends a spare or
-  the idle process of the graph used least recently (which starts one again on its next
-  run), else waits for a busy one (see :mod:`._sandbox_limit`). A process that cannot
-  be started fails the load or the run that needed it with BackendRuntimeError naming
-  what failed, having freed what was made for it, its place under the bound included.
+  imported its library. The confined processes it gives out, spares or new, are given
+  the host's environment variables its ``extra_env`` names (the runtime's ``[runtime]
+  sandbox_env``, see :mod:`._sandbox_env`) besides the default ones. Every process,
+  spares included, counts towards the host's bound (:class:`ProcessLimit`: the runtime's
+  ``[runtime] max_sandbox_processes``, else the one this Python process shares,
+  :func:`host_limit`, which also bounds the loads given no ``spares``): at it, a start
+  that a graph cannot run without ends a spare or the idle process of the graph used
+  least recently (which starts one again on its next run), else waits for a busy one
+  (see :mod:`._sandbox_limit`). A process that cannot be started fails the load or the
+  run that needed it with BackendRuntimeError naming what failed, having freed what was
+  made for it, its place under the bound included.
 * The host never imports the library of a graph it sandboxes: ``backend`` may be a
   :class:`~.base.BackendRef` (``module:Class``), and the scheduler chooses a built-in
   backend for the CPU without importing it. A graph closed has its processes killed
@@ -98,18 +102,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from wasinn._memory import total_memory
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import BackendRuntimeError, ClosedResourceError, WasiNNError
 from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import InputChecker
 from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
+from ._sandbox_env import env_pattern_problem
 from ._sandbox_errors import child_error, lost_context
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_pool import GraphProcesses, close_idle
@@ -131,8 +136,8 @@ from .base import (
 log = logging.getLogger("wasinn.backends")
 
 __all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "ProcessLimit", "SandboxedGraph",
-           "Spares", "default_max_bytes", "default_max_processes", "host_limit",
-           "load_sandboxed"]
+           "Spares", "default_max_bytes", "default_max_processes", "env_pattern_problem",
+           "host_limit", "load_sandboxed"]
 
 #: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
 #: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).
@@ -140,8 +145,10 @@ MIN_MAX_BYTES = 64 * 1024 * 1024
 
 
 def default_max_bytes() -> int:
-    """The memory a sandboxed graph's process may hold by default: half the machine's."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    """The memory a sandboxed graph's process may hold by default: half of what this
+    process and its children may hold together, the machine's memory or, where less,
+    its cgroup's limit (:func:`wasinn._memory.total_memory`)."""
+    return total_memory() // 2
 
 
 def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
@@ -208,7 +215,8 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         self.max_bytes = (options.max_sandbox_bytes or default_max_bytes()
                           if device.kind is ExecutionTarget.CPU else None)
         #: The most bytes a run's outputs may take beside its inputs' (which an output
-        #: may share): what a process may hold, a GPU's half the machine's memory.
+        #: may share): what a process may hold, a GPU's half the memory (see
+        #: :func:`default_max_bytes`).
         self._most = self.max_bytes or default_max_bytes()
         # (external data goes in the arena, as the model's bytes do: see _load_in)
         self._load = (encoding, device, dataclasses.replace(options, external_data={}),

@@ -1,6 +1,7 @@
 """The value types of config keys: each a pydantic annotation that checks one kind of
 value (a target, an encoding, a device, a precision, a tensor element type, a model file,
-a name, a sandbox setting, a backend preference order), and :func:`fault`, the error that
+a name, a sandbox setting, a backend preference order, the environment variables given
+to confined sandbox processes), and :func:`fault`, the error that
 names the key. The tables that use them are :mod:`wasinn.configs.schema`'s."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import AfterValidator, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from wasinn.backends.base import Device, sandbox_setting
+from wasinn.backends.sandbox import env_pattern_problem
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import InvalidArgumentError
 
@@ -110,6 +112,20 @@ def _once_each(backends: list[str]) -> list[str]:
     return backends
 
 
+def _env_list(entries: object) -> list[str]:
+    # Each entry checked here (not by a list[str] annotation): one message that says
+    # what a variable's entry may be, whatever is wrong with it.
+    if not isinstance(entries, list):
+        raise fault("", f"{entries!r:.60}: expected a list of the host's environment "
+                        'variables to give confined sandbox processes, such as ["HF_HOME", '
+                        '"HF_*"] (a name, or a prefix ending in *)')
+    for i, entry in enumerate(entries):
+        problem = env_pattern_problem(entry)
+        if problem is not None:
+            raise fault(f"[{i}]", problem)
+    return entries
+
+
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
 #: A tensor element type as wasinn names them (f32, i64, ...), any case.
@@ -122,3 +138,6 @@ Sandbox = Annotated[bool | Literal["cpu"], PlainValidator(_sandbox)]
 Name = Annotated[str, AfterValidator(_name)]
 #: A backend preference order.
 Backends = Annotated[list[str], AfterValidator(_once_each)]
+#: The host's environment variables given to confined sandbox processes besides the
+#: default ones: names, and prefixes ending in ``*`` (see wasinn.backends._sandbox_env).
+SandboxEnv = Annotated[list[str], PlainValidator(_env_list)]

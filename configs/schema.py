@@ -94,6 +94,7 @@ from ._values import (
     Name,
     PrecisionName,
     Sandbox,
+    SandboxEnv,
     TargetName,
     TensorTypeName,
     fault,
@@ -124,6 +125,12 @@ class RuntimeSection(_Strict):
     #: the bound a new one ends a spare or the idle process that ran least recently, else
     #: waits for one.
     max_sandbox_processes: int | None = Field(default=None, ge=1)
+    #: The host's environment variables a confined sandbox process is given besides the
+    #: default ones (wasinn.backends._sandbox_process.CONFINED_ENV_NAMES and
+    #: CONFINED_ENV_PREFIXES), which keep the host's keys and tokens from it: each a name
+    #: ("HF_HOME") or a prefix ending in * ("HF_*"); "*" alone is refused (see
+    #: wasinn.backends._sandbox_env).
+    sandbox_env: SandboxEnv = Field(default_factory=list)
 
 
 class PoolConfig(_Strict):
@@ -347,7 +354,8 @@ class ModelConfig(_Startup):
     #: Compile and run it in a process of its own (wasinn.backends.sandbox): a library
     #: crash on a guest's inputs then fails that run only. "cpu": on the CPU only.
     sandbox: Sandbox = False
-    #: The memory that process may hold on the CPU, in bytes (None: half the machine's).
+    #: The memory that process may hold on the CPU, in bytes (None: half the machine's
+    #: memory, or of this process's cgroup's limit where lower).
     max_sandbox_bytes: int | None = Field(default=None, ge=MIN_MAX_BYTES)
 
     @property
@@ -428,9 +436,9 @@ class GuestsConfig(_Strict):
     one ``tensor.data()`` call may return (see GuestLimits).
     ``sandbox`` runs the models a guest loads from its own bytes in a process of their
     own each (wasinn.backends.sandbox), which may hold ``max_sandbox_bytes`` of memory on
-    the CPU (None: half the machine's): on the CPU by default (``"cpu"``), on every
-    device (true) or nowhere (false). ``max_memory_bytes`` bounds each of a guest's
-    linear memories (a ``memory.grow`` past it fails).
+    the CPU (None: half the machine's, or of a lower cgroup limit): on the CPU by default
+    (``"cpu"``), on every device (true) or nowhere (false). ``max_memory_bytes`` bounds
+    each of a guest's linear memories (a ``memory.grow`` past it fails).
     """
 
     max_graphs: int = Field(default=64, ge=1)

@@ -62,7 +62,8 @@ class GuestLimits:
     crashes on them kills that process, not the host: on the CPU (``"cpu"``, the
     default: on a GPU a graph keeps its tensors on the device, which a process of its own
     cannot share), on every device (True) or nowhere (False). ``max_sandbox_bytes``
-    bounds the memory each such process may hold (None: half the machine's).
+    bounds the memory each such process may hold (None: half the machine's memory, or
+    half the limit of the host's cgroup where that is less, as a container's may be).
 
     ``run_timeout``: seconds a guest's whole run (``run_wasm``: its start functions and
     ``_start`` or ``wasi:cli/run``) may take (None = unbounded); past it the guest is

@@ -161,7 +161,8 @@ class Runtime(ModelLoading):
         # that runtimes side by side run no more than the machine's bound together.
         most = section.max_sandbox_processes
         self._spares = Spares(section.sandbox_spares,
-                              limit=None if most is None else ProcessLimit(most))
+                              limit=None if most is None else ProcessLimit(most),
+                              extra_env=section.sandbox_env)
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None,
                               spares=self._spares, tenants=self._tenants)

@@ -1,0 +1,75 @@
+"""The host's environment variables an operator gives confined sandbox processes besides
+those every one is given (``[runtime] sandbox_env``; the default allowlist is
+:data:`~._sandbox_process.CONFINED_ENV_NAMES` and
+:data:`~._sandbox_process.CONFINED_ENV_PREFIXES`).
+
+A library may read a variable no list foresees (an OpenVINO plug-in's configuration
+path, ``HF_HOME``, a site's ``MY_LICENSE_FILE``): a confined process is not given it,
+and the model behaves otherwise there than in the host's process. The operator names
+such variables, each by an exact name (``HF_HOME``) or a prefix ending in ``*``
+(``HF_*``); a bare ``*``, the host's whole environment, is refused: its keys and tokens
+are what the allowlist keeps from a process that a model may have compromised.
+
+A few variables a confined process is always given values of its own for
+(:data:`OWN_VALUES`): named exactly they are refused; matched by a prefix, the process's
+own value wins.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+#: An entry: a variable's name (as POSIX shells write them), or a prefix ending in ``*``.
+_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+
+#: The variables a confined process is given values of its own for, whatever the host's
+#: (see :class:`~._sandbox_process.SandboxProcess`), and what it is given.
+OWN_VALUES = {
+    "HOME": "its private folder, the one folder it may write in",
+    "TMPDIR": "its private folder, the one folder it may write in",
+    "XDG_CACHE_HOME": "its private folder, the one folder it may write in",
+    "PYTHONPATH": "wasinn's and its backend's folders, not the host's import path",
+}
+
+
+def env_pattern_problem(entry: object) -> str | None:
+    """What is wrong with ``entry`` as one of the variables given to confined processes
+    (a sentence that says what was expected), or None: it is right."""
+    if not isinstance(entry, str):
+        return (f"{entry!r:.60} is not a string: expected an environment variable's name "
+                'such as "HF_HOME", or a prefix ending in * such as "HF_*"')
+    if entry == "*":
+        return ('"*" would give a confined sandbox process the host\'s whole environment, '
+                "its keys and tokens included, which the confinement keeps from a process "
+                "that a model may have compromised: name the variables (or prefixes such "
+                'as "HF_*"), or run a model that needs all of it with sandbox = false (in '
+                "the host's process)")
+    if not _ENTRY.fullmatch(entry):
+        return (f"{entry!r:.60} is not a variable's name: expected letters, digits and _ "
+                "(not a digit first), optionally followed by one * that makes it a prefix "
+                '(such as "HF_*"; * only at the end)')
+    if entry in OWN_VALUES:
+        return (f"a confined sandbox process is always given its own {entry} "
+                f"({OWN_VALUES[entry]}), never the host's: expected another variable")
+    return None
+
+
+def env_patterns(entries: Iterable[str]) -> tuple[str, ...]:
+    """``entries`` as a tuple, each checked (ValueError naming the first that is wrong, see
+    :func:`env_pattern_problem`; TypeError for one string, not a list of them)."""
+    if isinstance(entries, str):
+        raise TypeError(f"extra_env={entries!r:.60}: expected a list of names, not a string")
+    patterns = tuple(entries)
+    for i, entry in enumerate(patterns):
+        problem = env_pattern_problem(entry)
+        if problem is not None:
+            raise ValueError(f"extra_env[{i}]: {problem}")
+    return patterns
+
+
+def given(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether variable ``name`` is one that ``patterns`` name (exactly, or by a prefix
+    ending in ``*``)."""
+    return any(name.startswith(pattern[:-1]) if pattern.endswith("*") else name == pattern
+               for pattern in patterns)

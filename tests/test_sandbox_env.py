@@ -1,0 +1,210 @@
+"""The host's environment variables an operator gives confined sandbox processes
+(``[runtime] sandbox_env``, :mod:`wasinn.backends._sandbox_env`).
+
+A confined process is given only an allowlist of the host's environment, so that one a
+model has compromised cannot hand the host's keys and tokens to a guest; a library that
+reads a variable outside it behaved otherwise in the sandbox than outside, with no way to
+give it the variable. What is checked here, on real processes (their
+``/proc/<pid>/environ``): the variables the setting names, exactly or by a prefix, reach
+the graph's process and the spare the next load takes, and a variable it does not name
+still does not; and a setting that names no variable, or the whole environment, is a
+config error naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import wasinn
+from tests.support import require_backend, sandbox_children
+from wasinn import GraphEncoding, Tensor
+from wasinn.backends import Device, LoadOptions
+from wasinn.backends.registry import BackendRegistry
+from wasinn.backends.sandbox import ProcessLimit, Spares, load_sandboxed
+from wasinn.configs import ConfigError
+from wasinn.configs.loader import load_config, parse_config
+from wasinn.modelgen import affine_onnx
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="Linux's /proc/<pid>/environ")
+
+CPU = Device.parse("cpu")
+ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+#: What the tests give confined processes: a name, and a prefix.
+GIVEN = ["MY_LICENSE_FILE", "HF_*"]
+
+
+def _host_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's variables: two that :data:`GIVEN` names, three that it does not (a
+    secret, a longer name that an exact name is not a prefix of, one that only begins
+    like the prefix without its ``_``)."""
+    monkeypatch.setenv("MY_LICENSE_FILE", "/opt/licenses/site.lic")
+    monkeypatch.setenv("HF_HOME", "/srv/hf-cache")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "host-secret")
+    monkeypatch.setenv("MY_LICENSE_FILE_BACKUP", "/opt/licenses/old.lic")
+    monkeypatch.setenv("HFX_TOKEN", "host-token")
+
+
+def _environ(pid: int | None) -> dict[str, str]:
+    """The environment process ``pid`` was started with."""
+    assert pid is not None, "no process"
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if entry)
+
+
+def _check_given(pid: int | None) -> None:
+    environ = _environ(pid)
+    assert environ["MY_LICENSE_FILE"] == "/opt/licenses/site.lic"
+    assert environ["HF_HOME"] == "/srv/hf-cache"
+    for kept_back in ("AWS_SECRET_ACCESS_KEY", "MY_LICENSE_FILE_BACKUP", "HFX_TOKEN"):
+        assert kept_back not in environ, kept_back
+    assert environ["PATH"] == os.environ["PATH"]  # (the default allowlist, as it was)
+
+
+# -- a runtime's sandboxed models ---------------------------------------------------------
+async def test_a_runtimes_confined_processes_get_the_variables_its_config_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a confined process was given the allowlist alone, whatever the operator
+    # needed its library to see (and [runtime] sandbox_env was an unknown key).
+    require_backend("onnxruntime")
+    _host_env(monkeypatch)
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[runtime]\nsandbox_env = ["MY_LICENSE_FILE", "HF_*"]\n'
+                      '[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\n'
+                      'backends = ["onnxruntime"]\n'
+                      '[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n')
+    async with wasinn.Runtime.from_config(config) as rt:
+        graph = await rt.load_by_name("affine")
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        children = sandbox_children()
+        assert len(children) == 2  # the graph's process and the spare started after it
+        for child in children:
+            _check_given(child.pid)
+    assert sandbox_children() == []
+
+
+async def test_a_runtime_given_no_setting_keeps_its_confined_processes_to_the_allowlist(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    require_backend("onnxruntime")
+    _host_env(monkeypatch)
+    config = parse_config({"pools": {"cpu": {"kind": "cpu", "devices": ["cpu"],
+                                             "backends": ["onnxruntime"]}},
+                           "runtime": {"sandbox_spares": 0}}, None)
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load([affine_onnx()], "onnx", options={"sandbox": True})
+        await graph.compute({"x": np.ones((1, 4), np.float32)})
+        (child,) = sandbox_children()
+        environ = _environ(child.pid)
+        for name in ("MY_LICENSE_FILE", "HF_HOME", "AWS_SECRET_ACCESS_KEY"):
+            assert name not in environ, name
+        assert environ["PATH"] == os.environ["PATH"]
+
+
+# -- the backends' pool of processes ------------------------------------------------------
+def test_the_spare_a_load_takes_was_started_with_the_pools_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The spare is started before the load that takes it: it has the pool's variables,
+    # which the pool knew from its start.
+    require_backend("onnxruntime")
+    _host_env(monkeypatch)
+    backend = BackendRegistry().get("onnxruntime")
+    spares = Spares(1, limit=ProcessLimit(4), extra_env=GIVEN)
+    graphs = []
+    try:
+        graphs.append(load_sandboxed(backend, [affine_onnx(2.0, 1.0)], GraphEncoding.ONNX,
+                                     CPU, LoadOptions(sandbox=True), spares=spares))
+        _check_given(graphs[0].pid)
+        deadline = time.monotonic() + 60
+        while spares.ready() < 1:
+            assert time.monotonic() < deadline, "the spare never imported its library"
+            time.sleep(0.02)
+        started = {child.pid for child in sandbox_children()}
+        graphs.append(load_sandboxed(backend, [affine_onnx(3.0, 0.0)], GraphEncoding.ONNX,
+                                     CPU, LoadOptions(sandbox=True), spares=spares))
+        assert graphs[1].pid in started - {graphs[0].pid}  # the spare
+        _check_given(graphs[1].pid)
+        out = graphs[1].run(ONES)
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+    finally:
+        for graph in graphs:
+            graph.close()
+        spares.close()
+    assert sandbox_children() == []
+
+
+def test_a_prefix_does_not_replace_what_a_confined_process_is_given_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # XDG_CACHE_HOME is the process's private folder, the one it may write in: a prefix
+    # that matches the host's does not give it the host's.
+    require_backend("onnxruntime")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/srv/host-cache")
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/host-data")
+    backend = BackendRegistry().get("onnxruntime")
+    graph = load_sandboxed(backend, [affine_onnx()], GraphEncoding.ONNX, CPU,
+                           LoadOptions(sandbox=True), spares=Spares(0, extra_env=["XDG_*"]))
+    try:
+        environ = _environ(graph.pid)
+        assert environ["XDG_DATA_HOME"] == "/srv/host-data"
+        assert environ["XDG_CACHE_HOME"] == environ["HOME"] != "/srv/host-cache"
+    finally:
+        graph.close()
+
+
+@pytest.mark.parametrize(("extra_env", "error", "expected"), [
+    (["*"], ValueError, r"^extra_env\[0\]: \"\*\" would give a confined sandbox process "
+                        r"the host's whole environment"),
+    (["HF_HOME", "A*B"], ValueError, r"^extra_env\[1\]: 'A\*B' is not a variable's name"),
+    ("HF_HOME", TypeError, r"^extra_env='HF_HOME': expected a list of names, not a string"),
+])
+def test_a_pool_refuses_what_names_no_variable(extra_env: object, error: type[Exception],
+                                               expected: str) -> None:
+    with pytest.raises(error, match=expected):
+        Spares(0, extra_env=extra_env)  # type: ignore[arg-type]
+
+
+# -- the config ---------------------------------------------------------------------------
+def test_the_config_takes_names_and_prefixes() -> None:
+    assert parse_config({}, None).runtime.sandbox_env == []
+    config = parse_config({"runtime": {"sandbox_env": ["HF_HOME", "HF_*", "_x1", "WASINN_*"]}},
+                          None)
+    assert config.runtime.sandbox_env == ["HF_HOME", "HF_*", "_x1", "WASINN_*"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ('["*"]', r"runtime\.sandbox_env\[0\]: \"\*\" would give a confined sandbox process "
+              r"the host's whole environment, its keys and tokens included, .*: name the "
+              r"variables \(or prefixes such as \"HF_\*\"\), or run a model that needs all "
+              r"of it with sandbox = false"),
+    ('["HF_HOME", "HF*_X"]', r"runtime\.sandbox_env\[1\]: 'HF\*_X' is not a variable's "
+                             r"name: expected letters, digits and _ \(not a digit first\), "
+                             r"optionally followed by one \*"),
+    ('["HF_**"]', r"runtime\.sandbox_env\[0\]: 'HF_\*\*' is not a variable's name"),
+    ('["MY-LICENSE"]', r"runtime\.sandbox_env\[0\]: 'MY-LICENSE' is not a variable's name"),
+    ('["1ST"]', r"runtime\.sandbox_env\[0\]: '1ST' is not a variable's name"),
+    ('[""]', r"runtime\.sandbox_env\[0\]: '' is not a variable's name"),
+    ("[1]", r"runtime\.sandbox_env\[0\]: 1 is not a string: expected an environment "
+            r"variable's name"),
+    ('"HF_HOME"', r"runtime\.sandbox_env: 'HF_HOME': expected a list of the host's "
+                  r"environment variables to give confined sandbox processes"),
+    ("{ HF_HOME = true }", r"runtime\.sandbox_env: \{'HF_HOME': True\}: expected a list"),
+    ('["TMPDIR"]', r"runtime\.sandbox_env\[0\]: a confined sandbox process is always given "
+                   r"its own TMPDIR \(its private folder, the one folder it may write in\), "
+                   r"never the host's: expected another variable"),
+    ('["PYTHONPATH"]', r"runtime\.sandbox_env\[0\]: a confined sandbox process is always "
+                       r"given its own PYTHONPATH"),
+])
+def test_the_config_refuses_what_names_no_variable(tmp_path: Path, value: str,
+                                                   expected: str) -> None:
+    path = tmp_path / "wasinn.toml"
+    path.write_text(f"[runtime]\nsandbox_env = {value}\n")
+    with pytest.raises(ConfigError, match=expected) as raised:
+        load_config(path)
+    assert str(raised.value).startswith(f"{path}: runtime.sandbox_env")
