@@ -326,6 +326,13 @@ class DeviceActor(DeviceRequests):
         return self._threads
 
     @property
+    def context(self) -> DeviceContext | None:
+        """The device context its jobs run under (a CUDA stream, the lost-device watch),
+        None before the actor has started or after it has stopped (for diagnostics and
+        benchmarks: :meth:`DeviceContext.wrap` makes a call run as the actor's jobs do)."""
+        return self._context
+
+    @property
     def compiler(self) -> WorkerThreads:
         """The compile threads, where compiles and warm-ups run (for diagnostics and
         tests)."""

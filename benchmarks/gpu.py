@@ -15,8 +15,12 @@ ONNX Runtime without its CUDA provider, a CPU build of torch):
    provider copying in and out, the call wasinn makes); wasinn's backend layer
    (``CompiledGraph.run``); the scheduler from trio (``await ctx.compute``: the device's
    worker thread); the scheduler from a thread of the caller's own
-   (``ctx.compute_in_caller_thread``: a guest's path). Ratios are to the native call on
-   a host input (like for like).
+   (``ctx.compute_in_caller_thread``: a guest's path). Between the backend layer and
+   the scheduler, the backend layer's call again from a thread of our own, and (on a GPU)
+   under the actor's device context (its stream, entered and synchronized around each
+   job) in trio's thread and in one of our own: what a thread change costs, what the
+   device context costs, and so what the scheduler itself adds. Ratios are to the
+   native call on a host input (like for like).
 2. A two-step pipeline on the device (``scale``, y = x * 0.5, then the network, as
    ``pipeline.py`` runs it on the CPU) through the scheduler, against the same two steps
    run natively with the intermediate kept on the device (a torch tensor; an
@@ -67,7 +71,7 @@ import numpy as np
 import trio
 
 import wasinn
-from wasinn.actors.devicectx import torch_sees
+from wasinn.actors.devicectx import DeviceContext, torch_sees
 from wasinn.backends import BackendRegistry, Device
 from wasinn.backends.cuda import device_count as driver_device_count
 from wasinn.configs.loader import parse_config
@@ -462,6 +466,23 @@ def native_ways(backend: str, compiled: Any, x: np.ndarray[Any, Any], device: De
     return ways
 
 
+def context_ways(actor: Any, compiled: Any, tensors: dict[str, wasinn.Tensor]) -> list[Way]:
+    """The backend layer's call as the scheduler's paths make it, less the scheduler: in a
+    thread of our own (what a thread change alone costs), and also under the actor's
+    device context (its CUDA stream, entered around each job and synchronized at its end,
+    and the watch for lost devices), in trio's thread and in one of our own. Where the
+    scheduler's rows differ from the backend layer's, these say how much of it is the
+    thread, how much the device context and how much the scheduler itself."""
+    run = functools.partial(compiled.run, tensors)
+    ways = [Way("backend layer, a thread of our own", run, "thread")]
+    context = actor.context
+    if context is not None and type(context).wrap is not DeviceContext.wrap:
+        wrapped = context.wrap(run)
+        ways += [Way("backend layer, device context", wrapped),
+                 Way("  the same, a thread of our own", wrapped, "thread")]
+    return ways
+
+
 async def latency(bench: Bench, backend: str, batch: int) -> None:
     x = sample_image(0, batch)
     async with wasinn.Runtime(parse_config({"pools": bench.pools(backend)}, None)) as rt:
@@ -475,6 +496,7 @@ async def latency(bench: Bench, backend: str, batch: int) -> None:
         ways = [
             *native_ways(backend, compiled, x, bench.device),
             Way("wasinn backend layer", functools.partial(compiled.run, tensors)),
+            *context_ways(actor, compiled, tensors),
             Way("scheduler, worker thread",
                 functools.partial(ctx.compute, {0: x}, keep_on_device=False), "await"),
             Way("scheduler, caller's thread",

@@ -40,11 +40,14 @@ async def actor() -> AsyncIterator[DeviceActor]:
 async def test_actor_reports_ready_only_after_start() -> None:
     actor = DeviceActor(CPU, workers=2)
     assert not actor.ready
+    assert actor.context is None
     async with trio.open_nursery() as nursery:
         assert await nursery.start(actor.serve) is actor
         assert actor.ready
+        assert actor.context is not None and actor.context.device == CPU
         nursery.cancel_scope.cancel()
     assert not actor.ready
+    assert actor.context is None  # closed with the actor
 
 
 async def test_jobs_run_in_worker_threads_and_the_loop_keeps_running(
