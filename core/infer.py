@@ -479,18 +479,30 @@ async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
 
 def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
     """One line: type, shape, range and the ``top`` largest values along the last axis
-    (of its first row)."""
+    (of its first row). The range and the mean are of the finite values, the NaNs and
+    infinities counted apart (one NaN would make them all NaN); NaN ranks last among the
+    largest values, an infinity where its sign puts it."""
     array = tensor.numpy()
     dims = ", ".join(map(str, tensor.dims))
     line = f"{name}: {tensor.type.value}[{dims}]"
     if array.size == 0:
         return line + " (empty)"
     values = array.astype(np.float64)
-    line += (f" min {values.min():.6g} max {values.max():.6g} "
-             f"mean {values.mean():.6g}")
+    finite = values[np.isfinite(values)]
+    if finite.size:
+        line += (f" min {finite.min():.6g} max {finite.max():.6g} "
+                 f"mean {finite.mean():.6g}")
+    nans = int(np.isnan(values).sum())
+    infinite = values.size - finite.size - nans
+    apart = [f"{count} {what}" for count, what in ((nans, "NaN"), (infinite, "infinite"))
+             if count]
+    if apart:
+        line += (" (" if finite.size else " (no finite value: ") + ", ".join(apart) + ")"
     row = values.reshape(-1, values.shape[-1])[0] if values.ndim else values.reshape(1)
     if row.size > 1:
-        best = np.argsort(row, kind="stable")[::-1][:top]
+        order = np.lexsort((-np.arange(row.size), np.where(np.isnan(row), -np.inf, row),
+                            ~np.isnan(row)))
+        best = order[::-1][:top]
         line += "; largest along the last axis: " + ", ".join(
             f"[{i}] {row[i]:.6g}" for i in best)
     return line

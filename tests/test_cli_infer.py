@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import types
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -314,6 +315,19 @@ def test_an_output_line_tells_type_shape_range_and_largest_values() -> None:
                     "[1] 2, [0] 0.5, [2] -1")
     assert describe_output("e", Tensor.from_numpy(np.zeros((0, 3), np.float32))) == (
         "e: f32[0, 3] (empty)")
+
+
+def test_an_output_line_counts_nan_and_infinities_apart_from_the_range() -> None:
+    # Before: one NaN made the range "min nan max nan mean nan" and ranked first among
+    # the largest values; an infinity gave a numpy RuntimeWarning on stderr.
+    values = np.array([[1.0, np.nan, np.inf, 3.0, -np.inf, 2.0]], np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        line = describe_output("y", Tensor.from_numpy(values))
+    assert line == ("y: f64[1, 6] min 1 max 3 mean 2 (1 NaN, 2 infinite); largest along "
+                    "the last axis: [2] inf, [3] 3, [5] 2, [0] 1, [4] -inf")
+    assert describe_output("n", Tensor.from_numpy(np.full((1, 2), np.nan, np.float32))) == (
+        "n: f32[1, 2] (no finite value: 2 NaN); largest along the last axis: [0] nan, [1] nan")
 
 
 def test_models_lists_what_the_command_line_registers(
