@@ -158,6 +158,25 @@ def test_optimization_can_be_turned_off(backend: Any, small_mobilenet: ModelFile
     assert np.abs(a - b).max() <= 1e-4
 
 
+def test_without_optimization_the_outputs_are_the_librarys_own_bit_for_bit(
+        backend: Any, small_mobilenet: ModelFiles) -> None:
+    # What the README promises for options = { optimize = false }: the model as saved,
+    # the numbers torch.jit.load(f)(x) gives (with optimize on, BatchNorm folding and
+    # oneDNN rewrites change the last bits).
+    import io
+
+    import torch
+
+    data = small_mobilenet.torchscript.read_bytes()
+    image = sample_image()
+    plain = backend.load([data], PT, CPU, LoadOptions(extra={"optimize": False}))
+    got = plain.run({"x": Tensor.from_numpy(image)})["output"].numpy()
+    module = torch.jit.load(io.BytesIO(data), map_location="cpu").eval()
+    with torch.inference_mode():
+        expected = module(torch.from_numpy(image)).numpy()
+    np.testing.assert_array_equal(got, expected)
+
+
 @pytest.mark.parametrize("optimize", [True, False])
 def test_torchscript_stop_checks_change_no_output_and_call_no_new_operator(
         backend: Any, small_mobilenet: ModelFiles, optimize: bool) -> None:
