@@ -16,18 +16,19 @@ thread and the threads it starts later only:
 * ``landlock`` (Linux 5.13 and later, where enabled): the file system is read-only in
   the Python installation, the directories on ``sys.path`` (a sandbox process is given
   only its backend's and wasinn's own folders, not the host's working directory or
-  script folder: see :mod:`._sandbox_process`) and the system's libraries, and
-  writable only in the child's own temporary directory; nothing may be executed; where
-  the kernel can, TCP, abstract Unix sockets and signals to processes outside the
-  sandbox are refused too (and so are ``ptrace`` and ``/proc/<pid>/mem`` of the host);
-  of ``/proc`` only the process's own folder and the CPU and memory files are readable
-  (:data:`SYSTEM_READ`), not the host's environment, command line or open files. A
-  GPU graph's process (``gpu=True``) may also read, write and send ioctls to the GPUs'
-  device files that exist (:func:`gpu_device_files`: NVIDIA's, which the CUDA driver
-  opens, but for the MIG configuration's and monitor's, and ``/dev/dri``'s render nodes,
-  OpenCL's), read what their drivers read in ``/proc`` and ``/etc``
-  (:data:`GPU_READ`) and name its own threads (their ``/proc`` ``comm`` files, which the
-  CUDA driver writes); a CPU graph's gets none of it.
+  script folder: see :mod:`._sandbox_process`), the system's libraries and what the
+  caller names (a sandbox process: the folders and files of ``[runtime] sandbox_read``,
+  see :mod:`._sandbox_read`), and writable only in the child's own temporary directory;
+  nothing may be executed; where the kernel can, TCP, abstract Unix sockets and signals
+  to processes outside the sandbox are refused too (and so are ``ptrace`` and
+  ``/proc/<pid>/mem`` of the host); of ``/proc`` only the process's own folder and the
+  CPU and memory files are readable (:data:`SYSTEM_READ`), not the host's environment,
+  command line or open files. A GPU graph's process (``gpu=True``) may also read, write
+  and send ioctls to the GPUs' device files that exist (:func:`gpu_device_files`:
+  NVIDIA's, which the CUDA driver opens, but for the MIG configuration's and monitor's,
+  and ``/dev/dri``'s render nodes, OpenCL's), read what their drivers read in ``/proc``
+  and ``/etc`` (:data:`GPU_READ`) and name its own threads (their ``/proc`` ``comm``
+  files, which the CUDA driver writes); a CPU graph's gets none of it.
 * ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
   (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
   these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
@@ -266,7 +267,9 @@ def confine(fsize: int, writable: str, readable: Iterable[str] = (),
 def lock_down(writable: str, readable: Iterable[str] = (), *, gpu: bool = False) -> Report:
     """Confine this process but for its resource limits (see the module's docstring);
     never raises. ``writable``: the one directory it may write in. ``readable``:
-    directories it may read besides the defaults. ``gpu``: it may use the GPUs' device
+    directories (everything below each) and files it may read besides the defaults,
+    read only (its files read, its folders listed: nothing written, made, removed or
+    executed there); those not there are left out. ``gpu``: it may use the GPUs' device
     files (a GPU graph's process). Call it before the process starts a thread: landlock
     binds the calling thread and those it starts later only (one started before is named
     in the report's failures)."""
@@ -564,7 +567,13 @@ def _readable(extra: Iterable[str]) -> list[str]:
 
 
 def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    """Let the process reach ``path`` with ``access``. A path removed since it was listed
+    (a folder an operator lets it read, a device file) is left out rather than failing
+    the whole lock-down: a rule left out only takes access away."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return
     try:
         if not os.path.isdir(path):  # a file takes only the rights that apply to files
             access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE \

@@ -37,11 +37,13 @@ from ._sandbox_child import (
     CODE_FOLDERS,
     CONFINE_MODULE,
     GPU,
+    READ_PATHS,
     READY,
     SPARE_START,
 )
 from ._sandbox_env import given
 from ._sandbox_limit import Slot
+from ._sandbox_read import readable_now
 from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
 from .base import BackendRef
 
@@ -93,8 +95,8 @@ def _confined_env(extra: tuple[str, ...] = ()) -> dict[str, str]:
             or key.startswith(CONFINED_ENV_PREFIXES) or given(key, extra)}
 
 
-def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...] = ()
-               ) -> dict[str, str]:
+def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...] = (),
+               read: tuple[str, ...] = ()) -> dict[str, str]:
     """The environment of a process for ``backend``: of the host's, for a ``confined`` one
     only what :func:`_confined_env` keeps, the variables ``extra`` names included (not
     the host's secrets, its keys and tokens: a compromised child could hand them to the
@@ -105,12 +107,16 @@ def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...
     that module, a plug-in's too, as the host would, whether or not the host has
     imported it). Not the rest of the host's ``sys.path``: a confined child may read the
     folders on its path, and the host's holds its working directory or its script's
-    folder (a home directory, with its keys)."""
+    folder (a home directory, with its keys). A confined one is also told the paths of
+    ``read`` it may read (:data:`~._sandbox_child.READ_PATHS`: those there now, resolved,
+    see :func:`._sandbox_read.readable_now`), never the host's own value of that
+    variable."""
     env = _confined_env(extra) if confined else dict(os.environ)
     tops = [_top_folder(backend.module), _top_folder("wasinn")]
     env["PYTHONPATH"] = os.pathsep.join(str(top) for top in tops if top is not None)
     env[CONFINE_MODULE] = str(Path(_confine.__file__).resolve())
     env[CODE_FOLDERS] = os.pathsep.join(_code_folders(tops))
+    env[READ_PATHS] = os.pathsep.join(readable_now(read)) if confined else ""
     if _blas_unused(backend):
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
@@ -195,7 +201,10 @@ class SandboxProcess:
     (:class:`~._sandbox_limit.ProcessLimit`), freed when it has ended (or could not be
     started). ``extra_env``: the host's environment variables a confined process is given
     besides the default ones (names, and prefixes ending in ``*``, checked already: see
-    :mod:`._sandbox_env`); one not confined is given all of them.
+    :mod:`._sandbox_env`); one not confined is given all of them. ``extra_read``: the
+    folders and files a confined process may read besides the default ones (absolute
+    paths, checked already: see :mod:`._sandbox_read`; those not there as it starts are
+    left out); one not confined may read anything its user may.
 
     Raises BackendRuntimeError, naming what could not be made (the shared memory, the
     sockets, the private folder, the process), when it cannot be started: then whatever
@@ -204,7 +213,7 @@ class SandboxProcess:
 
     def __init__(self, backend: BackendRef, confined: bool, *, gpu: bool = False,
                  spare: bool = False, slot: Slot | None = None,
-                 extra_env: tuple[str, ...] = ()) -> None:
+                 extra_env: tuple[str, ...] = (), extra_read: tuple[str, ...] = ()) -> None:
         self._slot = slot
         self._name = backend.name
         self._confine_dir: PrivateDir | None = None
@@ -225,7 +234,7 @@ class SandboxProcess:
             command = [sys.executable, *start, str(theirs.fileno()),
                        str(their_cancels.fileno()), str(self.arena.fd), backend.entry]
             step = "prepare the environment of a sandbox process"
-            env = _child_env(backend, confined, extra_env)
+            env = _child_env(backend, confined, extra_env, extra_read)
             if confined:
                 step = "make the private folder of a sandbox process"
                 # (named after this process: a later one removes it should this one

@@ -22,7 +22,10 @@ is replaced when it is taken. Spares are started with the environment of the loa
 A pool's processes, spares included, are given the environment variables the pool is
 given (``extra_env``: the runtime's ``[runtime] sandbox_env``) besides the default ones
 where they are confined: known as the pool is made, before its first process starts, so
-no process started with other variables is ever handed out by it.
+no process started with other variables is ever handed out by it. So are the folders and
+files they may read besides the default ones (``extra_read``: ``[runtime]
+sandbox_read``), each resolved as a process starts (a spare: when it is started, ahead of
+its load), one not there then left out (see :mod:`._sandbox_read`).
 
 The pool also holds the host's bound on sandbox processes (:class:`~._sandbox_limit.
 ProcessLimit`; by default the process-wide one, :func:`~._sandbox_limit.host_limit`),
@@ -42,6 +45,7 @@ from collections.abc import Iterable
 from ._sandbox_env import env_patterns
 from ._sandbox_limit import ProcessLimit, host_limit
 from ._sandbox_process import SandboxProcess
+from ._sandbox_read import read_paths
 from .base import BackendRef
 
 log = logging.getLogger("wasinn.backends")
@@ -57,15 +61,20 @@ class Spares:
     Python process shares, :func:`~._sandbox_limit.host_limit`). ``extra_env``: the
     host's environment variables its confined processes are given besides the default
     ones, each a name or a prefix ending in ``*`` (ValueError for one that is neither,
-    or ``*`` alone: see :mod:`._sandbox_env`)."""
+    or ``*`` alone: see :mod:`._sandbox_env`). ``extra_read``: the folders and files its
+    confined processes may read besides the default ones, each an absolute path
+    (ValueError for a relative one, ``/``, or a folder that holds the system temporary
+    folder: see :mod:`._sandbox_read`; one not there is left out while it is missing)."""
 
     def __init__(self, keep: int = 1, *, limit: ProcessLimit | None = None,
-                 extra_env: Iterable[str] = ()) -> None:
+                 extra_env: Iterable[str] = (), extra_read: Iterable[str] = ()) -> None:
         if not 0 <= keep <= MAX_SPARES:
             raise ValueError(f"keep={keep}: expected 0 to {MAX_SPARES}")
         self.keep = keep
         #: The host's variables its confined processes are given besides the default ones.
         self.extra_env = env_patterns(extra_env)
+        #: The paths its confined processes may read besides the default ones.
+        self.extra_read = read_paths(extra_read)
         #: The bound on the host's sandbox processes, these spares included.
         self.limit = host_limit() if limit is None else limit
         self._lock = threading.Lock()
@@ -88,7 +97,8 @@ class Spares:
             return taken
         slot = self.limit.admit(backend.name) if make_room else self.limit.try_admit()
         return None if slot is None else SandboxProcess(backend, confined, gpu=gpu, slot=slot,
-                                                        extra_env=self.extra_env)
+                                                        extra_env=self.extra_env,
+                                                        extra_read=self.extra_read)
 
     def _ready_spare(self, key: tuple[str, bool, bool]) -> SandboxProcess | None:
         """A waiting spare of ``key`` that has imported its library, taken from the pool
@@ -128,7 +138,7 @@ class Spares:
                 return
             try:
                 spare = SandboxProcess(backend, confined, gpu=gpu, spare=True, slot=slot,
-                                       extra_env=self.extra_env)
+                                       extra_env=self.extra_env, extra_read=self.extra_read)
             except Exception as exc:  # (BackendRuntimeError, naming what failed)
                 slot.free()  # (freed already where the process was tried: idempotent)
                 log.warning("no spare sandbox process started for %s: %s", key[0], exc)

@@ -71,7 +71,9 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   started ahead, so that a load or a reload after a crash takes one that has already
   imported its library. The confined processes it gives out, spares or new, are given
   the host's environment variables its ``extra_env`` names (the runtime's ``[runtime]
-  sandbox_env``, see :mod:`._sandbox_env`) besides the default ones. Every process,
+  sandbox_env``, see :mod:`._sandbox_env`) besides the default ones, and may read the
+  folders and files its ``extra_read`` names (``[runtime] sandbox_read``, see
+  :mod:`._sandbox_read`) besides the default ones. Every process,
   spares included, counts towards the host's bound (:class:`ProcessLimit`: the runtime's
   ``[runtime] max_sandbox_processes``, else the one this Python process shares,
   :func:`host_limit`, which also bounds the loads given no ``spares``): at it, a start
@@ -119,6 +121,7 @@ from ._sandbox_errors import child_error, lost_context
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_pool import GraphProcesses, close_idle
 from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
+from ._sandbox_read import read_path_problem
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_specs import read_specs, reserve
 from ._sandbox_wire import ALIGN, DeclaredOutputs, Expected
@@ -137,7 +140,7 @@ log = logging.getLogger("wasinn.backends")
 
 __all__ = ["CANCEL_GRACE_S", "MAX_SPARES", "MIN_MAX_BYTES", "ProcessLimit", "SandboxedGraph",
            "Spares", "default_max_bytes", "default_max_processes", "env_pattern_problem",
-           "host_limit", "load_sandboxed"]
+           "host_limit", "load_sandboxed", "read_path_problem"]
 
 #: The least ``max_sandbox_bytes`` the configuration accepts (a process holds about
 #: 0.3-0.6 GB once Python and a library are imported: the child checks what it holds).

@@ -1,7 +1,7 @@
 """The value types of config keys: each a pydantic annotation that checks one kind of
 value (a target, an encoding, a device, a precision, a tensor element type, a model file,
 a name, a sandbox setting, a backend preference order, the environment variables given
-to confined sandbox processes), and :func:`fault`, the error that
+to confined sandbox processes and the paths they may read), and :func:`fault`, the error that
 names the key. The tables that use them are :mod:`wasinn.configs.schema`'s."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import AfterValidator, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from wasinn.backends.base import Device, sandbox_setting
-from wasinn.backends.sandbox import env_pattern_problem
+from wasinn.backends.sandbox import env_pattern_problem, read_path_problem
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
 from wasinn.errors import InvalidArgumentError
 
@@ -126,6 +126,21 @@ def _env_list(entries: object) -> list[str]:
     return entries
 
 
+def _read_list(entries: object) -> list[str]:
+    # As _env_list: each entry checked here, with one message whatever is wrong with it;
+    # a path must be there as the config is read (a typo is found then, not as each
+    # sandbox process starts without it).
+    if not isinstance(entries, list):
+        raise fault("", f"{entries!r:.60}: expected a list of the absolute paths of folders "
+                        "and files confined sandbox processes may read, such as "
+                        '["/srv/hf-cache", "/opt/licenses/site.lic"]')
+    for i, entry in enumerate(entries):
+        problem = read_path_problem(entry)
+        if problem is not None:
+            raise fault(f"[{i}]", problem)
+    return entries
+
+
 TargetName = Annotated[str, AfterValidator(_target)]
 EncodingName = Annotated[str, AfterValidator(_encoding)]
 #: A tensor element type as wasinn names them (f32, i64, ...), any case.
@@ -141,3 +156,6 @@ Backends = Annotated[list[str], AfterValidator(_once_each)]
 #: The host's environment variables given to confined sandbox processes besides the
 #: default ones: names, and prefixes ending in ``*`` (see wasinn.backends._sandbox_env).
 SandboxEnv = Annotated[list[str], PlainValidator(_env_list)]
+#: The folders and files confined sandbox processes may read besides the default ones:
+#: absolute paths, there as the config is read (see wasinn.backends._sandbox_read).
+SandboxRead = Annotated[list[str], PlainValidator(_read_list)]

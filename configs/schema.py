@@ -95,6 +95,7 @@ from ._values import (
     PrecisionName,
     Sandbox,
     SandboxEnv,
+    SandboxRead,
     TargetName,
     TensorTypeName,
     fault,
@@ -131,6 +132,14 @@ class RuntimeSection(_Strict):
     #: ("HF_HOME") or a prefix ending in * ("HF_*"); "*" alone is refused (see
     #: wasinn.backends._sandbox_env).
     sandbox_env: SandboxEnv = Field(default_factory=list)
+    #: The host's folders (everything below each) and files a confined sandbox process may
+    #: read besides the default ones (wasinn's and its backend's folders, the Python
+    #: installation, the system's libraries), never write: each an absolute path, there
+    #: as the config is read (relative paths are refused: unlike model files, these name
+    #: the host's folders, not the config's); "/" and a folder that holds the system
+    #: temporary folder are refused (see wasinn.backends._sandbox_read). Changes nothing
+    #: where the kernel has no Landlock (reads are not restricted there).
+    sandbox_read: SandboxRead = Field(default_factory=list)
 
 
 class PoolConfig(_Strict):

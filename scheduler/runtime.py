@@ -162,7 +162,8 @@ class Runtime(ModelLoading):
         most = section.max_sandbox_processes
         self._spares = Spares(section.sandbox_spares,
                               limit=None if most is None else ProcessLimit(most),
-                              extra_env=section.sandbox_env)
+                              extra_env=section.sandbox_env,
+                              extra_read=section.sandbox_read)
         scheduler = Scheduler(actors, registries,
                               fallback=ExecutionTarget.coerce(fallback) if fallback else None,
                               spares=self._spares, tenants=self._tenants)
