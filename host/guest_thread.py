@@ -62,6 +62,7 @@ from typing import Any, TypeVar, cast
 import outcome
 import trio
 
+from wasinn._groups import collapsed_groups
 from wasinn.errors import ClosedResourceError
 
 log = logging.getLogger("wasinn.host")
@@ -194,7 +195,9 @@ class GuestRun:
         Cancellation stops the guest (:meth:`stop`) and waits for its thread at most
         :data:`STOP_GRACE_S` seconds (shielded); then, ended or abandoned, Cancelled is
         raised. A :meth:`stop` from within (no cancellation) waits as long, then returns
-        None if it abandoned the thread.
+        None if it abandoned the thread. A KeyboardInterrupt that trio delivers meanwhile
+        stops the guest the same way and is raised as itself, never in an exception
+        group (:mod:`wasinn._groups`).
         """
         await trio.lowlevel.checkpoint_if_cancelled()  # (no thread for a cancelled caller)
         result: outcome.Outcome[T] | None = None
@@ -231,9 +234,10 @@ class GuestRun:
                     with trio.CancelScope(shield=True):
                         await ended.wait()  # at once once abandoned (or just ended)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(thread)
-            nursery.start_soon(watch)
+        with collapsed_groups():  # (a Ctrl-C meanwhile reaches the caller as itself)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(thread)
+                nursery.start_soon(watch)
         return result
 
     def _work(self, fn: Callable[..., T], args: tuple[Any, ...]) -> outcome.Outcome[T]:

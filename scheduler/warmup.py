@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
+from wasinn._groups import collapsed_groups
 from wasinn._memory import available_memory
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import TensorType
@@ -200,7 +201,9 @@ async def preload(registry: NameRegistry, scheduler: Scheduler,
     """Load every name in ``plan`` through ``registry``,
     compile it on every device of its target and warm it up there (see the module).
 
-    Raises the first failure in ``plan``'s order, retyped with the name in its message.
+    Raises the first failure in ``plan``'s order, retyped with the name in its message;
+    anything else (a KeyboardInterrupt meanwhile) as itself, not in an exception group,
+    unless two such came together (:mod:`wasinn._groups`).
     """
     failures: dict[str, WasiNNError] = {}
 
@@ -210,9 +213,10 @@ async def preload(registry: NameRegistry, scheduler: Scheduler,
         except WasiNNError as exc:
             failures[name] = exc
 
-    async with trio.open_nursery() as nursery:
-        for name, warm in plan.items():
-            nursery.start_soon(prepare, name, warm)
+    with collapsed_groups():  # (a Ctrl-C meanwhile, or a bug's error, as itself)
+        async with trio.open_nursery() as nursery:
+            for name, warm in plan.items():
+                nursery.start_soon(prepare, name, warm)
     failed = [(name, failures[name]) for name in plan if name in failures]
     if not failed:
         return

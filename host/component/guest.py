@@ -41,6 +41,7 @@ import trio
 import wasmtime
 import wasmtime.component as wc
 
+from wasinn._groups import collapsed_groups
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component import fastlist, hostcall_fuel
 from wasinn.host.component.linking import nn_linker
@@ -319,13 +320,14 @@ class ComponentGuest:
                 await trio.sleep(SCRATCH_POLL_SECONDS)
 
         try:
-            async with trio.open_nursery() as nursery:
-                if scratch is not None:
-                    nursery.start_soon(watch_scratch, scratch)
-                try:
-                    result = await run.run(fn, *args)
-                finally:
-                    nursery.cancel_scope.cancel()
+            with collapsed_groups():  # (a Ctrl-C meanwhile reaches the caller as itself)
+                async with trio.open_nursery() as nursery:
+                    if scratch is not None:
+                        nursery.start_soon(watch_scratch, scratch)
+                    try:
+                        result = await run.run(fn, *args)
+                    finally:
+                        nursery.cancel_scope.cancel()
         finally:
             if run.abandoned:
                 # Its thread goes on with the store: this guest can never be entered again.
