@@ -21,7 +21,9 @@ trap prints its message and exits with 134; an error before the guest starts pri
 whose stdout's reader has gone (``wasinn devices | head -1``) stops quietly with 141, the
 shell's status for a process that SIGPIPE ended. Ctrl-C stops a command with 130, and
 SIGTERM (what systemd, ``docker stop`` and Kubernetes send) the same way with 143: the
-guest is stopped and every model, sandbox process and private folder released.
+guest is stopped and every model, sandbox process and private folder released; a second
+such signal exits at once. A load test (``infer --requests N``) so stopped prints what it
+measured until then.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from wasinn._cli_parser import METRICS_ADDR, build_parser
 from wasinn.errors import InvalidArgumentError, UnsupportedOperationError, WasiNNError
@@ -43,8 +45,10 @@ from wasinn.errors import InvalidArgumentError, UnsupportedOperationError, WasiN
 if TYPE_CHECKING:
     import trio
 
+    from wasinn.actors.stats import DeviceStats
     from wasinn.configs.schema import RuntimeConfig
     from wasinn.host.preload import Preload
+    from wasinn.infer import InferReport
     from wasinn.scheduler import Runtime
 
 log = logging.getLogger("wasinn.cli")
@@ -291,12 +295,17 @@ async def _guest_stopped() -> AsyncIterator[_Stop]:
 
 async def _terminable(command: Callable[[argparse.Namespace], Awaitable[int]],
                       args: argparse.Namespace) -> int:
-    """``command(args)``, stopped by SIGTERM as by Ctrl-C (see :func:`_stopped_by`): its
-    status, or :data:`EXIT_TERMINATED` once SIGTERM stopped it."""
-    status = EXIT_TERMINATED
-    async with _stopped_by(signal.SIGTERM):
-        status = await command(args)
-    return status
+    """``command(args)``, stopped by Ctrl-C or SIGTERM (see :func:`_stopped_by`): its
+    status, or the signal's (:data:`EXIT_INTERRUPTED`, :data:`EXIT_TERMINATED`) once one
+    stopped it. ``run`` is stopped so by SIGTERM alone: its guest has a scope of its own
+    for both (:func:`_guest_stopped`), and a Ctrl-C before or after the guest reaches it
+    as a KeyboardInterrupt (130 all the same). After a guest that Ctrl-C stopped, a
+    second one so interrupts the runtime's close, where it would be the first that this
+    scope sees, which merely cancels it."""
+    signums = (signal.SIGTERM,) if command is _run else (signal.SIGINT, signal.SIGTERM)
+    async with _stopped_by(*signums) as stop:
+        return await command(args)
+    return stop.status
 
 
 def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:
@@ -371,7 +380,7 @@ async def _serving_metrics(rt: Runtime, port: int | None, addr: str | None
 
 async def _infer(args: argparse.Namespace) -> int:
     from wasinn._save import check_save_path, goes_to_stdout, save_outputs
-    from wasinn.infer import Load, describe_output, infer, read_inputs
+    from wasinn.infer import Load, LoadTally, describe_output, infer, read_inputs
     from wasinn.scheduler import Runtime
 
     load: Load = args.load
@@ -384,22 +393,40 @@ async def _infer(args: argparse.Namespace) -> int:
         check_save_path(Path(args.save))
         if goes_to_stdout(Path(args.save)):
             lines_to = sys.stderr
-    async with Runtime(_registry_config(args)) as rt:
+    tally = LoadTally()
+    # Stopped here, not in _terminable's scope, to print what a load test measured. Its
+    # graph's unload is cancelled: only the runtime's close waits for a run that ignores
+    # cancellation (close_timeout), and a second signal exits at once.
+    async with (_stopped_by(signal.SIGINT, signal.SIGTERM) as stop,
+                Runtime(_registry_config(args)) as rt):
         report = await infer(rt, args.name, given, zeros=args.zeros, shapes=shapes,
-                             target=args.target, load=load)
+                             target=args.target, load=load, tally=tally)
         stats = rt.stats()
+    if stop.stopped:
+        if load.requests > 1:  # (no outputs printed nor saved: the run did not end)
+            print(f"stopped by {stop.name} after {tally.completed} of {load.requests} "
+                  "requests", file=lines_to)
+            if tally.completed:
+                _print_load(tally.report(), rt.stats(), lines_to)
+        return stop.status
     for name, tensor in report.outputs.items():
         print(describe_output(name, tensor), file=lines_to)
     if load.requests > 1:
-        print(report.describe_load(), file=lines_to)
-        print(report.model.describe(), file=lines_to)
-        for device in stats:
-            if device.finished:
-                print(device.describe(), file=lines_to)
+        _print_load(report, stats, lines_to)
     if args.save:
         save_outputs(Path(args.save), report.outputs)
         print(f"outputs written to {args.save}", file=lines_to)
     return 0
+
+
+def _print_load(report: InferReport, stats: Sequence[DeviceStats], to: TextIO) -> None:
+    # A load test's figures: the callers' rate and latencies, the model's stats and
+    # those of each device that finished requests.
+    print(report.describe_load(), file=to)
+    print(report.model.describe(), file=to)
+    for device in stats:
+        if device.finished:
+            print(device.describe(), file=to)
 
 
 async def _devices(args: argparse.Namespace) -> int:

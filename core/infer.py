@@ -26,7 +26,9 @@ device's stats (time queued and time running apart). The outputs of the last req
 are printed (type, shape, range and, along the last axis, the five largest values) and,
 with ``--save``, written to a numpy archive (see :mod:`wasinn._save`). Where the archive
 goes to stdout (``--save /dev/stdout``), every line is printed to stderr instead, so that
-stdout's reader gets the archive alone.
+stdout's reader gets the archive alone. A load test stopped by Ctrl-C or SIGTERM prints
+``stopped by Ctrl-C after K of N requests`` and the same figures for the K requests
+completed (no outputs: none is the last), and exits with 130 (143).
 
 bf16 has no type in numpy's file format: numpy saves an ``ml_dtypes.bfloat16`` array as
 2-byte raw values (``|V2``). ``--input`` reads such values as bf16 where the model's input
@@ -51,6 +53,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 import trio
 
+from wasinn._groups import collapsed_groups
 from wasinn._memory import available_memory
 from wasinn._save import RAW_2_BYTES
 from wasinn.enums import TensorType
@@ -395,17 +398,76 @@ def _described(specs: Sequence[TensorSpec]) -> str:
 async def infer(rt: Runtime, name: str, given: Mapping[str, np.ndarray[Any, Any]], *,
                 zeros: bool = False,
                 shapes: Mapping[str, ZeroInput | tuple[int, ...]] | None = None,
-                target: str | None = None, load: Load | None = None) -> InferReport:
+                target: str | None = None, load: Load | None = None,
+                tally: LoadTally | None = None) -> InferReport:
     """Run ``name`` as the module docstring says; the outputs of the last request and
-    the callers' latencies."""
+    the callers' latencies. ``tally`` (a fresh one), where given, is filled in as the
+    requests complete: where ``infer`` is cancelled (a load test stopped by Ctrl-C) or
+    fails, what it had measured until then stays there. Cancelled, the requests running
+    are cancelled and the graph's unload too (a cancelled unload has still unloaded)."""
     load = load or Load()
+    tally = LoadTally() if tally is None else tally
     graph = await rt.load_by_name(name)
+    tally.graph = graph
     try:
         inputs, hint = _complete_inputs(graph.inputs, given, zeros=zeros, shapes=shapes or {})
-        outputs, latencies, seconds = await _drive(graph, inputs, target, load, hint)
-        return InferReport(outputs, latencies, seconds, load.concurrency, graph.stats())
+        await _drive(graph, inputs, target, load, tally, hint)
+        return tally.report()
     finally:
         await graph.unload()
+
+
+class LoadTally:
+    """What :func:`infer` has measured so far, kept as its requests complete: the
+    requests completed, each one's latency as its caller saw it, the last one's outputs,
+    and the seconds from the first request's start to the end of the last (or to the
+    cancellation that stopped them; until then, to now). Read it where ``infer`` did not
+    return (a load test stopped by Ctrl-C): :meth:`report`."""
+
+    __slots__ = ("_began", "_ended", "concurrency", "graph", "latencies", "outputs")
+
+    def __init__(self) -> None:
+        #: The graph whose requests these are (None until it is loaded).
+        self.graph: Graph | None = None
+        #: How many callers sent them.
+        self.concurrency = 0
+        self.latencies: list[float] = []
+        self.outputs: dict[str, Tensor] = {}
+        self._began: float | None = None
+        self._ended: float | None = None
+
+    @property
+    def completed(self) -> int:
+        """The requests completed so far."""
+        return len(self.latencies)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds from the first request's start to the last one's end (0 before)."""
+        if self._began is None:
+            return 0.0
+        ended = time.perf_counter() if self._ended is None else self._ended
+        return ended - self._began
+
+    def report(self) -> InferReport:
+        """What was measured so far, as :func:`infer` reports it (the model's stats as
+        they are now: its cancelled requests counted too). RuntimeError before a request
+        has completed: there is nothing to report."""
+        if self.graph is None or not self.latencies:
+            raise RuntimeError("no request has completed: nothing to report")
+        return InferReport(self.outputs, self.latencies, self.seconds, self.concurrency,
+                           self.graph.stats())
+
+    def _start(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self._began = time.perf_counter()
+
+    def _completed(self, latency: float, outputs: dict[str, Tensor]) -> None:
+        self.latencies.append(latency)
+        self.outputs = outputs
+
+    def _stop(self) -> None:
+        self._ended = time.perf_counter()
 
 
 class InferReport:
@@ -438,18 +500,17 @@ class InferReport:
 
 
 async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
-                 load: Load, hint: str = "") -> tuple[dict[str, Tensor], list[float], float]:
-    # The last request's outputs, every request's latency and the whole run's seconds.
+                 load: Load, tally: LoadTally, hint: str = "") -> None:
+    # ``load``'s requests, each one's latency and outputs kept in ``tally`` as it
+    # completes (cancelled, the callers stop and it keeps what they did until then).
     # Every caller's context is made first: a target no device provides fails here. A
     # failed request's error gets the hint on an input of undeclared type (untyped_hint).
     contexts = [graph.init_execution_context(target) for _ in range(load.concurrency)]
-    latencies: list[float] = []
-    last: dict[str, Tensor] = {}
     remaining = load.requests
     failure: WasiNNError | None = None
 
     async def caller(ctx: ExecutionContext, scope: trio.CancelScope) -> None:
-        nonlocal remaining, last, failure
+        nonlocal remaining, failure
         while remaining > 0:
             remaining -= 1
             began = time.perf_counter()
@@ -459,22 +520,22 @@ async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
                 failure = failure or exc
                 scope.cancel()
                 return
-            latencies.append(time.perf_counter() - began)
-            last = outputs
+            tally._completed(time.perf_counter() - began, outputs)
 
-    began = time.perf_counter()
+    tally._start(load.concurrency)
     try:
-        async with trio.open_nursery() as nursery:
-            for ctx in contexts:
-                nursery.start_soon(caller, ctx, nursery.cancel_scope)
+        with collapsed_groups():  # (a Ctrl-C meanwhile reaches the caller as itself)
+            async with trio.open_nursery() as nursery:
+                for ctx in contexts:
+                    nursery.start_soon(caller, ctx, nursery.cancel_scope)
     finally:
+        tally._stop()
         for ctx in contexts:
             ctx.close()
     if failure is not None:
         from wasinn.scheduler.warmup import hinted
 
         raise hinted(failure, hint)
-    return last, latencies, time.perf_counter() - began
 
 
 def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:

@@ -1,0 +1,191 @@
+"""Ctrl-C and SIGTERM stop ``wasinn infer``, ``devices`` and ``demo`` alike: the command's
+scope is cancelled, every close runs, and the command exits with 130 (143 after
+SIGTERM); a second signal while it stops exits at once. A load test so stopped prints
+what it measured.
+
+Before: Ctrl-C reached those commands as trio's KeyboardInterrupt. ``wasinn infer`` on a
+model whose run ignores cancellation (an OpenVINO Loop) then waited the pool's whole
+``close_timeout`` in the graph's unload, and the runtime's close waited it again; a
+second Ctrl-C did not exit at once. A load test stopped by either signal printed
+nothing of what it had measured.
+
+Each test runs the real command in a subprocess, as a user at a terminal would.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.loop_model import HUGE_LOOP, loop_inputs, loop_onnx
+from tests.support import require_backend
+from wasinn.modelgen import affine_onnx
+
+#: Seconds the runtime's close waits for a run that ignores cancellation: small, so
+#: that a test waits little, and far more than a cancelled unload takes.
+CLOSE_TIMEOUT_S = 2.0
+#: Seconds from the runtime's start to the signal: its model compiled (milliseconds)
+#: and its requests running.
+SETTLE_S = 2.0
+#: Far more than any stop here takes (a stop that hangs fails the test, not the run).
+GUARD_S = 60.0
+#: What each signal's messages call it, and the exit status after it.
+SIGNALS = {signal.SIGINT: ("Ctrl-C", 130), signal.SIGTERM: ("SIGTERM", 143)}
+#: The unload's message once it waited its close_timeout for a run (a graph's unload
+#: that was not cancelled), and the runtime close's, once it waited its own.
+UNLOAD_WAITED = "(close_timeout) it still waits for a run"
+CLOSE_WAITED = f"job(s) still running {CLOSE_TIMEOUT_S:g} s after the device closed"
+
+
+def _signalled(tmp_path: Path, command: list[str], signums: list[signal.Signals],
+               between_s: float = 0.3) -> tuple[int, str, str]:
+    """``wasinn -vv COMMAND`` in ``tmp_path``, sent ``signums`` one after another
+    (``between_s`` apart), the first :data:`SETTLE_S` after its runtime started: its
+    status, stdout and stderr."""
+    child = subprocess.Popen([sys.executable, "-m", "wasinn.cli", *command, "-vv"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert child.stderr is not None
+    said = []
+    try:
+        for line in child.stderr:
+            said.append(line)
+            if "runtime started" in line:
+                break
+        time.sleep(SETTLE_S)
+        for i, signum in enumerate(signums):
+            if i:
+                time.sleep(between_s)
+            child.send_signal(signum)
+        out, err = child.communicate(timeout=GUARD_S)
+    finally:
+        child.kill()
+        child.wait()
+    return child.returncode, out, "".join(said) + err
+
+
+def _loop_infer(tmp_path: Path) -> list[str]:
+    """``infer`` of an OpenVINO Loop whose run takes minutes and ignores cancellation,
+    on a pool whose close_timeout is :data:`CLOSE_TIMEOUT_S`."""
+    require_backend("openvino")
+    (tmp_path / "loop.onnx").write_bytes(loop_onnx())
+    inputs = loop_inputs(10 * HUGE_LOOP)
+    for name, array in inputs.items():
+        np.save(tmp_path / f"{name}.npy", array)
+    config = tmp_path / "wasinn.toml"
+    config.write_text(textwrap.dedent(f"""\
+        [pools.cpu]
+        kind = "cpu"
+        close_timeout = {CLOSE_TIMEOUT_S}
+
+        [models.loop]
+        files = ["loop.onnx"]
+        backend = "openvino"
+        """))
+    return ["infer", "--config", str(config), "loop",
+            *(f"--input={name}={name}.npy" for name in inputs)]
+
+
+@pytest.mark.parametrize("signum", list(SIGNALS), ids=[s.name for s in SIGNALS])
+def test_a_signal_stops_infer_of_a_run_that_ignores_cancellation_in_one_close_timeout(
+        tmp_path: Path, signum: signal.Signals) -> None:
+    # The unload is cancelled ("a cancelled unload has still unloaded"): only the
+    # runtime's close waits for the run. Before, Ctrl-C waited in the unload first.
+    code, out, err = _signalled(tmp_path, _loop_infer(tmp_path), [signum])
+    assert code == SIGNALS[signum][1], err
+    assert CLOSE_WAITED in err, err  # (the run was running, and ignored cancellation)
+    assert UNLOAD_WAITED not in err, err
+    assert "Traceback" not in err and out == "", err
+
+
+@pytest.mark.parametrize("signum", list(SIGNALS), ids=[s.name for s in SIGNALS])
+def test_a_second_signal_stops_infer_at_once(tmp_path: Path, signum: signal.Signals
+                                             ) -> None:
+    # The second one comes while the runtime's close waits for the run: the command
+    # exits before that wait ends, saying why.
+    name, status = SIGNALS[signum]
+    code, _, err = _signalled(tmp_path, _loop_infer(tmp_path), [signum, signum])
+    assert code == status, err
+    assert f"wasinn: a second {name}: exiting" in err, err
+    assert CLOSE_WAITED not in err and UNLOAD_WAITED not in err, err
+
+
+@pytest.mark.parametrize("signum", list(SIGNALS), ids=[s.name for s in SIGNALS])
+def test_a_stopped_load_test_prints_what_it_measured(tmp_path: Path, signum: signal.Signals
+                                                     ) -> None:
+    require_backend("onnxruntime")
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[models.affine]\nfiles = ["affine.onnx"]\n')
+    name, status = SIGNALS[signum]
+    requests = 10**9
+    code, out, err = _signalled(
+        tmp_path, ["infer", "--config", str(config), "affine", "--zeros", "--requests",
+                   str(requests), "--concurrency", "2", "--save", "out.npz"], [signum])
+    assert code == status, err
+    stopped = re.search(rf"^stopped by {name} after (\d+) of {requests} requests$", out,
+                        re.M)
+    assert stopped is not None, out
+    done = int(stopped[1])
+    assert 0 < done < requests, out
+    assert re.search(rf"^{done} requests from 2 concurrent caller\(s\) in \S+ s: \S+ "
+                     r"requests/s, latency p50 ", out, re.M), out
+    assert re.search(rf"^affine: {done} completed, 0 failed, ", out, re.M), out
+    assert re.search(rf"^cpu: {done} completed, ", out, re.M), out
+    # The run did not end: no outputs of a last request, printed or saved.
+    assert "largest along the last axis" not in out
+    assert not (tmp_path / "out.npz").exists()
+    assert "Traceback" not in err, err
+
+
+#: A child running ``wasinn COMMAND`` (argv[1]) through the real ``main``, whose command
+#: is replaced by one that sends itself Ctrl-C, then, once stopped, a second one while
+#: its close takes a while (shielded, as a runtime's close is: a run to wait for).
+_STOPPED_COMMAND = textwrap.dedent("""\
+    import os, signal, sys
+    import trio
+    from wasinn import cli
+
+    async def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            await trio.sleep(60)
+        except trio.Cancelled:
+            print("cancelled", flush=True)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                if sys.argv[2] == "twice":
+                    os.kill(os.getpid(), signal.SIGINT)
+                await trio.sleep(1 if sys.argv[2] == "once" else 60)
+                print("closed", flush=True)
+
+    setattr(cli, "_" + sys.argv[1], command)
+    sys.exit(cli.main([sys.argv[1]]))
+""")
+
+
+@pytest.mark.parametrize("command", ["devices", "demo"])
+@pytest.mark.parametrize("times", ["once", "twice"])
+def test_ctrl_c_cancels_the_command_and_a_second_one_exits_at_once(command: str, times: str
+                                                                   ) -> None:
+    # Before: the command met a KeyboardInterrupt, not a cancellation, and a second
+    # Ctrl-C did not end its close at once.
+    child = subprocess.run([sys.executable, "-c", _STOPPED_COMMAND, command, times],
+                           capture_output=True, text=True, timeout=GUARD_S, check=False)
+    assert child.returncode == 130, child.stderr
+    assert "Traceback" not in child.stderr, child.stderr
+    if times == "once":
+        assert child.stdout == "cancelled\nclosed\n", child.stdout
+        assert child.stderr == ""
+    else:
+        assert child.stdout == "cancelled\n", child.stdout
+        assert child.stderr == "wasinn: a second Ctrl-C: exiting\n"
