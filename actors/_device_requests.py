@@ -167,6 +167,7 @@ class DeviceRequests:
         tenant: str = "",
         account: Account | None = None,
         reached: float | None = None,
+        label: str = "",
     ) -> Lease[T]:
         """Reserve a worker slot for ``job``, to be run by the caller's own thread.
 
@@ -175,13 +176,14 @@ class DeviceRequests:
         is held. Cancelled while queued, the request is removed. The holder must call
         :meth:`Lease.run` (from a thread that is not trio's) or :meth:`Lease.cancel`; a run
         still going when ``deadline`` passes is stopped (see :meth:`Lease.interrupt`) and
-        raises TimeoutError_ there. ``account`` and ``reached``: as in :meth:`execute`.
-        Its backend sees ``tenant`` as the run's caller (as a worker thread's job's: see
-        :func:`~wasinn.backends.base.current_caller`).
+        raises TimeoutError_ there. ``account`` and ``reached``: as in :meth:`execute`;
+        ``label`` names its run (a model's) in these errors ("" for none: the device
+        alone). Its backend sees ``tenant`` as the run's caller (as a worker thread's
+        job's: see :func:`~wasinn.backends.base.current_caller`).
         """
         start = time.perf_counter() if reached is None else reached
         try:
-            expires = await self._lease_slot(priority, deadline, tenant)
+            expires = await self._lease_slot(priority, deadline, tenant, label)
         except BaseException as exc:
             # Never run (no slot): not a request run in the caller's thread.
             self._record(account, outcome_of(exc), time.perf_counter() - start)
@@ -189,13 +191,14 @@ class DeviceRequests:
                 self._raise_if_lost()
             raise
         lease = self._new_lease(job, expires, start, time.perf_counter(), account,
-                                tenant if self._slots.charges else None, caller=tenant)
+                                tenant if self._slots.charges else None, caller=tenant,
+                                label=label)
         if deadline != math.inf:
             self._watch(lease, deadline)
         return lease
 
     def try_lease(self, job: Callable[[], T], *, timeout: float | None = None,
-                  tenant: str = "", account: Account | None = None
+                  tenant: str = "", account: Account | None = None, label: str = ""
                   ) -> Lease[T] | None:
         """A lease on a free slot, taken from any thread without waiting for trio, or None
         when every slot is busy, a request is queued (it must not be overtaken), or the
@@ -204,7 +207,7 @@ class DeviceRequests:
         ``timeout`` (seconds) bounds the run as ``deadline`` does in :meth:`lease`;
         ``tenant``: whom the time it holds the slot is charged to, as in :meth:`lease`
         (a fair policy counts it, though the request never queued); ``account``: as in
-        :meth:`execute`.
+        :meth:`execute`; ``label``: as in :meth:`lease`.
         """
         if not self._slots.try_take():
             return None
@@ -212,9 +215,9 @@ class DeviceRequests:
         charged = tenant if self._slots.charges else None
         if timeout is None or timeout == math.inf:
             return self._new_lease(job, math.inf, start, start, account, charged,
-                                   caller=tenant)
+                                   caller=tenant, label=label)
         lease = self._new_lease(job, start + timeout, start, start, account, charged,
-                                caller=tenant)
+                                caller=tenant, label=label)
         self._soon(self._watch, lease, None)
         return lease
 

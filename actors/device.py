@@ -97,7 +97,9 @@ COMPILE_THREADS = 1
 
 
 class DeviceActor(DeviceRequests):
-    """The owner of one device. Start it with ``await nursery.start(actor.serve)``."""
+    """The owner of one device. Start it with ``await nursery.start(actor.serve)``.
+    ``pool``: where the device's pool is configured (``"[pools.cpu]"``; "" for none), which
+    a full queue's error names with the ``queue_limit`` to raise."""
 
     def __init__(
         self,
@@ -110,6 +112,7 @@ class DeviceActor(DeviceRequests):
         close_timeout: float = 10.0,
         pin_handoffs: bool = False,
         compile_threads: int = COMPILE_THREADS,
+        pool: str = "",
     ) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
@@ -132,7 +135,7 @@ class DeviceActor(DeviceRequests):
         self._compiler = WorkerThreads(str(device), compile_threads, pin=pin_handoffs,
                                        role="compiler")
         self._slots = Slots(str(device), workers, queue_limit,
-                            policy if policy is not None else PriorityDeadlinePolicy())
+                            policy if policy is not None else PriorityDeadlinePolicy(), pool)
         #: Requests placed here that wait for their graph to be compiled on this device.
         self.placed = 0
         self._context: DeviceContext | None = None

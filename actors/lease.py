@@ -47,6 +47,7 @@ from wasinn.errors import (
 )
 
 from .jobs import Wrap, backend_failure, in_context
+from .slots import requested
 from .stats import Outcome
 
 T = TypeVar("T")
@@ -72,22 +73,27 @@ class Lease(Generic[T]):
     ``later`` hands a call to trio (the actor's ``TrioToken.run_sync_soon``): a lease
     dropped unended gives its slot back through it (see the module docstring). ``lost``
     says why the device can run nothing more, if it was lost: the error a run the device's
-    close cut off raises, rather than ClosedResourceError.
+    close cut off raises, rather than ClosedResourceError. ``label`` names its run (a
+    model's: ``"run of resnet (onnxruntime)"``; "" for none) in its deadline's error and
+    in the DEBUG line (logger ``wasinn.actors``) of a run that fails or times out.
     """
 
     __slots__ = ("_done", "_interrupted", "_later", "_lock", "_lost", "_over", "_release",
-                 "_then", "_wrap", "cancellation", "device", "expires", "job", "timeout")
+                 "_then", "_wrap", "cancellation", "device", "expires", "job", "label",
+                 "timeout")
 
     def __init__(self, device: str, job: Callable[[], T],
                  wrap: Wrap | None,
                  release: Callable[[Outcome, bool], None], expires: float,
                  cancellation: Cancellation | None = None,
                  later: Callable[[Callable[[], None]], None] | None = None,
-                 lost: Callable[[], DeviceLostError | None] | None = None) -> None:
+                 lost: Callable[[], DeviceLostError | None] | None = None,
+                 label: str = "") -> None:
         #: Cancelled when the device closes during the run (None: never); it names whom
         #: the run is for to its backend too (its ``caller``: the request's tenant).
         self.cancellation = cancellation
         self.device = device
+        self.label = label
         #: The job, until it is taken (run or cancelled): then dropped, with the inputs it
         #: holds, though the lease itself may be kept a while (a deadline watcher).
         self.job: Callable[[], T] | None = job
@@ -144,7 +150,7 @@ class Lease(Generic[T]):
             # now would only be thrown away, and not every run can be cut short.
             error = self._stopped("before it ran")
             self._give_back(self._stopped_outcome())
-            raise error
+            raise self._failed(error)
         outcome = Outcome.FAILED
         try:
             work = in_context(job, self._wrap)
@@ -156,18 +162,27 @@ class Lease(Generic[T]):
                 outcome = Outcome.TIMED_OUT
         except Exception as exc:
             if isinstance(exc, DeviceLostError):
+                self._failed(exc)
                 raise  # this run found the device lost: the close that follows is its own
             if cancellation is not None and cancellation.cancelled:
                 outcome = self._stopped_outcome()
-                raise self._stopped("while it ran") from exc
+                raise self._failed(self._stopped("while it ran")) from exc
             if isinstance(exc, WasiNNError):
+                self._failed(exc)
                 raise
-            raise backend_failure(self.device, exc) from exc
+            raise self._failed(backend_failure(self.device, exc)) from exc
         finally:
             self._give_back(outcome, ran=True)
         if outcome is Outcome.TIMED_OUT:
-            raise self._timed_out("before it finished")
+            raise self._failed(self._timed_out("before it finished"))
         return result
+
+    def _failed(self, error: WasiNNError) -> WasiNNError:
+        # ``error``, which its run raises, logged at DEBUG: the trio side logs the other
+        # requests that fail (see wasinn.scheduler), not this run in the holder's thread.
+        log.debug("%s: %s: %s", requested(self.label, self.device), type(error).__name__,
+                  error)
+        return error
 
     def _stopped(self, when: str) -> WasiNNError:
         # Why a cancelled lease did not give a result: its deadline, an interrupt, or
@@ -183,7 +198,8 @@ class Lease(Generic[T]):
 
     def _timed_out(self, when: str) -> TimeoutError_:
         timeout = "" if self.timeout is None else f" (timeout={self.timeout:g} s)"
-        return TimeoutError_(f"{self.device}: the request's deadline passed {when}{timeout}")
+        return TimeoutError_(f"{requested(self.label, self.device)}: the request's deadline "
+                             f"passed {when}{timeout}")
 
     def _stopped_outcome(self) -> Outcome:
         # How a cancelled lease is counted: its deadline passed, its caller gave up

@@ -37,6 +37,7 @@ from wasinn.errors import DeviceLostError, TimeoutError_
 
 from .jobs import Wrap
 from .lease import Lease
+from .slots import requested
 from .stats import Account, Outcome
 
 T = TypeVar("T")
@@ -55,13 +56,15 @@ class Record(Protocol):
 class LeaseDesk:
     """The leases lent on ``device`` (see the module docstring).
 
-    ``take_slot(priority, deadline, tenant)`` waits in trio for one of the device's slots;
+    ``take_slot(priority, deadline, tenant, label)`` waits in trio for one of the device's
+    slots (``label`` names the request's run in its errors);
     ``free_slot(tenant, seconds)`` gives one back from any thread, charging ``tenant``
     (unless None) the seconds it held it; ``record`` counts a request; ``lost``
     says why the device can run nothing more, if it was lost (see :class:`Lease`).
     """
 
-    def __init__(self, device: str, take_slot: Callable[[int, float, str], Awaitable[None]],
+    def __init__(self, device: str,
+                 take_slot: Callable[[int, float, str, str], Awaitable[None]],
                  free_slot: Callable[[str | None, float], None], record: Record,
                  lost: Callable[[], DeviceLostError | None] | None = None) -> None:
         self.device = device
@@ -103,23 +106,26 @@ class LeaseDesk:
         fewer than 64, or about twice the running ones once there are more."""
         return len(self._deadlines)
 
-    async def take_slot(self, priority: int, deadline: float, tenant: str) -> float:
+    async def take_slot(self, priority: int, deadline: float, tenant: str, label: str = ""
+                        ) -> float:
         """A slot for a lease; returns when its run expires (perf_counter; inf: never).
 
         Raises what taking a slot raises, and TimeoutError_ when ``deadline`` (trio time)
-        passes while the request is queued (it leaves the queue)."""
+        passes while the request is queued (it leaves the queue); ``label`` names the
+        request's run (a model's) in these errors."""
         if deadline == math.inf:
-            await self._take_slot(priority, deadline, tenant)
+            await self._take_slot(priority, deadline, tenant, label)
             return math.inf
         with trio.move_on_at(deadline) as scope:
-            await self._take_slot(priority, deadline, tenant)
+            await self._take_slot(priority, deadline, tenant, label)
         if scope.cancelled_caught:
-            raise TimeoutError_(f"{self.device}: the request's deadline passed before it started")
+            raise TimeoutError_(f"{requested(label, self.device)}: the request's deadline "
+                                "passed before it started")
         return time.perf_counter() + (deadline - trio.current_time())
 
     def lend(self, job: Callable[[], T], expires: float, start: float, granted: float,
              account: Account | None, tenant: str | None = None, *,
-             caller: str | None = None) -> Lease[T]:
+             caller: str | None = None, label: str = "") -> Lease[T]:
         """A lease on a slot already taken, for ``job`` (from any thread). Its run is
         cancelled if the actor closes meanwhile (see :meth:`close`). ``start`` and
         ``granted``: when the request reached the actor and when it got its slot
@@ -127,7 +133,7 @@ class LeaseDesk:
         ``tenant``: whom the time it holds the slot is charged to (None: nobody; a fair
         queue policy's device time); ``caller``: whom the run is for, as its backend sees
         it (the request's tenant: :func:`~wasinn.backends.base.current_caller` in the
-        holder's thread while the lease runs)."""
+        holder's thread while the lease runs); ``label``: its run's (see :class:`Lease`)."""
         cancellation = Cancellation(caller)
         with self._lock:
             self._running.add(cancellation)
@@ -140,7 +146,8 @@ class LeaseDesk:
                      expires,
                      cancellation,
                      self.soon,
-                     self._lost)
+                     self._lost,
+                     label)
 
     def _given_back(self, cancellation: Cancellation, account: Account | None,
                     start: float, granted: float, tenant: str | None,

@@ -48,7 +48,7 @@ from .batching import Batcher, Batching, BatchInputs, RunInputs
 from .inline import RunProfile
 from .jobs import Wrap, backend_failure, in_context
 from .queue import Request
-from .slots import Slots
+from .slots import Slots, requested
 from .stats import Account, Outcome, RequestStats, outcome_of
 from .workers import Job, WorkerThreads
 
@@ -159,23 +159,25 @@ class RequestRunner:
             job = self._timed(job, profile, nbytes)
         if deadline == math.inf:  # (the common case, without _within's frame)
             return await self._execute(job, priority, deadline, tenant, label)
-        return await self._within(deadline, self._execute, job, priority, deadline, tenant,
-                                  label)
+        return await self._within(deadline, label, self._execute, job, priority, deadline,
+                                  tenant, label)
 
-    async def _within(self, deadline: float, request: Callable[..., Awaitable[T]],
-                      *args: Any) -> T:
-        # ``request(*args)``, or TimeoutError_ once ``deadline`` (trio time) passes.
+    async def _within(self, deadline: float, label: str,
+                      request: Callable[..., Awaitable[T]], *args: Any) -> T:
+        # ``request(*args)``, or TimeoutError_ once ``deadline`` (trio time) passes, named
+        # by ``label`` (the request's run: "run of resnet (onnxruntime)").
         if deadline == math.inf:
             return await request(*args)
         with trio.move_on_at(deadline) as scope:
             return await request(*args)
         assert scope.cancelled_caught
-        raise TimeoutError_(f"{self.device}: the request's deadline passed before it finished")
+        raise TimeoutError_(f"{requested(label, self.device)}: the request's deadline "
+                            "passed before it finished")
 
     async def _execute(self, job: Callable[[], T], priority: int, deadline: float,
                        tenant: str, label: str) -> tuple[T, float, float, float]:
         work = self._slot_job(job, label, tenant)
-        await self.take_slot(priority, deadline, tenant, handoff=work)
+        await self.take_slot(priority, deadline, tenant, label, handoff=work)
         # A job that a worker thread started as it passed its slot on (its thread known,
         # then) was granted the slot when the thread started it, maybe runs ago.
         granted = work.started if work.worker is not None else time.perf_counter()
@@ -288,26 +290,27 @@ class RequestRunner:
                 and self._slots.try_take()):
             # Nobody to share a run with: run now, as a plain request.
             granted = time.perf_counter()
-            result, ended = await self._within(deadline, self.run_in_slot, job, label,
-                                               tenant)
+            result, ended = await self._within(deadline, label, self.run_in_slot, job,
+                                               label, tenant)
             return result, granted, ended, 1.0
         if self._closed:
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
         return await self._within(
-            deadline, functools.partial(
+            deadline, label, functools.partial(
                 self.batcher.submit, key, inputs, keep, run, batching, priority=priority,
                 deadline=deadline, tenant=tenant, label=label, account=account,
                 probe=probe))
 
     # -- slots --------------------------------------------------------------------------------
-    async def take_slot(self, priority: int, deadline: float, tenant: str, *,
-                        request: Request | None = None, handoff: Job | None = None) -> None:
+    async def take_slot(self, priority: int, deadline: float, tenant: str, label: str = "",
+                        *, request: Request | None = None, handoff: Job | None = None
+                        ) -> None:
         """Hold one of the device's slots (see :meth:`Slots.take
         <wasinn.actors.slots.Slots.take>` for the queue, its errors and cancellation;
-        ``handoff`` is the job a worker thread may start when it grants the slot);
-        ClosedResourceError when the actor closed meanwhile (the slot is given back, or
-        the job already started abandoned)."""
-        started = await self._slots.take(priority, deadline, tenant, request=request,
+        ``label`` names the request's run in them; ``handoff`` is the job a worker thread
+        may start when it grants the slot); ClosedResourceError when the actor closed
+        meanwhile (the slot is given back, or the job already started abandoned)."""
+        started = await self._slots.take(priority, deadline, tenant, label, request=request,
                                          handoff=handoff)
         if self._closed:  # closed between the grant and now: nothing may start any more
             if started:

@@ -74,6 +74,13 @@ class RequestWithdrawn(ClosedResourceError):
     """A waiting request its owner withdrew, unrun (see :class:`QueueOwner`)."""
 
 
+def requested(label: str, device: str) -> str:
+    """What a request's errors start with: its run's ``label`` where it has one (``"run
+    of resnet (onnxruntime)"``: a model's, or a pipeline's) and its ``device`` (``"run
+    of resnet (onnxruntime) on gpu:0"``), else the device's name alone."""
+    return f"{label} on {device}" if label else device
+
+
 def withdrawal(why: str, where: str) -> str:
     """What the caller of a request withdrawn while it waited ``where`` is told, its
     owner having withdrawn it because ``why`` (see :meth:`QueueOwner.withdraw_all`)."""
@@ -139,12 +146,16 @@ QUEUE_OWNER: contextvars.ContextVar[QueueOwner | None] = contextvars.ContextVar(
 
 
 class Slots:
-    """``workers`` slots and the queue of requests waiting for one (see the module)."""
+    """``workers`` slots and the queue of requests waiting for one (see the module).
+    ``name``: the device's; ``pool``: where its pool's ``queue_limit`` is set
+    (``"[pools.gpu]"``, "" where there is none), which a full queue's error names."""
 
-    def __init__(self, name: str, workers: int, queue_limit: int, policy: QueuePolicy) -> None:
+    def __init__(self, name: str, workers: int, queue_limit: int, policy: QueuePolicy,
+                 pool: str = "") -> None:
         self.name = name
         self.workers = workers
         self.queue_limit = queue_limit
+        self.pool = pool
         self._policy = policy
         self._lock = threading.Lock()
         self._running = 0
@@ -180,8 +191,11 @@ class Slots:
 
     # -- in trio ----------------------------------------------------------------------------
     async def take(self, priority: int = 0, deadline: float = math.inf, tenant: str = "",
-                   *, request: Request | None = None, handoff: Handoff | None = None) -> bool:
+                   label: str = "", *, request: Request | None = None,
+                   handoff: Handoff | None = None) -> bool:
         """Hold a slot: at once if one is free and nobody is queued, else after queueing.
+        ``label`` names the request's run (its model's, see :func:`requested`) in the
+        errors it may get here.
 
         ``request``: the queue entry to wait as (its own terms then apply), for a caller
         that may :meth:`requeue` it while it waits; by default one is made from
@@ -192,8 +206,9 @@ class Slots:
         ``handoff``: the request's job, prepared, which the worker thread that frees the
         slot may start at once (:meth:`pass_on`). Returns whether one did: the slot is
         then the job's, which frees it when it is over.
-        Raises ClosedResourceError when closed (before or while queued), TooLargeError when
-        the queue is full, RequestWithdrawn (a ClosedResourceError) when the request's
+        Raises ClosedResourceError when closed (before or while queued), QueueFullError (a
+        TooLargeError) when the queue is full, naming the pool's ``queue_limit`` and its
+        value, RequestWithdrawn (a ClosedResourceError) when the request's
         :class:`QueueOwner` (the task's :data:`QUEUE_OWNER`) withdraws it while it waits
         (a batch's task names none: its entry serves several callers). Cancelled while
         queued, the request leaves the queue (a slot granted at that very moment is handed
@@ -215,8 +230,8 @@ class Slots:
             if len(self._policy) >= self.queue_limit:
                 displaced = self._policy.displace(request.tenant)
                 if displaced is None:
-                    raise QueueFullError(f"{self.name}: {self._full()}: retry later or "
-                                         "raise the pool's queue_limit")
+                    raise QueueFullError(f"{requested(label, self.name)}: {self._full()}: "
+                                         f"retry later or {self._raise_limit()}")
                 displaced.displaced_by = request.tenant
                 displaced.handoff = None  # (and the inputs its job holds)
             request.handoff = handoff
@@ -250,10 +265,10 @@ class Slots:
                 raise RequestWithdrawn(request.withdrawn)
             if request.displaced_by is not None:
                 raise QueueFullError(
-                    f"{self.name}: {self._full()} "
+                    f"{requested(label, self.name)}: {self._full()} "
                     f"and this request, of the tenant with the most waiting, gave its place "
-                    f"to one of tenant {request.displaced_by!r}: retry later or raise the "
-                    "pool's queue_limit")
+                    f"to one of tenant {request.displaced_by!r}: retry later or "
+                    f"{self._raise_limit()}")
             raise ClosedResourceError(f"{self.name}: the device actor closed while queued")
         return request.started
 
@@ -268,6 +283,11 @@ class Slots:
             return f"the request queue is full ({entries} waiting)"
         return (f"the request queue is full ({entries} of {self.queue_limit} entries, "
                 f"{requests} requests waiting: a merged batch is one entry)")
+
+    def _raise_limit(self) -> str:
+        # The way out a full queue's error names: the pool's setting, and its value.
+        where = self.pool or "the pool's"
+        return f"raise {where} queue_limit (now {self.queue_limit})"
 
     @contextlib.contextmanager
     def idle(self, scope: trio.CancelScope) -> Iterator[None]:

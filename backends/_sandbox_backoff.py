@@ -60,6 +60,10 @@ device's worker slot it was granted, as any run waiting for a process does (a re
 deadline bounds it); and a caller that may take a new name for each request starts a
 new streak with each (a guest's tenant is the host's choice, its program's name by
 default: see :mod:`wasinn.host.tenant`).
+
+Each back-off is logged once, as a warning (logger ``wasinn.backends``), when it starts: a
+caller's runs refused, the graph's next process delayed, inputs refused; the runs it
+refuses or delays are not (their callers' errors say so).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -74,6 +79,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from wasinn.tensor import Tensor, numpy_dtype
+
+log = logging.getLogger("wasinn.backends")
 
 #: The delay after the second crash of a streak, in seconds (none after the first): the
 #: wait for the graph's next process, or how long a caller's runs are refused.
@@ -160,10 +167,12 @@ class CrashBackoff:
     """One graph's crash streaks, the graph's and each caller's (see the module
     docstring), and the inputs that crashed it (not thread-safe: the graph holds its lock
     around every call). A caller is an opaque str (None: nobody named, whose crashes are
-    the graph's own). A graph with several processes counts the crashes of all of them."""
+    the graph's own). A graph with several processes counts the crashes of all of them.
+    ``name``: the graph's, which its refusals and log lines start with (its model's
+    label and backend, ``"resnet (onnxruntime)"``, or its backend's alone)."""
 
-    def __init__(self, backend: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._backend = backend
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._name = name
         self._clock = clock
         #: The crashes that are nobody's: loads, and runs that name no caller.
         self._graph = _Streak()
@@ -200,7 +209,8 @@ class CrashBackoff:
         """A process died on its own (``how``: "was killed by SIGSEGV"), running
         ``inputs`` (their shapes and digest; None: loading the model, which is the
         graph's crash whoever's run it was for) of ``caller`` (None: nobody named: the
-        graph's crash too); what happens next, for the run's error."""
+        graph's crash too); what happens next, for the run's error. A back-off that
+        starts with it is logged (a warning: see the module docstring)."""
         now = self._clock()
         if inputs is None or caller is None:
             streak = self._graph
@@ -217,15 +227,29 @@ class CrashBackoff:
         elif streak is self._graph:
             then = (f"the next process starts in {delay:g} s, after {streak.crashes} "
                     f"crashes less than {QUIET_S:g} s apart: runs wait for it")
+            log.warning("%s: its sandbox process crashed %d times less than %g s apart "
+                        "(loading the model, or runs that name no caller): its next "
+                        "process starts in %g s, and runs wait for it", self._name,
+                        streak.crashes, QUIET_S, delay)
         else:
             then = (f"this caller's runs are refused for {delay:g} s, after "
                     f"{streak.crashes} crashes of its runs less than {QUIET_S:g} s apart; "
                     "other callers' runs go on")
+            # (a refused caller's runs crash nothing: each such crash starts a refusal)
+            log.warning("%s: the runs of caller %r crashed its sandbox process %d times "
+                        "less than %g s apart: its runs are refused for %g s; other "
+                        "callers' runs go on", self._name, caller, streak.crashes, QUIET_S,
+                        delay)
         if inputs is None:
             return then
         times = self._remember(*inputs, how, now)
         if times < REFUSED_AFTER:
             return then
+        if times == REFUSED_AFTER:  # (more: runs of them that were under way already)
+            log.warning("%s: inputs (%s) crashed its sandbox process %d times: they are "
+                        "refused without a run until %g s after their last crash; other "
+                        "inputs run as usual", self._name, _described(inputs[0]), times,
+                        REMEMBERED_S)
         return (f"{then}; these inputs, which crashed it {times} times, are "
                 f"refused for {REMEMBERED_S:g} s")
 
@@ -282,7 +306,7 @@ class CrashBackoff:
         if crashed is None or crashed.times < REFUSED_AFTER:
             return None
         ago = self._clock() - crashed.at
-        return (f"{self._backend}: these inputs crashed the model's process {crashed.times} "
+        return (f"{self._name}: these inputs crashed the model's process {crashed.times} "
                 f"times (the last {ago:.1f} s ago: it {crashed.how}): they are refused "
                 f"without a run until {REMEMBERED_S:g} s after their last crash; other "
                 "inputs run as usual")
@@ -314,3 +338,8 @@ class CrashBackoff:
             if now - oldest.at < REMEMBERED_S:
                 return
             self._inputs.popitem(last=False)
+
+
+def _described(shapes: Shapes) -> str:
+    """``x: f32[1, 4], ...``: inputs' names, element types and dimensions, for a log."""
+    return ", ".join(f"{name}: {kind}{list(dims)}" for name, kind, dims in shapes)

@@ -54,6 +54,8 @@ class GraphProcesses:
     processes: int
     backoff: CrashBackoff
     confinement: dict[str, Any] | None
+    #: What crash and refusal errors and log lines start with (see the graph's).
+    _name: str
     _backend: BackendRef
     _spares: Spares
     _limit: ProcessLimit
@@ -106,6 +108,8 @@ class GraphProcesses:
                 raise BackendRuntimeError(
                     f"{name}: cancelled while a process loaded the model: it was "
                     "stopped") from None
+            log.warning("%s: sandbox process %d on %s %s loading the model", self._name,
+                        child.process.pid, self.device.name, how)
             with self._cond:
                 self.backoff.crashed(how)
             raise InvalidEncodingError(
@@ -123,8 +127,8 @@ class GraphProcesses:
         if "error" in payload:
             child.close()
             raise child_error(payload)
-        log.debug("sandbox process %d for %s on %s loaded the model", child.process.pid,
-                  name, self.device.name)
+        log.debug("%s: sandbox process %d on %s loaded the model", self._name,
+                  child.process.pid, self.device.name)
         return payload
 
     # -- the processes a run takes --------------------------------------------------------
@@ -189,7 +193,7 @@ class GraphProcesses:
         would hold every worker slot of the device, and starve the other callers that
         its back-off is there to spare. Its ``retry_after`` is ``held``."""
         refusal = TooLargeError(
-            f"{self._backend.name}: this caller's runs crashed the model's process "
+            f"{self._name}: this caller's runs crashed the model's process "
             f"{self.backoff.crashes_of(caller)} times less than {QUIET_S:g} s apart: its "
             f"runs are refused for {held:.1f} s more, without a process taken or started; "
             "other callers' runs go on: retry after that")
@@ -213,7 +217,7 @@ class GraphProcesses:
                 continue
             if child.process.poll() is not None:  # died while idle (OOM killer)
                 log.warning("%s: sandbox process %d %s while idle: a new one runs the next "
-                            "run", self._backend.name, child.process.pid, child.ended())
+                            "run", self._name, child.process.pid, child.ended())
                 continue
             self._busy.add(child)
             return child

@@ -43,10 +43,12 @@ compiles a graph in a child process instead (:mod:`._sandbox_child`):
   the lock-down made fail, crash or hang. A GPU child's confinement has not run on a GPU
   yet: see the README.
 * A child that dies (a signal, an exit) fails the run or the load that was under way
-  with BackendRuntimeError (InvalidEncodingError for a load) naming the signal; the
-  graph starts a new child, and loads the model again, for its next run. The crash is
-  charged to the caller whose run it was (:func:`~.base.current_caller`: a device
-  actor's request's tenant): after its second crash less than a minute apart, that
+  with BackendRuntimeError (InvalidEncodingError for a load) naming the signal, and is
+  logged as a warning (logger ``wasinn.backends``) naming the model (the ``label`` of
+  :func:`load_sandboxed`), the process and the signal; the graph starts a new child,
+  and loads the model again, for its next run. The crash is charged to the caller
+  whose run it was (:func:`~.base.current_caller`: a device actor's request's
+  tenant): after its second crash less than a minute apart, that
   caller's runs are refused at once (TooLargeError), for longer with each crash, rather
   than wait (a waiting run would hold its device's worker slot), while other callers'
   runs go on at once (:mod:`._sandbox_backoff`); inputs that crashed it twice are
@@ -156,7 +158,8 @@ def default_max_bytes() -> int:
 
 def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
                    encoding: GraphEncoding, device: Device, options: LoadOptions | None = None,
-                   *, spares: Spares | None = None, processes: int = 1) -> SandboxedGraph:
+                   *, spares: Spares | None = None, processes: int = 1,
+                   label: str = "") -> SandboxedGraph:
     """``backend.load(...)``, run in a process of its own (see the module docstring);
     taken from ``spares`` where it has one started (and then replaced there), else
     started for it, every process counted against ``spares.limit`` (the host's bound on
@@ -167,7 +170,11 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
     ``processes``: the most runs at once,
     each in a process of its own (more are started as concurrent runs need them).
     ``backend`` may be a :class:`~wasinn.backends.base.BackendRef`: this process then
-    never imports its library.
+    never imports its library. ``label``: the model's name, where it has one (the
+    scheduler's ``model.name``, ``"resnet"``), which the crash and refusal errors and
+    log lines start with, beside the backend's (``"resnet (onnxruntime): the process
+    running the model was killed by SIGKILL..."``); without it they start with the
+    backend's alone.
 
     Raises what the backend's load raises, InvalidEncodingError when the process dies
     loading the model, and BackendRuntimeError when no process can be started.
@@ -175,7 +182,7 @@ def load_sandboxed(backend: Backend | BackendRef, builders: Builders,
     if isinstance(backend, Backend):
         backend = BackendRef.of(backend)
     return SandboxedGraph(backend, builders, encoding, device, options or LoadOptions(),
-                          spares=spares, processes=processes)
+                          spares=spares, processes=processes, label=label)
 
 
 class SandboxedGraph(CompiledGraph, GraphProcesses):
@@ -183,7 +190,8 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
     ``processes`` at once, one per concurrent run, each started when a run first finds
     every other one busy, and each holding its own copy of the model. ``spares``: the
     pool its processes are taken from and counted under (None: a pool that keeps no
-    spares, under :func:`host_limit`)."""
+    spares, under :func:`host_limit`). ``label``: the model's name, where it has one
+    (see :func:`load_sandboxed`)."""
 
     #: A run may wait for a process (its start, the crash back-off, room under the host's
     #: cap): never on the event loop.
@@ -193,10 +201,13 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
 
     def __init__(self, backend: BackendRef, builders: Builders, encoding: GraphEncoding,
                  device: Device, options: LoadOptions, *, spares: Spares | None = None,
-                 processes: int = 1) -> None:
+                 processes: int = 1, label: str = "") -> None:
         if processes < 1:
             raise ValueError(f"processes={processes}: expected at least 1")
         self.device = device
+        #: What its crashes' and refusals' errors and log lines start with: the model's
+        #: label and the backend's name (``"resnet (onnxruntime)"``), or the backend's.
+        self._name = f"{label} ({backend.name})" if label else backend.name
         #: The most processes (and so runs) at once.
         self.processes = processes
         self._backend = backend
@@ -242,7 +253,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         # waiting for a process, not one waiting for its turn.
         self._settled = threading.Condition(lock)
         self._closed = False
-        self.backoff = CrashBackoff(backend.name)
+        self.backoff = CrashBackoff(self._name)
         self._idle: list[SandboxProcess] = []
         # Dropped without close(): its idle processes are closed as it is collected (the
         # bound holds it only weakly), so they do not hold places under the bound for ever.
@@ -375,7 +386,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         may need one. BackendRuntimeError when the job is cancelled while it waits (its
         caller gave up, or its deadline passed), ClosedResourceError when the graph is
         closed meanwhile."""
-        name = self._backend.name
+        name = self._name
         cancelled: threading.Event | None = None
         forget = None
         try:
@@ -432,7 +443,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         the run asked for as the graph declared them: see :func:`~._sandbox_wire.
         read_reply`), or when the arena could not grow for the outputs (then it goes
         on)."""
-        name = self._backend.name
+        name = self._name
         child.seq += 1
         seq = child.running = child.seq
         forget = on_current_cancel(lambda: child.cancel(seq))
@@ -445,7 +456,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
                 raise BackendRuntimeError(
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
-            then = self._crashed(how, inputs, digest, caller)
+            then = self._crashed(child, how, inputs, digest, caller)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
                 f"on this model or these inputs (the host goes on; {then})") from None
@@ -470,22 +481,27 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
         read (see :func:`wasinn.backends.cuda.sticky_error`)."""
         error = child_error(payload)
         child.close()
-        then = self._crashed("lost its CUDA context", inputs, digest, caller)
+        then = self._crashed(child, "lost its CUDA context", inputs, digest, caller)
         return error.suffixed(
             "(in the process that ran the sandboxed model, whose CUDA context this lost: it "
             f"was retired; {then})")
 
-    def _crashed(self, how: str, inputs: Mapping[str, Tensor], digest: bytes | None,
-                 caller: str | None) -> str:
-        """Count a crash (``how`` the process ended) of a run of ``caller``'s ``inputs``
-        (``digest``: theirs, where known) towards the back-off: what happens next, for
+    def _crashed(self, child: SandboxProcess, how: str, inputs: Mapping[str, Tensor],
+                 digest: bytes | None, caller: str | None) -> str:
+        """Log a crash of ``child`` (``how`` it ended: a warning, whoever asks for the
+        run: the host goes on, and an operator must learn which model crashes) during a
+        run of ``caller``'s ``inputs`` (``digest``: theirs, where known) and count it
+        towards the back-off (which logs a back-off it starts): what happens next, for
         the run's error. Raises nothing: reading the inputs may not hide the crash (were
         they unreadable, it counts as the graph's own)."""
+        log.warning("%s: sandbox process %d on %s %s during a run%s", self._name,
+                    child.process.pid, self.device.name, how,
+                    "" if caller is None else f" of caller {caller!r}")
         try:
             inputs_of = (shapes_of(inputs), digest or digest_of(inputs))
         except Exception:
             log.exception("%s: the inputs of a run that crashed its sandbox process cannot "
-                          "be remembered: the crash counts as the graph's", self._backend.name)
+                          "be remembered: the crash counts as the graph's", self._name)
             inputs_of = None
         with self._cond:
             return self.backoff.crashed(how, inputs_of, caller)

@@ -33,6 +33,7 @@ def plan_pools(config: RuntimeConfig, extra: tuple[Backend, ...]
     backends (with the ``extra`` instances), for the kinds where a pool found a device."""
     # Runs in a worker thread: asking backends for devices may import their libraries.
     from wasinn.configs import ConfigError
+    from wasinn.configs._values import key_name
 
     actors: list[DeviceActor] = []
     registries: dict[ExecutionTarget, BackendRegistry] = {}
@@ -66,7 +67,8 @@ def plan_pools(config: RuntimeConfig, extra: tuple[Backend, ...]
                                inline_below=pool.inline_below_us * 1e-6,
                                close_timeout=pool.close_timeout,
                                pin_handoffs=pool.pin_handoffs,
-                               compile_threads=pool.compile_threads)
+                               compile_threads=pool.compile_threads,
+                               pool=f"[pools.{key_name(pool_name)}]")
                    for d in devices]
     if not actors:
         log.warning("no pool found a device: this runtime can run no model (pools: %s)",

@@ -8,11 +8,18 @@ then runs as one job in a worker thread, or merged with others when its model ba
 (:mod:`wasinn.actors.batching`). A lease (:meth:`~Requests.lease_model`, and
 :meth:`~Requests.try_lease_model` from any thread) lets the caller's own thread run it
 instead, the compiled graphs held until the lease is over (see :mod:`._jobs`).
+
+A request carries its run's label (``"run of resnet (onnxruntime)"``, ``"run of pipeline
+'p'"``), which its deadline's and a full queue's errors start with. Each request that
+fails, times out, is refused or withdrawn is logged at DEBUG (logger ``wasinn.scheduler``:
+its label, device and error; a lease's run in the holder's thread: ``wasinn.actors``),
+from its error's path only: a completed request pays nothing for it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -25,15 +32,17 @@ from wasinn.actors.device import DeviceActor
 from wasinn.actors.inline import RunProfile
 from wasinn.actors.lease import Lease, settled
 from wasinn.actors.session import Session
-from wasinn.actors.stats import Account
+from wasinn.actors.stats import Account, outcome_of
 from wasinn.enums import ExecutionTarget
-from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_
+from wasinn.errors import ClosedResourceError, InvalidArgumentError, TimeoutError_, WasiNNError
 from wasinn.tensor import Tensor
 
 from ._jobs import Link, RunHeld, chain, held_by, hold, let_go, run_chain, run_first, run_session
 from .model import Inputs, LoadedModel
 from .tenants import TenantLedger
 from .triorun import A_REQUEST, check_trio_run
+
+log = logging.getLogger("wasinn.scheduler")
 
 
 class Requests:
@@ -114,8 +123,12 @@ class Requests:
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_model says so
         job = functools.partial(run_first, held, inputs, _keep(actor, keep_on_device))
+        # (labelled where a deadline's error may name it: every caller's thread's run
+        # would pay for the label)
+        label = "" if timeout is None else _label(model, session)
         return held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
-                                       account=self.tenants.account(model.requests, tenant)),
+                                       account=self.tenants.account(model.requests, tenant),
+                                       label=label),
                        sessions)
 
     def try_lease_chain(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],
@@ -143,8 +156,10 @@ class Requests:
             return None  # unloaded meanwhile: lease_chain says so
         job = functools.partial(chain, links, held, inputs, _keep(actor, keep_on_device),
                                 named=(name, models))
+        label = "" if timeout is None else f"run of pipeline {name!r}"  # (see above)
         return held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
-                                       account=self.tenants.account(account, tenant)),
+                                       account=self.tenants.account(account, tenant),
+                                       label=label),
                        sessions)
 
     async def _model_job(self, model: LoadedModel, target: ExecutionTarget, inputs: Inputs,
@@ -177,6 +192,9 @@ class Requests:
             return await self._session_by(actor, model, deadline)
         except BaseException as exc:
             actor.record_unqueued(account, exc, time.perf_counter() - reached)
+            if isinstance(exc, WasiNNError):
+                _log_ended(f"run of {model.name}", actor, exc,
+                           " while its graph was compiled there")
             raise
         finally:
             actor.placed -= 1
@@ -267,17 +285,21 @@ async def _execute(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
     # when the request reached the device, if it waited there for its graph's compile;
     # ``batch_major``: whether the model declares its outputs batch-major, else the first
     # merged run of each input signature is checked against a run alone).
-    if batching is not None:
-        batch = BatchInputs.of(inputs)
-        if batch is not None:
-            return await actor.execute_batched(
-                key, batch, run, batching, keep_on_device=keep, priority=priority,
-                deadline=deadline, tenant=tenant, label=label, account=account,
-                reached=reached, probe=not batch_major)
-    return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
-                               deadline=deadline, tenant=tenant, profile=profile,
-                               nbytes=None if profile is None else _input_bytes(inputs),
-                               label=label, account=account, reached=reached)
+    try:
+        if batching is not None:
+            batch = BatchInputs.of(inputs)
+            if batch is not None:
+                return await actor.execute_batched(
+                    key, batch, run, batching, keep_on_device=keep, priority=priority,
+                    deadline=deadline, tenant=tenant, label=label, account=account,
+                    reached=reached, probe=not batch_major)
+        return await actor.execute(functools.partial(run, inputs, keep), priority=priority,
+                                   deadline=deadline, tenant=tenant, profile=profile,
+                                   nbytes=None if profile is None else _input_bytes(inputs),
+                                   label=label, account=account, reached=reached)
+    except WasiNNError as exc:  # (a try costs nothing until something is raised)
+        _log_ended(label, actor, exc)
+        raise
 
 
 async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
@@ -302,9 +324,11 @@ async def _lease(actor: DeviceActor, key: object, run: RunInputs, keep: bool,
     try:
         lease = await actor.lease(functools.partial(run_held, held, inputs, keep),
                                   priority=priority, deadline=deadline, tenant=tenant,
-                                  account=account, reached=reached)
-    except BaseException:
+                                  account=account, reached=reached, label=label)
+    except BaseException as exc:
         let_go(sessions)
+        if isinstance(exc, WasiNNError):
+            _log_ended(label, actor, exc, " before its lease was granted")
         raise
     lease.then(functools.partial(let_go, sessions))
     return lease
@@ -325,6 +349,14 @@ def _chain_key(name: str, models: Sequence[LoadedModel], links: Sequence[Link]
 
 def _label(model: LoadedModel, session: Session) -> str:
     return f"run of {model.name} ({session.backend})"
+
+
+def _log_ended(label: str, actor: DeviceActor, exc: WasiNNError, when: str = "") -> None:
+    """Log at DEBUG a request (its run's ``label``) on ``actor`` that raised ``exc``
+    (failed, timed out, refused, withdrawn: its outcome in the device's stats), ``when``
+    it did, if not in the queue or its run."""
+    log.debug("%s on %s: %s%s: %s: %s", label, actor.device, outcome_of(exc).value, when,
+              type(exc).__name__, exc)
 
 
 def _input_bytes(inputs: Inputs) -> int | None:

@@ -10,6 +10,11 @@ sessions on every device when it is unloaded; those a run still uses are closed 
 run as it ends, and :meth:`Sessions.runs_over` waits for that (an unload does), at most
 the ``close_timeout`` of the pools the model was compiled on (its ``placed_on``: noted
 before each compile, so never on the path of a request whose graph is compiled).
+
+Each compile is logged at DEBUG (logger ``wasinn.scheduler``) as it ends: the model, its
+device, its backend and the seconds it took, or why it failed. A sandboxed model is
+given its name (see :func:`~wasinn.backends.sandbox.load_sandboxed`'s ``label``), which
+its crashes' and refusals' errors and warnings start with.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import trio
@@ -152,12 +158,14 @@ class Sessions:
             options = dataclasses.replace(options, thread_pinning=False)
         # A sandboxed graph runs as many processes as its device runs jobs at once, and
         # its library is imported there only.
+        sandboxed = options.sandboxed_on(actor.device)
         load = (functools.partial(load_sandboxed, registry.ref(backend), spares=self.spares,
-                                  processes=actor.workers)
-                if options.sandboxed_on(actor.device)
-                else functools.partial(_load_here, registry, backend))
-        compile_graph = functools.partial(load, model.builders, model.encoding,
-                                          actor.device, options)
+                                  processes=actor.workers, label=_given_name(model))
+                if sandboxed else functools.partial(_load_here, registry, backend))
+        compile_graph = functools.partial(
+            _compile_logged, f"{model.name} ({backend}{', sandboxed' if sandboxed else ''})",
+            functools.partial(load, model.builders, model.encoding, actor.device, options),
+            actor.device)
         try:
             session = await actor.session(model.id, compile_graph, backend,
                                           wanted=lambda: not model.released)
@@ -254,6 +262,28 @@ class Sessions:
         close blocks (sandboxed ones), which close in a thread, included."""
         for actor in self.actors:
             await actor.graphs_closed()
+
+
+def _given_name(model: LoadedModel) -> str:
+    """The name ``model`` was loaded under ("" for none: ``rt.load`` without ``name``,
+    whose model is ``graph#N`` in stats and logs, but whose errors name no model, as
+    before)."""
+    return "" if model.name == f"graph#{model.id}" else model.name
+
+
+def _compile_logged(what: str, load: Callable[[], CompiledGraph], device: Device
+                    ) -> CompiledGraph:
+    # ``load()`` in a compile thread, logged at DEBUG as it ends (``what``: the model and
+    # its backend): a compile is seconds, a log line nothing beside it.
+    start = time.perf_counter()
+    try:
+        graph = load()
+    except BaseException as exc:
+        log.debug("%s: compiling on %s failed after %.3f s: %s", what, device,
+                  time.perf_counter() - start, exc)
+        raise
+    log.debug("%s: compiled on %s in %.3f s", what, device, time.perf_counter() - start)
+    return graph
 
 
 def _load_here(registry: BackendRegistry, backend: str, builders: Builders,

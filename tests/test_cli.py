@@ -118,7 +118,8 @@ def test_a_guests_own_model_runs_sandboxed_on_the_cpu_unless_told_not_to(
         assert main([argv[0], *([flag] if flag else []), *argv[1:]]) == 0
     out = capfd.readouterr().out
     assert re.search(r"top-1: class \d+ score", out)
-    sandboxed = re.search(r"sandbox process \d+ for onnxruntime on cpu", caplog.text)
+    sandboxed = re.search(r"onnxruntime\)?: sandbox process \d+ on cpu loaded the model",
+                          caplog.text)
     assert bool(sandboxed) is (flag != "--no-sandbox")
 
 

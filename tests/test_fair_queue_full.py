@@ -74,11 +74,11 @@ async def test_a_tenant_that_filled_the_queue_gives_way_to_another_tenant() -> N
     assert sorted(ran) == ["a1", "a2", "b1", "b2"]  # what was kept, and only that
     assert rejected == 4  # (each counted once, as the device's rejected requests)
     message = str(outcomes["a4"])
-    assert message.startswith("cpu: the request queue is full (4 waiting) and this "
+    assert message.startswith("run on cpu: the request queue is full (4 waiting) and this "
                               "request, of the tenant with the most waiting, gave its "
                               "place to one of tenant 'b': retry later")
     assert "gave its place" not in str(outcomes["b3"])
-    assert str(outcomes["b3"]).startswith("cpu: the request queue is full (4 waiting): ")
+    assert str(outcomes["b3"]).startswith("run on cpu: the request queue is full (4 waiting): ")
 
 
 async def test_a_priority_device_refuses_what_comes_to_a_full_queue() -> None:

@@ -4,7 +4,9 @@
 names the entries against the limit and the requests waiting, the figure
 ``stats().queued`` and ``wasinn_device_queued`` show, so that an operator comparing the
 error with the gauge reads the same numbers. Without batching the two are one number,
-said once. A real ONNX Runtime graph, its device held by a gated job. (A refused
+said once. It starts with the refused request's run (its model and backend) and device,
+and names the pool's setting to raise and its value. A real ONNX Runtime graph, its
+device held by a gated job. (A refused
 request that had formed a batch of its own is among the requests the device counts
 then: the newcomers here would run alone, and are told the figure from before.)
 """
@@ -44,7 +46,7 @@ async def refused_while_full(batching: Batching | None, waiting: int, rows: int 
     outcomes: dict[float, Any] = {}
     gate = threading.Event()
     async with wasinn.Runtime(cpu_pool(workers=1, queue_limit=2)) as rt:
-        graph = await rt.load([affine_onnx()], "onnx", batching=batching)
+        graph = await rt.load([affine_onnx()], "onnx", batching=batching, name="affine")
         (actor,) = rt.actors
         async with trio.open_nursery() as nursery:
             nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
@@ -68,14 +70,15 @@ async def test_a_full_queue_of_merged_batches_names_entries_and_requests() -> No
     error, queued, outcomes = await refused_while_full(Batching(max_batch=2), 4, rows=2)
     assert queued == 4
     assert str(error) == (
-        "cpu: the request queue is full (2 of 2 entries, 4 requests waiting: a merged "
-        "batch is one entry): retry later or raise the pool's queue_limit")
+        "run of affine (onnxruntime) on cpu: the request queue is full (2 of 2 entries, 4 "
+        "requests waiting: a merged batch is one entry): retry later or raise [pools.cpu] "
+        "queue_limit (now 2)")
     assert outcomes == {0.0: "ran", 1.0: "ran", 2.0: "ran", 3.0: "ran"}
 
 
 async def test_without_batching_entries_and_requests_are_one_number() -> None:
     error, queued, outcomes = await refused_while_full(None, 2)
     assert queued == 2
-    assert str(error) == ("cpu: the request queue is full (2 waiting): retry later or "
-                          "raise the pool's queue_limit")
+    assert str(error) == ("run of affine (onnxruntime) on cpu: the request queue is full "
+                          "(2 waiting): retry later or raise [pools.cpu] queue_limit (now 2)")
     assert outcomes == {0.0: "ran", 1.0: "ran"}

@@ -136,8 +136,9 @@ async def test_timeout_through_the_api(autojump_clock: trio.testing.MockClock,
             nursery.start_soon(graph.compute, {"x": x(0)})
             await trio.testing.wait_all_tasks_blocked()
             start = trio.current_time()
-            with pytest.raises(TimeoutError_, match=r"^gpu:0: the request's deadline passed "
-                               r"before it finished \(timeout=3 s\)$"):
+            with pytest.raises(TimeoutError_, match=r"^run of graph#\d+ \(fake\) on gpu:0: the "
+                               r"request's deadline passed before it finished "
+                               r"\(timeout=3 s\)$"):
                 await ctx.compute({"x": x(5)}, timeout=3)
             assert trio.current_time() - start == pytest.approx(3)
             fake.gate.set()
