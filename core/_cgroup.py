@@ -94,7 +94,10 @@ def cgroup_memory(root: Path = ROOT) -> CgroupMemory | None:
                 headrooms.append(headroom)
     if not limits:
         return None
-    return CgroupMemory(limit=min(limits), available=min(headrooms) if headrooms else None)
+    limit = min(limits)
+    # (capped by the tightest limit: a limited cgroup whose usage cannot be read counts
+    # with no headroom of its own, which must not let a looser parent's stand for it)
+    return CgroupMemory(limit=limit, available=min(*headrooms, limit) if headrooms else None)
 
 
 def _memory_hierarchy(root: Path) -> _Hierarchy | None:

@@ -35,9 +35,10 @@ def available_memory(root: Path = _cgroup.ROOT) -> int:
     not be by the time it is touched."""
     machine = int(psutil.virtual_memory().available)
     cgroup = _cgroup.cgroup_memory(root)
-    if cgroup is None or cgroup.available is None:
+    if cgroup is None:
         return machine
-    return min(machine, cgroup.available)
+    # (where its usage cannot be read, no more than its limit)
+    return min(machine, cgroup.limit if cgroup.available is None else cgroup.available)
 
 
 def total_memory(root: Path = _cgroup.ROOT) -> int:

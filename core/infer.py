@@ -538,6 +538,17 @@ async def _drive(graph: Graph, inputs: dict[str, Tensor], target: str | None,
         raise hinted(failure, hint)
 
 
+def _finite_mean(values: np.ndarray[Any, Any]) -> float:
+    """The mean of finite f64 ``values``, also where their sum would overflow (values near
+    f64's maximum): then computed on the values scaled by the largest magnitude."""
+    with np.errstate(over="ignore"):
+        mean = float(values.mean())
+    if math.isfinite(mean):
+        return mean
+    scale = float(np.abs(values).max())
+    return float((values / scale).mean()) * scale
+
+
 def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
     """One line: type, shape, range and the ``top`` largest values along the last axis
     (of its first row). The range and the mean are of the finite values, the NaNs and
@@ -552,7 +563,7 @@ def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
     finite = values[np.isfinite(values)]
     if finite.size:
         line += (f" min {finite.min():.6g} max {finite.max():.6g} "
-                 f"mean {finite.mean():.6g}")
+                 f"mean {_finite_mean(finite):.6g}")
     nans = int(np.isnan(values).sum())
     infinite = values.size - finite.size - nans
     apart = [f"{count} {what}" for count, what in ((nans, "NaN"), (infinite, "infinite"))

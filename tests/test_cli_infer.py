@@ -328,6 +328,12 @@ def test_an_output_line_counts_nan_and_infinities_apart_from_the_range() -> None
                     "the last axis: [2] inf, [3] 3, [5] 2, [0] 1, [4] -inf")
     assert describe_output("n", Tensor.from_numpy(np.full((1, 2), np.nan, np.float32))) == (
         "n: f32[1, 2] (no finite value: 2 NaN); largest along the last axis: [0] nan, [1] nan")
+    # Finite values whose sum overflows f64 (before: "mean inf" and numpy's warning).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        line = describe_output("big", Tensor.from_numpy(np.array([1e308, 1e308, 1.0])))
+    assert line == ("big: f64[3] min 1 max 1e+308 mean 6.66667e+307; largest along the "
+                    "last axis: [0] 1e+308, [1] 1e+308, [2] 1")
 
 
 def test_models_lists_what_the_command_line_registers(

@@ -270,13 +270,28 @@ def test_the_memory_is_the_machines_where_the_cgroup_is_unlimited(
     assert total_memory(tmp_path / "nothing") == 64 * GiB
 
 
-def test_the_memory_available_is_the_machines_where_the_cgroups_usage_is_unknown(
+def test_the_memory_available_is_at_most_the_limit_where_the_cgroups_usage_is_unknown(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the machine's 10 GiB, over the cgroup's 1 GiB limit.
     machine_reads(monkeypatch, total=64 * GiB, available=10 * GiB)
     root = v2_container(tmp_path)
     (root / "sys/fs/cgroup/memory.current").unlink()
-    assert available_memory(root) == 10 * GiB
+    assert available_memory(root) == GiB
     assert total_memory(root) == GiB  # the limit is still known
+    machine_reads(monkeypatch, total=64 * GiB, available=100 * MiB)
+    assert available_memory(root) == 100 * MiB
+
+
+def test_a_limited_cgroup_of_unknown_usage_caps_a_looser_parents_headroom(
+        tmp_path: Path) -> None:
+    # Before: limit 1 GiB, available 9 GiB (the 10 GiB parent's headroom).
+    root = fake_tree(tmp_path, "0::/slice/leaf\n", V2_MOUNT + "\n", {
+        "sys/fs/cgroup/cgroup.controllers": "memory\n",
+        "sys/fs/cgroup/slice/memory.max": f"{10 * GiB}\n",
+        "sys/fs/cgroup/slice/memory.current": f"{GiB}\n",
+        "sys/fs/cgroup/slice/leaf/memory.max": f"{GiB}\n",
+    })
+    assert cgroup_memory(root) == CgroupMemory(limit=GiB, available=GiB)
 
 
 def test_a_sandboxed_graphs_default_bound_is_half_the_cgroups_limit_where_lower(
