@@ -53,7 +53,8 @@ _MAX_ALONE = 1024
 class Batcher:
     """The batches of one device actor (trio only; see the module docstring).
 
-    ``take_slot(request)`` queues for a worker slot as ``request``; ``requeue_slot(request,
+    ``take_slot(request, label)`` queues for a worker slot as ``request`` (``label`` names
+    its run in the errors it may get); ``requeue_slot(request,
     priority, deadline)`` gives it new terms while it waits; ``free_slot`` gives a slot
     back; ``run_in_slot(job, label, tenant)`` runs a job in a worker thread on a held slot
     (which it frees when the thread is done) and returns its result and when
@@ -68,7 +69,7 @@ class Batcher:
     """
 
     def __init__(self, device: str,
-                 take_slot: Callable[[Request], Awaitable[None]],
+                 take_slot: Callable[[Request, str], Awaitable[None]],
                  requeue_slot: Callable[[Request, int, float], None],
                  free_slot: Callable[[], None],
                  run_in_slot: Callable[[Callable[[], Any], str, str],
@@ -206,7 +207,7 @@ class Batcher:
                          ) -> tuple[dict[str, Tensor], float, float, float]:
         # A plain request: queued on its own terms (withdrawn as any, by the owner its
         # caller's task names), run in a job of its own.
-        await self._take_slot(Request(priority, deadline, tenant))
+        await self._take_slot(Request(priority, deadline, tenant), label)
         granted = time.perf_counter()
         job = functools.partial(run, inputs.tensors, keep)
         result, released = await self._run_in_slot(job, label, tenant)
@@ -253,7 +254,7 @@ class Batcher:
                 batch.request = Request(batch.priority, batch.deadline, batch.tenant)
                 self._requests.add(batch.request)
                 try:
-                    await self._take_slot(batch.request)
+                    await self._take_slot(batch.request, batch.label)
                 finally:
                     self._requests.discard(batch.request)
                     batch.request = None

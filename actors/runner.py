@@ -320,7 +320,8 @@ class RequestRunner:
                 self._slots.free()
             raise ClosedResourceError(f"{self.device}: the device actor is closed")
 
-    async def _take_batch_slot(self, request: Request) -> None:
-        # A batch waits in the queue as ``request``, whose terms change as members leave.
-        await self.take_slot(request.priority, request.deadline, request.tenant,
+    async def _take_batch_slot(self, request: Request, label: str) -> None:
+        # A batch waits in the queue as ``request``, whose terms change as members leave
+        # (``label``: its run's, a batch's members being requests of one run).
+        await self.take_slot(request.priority, request.deadline, request.tenant, label,
                              request=request)

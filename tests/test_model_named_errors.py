@@ -216,6 +216,28 @@ async def test_a_full_queue_names_the_model_the_pool_and_its_limit(busy_affine: 
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("max_delay", [0.0, 0.002])
+async def test_a_batched_models_full_queue_names_the_model(busy_affine: Any,
+                                                           max_delay: float) -> None:
+    # Before: a request of a model with batching that opened a batch (or ran alone)
+    # and found the queue full was told "cpu: the request queue is full ...".
+    from wasinn.actors.batching import Batching
+
+    rt, _, _ = busy_affine
+    graph = await rt.load([affine_onnx()], "onnx", name="batched",
+                          batching=Batching(max_batch=8, max_delay=max_delay))
+    said = r"^run of batched \(onnxruntime\) on cpu: the request queue is full"
+    rows8 = {"x": np.ones((8, 4), np.float32)}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(graph.compute, rows8)  # a full batch, queued until cancelled
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(QueueFullError, match=said):
+            await graph.compute(X)  # opens a batch of its own
+        with pytest.raises(QueueFullError, match=said):
+            await graph.compute(rows8)  # too many rows to join: runs alone
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("path", ["queued through trio", "free slot taken in the thread"])
 async def test_a_lease_run_past_its_deadline_names_the_model(path: str) -> None:
     # Before: "cpu: the request's deadline passed while it ran; the run was stopped".
