@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import logging
 import os
 import signal
@@ -204,12 +205,24 @@ def _check_preload(flag: str, preload: Preload) -> None:
 
 
 class _Stop:
-    """What :func:`_stopped_by` yields: the scope its signals cancel, and the first of
-    them that came (None: none yet)."""
+    """What :func:`_stopped_by` yields: the scope its signals cancel, and the first stop
+    signal that came while it ran (None: none yet), whether it took that signal itself
+    or a scope inside it did (:meth:`take`). ``outer`` is the stop of the scope around
+    it (None: none)."""
 
-    def __init__(self, scope: trio.CancelScope) -> None:
+    def __init__(self, scope: trio.CancelScope, outer: _Stop | None = None) -> None:
         self.scope = scope
+        self.outer = outer
         self.signum: signal.Signals | None = None
+
+    def take(self, signum: signal.Signals) -> None:
+        """Record ``signum`` as the first signal here and in every scope around this one
+        that has none yet, without cancelling them: the next signal any of them takes
+        (the one listening when this scope has ended) then exits at once."""
+        stop: _Stop | None = self
+        while stop is not None and stop.signum is None:
+            stop.signum = signum
+            stop = stop.outer
 
     @property
     def stopped(self) -> bool:
@@ -227,17 +240,30 @@ class _Stop:
         return _STOP_SIGNALS[self.signum][1] if self.signum is not None else EXIT_ERROR
 
 
+#: The stop of the innermost :func:`_stopped_by` scope the current task runs in (None:
+#: none), which a scope opened inside it takes as its ``outer``. A context variable, not
+#: a global: it is set in the command's own task, and every ``trio.run`` (every
+#: in-process ``main()`` call) starts from a copy of its caller's context.
+_enclosing_stop: contextvars.ContextVar[_Stop | None] = contextvars.ContextVar(
+    "_enclosing_stop", default=None)
+
+
 @contextlib.asynccontextmanager
 async def _stopped_by(*signums: signal.Signals) -> AsyncIterator[_Stop]:
     """A scope that any of ``signums`` (of :data:`_STOP_SIGNALS`) cancels: what runs in
     it is cancelled, and every ``finally`` and close on the way out runs (a runtime's
     close, which removes its sandbox processes' private folders, is shielded). Another
-    such signal while it stops exits at once, with that signal's status. Outside the
-    main thread, which alone is told of signals, a scope that nothing cancels."""
+    such signal while it stops exits at once, with that signal's status: also once the
+    signal came to a scope inside this one (a guest's, which has ended and left this
+    one listening while the runtime closes), since the signal a scope takes is recorded
+    in every scope around it (:meth:`_Stop.take`). Outside the main thread, which alone
+    is told of signals, a scope that nothing cancels."""
     import trio
 
     with trio.CancelScope() as scope:
-        stop = _Stop(scope)
+        # (Read here, in the caller's task: the watcher below is a system task, which
+        # runs in a context of its own.)
+        stop = _Stop(scope, _enclosing_stop.get())
         if threading.current_thread() is not threading.main_thread():
             yield stop
             return
@@ -250,7 +276,7 @@ async def _stopped_by(*signums: signal.Signals) -> AsyncIterator[_Stop]:
                     if stop.signum is not None:
                         _exit_now(f"a second {name}" if signum is stop.signum
                                   else f"{name} after {stop.name}", status)
-                    stop.signum = signum
+                    stop.take(signum)
                     scope.cancel()
 
             watching = trio.CancelScope()
@@ -265,9 +291,11 @@ async def _stopped_by(*signums: signal.Signals) -> AsyncIterator[_Stop]:
             # A system task, not a nursery: the block's own errors (a guest's trap)
             # reach the caller as they are, not in an exception group.
             trio.lowlevel.spawn_system_task(watch_until_done)
+            enclosing = _enclosing_stop.set(stop)
             try:
                 yield stop
             finally:
+                _enclosing_stop.reset(enclosing)
                 watching.cancel()
 
 
@@ -297,15 +325,12 @@ async def _terminable(command: Callable[[argparse.Namespace], Awaitable[int]],
                       args: argparse.Namespace) -> int:
     """``command(args)``, stopped by Ctrl-C or SIGTERM (see :func:`_stopped_by`): its
     status, or the signal's (:data:`EXIT_INTERRUPTED`, :data:`EXIT_TERMINATED`) once one
-    stopped it. ``run`` is stopped so by SIGTERM alone: its guest has a scope of its own
-    for both (:func:`_guest_stopped`), and a Ctrl-C before or after the guest reaches it
-    as a KeyboardInterrupt (130 all the same). After a guest that Ctrl-C stopped, a
-    second one so interrupts the runtime's close, where it would be the first that this
-    scope sees, which merely cancels it."""
-    signums = (signal.SIGTERM,) if command is _run else (signal.SIGINT, signal.SIGTERM)
-    async with _stopped_by(*signums) as stop:
-        return await command(args)
-    return stop.status
+    came, to this scope or to one of the command's own (``run``'s guest, ``infer``'s
+    runtime). After a signal one of those took, the next one, which comes here once the
+    command's scope has ended (while ``run``'s runtime closes), exits at once."""
+    async with _stopped_by(signal.SIGINT, signal.SIGTERM) as stop:
+        status = await command(args)
+    return stop.status if stop.signum is not None else status
 
 
 def _exit_now(why: str, status: int = EXIT_INTERRUPTED) -> None:

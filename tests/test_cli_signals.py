@@ -1,13 +1,18 @@
 """Ctrl-C and SIGTERM stop ``wasinn infer``, ``devices`` and ``demo`` alike: the command's
 scope is cancelled, every close runs, and the command exits with 130 (143 after
-SIGTERM); a second signal while it stops exits at once. A load test so stopped prints
-what it measured.
+SIGTERM); a second signal while it stops exits at once, also in ``wasinn run`` once
+its guest is stopped and its runtime closes. A load test so stopped prints what it
+measured.
 
 Before: Ctrl-C reached those commands as trio's KeyboardInterrupt. ``wasinn infer`` on a
 model whose run ignores cancellation (an OpenVINO Loop) then waited the pool's whole
 ``close_timeout`` in the graph's unload, and the runtime's close waited it again; a
 second Ctrl-C did not exit at once. A load test stopped by either signal printed
-nothing of what it had measured.
+nothing of what it had measured. ``wasinn run``, whose guest has a stop scope of its
+own, took a second signal that came once the guest was stopped, while the runtime
+closed, as the command scope's first: it merely cancelled that (shielded) close, and
+the command waited the whole ``close_timeout`` (after Ctrl-C: a KeyboardInterrupt, with
+the same wait).
 
 Each test runs the real command in a subprocess, as a user at a terminal would.
 """
@@ -25,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.guest_support import WAT_DIR
 from tests.loop_model import HUGE_LOOP, loop_inputs, loop_onnx
 from tests.support import require_backend
 from wasinn.modelgen import affine_onnx
@@ -43,6 +49,9 @@ SIGNALS = {signal.SIGINT: ("Ctrl-C", 130), signal.SIGTERM: ("SIGTERM", 143)}
 #: that was not cancelled), and the runtime close's, once it waited its own.
 UNLOAD_WAITED = "(close_timeout) it still waits for a run"
 CLOSE_WAITED = f"job(s) still running {CLOSE_TIMEOUT_S:g} s after the device closed"
+#: ``run``'s -v line for the device, logged once its guest has ended, just before the
+#: runtime closes: its first number, the runs still going, which the close waits for.
+DEVICE_LINE = re.compile(r"wasinn\.cli: cpu: .*; (\d+)/\d+ running, ")
 
 
 def _signalled(tmp_path: Path, command: list[str], signums: list[signal.Signals],
@@ -72,14 +81,11 @@ def _signalled(tmp_path: Path, command: list[str], signums: list[signal.Signals]
     return child.returncode, out, "".join(said) + err
 
 
-def _loop_infer(tmp_path: Path) -> list[str]:
-    """``infer`` of an OpenVINO Loop whose run takes minutes and ignores cancellation,
-    on a pool whose close_timeout is :data:`CLOSE_TIMEOUT_S`."""
+def _loop_config(tmp_path: Path, more: str = "") -> Path:
+    """A config registering the OpenVINO Loop as "loop", on a pool whose close_timeout
+    is :data:`CLOSE_TIMEOUT_S`, then ``more``."""
     require_backend("openvino")
     (tmp_path / "loop.onnx").write_bytes(loop_onnx())
-    inputs = loop_inputs(10 * HUGE_LOOP)
-    for name, array in inputs.items():
-        np.save(tmp_path / f"{name}.npy", array)
     config = tmp_path / "wasinn.toml"
     config.write_text(textwrap.dedent(f"""\
         [pools.cpu]
@@ -89,7 +95,17 @@ def _loop_infer(tmp_path: Path) -> list[str]:
         [models.loop]
         files = ["loop.onnx"]
         backend = "openvino"
-        """))
+        """) + more)
+    return config
+
+
+def _loop_infer(tmp_path: Path) -> list[str]:
+    """``infer`` of an OpenVINO Loop whose run takes minutes and ignores cancellation,
+    on a pool whose close_timeout is :data:`CLOSE_TIMEOUT_S`."""
+    config = _loop_config(tmp_path)
+    inputs = loop_inputs(10 * HUGE_LOOP)
+    for name, array in inputs.items():
+        np.save(tmp_path / f"{name}.npy", array)
     return ["infer", "--config", str(config), "loop",
             *(f"--input={name}={name}.npy" for name in inputs)]
 
@@ -116,6 +132,60 @@ def test_a_second_signal_stops_infer_at_once(tmp_path: Path, signum: signal.Sign
     assert code == status, err
     assert f"wasinn: a second {name}: exiting" in err, err
     assert CLOSE_WAITED not in err and UNLOAD_WAITED not in err, err
+
+
+def _said_until(child: subprocess.Popen[str], said: list[str], pattern: str | re.Pattern[str],
+                times: int = 1) -> re.Match[str] | None:
+    """Read ``child``'s stderr into ``said`` until a line matched ``pattern`` ``times``
+    times: the last match (None: the stream ended first)."""
+    assert child.stderr is not None
+    for line in child.stderr:
+        said.append(line)
+        found = re.search(pattern, line)
+        if found is not None:
+            times -= 1
+            if not times:
+                return found
+    return None
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGINT),
+    (signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)],
+    ids=["SIGTERM-SIGTERM", "SIGINT-SIGINT", "SIGINT-SIGTERM", "SIGTERM-SIGINT"])
+def test_a_second_signal_exits_run_at_once_while_its_runtime_closes(
+        tmp_path: Path, first: signal.Signals, second: signal.Signals) -> None:
+    # The guest's compute of the Loop runs in a device worker thread (a guest with a
+    # compute_timeout computes there, not in its own thread), where it goes on once the
+    # first signal has stopped the guest: the runtime's close waits for it. The second
+    # signal comes once the guest's scope has ended (its device line is logged).
+    config = _loop_config(tmp_path, "\n[guests]\ncompute_timeout = 3600\n")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "wasinn.cli", "run", "--config", str(config), "-vv",
+         str(WAT_DIR / "loop_compute.wat")],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=tmp_path)
+    said: list[str] = []
+    running = None
+    try:
+        if _said_until(child, said, "set_input took", times=2) is not None:
+            time.sleep(SETTLE_S)  # (the guest's compute has started)
+            child.send_signal(first)
+            running = _said_until(child, said, DEVICE_LINE)
+            if running is not None:
+                child.send_signal(second)
+        out, err = child.communicate(timeout=GUARD_S)
+    finally:
+        child.kill()
+        child.wait()
+    err = "".join(said) + err
+    assert running is not None and running[1] == "1", err  # (a run for the close to wait for)
+    name, status = SIGNALS[second]
+    why = f"a second {name}" if first is second else f"{name} after {SIGNALS[first][0]}"
+    assert child.returncode == status, err
+    assert f"wasinn: {why}: exiting\n" in err, err
+    assert CLOSE_WAITED not in err, err  # (it exited before the close's wait ended)
+    assert "Traceback" not in err and out == "", err
 
 
 @pytest.mark.parametrize("signum", list(SIGNALS), ids=[s.name for s in SIGNALS])
