@@ -18,7 +18,9 @@ thread and the threads it starts later only:
   only its backend's and wasinn's own folders, not the host's working directory or
   script folder: see :mod:`._sandbox_process`), the system's libraries and what the
   caller names (a sandbox process: the folders and files of ``[runtime] sandbox_read``,
-  see :mod:`._sandbox_read`), and writable only in the child's own temporary directory;
+  see :mod:`._sandbox_read`, each as the host resolved and checked it: opened through
+  no symlink and checked again, see :func:`_add_named_rule`), and writable only in the
+  child's own temporary directory;
   nothing may be executed; where the kernel can, TCP, abstract Unix sockets and signals
   to processes outside the sandbox are refused too (and so are ``ptrace`` and
   ``/proc/<pid>/mem`` of the host); of ``/proc`` only the process's own folder and the
@@ -29,7 +31,8 @@ thread and the threads it starts later only:
   and ``/dev/dri``'s render nodes, OpenCL's), read what their drivers read in ``/proc``
   and ``/etc`` (:data:`GPU_READ`) and name its own threads (their ``/proc`` ``comm``
   files, which the CUDA driver writes); a CPU graph's gets none of it.
-* ``seccomp``: a deny-list filter (x86-64 only), given to every thread of the process
+* ``seccomp``: a deny-list filter (x86-64 only: :mod:`._seccomp_filter`), given to every
+  thread of the process
   (``SECCOMP_FILTER_FLAG_TSYNC``, which sets their ``no_new_privs`` too), under which
   these fail with EPERM: starting programs or processes (``execve``, ``fork``, ``clone``
   without ``CLONE_THREAD`` or with a namespace flag), sockets, ``ptrace`` and
@@ -76,10 +79,35 @@ import os
 import re
 import resource
 import signal
+import stat
 import struct
 import sys
 import threading
 from collections.abc import Iterable
+from types import ModuleType
+
+if __package__:  # imported as wasinn.backends._confine: in the host
+    from ._confine_paths import open_resolved, read_refusal
+    from ._seccomp_filter import seccomp_program
+else:  # loaded from its file by a confined child (see _sibling)
+
+    def _sibling(name: str) -> ModuleType:
+        """Module ``name`` beside this file, loaded from its file as this one was: a
+        confined child loads this module before it may import wasinn (whose imports
+        start threads, which landlock would not bind: see :mod:`._sandbox_child`)."""
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_wasinn{name}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    _paths, _filter = _sibling("_confine_paths"), _sibling("_seccomp_filter")
+    open_resolved, read_refusal = _paths.open_resolved, _paths.read_refusal
+    seccomp_program = _filter.seccomp_program
 
 log = logging.getLogger("wasinn.backends")
 
@@ -103,61 +131,6 @@ _PR_CAPBSET_DROP = 24
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _NR_CAPSET = 126
 _CAPABILITY_VERSION_3 = 0x20080522
-_AUDIT_ARCH_X86_64 = 0xC000003E
-_X32_SYSCALL_BIT = 0x40000000
-_RET_ALLOW = 0x7FFF0000
-_RET_ERRNO = 0x00050000
-_LD_ABS_W = 0x20  # BPF_LD | BPF_W | BPF_ABS
-_JEQ = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
-_JGE = 0x35  # BPF_JMP | BPF_JGE | BPF_K
-_JSET = 0x45  # BPF_JMP | BPF_JSET | BPF_K
-_RET = 0x06  # BPF_RET | BPF_K
-_CLONE_THREAD = 0x00010000
-#: CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
-_CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 \
-    | 0x20000000 | 0x40000000
-_NR_CLONE = 56
-_NR_CLONE3 = 435
-#: Stands for the process's own pid in :data:`ON_ITSELF_X86_64`.
-_ITSELF = -1
-#: x86-64 system calls allowed only on the process itself: name -> (number, checks),
-#: each check (argument index, the values it may take). 0 is the caller (a pid, a
-#: ``who``); ``_ITSELF`` the process's pid (its main thread, or all of it).
-ON_ITSELF_X86_64: dict[str, tuple[int, tuple[tuple[int, tuple[int, ...]], ...]]] = {
-    "prlimit64": (302, ((0, (0, _ITSELF)),)),
-    "setpriority": (141, ((0, (0,)), (1, (0, _ITSELF)))),  # PRIO_PROCESS only
-    "ioprio_set": (251, ((0, (1,)), (1, (0, _ITSELF)))),  # IOPRIO_WHO_PROCESS only
-    "sched_setaffinity": (203, ((0, (0, _ITSELF)),)),
-    "sched_setscheduler": (144, ((0, (0, _ITSELF)),)),
-    "sched_setparam": (142, ((0, (0, _ITSELF)),)),
-    "sched_setattr": (314, ((0, (0, _ITSELF)),)),
-    "kill": (62, ((0, (_ITSELF,)),)),
-    "tgkill": (234, ((0, (_ITSELF,)),)),
-    "rt_sigqueueinfo": (129, ((0, (_ITSELF,)),)),
-    "rt_tgsigqueueinfo": (297, ((0, (_ITSELF,)),)),
-}
-#: x86-64 system calls that fail with EPERM.
-DENIED_X86_64 = {
-    "execve": 59, "execveat": 322, "fork": 57, "vfork": 58,
-    "socket": 41, "socketpair": 53, "connect": 42, "bind": 49, "listen": 50,
-    "accept": 43, "accept4": 288,
-    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-    "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
-    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-    "fspick": 433, "mount_setattr": 442,
-    "setns": 308, "unshare": 272,
-    "keyctl": 250, "add_key": 248, "request_key": 249,
-    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
-    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "tkill": 200, "pidfd_open": 434, "pidfd_send_signal": 424, "process_madvise": 440,
-    "kcmp": 312, "reboot": 169, "kexec_load": 246, "kexec_file_load": 320,
-    "init_module": 175, "finit_module": 313, "delete_module": 176,
-    "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "quotactl_fd": 443,
-    "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
-    "sethostname": 170, "setdomainname": 171, "iopl": 172, "ioperm": 173,
-    "syslog": 103, "vhangup": 153, "name_to_handle_at": 303, "open_by_handle_at": 304,
-    "fanotify_init": 300, "lookup_dcookie": 212,
-}
 
 # -- landlock ---------------------------------------------------------------------------
 _NR_LANDLOCK_CREATE_RULESET = 444
@@ -224,23 +197,26 @@ class Report:
         self.unsupported: dict[str, str] = {}
         #: It should have worked and did not: worth a warning.
         self.failed: dict[str, str] = {}
+        #: Paths an operator named (``named``) that it may not read after all: why, each.
+        self.left_out: dict[str, str] = {}
 
     def as_dict(self) -> dict[str, object]:
         return {"applied": self.applied, "unsupported": self.unsupported,
-                "failed": self.failed}
+                "failed": self.failed, "left_out": self.left_out}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Report:
         """The report :meth:`as_dict` gave (as another copy of this module wrote it)."""
         report = cls()
-        applied, unsupported, failed = (data.get(k) for k in ("applied", "unsupported",
-                                                              "failed"))
+        applied = data.get("applied")
         report.applied = [str(a) for a in applied] if isinstance(applied, list) else []
-        report.unsupported = ({str(k): str(v) for k, v in unsupported.items()}
-                              if isinstance(unsupported, dict) else {})
-        report.failed = ({str(k): str(v) for k, v in failed.items()}
-                         if isinstance(failed, dict) else {})
+        report.unsupported, report.failed, report.left_out = (
+            _reasons(data.get(key)) for key in ("unsupported", "failed", "left_out"))
         return report
+
+
+def _reasons(value: object) -> dict[str, str]:
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
 def _libc() -> ctypes.CDLL:
@@ -264,15 +240,20 @@ def confine(fsize: int, writable: str, readable: Iterable[str] = (),
     return report
 
 
-def lock_down(writable: str, readable: Iterable[str] = (), *, gpu: bool = False) -> Report:
+def lock_down(writable: str, readable: Iterable[str] = (), *, named: Iterable[str] = (),
+              gpu: bool = False) -> Report:
     """Confine this process but for its resource limits (see the module's docstring);
     never raises. ``writable``: the one directory it may write in. ``readable``:
     directories (everything below each) and files it may read besides the defaults,
     read only (its files read, its folders listed: nothing written, made, removed or
-    executed there); those not there are left out. ``gpu``: it may use the GPUs' device
-    files (a GPU graph's process). Call it before the process starts a thread: landlock
-    binds the calling thread and those it starts later only (one started before is named
-    in the report's failures)."""
+    executed there); those not there are left out. ``named``: more of them, paths an
+    operator named (``[runtime] sandbox_read``) that the host resolved and checked as it
+    started this process: each only if it is still what the host checked
+    (:func:`_add_named_rule`; one that is not is left out, and the report's
+    ``left_out`` says why). ``gpu``: it may use the GPUs' device files (a GPU graph's
+    process). Call it before the process starts a thread: landlock binds the calling
+    thread and those it starts later only (one started before is named in the report's
+    failures)."""
     report = Report()
     if not sys.platform.startswith("linux"):
         for name in ("no_new_privs", "capabilities", "landlock", "seccomp"):
@@ -285,7 +266,7 @@ def lock_down(writable: str, readable: Iterable[str] = (), *, gpu: bool = False)
     except OSError as exc:
         report.failed["no_new_privs"] = str(exc)
     _drop_capabilities(report, libc)
-    _landlock(report, libc, writable, readable, gpu)
+    _landlock(report, libc, writable, readable, named, gpu)
     _seccomp(report, libc)
     return report
 
@@ -352,50 +333,6 @@ def _limit(report: Report, name: str, which: int, value: int) -> None:
         report.failed[name] = str(exc)
 
 
-def seccomp_program() -> bytes:
-    """The x86-64 deny-list filter, as ``struct sock_filter`` instructions, for this
-    process: the calls that act on a process are allowed on it only (see
-    :data:`ON_ITSELF_X86_64`)."""
-    pid = os.getpid()
-
-    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-        return struct.pack("=HBBI", code, jt, jf, k)
-
-    eperm = _RET_ERRNO | errno.EPERM
-    prog = [
-        op(_LD_ABS_W, 4),  # seccomp_data.arch
-        op(_JEQ, _AUDIT_ARCH_X86_64, 1, 0),
-        op(_RET, eperm),  # i386 calls (int 0x80) would bypass the numbers below
-        op(_LD_ABS_W, 0),  # seccomp_data.nr
-        op(_JGE, _X32_SYSCALL_BIT, 0, 1),
-        op(_RET, eperm),  # x32 calls likewise
-        op(_JEQ, _NR_CLONE3, 0, 1),
-        op(_RET, _RET_ERRNO | errno.ENOSYS),
-        op(_JEQ, _NR_CLONE, 0, 5),
-        op(_LD_ABS_W, 16),  # the low half of args[0], the flags
-        op(_JSET, _CLONE_NAMESPACES, 2, 0),
-        op(_JSET, _CLONE_THREAD, 0, 1),
-        op(_RET, _RET_ALLOW),  # a thread
-        op(_RET, eperm),  # a process
-    ]
-    for number, checks in ON_ITSELF_X86_64.values():
-        # Allowed when each checked argument's low 32 bits are one of its values (a pid
-        # is an int: its upper bits may be a sign's), else EPERM.
-        block: list[bytes] = []
-        for arg, values in checks:
-            allowed = tuple(pid if v is _ITSELF else v for v in values)
-            block.append(op(_LD_ABS_W, 16 + 8 * arg))  # seccomp_data.args[arg], low half
-            for i, value in enumerate(allowed):  # on a match: the next check
-                block.append(op(_JEQ, value, len(allowed) - i, 0))
-            block.append(op(_RET, eperm))
-        block.append(op(_RET, _RET_ALLOW))
-        prog += [op(_JEQ, number, 0, len(block)), *block]
-    for number in sorted(DENIED_X86_64.values()):
-        prog += [op(_JEQ, number, 0, 1), op(_RET, eperm)]
-    prog.append(op(_RET, _RET_ALLOW))
-    return b"".join(prog)
-
-
 def _seccomp(report: Report, libc: ctypes.CDLL) -> None:
     machine = os.uname().machine.lower()
     if machine not in ("x86_64", "amd64"):
@@ -433,7 +370,7 @@ def _syscall(libc: ctypes.CDLL, what: str, number: int, *args: object) -> int:
 
 
 def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
-              readable: Iterable[str], gpu: bool) -> None:
+              readable: Iterable[str], named: Iterable[str], gpu: bool) -> None:
     try:
         abi = _syscall(libc, "landlock_create_ruleset", _NR_LANDLOCK_CREATE_RULESET, None,
                        ctypes.c_size_t(0), ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
@@ -470,6 +407,12 @@ def _landlock(report: Report, libc: ctypes.CDLL, writable: str,
         rules = landlock_rules(writable, readable, gpu=gpu, handled=handled)
         for path, access in rules:
             _add_rule(libc, ruleset, path, access)
+        # (where the private folders are: this process's own folder's)
+        temp = os.path.dirname(os.path.realpath(writable))
+        for path in dict.fromkeys(path for path in named if path):
+            why = _add_named_rule(libc, ruleset, path, temp)
+            if why is not None:
+                report.left_out[path] = why
         _syscall(libc, "landlock_restrict_self", _NR_LANDLOCK_RESTRICT_SELF,
                  ctypes.c_int(ruleset), ctypes.c_uint32(0))
         report.applied.append(f"landlock(abi={abi})")
@@ -575,13 +518,53 @@ def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     try:
-        if not os.path.isdir(path):  # a file takes only the rights that apply to files
-            access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE \
-                | _FS_IOCTL_DEV
-        attr = struct.pack("=Qi", access, fd)
-        _syscall(libc, f"landlock_add_rule({path})", _NR_LANDLOCK_ADD_RULE,
-                 ctypes.c_int(ruleset), ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                 ctypes.c_char_p(attr), ctypes.c_uint32(0))
+        _add_rule_at(libc, ruleset, fd, path, access)
+    finally:
+        os.close(fd)
+
+
+def _add_rule_at(libc: ctypes.CDLL, ruleset: int, fd: int, path: str, access: int) -> None:
+    """Let the process reach what ``fd`` (an ``O_PATH`` descriptor, of ``path``) is, with
+    ``access``."""
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):  # a file takes only the rights for files
+        access &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
+    attr = struct.pack("=Qi", access, fd)
+    _syscall(libc, f"landlock_add_rule({path})", _NR_LANDLOCK_ADD_RULE,
+             ctypes.c_int(ruleset), ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+             ctypes.c_char_p(attr), ctypes.c_uint32(0))
+
+
+# -- the paths an operator names ----------------------------------------------------------
+def _add_named_rule(libc: ctypes.CDLL, ruleset: int, path: str, temp: str) -> str | None:
+    """Let the process read ``path``, one an operator named (``[runtime] sandbox_read``)
+    that the host resolved and checked as it started the process, if it is still what the
+    host checked: reached from the root through no symlink (:func:`open_resolved`; a
+    second resolution here would follow a folder swapped for a symlink to ``/`` since),
+    still at ``path`` once opened, and passing the host's check (:func:`read_refusal`,
+    ``temp`` as there). The rule is added on the descriptor so opened, so it is for what
+    was checked. Returns why it is left out (a sentence), or None: its rule is added, or
+    it is not there (left out without a word, as the host leaves out one missing as the
+    process starts)."""
+    try:
+        fd = open_resolved(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EINVAL):  # (a folder it may not search)
+            return f"it cannot be opened: {exc.strerror or exc}"
+        return (f"it is not the path the host checked as it started this process "
+                f"({exc.strerror}; changed since): expected the folder or file it "
+                "resolved, with no symlink on its way")
+    try:
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (no /proc: the walk alone says where it is)
+            where = path
+        why = (f"it moved to {where} as this process opened it: expected it where the host "
+               "checked it" if where != path else read_refusal(path, temp))
+        if why is None:
+            _add_rule_at(libc, ruleset, fd, path, _READ)
+        return why
     finally:
         os.close(fd)
 
@@ -631,6 +614,10 @@ def log_report(report: dict[str, object] | None, what: str,
         return
     log.debug("the process that read the %s was confined: %s", what,
               ", ".join(map(str, _list(report.get("applied")))) or "nothing applied")
+    left_out = report.get("left_out")
+    for path, why in (left_out.items() if isinstance(left_out, dict) else ()):
+        log.warning("the process that read the %s was started without reading %s, which "
+                    "it may read (sandbox_read): %s", what, path, why)
     for key, level, how in (("failed", logging.WARNING, "could not be applied"),
                             ("unsupported", logging.INFO, "is not available here")):
         reasons = report.get(key)

@@ -73,8 +73,9 @@ CONFINE_MODULE = "WASINN_CONFINE_MODULE"
 #: a confined process imports really are in (an editable install links them).
 CODE_FOLDERS = "WASINN_SANDBOX_CODE"
 #: The environment variable that lists (``os.pathsep``-separated) the folders and files an
-#: operator lets a confined process read besides (``[runtime] sandbox_read``, resolved:
-#: see :mod:`._sandbox_read`); one not there as it locks itself down is left out.
+#: operator lets a confined process read besides (``[runtime] sandbox_read``, resolved and
+#: checked by the host: see :mod:`._sandbox_read`); one not there as it locks itself down
+#: is left out, and so is one no longer what the host checked (``lock_down``'s ``named``).
 READ_PATHS = "WASINN_SANDBOX_READ"
 #: The names of a load request's tensors that hold the model's external data files (this,
 #: then the file's location; the builders' are their positions: "0", "1" ...).
@@ -102,9 +103,10 @@ if len(sys.argv) > 5:  # confined
                                                   os.environ["{CONFINE_MODULE}"])
     confine = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(confine)
-    readable = [*os.environ.get("{CODE_FOLDERS}", "").split(os.pathsep),
-                *os.environ.get("{READ_PATHS}", "").split(os.pathsep)]
-    locked = confine.lock_down(sys.argv[5], readable, gpu=sys.argv[6:] == ["{GPU}"]).as_dict()
+    code_folders = os.environ.get("{CODE_FOLDERS}", "").split(os.pathsep)
+    named = os.environ.get("{READ_PATHS}", "").split(os.pathsep)
+    locked = confine.lock_down(sys.argv[5], code_folders, named=named,
+                               gpu=sys.argv[6:] == ["{GPU}"]).as_dict()
 """
 _RUN = """
 from wasinn.backends._sandbox_child import run_main

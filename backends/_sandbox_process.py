@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import os
 import platform
 import socket
@@ -41,11 +42,13 @@ from ._sandbox_child import (
     READY,
     SPARE_START,
 )
-from ._sandbox_env import given
+from ._sandbox_env import given, held_back
 from ._sandbox_limit import Slot
 from ._sandbox_read import readable_now
 from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
 from .base import BackendRef
+
+log = logging.getLogger("wasinn.backends")
 
 #: How long a cancelled run may go on before its process is killed, in seconds.
 CANCEL_GRACE_S = 1.0
@@ -88,11 +91,35 @@ CONFINED_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "CUDNN_", "OMP_", "KMP_", "G
 def _confined_env(extra: tuple[str, ...] = ()) -> dict[str, str]:
     """The host's environment variables that :data:`CONFINED_ENV_NAMES` and
     :data:`CONFINED_ENV_PREFIXES` name, those that name the user
-    (:data:`USER_NAME_VARIABLES`), and those that ``extra`` names (names, and prefixes
-    ending in ``*``: see :func:`._sandbox_env.given`)."""
-    return {key: value for key, value in os.environ.items()
-            if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
-            or key.startswith(CONFINED_ENV_PREFIXES) or given(key, extra)}
+    (:data:`USER_NAME_VARIABLES`), and those that ``extra`` gives (names, and prefixes
+    ending in ``*``, which never give a name that looks like a credential: see
+    :func:`._sandbox_env.given`; those held back are logged, :func:`_log_held_back`)."""
+    env = {key: value for key, value in os.environ.items()
+           if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
+           or key.startswith(CONFINED_ENV_PREFIXES) or given(key, extra)}
+    if extra:
+        _log_held_back([key for key in os.environ
+                        if key not in env and held_back(key, extra)], extra)
+    return env
+
+
+#: The variables :func:`_log_held_back` has named at INFO.
+_told: set[str] = set()
+
+
+def _log_held_back(names: list[str], extra: tuple[str, ...]) -> None:
+    """Say (one line) that a process started now is not given ``names``, which a prefix
+    of ``extra`` matches: at INFO where one of them is new, else at DEBUG."""
+    if not names:
+        return
+    level = logging.DEBUG if _told.issuperset(names) else logging.INFO
+    _told.update(names)
+    prefixes = [pattern for pattern in extra if pattern.endswith("*")
+                and any(name.startswith(pattern[:-1]) for name in names)]
+    log.log(level, "a confined sandbox process is not given %s, which %s of [runtime] "
+            "sandbox_env match%s: a prefix never gives a variable whose name looks like a "
+            "credential; name it exactly there to give it", ", ".join(sorted(names)),
+            " or ".join(f'"{p}"' for p in prefixes), "" if len(prefixes) > 1 else "es")
 
 
 def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...] = (),

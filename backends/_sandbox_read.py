@@ -23,6 +23,11 @@ byte. The config also refuses a path that does not exist (a typo). Each is resol
 (its symlinks followed: Landlock binds a rule to the file it opens) when a process is
 started (:func:`readable_now`): one not there then is left out, the process starting
 without it, and one that resolves to what is refused here is left out with a warning.
+The process adds each path's rule for what the host checked and nothing else
+(:func:`._confine.lock_down`'s ``named``): it opens the resolved path one component at
+a time following no symlink, and checks it again as the host did; one changed in
+between (a folder swapped for a symlink to ``/`` while the process started) is left
+out, with a warning the host logs from the process's report.
 
 Where the kernel has no Landlock a confined process's reads are not restricted, and the
 setting changes nothing.
@@ -34,37 +39,17 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable
-from pathlib import PurePath
+
+from ._confine_paths import read_refusal
 
 log = logging.getLogger("wasinn.backends")
 
 
-#: The kernel's pseudo-file systems: what they show of the host no named path may open.
-_SYSTEM_VIEWS = ("/proc", "/sys", "/dev")
-
-
 def _undoes_confinement(resolved: str) -> str | None:
     """Why reading below ``resolved`` (a path with its symlinks followed) would undo the
-    confinement (a sentence), or None."""
-    if resolved == os.path.abspath(os.sep):
-        return ("the root folder would let a confined sandbox process read every file of "
-                "the host, its keys and tokens included, which the confinement keeps from a "
-                "process that a model may have compromised: expected the folders and files "
-                "its library reads (or run a model that needs more with sandbox = false, "
-                "in the host's process)")
-    for system in _SYSTEM_VIEWS:
-        if PurePath(resolved).is_relative_to(system):
-            return (f"{resolved} is in {system}, the kernel's view of the host's processes "
-                    "and devices (another process's environment, memory and open files "
-                    "among them), which the confinement keeps from a process that a model "
-                    "may have compromised: expected the folders and files its library reads")
-    temp = os.path.realpath(tempfile.gettempdir())
-    if PurePath(temp).is_relative_to(resolved):
-        what = ("is" if resolved == temp else "holds") + f" the system temporary folder {temp}"
-        return (f"{resolved} {what}, where each confined sandbox process has its private "
-                "folder: one could read another's, a guest's model with it; expected a "
-                f"folder that does not hold it (such as a folder of its own in {temp})")
-    return None
+    confinement (a sentence), or None: :func:`._confine_paths.read_refusal`, which the process
+    itself checks again as it adds the path's rule."""
+    return read_refusal(resolved, os.path.realpath(tempfile.gettempdir()))
 
 
 def read_path_problem(entry: object, *, must_exist: bool = True) -> str | None:

@@ -118,7 +118,7 @@ def _env_list(entries: object) -> list[str]:
     if not isinstance(entries, list):
         raise fault("", f"{entries!r:.60}: expected a list of the host's environment "
                         'variables to give confined sandbox processes, such as ["HF_HOME", '
-                        '"HF_*"] (a name, or a prefix ending in *)')
+                        '"MY_LICENSE_*"] (a name, or a prefix ending in *)')
     for i, entry in enumerate(entries):
         problem = env_pattern_problem(entry)
         if problem is not None:

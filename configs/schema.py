@@ -129,7 +129,8 @@ class RuntimeSection(_Strict):
     #: The host's environment variables a confined sandbox process is given besides the
     #: default ones (wasinn.backends._sandbox_process.CONFINED_ENV_NAMES and
     #: CONFINED_ENV_PREFIXES), which keep the host's keys and tokens from it: each a name
-    #: ("HF_HOME") or a prefix ending in * ("HF_*"); "*" alone is refused (see
+    #: ("HF_HOME") or a prefix ending in * ("MY_LICENSE_*"), which never gives a
+    #: credential-looking name (HF_TOKEN); "*" alone is refused (see
     #: wasinn.backends._sandbox_env).
     sandbox_env: SandboxEnv = Field(default_factory=list)
     #: The host's folders (everything below each) and files a confined sandbox process may

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import wasinn.backends._confine as confine
+import wasinn.backends._seccomp_filter as seccomp_filter
 from tests.support import require_backend
 from tests.tfmodels import SHAPE, relu_graphdef, relu_tflite
 from wasinn import GraphEncoding, InvalidEncodingError, Tensor
@@ -294,11 +295,11 @@ def test_landlock_keeps_the_host_out_of_procs_reach(probe: dict[str, Any]) -> No
 
 
 def test_seccomp_program_is_a_whole_number_of_instructions() -> None:
-    program = confine.seccomp_program()
+    program = seccomp_filter.seccomp_program()
     assert len(program) % 8 == 0
     on_itself = sum(2 + sum(2 + len(values) for _, values in checks)
-                    for _, checks in confine.ON_ITSELF_X86_64.values())
-    assert len(program) // 8 == 15 + 2 * len(confine.DENIED_X86_64) + on_itself
+                    for _, checks in seccomp_filter.ON_ITSELF_X86_64.values())
+    assert len(program) // 8 == 15 + 2 * len(seccomp_filter.DENIED_X86_64) + on_itself
 
 
 # -- through the backend ------------------------------------------------------------------

@@ -7,12 +7,15 @@ reads a variable outside it behaved otherwise in the sandbox than outside, with 
 give it the variable. What is checked here, on real processes (their
 ``/proc/<pid>/environ``): the variables the setting names, exactly or by a prefix, reach
 the graph's process and the spare the next load takes, and a variable it does not name
-still does not; and a setting that names no variable, or the whole environment, is a
-config error naming the file and the key.
+still does not; a prefix never gives a variable whose name looks like a credential
+(``HF_*`` gave ``HF_TOKEN``), which is given only when named exactly, and the host says
+which it held back; and a setting that names no variable, the whole environment or
+nearly (``A*``), is a config error naming the file and the key.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -25,6 +28,13 @@ import wasinn
 from tests.support import require_backend, sandbox_children
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
+from wasinn.backends import _sandbox_process as sandbox_process
+from wasinn.backends._sandbox_env import (
+    CREDENTIAL_WORDS,
+    given,
+    held_back,
+    looks_like_credential,
+)
 from wasinn.backends.registry import BackendRegistry
 from wasinn.backends.sandbox import ProcessLimit, Spares, load_sandboxed
 from wasinn.configs import ConfigError
@@ -41,14 +51,15 @@ GIVEN = ["MY_LICENSE_FILE", "HF_*"]
 
 
 def _host_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host's variables: two that :data:`GIVEN` names, three that it does not (a
+    """The host's variables: two that :data:`GIVEN` names, four that it does not (a
     secret, a longer name that an exact name is not a prefix of, one that only begins
-    like the prefix without its ``_``)."""
+    like the prefix without its ``_``, and a token that the prefix matches)."""
     monkeypatch.setenv("MY_LICENSE_FILE", "/opt/licenses/site.lic")
     monkeypatch.setenv("HF_HOME", "/srv/hf-cache")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "host-secret")
     monkeypatch.setenv("MY_LICENSE_FILE_BACKUP", "/opt/licenses/old.lic")
     monkeypatch.setenv("HFX_TOKEN", "host-token")
+    monkeypatch.setenv("HF_TOKEN", "hf_host-token")
 
 
 def _environ(pid: int | None) -> dict[str, str]:
@@ -62,7 +73,8 @@ def _check_given(pid: int | None) -> None:
     environ = _environ(pid)
     assert environ["MY_LICENSE_FILE"] == "/opt/licenses/site.lic"
     assert environ["HF_HOME"] == "/srv/hf-cache"
-    for kept_back in ("AWS_SECRET_ACCESS_KEY", "MY_LICENSE_FILE_BACKUP", "HFX_TOKEN"):
+    for kept_back in ("AWS_SECRET_ACCESS_KEY", "MY_LICENSE_FILE_BACKUP", "HFX_TOKEN",
+                      "HF_TOKEN"):
         assert kept_back not in environ, kept_back
     assert environ["PATH"] == os.environ["PATH"]  # (the default allowlist, as it was)
 
@@ -158,9 +170,74 @@ def test_a_prefix_does_not_replace_what_a_confined_process_is_given_of_its_own(
         graph.close()
 
 
+def test_a_credential_a_prefix_matches_is_given_only_when_named_exactly(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "HF_*", the documented example, gave HF_TOKEN, Hugging Face's access token.
+    require_backend("onnxruntime")
+    _host_env(monkeypatch)
+    monkeypatch.setenv("HF_HUB_API_KEY", "hf_host-key")
+    monkeypatch.setattr(sandbox_process, "_told", set())
+    backend = BackendRegistry().get("onnxruntime")
+    environs = []
+    with caplog.at_level(logging.DEBUG, logger="wasinn.backends"):
+        for extra in (["HF_*"], ["HF_*"], ["HF_TOKEN", "HF_*"]):
+            spares = Spares(0, extra_env=extra)
+            graph = load_sandboxed(backend, [affine_onnx()], GraphEncoding.ONNX, CPU,
+                                   LoadOptions(sandbox=True), spares=spares)
+            try:
+                environs.append(_environ(graph.pid))
+            finally:
+                graph.close()
+                spares.close()
+    for environ in environs:
+        assert environ["HF_HOME"] == "/srv/hf-cache"
+        assert "HF_HUB_API_KEY" not in environ
+    assert "HF_TOKEN" not in environs[0] and "HF_TOKEN" not in environs[1]
+    assert environs[2]["HF_TOKEN"] == "hf_host-token"  # (named exactly)
+    told = [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.getMessage().startswith("a confined sandbox process is not given")]
+    line = ("a confined sandbox process is not given HF_HUB_API_KEY, HF_TOKEN, which "
+            '"HF_*" of [runtime] sandbox_env matches: a prefix never gives a variable whose '
+            "name looks like a credential; name it exactly there to give it")
+    # once a process start, at info the first time, then at debug; named exactly,
+    # HF_TOKEN is no longer held back
+    assert told == [(logging.INFO, line), (logging.DEBUG, line),
+                    (logging.DEBUG, line.replace("HF_HUB_API_KEY, HF_TOKEN", "HF_HUB_API_KEY"))]
+
+
+@pytest.mark.parametrize("name", [
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "GITHUB_TOKEN", "AWS_SECRET_ACCESS_KEY",
+    "AWS_ACCESS_KEY_ID", "OPENAI_API_KEY", "APIKEY", "PGPASSWORD", "DB_PASSWD", "SMTP_PASS",
+    "MYSQL_PWD", "GOOGLE_APPLICATION_CREDENTIALS", "SSH_PRIVATE_KEY", "NPM_AUTH",
+    "HTTP_AUTHORIZATION", "SESSION_COOKIE", "JWT_SIGNATURE", "hf_token", "My_Secret"])
+def test_names_that_look_like_credentials(name: str) -> None:
+    prefix = f"{name[:2]}*"  # (it matches the name)
+    assert looks_like_credential(name)
+    assert not given(name, (prefix,))
+    assert held_back(name, (prefix,))
+    assert given(name, (name, prefix))  # (named exactly)
+    assert not held_back(name, (name, prefix))
+
+
+@pytest.mark.parametrize("name", ["HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE",
+                                  "MY_LICENSE_FILE", "XDG_DATA_HOME"])
+def test_names_that_do_not(name: str) -> None:
+    assert not looks_like_credential(name)
+    assert given(name, ("HF_*", "MY_LICENSE_*", "XDG_*"))
+
+
+def test_the_words_are_those_documented() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text().replace("\n  ", " ")
+    words = [f"`{word}`" for word in CREDENTIAL_WORDS]
+    assert f"{', '.join(words[:-1])} or {words[-1]} in any case" in readme
+
+
 @pytest.mark.parametrize(("extra_env", "error", "expected"), [
     (["*"], ValueError, r"^extra_env\[0\]: \"\*\" would give a confined sandbox process "
                         r"the host's whole environment"),
+    (["HF_HOME", "_*"], ValueError, r"^extra_env\[1\]: '_\*' would give a confined sandbox "
+                                    r"process nearly as much of the host's environment as "
+                                    r"\"\*\""),
     (["HF_HOME", "A*B"], ValueError, r"^extra_env\[1\]: 'A\*B' is not a variable's name"),
     ("HF_HOME", TypeError, r"^extra_env='HF_HOME': expected a list of names, not a string"),
 ])
@@ -173,16 +250,24 @@ def test_a_pool_refuses_what_names_no_variable(extra_env: object, error: type[Ex
 # -- the config ---------------------------------------------------------------------------
 def test_the_config_takes_names_and_prefixes() -> None:
     assert parse_config({}, None).runtime.sandbox_env == []
-    config = parse_config({"runtime": {"sandbox_env": ["HF_HOME", "HF_*", "_x1", "WASINN_*"]}},
-                          None)
-    assert config.runtime.sandbox_env == ["HF_HOME", "HF_*", "_x1", "WASINN_*"]
+    given = ["HF_HOME", "HF_*", "_x1", "WASINN_*", "AB*", "A"]
+    config = parse_config({"runtime": {"sandbox_env": given}}, None)
+    assert config.runtime.sandbox_env == given
 
 
 @pytest.mark.parametrize(("value", "expected"), [
     ('["*"]', r"runtime\.sandbox_env\[0\]: \"\*\" would give a confined sandbox process "
               r"the host's whole environment, its keys and tokens included, .*: name the "
-              r"variables \(or prefixes such as \"HF_\*\"\), or run a model that needs all "
-              r"of it with sandbox = false"),
+              r"variables \(or prefixes such as \"MY_LICENSE_\*\"\), or run a model that "
+              r"needs all of it with sandbox = false"),
+    ('["HF_HOME", "A*"]', r"runtime\.sandbox_env\[1\]: 'A\*' would give a confined sandbox "
+                          r"process nearly as much of the host's environment as \"\*\" \(every "
+                          r"variable that begins with 'A'\), which the confinement keeps from "
+                          r"a process that a model may have compromised: expected a prefix of "
+                          r"at least 2 characters before the \* \(such as \"MY_LICENSE_\*\"\), "
+                          r"or the variables' names"),
+    ('["_*"]', r"runtime\.sandbox_env\[0\]: '_\*' would give a confined sandbox process "
+               r"nearly as much"),
     ('["HF_HOME", "HF*_X"]', r"runtime\.sandbox_env\[1\]: 'HF\*_X' is not a variable's "
                              r"name: expected letters, digits and _ \(not a digit first\), "
                              r"optionally followed by one \*"),

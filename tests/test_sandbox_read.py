@@ -8,11 +8,14 @@ is checked here: a process locked down by the sandbox's own start-up code, with 
 environment the host gives it, may read a named folder (everything below it) and a named
 file, not an unnamed sibling folder nor the named file's neighbours, and may not write,
 make, rename or remove anything there; a path removed after it was named is left out
-and the process still starts, confined; a runtime's graph and spare processes are handed
-the paths its config names (their ``/proc/<pid>/environ``), never the host's own value of
-that variable; and the config refuses a relative path, ``/``, a folder that holds the
-system temporary folder, a missing path and what is not a list of strings, naming the
-file and the key.
+and the process still starts, confined; a folder (or one on its way) swapped for a
+symlink after the host checked it, before the process adds its rule, is left out, not
+followed (to ``/``: every file of the host), and so is what the process is handed that
+the host would refuse, the host warning of each from the process's report; a runtime's
+graph and spare processes are handed the paths its config names (their
+``/proc/<pid>/environ``), never the host's own value of that variable; and the config
+refuses a relative path, ``/``, a folder that holds the system temporary folder, a
+missing path and what is not a list of strings, naming the file and the key.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ import wasinn.backends._confine as confine
 from tests.support import require_backend, sandbox_children, skip_unless
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
+from wasinn.backends import _sandbox_process as sandbox_process
 from wasinn.backends._sandbox_child import _LOCK_DOWN, READ_PATHS
 from wasinn.backends._sandbox_process import _child_env
 from wasinn.backends._sandbox_read import read_path_problem, readable_now
@@ -130,15 +135,18 @@ print(json.dumps({"report": locked, "results": results}))
 """
 
 
-def _probe(tree: Tree, read: tuple[str, ...], *, remove_first: Path | None = None
-           ) -> dict[str, Any]:
+def _probe(tree: Tree, read: tuple[str, ...], *, between: Callable[[], object] | None = None,
+           handed: str | None = None) -> dict[str, Any]:
     """What a process started with the environment the host gives a confined graph's
     process whose pool may read ``read`` can do with ``tree`` after its lock-down;
-    ``remove_first``: a folder removed after the host made that environment, before the
-    process starts."""
+    ``between``: done after the host made that environment (and checked the paths),
+    before the process starts; ``handed``: the paths the process is handed instead of
+    those the host checked (as if another program had started it)."""
     env = _child_env(ORT, True, (), read)
-    if remove_first is not None:
-        remove_first.rmdir()
+    if between is not None:
+        between()
+    if handed is not None:
+        env[READ_PATHS] = handed
     paths = {"named": tree.named, "inside": tree.named / "inside.txt",
              "deep": tree.named / "sub" / "deep.txt", "files": tree.files,
              "site": tree.files / "site.lic", "other": tree.files / "other.lic",
@@ -210,9 +218,110 @@ def test_a_path_removed_since_it_was_named_is_left_out_and_the_process_starts(
     tree = Tree(tmp_path)
     gone = tmp_path / "gone"
     gone.mkdir()
-    results = _probe(tree, (str(gone), *tree.read), remove_first=gone)["results"]
+    results = _probe(tree, (str(gone), *tree.read), between=gone.rmdir)["results"]
     assert results["read_named"] == "ok"
     assert results["read_sibling"] == "PermissionError:EACCES"
+
+
+def _swap_for_symlink(folder: Path, target: Path | str) -> None:
+    """``folder`` replaced by a symlink to ``target`` (what a user who may write in its
+    parent could do at any time), the folder itself kept beside it."""
+    folder.rename(folder.with_name(f"{folder.name}.held"))
+    folder.symlink_to(target)
+
+
+def test_a_folder_swapped_for_a_symlink_to_the_root_after_the_hosts_check_is_left_out(
+        tmp_path: Path) -> None:
+    # Before: the host checked the folder as it started the process, the process resolved
+    # it again and added its rule for what it resolved to then, unchecked: "/", every file
+    # of the host (the sibling's secret read "ok").
+    _require_landlock()
+    tree = Tree(tmp_path)
+    result = _probe(tree, tree.read, between=lambda: _swap_for_symlink(tree.named, "/"))
+    assert result["results"]["read_sibling"] == "PermissionError:EACCES"
+    assert result["results"]["read_named_file"] == "ok"  # (the other path, untouched)
+    why = result["report"]["left_out"][str(tree.named)]
+    assert why.startswith(f"it is not the path the host checked as it started this process "
+                          f"({tree.named} is a symlink now; changed since)"), why
+
+
+def test_a_parent_folder_swapped_for_a_symlink_after_the_hosts_check_is_left_out(
+        tmp_path: Path) -> None:
+    # The named folder itself is a real folder still; a folder on its way leads elsewhere
+    # now (another folder of the same name below the symlink's target).
+    _require_landlock()
+    tree = Tree(tmp_path / "host")
+    decoy = Tree(tmp_path / "decoy")
+    result = _probe(tree, (str(tree.named),),
+                    between=lambda: _swap_for_symlink(tmp_path / "host", tmp_path / "decoy"))
+    assert (tree.named / "inside.txt").resolve() == decoy.named / "inside.txt"
+    for name in ("read_named", "read_below_named", "list_named"):
+        assert result["results"][name] == "PermissionError:EACCES", name
+    assert f"({tmp_path / 'host'} is a symlink now" in result["report"]["left_out"][
+        str(tree.named)]
+
+
+@pytest.mark.parametrize(("handed", "expected"), [
+    ("/", "the root folder would let a confined sandbox process read every file"),
+    ("{tmp}", "{tmp} is the system temporary folder {tmp}, where each confined sandbox "
+              "process has its private folder"),
+    ("/proc/1", "/proc/1 is in /proc, the kernel's view of the host's processes"),
+    ("{tmp}/named/../sibling", "it is not the path the host checked as it started this "
+                               "process ('{tmp}/named/../sibling' is not an absolute path "
+                               "with its symlinks resolved"),
+])
+def test_a_process_checks_the_paths_it_is_handed_as_the_host_does(
+        tmp_path: Path, handed: str, expected: str) -> None:
+    # Whatever it is handed: what the host refuses, it refuses too ("{tmp}": the folder
+    # that holds the private folders, here the probe's own folder's parent).
+    _require_landlock()
+    tree = Tree(tmp_path)
+    handed, expected = (text.replace("{tmp}", str(tmp_path)) for text in (handed, expected))
+    result = _probe(tree, (), handed=handed)
+    assert result["results"]["read_sibling"] == "PermissionError:EACCES"
+    assert result["report"]["left_out"][handed].startswith(expected), result["report"]
+
+
+def test_a_graphs_process_that_left_a_path_out_says_so_and_the_host_warns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A real sandbox process: the folder is swapped for a symlink to "/" once the host
+    # has checked it (as the host hands the process its paths), before the process
+    # starts. The process loads and runs the model without it, and its report, which
+    # the host logs, says why.
+    _require_landlock()
+    require_backend("onnxruntime")
+    tree = Tree(tmp_path)
+    checked = sandbox_process.readable_now
+
+    def check_then_swap(paths: Any) -> list[str]:
+        now = checked(paths)
+        if tree.named.is_dir() and not tree.named.is_symlink():
+            _swap_for_symlink(tree.named, "/")
+        return now
+
+    monkeypatch.setattr(sandbox_process, "readable_now", check_then_swap)
+    backend = BackendRegistry().get("onnxruntime")
+    spares = Spares(0, extra_read=list(tree.read))
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        graph = load_sandboxed(backend, [affine_onnx(2.0, 1.0)], GraphEncoding.ONNX, CPU,
+                               LoadOptions(sandbox=True), spares=spares)
+    try:
+        out = graph.run(ONES)
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert graph.confinement is not None
+        assert "landlock" not in graph.confinement["failed"], graph.confinement
+        assert list(graph.confinement["left_out"]) == [str(tree.named)]
+    finally:
+        graph.close()
+        spares.close()
+    warnings = [r.getMessage() for r in caplog.records
+                if f"without reading {tree.named}, which it may read" in r.getMessage()]
+    assert warnings == [f"the process that read the sandboxed model was started without "
+                        f"reading {tree.named}, which it may read (sandbox_read): it is not "
+                        f"the path the host checked as it started this process "
+                        f"({tree.named} is a symlink now; changed since): expected the "
+                        "folder or file it resolved, with no symlink on its way"]
 
 
 _VANISHED = """
