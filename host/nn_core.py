@@ -48,7 +48,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,7 @@ from wasinn.host.guest_thread import guest_stopped, shielded
 from wasinn.host.limits import GuestLimits
 from wasinn.host.registered import load_registered
 from wasinn.host.scheduler_api import ContextLike, GraphLike, Portal, RuntimeLike
+from wasinn.host.single_values import reads_as_scalar
 from wasinn.host.tenant import graph_name
 from wasinn.host.tensor_binding import (
     InFlight,
@@ -341,6 +342,8 @@ class GuestNN:
                 f"input {spec.name!r} is {record.data_len} bytes: the limit is "
                 f"{self.limits.max_tensor_bytes}"
             )
+        if reads_as_scalar(record.dims, spec):  # the spec's [1] for one value
+            record = replace(record, dims=())
         check_against_spec(record, spec)
         entry.inputs[spec.name] = InputBinding(record, key)
         entry.overlapping = _any_overlap(entry.inputs)

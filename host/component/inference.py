@@ -18,6 +18,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import (
     InvalidArgumentError,
@@ -32,6 +33,7 @@ from wasinn.host.component.graphs import GraphOperations
 from wasinn.host.component.tables import ContextEntry, TensorEntry
 from wasinn.host.component.tensors import output_dims, wit_type_name
 from wasinn.host.guest_memory import check_name_length
+from wasinn.host.single_values import as_scalar
 from wasinn.host.tensor_binding import InFlight
 from wasinn.tensor import Tensor
 
@@ -62,7 +64,10 @@ class InferenceOperations(GraphOperations):
 
     in_flight: InFlight
 
-    def _inputs(self, named: Sequence[tuple[str, TensorEntry]]) -> dict[str | int, Tensor]:
+    def _inputs(self, named: Sequence[tuple[str, TensorEntry]],
+                specs: Sequence[TensorSpec]) -> dict[str | int, Tensor]:
+        # ``named``'s tensors for a graph of input ``specs`` (a one-value [1] given for a
+        # scalar input read as that scalar: see wasinn.host.single_values).
         inputs: dict[str | int, Tensor] = {}
         for name, entry in named:
             check_name_length(name, "input name")
@@ -70,7 +75,7 @@ class InferenceOperations(GraphOperations):
                 raise InvalidArgumentError(
                     f"input {quoted(name)} is given twice: expected each input at most once")
             try:
-                inputs[name] = entry.require()
+                inputs[name] = as_scalar(entry.require(), specs, name)
             except WasiNNError as exc:
                 raise exc.prefixed(f"input {quoted(name)}") from None
         return inputs
@@ -143,7 +148,7 @@ class InferenceOperations(GraphOperations):
     ) -> list[tuple[str, int]]:
         """2024-10-28 ``compute(list<named-tensor>)``; the inputs were already taken over."""
         entry = self.tables.contexts.get(ctx_rep)
-        inputs = self._inputs(named)
+        inputs = self._inputs(named, entry.graph.graph.inputs)
         outputs = self._context_compute(entry, inputs)
         return self._add_outputs(outputs)
 
@@ -154,7 +159,7 @@ class InferenceOperations(GraphOperations):
         graph = self.tables.graphs.get(graph_rep)
         tgt = None if target is None else ExecutionTarget.coerce(target)
         self._check_target(tgt)
-        inputs = self._inputs(named)
+        inputs = self._inputs(named, graph.graph.inputs)
         outputs = self._compute(
             functools.partial(_try_graph_lease, graph.graph, inputs, tgt, self.tenant),
             functools.partial(graph.graph.lease, inputs, target=tgt, keep_on_device=True,
@@ -177,7 +182,7 @@ class InferenceOperations(GraphOperations):
         entry = self.tables.contexts.get(ctx_rep)
         check_name_length(name, "input name")
         key = self._input_name(entry, name)
-        (_, value), = self._inputs([(key, tensor)]).items()
+        (_, value), = self._inputs([(key, tensor)], entry.graph.graph.inputs).items()
         old = entry.inputs.get(key)
         if old is not value:
             self.tables.tensors.hold(value)  # TooLargeError: the old input stays staged
