@@ -95,7 +95,13 @@ SPARE_NICE = 19
 #: that starts a thread (numpy's OpenBLAS starts one per core as it is imported, the
 #: libraries theirs): landlock binds only the threads started after it.
 _LOCK_DOWN = f"""
-import importlib, importlib.util, os, sys, threading
+import importlib, importlib.util, os, signal, sys, threading
+
+# A terminal's Ctrl-C and a service manager's SIGTERM go to the host's whole process group:
+# the host stops its sandbox processes itself (SIGKILL), so they take neither (else each
+# printed a KeyboardInterrupt traceback and the host logged a crash).
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 locked = None
 if len(sys.argv) > 5:  # confined

@@ -32,11 +32,14 @@ _ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
 MIN_PREFIX = 2
 #: What, anywhere in a variable's name (whatever its case), makes it look like a
 #: credential: the words of Django's error pages, which hide the settings whose names
-#: hold them (``API``, ``TOKEN``, ``KEY``, ``SECRET``, ``PASS``, ``SIGNATURE``), and
-#: those the Sentry SDK's default list of fields to scrub adds (``AUTH``, ``CREDENTIAL``,
-#: ``PRIVATE``, ``PWD``, ``COOKIE``, ``SESSION``). Broad on purpose: a variable held back
-#: wrongly is given by naming it exactly; one given wrongly is a leak.
-CREDENTIAL_WORDS = ("API", "TOKEN", "KEY", "SECRET", "PASS", "SIGNATURE", "AUTH",
+#: hold them (``TOKEN``, ``KEY``, ``SECRET``, ``PASS``, ``SIGNATURE``; not their ``API``,
+#: which ``CUDA_API_PER_THREAD_DEFAULT_STREAM`` holds, and an API's key holds ``KEY``),
+#: and those the Sentry SDK's default list of fields to scrub adds (``AUTH``,
+#: ``CREDENTIAL``, ``PRIVATE``, ``PWD``, ``COOKIE``, ``SESSION``). Broad on purpose: a
+#: variable held back wrongly is given by naming it exactly; one given wrongly is a leak.
+#: It applies to the default prefixes too (:data:`._sandbox_process.CONFINED_ENV_PREFIXES`:
+#: ``NVIDIA_API_KEY`` is held back).
+CREDENTIAL_WORDS = ("TOKEN", "KEY", "SECRET", "PASS", "SIGNATURE", "AUTH",
                     "CREDENTIAL", "PRIVATE", "PWD", "COOKIE", "SESSION")
 _CREDENTIAL = re.compile("|".join(CREDENTIAL_WORDS), re.IGNORECASE)
 

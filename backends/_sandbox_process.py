@@ -42,7 +42,7 @@ from ._sandbox_child import (
     READY,
     SPARE_START,
 )
-from ._sandbox_env import given, held_back
+from ._sandbox_env import given, held_back, looks_like_credential
 from ._sandbox_limit import Slot
 from ._sandbox_read import readable_now
 from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
@@ -96,7 +96,8 @@ def _confined_env(extra: tuple[str, ...] = ()) -> dict[str, str]:
     :func:`._sandbox_env.given`; those held back are logged, :func:`_log_held_back`)."""
     env = {key: value for key, value in os.environ.items()
            if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
-           or key.startswith(CONFINED_ENV_PREFIXES) or given(key, extra)}
+           or (key.startswith(CONFINED_ENV_PREFIXES) and not looks_like_credential(key))
+           or given(key, extra)}
     if extra:
         _log_held_back([key for key in os.environ
                         if key not in env and held_back(key, extra)], extra)

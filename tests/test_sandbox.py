@@ -573,6 +573,27 @@ async def test_a_registered_model_with_sandbox_runs_in_a_process_of_its_own(tmp_
     assert sandbox_children() == []
 
 
+async def test_a_sandbox_process_takes_neither_ctrl_c_nor_sigterm_sent_to_the_group(
+        ) -> None:
+    # A terminal's Ctrl-C and systemd's SIGTERM reach the host's whole process group.
+    # Before: each sandbox process died of them with a KeyboardInterrupt traceback, and
+    # the host logged a crash. The host ends them itself (SIGKILL) as it closes.
+    require_backend("onnxruntime")
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with wasinn.Runtime(parse_config({"runtime": {"sandbox_spares": 0}}, None)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", options={"sandbox": True})
+        await graph.compute(x)
+        (child,) = sandbox_children()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            child.send_signal(signum)
+        await trio.sleep(0.2)  # (a process that took them would be gone by now)
+        out = await graph.compute(x)  # on the same process: no crash, no new one
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        assert sandbox_children() == [child] and child.is_running()
+        assert graph.stats().failed == 0
+    assert sandbox_children() == []
+
+
 @pytest.mark.parametrize("table", ["models", "guests"])
 def test_a_memory_bound_without_sandbox_is_a_config_error(table: str) -> None:
     def config(**keys: Any) -> Any:

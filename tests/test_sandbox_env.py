@@ -219,6 +219,24 @@ def test_names_that_look_like_credentials(name: str) -> None:
     assert not held_back(name, (name, prefix))
 
 
+def test_the_default_prefixes_hold_back_credential_looking_names_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: with no sandbox_env at all, NVIDIA_API_KEY (NVIDIA's API catalog key) and
+    # TORCH_HUB_TOKEN reached every confined process through the default NVIDIA_ and
+    # TORCH_ prefixes.
+    from wasinn.backends._sandbox_process import _confined_env
+
+    for name, value in [("NVIDIA_API_KEY", "nvapi-secret"), ("TORCH_HUB_TOKEN", "t"),
+                        ("NVIDIA_VISIBLE_DEVICES", "0"), ("OMP_NUM_THREADS", "1"),
+                        ("CUDA_API_PER_THREAD_DEFAULT_STREAM", "1")]:
+        monkeypatch.setenv(name, value)
+    env = _confined_env()
+    assert "NVIDIA_API_KEY" not in env and "TORCH_HUB_TOKEN" not in env
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "0" and env["OMP_NUM_THREADS"] == "1"
+    assert env["CUDA_API_PER_THREAD_DEFAULT_STREAM"] == "1"
+    assert _confined_env(("NVIDIA_API_KEY",))["NVIDIA_API_KEY"] == "nvapi-secret"
+
+
 @pytest.mark.parametrize("name", ["HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE",
                                   "MY_LICENSE_FILE", "XDG_DATA_HOME"])
 def test_names_that_do_not(name: str) -> None:
