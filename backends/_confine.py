@@ -563,7 +563,10 @@ def _add_named_rule(libc: ctypes.CDLL, ruleset: int, path: str, temp: str) -> st
         why = (f"it moved to {where} as this process opened it: expected it where the host "
                "checked it" if where != path else read_refusal(path, temp))
         if why is None:
-            _add_rule_at(libc, ruleset, fd, path, _READ)
+            try:
+                _add_rule_at(libc, ruleset, fd, path, _READ)
+            except OSError as exc:  # (this path alone: the process stays confined)
+                why = f"the kernel refused its rule: {exc.strerror or exc}"
         return why
     finally:
         os.close(fd)

@@ -223,6 +223,19 @@ def test_a_path_removed_since_it_was_named_is_left_out_and_the_process_starts(
     assert results["read_sibling"] == "PermissionError:EACCES"
 
 
+def test_a_named_path_whose_rule_the_kernel_refuses_is_left_out_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the OSError reached the ruleset's whole setup, and the process went on
+    # without Landlock (its report said "failed"): one path could unconfine it.
+    def refused(*args: object) -> None:
+        raise OSError(77, "File descriptor in bad state")
+
+    monkeypatch.setattr(confine, "_add_rule_at", refused)
+    why = confine._add_named_rule(ctypes.CDLL(None), -1, str(tmp_path),
+                                  os.path.realpath(tempfile.gettempdir()))
+    assert why == "the kernel refused its rule: File descriptor in bad state"
+
+
 def _swap_for_symlink(folder: Path, target: Path | str) -> None:
     """``folder`` replaced by a symlink to ``target`` (what a user who may write in its
     parent could do at any time), the folder itself kept beside it."""
