@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -253,7 +254,8 @@ IR_SIZE_MARGIN = _confine.FILE_SIZE_MARGIN
 #: the private directory, is the one place it may write) before OpenVINO starts; the
 #: first line on stderr says how.
 _CONVERT = f"""
-import importlib.util, os, sys
+import importlib.util, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the host's to take
 sys.path.insert(0, sys.argv[4])
 spec = importlib.util.spec_from_file_location("_wasinn_confine", sys.argv[5])
 confine = importlib.util.module_from_spec(spec)
@@ -321,6 +323,10 @@ def _child_failure(returncode: int, message: bytes, log: bytes) -> str:
     """Why the child failed, for the error message."""
     if returncode == _REFUSED:
         return ov_message(message.decode("utf-8", "replace"))
+    if returncode in (-signal.SIGTERM, -signal.SIGHUP):
+        name = _confine.signal_name(-returncode)
+        return (f"the throw-away process that reads such models was stopped by {name} "
+                "(sent to it, or to the host's process group), not by these bytes")
     if returncode < 0:
         name = _confine.signal_name(-returncode)
         return (f"OpenVINO's frontend crashed on it ({name}) in the throw-away process "

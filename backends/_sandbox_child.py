@@ -97,11 +97,11 @@ SPARE_NICE = 19
 _LOCK_DOWN = f"""
 import importlib, importlib.util, os, signal, sys, threading
 
-# A terminal's Ctrl-C and a service manager's SIGTERM go to the host's whole process group:
-# the host stops its sandbox processes itself (SIGKILL), so they take neither (else each
-# printed a KeyboardInterrupt traceback and the host logged a crash).
+# A terminal's Ctrl-C goes to the host's whole process group: the host stops its sandbox
+# processes itself (SIGKILL), so they do not take it (else each printed a
+# KeyboardInterrupt traceback and the host logged a crash). SIGTERM still ends one: a
+# process left running by a host killed outright can be ended so.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 locked = None
 if len(sys.argv) > 5:  # confined

@@ -42,7 +42,7 @@ from ._sandbox_child import (
     READY,
     SPARE_START,
 )
-from ._sandbox_env import given, held_back, looks_like_credential
+from ._sandbox_env import given, held_back
 from ._sandbox_limit import Slot
 from ._sandbox_read import readable_now
 from ._sandbox_wire import AGAIN, Arena, Expected, read_reply, receive, request, send
@@ -94,33 +94,38 @@ def _confined_env(extra: tuple[str, ...] = ()) -> dict[str, str]:
     (:data:`USER_NAME_VARIABLES`), and those that ``extra`` gives (names, and prefixes
     ending in ``*``, which never give a name that looks like a credential: see
     :func:`._sandbox_env.given`; those held back are logged, :func:`_log_held_back`)."""
+    patterns = _DEFAULT_PATTERNS + extra
     env = {key: value for key, value in os.environ.items()
-           if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES
-           or (key.startswith(CONFINED_ENV_PREFIXES) and not looks_like_credential(key))
-           or given(key, extra)}
-    if extra:
-        _log_held_back([key for key in os.environ
-                        if key not in env and held_back(key, extra)], extra)
+           if key in CONFINED_ENV_NAMES or key in USER_NAME_VARIABLES or given(key, patterns)}
+    _log_held_back([key for key in os.environ if key not in env and held_back(key, patterns)],
+                   patterns)
     return env
+
+
+#: :data:`CONFINED_ENV_PREFIXES` as prefix patterns (which hold back credential-looking
+#: names as an operator's do: ``NVIDIA_API_KEY``).
+_DEFAULT_PATTERNS = tuple(f"{prefix}*" for prefix in CONFINED_ENV_PREFIXES)
 
 
 #: The variables :func:`_log_held_back` has named at INFO.
 _told: set[str] = set()
 
 
-def _log_held_back(names: list[str], extra: tuple[str, ...]) -> None:
+def _log_held_back(names: list[str], patterns: tuple[str, ...]) -> None:
     """Say (one line) that a process started now is not given ``names``, which a prefix
-    of ``extra`` matches: at INFO where one of them is new, else at DEBUG."""
+    of ``patterns`` (the default list's, then [runtime] sandbox_env's) matches: at INFO
+    where one of them is new, else at DEBUG."""
     if not names:
         return
     level = logging.DEBUG if _told.issuperset(names) else logging.INFO
     _told.update(names)
-    prefixes = [pattern for pattern in extra if pattern.endswith("*")
+    prefixes = [pattern for pattern in patterns if pattern.endswith("*")
                 and any(name.startswith(pattern[:-1]) for name in names)]
-    log.log(level, "a confined sandbox process is not given %s, which %s of [runtime] "
-            "sandbox_env match%s: a prefix never gives a variable whose name looks like a "
-            "credential; name it exactly there to give it", ", ".join(sorted(names)),
-            " or ".join(f'"{p}"' for p in prefixes), "" if len(prefixes) > 1 else "es")
+    log.log(level, "a confined sandbox process is not given %s, which %s of the default "
+            "list or of [runtime] sandbox_env match%s: a prefix never gives a variable "
+            "whose name looks like a credential; name it exactly in sandbox_env to give it",
+            ", ".join(sorted(names)), " or ".join(f'"{p}"' for p in prefixes),
+            "" if len(prefixes) > 1 else "es")
 
 
 def _child_env(backend: BackendRef, confined: bool = True, extra: tuple[str, ...] = (),

@@ -12,7 +12,7 @@ guest gave. Outputs keep the model's shape: a scalar output has dimensions ``[]`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from wasinn.backends.base import TensorSpec
 from wasinn.tensor import Tensor
@@ -24,12 +24,15 @@ def reads_as_scalar(dims: Sequence[int], spec: TensorSpec) -> bool:
     return spec.rank_known and not spec.shape and tuple(dims) == (1,)
 
 
-def as_scalar(tensor: Tensor, specs: Sequence[TensorSpec], name: str) -> Tensor:
-    """``tensor``, given for input ``name`` of ``specs``, as a rank-0 tensor where it is
-    the spec's single value for a scalar input (:func:`reads_as_scalar`), else itself."""
-    for spec in specs:
-        if spec.name == name:
-            if reads_as_scalar(tensor.dims, spec):
-                return Tensor((), tensor.type, array=tensor.numpy().reshape(()))
-            break
+def as_scalar(tensor: Tensor, specs: Sequence[TensorSpec], name: str,
+              aliases: Mapping[str, int]) -> Tensor:
+    """``tensor``, given for input ``name`` of ``specs`` (its name, or one of its
+    ``aliases``: another name it answers to, to its position), as a rank-0 tensor where
+    it is the spec's single value for a scalar input (:func:`reads_as_scalar`), else
+    itself."""
+    spec = next((spec for spec in specs if spec.name == name), None)
+    if spec is None and 0 <= (position := aliases.get(name, -1)) < len(specs):
+        spec = specs[position]
+    if spec is not None and reads_as_scalar(tensor.dims, spec):
+        return Tensor((), tensor.type, array=tensor.numpy().reshape(()))
     return tensor

@@ -11,6 +11,7 @@ unload that frees them waits for.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import trio
 
@@ -64,6 +65,13 @@ class Graph:
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
         return self._executable.outputs
+
+    @property
+    def input_aliases(self) -> Mapping[str, int]:
+        """The other names inputs answer to (an OpenVINO port's further names: ``x:0``
+        beside ``x``), each to its input's position; a run takes them as it takes the
+        inputs' names."""
+        return self._executable.input_aliases
 
     @property
     def backend(self) -> str:

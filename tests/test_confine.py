@@ -393,3 +393,22 @@ def test_the_host_reads_back_only_plain_files_of_the_childs_own(tmp_path: Path) 
     for name in ("symlink.bin", "hardlink.bin", "fifo.bin"):
         with pytest.raises(InvalidEncodingError, match=f"its IR {name} "):
             ovread._read_written(tmp_path / name, "model.pb")
+
+
+def test_a_reading_process_stopped_by_a_signal_is_not_said_to_have_crashed_on_the_bytes(
+        ) -> None:
+    # Before: a SIGTERM to the host's process group (systemd) failed a valid model's load
+    # with "crashed on it (SIGTERM) ...: the bytes are malformed".
+    require_backend("openvino")
+    import signal
+
+    import wasinn.backends._ovread as ovread
+
+    stopped = ovread._child_failure(-signal.SIGTERM, b"", b"")
+    assert stopped == ("the throw-away process that reads such models was stopped by "
+                       "SIGTERM (sent to it, or to the host's process group), not by these "
+                       "bytes")
+    assert ovread._child_failure(-signal.SIGSEGV, b"", b"") == (
+        "OpenVINO's frontend crashed on it (SIGSEGV) in the throw-away process that reads "
+        "such models: the bytes are malformed")
+    assert "signal.signal(signal.SIGINT, signal.SIG_IGN)" in ovread._CONVERT

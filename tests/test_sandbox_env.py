@@ -197,8 +197,9 @@ def test_a_credential_a_prefix_matches_is_given_only_when_named_exactly(
     told = [(r.levelno, r.getMessage()) for r in caplog.records
             if r.getMessage().startswith("a confined sandbox process is not given")]
     line = ("a confined sandbox process is not given HF_HUB_API_KEY, HF_TOKEN, which "
-            '"HF_*" of [runtime] sandbox_env matches: a prefix never gives a variable whose '
-            "name looks like a credential; name it exactly there to give it")
+            '"HF_*" of the default list or of [runtime] sandbox_env matches: a prefix never '
+            "gives a variable whose name looks like a credential; name it exactly in "
+            "sandbox_env to give it")
     # once a process start, at info the first time, then at debug; named exactly,
     # HF_TOKEN is no longer held back
     assert told == [(logging.INFO, line), (logging.DEBUG, line),
@@ -235,6 +236,20 @@ def test_the_default_prefixes_hold_back_credential_looking_names_too(
     assert env["NVIDIA_VISIBLE_DEVICES"] == "0" and env["OMP_NUM_THREADS"] == "1"
     assert env["CUDA_API_PER_THREAD_DEFAULT_STREAM"] == "1"
     assert _confined_env(("NVIDIA_API_KEY",))["NVIDIA_API_KEY"] == "nvapi-secret"
+
+
+def test_what_the_default_prefixes_hold_back_is_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from wasinn.backends import _sandbox_process as sandbox_process
+
+    monkeypatch.setattr(sandbox_process, "_told", set())
+    monkeypatch.setenv("NVIDIA_API_KEY", "nvapi-secret")
+    with caplog.at_level(logging.INFO, logger="wasinn.backends"):
+        sandbox_process._confined_env()
+    assert [r.getMessage() for r in caplog.records] == [
+        'a confined sandbox process is not given NVIDIA_API_KEY, which "NVIDIA_*" of the '
+        "default list or of [runtime] sandbox_env matches: a prefix never gives a variable "
+        "whose name looks like a credential; name it exactly in sandbox_env to give it"]
 
 
 @pytest.mark.parametrize("name", ["HF_HOME", "HF_HUB_CACHE", "HF_ENDPOINT", "HF_HUB_OFFLINE",

@@ -6,6 +6,7 @@ that scalar, in both guest ABIs; ``[]`` works as well; other shapes are still re
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 
@@ -13,7 +14,7 @@ import wasinn
 from tests.backend_models import scalar_onnx
 from tests.component_guests import RecordingRuntime
 from tests.support import require_backend
-from tests.test_component_host import CPU, FP32, ONNX, start_shim
+from tests.test_component_host import CPU, ENCODINGS, FP32, ONNX, start_shim
 from tests.test_core_fuzz import Guest, in_guest
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import TensorType
@@ -82,3 +83,39 @@ async def test_a_core_guest_gives_a_scalar_input_as_one_value_in_dimensions_1() 
         await in_guest(rt, body)
     # [] and [1] compute 2 * 3; [1, 1] is refused (invalid_argument)
     assert got == {"[]": 6, "[1]": 6, "[1, 1]": Errno.INVALID_ARGUMENT}
+
+
+def _scalar_ir_named_twice(tmp: str) -> list[bytes]:
+    """An OpenVINO IR, y = 2x over f32 scalars, whose input answers to 'x' and 'x:0' (as
+    a TensorFlow model's read by OpenVINO does)."""
+    import os
+
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([], np.float32, name="x")
+    x.output(0).get_tensor().set_names({"x", "x:0"})
+    y = ops.multiply(x, ops.constant(np.float32(2.0)))
+    y.output(0).get_tensor().set_names({"y"})
+    xml, weights = os.path.join(tmp, "m.xml"), os.path.join(tmp, "m.bin")
+    ov.serialize(ov.Model([y], [x], "scalar"), xml, weights)
+    with open(xml, "rb") as a, open(weights, "rb") as b:
+        return [a.read(), b.read()]
+
+
+async def test_a_scalar_input_named_by_another_of_its_names_takes_one_value_in_1(
+        tmp_path: Path) -> None:
+    # Before: [1] given as 'x:0' (an alias the backend takes) was refused, as 'x' not.
+    require_backend("openvino")
+    model = _scalar_ir_named_twice(str(tmp_path))
+    async with wasinn.Runtime() as inner:
+        guest, shim = await start_shim(RecordingRuntime(inner))
+        async with guest:
+            graph = (await shim("load", model, ENCODINGS.index("openvino"), CPU)).payload
+            ctx = (await shim("init", graph)).payload
+            for name in ("x", "x:0"):
+                tensor = await shim("tensor-new", [1], FP32, np.float32([3]).tobytes())
+                result = await shim("compute", ctx, [(name, tensor)])
+                assert not isinstance(result, int), (name, await shim("error-data", result))
+                (_, y), = result
+                assert np.frombuffer(await shim("tensor-data", y), np.float32).tolist() == [6]

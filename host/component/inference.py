@@ -65,9 +65,11 @@ class InferenceOperations(GraphOperations):
     in_flight: InFlight
 
     def _inputs(self, named: Sequence[tuple[str, TensorEntry]],
-                specs: Sequence[TensorSpec]) -> dict[str | int, Tensor]:
-        # ``named``'s tensors for a graph of input ``specs`` (a one-value [1] given for a
-        # scalar input read as that scalar: see wasinn.host.single_values).
+                graph: Any) -> dict[str | int, Tensor]:
+        # ``named``'s tensors for ``graph`` (a one-value [1] given for a scalar input read
+        # as that scalar: see wasinn.host.single_values).
+        specs: Sequence[TensorSpec] = graph.inputs
+        aliases: Mapping[str, int] = getattr(graph, "input_aliases", {})  # (a fake's: none)
         inputs: dict[str | int, Tensor] = {}
         for name, entry in named:
             check_name_length(name, "input name")
@@ -75,7 +77,7 @@ class InferenceOperations(GraphOperations):
                 raise InvalidArgumentError(
                     f"input {quoted(name)} is given twice: expected each input at most once")
             try:
-                inputs[name] = as_scalar(entry.require(), specs, name)
+                inputs[name] = as_scalar(entry.require(), specs, name, aliases)
             except WasiNNError as exc:
                 raise exc.prefixed(f"input {quoted(name)}") from None
         return inputs
@@ -148,7 +150,7 @@ class InferenceOperations(GraphOperations):
     ) -> list[tuple[str, int]]:
         """2024-10-28 ``compute(list<named-tensor>)``; the inputs were already taken over."""
         entry = self.tables.contexts.get(ctx_rep)
-        inputs = self._inputs(named, entry.graph.graph.inputs)
+        inputs = self._inputs(named, entry.graph.graph)
         outputs = self._context_compute(entry, inputs)
         return self._add_outputs(outputs)
 
@@ -159,7 +161,7 @@ class InferenceOperations(GraphOperations):
         graph = self.tables.graphs.get(graph_rep)
         tgt = None if target is None else ExecutionTarget.coerce(target)
         self._check_target(tgt)
-        inputs = self._inputs(named, graph.graph.inputs)
+        inputs = self._inputs(named, graph.graph)
         outputs = self._compute(
             functools.partial(_try_graph_lease, graph.graph, inputs, tgt, self.tenant),
             functools.partial(graph.graph.lease, inputs, target=tgt, keep_on_device=True,
@@ -182,7 +184,7 @@ class InferenceOperations(GraphOperations):
         entry = self.tables.contexts.get(ctx_rep)
         check_name_length(name, "input name")
         key = self._input_name(entry, name)
-        (_, value), = self._inputs([(key, tensor)], entry.graph.graph.inputs).items()
+        (_, value), = self._inputs([(key, tensor)], entry.graph.graph).items()
         old = entry.inputs.get(key)
         if old is not value:
             self.tables.tensors.hold(value)  # TooLargeError: the old input stays staged
