@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, PlainValidator
@@ -112,33 +113,31 @@ def _once_each(backends: list[str]) -> list[str]:
     return backends
 
 
-def _env_list(entries: object) -> list[str]:
-    # Each entry checked here (not by a list[str] annotation): one message that says
-    # what a variable's entry may be, whatever is wrong with it.
-    if not isinstance(entries, list):
-        raise fault("", f"{entries!r:.60}: expected a list of the host's environment "
-                        'variables to give confined sandbox processes, such as ["HF_HOME", '
-                        '"MY_LICENSE_*"] (a name, or a prefix ending in *)')
-    for i, entry in enumerate(entries):
-        problem = env_pattern_problem(entry)
-        if problem is not None:
-            raise fault(f"[{i}]", problem)
-    return entries
+def _entries(expected: str, problem_of: Callable[[object], str | None]
+             ) -> Callable[[object], list[str]]:
+    """A validator of a list whose entries ``problem_of`` checks, each here (not by a
+    list[str] annotation): one message that says what an entry may be, whatever is wrong
+    with it; ``expected`` says what the list is, for a value that is none."""
+    def check(entries: object) -> list[str]:
+        if not isinstance(entries, list):
+            raise fault("", f"{entries!r:.60}: expected {expected}")
+        for i, entry in enumerate(entries):
+            problem = problem_of(entry)
+            if problem is not None:
+                raise fault(f"[{i}]", problem)
+        return entries
+
+    return check
 
 
-def _read_list(entries: object) -> list[str]:
-    # As _env_list: each entry checked here, with one message whatever is wrong with it;
-    # a path must be there as the config is read (a typo is found then, not as each
-    # sandbox process starts without it).
-    if not isinstance(entries, list):
-        raise fault("", f"{entries!r:.60}: expected a list of the absolute paths of folders "
-                        "and files confined sandbox processes may read, such as "
-                        '["/srv/hf-cache", "/opt/licenses/site.lic"]')
-    for i, entry in enumerate(entries):
-        problem = read_path_problem(entry)
-        if problem is not None:
-            raise fault(f"[{i}]", problem)
-    return entries
+_env_list = _entries(
+    "a list of the host's environment variables to give confined sandbox processes, such "
+    'as ["HF_HOME", "MY_LICENSE_*"] (a name, or a prefix ending in *)', env_pattern_problem)
+# (a path must be there as the config is read: a typo is found then, not as each sandbox
+# process starts without it)
+_read_list = _entries(
+    "a list of the absolute paths of folders and files confined sandbox processes may "
+    'read, such as ["/srv/hf-cache", "/opt/licenses/site.lic"]', read_path_problem)
 
 
 TargetName = Annotated[str, AfterValidator(_target)]

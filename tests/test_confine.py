@@ -30,7 +30,8 @@ X86_64 = LINUX and platform.machine() in ("x86_64", "AMD64")
 HAS_SECCOMP = LINUX and "Seccomp:" in Path("/proc/self/status").read_text()
 
 
-def _landlock_abi() -> int:
+def landlock_abi() -> int:
+    """The Landlock ABI this kernel offers (-1: none, or not Linux)."""
     if not LINUX:
         return -1
     libc = ctypes.CDLL(None, use_errno=True)
@@ -38,7 +39,7 @@ def _landlock_abi() -> int:
     return int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
 
 
-HAS_LANDLOCK = _landlock_abi() >= 1
+HAS_LANDLOCK = landlock_abi() >= 1
 CONFINE_FILE = str(Path(confine.__file__).resolve())
 FSIZE = 1 << 20
 

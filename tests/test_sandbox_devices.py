@@ -29,6 +29,7 @@ from tests.backend_models import affine
 from tests.crashing_backend import CrashingBackend
 from tests.listing_traps import ENTRIES
 from tests.support import require_backend, sandbox_children
+from tests.test_confine import landlock_abi
 from wasinn import BackendRuntimeError, GraphEncoding, Tensor
 from wasinn.backends import BackendRef, Device, LoadOptions
 from wasinn.backends.sandbox import ProcessLimit, Spares, load_sandboxed
@@ -121,14 +122,6 @@ def test_no_device_file_where_dev_cannot_be_listed(monkeypatch: pytest.MonkeyPat
 
 
 # -- as the kernel applies them ---------------------------------------------------------------
-def _landlock_abi() -> int:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
-
-
 #: Locks itself down (argv: _confine.py, a fake /dev, "gpu" or "cpu"), then says, per
 #: attempt, "ok" or the errno's name.
 _PROBE = """
@@ -180,7 +173,7 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(not LINUX or _landlock_abi() < 1, reason="no landlock here")
+@pytest.mark.skipif(not LINUX or landlock_abi() < 1, reason="no landlock here")
 @pytest.mark.parametrize("kind", ["gpu", "cpu"])
 def test_landlock_lets_a_gpu_graphs_process_reach_the_device_files_and_a_cpu_graphs_not(
         kind: str, tmp_path: Path) -> None:

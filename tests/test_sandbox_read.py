@@ -37,6 +37,7 @@ import pytest
 import wasinn
 import wasinn.backends._confine as confine
 from tests.support import require_backend, sandbox_children, skip_unless
+from tests.test_confine import landlock_abi
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
 from wasinn.backends import _sandbox_process as sandbox_process
@@ -58,16 +59,8 @@ ONES = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
 ORT = BackendRef("onnxruntime", "wasinn.backends.onnxruntime:OnnxRuntimeBackend")
 
 
-def _landlock_abi() -> int:
-    if not LINUX:
-        return -1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return int(libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
-
-
 def _require_landlock() -> None:
-    skip_unless("landlock", _landlock_abi() >= 1,
+    skip_unless("landlock", landlock_abi() >= 1,
                 "the kernel has no Landlock (Linux 5.13 or later, enabled): a confined "
                 "process's reads are not restricted, and sandbox_read changes nothing")
 
@@ -426,7 +419,7 @@ def test_a_spare_and_a_graphs_process_are_handed_the_pools_paths(
             assert _environ(child.pid)[READ_PATHS] == expected
         confinement = graphs[0].confinement
         assert confinement is not None
-        if _landlock_abi() >= 1:
+        if landlock_abi() >= 1:
             assert "landlock" not in confinement["failed"], confinement
     finally:
         for graph in graphs:
