@@ -45,10 +45,14 @@ from ._confine_paths import read_refusal
 log = logging.getLogger("wasinn.backends")
 
 
-def _undoes_confinement(resolved: str) -> str | None:
-    """Why reading below ``resolved`` (a path with its symlinks followed) would undo the
-    confinement (a sentence), or None: :func:`._confine_paths.read_refusal`, which the process
-    itself checks again as it adds the path's rule."""
+def _refusal(resolved: str) -> str | None:
+    """Why ``resolved`` (a path with its symlinks followed) may not be read (a sentence),
+    or None: it would undo the confinement (:func:`._confine_paths.read_refusal`, which
+    the process itself checks again as it adds the path's rule), or it holds
+    ``os.pathsep``, which separates the paths handed to a sandbox process."""
+    if os.pathsep in resolved:
+        return (f"{resolved!r} holds {os.pathsep!r}, which separates the paths handed to a "
+                "sandbox process: expected a path without it")
     return read_refusal(resolved, os.path.realpath(tempfile.gettempdir()))
 
 
@@ -77,10 +81,7 @@ def read_path_problem(entry: object, *, must_exist: bool = True) -> str | None:
     except OSError as exc:  # (a symlink loop, a folder this process may not search)
         return (f"{entry!r} cannot be resolved: {exc.strerror or exc}: expected an "
                 "existing folder or file")
-    problem = _undoes_confinement(resolved)
-    if problem is None and os.pathsep in resolved:
-        problem = (f"{entry!r} resolves to {resolved!r}, which holds {os.pathsep!r}: "
-                   "expected a path without it")
+    problem = _refusal(resolved)
     if problem is not None and resolved != entry:
         problem = f"{entry!r} resolves to {resolved!r}: {problem}"
     return problem
@@ -112,9 +113,7 @@ def readable_now(paths: Iterable[str]) -> list[str]:
             log.debug("a confined sandbox process is started without %s, which it may read "
                       "(sandbox_read) but is not there now", path)
             continue
-        problem = _undoes_confinement(resolved) or (
-            f"it resolves to {resolved!r}, which holds {os.pathsep!r}"
-            if os.pathsep in resolved else None)
+        problem = _refusal(resolved)
         if problem is not None:
             log.warning("a confined sandbox process is started without reading %s "
                         "(sandbox_read): %s", path, problem)

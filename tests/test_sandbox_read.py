@@ -501,6 +501,8 @@ def _refused(tmp_path: Path) -> list[tuple[str, str]]:
     to_root.symlink_to("/")
     colon = tmp_path / "a:b"
     colon.mkdir()
+    to_colon = tmp_path / "to-colon"
+    to_colon.symlink_to(colon)
     return [
         ('["srv/hf-cache"]', r"runtime\.sandbox_read\[0\]: 'srv/hf-cache' is relative: "
                              r"expected an absolute path, such as \"/srv/hf-cache\""),
@@ -520,6 +522,12 @@ def _refused(tmp_path: Path) -> list[tuple[str, str]]:
          r"folder or file"),
         (json.dumps([str(colon)]), r"runtime\.sandbox_read\[0\]: '.*a:b' holds ':', which "
                                    r"separates the paths handed to a sandbox process"),
+        # (before: "'...to-colon' resolves to '...a:b': '...to-colon' resolves to ...",
+        # said twice)
+        (json.dumps([str(to_colon)]), r"runtime\.sandbox_read\[0\]: '[^']*to-colon' resolves "
+                                      r"to '[^']*a:b': '[^']*a:b' holds ':', which separates "
+                                      r"the paths handed to a sandbox process: expected a "
+                                      r"path without it$"),
         ("[1]", r"runtime\.sandbox_read\[0\]: 1 is not a string: expected the absolute "
                 r"path of a folder or file"),
         (json.dumps(["/usr", ["/srv"]]), r"runtime\.sandbox_read\[1\]: \['/srv'\] is not a "
