@@ -43,6 +43,17 @@ HAS_LANDLOCK = landlock_abi() >= 1
 CONFINE_FILE = str(Path(confine.__file__).resolve())
 FSIZE = 1 << 20
 
+#: A probe's ``attempt(name, action)``: records in ``results[name]`` "ok", or the OSError
+#: it raised as "PermissionError:EACCES" (child scripts' code: needs ``errno``).
+ATTEMPT = """
+def attempt(name, action):
+    try:
+        action()
+        results[name] = "ok"
+    except OSError as exc:
+        results[name] = type(exc).__name__ + ":" + errno.errorcode.get(exc.errno, "?")
+"""
+
 #: Confines itself as the reading process does (argv: _confine.py, fsize, a file outside
 #: its directory, a directory outside it), then tries what it must not do and what it
 #: must still do; prints the report and, per attempt, "ok" or the errno's name.
@@ -63,13 +74,7 @@ def syscall(number, *args):
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
-def attempt(name, action):
-    try:
-        action()
-        results[name] = "ok"
-    except OSError as exc:
-        results[name] = type(exc).__name__ + ":" + errno.errorcode.get(exc.errno, "?")
-
+""" + ATTEMPT + """
 def fork():
     pid = os.fork()
     if pid == 0:

@@ -37,7 +37,7 @@ import pytest
 import wasinn
 import wasinn.backends._confine as confine
 from tests.support import require_backend, sandbox_children, skip_unless
-from tests.test_confine import landlock_abi
+from tests.test_confine import ATTEMPT, landlock_abi
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
 from wasinn.backends import _sandbox_process as sandbox_process
@@ -94,13 +94,7 @@ import errno, json
 paths = json.loads(sys.argv[6])
 results = {}
 
-def attempt(name, action):
-    try:
-        action()
-        results[name] = "ok"
-    except OSError as exc:
-        results[name] = type(exc).__name__ + ":" + errno.errorcode.get(exc.errno, "?")
-
+""" + ATTEMPT + """
 def read(path):
     with open(path, "rb") as file:
         file.read()
