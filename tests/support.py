@@ -334,3 +334,31 @@ def affine_pipeline_config(tmp_path: Path) -> Path:
                     '[pipelines.p]\nsteps = [{ model = "a" }, '
                     '{ model = "b", wire = { y = "x" } }]\n')
     return path
+
+
+@asynccontextmanager
+async def sandboxed_affine_children(tmp_path: Path, runtime_keys: str
+                                    ) -> AsyncIterator[list[psutil.Process]]:
+    """A runtime from a config file in ``tmp_path`` (``runtime_keys``, TOML lines of its
+    ``[runtime]`` table; a CPU pool of ONNX Runtime; registry model ``affine``, ``2 x +
+    1``, with ``sandbox = true``) that has computed ``affine`` once, checked; yields its
+    sandbox processes, the graph's and the spare started after it. None is left after."""
+    import numpy as np
+
+    import wasinn
+
+    require_backend("onnxruntime")
+    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
+    config = tmp_path / "wasinn.toml"
+    config.write_text(f"[runtime]\n{runtime_keys}"
+                      '[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\n'
+                      'backends = ["onnxruntime"]\n'
+                      '[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n')
+    async with wasinn.Runtime.from_config(config) as rt:
+        graph = await rt.load_by_name("affine")
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
+        children = sandbox_children()
+        assert len(children) == 2  # the graph's process and the spare started after it
+        yield children
+    assert sandbox_children() == []

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import wasinn
-from tests.support import require_backend, sandbox_children
+from tests.support import require_backend, sandbox_children, sandboxed_affine_children
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
 from wasinn.backends import _sandbox_process as sandbox_process
@@ -84,23 +84,11 @@ async def test_a_runtimes_confined_processes_get_the_variables_its_config_names(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: a confined process was given the allowlist alone, whatever the operator
     # needed its library to see (and [runtime] sandbox_env was an unknown key).
-    require_backend("onnxruntime")
     _host_env(monkeypatch)
-    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
-    config = tmp_path / "wasinn.toml"
-    config.write_text('[runtime]\nsandbox_env = ["MY_LICENSE_FILE", "HF_*"]\n'
-                      '[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\n'
-                      'backends = ["onnxruntime"]\n'
-                      '[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n')
-    async with wasinn.Runtime.from_config(config) as rt:
-        graph = await rt.load_by_name("affine")
-        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
-        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
-        children = sandbox_children()
-        assert len(children) == 2  # the graph's process and the spare started after it
+    keys = 'sandbox_env = ["MY_LICENSE_FILE", "HF_*"]\n'
+    async with sandboxed_affine_children(tmp_path, keys) as children:
         for child in children:
             _check_given(child.pid)
-    assert sandbox_children() == []
 
 
 async def test_a_runtime_given_no_setting_keeps_its_confined_processes_to_the_allowlist(

@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-import wasinn
 import wasinn.backends._confine as confine
-from tests.support import require_backend, sandbox_children, skip_unless
+from tests.support import require_backend, sandbox_children, sandboxed_affine_children, skip_unless
 from tests.test_confine import ATTEMPT, landlock_abi
 from wasinn import GraphEncoding, Tensor
 from wasinn.backends import Device, LoadOptions
@@ -453,28 +452,15 @@ async def test_a_runtimes_processes_may_read_what_its_config_names(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: [runtime] sandbox_read was an unknown key; a variable sandbox_env gave a
     # process named a folder it could not read.
-    require_backend("onnxruntime")
     tree = Tree(tmp_path / "host")
     monkeypatch.setenv("HF_HOME", str(tree.named))
-    (tmp_path / "affine.onnx").write_bytes(affine_onnx(2.0, 1.0))
-    config = tmp_path / "wasinn.toml"
-    config.write_text('[runtime]\nsandbox_env = ["HF_HOME"]\n'
-                      f"sandbox_read = {json.dumps(list(tree.read))}\n"
-                      '[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\n'
-                      'backends = ["onnxruntime"]\n'
-                      '[models.affine]\nfiles = ["affine.onnx"]\nsandbox = true\n')
+    keys = f'sandbox_env = ["HF_HOME"]\nsandbox_read = {json.dumps(list(tree.read))}\n'
     expected = os.pathsep.join(str(Path(p).resolve()) for p in tree.read)
-    async with wasinn.Runtime.from_config(config) as rt:
-        graph = await rt.load_by_name("affine")
-        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
-        np.testing.assert_array_equal(out["y"].numpy(), np.full((1, 4), 3.0, np.float32))
-        children = sandbox_children()
-        assert len(children) == 2  # the graph's process and the spare started after it
+    async with sandboxed_affine_children(tmp_path, keys) as children:
         for child in children:
             environ = _environ(child.pid)
             assert environ[READ_PATHS] == expected
             assert environ["HF_HOME"] == str(tree.named)
-    assert sandbox_children() == []
 
 
 # -- the config ---------------------------------------------------------------------------
