@@ -36,7 +36,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -484,7 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         _parse_values(args)
-        status = _command(args)
+        with _warning_lines():
+            status = _command(args)
         sys.stdout.flush()  # (a closed stdout is met here, not at the interpreter's exit)
         return status
     except UsageError as exc:  # with the subcommand's usage line
@@ -517,6 +519,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_BROKEN_PIPE
         return EXIT_ERROR
     return EXIT_ERROR  # pragma: no cover - parser.error exits
+
+
+@contextlib.contextmanager
+def _warning_lines() -> Iterator[None]:
+    """Within: wasinn's warnings are printed as the command's other lines are,
+    ``wasinn: warning: TEXT``, after the guest's name where a guest's request caused it
+    (``wasinn: warning: classify.wasm: no gpu device here ...``): the line of Python
+    that raised it means nothing to the command's user. Other warnings print as usual."""
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        text = str(message)
+        if not (text.startswith("wasinn: ") or category.__module__.startswith("wasinn.")):
+            shown(message, category, filename, lineno, file, line)
+            return
+        guest = f"{filename}: " if lineno == 0 else ""  # (a guest has no line)
+        print(f"wasinn: warning: {guest}{text.removeprefix('wasinn: ')}",
+              file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _command(args: argparse.Namespace) -> int:

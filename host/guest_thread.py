@@ -63,6 +63,7 @@ import outcome
 import trio
 
 from wasinn._groups import collapsed_groups
+from wasinn._requester import requested_by
 from wasinn.errors import ClosedResourceError
 
 log = logging.getLogger("wasinn.host")
@@ -244,7 +245,8 @@ class GuestRun:
         # In the guest's thread: everything it raises is its outcome, never trio's.
         _current.run = self
         try:
-            result = outcome.capture(fn, *args)
+            with requested_by(self.program):  # (its warnings point at the guest)
+                result = outcome.capture(fn, *args)
         finally:
             _current.run = None
         with self._lock:

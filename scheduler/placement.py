@@ -27,13 +27,11 @@ compiled graphs (a pipeline's chain of steps among them) in :mod:`._jobs`.
 
 from __future__ import annotations
 
-import sys
-import warnings
 from collections.abc import Mapping, Sequence
-from types import FrameType
 
 import trio
 
+from wasinn._requester import warn_requester
 from wasinn.actors.device import DeviceActor
 from wasinn.backends.base import CompiledGraph, Device
 from wasinn.backends.registry import BackendRegistry
@@ -133,11 +131,9 @@ class Scheduler(Requests, Sessions):
                 f"{fallback.value} pool found no device: expected a {kind.value} or "
                 f"{fallback.value} device"
             )
-        warnings.warn(
+        warn_requester(
             f"wasinn: no {kind.value} device here (devices: {here}): "
-            f"target {kind.value} falls back to {fallback.value}",
-            RuntimeWarning, stacklevel=_callers_level(),
-        )
+            f"target {kind.value} falls back to {fallback.value}")
         self._resolved[kind] = fallback
         return fallback
 
@@ -178,10 +174,9 @@ class Scheduler(Requests, Sessions):
             return lost
         if kind not in self._lost_warned:
             self._lost_warned.add(kind)
-            warnings.warn(
+            warn_requester(
                 f"wasinn: every {kind.value} device here is lost ({lost.lost}): target "
-                f"{kind.value} falls back to {fallback.value}",
-                RuntimeWarning, stacklevel=_callers_level())
+                f"{kind.value} falls back to {fallback.value}")
         return instead
 
     # -- compiling (the rest in Sessions) ----------------------------------------------
@@ -214,18 +209,3 @@ class Scheduler(Requests, Sessions):
 def _rank(actor: DeviceActor) -> tuple[bool, int]:
     # Least loaded first, a lost device last.
     return actor.lost is not None, actor.load
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` at which a warning raised by the caller of this function points
-    to the first frame outside wasinn: the user's code that asked for it."""
-    level = 1
-    frame: FrameType | None = sys._getframe(1)  # the caller: level 1
-    while frame is not None and _in_wasinn(frame.f_globals.get("__name__")):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
-def _in_wasinn(module: object) -> bool:
-    return isinstance(module, str) and (module == "wasinn" or module.startswith("wasinn."))
