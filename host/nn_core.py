@@ -227,11 +227,11 @@ class GuestNN:
         self._check_graph_quota(total)
         builders = [v.tobytes() for v in views]  # the scheduler keeps them: copy once
         start = time.perf_counter()
+        name = graph_name(self.tenant, self._loaded)
+        self._loaded += 1  # (a failed load too: each load's errors name it apart)
         graph = self.portal.run(
             functools.partial(self.runtime.load, builders, encoding=enc, target=tgt,
-                              options=self.limits.load_options(),
-                              name=graph_name(self.tenant, self._loaded)))
-        self._loaded += 1
+                              options=self.limits.load_options(), name=name))
         handle = self._add_graph(graph, total)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", handle, total,
                  enc.value, tgt.value, (time.perf_counter() - start) * 1e3)

@@ -35,8 +35,9 @@ def guest_tenant(tenant: object, program: str) -> str:
 
 def graph_name(tenant: str, loaded: int) -> str:
     """The name of the model a guest of ``tenant`` loads from its bytes after ``loaded``
-    others (``classify.wasm#0`` for its first): what its figures are reported under
-    (``Runtime.model_stats``, Prometheus' ``model`` label), in logs and in errors, as
-    wasi-nn's ``load`` names none. Instances of one program loading their models in the
-    same order report each model under one name; ``guest#N`` for the tenant ``""``."""
+    other loads, failed ones included (``classify.wasm#0`` for its first): what its
+    figures are reported under (``Runtime.model_stats``, Prometheus' ``model`` label), in
+    logs and in errors, as wasi-nn's ``load`` names none; each failed load's error names
+    its own. Instances of one program loading their models in the same order report each
+    model under one name; ``guest#N`` for the tenant ``""``."""
     return f"{tenant or 'guest'}#{loaded}"

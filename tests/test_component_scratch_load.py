@@ -141,6 +141,23 @@ async def test_it_loads_as_graph_load_does(rt: RecordingRuntime) -> None:
     assert kwargs["name"] == "team-a#0"
 
 
+async def test_each_load_has_a_name_of_its_own_failed_or_not(rt: RecordingRuntime) -> None:
+    # Before: the count moved on a load that succeeded only, so every failed load before
+    # it was named team-a#0 too, in its error and in the logs.
+    recorder = LoadRecorder(rt)
+    guest, g = await start(recorder, limits=GuestLimits(sandbox=False), tenant="team-a")
+    async with guest:
+        await g.write("garbage.onnx", b"not a model at all")
+        await g.write("affine3.onnx", affine_onnx(3.0, 0.5))
+        failures = [await load_error(g, ["garbage.onnx"]) for _ in range(2)]
+        await load(g, ["affine3.onnx"])
+        await g("release")
+    assert [kwargs["name"] for kwargs in recorder.loads] == ["team-a#0", "team-a#1",
+                                                             "team-a#2"]
+    assert [(code, "team-a#" + str(i) in message) for i, (code, message)
+            in enumerate(failures)] == [("invalid-encoding", True)] * 2, failures
+
+
 # -- errors ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("name", "why"), BAD_NAMES)
 async def test_a_name_that_is_not_a_plain_file_name_is_invalid(

@@ -875,3 +875,32 @@ async def test_a_guests_unload_does_not_wait_for_a_run_still_going_on_its_graph(
         np.testing.assert_array_equal(next(iter(out.values())).numpy(), np.ones((1, 4)))
     finally:
         await nn.release()
+
+
+async def test_each_load_has_a_name_of_its_own_failed_or_not(rt: wasinn.Runtime) -> None:
+    # Before: the count moved on a load that succeeded only, so every failed load before
+    # it was named team-a#0 too, in its error and in the logs.
+    names: list[str] = []
+
+    class Recorder:
+        async def load(self, *args: Any, **kwargs: Any) -> Any:
+            names.append(kwargs["name"])
+            return await rt.load(*args, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(rt, name)
+
+    nn = GuestNN(Recorder(), GuestPortal(), tenant="team-a")  # type: ignore[arg-type]
+    try:
+        guest = await trio.to_thread.run_sync(Guest, nn)
+        garbage, model = b"not a model at all", identity_onnx(TensorType.F32)
+        guest.write(0x1000, garbage)
+        guest.write(0x2000, model)
+        guest.write(0x200, struct.pack("<II", 0x1000, len(garbage)))
+        guest.write(0x208, struct.pack("<II", 0x2000, len(model)))
+        codes = [await trio.to_thread.run_sync(guest.call, "load", at, 1, 1, 0, 0x10)
+                 for at in (0x200, 0x200, 0x208)]  # (ONNX, on the CPU)
+    finally:
+        await nn.release()
+    assert codes == [INVALID_ENCODING, INVALID_ENCODING, SUCCESS]
+    assert names == ["team-a#0", "team-a#1", "team-a#2"]

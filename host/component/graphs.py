@@ -102,12 +102,11 @@ class GraphOperations:
         self._reserve_model_bytes(size)
         self._check_graph_room()
         start = time.perf_counter()
+        name = graph_name(self.tenant, self._loaded)
+        self._loaded += 1  # (a failed load too: each load's errors name it apart)
         graph = self.portal.run(
             functools.partial(self.runtime.load, list(builders), encoding=enc, target=tgt,
-                              options=self.limits.load_options(),
-                              name=graph_name(self.tenant, self._loaded))
-        )
-        self._loaded += 1
+                              options=self.limits.load_options(), name=name))
         rep = self._add_graph(graph, f"{enc.value} graph", size)
         log.info("graph %d: %d bytes of %s loaded for %s in %.1f ms", rep, size, enc.value,
                  tgt.value, (time.perf_counter() - start) * 1e3)
