@@ -580,6 +580,17 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+#: The signals that end a process from outside: an operator's ``kill``, a service manager
+#: stopping every process of the service (systemd's default), a closed terminal. No
+#: library raises them on itself as it crashes, so a process they end did not crash.
+OUTSIDE_STOPS = frozenset({signal.SIGTERM, signal.SIGHUP})
+
+
+def stopped_from_outside(returncode: int | None) -> bool:
+    """Whether a process's ``returncode`` says one of :data:`OUTSIDE_STOPS` ended it."""
+    return returncode is not None and returncode < 0 and -returncode in OUTSIDE_STOPS
+
+
 def report_line(report: Report) -> str:
     """The line the child writes to stderr."""
     return REPORT_PREFIX + json.dumps(report.as_dict(), separators=(",", ":")) + "\n"

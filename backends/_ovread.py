@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -323,7 +322,7 @@ def _child_failure(returncode: int, message: bytes, log: bytes) -> str:
     """Why the child failed, for the error message."""
     if returncode == _REFUSED:
         return ov_message(message.decode("utf-8", "replace"))
-    if returncode in (-signal.SIGTERM, -signal.SIGHUP):
+    if _confine.stopped_from_outside(returncode):
         name = _confine.signal_name(-returncode)
         return (f"the throw-away process that reads such models was stopped by {name} "
                 "(sent to it, or to the host's process group), not by these bytes")

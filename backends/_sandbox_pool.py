@@ -35,7 +35,7 @@ from ._sandbox_backoff import QUIET_S, CrashBackoff
 from ._sandbox_errors import child_error
 from ._sandbox_external import external_files
 from ._sandbox_limit import ProcessLimit
-from ._sandbox_process import SandboxProcess
+from ._sandbox_process import OUTSIDE_SENDERS, SandboxProcess
 from ._sandbox_spares import Spares
 from .base import BackendRef, Builders, Device, LoadOptions, on_current_cancel
 
@@ -108,6 +108,14 @@ class GraphProcesses:
                 raise BackendRuntimeError(
                     f"{name}: cancelled while a process loaded the model: it was "
                     "stopped") from None
+            if child.stopped_from_outside:
+                log.warning("%s: sandbox process %d on %s %s loading the model, sent "
+                            "from outside wasinn: not counted as a crash", self._name,
+                            child.process.pid, self.device.name, how)
+                raise BackendRuntimeError(
+                    f"{name}: the process loading the model {how}, sent from outside "
+                    f"wasinn ({OUTSIDE_SENDERS}): not a crash on the model's bytes (the "
+                    "host goes on; a load again starts a new process)") from None
             log.warning("%s: sandbox process %d on %s %s loading the model", self._name,
                         child.process.pid, self.device.name, how)
             with self._cond:

@@ -76,6 +76,10 @@ def _died(process: subprocess.Popen[bytes]) -> str:
     return f"exited with status {code}"
 
 
+#: Who sends the signals of :data:`._confine.OUTSIDE_STOPS`, for the errors of the runs and
+#: loads they end.
+OUTSIDE_SENDERS = "an operator's kill, or a service manager stopping the service's processes"
+
 #: The host's environment variables a confined process is given (:func:`_child_env`), by
 #: name: where its programs and libraries are, its language and time zone. An operator
 #: names others (``[runtime] sandbox_env``, see :mod:`._sandbox_env`).
@@ -395,6 +399,12 @@ class SandboxProcess:
         how = _died(self.process)
         self._cleanup()
         return how
+
+    @property
+    def stopped_from_outside(self) -> bool:
+        """Whether it has ended by a signal sent from outside (SIGTERM, SIGHUP: see
+        :data:`._confine.OUTSIDE_STOPS`), not by a crash of its library."""
+        return _confine.stopped_from_outside(self.process.returncode)
 
     def close(self) -> None:
         """Kill the process, wait for it and free what it shared. Killed rather than

@@ -122,7 +122,7 @@ from ._sandbox_env import env_pattern_problem
 from ._sandbox_errors import child_error, lost_context
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
 from ._sandbox_pool import GraphProcesses, close_idle
-from ._sandbox_process import CANCEL_GRACE_S, SandboxProcess
+from ._sandbox_process import CANCEL_GRACE_S, OUTSIDE_SENDERS, SandboxProcess
 from ._sandbox_read import read_path_problem
 from ._sandbox_spares import MAX_SPARES, Spares
 from ._sandbox_specs import read_specs, reserve
@@ -456,6 +456,15 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
                 raise BackendRuntimeError(
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
+            if child.stopped_from_outside:
+                log.warning("%s: sandbox process %d on %s %s during a run, sent from "
+                            "outside wasinn: not counted as a crash", name,
+                            child.process.pid, self.device.name, how)
+                raise BackendRuntimeError(
+                    f"{name}: the process running the model {how}, sent from outside "
+                    f"wasinn ({OUTSIDE_SENDERS}): not a crash of the model or of these "
+                    "inputs, which are not held against them (the host goes on; the next "
+                    "run starts a new process)") from None
             then = self._crashed(child, how, inputs, digest, caller)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "

@@ -300,6 +300,65 @@ def test_a_process_that_died_while_idle_is_replaced_without_failing_a_run(
         graph.close()
 
 
+def _signalled_when_started(signum: int, pid: Any) -> None:
+    """Send ``signum`` to the sandbox process ``pid()`` gives once it gives one (in a
+    thread: the caller is blocked in the call the signal is for)."""
+    import threading
+
+    def send() -> None:
+        deadline = time.monotonic() + 20
+        while (target := pid()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # (well into the run or the load)
+        os.kill(target, signum)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_a_process_stopped_from_outside_did_not_crash(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # SIGTERM reaches every process of a service that systemd stops, an operator's kill
+    # sends it. Before: the run's error said the library crashed on these inputs, which
+    # counted towards the back-off (twice: refused), and a load's called the bytes
+    # malformed (InvalidEncodingError).
+    import logging
+
+    slow = tmp_path / "slow"
+    graph = load_sandboxed(CrashingBackend(), [f"fake:add=2:slowload-if={slow}".encode()],
+                           GraphEncoding.GGML, CPU)
+    ones = {"x": Tensor.from_numpy(np.ones((1, 4), np.float32))}
+    try:
+        stopped = []
+        for _ in range(2):  # (twice: a crash counted each time would start a back-off)
+            first = graph.pid
+            stopped.append(first)
+            _signalled_when_started(signal.SIGTERM, lambda pid=first: pid)
+            with caplog.at_level(logging.WARNING, logger="wasinn.backends"), pytest.raises(
+                    BackendRuntimeError, match=(
+                        r"^crashing: the process running the model was killed by SIGTERM, "
+                        r"sent from outside wasinn \(an operator's kill, or a service "
+                        r"manager stopping the service's processes\): not a crash of the "
+                        r"model or of these inputs")):
+                graph.run({"x": Tensor.from_numpy(np.full((1, 4), DEAF, np.float32))})
+            assert graph.backoff.crashes == 0
+            np.testing.assert_array_equal(graph.run(ones)["y"].numpy(),
+                                          np.full((1, 4), 3.0, np.float32))
+        assert [r.getMessage() for r in caplog.records] == [
+            f"crashing: sandbox process {pid} on cpu was killed by SIGTERM during a run, "
+            "sent from outside wasinn: not counted as a crash" for pid in stopped]
+        graph.close()  # the next process loads the model again, which takes a minute
+        slow.touch()
+        _signalled_when_started(signal.SIGHUP, lambda: next(
+            (p.pid for p in sandbox_children()), None))
+        with pytest.raises(BackendRuntimeError, match=(
+                r"^crashing: the process loading the model was killed by SIGHUP, sent from "
+                r"outside wasinn .*: not a crash on the model's bytes")):
+            load_sandboxed(CrashingBackend(), [f"fake:add=2:slowload-if={slow}".encode()],
+                           GraphEncoding.GGML, CPU)
+    finally:
+        graph.close()
+
+
 def test_a_cancel_stops_the_reload_a_run_waits_for_at_once(tmp_path: Any) -> None:
     import threading
     import time
