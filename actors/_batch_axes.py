@@ -7,7 +7,9 @@ axis is the inputs' batch axis. What a model declares (its specs, and an ONNX mo
 symbolic dimension names: :mod:`wasinn.backends.onnx_dims`) tells three cases apart:
 
 * not batch-major: refused at load (:func:`check_batchable` raises). An input or output
-  without a first axis (a scalar) or with a fixed one; an output whose first axis is
+  without a first axis (a scalar) or with a fixed one; inputs whose first axes are named
+  apart (``x: [n, 4]``, ``y: [m, 4]``: a request's queries and its own memory rows,
+  which a merge would mix between requests of the same row counts); an output whose first axis is
   named as one of the inputs' other axes (``z = x.T`` declares ``x: [n, m]`` and
   ``z: [m, n]``); an input or output that has the batch axis's name on another axis too
   (its size would change with the rows merged: ``x @ x.T`` is ``[n, n]``).
@@ -17,12 +19,15 @@ symbolic dimension names: :mod:`wasinn.backends.onnx_dims`) tells three cases ap
 * not known: dimensions without names (OpenVINO IR, torch.export, ONNX declared with
   ``None``), undeclared shapes (TorchScript), an output's axis named after nothing the
   inputs have (``torch.onnx.export`` with ``dynamic_axes`` given as lists names each
-  tensor's axis apart). The first merged run of each input signature is then checked
-  against a run of one of its requests alone (:class:`~wasinn.actors._batch_job.BatchJob`).
+  tensor's axis apart: ``x_dynamic_axes_1``, as tf2onnx's ``unk__7`` do, names that say
+  nothing and are taken for none). The first merged run of each input signature is then
+  checked against a run of one of its requests alone
+  (:class:`~wasinn.actors._batch_job.BatchJob`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from wasinn.backends.base import TensorSpec
@@ -34,6 +39,10 @@ Declared = Mapping[str, tuple[DeclaredDim, ...]]
 
 _MERGES = "batching merges requests along the first dimension"
 _NO_BATCHING = "or load the model without batching"
+#: Dimension names an exporter makes up for each tensor apart, which say nothing of which
+#: dimensions are the same: ``torch.onnx.export``'s for ``dynamic_axes`` given as lists
+#: (``x_dynamic_axes_1``), tf2onnx's unknowns (``unk__7``).
+_MADE_UP = re.compile(r".+_dynamic_axes_[0-9]+|unk__[0-9]+")
 
 
 def check_batchable(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
@@ -47,6 +56,14 @@ def check_batchable(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[T
     name; a tensor's are used where they have its spec's rank."""
     in_dims = [_dims(spec, declared) for spec in inputs]
     batch = {dims[0] for dims in in_dims if dims and isinstance(dims[0], str)}
+    if len(batch) > 1:
+        firsts = ", ".join(f"{spec.name}: {_shape(dims)}" for spec, dims
+                           in zip(inputs, in_dims, strict=True) if dims)
+        raise InvalidArgumentError(
+            f"{name}: {_MERGES} of every input, but the inputs name their first dimensions "
+            f"apart ({firsts}): two requests of the same row counts would have their rows "
+            "mixed: expected every input's first dimension to be the batch dimension, "
+            f"named alike, {_NO_BATCHING}")
     other: dict[str, str] = {}  # a name on an input's other axis -> which axis
     for spec, dims in zip(inputs, in_dims, strict=True):
         if dims is None:
@@ -85,7 +102,8 @@ def _dims(spec: TensorSpec, declared: Declared | None) -> tuple[DeclaredDim, ...
     names = None if declared is None else declared.get(spec.name)
     if names is None or len(names) != len(spec.shape):
         return spec.shape
-    return tuple(size if size is not None else named if isinstance(named, str) else None
+    return tuple(size if size is not None else named if isinstance(named, str)
+                 and not _MADE_UP.fullmatch(named) else None
                  for size, named in zip(spec.shape, names, strict=True))
 
 

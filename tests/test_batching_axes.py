@@ -60,6 +60,21 @@ def gram_onnx() -> bytes:
     return onnx_model_bytes(graph)
 
 
+def memory_onnx() -> bytes:
+    """``z = x + y.sum(0)``, declared ``x: [n, 4]``, ``y: [m, 4]``, ``z: [n, 4]``: ``y``'s
+    rows are each request's own memory, an axis apart from ``x``'s rows."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("ReduceSum", ["y", "axes"], ["s"], keepdims=1),
+             helper.make_node("Add", ["x", "s"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "memory", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+                          helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 4])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    return onnx_model_bytes(graph)
+
+
 def to_ir(onnx: bytes) -> list[bytes]:
     """``onnx`` converted to OpenVINO IR (xml, bin): its dimensions lose their names."""
     import openvino as ov
@@ -145,6 +160,49 @@ async def test_an_output_declared_with_another_first_dimension_is_refused_at_loa
     graph = await rt.load([model], "onnx", backend=backend)  # without batching: fine
     z = (await graph.compute({"x": request(1)}))["z"].numpy()
     np.testing.assert_array_equal(z, request(1).T)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
+async def test_inputs_whose_first_dimensions_are_named_apart_are_refused_at_load(
+        rt: wasinn.Runtime, backend: str) -> None:
+    # Before: accepted as batch-major (z's first dimension, n, was one of the inputs'),
+    # and two requests of one row each merged along y's rows too: y = 1 and y = 100 both
+    # got z = 101.
+    with pytest.raises(InvalidArgumentError) as err:
+        await rt.load([memory_onnx()], "onnx", backend=backend, name="memory",
+                      batching=Batching(max_batch=MAX_BATCH))
+    assert str(err.value) == (
+        "model 'memory': memory: batching merges requests along the first dimension of "
+        "every input, but the inputs name their first dimensions apart (x: [n, 4], y: "
+        "[m, 4]): two requests of the same row counts would have their rows mixed: "
+        "expected every input's first dimension to be the batch dimension, named alike, "
+        "or load the model without batching")
+    graph = await rt.load([memory_onnx()], "onnx", backend=backend)  # without: fine
+    x = np.zeros((1, 4), np.float32)
+    z = (await graph.compute({"x": x, "y": np.full((2, 4), 50, np.float32)}))["z"].numpy()
+    np.testing.assert_array_equal(z, np.full((1, 4), 100, np.float32))
+
+
+async def test_names_an_exporter_made_up_for_each_input_prove_nothing(
+        rt: wasinn.Runtime) -> None:
+    # torch.onnx.export with dynamic_axes as lists names each tensor's axis apart
+    # (x_dynamic_axes_1, y_dynamic_axes_1): such a model is not refused, but checked.
+    import torch
+
+    class Add(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + y
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecations and notes
+        torch.onnx.export(Add(), (torch.zeros(2, 4), torch.zeros(2, 4)), buf,
+                          input_names=["x", "y"], output_names=["z"],
+                          dynamic_axes={"x": [0], "y": [0], "z": [0]}, dynamo=False)
+    graph = await rt.load([buf.getvalue()], "onnx", batching=Batching(max_batch=4))
+    z = (await graph.compute({"x": np.ones((1, 4), np.float32),
+                              "y": np.ones((1, 4), np.float32)}))["z"].numpy()
+    np.testing.assert_array_equal(z, np.full((1, 4), 2, np.float32))
 
 
 async def test_an_output_with_the_batch_dimension_on_another_axis_is_refused(
@@ -267,6 +325,12 @@ def test_what_declared_dimensions_prove() -> None:
     assert not check_batchable("m", [x], [free], {"x": ("n", 6), "y": ("n", "k")})
     undeclared = TensorSpec("y", TensorType.F32, (), rank_known=False)
     assert not check_batchable("m", [x], [undeclared], {"x": ("n", 6)})
+    two = [x, TensorSpec("w", TensorType.F32, (None, 6))]
+    with pytest.raises(InvalidArgumentError, match="name their first dimensions apart"):
+        check_batchable("m", two, [y], {"x": ("n", 6), "w": ("m", 6), "y": ("n", 6)})
+    assert check_batchable("m", two, [y], {"x": ("n", 6), "w": ("n", 6), "y": ("n", 6)})
+    made_up = {"x": ("x_dynamic_axes_1", 6), "w": ("unk__7", 6), "y": ("n", 6)}
+    assert not check_batchable("m", two, [y], made_up)  # named by nothing: not known
     square = TensorSpec("x", TensorType.F32, (None, None))
     with pytest.raises(InvalidArgumentError, match="input x is declared \\[n, n\\]: its "
                        "dimension 1 is n too"):
