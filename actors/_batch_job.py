@@ -15,7 +15,6 @@ when they differ, the merged run is unsplittable, as above.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 
 import outcome
@@ -33,7 +32,8 @@ log = logging.getLogger("wasinn.actors")
 class BatchJob:
     """The job a batch runs in a worker thread: one merged run, split by rows, or (when
     that fails or cannot be split) one run per member. ``merged`` says which happened;
-    ``unsplittable``, that the merged run's outputs could not be split by rows;
+    ``unsplittable``, why the merged run's outputs could not be split by rows (None:
+    they could), which the batcher warns of once;
     ``checked``, that ``probe`` found them shaped as a member's run alone."""
 
     __slots__ = ("checked", "fatal", "label", "members", "merged", "probe", "run",
@@ -47,7 +47,7 @@ class BatchJob:
         self.label = label
         self.probe = probe
         self.merged = False
-        self.unsplittable = False
+        self.unsplittable: str | None = None
         self.checked = False
 
     def __call__(self) -> list[outcome.Outcome[dict[str, Tensor]]]:
@@ -76,8 +76,7 @@ class BatchJob:
                     check_alone(outputs, alone.value, members[ran].inputs.rows)
                     self.checked = True
         except Unsplittable as exc:
-            self.unsplittable = True
-            _warn_once(self.label, str(exc))
+            self.unsplittable = str(exc)
         except Exception as exc:  # each request is re-run alone below, and fails alone
             if self.fatal(exc):
                 raise  # the device is lost: no run more there
@@ -119,15 +118,3 @@ class BatchJob:
 def _cancelled() -> bool:
     cancellation = current_cancellation()
     return cancellation is not None and cancellation.cancelled
-
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _warn_once(label: str, why: str) -> None:
-    with _warned_lock:
-        if label in _warned:
-            return
-        _warned.add(label)
-    log.warning("%s: cannot batch: %s", label, why)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import operator
 import time
@@ -41,6 +42,8 @@ from .jobs import backend_failure
 from .queue import Request
 from .slots import QUEUE_OWNER, RequestWithdrawn, withdrawal
 from .stats import Account, RequestStats
+
+log = logging.getLogger("wasinn.actors")
 
 if TYPE_CHECKING:
     from .batching import Batching
@@ -305,7 +308,9 @@ class Batcher:
         outcomes, released = await self._run_in_slot(job, batch.label, batch.tenant)
         for member in members:
             member.released = released
-        if job.unsplittable:
+        if job.unsplittable is not None:
+            if batch.key not in self._alone:  # (once: another batch may have found it)
+                log.warning("%s: cannot batch: %s", batch.label, job.unsplittable)
             _remember(self._alone, batch.key)
         if job.checked:
             _remember(self._checked, batch.key)

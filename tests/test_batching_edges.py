@@ -217,6 +217,28 @@ async def test_after_outputs_that_cannot_be_split_the_graphs_requests_run_alone(
     assert (actor.stats().running, actor.stats().queued) == (0, 0)
 
 
+async def test_each_runtime_and_each_load_warns_of_outputs_that_cannot_be_split(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: warned once a process for a label: a second runtime, or the model loaded
+    # again under its name, fell back to one-by-one runs without a word.
+    async def found_unsplittable(rt: wasinn.Runtime) -> None:
+        graph = await rt.load([first_row_onnx()], "onnx", name="first_row",
+                              batching=Batching(max_batch=8))
+        actor, sizes = only_actor(rt), run_sizes(rt, graph)
+        async with device_busy(actor) as nursery:
+            for i in range(2):
+                nursery.start_soon(graph.compute, {"x": rows(i + 1, 2)})
+            await trio.testing.wait_all_tasks_blocked()
+        assert sizes == [4, 2, 2]  # merged, thrown away, then one by one
+        await graph.unload()
+
+    for _ in range(2):
+        async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+            await found_unsplittable(rt)
+            await found_unsplittable(rt)  # loaded again: a graph of its own
+    assert caplog.text.count("cannot batch") == 4
+
+
 # -- failures and members that leave -----------------------------------------------------------
 async def test_a_batch_whose_every_run_fails_fails_each_member_and_the_device_goes_on(
         rt: wasinn.Runtime) -> None:
