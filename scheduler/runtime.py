@@ -222,8 +222,14 @@ class Runtime(ModelLoading):
         (an error is logged naming the device and the job). That wait is shielded:
         cancelling the caller does not cut it short, but it never lasts longer than the
         largest ``close_timeout``. Idempotent; any task may call it, and a call while
-        another is closing returns once that close is done. RuntimeError outside trio."""
-        self._check_trio("aclose")
+        another is closing returns once that close is done, as does a call from a later
+        trio run once the runtime's own has ended (which stopped it). RuntimeError
+        outside trio."""
+        try:
+            self._check_trio("aclose")
+        except ClosedResourceError:  # stopped with the trio run it served
+            self._closed = True
+            return
         if not self._closed:
             self._closed = True
             if self._scheduler is not None:

@@ -6,7 +6,10 @@ message that names neither wasinn nor the cause (asyncio: "must be called from a
 context"), or, from another trio run, may even appear to work while it mixes two runs'
 task state: a request queued behind a busy slot would later be woken by the wrong run.
 :func:`check_trio_run` turns both into a RuntimeError that says what happened. It costs
-one thread-local read (well under a microsecond), so the request paths call it too.
+one thread-local read (well under a microsecond), so the request paths call it too. A
+runtime whose trio run has ended was stopped with it (its actors were tasks of that
+run): a call from a later run gets ClosedResourceError saying so, as a closed runtime's
+callers do, and ``aclose`` has nothing left to do.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import trio
 
-from wasinn.errors import WasiNNError
+from wasinn.errors import ClosedResourceError, WasiNNError
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -53,7 +56,8 @@ A_REQUEST = "a request (compute, run or lease)"
 
 def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
     """RuntimeError unless the caller runs in trio and, where ``token`` is given, in the
-    trio run that ``token`` belongs to. ``what`` names the call in the message."""
+    trio run that ``token`` belongs to; ClosedResourceError where that run has ended.
+    ``what`` names the call in the message."""
     try:
         current = trio.lowlevel.current_trio_token()
     except RuntimeError:
@@ -61,6 +65,24 @@ def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
             f"{what} must be awaited in trio (inside trio.run): wasinn runs on trio, not "
             "on asyncio or any other event loop") from None
     if token is not None and current is not token:
+        if run_ended(token):
+            raise ClosedResourceError(
+                f"{what}: the trio run this runtime served has ended, and stopped the "
+                "runtime with it: make a Runtime in this run")
         raise RuntimeError(
             f"{what}: this runtime was started in another trio run; it serves that run "
             "only: make a Runtime in this one, or reach that run with trio.from_thread")
+
+
+def run_ended(token: trio.lowlevel.TrioToken) -> bool:
+    """Whether the trio run ``token`` belongs to has ended (else: a no-op is queued
+    there, harmless)."""
+    try:
+        token.run_sync_soon(_nothing)
+    except trio.RunFinishedError:
+        return True
+    return False
+
+
+def _nothing() -> None:
+    pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,6 +85,32 @@ def test_a_runtime_never_closed_is_stopped_when_trio_run_ends() -> None:
     (rt,) = started
     assert all(not actor.ready for actor in rt.actors)
     assert not [t for t in threading.enumerate() if t.name.startswith("wasinn cpu worker")]
+
+
+def test_a_runtime_stopped_with_its_trio_run_is_closed_to_a_later_run() -> None:
+    # Before: a compute or a load from a later run advised "reach that run with
+    # trio.from_thread" (a run that had ended), and aclose, idempotent, raised it too.
+    kept: list[Any] = []
+
+    async def forgetful() -> None:
+        rt = wasinn.Runtime()
+        await rt.start()
+        graph = await rt.load([affine_onnx()], "onnx", name="aff")
+        kept.extend([rt, graph.init_execution_context()])  # and returns, closing nothing
+
+    async def later() -> None:
+        rt, ctx = kept
+        with pytest.raises(wasinn.ClosedResourceError, match=(
+                r"^a request \(compute, run or lease\): the trio run this runtime served "
+                r"has ended, and stopped the runtime with it: make a Runtime in this run$")):
+            await ctx.compute({"x": np.ones((1, 4), np.float32)})
+        with pytest.raises(wasinn.ClosedResourceError, match=r"^Runtime\.load: the trio run"):
+            await rt.load([affine_onnx()], "onnx")
+        await rt.aclose()  # nothing left to do
+        await rt.aclose()
+
+    trio.run(forgetful)
+    trio.run(later)
 
 
 def wasinn_threads() -> list[str]:
