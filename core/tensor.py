@@ -297,9 +297,9 @@ class Tensor:
                 arr = np.asarray(array)
             except Exception as exc:  # ValueError (ragged), TypeError, a library's own
                 raise InvalidArgumentError(
-                    f"cannot make a tensor of a {type(array).__name__}: expected a "
-                    "wasinn.Tensor, a numpy array or a nested list of numbers of one shape "
-                    f"({exc})") from None
+                    f"cannot make a tensor of a {_type_name(array)}: expected a "
+                    "wasinn.Tensor, a numpy array or a nested list of numbers of one shape"
+                    f"{_hint(array)} ({exc})") from None
         dtype = arr.dtype
         ttype = _TYPES.get(dtype)  # a native dtype of a wasi-nn type: the usual case
         if ttype is not None:
@@ -470,3 +470,20 @@ def as_tensor(value: Tensor | npt.ArrayLike) -> Tensor:
     if isinstance(value, Tensor):
         return value
     return Tensor.from_numpy(value)
+
+
+def _type_name(value: object) -> str:
+    """``value``'s type as a user knows it: ``list``, ``torch.Tensor`` (never a bare
+    ``Tensor``, which would read as wasinn's)."""
+    kind = type(value)
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def _hint(value: object) -> str:
+    # How to give a library's tensor that numpy cannot take as it is (a torch tensor that
+    # needs its gradient, is on a GPU, or is bf16, which numpy has no type for).
+    if type(value).__module__.split(".")[0] != "torch":
+        return ""
+    return ("; give a torch tensor as tensor.detach().cpu().numpy(), a bf16 one as "
+            "tensor.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)")

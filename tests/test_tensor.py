@@ -235,8 +235,21 @@ def test_a_value_whose_conversion_raises_a_library_error_is_invalid_argument() -
     require_backend("torch")
     import torch
 
-    with pytest.raises(InvalidArgumentError, match="cannot make a tensor of a Tensor"):
-        as_tensor(torch.ones(2, requires_grad=True))  # numpy() refuses: a RuntimeError
+    # Before: "cannot make a tensor of a Tensor", which read as wasinn's Tensor refused,
+    # with no word of how to give it.
+    hint = ("; give a torch tensor as tensor.detach().cpu().numpy(), a bf16 one as "
+            "tensor.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16) (")
+    for tensor in (torch.ones(2, requires_grad=True),  # numpy() refuses: a RuntimeError
+                   torch.ones(2, dtype=torch.bfloat16)):  # numpy has no bf16
+        with pytest.raises(InvalidArgumentError) as caught:
+            as_tensor(tensor)
+        assert caught.value.message.startswith(
+            "cannot make a tensor of a torch.Tensor: expected a wasinn.Tensor, a numpy "
+            "array or a nested list of numbers of one shape" + hint), caught.value.message
+    bf16 = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    given = as_tensor(bf16.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    assert (given.type, given.numpy().astype(np.float32).tolist()) == (TensorType.BF16,
+                                                                        [1.5, -2.0])
 
 
 def test_the_constructor_refuses_an_array_of_another_element_type_or_shape() -> None:
