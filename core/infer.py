@@ -559,6 +559,8 @@ def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
     line = f"{name}: {tensor.type.value}[{dims}]"
     if array.size == 0:
         return line + " (empty)"
+    if array.dtype.kind in "iu":  # exact: an i64 beyond 2**53 is no float's
+        return line + _integer_summary(array, top)
     values = array.astype(np.float64)
     finite = values[np.isfinite(values)]
     if finite.size:
@@ -577,4 +579,17 @@ def describe_output(name: str, tensor: Tensor, top: int = 5) -> str:
         best = order[::-1][:top]
         line += "; largest along the last axis: " + ", ".join(
             f"[{i}] {row[i]:.6g}" for i in best)
+    return line
+
+
+def _integer_summary(array: np.ndarray[Any, Any], top: int) -> str:
+    # describe_output's range, mean and largest values of an integer tensor, the values
+    # exact (the mean as a float).
+    line = (f" min {int(array.min())} max {int(array.max())} "
+            f"mean {_finite_mean(array.astype(np.float64)):.6g}")
+    row = array.reshape(-1, array.shape[-1])[0] if array.ndim else array.reshape(1)
+    if row.size > 1:
+        best = np.lexsort((-np.arange(row.size), row))[::-1][:top]
+        line += "; largest along the last axis: " + ", ".join(
+            f"[{i}] {int(row[i])}" for i in best)
     return line

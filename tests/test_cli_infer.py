@@ -336,6 +336,16 @@ def test_an_output_line_counts_nan_and_infinities_apart_from_the_range() -> None
                     "last axis: [0] 1e+308, [1] 1e+308, [2] 1")
 
 
+def test_an_integer_output_line_shows_its_values_exactly() -> None:
+    # Before: read through f64, an i64 past 2**53 printed as 4.61169e+18.
+    ids = np.array([[4611686018427387905, -3, 7, 7]], np.int64)
+    assert describe_output("ids", Tensor.from_numpy(ids)) == (
+        "ids: i64[1, 4] min -3 max 4611686018427387905 mean 1.15292e+18; largest along "
+        "the last axis: [0] 4611686018427387905, [2] 7, [3] 7, [1] -3")
+    assert describe_output("u", Tensor.from_numpy(np.array(5, np.uint8))) == (
+        "u: u8[] min 5 max 5 mean 5")
+
+
 def test_models_lists_what_the_command_line_registers(
         affine: list[str], capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["models", *affine]) == 0
