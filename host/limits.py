@@ -26,7 +26,8 @@ LOWERING_BYTES_PER_VALUE = 80
 class GuestLimits:
     """What one guest instance may hold and do. Beyond a size limit the guest gets too-large.
 
-    ``max_graphs``/``max_contexts``: live handles; ``max_model_bytes``: total bytes of
+    ``max_graphs``: graphs loaded (a component guest's context keeps its graph loaded after
+    the handle is dropped); ``max_contexts``: live handles; ``max_model_bytes``: total bytes of
     model builders loaded by this guest; ``max_tensor_bytes``: the size of one tensor.
     ``allowed_targets``: the execution targets the guest may ask for (None = all); another
     raises SecurityError (component guests see ``security``; the legacy ABI has no such

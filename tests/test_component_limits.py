@@ -278,6 +278,34 @@ def test_the_guests_table_sets_the_component_limits() -> None:
             parse_config({"guests": {key: 0}}, None)
 
 
+async def test_max_graphs_counts_graphs_that_only_a_context_keeps_loaded(
+        rt: RecordingRuntime) -> None:
+    # Each graph may be a sandbox process: a guest that drops every graph handle but keeps
+    # a context on it must not load more than max_graphs of them.
+    guest, shim = await start_shim(rt, limits=GuestLimits(max_graphs=2))
+    async with guest:
+        contexts = []
+        for _ in range(2):
+            graph = await shim.ok("load", [affine_onnx()], ONNX, CPU)
+            contexts.append(await shim.ok("init", graph))
+            await shim("graph-drop", graph)
+        assert guest.live()["graph"] == 0
+        code, message = await shim.err("load", [affine_onnx()], ONNX, CPU)
+        assert code == "too-large"
+        assert "2 graphs loaded (0 graph handles)" in message
+        assert "max_graphs" in message and "context" in message
+        code, _ = await shim.err("load-by-name", "affine")
+        assert code == "too-large"
+        assert [graph.unloaded for graph in rt.graphs] == [False, False]
+        await shim("ctx-drop", contexts.pop())  # its graph's last holder: room again
+        assert [graph.unloaded for graph in rt.graphs] == [False, True]
+        graph = await shim.ok("load", [affine_onnx(3.0, 0.0)], ONNX, CPU)
+        ((_, y),) = await shim.ok("graph-compute", graph, [("x", await shim.tensor(X))], None)
+        np.testing.assert_allclose(await shim.data(y), (X * 3).reshape(-1))
+    assert guest.live() == NOTHING
+    assert all(graph.unloaded for graph in rt.graphs)
+
+
 # -- unloading survives cancellation ---------------------------------------------------------
 class _FirstUnloadHangs:
     """Routing check: a real graph whose first unload waits at a checkpoint (until it is

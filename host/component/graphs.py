@@ -7,7 +7,8 @@ that implements wasi-nn's ``graph`` interface (``load``, ``load-by-name``,
 A graph is unloaded when its last holder, the graph handle or a context created from it,
 is dropped; one whose unload was cancelled waits for
 :meth:`~wasinn.host.component.service.NNService.close`, and one a guest's call obtains
-after the close is released at once. A guest holds at most ``max_graphs`` graphs and
+after the close is released at once. A guest holds at most ``max_graphs`` graphs (the
+loaded ones: a graph its contexts keep counts after its handle is dropped) and
 ``max_model_bytes`` of models, and only graphs whose default target it is allowed to use,
 whichever way they were loaded.
 """
@@ -53,6 +54,7 @@ class GraphOperations:
     tenant: str
     _model_bytes: int
     _loaded: int
+    _live_graphs: int
     _unloading: list[GraphEntry]
     _lock: threading.Lock
     _closed: bool
@@ -139,10 +141,15 @@ class GraphOperations:
         return rep
 
     def _check_graph_room(self) -> None:
-        if len(self.tables.graphs) >= self.limits.max_graphs:
+        """Raise TooLargeError when the guest has ``max_graphs`` graphs loaded. Counted are
+        the graphs loaded for it, not its graph handles: a context keeps its graph loaded
+        after the handle is dropped, and each graph may be a sandbox process."""
+        if self._live_graphs >= self.limits.max_graphs:
             raise TooLargeError(
-                f"this guest already holds {len(self.tables.graphs)} graphs, the most it may "
-                f"hold at once: drop a graph before loading another"
+                f"this guest already has {self._live_graphs} graphs loaded "
+                f"({len(self.tables.graphs)} graph handles), the most it may hold at once "
+                f"([guests] max_graphs): a graph stays loaded while its handle or any context "
+                f"created from it is live; drop them to free it before loading another"
             )
 
     def _reserve_model_bytes(self, size: int) -> None:
@@ -159,6 +166,7 @@ class GraphOperations:
         closed meanwhile (ClosedResourceError)."""
         entry = GraphEntry(graph, label, model_bytes=size)
         self._model_bytes += size
+        self._live_graphs += 1
         try:
             self._check_target(getattr(graph, "default_target", None))
             with self._lock:
@@ -200,6 +208,7 @@ class GraphOperations:
             log.exception("unloading %s failed", entry.label)
         entry.unloaded = True
         self._model_bytes -= entry.model_bytes
+        self._live_graphs -= 1
         with contextlib.suppress(ValueError):  # (close() and an abandoned call, both)
             self._unloading.remove(entry)
 

@@ -89,6 +89,9 @@ class NNService(InferenceOperations, TensorOperations):
         self.limits = limits or GuestLimits()
         self.tables = GuestTables.create(self.limits)
         self._model_bytes = 0
+        #: Graphs loaded for this guest until their unload has run: those it holds a
+        #: handle to and those only its contexts (or a cancelled unload) keep.
+        self._live_graphs = 0
         #: Models this guest loaded from its bytes so far (their names: graph_name).
         self._loaded = 0
         #: Graphs the guest let go of whose unload has not run yet (it was cancelled);
