@@ -16,6 +16,10 @@ A member leaves a batch that has not started when its caller is cancelled, or wh
 :meth:`Batcher.withdraw`); either way the batch goes on without its rows, or leaves the
 queue when nobody is left. The batch's own entry in the device's queue belongs to no
 owner: it serves several callers.
+
+A graph that nobody can send requests to any more (unloaded while its requests are in
+flight) has its batches run with the members they have, waiting for no company
+(:meth:`Batcher.gathering_ended`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import outcome
 import trio
@@ -101,6 +106,9 @@ class Batcher:
         self._alone: set[Hashable] = set()
         #: Batch keys whose merged outputs a member's run alone found batch-major.
         self._checked: set[Hashable] = set()
+        #: Graphs (``submit``'s ``key``) whose batches wait for no company now: see
+        #: :meth:`gathering_ended` (a count: its blocks may overlap).
+        self._ended: Counter[Hashable] = Counter()
 
     @property
     def queued_batches(self) -> int:
@@ -169,6 +177,29 @@ class Batcher:
         except Exception as exc:
             raise backend_failure(self._device, exc) from exc
 
+    @contextlib.contextmanager
+    def gathering_ended(self, key: Hashable) -> Iterator[None]:
+        """While this block lasts, the batches of graph ``key`` (as :meth:`submit` is given
+        it) wait for no more company: those open now are closed and run with the members
+        they have as soon as they hold a slot (at once, those that hold one and wait
+        for company), as a batch that filled up does, and a member that leaves one does
+        not reopen it; those opened meanwhile run as soon as they hold a slot, as with
+        no ``max_delay``. For a graph that nobody can send a request to any more (its
+        last handle unloaded, its requests in flight are all it will get), so that
+        neither they nor the unload that waits for them wait out ``max_delay``."""
+        self._ended[key] += 1
+        try:
+            for full_key, batches in list(self._open.items()):
+                if _graph(full_key) == key:
+                    for batch in list(batches):
+                        self._close(batch)
+                        batch.full.set()  # (wakes one that waits for company)
+            yield
+        finally:
+            self._ended[key] -= 1
+            if not self._ended[key]:
+                del self._ended[key]
+
     def withdraw(self, entry: tuple[Batch, Member], why: str, /) -> bool:
         """Take a member out of its batch unrun if that batch has not started (in trio; see
         :class:`~wasinn.actors.slots.WaitingPlace`): its caller raises RequestWithdrawn
@@ -235,9 +266,10 @@ class Batcher:
 
     def _reopen(self, batch: Batch) -> None:
         # A batch closed for being full, not started yet (queued or gathering), whose
-        # member left: joinable again while its live members leave room. (Closed for any
-        # other reason, it has started, or every member has left, or it has settled.)
-        if batch.rows >= batch.batching.max_batch:
+        # member left: joinable again while its live members leave room, unless its
+        # graph's gathering has ended (gathering_ended closed it as full). (Closed for
+        # any other reason, it has started, or every member has left, or it has settled.)
+        if batch.rows >= batch.batching.max_batch or _graph(batch.key) in self._ended:
             return
         batch.open = True
         batch.full = trio.Event()  # (a trio.Event cannot be cleared)
@@ -277,7 +309,7 @@ class Batcher:
         # Holding a slot: the slot is freed here, or by the worker thread once the job ran.
         try:
             delay = batch.batching.max_delay
-            if delay and batch.open:
+            if delay and batch.open and _graph(batch.key) not in self._ended:
                 until = batch.opened + delay
                 if batch.deadline < until:  # leave the run half of the time that is left
                     now = trio.current_time()
@@ -353,6 +385,12 @@ class Batcher:
 
 def _survivable(exc: BaseException) -> bool:
     return False
+
+
+def _graph(full_key: Hashable) -> Hashable:
+    """The graph of a batch's key (the ``key`` given to :meth:`Batcher.submit`; the input
+    signature is the rest)."""
+    return cast("tuple[Hashable, Hashable]", full_key)[0]
 
 
 def _remember(keys: set[Hashable], key: Hashable) -> None:

@@ -56,6 +56,7 @@ thread, never cached nor dropped (see :mod:`wasinn.actors.sessioncache`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Hashable
@@ -452,6 +453,14 @@ class DeviceActor(DeviceRequests):
         """Wait until the graphs evicted so far whose close blocks are closed (at once
         when none is being closed); not for those evicted meanwhile."""
         await self._closer.wait()
+
+    def gathering_ended(self, key: Hashable) -> contextlib.AbstractContextManager[None]:
+        """A block while which the batches of graph ``key`` (as :meth:`execute_batched` is
+        given it) wait for no more company: those waiting for it now run at once with
+        the members they have (see :meth:`Batcher.gathering_ended
+        <wasinn.actors._batcher.Batcher.gathering_ended>`). For a graph that nobody can
+        send requests to any more (unloaded), whose requests in flight are all it gets."""
+        return self._batcher.gathering_ended(key)
 
     # -- the actor's tasks ----------------------------------------------------------------
     def _start_task(self, fn: Callable[[Any], Awaitable[None]], arg: Any) -> None:

@@ -225,7 +225,7 @@ class Requests:
         actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
                                                          deadline, account)
         run = functools.partial(run_chain, sessions, links, named=(name, models))
-        return await _execute(actor, _chain_key(name, models, links), run,
+        return await _execute(actor, chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
                               label=f"run of pipeline {name!r}", account=account,
@@ -243,7 +243,7 @@ class Requests:
         actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
                                                          deadline, account)
         named = (name, models)
-        return await _lease(actor, _chain_key(name, models, links),
+        return await _lease(actor, chain_key(name, models, links),
                             functools.partial(run_chain, sessions, links, named=named),
                             _keep(actor, keep_on_device), batching, inputs,
                             priority=priority, deadline=deadline, tenant=tenant,
@@ -339,8 +339,8 @@ def _gathers(batching: Batching | None) -> bool:
     return batching is not None and batching.max_delay > 0
 
 
-def _chain_key(name: str, models: Sequence[LoadedModel], links: Sequence[Link]
-               ) -> tuple[object, ...]:
+def chain_key(name: str, models: Sequence[LoadedModel], links: Sequence[Link]
+              ) -> tuple[object, ...]:
     """What a pipeline's batches are keyed by on a device: the pipeline, its steps'
     graphs and its wiring (two pipelines of the same models wired differently compute
     different things, so their requests must never share a run)."""

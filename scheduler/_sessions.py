@@ -9,7 +9,8 @@ next backend that can, with a warning. :meth:`Sessions.release` frees a model's
 sessions on every device when it is unloaded; those a run still uses are closed by the
 run as it ends, and :meth:`Sessions.runs_over` waits for that (an unload does), at most
 the ``close_timeout`` of the pools the model was compiled on (its ``placed_on``: noted
-before each compile, so never on the path of a request whose graph is compiled).
+before each compile, so never on the path of a request whose graph is compiled), its
+batches meanwhile waiting for no more company (nobody can join them).
 
 Each compile is logged at DEBUG (logger ``wasinn.scheduler``) as it ends: the model, its
 device, its backend and the seconds it took, or why it failed. A sandboxed model is
@@ -24,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import trio
 
@@ -45,7 +46,8 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor
 
-from ._jobs import Link, run_chain
+from ._jobs import Link, Named, run_chain
+from ._requests import chain_key
 from .model import Executable, Inputs, LoadedModel
 
 log = logging.getLogger("wasinn.scheduler")
@@ -179,13 +181,15 @@ class Sessions:
         return session
 
     async def chain_on(self, actor: DeviceActor, models: Sequence[LoadedModel],
-                       links: Sequence[Link], inputs: Inputs
+                       links: Sequence[Link], inputs: Inputs, *, named: Named | None = None
                        ) -> Callable[[], dict[str, Tensor]]:
         """``models`` (a model, or a pipeline's steps wired by ``links``) compiled on
         ``actor`` now, and a job that runs them there on ``inputs`` (host outputs), for
-        work the scheduler does itself, such as warm-ups."""
+        work the scheduler does itself, such as warm-ups. ``named``: a pipeline's name
+        and steps, whose errors then name the step that failed as its requests' do (see
+        :func:`~._jobs.step_label`)."""
         sessions = [await self.session(actor, model) for model in models]
-        return functools.partial(run_chain, sessions, links, inputs, False)
+        return functools.partial(run_chain, sessions, links, inputs, False, named=named)
 
     def release(self, model: LoadedModel) -> None:
         """Free ``model``'s compiled graphs on every device (now or after running jobs:
@@ -237,7 +241,12 @@ class Sessions:
         frees every graph, and a lease not yet run never will be: see
         :meth:`stop_waiting`). Returns what is still waited for then (empty: nothing)
         and that bound, in seconds. Cancellation: raised, whatever is left still ending
-        on its own."""
+        on its own.
+
+        Meanwhile its batches wait for no more company (see
+        :meth:`DeviceActor.gathering_ended`): no request can join them, so those waiting
+        for company (``max_delay``) run at once with the members they have, and the
+        unload does not wait out ``max_delay`` for them."""
         placed = executable.placed_on
         timeout = max((actor.close_timeout for actor in self.actors
                        if actor.device.kind in placed), default=None)
@@ -245,7 +254,11 @@ class Sessions:
             timeout = max((actor.close_timeout for actor in self.actors), default=0.0)
         self._unloads_waiting += 1  # (first: see runs_changed)
         try:
-            with trio.move_on_after(timeout):
+            with contextlib.ExitStack() as gathering, trio.move_on_after(timeout):
+                if executable.waited_for():  # (nothing keeps it: its requests are all)
+                    key = _batch_key(executable)
+                    for actor in self.actors:
+                        gathering.enter_context(actor.gathering_ended(key))
                 while True:
                     if self._run_ended is None:
                         self._run_ended = trio.Event()
@@ -262,6 +275,17 @@ class Sessions:
         close blocks (sandboxed ones), which close in a thread, included."""
         for actor in self.actors:
             await actor.graphs_closed()
+
+
+def _batch_key(executable: Executable) -> Hashable:
+    """What ``executable``'s batches are keyed by on a device (as its requests give it,
+    see :mod:`._requests`): a model's id, a pipeline's steps and wiring."""
+    if isinstance(executable, LoadedModel):
+        return executable.id
+    from .pipeline import PipelineModel  # (which imports the scheduler)
+
+    assert isinstance(executable, PipelineModel)
+    return chain_key(executable.name, executable.steps, executable.links)
 
 
 def _given_name(model: LoadedModel) -> str:

@@ -23,7 +23,10 @@ in ``warm_ups``, so they do not skew its latency percentiles.
 
 Everything is preloaded concurrently; when something fails, the start fails with the
 first failure in config order (the others are logged), raised as the same error type
-with the name in front of its message.
+with the name in front of its message. A failed warm-up run's error says on which
+device and on what zeros it ran, which of a pipeline's steps failed (as a request's
+error does: ``pipeline 'p' step 1 ('m', fed by step 0): ...``) and, where
+``warmup_inputs`` gave them, where that is written (``FILE: pipelines.p.warmup_inputs``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, numpy_dtype
 
+from ._jobs import Named
 from .model import LoadedModel
 from .names import NameRegistry
 from .pipeline import PipelineModel
@@ -232,8 +236,10 @@ async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
     kind = scheduler.resolve_target(target)
     models: Sequence[LoadedModel]
     links: Sequence[Link]
+    named: Named | None = None
     if isinstance(executable, PipelineModel):
         models, links = executable.steps, executable.links
+        named = (name, models)  # (a step's failure names the step, as a request's does)
     else:
         assert isinstance(executable, LoadedModel)
         models, links = (executable,), ()
@@ -242,13 +248,16 @@ async def _prepare(registry: NameRegistry, scheduler: Scheduler, name: str,
     except WasiNNError as exc:
         raise (exc.prefixed(warm.key) if warm.key else exc) from exc
     for actor in scheduler.actors_of(kind):
-        job = await scheduler.chain_on(actor, models, links, inputs)
+        job = await scheduler.chain_on(actor, models, links, inputs, named=named)
         for _ in range(warm.runs):
             try:
                 await actor.warm_up(job, label=f"warm-up of {name}")
             except WasiNNError as exc:
                 given = ", ".join(f"{k}: {v.type.value}{list(v.dims)}" for k, v in inputs.items())
                 hint = untyped_hint(executable.inputs, inputs, warm.shapes)
-                raise hinted(exc, hint).prefixed(
+                failed = hinted(exc, hint).prefixed(
                     f"{actor.device}: the warm-up run on zero-filled inputs ({given}; dynamic "
-                    "dimensions as 1 unless warmup_inputs gives them) failed") from exc
+                    "dimensions as 1 unless warmup_inputs gives them) failed")
+                # Shapes or types given in the config: say where, as its other errors do.
+                raise (failed.prefixed(warm.key) if warm.key and warm.shapes
+                       else failed) from exc

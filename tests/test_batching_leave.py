@@ -288,3 +288,52 @@ async def test_a_request_of_a_model_that_runs_alone_is_withdrawn_at_once() -> No
             assert actor.stats().queued == 0
         stats = graph.stats()
         assert (stats.completed, stats.cancelled) == (2, 1)
+
+
+# -- a graph whose gathering has ended (its last handle unloaded) -------------------------
+def graph_key(graph: wasinn.Graph) -> int:
+    """What ``graph``'s batches are keyed by on a device (a model's id)."""
+    return graph._executable.id  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_a_member_leaving_a_batch_whose_gathering_ended_does_not_reopen_it(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # B's batch waits for company, A (a context's) in it; the graph's gathering ends and
+    # A's context closes before B's batch resumes: the batch stays closed and runs B at
+    # once. Before: A's leaving reopened it (as one closed for being full), so it went on
+    # waiting for company until max_delay.
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx",
+                              batching=Batching(max_batch=8, max_delay=5))
+        sizes = run_sizes(rt, graph)
+        ctx = graph.init_execution_context()
+        results: dict[str, Any] = {}
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute_into, graph, {"x": rows(1, 1)}, results, "B")
+            await trio.testing.wait_all_tasks_blocked()  # B's batch holds the slot, waiting
+            nursery.start_soon(context_compute, ctx, rows(2, 3), results, "A")
+            await trio.testing.wait_all_tasks_blocked()
+            with only_actor(rt).gathering_ended(graph_key(graph)):
+                ctx.close()  # (no checkpoint: before B's batch resumes)
+        assert trio.current_time() == start  # (trio's mock clock) at once
+        assert sizes == [1]
+        assert results["A"] == withdrawn_from_batch(graph.name)
+        np.testing.assert_allclose(results["B"], expected(1, 1))
+
+
+async def test_a_batch_opened_while_its_graphs_gathering_has_ended_waits_for_nobody(
+        autojump_clock: trio.testing.MockClock) -> None:
+    async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
+        graph = await rt.load([affine_onnx()], "onnx",
+                              batching=Batching(max_batch=8, max_delay=5))
+        results: dict[str, Any] = {}
+        start = trio.current_time()
+        with only_actor(rt).gathering_ended(graph_key(graph)):
+            await compute_into(graph, {"x": rows(1, 1)}, results, "during")
+            assert trio.current_time() == start  # (trio's mock clock) at once
+        # Once the block is over, a batch waits for company again.
+        await compute_into(graph, {"x": rows(2, 1)}, results, "after")
+        assert trio.current_time() - start == 5
+        np.testing.assert_allclose(results["during"], expected(1, 1))
+        np.testing.assert_allclose(results["after"], expected(2, 1))

@@ -12,8 +12,9 @@ own."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ import trio.testing
 import wasinn
 from tests.fake_backend import FakeBackend
 from tests.support import affine_pipeline_config, cpu_pool, require_backend
+from tests.test_batching import compute_into, only_actor, run_sizes
+from wasinn import Batching
+from wasinn.actors.device import DeviceActor
 from wasinn.backends._ort_graph import OrtGraph
 from wasinn.configs.loader import parse_config
 from wasinn.configs.schema import RuntimeConfig
@@ -367,3 +371,77 @@ async def test_an_unload_waits_up_to_the_largest_close_timeout_of_the_pools_it_i
     assert took == pytest.approx(30)
     assert "twice: unloaded, but after 30 s (close_timeout) it still waits" in (
         still_waits(caplog))
+
+
+# -- a batch waiting for company (max_delay) when the last handle goes ------------------
+async def threads_done(actor: DeviceActor) -> None:
+    """Wait until no job runs in ``actor``'s worker threads, holding trio's autojump clock
+    still meanwhile (a task in wait_all_tasks_blocked is woken before the clock jumps):
+    it would jump to the next deadline, an unload's close_timeout, while a run is in a
+    thread."""
+    await trio.testing.wait_all_tasks_blocked()
+    while actor.threads.busy:
+        await trio.testing.wait_all_tasks_blocked()
+
+
+@contextlib.asynccontextmanager
+async def waiting_for_company(graph: wasinn.Graph, results: dict[str, Any],
+                              caplog: pytest.LogCaptureFixture) -> AsyncIterator[trio.Nursery]:
+    """Within: request B, on ``graph`` with batching, waits in its batch for company (its
+    result goes to ``results``), in the nursery given; wasinn.scheduler's warnings are
+    captured."""
+    with caplog.at_level(logging.WARNING, logger="wasinn.scheduler"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(compute_into, graph, {"x": X}, results, "B")
+            await trio.testing.wait_all_tasks_blocked()
+            yield nursery
+
+
+async def test_an_unload_runs_at_once_the_batch_its_last_request_waits_in(
+        autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    # B's batch holds the slot and waits for company (max_delay 5 s) when the graph's only
+    # handle is unloaded: nobody can join it any more, so it runs now with B. Before, it
+    # waited out max_delay, and the unload warned past its close_timeout (1 s) that it
+    # "still waits for 1 compute" that only waited for company.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(cpu_pool(workers=1, close_timeout=1)) as rt:
+        graph = await rt.load([affine_onnx(2.0, 1.0)], "onnx", name="affine",
+                              batching=Batching(max_batch=8, max_delay=5))
+        sizes = run_sizes(rt, graph)
+        results: dict[str, Any] = {}
+        start = trio.current_time()
+        async with waiting_for_company(graph, results, caplog) as nursery:
+            unloaded = await unload_in(nursery, graph)
+            await threads_done(only_actor(rt))
+            assert unloaded.is_set() and "B" in results
+            assert trio.current_time() == start  # (trio's mock clock) at once
+        assert sizes == [1]
+        assert results["B"].tolist() == [[3.0] * 4]
+        assert "still waits" not in caplog.text
+
+
+async def test_a_pipelines_batch_runs_at_once_when_its_last_handle_is_unloaded(
+        autojump_clock: trio.testing.MockClock, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # While another handle keeps the pipeline, a request may still join B's batch, which
+    # goes on waiting for company; once the last handle goes, it runs at once.
+    require_backend("onnxruntime")
+    path = affine_pipeline_config(tmp_path)
+    path.write_text(path.read_text().replace("workers = 1\n", "workers = 1\nclose_timeout = 1\n")
+                    + "batching = { max_batch = 8, max_delay_ms = 5000 }\n")
+    async with wasinn.Runtime.from_config(path) as rt:
+        first, second = await rt.load_by_name("p"), await rt.load_by_name("p")
+        results: dict[str, Any] = {}
+        start = trio.current_time()
+        async with waiting_for_company(first, results, caplog) as nursery:
+            await second.unload()  # (the first handle keeps it: returns at once)
+            await threads_done(only_actor(rt))
+            assert results == {}  # still waiting for company
+            unloaded = await unload_in(nursery, first)
+            await threads_done(only_actor(rt))
+            assert unloaded.is_set() and "B" in results
+            assert trio.current_time() == start  # (trio's mock clock) at once
+        assert results["B"].tolist() == [[9.0] * 4]
+        assert "still waits" not in caplog.text
+        stats = first.stats()
+        assert (stats.completed, stats.batches) == (1, 0)

@@ -195,6 +195,36 @@ async def test_a_failing_warm_up_fails_the_start_with_the_backend_message(
         assert rt.stats()[0].warm_ups == 1
 
 
+@pytest.mark.parametrize("given", ["", "warmup_inputs = { x = [2, 4] }"],
+                         ids=["model-shapes", "warmup_inputs"])
+async def test_a_pipelines_failing_warm_up_names_its_step_and_where_the_shapes_were_given(
+        tmp_path: Path, given: str) -> None:
+    # Step 0 (affine) takes any rows; step 1 (three) only 3, fed by step 0: its failure
+    # is told as a request's is, and where warmup_inputs gave the shapes, that key too.
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "three.onnx").write_bytes(reshape_to_three_rows())
+    path = write_config(tmp_path, f'''
+[models.affine]
+files = ["models/affine.onnx"]
+[models.three]
+files = ["models/three.onnx"]
+[pipelines.chain]
+steps = [{{ model = "affine" }}, {{ model = "three" }}]
+warmup = 1
+{given}''')
+    where = rf"{re.escape(str(path))}: pipelines\.chain\.warmup_inputs: " if given else ""
+    rows = 2 if given else 1
+    await refused_start(path, BackendRuntimeError,
+                        rf"^preloading 'chain': {where}cpu: the warm-up run on zero-filled "
+                        rf"inputs \(x: f32\[{rows}, 4\]; dynamic dimensions as 1 unless "
+                        r"warmup_inputs gives them\) failed: pipeline 'chain' step 1 "
+                        r"\('three', fed by step 0\): onnxruntime: .*[Rr]eshape")
+    # The rows step 1 needs, given in the config:
+    path.write_text(path.read_text().replace(given, "") + "warmup_inputs = { x = [3, 4] }\n")
+    async with wasinn.Runtime.from_config(path) as rt:
+        assert rt.stats()[0].warm_ups == 1
+
+
 def warmed_on(directory: Path, shape: str) -> Path:
     """Model ``a`` (affine, x: f32[?, 4]) warmed up once on an x of ``shape`` (TOML)."""
     return write_config(directory, '[models.a]\nfiles = ["models/affine.onnx"]\nwarmup = 1\n'
@@ -391,8 +421,10 @@ async def test_warm_ups_of_batching_entries_run_alone_and_batching_works_after(
                                               ("[4]", r"x: f32\[4\]")])
 async def test_warmup_inputs_that_do_not_fit_the_model_fail_the_start_saying_so(
         tmp_path: Path, shape: str, given: str) -> None:
-    await refused_start(warmed_on(tmp_path, shape), InvalidArgumentError,
-                        rf"^preloading 'a': cpu: the warm-up run on zero-filled inputs "
+    path = warmed_on(tmp_path, shape)
+    await refused_start(path, InvalidArgumentError,
+                        rf"^preloading 'a': {re.escape(str(path))}: models\.a\.warmup_inputs: "
+                        rf"cpu: the warm-up run on zero-filled inputs "
                         rf"\({given}; .*\) failed: onnxruntime: input 'x' has shape "
                         rf".* but the model expects x: f32\[\?, 4\]$")
 
@@ -491,7 +523,8 @@ async def test_a_warm_up_failing_on_f32_zeros_of_an_undeclared_type_says_how_to_
     path = token_config(tmp_path, kind, f"warmup_inputs = {{ ids = {shape} }}\n")
     await refused_start(
         path, InvalidArgumentError,
-        rf"^preloading 'tokens': cpu: the warm-up run on zero-filled inputs "
+        rf"^preloading 'tokens': {re.escape(str(path))}: models\.tokens\.warmup_inputs: "
+        rf"cpu: the warm-up run on zero-filled inputs "
         rf"\(ids: f32{re.escape(shape)}; .*\) failed: pytorch: the TorchScript model rejected "
         rf"its inputs .*; the model declares no element type for input 'ids', so its zeros "
         rf"were f32: if it takes another type, give it in warmup_inputs \(e\.g\. ids = "
