@@ -8,8 +8,10 @@ started (queued or gathering); a member of a batch already running runs to its e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -203,22 +205,31 @@ async def test_a_batch_whose_only_member_is_withdrawn_leaves_the_queue_at_once()
         assert actor.stats().running == 0
 
 
+@contextlib.asynccontextmanager
+async def a_joins_bs_gathering_batch(rt: wasinn.Runtime, results: dict[str, Any]
+                                     ) -> AsyncIterator[tuple[wasinn.Graph, list[int], Any]]:
+    """Within: on a graph loaded in ``rt`` with batching (max_delay 5 s), B's batch holds
+    the slot and waits for company, and A, a request of the context given, has joined it
+    (their results go to ``results``); gives the graph, its run sizes and A's context."""
+    graph = await rt.load([affine_onnx()], "onnx", batching=Batching(max_batch=8, max_delay=5))
+    sizes = run_sizes(rt, graph)
+    ctx = graph.init_execution_context()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(compute_into, graph, {"x": rows(1, 1)}, results, "B")
+        await trio.testing.wait_all_tasks_blocked()  # B's batch holds the slot, waiting
+        nursery.start_soon(context_compute, ctx, rows(2, 3), results, "A")
+        await trio.testing.wait_all_tasks_blocked()
+        yield graph, sizes, ctx
+
+
 async def test_a_closed_contexts_member_leaves_a_gathering_batch_at_once(
         autojump_clock: trio.testing.MockClock) -> None:
     # B opens a batch that holds the slot and waits for company (max_delay); A joins, and
     # its context closes: A is told at once, and B runs alone at max_delay.
     async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
-        graph = await rt.load([affine_onnx()], "onnx",
-                              batching=Batching(max_batch=8, max_delay=5))
-        sizes = run_sizes(rt, graph)
-        ctx = graph.init_execution_context()
         results: dict[str, Any] = {}
         start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(compute_into, graph, {"x": rows(1, 1)}, results, "B")
-            await trio.testing.wait_all_tasks_blocked()  # B's batch holds the slot, waiting
-            nursery.start_soon(context_compute, ctx, rows(2, 3), results, "A")
-            await trio.testing.wait_all_tasks_blocked()
+        async with a_joins_bs_gathering_batch(rt, results) as (graph, sizes, ctx):
             assert only_actor(rt).stats().queued == 2
             ctx.close()
             await trio.testing.wait_all_tasks_blocked()
@@ -303,17 +314,9 @@ async def test_a_member_leaving_a_batch_whose_gathering_ended_does_not_reopen_it
     # once. Before: A's leaving reopened it (as one closed for being full), so it went on
     # waiting for company until max_delay.
     async with wasinn.Runtime(cpu_pool(workers=1)) as rt:
-        graph = await rt.load([affine_onnx()], "onnx",
-                              batching=Batching(max_batch=8, max_delay=5))
-        sizes = run_sizes(rt, graph)
-        ctx = graph.init_execution_context()
         results: dict[str, Any] = {}
         start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(compute_into, graph, {"x": rows(1, 1)}, results, "B")
-            await trio.testing.wait_all_tasks_blocked()  # B's batch holds the slot, waiting
-            nursery.start_soon(context_compute, ctx, rows(2, 3), results, "A")
-            await trio.testing.wait_all_tasks_blocked()
+        async with a_joins_bs_gathering_batch(rt, results) as (graph, sizes, ctx):
             with only_actor(rt).gathering_ended(graph_key(graph)):
                 ctx.close()  # (no checkpoint: before B's batch resumes)
         assert trio.current_time() == start  # (trio's mock clock) at once
