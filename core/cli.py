@@ -182,17 +182,19 @@ def _preloads(args: argparse.Namespace) -> list[Preload]:
 
     given = [(f"--nn-preload {s!r}", parse_nn_preload(s)) for s in args.nn_preload]
     for spec in args.wasi:
-        if spec.strip() in ("nn", "nn=y", "nn=true", "common", "common=y"):
-            continue  # wasi-nn and WASI are always on
-        given.append((f"--wasi {spec!r}", parse_nn_graph(spec)))
-    flags: dict[str, str] = {}
+        for item in spec.split(","):  # (Wasmtime's -S nn,nn-graph=openvino::DIR)
+            if item.strip() in ("nn", "nn=y", "nn=true", "common", "common=y"):
+                continue  # wasi-nn and WASI are always on
+            given.append((f"--wasi {spec!r}", parse_nn_graph(item)))
+    chosen: dict[str, Preload] = {}
     for flag, preload in given:
-        # A second one would silently replace the first for every guest.
-        if flags.setdefault(preload.name, flag) != flag:
+        earlier = chosen.setdefault(preload.name, preload)
+        if earlier != preload:  # (equal: the same model given again, in any letter case)
+            # A second one would silently replace the first for every guest.
             raise InvalidArgumentError(
-                f"{flag}: the name {preload.name!r} is already given by "
-                f"{flags[preload.name]}: expected each name once")
-    return [preload for _, preload in given]
+                f"{flag}: the name {preload.name!r} is already given by {earlier.flag}: "
+                "expected each name once")
+    return list(chosen.values())
 
 
 def _check_preload(flag: str, preload: Preload) -> None:

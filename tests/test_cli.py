@@ -157,6 +157,33 @@ def test_run_with_wasmtime_graph_dir(models: GuestModels, classify_named: Path,
                      r"0 queued, 0 graph\(s\) held, 1 compiled", caplog.text)
 
 
+def test_wasmtime_s_flags_may_be_comma_separated_and_a_preload_repeated_in_any_case(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Before: Wasmtime's own "-S nn,nn-graph=openvino::DIR" was a usage error (status 2),
+    # and the same --nn-preload written in other letter case was a name given twice.
+    from wasinn.modelgen import affine_onnx
+
+    graph_dir = tmp_path / "mobile"
+    graph_dir.mkdir()
+    (graph_dir / "model.onnx").write_bytes(affine_onnx())
+    model = tmp_path / "a.onnx"
+    model.write_bytes(affine_onnx())
+    assert main(["models", "-S", f"common,nn,nn-graph=onnx::{graph_dir}",
+                 "--nn-preload", f"a:onnx:cpu:{model}",
+                 "--nn-preload", f"a:ONNX:CPU:{model}"]) == 0
+    rows = [line.split()[:4] for line in capfd.readouterr().out.splitlines()[1:]]
+    assert ["a", "model", "onnx", "cpu"] in rows and ["mobile", "model", "onnx"] in [
+        row[:3] for row in rows]
+    with pytest.raises(SystemExit) as exc:
+        main(["models", "-S", f"nn,nn-graph=onnx::{graph_dir},foo=1"])
+    assert exc.value.code == 2
+    assert "--wasi 'foo=1': expected nn-graph=ENCODING::DIR" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["models", "--nn-preload", f"a:onnx:cpu:{model}",
+              "--nn-preload", f"a:openvino:cpu:{model}"])
+    assert "the name 'a' is already given by --nn-preload" in capfd.readouterr().err
+
+
 def test_missing_preloaded_file_is_model_not_found(models: GuestModels, classify_named: Path,
                                                    tmp_path: Path,
                                                    capfd: pytest.CaptureFixture[str]) -> None:
