@@ -25,6 +25,8 @@ from wasinn.errors import (
     ErrorCode,
     InvalidArgumentError,
     InvalidEncodingError,
+    QueueFullError,
+    TooLargeError,
     UnsupportedOperationError,
     WasiNNError,
 )
@@ -87,7 +89,13 @@ class MissingMemoryError(WasiNNError):
 
 
 def errno_of(error: WasiNNError) -> Errno:
-    """The errno a guest receives for ``error``."""
+    """The errno a guest receives for ``error``. A refusal that the same request may get
+    past later (a full device queue, a crash back-off: what ``retry_after`` is set for)
+    is ``busy``, so that a guest can tell it from a request too large for good (the WIT
+    has no such code: a component sees too-large)."""
+    if isinstance(error, QueueFullError) or (
+            isinstance(error, TooLargeError) and error.retry_after is not None):
+        return Errno.BUSY
     if isinstance(error, ModelNotFoundError):
         return Errno.MODEL_NOT_FOUND
     if isinstance(error, EndOfSequenceError):

@@ -14,7 +14,9 @@ then: the newcomers here would run alone, and are told the figure from before.)
 from __future__ import annotations
 
 import functools
+import struct
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import trio
 import trio.testing
 
 import wasinn
-from tests.support import cpu_pool, require_backend
+from tests.support import core_nn_guest_wat, cpu_pool, in_process_guests, require_backend
 from wasinn import Batching, QueueFullError
 from wasinn.modelgen import affine_onnx
 
@@ -82,3 +84,33 @@ async def test_without_batching_entries_and_requests_are_one_number() -> None:
     assert str(error) == ("run of affine (onnxruntime) on cpu: the request queue is full "
                           "(2 waiting): retry later or raise [pools.cpu] queue_limit (now 2)")
     assert outcomes == {0.0: "ran", 1.0: "ran"}
+
+
+async def test_a_core_guest_refused_by_a_full_queue_gets_busy(tmp_path: Path) -> None:
+    # Before: too_large (7), which also says "a buffer too small" or "a guest limit": the
+    # guest could not tell a refusal it may retry from one for good. WITX has busy (4).
+    require_backend("onnxruntime")
+    from wasinn.host.abi import Errno
+
+    memory = bytearray(640)
+    struct.pack_into("<2IB3xII", memory, 128, 256, 2, 1, 512, 16)  # x: f32[1, 4] at 512
+    struct.pack_into("<2I", memory, 256, 1, 4)
+    guest = tmp_path / "busy.wat"
+    guest.write_text(core_nn_guest_wat(memory, affine_onnx(), """
+    (drop (call $set (local.get $ctx) (i32.const 0) (i32.const 128)))
+    (call $exit (call $compute (local.get $ctx)))"""))
+    gate = threading.Event()
+    config = in_process_guests(cpu_pool(workers=1, queue_limit=1))
+    async with wasinn.Runtime(config) as rt:
+        graph = await rt.load([affine_onnx()], "onnx")
+        (actor,) = rt.actors
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(actor.execute, lambda: gate.wait(30)))
+            await trio.testing.wait_all_tasks_blocked()
+            try:
+                nursery.start_soon(compute_into, graph, 1.0, {})  # the queue's one entry
+                await trio.testing.wait_all_tasks_blocked()
+                assert await rt.run_wasm(guest) == Errno.BUSY
+            finally:
+                gate.set()
+        assert await rt.run_wasm(guest) == Errno.SUCCESS  # the queue drained: it runs
