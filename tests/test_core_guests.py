@@ -131,6 +131,18 @@ async def test_a_start_function_exit_is_the_guests_exit(rt: wasinn.Runtime) -> N
     assert await rt.run_wasm(WAT_DIR / "start_exit.wat") == 7
 
 
+async def test_initialize_runs_before_start_as_wasmtime_runs_it(
+        rt: wasinn.Runtime, tmp_path: Path) -> None:
+    # Before: only _start ran, and a guest that set itself up in _initialize ran without.
+    assert await rt.run_wasm(WAT_DIR / "initialize.wat") == 5
+    odd = tmp_path / "odd.wat"
+    odd.write_text('(module (memory (export "memory") 1) (func (export "_initialize") '
+                   '(param i32)) (func (export "_start")))')
+    with pytest.raises(wasinn.InvalidArgumentError, match=(
+            r"^odd.wat's _initialize has type \(i32\) -> \(\): expected \(\) -> \(\)")):
+        await rt.run_wasm(odd)
+
+
 async def test_a_start_function_trap_is_a_guest_trap(rt: wasinn.Runtime) -> None:
     # Not a raw wasmtime Trap; and the graph it loaded there is let go.
     with pytest.raises(GuestTrap, match=r"(?s)start_trap.wat trapped: .*unreachable"):
