@@ -27,11 +27,21 @@ It is then emptied through a descriptor of it (no symbolic link in it is followe
 removed. A sweep never raises: a folder it cannot remove stays, for the next one.
 Where there is no ``flock`` or no descriptor-based removal (not POSIX), folders are named
 the same way and nothing is swept.
+
+Every removal here, an owner's and a sweep's, empties a folder with :func:`empty`, which
+does not recurse and holds a few descriptors whatever the depth: a guest that nests
+thousands of folders in its scratch directory (a folder is one of its entries, and it may
+have 10,000) must not make the removal fail, where ``shutil.rmtree`` recurses once per
+level and meets Python's recursion limit at about 1,000 (``RecursionError``, which its
+``ignore_errors`` does not catch), and one descriptor a level would meet a soft
+``RLIMIT_NOFILE`` of 1,024 at about the same depth.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import logging
 import os
 import re
@@ -49,9 +59,12 @@ except ImportError:  # pragma: no cover - not POSIX
 
 log = logging.getLogger("wasinn.backends")
 
+#: Whether folders can be removed through descriptors here (:func:`empty`).
+BY_DESCRIPTOR = (hasattr(os, "O_DIRECTORY") and hasattr(os, "O_NOFOLLOW")
+                 and {os.open, os.stat, os.unlink, os.rmdir} <= os.supports_dir_fd
+                 and os.scandir in os.supports_fd)
 #: Whether folders can be locked and swept here (see the module docstring).
-CAN_SWEEP = (fcntl is not None and hasattr(os, "O_DIRECTORY") and hasattr(os, "O_NOFOLLOW")
-             and shutil.rmtree.avoids_symlink_attacks)
+CAN_SWEEP = fcntl is not None and BY_DESCRIPTOR
 #: How a folder is opened to be locked, by its owner or by a sweep.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
     | getattr(os, "O_CLOEXEC", 0)
@@ -110,7 +123,7 @@ def _lock_new(path: str) -> int | None:
     except FileNotFoundError:
         return None
     except OSError:
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path, None)
         raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,7 +142,7 @@ def _lock_new(path: str) -> int | None:
         return None
     except OSError:
         os.close(fd)
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path, None)
         raise
     if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
         os.close(fd)
@@ -140,11 +153,135 @@ def _lock_new(path: str) -> int | None:
 def remove(path: str, fd: int | None) -> None:
     """Remove the folder :func:`create` made, with everything in it, then close its
     descriptor (its lock goes with it). Raises nothing: what cannot be removed stays,
-    for the sweep of a later process."""
-    shutil.rmtree(path, ignore_errors=True)
-    if fd is not None:
-        with contextlib.suppress(OSError):
+    for the sweep of a later process (an error other than OSError, which would be a bug
+    here, is logged as a warning)."""
+    try:
+        remove_tree(path)
+    except OSError as exc:
+        log.debug("cannot remove %s (%s): left for a later process's sweep", path, exc)
+    except Exception:
+        log.warning("removing %s failed: left for a later process's sweep", path,
+                    exc_info=True)
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def remove_tree(path: str) -> None:
+    """Remove folder ``path`` and everything in it (:func:`empty`). A symbolic link at
+    ``path`` is not followed (OSError). Raises OSError at the first entry that cannot be
+    removed: it, and what was not reached yet, stay."""
+    if not BY_DESCRIPTOR:  # pragma: no cover - not POSIX
+        shutil.rmtree(path)
+        return
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        empty(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+@dataclasses.dataclass
+class _Level:
+    """A folder under the one being emptied, on the way down: its name in its parent, its
+    parent's identity (device, inode), and the subfolders of its parent still to empty."""
+
+    name: str
+    parent: tuple[int, int]
+    siblings: list[str]
+
+
+def empty(top: int) -> None:
+    """Remove everything in the folder open as ``top``; ``top`` stays open, and its
+    folder stays (empty). No symbolic link is followed: one is removed as a file is.
+
+    Does not recurse, and holds at most two descriptors besides ``top`` whatever the
+    depth (see the module docstring): the folder being emptied's, and one more while a
+    subfolder or the parent is opened or a folder is listed. Each subfolder
+    is opened relative to its parent (``O_DIRECTORY | O_NOFOLLOW``), its files removed and
+    its subfolders noted; the way back up is the subfolder's ``..``, which must be the
+    folder it was opened from (device and inode): else a folder was moved meanwhile, and
+    OSError ends the removal rather than go on somewhere else. A folder is removed after
+    what was in it. Raises OSError at the first entry that cannot be removed: it, and
+    what was not reached yet, stay.
+    """
+    levels: list[_Level] = []
+    fd = top
+    try:
+        pending = _remove_files(fd)
+        while True:
+            if pending:
+                name = pending.pop()
+                child = _open_subfolder(fd, name)
+                if child is None:
+                    continue
+                levels.append(_Level(name, _identity(os.fstat(fd)), pending))
+                if fd != top:
+                    os.close(fd)
+                fd = child
+                pending = _remove_files(fd)
+                continue
+            if not levels:
+                return
+            level = levels.pop()
+            parent = _open_parent(fd, level) if levels else top
             os.close(fd)
+            fd = parent
+            os.rmdir(level.name, dir_fd=fd)
+            pending = level.siblings
+    finally:
+        if fd != top:
+            os.close(fd)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _remove_files(fd: int) -> list[str]:
+    """Remove every entry but the subfolders in the folder open as ``fd``; the names of
+    its subfolders."""
+    os.lseek(fd, 0, os.SEEK_SET)  # (a listing reads on from the descriptor's offset)
+    with os.scandir(fd) as listing:
+        entries = list(listing)  # all listed before any is removed
+    subfolders = []
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                subfolders.append(entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    return subfolders
+
+
+def _open_subfolder(fd: int, name: str) -> int | None:
+    """A descriptor of subfolder ``name`` of ``fd``; None when it is gone, or was replaced
+    by something else than a folder since it was listed (then that is removed)."""
+    try:
+        return os.open(name, _OPEN_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in {errno.ENOTDIR, errno.ELOOP}:
+            raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+    return None
+
+
+def _open_parent(fd: int, level: _Level) -> int:
+    """A descriptor of the parent of the folder open as ``fd`` (``level``'s folder);
+    OSError when it is no longer the folder it was opened from."""
+    parent = os.open("..", _OPEN_FLAGS, dir_fd=fd)
+    if _identity(os.fstat(parent)) != level.parent:
+        os.close(parent)
+        raise OSError(errno.ESTALE, f"folder {level.name!r} was moved while it was being "
+                                    "removed: its removal stops there")
+    return parent
 
 
 class PrivateDir:
@@ -202,8 +339,13 @@ def sweep(prefix: str, base: str | os.PathLike[str]) -> int:
             except OSError as exc:
                 log.debug("cannot remove %s/%s, left by a process that ended: %s",
                           base, name, exc)
+            except Exception:  # a bug: the sweep goes on with the next folder
+                log.warning("removing %s/%s, left by a process that ended, failed", base,
+                            name, exc_info=True)
     except OSError as exc:
         log.debug("cannot sweep %s for %s* folders: %s", base, prefix, exc)
+    except Exception:  # a bug: a sweep never raises
+        log.warning("the sweep of %s for %s* folders failed", base, prefix, exc_info=True)
     finally:
         os.close(base_fd)
     if removed:
@@ -228,11 +370,7 @@ def _remove_stale(base_fd: int, name: str, pid: int) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # its owner lives, where its pid is another's or none
-        for entry in os.listdir(fd):
-            if stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
-                shutil.rmtree(entry, dir_fd=fd)
-            else:
-                os.unlink(entry, dir_fd=fd)
+        empty(fd)
         now = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
         if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
             return False

@@ -276,7 +276,8 @@ class Sequence:
     async def tensor_read(self) -> None:
         index, stale = self.pick("tensor")
         what = self.rng.choice(["tensor-dims", "tensor-ty", "tensor-data"])
-        value = await self.call(what, index, abi_trap=stale)
+        value = await self.call(what, index, abi_trap=stale, host_trap=(
+            "its constructor did not keep" if what == "tensor-data" else None))
         made = self.model.made.get(index)
         if made is None:
             return
@@ -387,7 +388,8 @@ class Sequence:
 
     async def tensor_words(self) -> None:
         index, stale = self.pick("tensor")
-        await self.call("tensor-words", index, abi_trap=stale)
+        await self.call("tensor-words", index, abi_trap=stale,
+                        host_trap="its constructor did not keep")
 
     async def load_words(self) -> None:
         builders = []

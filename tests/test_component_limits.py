@@ -128,10 +128,9 @@ async def test_live_tensor_bytes_are_capped(rt: RecordingRuntime) -> None:
         assert code == "too-large"
         assert "max_live_tensor_bytes" in message and "64" in message
         # Past the budget the constructor keeps dims and type but no data, and the error
-        # comes with the first use.
+        # comes with the first use (tensor.data() traps: see below).
         over = await shim.tensor(X)
         assert await shim("tensor-dims", over) == [2, 4]
-        assert await shim("tensor-data", over) == b""
         code, message = await shim.err("compute", ctx, [("x", over)])
         assert code == "too-large" and "max_live_tensor_bytes" in message
         # Compute outputs count too: the input leaves the table, its output takes its place.
@@ -139,6 +138,32 @@ async def test_live_tensor_bytes_are_capped(rt: RecordingRuntime) -> None:
         np.testing.assert_allclose(await shim.data(y), (X * 2 + 1).reshape(-1))
         await shim("tensor-drop", y)
         await shim.ok("tensor-from-words", [2, 4], FP32, X.tobytes())  # room again
+    assert guest.live() == NOTHING
+
+
+@pytest.mark.parametrize("call", ["tensor-data", "tensor-words"])
+@pytest.mark.parametrize(("limits", "limit"), [
+    (GuestLimits(max_tensor_bytes=16), "16 bytes per tensor ([guests] max_tensor_bytes)"),
+    (GuestLimits(max_live_tensor_bytes=40), "over its limit of 40 ([guests] "
+                                            "max_live_tensor_bytes)"),
+], ids=["max_tensor_bytes", "max_live_tensor_bytes"])
+async def test_reading_a_tensor_whose_constructor_kept_no_data_traps_naming_the_limit(
+        rt: RecordingRuntime, call: str, limits: GuestLimits, limit: str) -> None:
+    # Before, tensor.data() and tensor-words of such a tensor handed back an empty list,
+    # no error, while its dimensions still said [2, 4] of FP32.
+    guest, shim = await start_shim(rt, limits=limits)
+    async with guest:
+        if limits.max_live_tensor_bytes == 40:
+            kept = await shim.tensor(X)  # 32 of 40 bytes
+            np.testing.assert_array_equal(await shim.data(kept), X.reshape(-1))
+        dropped = await shim("tensor-new", [2, 4], FP32, X.tobytes())
+        assert await shim("tensor-dims", dropped) == [2, 4]
+        with pytest.raises(GuestTrap) as trapped:
+            await shim(call, dropped)
+        message = str(trapped.value)
+        what = "tensor-words" if call == "tensor-words" else "tensor.data()"
+        assert f"{what} of a tensor whose data its constructor did not keep" in message
+        assert limit in message
     assert guest.live() == NOTHING
 
 

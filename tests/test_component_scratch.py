@@ -11,6 +11,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,40 @@ async def test_the_directory_is_removed_after_a_trap(rt: RecordingRuntime) -> No
     assert not scratch.path.exists()
 
 
+async def nesting_guest(rt: RecordingRuntime) -> tuple[ComponentGuest, ScratchDir]:
+    """A started ``scratch_nest`` guest (its ``nest(n)`` makes n folders, each in the
+    last) and its scratch directory."""
+    guest = await ComponentGuest.start(rt, (COMPONENTS / "scratch_nest.wat").read_text(),
+                                       program="scratch_nest")
+    assert guest.scratch is not None
+    return guest, guest.scratch
+
+
+async def test_a_guest_that_nests_folders_deeply_is_closed_cleanly_and_its_directory_removed(
+        rt: RecordingRuntime) -> None:
+    # 1,200 folders, each in the last: 1,200 entries, well within max_scratch_files.
+    # Before, closing the guest raised RecursionError (shutil.rmtree recursed once per
+    # level) and left the directory behind, and every later process's sweep died on it.
+    guest, scratch = await nesting_guest(rt)
+    async with guest:
+        assert await guest.call("nest", 1200) == 0
+        assert scratch.usage() == Usage(scratch.usage().nbytes, 1200)
+        assert (scratch.path / "/".join(["d"] * 1200)).is_dir()
+    assert scratch.removed and not scratch.path.exists()
+
+
+async def test_a_guest_that_nests_folders_past_the_longest_path_is_stopped_saying_so(
+        rt: RecordingRuntime) -> None:
+    # Its directory cannot be measured past PATH_MAX (4,096 bytes: 2,048 levels of "d/"),
+    # which stops it; before, the reason given was only "File name too long".
+    guest, scratch = await nesting_guest(rt)
+    async with guest:
+        with pytest.raises(GuestTrap, match=r"nests folders too deep to be measured \(a "
+                                            r"path of \d+ bytes from its top"):
+            await guest.call("nest", 2500)
+    assert scratch.removed and not scratch.path.exists()
+
+
 @pytest.fixture
 def made(monkeypatch: pytest.MonkeyPatch) -> list[ScratchDir]:
     """Every ScratchDir the component host makes from now on, in order: a guest that
@@ -506,6 +541,82 @@ async def test_tensor_to_scratch_refuses_to_grow_past_the_quota(rt: RecordingRun
         assert code == "too-large" and "max_scratch_bytes" in message
         assert not (guest.scratch.path / "copy.bin").exists()  # type: ignore[union-attr]
         await g("tensor-drop", t)
+
+
+@pytest.mark.parametrize(("limits", "refused"), [
+    (GuestLimits(max_scratch_bytes=64 * 1024),
+     r"would hold \d+ bytes, over the limit of 65536 \(\[guests\] max_scratch_bytes\)"),
+    (GuestLimits(max_scratch_files=2),
+     r"would hold more than 2 entries \(\[guests\] max_scratch_files\)"),
+], ids=["bytes", "entries"])
+async def test_tensor_to_scratch_over_a_file_counts_the_file_as_replaced(
+        rt: RecordingRuntime, limits: GuestLimits, refused: str) -> None:
+    # Before, the file written over was counted as if it stayed, and the write as one
+    # entry more: a guest writing each output to the same file was refused once its
+    # directory passed half its bytes (or reached its entries), told of a size never held.
+    data = np.arange(6144, dtype=np.float32)  # 24 KiB: a whole number of 4 KiB blocks
+    guest, g = await start(rt, limits=limits)
+    async with guest:
+        scratch = guest.scratch
+        assert scratch is not None
+        await g.write("in.bin", data.tobytes())
+        t = await g.from_scratch("in.bin", [6144])
+        for _ in range(3):  # 48 KiB of 64 KiB, 2 entries of 2, each time
+            assert await g.ok("to-scratch", t, "out.bin") == data.nbytes
+            usage = scratch.usage()
+            assert usage.entries == 2 and usage.nbytes <= 64 * 1024
+        code, message = await g.err("to-scratch", t, "third.bin")  # a new file does not fit
+        assert code == "too-large"
+        assert re.search(f"writing 24576 bytes to 'third.bin': its scratch directory {refused}",
+                         message), message
+        assert not (scratch.path / "third.bin").exists()
+        await g("tensor-drop", t)
+
+
+def test_replaced_says_what_a_write_over_a_name_replaces(tmp_path: Path) -> None:
+    scratch = ScratchDir(tmp_path)
+    try:
+        assert scratch.replaced("absent.bin") == (Usage(0, 0), 0)  # a new file
+        scratch.write("a.bin", bytes(8192))
+        old, names = scratch.replaced("a.bin")
+        assert (old.entries, names) == (1, 1) and old.nbytes == scratch.usage().nbytes
+        # A hard link's bytes are counted under each of its names, and a write over one
+        # changes both: the caller counts them for each name.
+        os.link(scratch.path / "a.bin", scratch.path / "b.bin")
+        assert scratch.replaced("a.bin") == (old, 2)
+        (scratch.path / "dir").mkdir()
+        os.symlink("a.bin", scratch.path / "link.bin")
+        with pytest.raises(InvalidArgumentError, match="'dir' is a directory"):
+            scratch.replaced("dir")
+        with pytest.raises(InvalidArgumentError, match=r"'link\.bin' is a symbolic link"):
+            scratch.replaced("link.bin")
+        with pytest.raises(InvalidArgumentError, match="path separator"):
+            scratch.replaced("dir/a.bin")
+    finally:
+        scratch.remove()
+
+
+def test_tensor_to_scratch_over_a_hard_link_counts_the_new_bytes_under_each_name(
+        tmp_path: Path) -> None:
+    from wasinn.host.component.service import NNService
+
+    scratch = ScratchDir(tmp_path)
+    svc = NNService(None, None, GuestLimits(max_scratch_bytes=22 * 1024),  # type: ignore[arg-type]
+                    scratch=scratch)
+    ones = b"\x5a" * 12288  # (not zeros, which a file system may store as holes)
+    try:
+        scratch.write("a.bin", ones[:8192])
+        os.link(scratch.path / "a.bin", scratch.path / "b.bin")  # 16 KiB as measured
+        same = svc.tensor_new([8192], "U8", ones[:8192])
+        assert svc.tensor_to_scratch(same, "a.bin") == 8192
+        # 12 KiB under each name: 24 KiB (counted once, it would seem to fit in 20 KiB).
+        bigger = svc.tensor_new([12288], "U8", ones)
+        with pytest.raises(TooLargeError, match=r"would hold \d+ bytes, over the limit of "
+                                                r"22528"):
+            svc.tensor_to_scratch(bigger, "a.bin")
+        assert scratch.usage().entries == 2
+    finally:
+        scratch.remove()
 
 
 # -- files unlinked but kept open ----------------------------------------------------------

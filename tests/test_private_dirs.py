@@ -139,14 +139,20 @@ def _ended_pid() -> int:
     return int(done.stdout)
 
 
-def test_the_sweep_removes_only_this_users_folders_of_its_kind_whose_process_ended(
-        tmp_path: Path) -> None:
-    from wasinn.backends import _private_dirs
-
+def _base_and_outside(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder to sweep, and one outside it holding keep.txt, which no sweep may reach."""
     base, outside = tmp_path / "tmp", tmp_path / "outside"
     base.mkdir()
     outside.mkdir()
     (outside / "keep.txt").write_text("not the sweep's")
+    return base, outside
+
+
+def test_the_sweep_removes_only_this_users_folders_of_its_kind_whose_process_ended(
+        tmp_path: Path) -> None:
+    from wasinn.backends import _private_dirs
+
+    base, outside = _base_and_outside(tmp_path)
     ended = _ended_pid()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
@@ -190,6 +196,126 @@ def test_the_sweep_removes_only_this_users_folders_of_its_kind_whose_process_end
     finally:
         alive.kill()
         alive.wait()
+
+
+def _nest(folder: Path, depth: int, outside: Path) -> None:
+    """Make ``depth`` folders, each in the last, under ``folder`` (relative to their
+    parent: the path soon passes PATH_MAX), each holding a file and a link to ``outside``."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+            os.symlink(outside, "out", dir_fd=fd)
+            deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+
+
+def _highest_open_descriptor() -> int:
+    return max(int(name) for name in os.listdir("/proc/self/fd"))
+
+
+def test_a_stale_folder_nested_deeper_than_recursion_or_descriptors_reach_is_swept(
+        tmp_path: Path) -> None:
+    # A guest may nest thousands of folders in its scratch directory (one entry each).
+    # Before, the sweep died of RecursionError on such a folder left behind (and so did
+    # every later process's), leaving it and the stale folders listed after it.
+    import resource
+
+    from wasinn.backends import _private_dirs
+
+    base, outside = _base_and_outside(tmp_path)
+    stale = base / f"wasinn-scratch-{_ended_pid()}-deep0000"
+    stale.mkdir()
+    _nest(stale, 3000, outside)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # A few descriptors above those open now, whatever the depth (one a level would need
+    # 3,000).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_highest_open_descriptor() + 8, hard))
+    try:
+        removed = _private_dirs.sweep("wasinn-scratch-", base)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert removed == 1
+    assert list(base.iterdir()) == []
+    assert (outside / "keep.txt").read_text() == "not the sweep's"
+
+
+def test_a_removal_does_not_climb_out_of_a_folder_moved_from_under_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The way back up from a folder is its "..": it must be the folder it was opened from.
+    from wasinn.backends import _private_dirs
+
+    top, elsewhere = tmp_path / "top", tmp_path / "elsewhere"
+    (top / "a" / "b" / "c").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the removal's")
+    deepest = (top / "a" / "b" / "c").stat().st_ino
+    remove_files = _private_dirs._remove_files
+
+    def moving(fd: int) -> list[str]:
+        if os.fstat(fd).st_ino == deepest:  # b moves out while c is being emptied
+            os.rename(top / "a" / "b", elsewhere / "b")
+        return remove_files(fd)
+
+    monkeypatch.setattr(_private_dirs, "_remove_files", moving)
+    with pytest.raises(OSError, match="'b' was moved while it was being removed"):
+        _private_dirs.remove_tree(str(top))
+    assert sorted(path.name for path in elsewhere.iterdir()) == ["b", "keep.txt"]
+    assert (top / "a").is_dir()
+
+
+def test_neither_a_sweep_nor_an_owners_removal_ever_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An error no removal expects (a bug, or RecursionError as before): logged, and the
+    # sweep goes on with the next folder; an owner's removal leaves the folder for a
+    # later sweep. Before, it escaped both (only OSError was caught).
+    import logging
+
+    from wasinn.backends import _private_dirs
+
+    ended = _ended_pid()
+    for n in "ab":
+        (tmp_path / f"wasinn-scratch-{ended}-{n}0000000").mkdir()
+    remove_stale = _private_dirs._remove_stale
+    broken: list[str] = []
+
+    def broken_once(base_fd: int, name: str, pid: int) -> bool:
+        if not broken:
+            broken.append(name)
+            raise RecursionError("maximum recursion depth exceeded")
+        return remove_stale(base_fd, name, pid)
+
+    monkeypatch.setattr(_private_dirs, "_remove_stale", broken_once)
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        assert _private_dirs.sweep("wasinn-scratch-", tmp_path) == 1
+    assert [path.name for path in tmp_path.iterdir()] == broken  # stays, for later
+    assert any(broken[0] in message and "failed" in message for message in caplog.messages)
+
+    caplog.clear()
+    path, fd = _private_dirs.create("wasinn-sandbox-", tmp_path)
+    assert fd is not None
+    rmdir = os.rmdir
+
+    def broken_rmdir(target: str, *args: object, **kwargs: object) -> None:
+        if target == path:
+            raise RecursionError("maximum recursion depth exceeded")
+        rmdir(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rmdir", broken_rmdir)
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        _private_dirs.remove(path, fd)
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    assert Path(path).is_dir()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed all the same
+    assert any(path in message and "failed" in message for message in caplog.messages)
+    _private_dirs.remove(path, None)
+    assert not Path(path).exists()
 
 
 def test_a_folder_is_named_after_its_process_and_locked_while_it_is_used(

@@ -66,7 +66,6 @@ import errno
 import logging
 import math
 import os
-import shutil
 import stat
 import tempfile
 import threading
@@ -181,11 +180,14 @@ def _read_exactly(fd: int, name: str, nbytes: int) -> bytes:
 
 
 def _cleanup(path: str, fd: int, proc: int | None) -> None:
-    for held in (fd, proc):
-        if held is not None:
-            with contextlib.suppress(OSError):
-                os.close(held)
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove the directory at ``path`` and close what it held. Raises nothing: however
+    deep the guest nested folders in it, or whatever else goes wrong (logged), closing
+    the guest must not fail; what cannot be removed stays for a later process's sweep
+    (:func:`wasinn.backends._private_dirs.remove`)."""
+    if proc is not None:
+        with contextlib.suppress(OSError):
+            os.close(proc)
+    private_dirs.remove(path, fd)
 
 
 @dataclass(frozen=True)
@@ -274,13 +276,15 @@ def _open_under(proc: int, name: str, dev: int, path: str) -> tuple[os.stat_resu
     return after, deleted and after.st_nlink == 0
 
 
-def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int) -> str | None:
-    """Why ``usage`` is over the guest's scratch limits, or None when it is within them."""
+def quota_exceeded(usage: Usage, max_bytes: int, max_entries: int, *,
+                   holds: str = "holds") -> str | None:
+    """Why ``usage`` is over the guest's scratch limits, or None when it is within them;
+    ``holds`` is the verb (``"would hold"`` for a write refused before it is made)."""
     if usage.entries > max_entries:
-        return (f"its scratch directory holds more than {max_entries} entries "
+        return (f"its scratch directory {holds} more than {max_entries} entries "
                 "([guests] max_scratch_files)")
     if usage.nbytes > max_bytes:
-        return (f"its scratch directory holds {usage.nbytes} bytes, over the limit of "
+        return (f"its scratch directory {holds} {usage.nbytes} bytes, over the limit of "
                 f"{max_bytes} ([guests] max_scratch_bytes)")
     return None
 
@@ -315,7 +319,7 @@ class ScratchDir:
             self._fd = held if held is not None else os.open(
                 self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
-            shutil.rmtree(self.path, ignore_errors=True)
+            private_dirs.remove(path, None)
             raise
         try:
             # Held for the directory's life: measuring must not need a descriptor of its
@@ -409,6 +413,12 @@ class ScratchDir:
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                # (which bounds how deep a guest may nest folders and keep running)
+                raise MeasureError(
+                    f"its scratch directory nests folders too deep to be measured (a path "
+                    f"of {len(os.fsencode(relative))} bytes from its top: "
+                    f"{exc.strerror or exc}), which counts as over its limits") from None
             raise _measure_error(exc) from None
         return found
 
@@ -533,6 +543,24 @@ class ScratchDir:
             raise _os_error(exc, name, "reading") from None
         finally:
             os.close(fd)
+
+    def replaced(self, name: str) -> tuple[Usage, int]:
+        """What :meth:`write` to scratch file ``name`` replaces: its usage as a measurement
+        counts it (allocated bytes and one entry; none when there is no such file yet),
+        and how many names it has in all (a hard link's bytes are counted under each of
+        its names, and a write changes them all). InvalidArgumentError, as :meth:`write`
+        gives, when ``name`` is not a plain name or names something else than a regular
+        file."""
+        check_name(name)
+        self._require_open()
+        try:
+            info = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return Usage(0, 0), 0
+        except OSError as exc:
+            raise _os_error(exc, name, "writing") from None
+        _require_regular(info.st_mode, name)
+        return Usage(info.st_blocks * 512, 1), info.st_nlink
 
     def write(self, name: str, data: np.ndarray[Any, Any] | bytes) -> int:
         """Replace scratch file ``name`` with ``data``; returns the bytes written."""

@@ -89,8 +89,9 @@ class TensorOperations:
         """The tensor constructor: never raises for bad arguments (WIT gives it no error).
 
         An inconsistent tensor is stored with its error (and its dimensions and bytes,
-        charged to the guest's tensor budget); compute reports it. A tensor that does not
-        fit the budget is stored without its data, as a too-large error for compute.
+        charged to the guest's tensor budget); compute reports it. A tensor over
+        ``max_tensor_bytes``, or that does not fit the budget, is stored without its
+        data, as a too-large error for compute (and a trap for :meth:`tensor_data`).
         Raises ResourceExhausted (the guest is trapped) when the guest already holds
         ``max_tensors`` tensors: the constructor cannot answer with an error.
         """
@@ -150,8 +151,15 @@ class TensorOperations:
         check_name(name)  # before the name appears in a message
         limits = self.limits
         usage = scratch.usage(limits.max_scratch_files)
-        grown = Usage(usage.nbytes + len(data), usage.entries + 1)
-        reason = quota_exceeded(grown, limits.max_scratch_bytes, limits.max_scratch_files)
+        # A file written over is replaced: its bytes go (under each of its names), and
+        # its entry stays; a new file is one entry more.
+        old, names = scratch.replaced(name)
+        if names:
+            grown = Usage(usage.nbytes + names * (len(data) - old.nbytes), usage.entries)
+        else:
+            grown = Usage(usage.nbytes + len(data), usage.entries + 1)
+        reason = quota_exceeded(grown, limits.max_scratch_bytes, limits.max_scratch_files,
+                                holds="would hold")
         if reason is not None:
             raise TooLargeError(f"writing {len(data)} bytes to {name!r}: {reason}")
         return scratch.write_tensor(name, data, limits.max_tensor_bytes)
@@ -176,7 +184,7 @@ class TensorOperations:
         if len(data) > self.limits.max_tensor_bytes:
             raise TooLargeError(
                 f"tensor of {len(data)} bytes exceeds this guest's limit of "
-                f"{self.limits.max_tensor_bytes} bytes per tensor"
+                f"{self.limits.max_tensor_bytes} bytes per tensor ([guests] max_tensor_bytes)"
             )
         # Data and dimensions that disagree are the mistake (invalid-argument, as in the
         # legacy ABI), whatever size the dimensions would need; once they agree, the size
@@ -204,11 +212,18 @@ class TensorOperations:
         per list value it lowers into the guest (80 per byte here, 10 as words), and an
         allocation it cannot make aborts the whole process. Raises ResourceExhausted
         (the call has no error case: the guest is trapped) for a tensor over
-        ``max_tensor_bytes`` or over ``max_data_bytes`` (8 times that as words).
+        ``max_tensor_bytes`` or over ``max_data_bytes`` (8 times that as words), and for
+        one whose constructor kept no data (:meth:`tensor_new`), naming the limit.
         """
         entry = self.tables.tensors.get(rep)
         nbytes = len(entry.raw) if entry.tensor is None else entry.tensor.nbytes
         call = "tensor-words" if words else "tensor.data()"
+        if entry.tensor is None and isinstance(entry.invalid, TooLargeError):
+            # Its constructor kept no data (past max_tensor_bytes, or the live bytes'
+            # budget): an empty list would pass for its data.
+            raise ResourceExhausted(
+                f"{call} of a tensor whose data its constructor did not keep: "
+                f"{entry.invalid.message}")
         limits = self.limits
         if nbytes > limits.max_tensor_bytes:
             raise ResourceExhausted(
