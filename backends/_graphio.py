@@ -26,7 +26,7 @@ from wasinn.errors import (
 )
 from wasinn.tensor import Tensor, as_tensor
 
-from .base import Builders, CompiledGraph, Device, TensorSpec
+from .base import Builders, CompiledGraph, Device, TensorSpec, outside_bounds
 
 
 def expect_builders(backend: str, builders: Builders, count: int, what: str) -> None:
@@ -66,6 +66,14 @@ def uncarried_type(backend: str, role: str, name: str, what: str) -> Unsupported
     )
 
 
+def out_of_bounds(backend: str, spec: TensorSpec, axis: int, size: int, low: int,
+                  high: int | None, allows: str = "allows") -> InvalidArgumentError:
+    """The error for input ``spec`` given ``size`` in dimension ``axis``, outside the
+    ``low`` to ``high`` the model ``allows`` there (see :func:`.base.outside_bounds`)."""
+    return InvalidArgumentError(
+        f"{backend}: {outside_bounds(spec, axis, size, low, high, allows)}")
+
+
 def _describe_all(specs: Sequence[TensorSpec]) -> str:
     return ", ".join(s.describe() for s in specs) or "none"
 
@@ -92,7 +100,8 @@ class InputChecker:
     Keys may be input names or integer positions (the order of the graph's inputs).
     """
 
-    __slots__ = ("_any_type", "_backend", "_by_key", "_fixed", "_specs")
+    __slots__ = ("_any_type", "_backend", "_by_key", "_fixed", "_not_inputs", "_shared",
+                 "_specs")
 
     def __init__(
         self,
@@ -101,36 +110,52 @@ class InputChecker:
         *,
         aliases: Mapping[str, int] | None = None,
         any_type: frozenset[int] = frozenset(),
+        dim_names: Mapping[str, Sequence[object]] | None = None,
+        not_inputs: Mapping[str, str] | None = None,
     ) -> None:
         """``aliases`` are extra names for inputs (e.g. ``x`` for TensorFlow's ``x:0``);
         the shape of an input whose rank is unknown (``rank_known=False``) is not checked
         (a rank-0 input takes only a rank-0 tensor); inputs in ``any_type`` declare no
-        element type: their type is not checked."""
+        element type: their type is not checked. A dynamic dimension must lie within the
+        spec's ``bounds``, where it has them. ``dim_names``: input name -> its declared
+        dimensions, where a model names them (ONNX's ``dim_param``, as
+        :func:`.onnx_dims.declared_dims` reads them): the dynamic dimensions that share a
+        name (a str) must be given the same size, as the ONNX standard says.
+        ``not_inputs``: names the model declares that a run may not set -> what they are
+        (``"an initializer ..."``), which the error for a run that sets one says."""
         self._backend = backend
+        self._not_inputs = not_inputs or {}
         self._any_type = any_type
         self._specs = tuple(specs)
         self._by_key = _keys(self._specs, aliases)
-        # (rank, ((axis, size), ...)) per input: the dims that must match exactly.
+        # (rank, ((axis, size), ...), ((axis, low, high), ...)) per input: the dims that
+        # must match exactly, and the dynamic ones that must lie within bounds (none
+        # in the usual case, which then costs one truth test a run).
         self._fixed = tuple(
-            (len(s.shape), tuple((a, d) for a, d in enumerate(s.shape) if d is not None))
-            if s.rank_known else (-1, ())
+            (len(s.shape), tuple((a, d) for a, d in enumerate(s.shape) if d is not None),
+             _bounded(s))
+            if s.rank_known else (-1, (), ())
             for s in self._specs
         )
+        self._shared = _shared_dims(self._specs, dim_names or {})
 
     def check(self, inputs: Mapping[str, Tensor]) -> list[Tensor]:
         """The input tensors in the graph's input order.
 
         Raises InvalidArgumentError for an unknown or missing input, a wrong element type,
-        rank or fixed dimension; the message names what the model expects.
+        rank or fixed dimension, a dynamic one outside its bounds, and dimensions of one
+        name given different sizes; the message names what the model expects.
         """
         ordered: list[Tensor | None] = [None] * len(self._specs)
         by_key = self._by_key
         for key, value in inputs.items():
             index = by_key.get(key)
             if index is None:
+                what = self._not_inputs.get(key) if isinstance(key, str) else None
+                problem = (f"the model has no input {_shown(key)}" if what is None
+                           else f"{_shown(key)} is {what}")
                 raise UnknownNameError(
-                    f"{self._backend}: the model has no input {_shown(key)}: expected inputs "
-                    f"{_describe_all(self._specs)}"
+                    f"{self._backend}: {problem}: expected inputs {_describe_all(self._specs)}"
                 )
             tensor = value if type(value) is Tensor else as_tensor(value)
             spec = self._specs[index]
@@ -139,7 +164,7 @@ class InputChecker:
                     f"{self._backend}: input {spec.name!r} is {tensor.type.value} but the "
                     f"model expects {spec.describe()}{_conversion_hint(tensor.type, spec.type)}"
                 )
-            rank, fixed = self._fixed[index]
+            rank, fixed, bounded = self._fixed[index]
             dims = tensor.dims
             wrong = rank >= 0 and len(dims) != rank
             if rank >= 0 and not wrong:
@@ -152,6 +177,11 @@ class InputChecker:
                     f"{self._backend}: input {spec.name!r} has shape {list(dims)} but the "
                     f"model expects {spec.describe()}"
                 )
+            if bounded:
+                for axis, low, high in bounded:
+                    size = dims[axis]
+                    if size < low or (high is not None and size > high):
+                        raise out_of_bounds(self._backend, spec, axis, size, low, high)
             if ordered[index] is not None:
                 raise InvalidArgumentError(
                     f"{self._backend}: input {spec.name!r} is given twice (by name and index)"
@@ -163,7 +193,51 @@ class InputChecker:
                 f"{self._backend}: missing inputs {_describe_all(missing)}: the model expects "
                 f"{_describe_all(self._specs)}"
             )
+        if self._shared:
+            self._check_shared(ordered)  # type: ignore[arg-type]  # no None left
         return ordered  # type: ignore[return-value]  # no None left (checked above)
+
+    def _check_shared(self, ordered: list[Tensor]) -> None:
+        """InvalidArgumentError for dimensions of one name given different sizes."""
+        for name, ((first, first_axis), *others) in self._shared:
+            size = ordered[first].dims[first_axis]
+            for index, axis in others:
+                other = ordered[index].dims[axis]
+                if other != size:
+                    specs = self._specs
+                    where = ("it has" if index == first
+                             else f"input {specs[first].name!r} has")
+                    raise InvalidArgumentError(
+                        f"{self._backend}: input {specs[index].name!r} has size {other} in "
+                        f"dimension {axis}, but {where} size {size} in dimension "
+                        f"{first_axis}, and the model names both {name!r}: expected the "
+                        f"same size in both (the model expects "
+                        f"{_describe_all(list(dict.fromkeys((specs[first], specs[index]))))})"
+                    )
+
+
+def _bounded(spec: TensorSpec) -> tuple[tuple[int, int, int | None], ...]:
+    """``(axis, low, high)`` for each dynamic dimension of ``spec`` its bounds limit."""
+    if not spec.bounds:
+        return ()
+    return tuple((axis, low, high) for axis, (size, (low, high))
+                 in enumerate(zip(spec.shape, spec.bounds, strict=True))
+                 if size is None and (low > 0 or high is not None))
+
+
+def _shared_dims(specs: Sequence[TensorSpec], dim_names: Mapping[str, Sequence[object]]
+                 ) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+    """``(name, ((input, axis), ...))`` for each dimension name that ``dim_names`` gives
+    more than one dynamic input dimension, in the inputs' order."""
+    named: dict[str, list[tuple[int, int]]] = {}
+    for index, spec in enumerate(specs):
+        dims = dim_names.get(spec.name)
+        if dims is None or not spec.rank_known or len(dims) != len(spec.shape):
+            continue  # (nothing declared, or not what the library reports: not trusted)
+        for axis, (size, dim) in enumerate(zip(spec.shape, dims, strict=True)):
+            if size is None and isinstance(dim, str) and dim:
+                named.setdefault(dim, []).append((index, axis))
+    return tuple((name, tuple(where)) for name, where in named.items() if len(where) > 1)
 
 
 class OutputSelector:
@@ -222,6 +296,8 @@ class CheckedGraph(CompiledGraph):
         in_aliases: Mapping[str, int] | None = None,
         out_aliases: Mapping[str, int] | None = None,
         any_type: frozenset[int] = frozenset(),
+        dim_names: Mapping[str, Sequence[object]] | None = None,
+        not_inputs: Mapping[str, str] | None = None,
     ) -> None:
         """``handle`` is the library's compiled model (None once closed); the keywords go
         to :class:`InputChecker` and :class:`OutputSelector`."""
@@ -233,7 +309,8 @@ class CheckedGraph(CompiledGraph):
         self.input_aliases = MappingProxyType(dict(in_aliases or {}))
         self.output_aliases = MappingProxyType(dict(out_aliases or {}))
         self._checker = InputChecker(
-            backend, inputs, aliases=in_aliases, any_type=any_type
+            backend, inputs, aliases=in_aliases, any_type=any_type, dim_names=dim_names,
+            not_inputs=not_inputs,
         )
         self._selector = OutputSelector(backend, outputs, aliases=out_aliases)
         #: What ``select(None)`` returns: the very object, so ``picked is self._all`` holds.

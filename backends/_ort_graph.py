@@ -83,17 +83,32 @@ def _field(message: memoryview | None, number: int) -> memoryview | None:
                  if n == number and value is not None), None)
 
 
+#: What an overridable initializer is, in the error for a run that sets one.
+_INITIALIZER = ("an initializer with a default value (a weight the model also lists as a "
+                "graph input), which wasinn does not let a run override")
+
+
 class OrtGraph(CheckedGraph):
     """An ONNX model in one ONNX Runtime session on one device."""
 
     def __init__(self, session: Any, device: Device,
                  shapeless: frozenset[str] = frozenset()) -> None:
         """``shapeless``: the names of the inputs and outputs the model declares without a
-        shape (:func:`_shapeless`); their specs have an unknown rank."""
+        shape (:func:`_shapeless`); their specs have an unknown rank. Inputs whose
+        dimensions share a name (``a: [n, 3]``, ``b: [n, 3]``) must be given them of one
+        size (see :class:`._graphio.InputChecker`). The session's overridable
+        initializers (graph inputs that are also weights, their default) are no inputs:
+        a run that sets one is refused with an error that says what it is (ONNX Runtime
+        would take it, but a guest, a sandboxed graph or a warm-up sees only the inputs
+        a run must set)."""
+        inputs = session.get_inputs()
         super().__init__(
             NAME, session, device,
-            tuple(_spec(a, "input", shapeless) for a in session.get_inputs()),
+            tuple(_spec(a, "input", shapeless) for a in inputs),
             tuple(_spec(a, "output", shapeless) for a in session.get_outputs()),
+            dim_names={a.name: a.shape or () for a in inputs},
+            not_inputs=dict.fromkeys(
+                (a.name for a in session.get_overridable_initializers()), _INITIALIZER),
         )
         self._input_names = tuple(s.name for s in self.inputs)
         self._output_names = tuple(s.name for s in self.outputs)

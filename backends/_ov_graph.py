@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import openvino as ov
@@ -62,12 +62,23 @@ def _specs(ports: Sequence[Any], is_output: bool
             specs.append(TensorSpec(name, ttype, (), rank_known=False))
         else:
             shape = tuple(d.get_length() if d.is_static else None for d in pshape)
-            specs.append(TensorSpec(name, ttype, shape))
+            specs.append(TensorSpec(name, ttype, shape, bounds=_bounds(pshape)))
         for alias in port.get_names():
             aliases[alias] = i
             if alias.endswith(":0"):
                 aliases.setdefault(alias[:-2], i)
     return tuple(specs), aliases
+
+
+def _bounds(pshape: Any) -> tuple[tuple[int, int | None], ...]:
+    """The ``(low, high)`` of each dimension of ``pshape`` (a static one's its size,
+    ``high`` None where unbounded), where an interval dimension (``1..4``) bounds one;
+    ``()`` where none does."""
+    bounds = tuple((d.get_min_length(), None if d.get_max_length() < 0 else d.get_max_length())
+                   for d in pshape)
+    limited = any(d.is_dynamic and (low > 0 or high is not None)
+                  for d, (low, high) in zip(pshape, bounds, strict=True))
+    return bounds if limited else ()
 
 
 def _remote_context(compiled: Any, device: Device) -> Any:
@@ -112,13 +123,17 @@ class OvGraph(CheckedGraph):
     """A model compiled by OpenVINO for one device, with a pool of infer requests."""
 
     def __init__(self, compiled: Any, device: Device, keep_alive: object = None,
-                 recompile: Callable[[], Any] | None = None) -> None:
+                 recompile: Callable[[], Any] | None = None, *,
+                 dim_names: Mapping[str, Sequence[object]] | None = None) -> None:
         """``recompile``: how to compile the model again, for a graph with a dynamic shape
-        (see :mod:`.openvino`); None for a static one."""
+        (see :mod:`.openvino`); None for a static one. ``dim_names``: an ONNX model's
+        declared input dimensions (:func:`.onnx_dims.declared_dims`), whose shared names
+        OpenVINO does not keep: inputs whose dimensions share one must agree (see
+        :class:`._graphio.InputChecker`)."""
         inputs, in_aliases = _specs(compiled.inputs, is_output=False)
         outputs, out_aliases = _specs(compiled.outputs, is_output=True)
         super().__init__(NAME, compiled, device, inputs, outputs, in_aliases=in_aliases,
-                         out_aliases=out_aliases)
+                         out_aliases=out_aliases, dim_names=dim_names)
         self._keep_alive = keep_alive  # weights OpenVINO may share with the model
         self._idle: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._recompile = recompile

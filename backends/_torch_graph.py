@@ -21,7 +21,7 @@ from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor, count_host_copies
 
-from ._graphio import CheckedGraph
+from ._graphio import CheckedGraph, out_of_bounds
 from ._torch_cancel import _Checkpoints, _StopChecked
 from ._torch_memory import storage_of
 from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
@@ -188,12 +188,8 @@ class TorchGraph(CheckedGraph):
         for index, axis, low, high in self._dim_ranges:
             size = ordered[index].dims[axis]
             if size < low or (high is not None and size > high):
-                raise InvalidArgumentError(
-                    f"{NAME}: input {self.inputs[index].name!r} has size {size} in "
-                    f"dimension {axis}, but the model was exported for "
-                    f"{_describe_range(low, high)} there (expected "
-                    f"{self.inputs[index].describe()})"
-                )
+                raise out_of_bounds(NAME, self.inputs[index], axis, size, low, high,
+                                    "was exported for")
 
     def _wrap(self, value: Any, taken: set[int], keep: bool,
               ready: torch.cuda.Event | None) -> Tensor:
@@ -240,12 +236,6 @@ def _cancelled() -> bool:
 def _stopped() -> BackendRuntimeError:
     """What a run stopped at a checkpoint raises."""
     return BackendRuntimeError(f"{NAME}: run cancelled (stopped before its next operator)")
-
-
-def _describe_range(low: int, high: int | None) -> str:
-    if high is None:
-        return f"at least {low}"
-    return f"at most {high}" if low == 0 else f"{low} to {high}"
 
 
 def _first_line(exc: BaseException) -> str:

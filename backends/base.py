@@ -86,7 +86,12 @@ class TensorSpec:
     gives ``type_known=False``: its ``type`` is then a placeholder (f32) that says nothing
     and that nothing checks, a tensor of any element type may be given or come out, and
     :meth:`describe` says ``any``.
-    Raises InvalidArgumentError for ``rank_known=False`` with dimensions.
+    ``bounds`` are the sizes a model allows in its dynamic dimensions where it limits
+    them (an OpenVINO interval dimension, ``[1..4, 3]``): ``(low, high)`` for every
+    dimension (``high`` None: no upper bound; a fixed one ``(size, size)``), or ``()``,
+    the default, where it limits none (then a dynamic dimension takes any size).
+    Raises InvalidArgumentError for ``rank_known=False`` with dimensions, and for bounds
+    that are not one ``(low, high)`` per dimension, each holding its fixed size.
     """
 
     name: str
@@ -94,22 +99,70 @@ class TensorSpec:
     shape: tuple[int | None, ...]
     rank_known: bool = True
     type_known: bool = True
+    bounds: tuple[tuple[int, int | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.rank_known and self.shape:
             raise InvalidArgumentError(
                 f"tensor spec {self.name!r} has shape {list(self.shape)} but says its rank "
                 "is unknown: expected shape () with rank_known=False")
+        if self.bounds and not _bounds_fit(self.shape, self.bounds):
+            raise InvalidArgumentError(
+                f"tensor spec {self.name!r} of shape {list(self.shape)} has bounds "
+                f"{list(self.bounds)}: expected one (low, high) per dimension, "
+                "0 <= low <= high (or high None), a fixed one (size, size)")
 
     def describe(self) -> str:
-        """``name: type[dims]``, a dynamic dimension as ``?``; ``x: f32[]`` is a scalar,
-        ``x: f32[...]`` an input of unknown rank, ``x: any[...]`` one of undeclared
-        element type and rank (TorchScript's)."""
+        """``name: type[dims]``, a dynamic dimension as ``?``, a bounded one as OpenVINO
+        writes it (``1..4``, ``2..``, ``..8``); ``x: f32[]`` is a scalar, ``x: f32[...]``
+        an input of unknown rank, ``x: any[...]`` one of undeclared element type and rank
+        (TorchScript's)."""
         type_ = self.type.value if self.type_known else "any"
         if not self.rank_known:
             return f"{self.name}: {type_}[...]"
-        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        if self.bounds:
+            dims = ", ".join(str(d) if d is not None else _interval(low, high)
+                             for d, (low, high) in zip(self.shape, self.bounds, strict=True))
+        else:
+            dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {type_}[{dims}]"
+
+
+def _bounds_fit(shape: tuple[int | None, ...], bounds: tuple[tuple[int, int | None], ...]
+                ) -> bool:
+    """Whether ``bounds`` are one ``(low, high)`` per dimension of ``shape``, in order,
+    holding each fixed size as ``(size, size)``."""
+    if len(bounds) != len(shape):
+        return False
+    for size, (low, high) in zip(shape, bounds, strict=True):
+        if not 0 <= low <= (low if high is None else high):
+            return False
+        if size is not None and not low == high == size:
+            return False
+    return True
+
+
+def describe_range(low: int, high: int | None) -> str:
+    """The sizes ``low`` to ``high`` (None: no upper bound) of a dimension, in words."""
+    if high is None:
+        return f"at least {low}"
+    return f"at most {high}" if low == 0 else f"{low} to {high}"
+
+
+def outside_bounds(spec: TensorSpec, axis: int, size: int, low: int, high: int | None,
+                   allows: str = "allows") -> str:
+    """What is wrong with input ``spec`` given ``size`` in dimension ``axis``, outside the
+    ``low`` to ``high`` the model ``allows`` there (torch.export's ranges: ``"was
+    exported for"``), and what it expects: the words of every such error."""
+    return (f"input {spec.name!r} has size {size} in dimension {axis}, but the model "
+            f"{allows} {describe_range(low, high)} there (expected {spec.describe()})")
+
+
+def _interval(low: int, high: int | None) -> str:
+    # A dynamic dimension's sizes as OpenVINO writes them: ?, 1..4, 2.., ..8.
+    if high is None:
+        return f"{low}.." if low else "?"
+    return f"{low}..{high}" if low else f"..{high}"
 
 
 #: The most intra-op threads a model may ask for (``LoadOptions.threads``, a config's

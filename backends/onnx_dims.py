@@ -8,7 +8,10 @@ axis alike on the inputs and outputs that have it (``torch.onnx.export`` with
 ``dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}``, or the dynamo exporter's
 ``s0``), and a transposed output ``z = x.T`` of ``x: [n, m]`` is declared ``[m, n]``.
 Dynamic batching reads them (:mod:`wasinn.actors._batch_axes`) to tell, at load, an
-output that has the inputs' batch axis first from one that does not, on either backend.
+output that has the inputs' batch axis first from one that does not, on either backend;
+the backends' input check (:class:`~wasinn.backends._graphio.InputChecker`) to refuse
+inputs whose dimensions of one name are given different sizes, which the ONNX standard
+says are one size.
 
 Only the graph's value declarations are read; its nodes and weights are skipped, each
 in constant time, as :mod:`.formats` sniffs.

@@ -87,6 +87,7 @@ from ._ov_tensors import (
 )
 from ._ovread import NAME, ov_message, read_model
 from .base import Backend, Builders, Device, LoadOptions, log
+from .onnx_dims import declared_dims
 
 __all__ = ["NAME", "OpenVinoBackend", "OvGraph", "compile_config", "known_properties"]
 
@@ -186,7 +187,9 @@ class OpenVinoBackend(Backend):
         recompile = (functools.partial(self.core.compile_model, model, ov_device, config)
                      if _dynamic(model) else None)
         try:
-            graph = OvGraph(compiled, device, keep_alive, recompile)
+            graph = OvGraph(compiled, device, keep_alive, recompile,
+                            dim_names=declared_dims(builders[0])
+                            if encoding is GraphEncoding.ONNX else None)
         except WasiNNError:
             raise
         except Exception as exc:  # e.g. a port name that is not UTF-8: UnicodeDecodeError

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from wasinn.backends.base import TensorSpec
+from wasinn.backends.base import TensorSpec, outside_bounds
 from wasinn.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -194,3 +194,7 @@ def check_against_spec(record: TensorRecord, spec: TensorSpec) -> None:
             f"input {spec.name!r} got {record.type.value}{list(record.dims)}: the model "
             f"expects {spec.describe()}"
         )
+    if spec.bounds:  # (a model's interval dimensions: [1..4, 3])
+        for axis, (size, (low, high)) in enumerate(zip(record.dims, spec.bounds, strict=True)):
+            if size < low or (high is not None and size > high):
+                raise InvalidArgumentError(outside_bounds(spec, axis, size, low, high))

@@ -290,6 +290,18 @@ def armed_cancellation() -> Any:
     return Armed()
 
 
+#: The imports of :func:`core_nn_guest_wat` (WAT, each on a line of its own): the legacy
+#: ``load``, ``init_execution_context`` (``$init``), ``set_input`` (``$set``), ``compute``
+#: and WASI's ``proc_exit`` (``$exit``).
+CORE_NN_IMPORTS = """
+  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "init_execution_context"
+    (func $init (param i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "set_input" (func $set (param i32 i32 i32) (result i32)))
+  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))"""
+
+
 def core_nn_guest_wat(memory: bytes, model: bytes, body: str, locals_: str = "") -> str:
     """A core-module guest (WAT) importing the legacy ``load``, ``init_execution_context``,
     ``set_input`` (``$set``), ``compute`` and ``proc_exit`` (``$exit``). Its memory holds
@@ -301,13 +313,7 @@ def core_nn_guest_wat(memory: bytes, model: bytes, body: str, locals_: str = "")
     memory = struct.pack("<2I", 4096, len(model)) + bytes(memory[8:])
     data = "".join(f"\\{b:02x}" for b in memory)
     esc = "".join(f"\\{b:02x}" for b in model)
-    return f"""(module
-  (import "wasi_ephemeral_nn" "load" (func $load (param i32 i32 i32 i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "init_execution_context"
-    (func $init (param i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "set_input" (func $set (param i32 i32 i32) (result i32)))
-  (import "wasi_ephemeral_nn" "compute" (func $compute (param i32) (result i32)))
-  (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+    return f"""(module{CORE_NN_IMPORTS}
   (memory (export "memory") 2)
   (data (i32.const 0) "{data}")
   (data (i32.const 4096) "{esc}")

@@ -244,6 +244,52 @@ def test_several_inputs_given_out_of_order(backend: Backend, keep: bool) -> None
         graph.run({"x": Tensor.from_numpy(x), 0: Tensor.from_numpy(x)})
 
 
+def _named_dims_model(a: list[int | str], b: list[int | str], op: str = "Add",
+                      **attributes: Any) -> bytes:
+    """``y = op(a, b)`` over f32 inputs declared of shapes ``a`` and ``b``."""
+    from onnx import helper
+
+    return _onnx_graph([helper.make_node(op, ["a", "b"], ["y"], **attributes)],
+                       [_f32_info("a", a), _f32_info("b", b)], [_f32_info("y", ["r", 3])])
+
+
+def _rows(a: int, b: int, columns: tuple[int, int] = (3, 3)) -> dict[str, Tensor]:
+    return {"a": Tensor.from_numpy(np.ones((a, columns[0]), np.float32)),
+            "b": Tensor.from_numpy(np.ones((b, columns[1]), np.float32))}
+
+
+def test_inputs_whose_dimensions_share_a_name_must_agree(onnx_backend: Backend) -> None:
+    # Before: a=(2, 3), b=(4, 3) went to the library, which failed inside its Add node
+    # (BackendRuntimeError, with C++ text naming neither input nor n).
+    graph = onnx_backend.load([_named_dims_model(["n", 3], ["n", 3])], GraphEncoding.ONNX, CPU)
+    assert [s.describe() for s in graph.inputs] == ["a: f32[?, 3]", "b: f32[?, 3]"]
+    assert _only(graph.run(_rows(2, 2))).dims == (2, 3)
+    with pytest.raises(InvalidArgumentError) as caught:
+        graph.run(_rows(2, 4))
+    assert caught.value.message == (
+        f"{onnx_backend.name}: input 'b' has size 4 in dimension 0, but input 'a' has size 2 "
+        "in dimension 0, and the model names both 'n': expected the same size in both (the "
+        "model expects a: f32[?, 3], b: f32[?, 3])")
+
+
+def test_dimensions_one_input_names_alike_must_agree(onnx_backend: Backend) -> None:
+    # a: [n, n], a square; b's k is its own.
+    model = _named_dims_model(["n", "n"], ["k", "n"], op="MatMul")
+    graph = onnx_backend.load([model], GraphEncoding.ONNX, CPU)
+    assert _only(graph.run(_rows(3, 3))).dims == (3, 3)
+    with pytest.raises(InvalidArgumentError,
+                       match=r"input 'a' has size 2 in dimension 1, but it has size 3 in "
+                             r"dimension 0, and the model names both 'n'"):
+        graph.run(_rows(3, 2, columns=(2, 2)))
+
+
+def test_dimensions_of_different_names_may_differ(onnx_backend: Backend) -> None:
+    # n and m are two dimensions: the libraries concatenate 2 and 4 rows.
+    model = _named_dims_model(["n", 3], ["m", 3], op="Concat", axis=0)
+    graph = onnx_backend.load([model], GraphEncoding.ONNX, CPU)
+    assert _only(graph.run(_rows(2, 4))).dims == (6, 3)
+
+
 def _constant_model(backend: str) -> backend_models.Model:
     """No inputs; one f32 output ``[1.5, 2.5]`` held by the model."""
     if backend == "pytorch":

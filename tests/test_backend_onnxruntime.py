@@ -661,3 +661,31 @@ def test_without_preload_dlls_the_error_does_not_claim_a_preload(
                              r"from their pip packages: expected"):
         backend.load([affine_onnx()], GraphEncoding.ONNX, _GPU0)
     assert (sessions.made, sessions.preloads) == (1, 0)
+
+
+def test_an_overridable_initializer_is_no_input_and_setting_it_says_what_it_is(
+        backend: Any) -> None:
+    # A graph input that also has an initializer (its default; older exporters write
+    # these): ONNX Runtime lets a run override it, wasinn does not. Before: "the model has
+    # no input 'b'", for a name the model lists among its graph inputs.
+    from onnx import TensorProto, helper, numpy_helper
+
+    from wasinn import UnknownNameError
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    default = numpy_helper.from_array(np.array([10, 20, 30], np.float32), "b")
+    model = onnx_model_bytes(helper.make_graph(
+        [helper.make_node("Add", ["x", "b"], ["y"])], "add", [x, b], [y],
+        initializer=[default]))
+    graph = backend.load([model], GraphEncoding.ONNX, CPU)
+    assert [s.describe() for s in graph.inputs] == ["x: f32[2, 3]"]
+    ones = Tensor.from_numpy(np.ones((2, 3), np.float32))
+    assert graph.run({"x": ones})["y"].numpy().tolist() == [[11.0, 21.0, 31.0]] * 2
+    with pytest.raises(UnknownNameError) as caught:
+        graph.run({"x": ones, "b": Tensor.from_numpy(np.zeros(3, np.float32))})
+    assert caught.value.message == (
+        "onnxruntime: 'b' is an initializer with a default value (a weight the model also "
+        "lists as a graph input), which wasinn does not let a run override: expected "
+        "inputs x: f32[2, 3]")

@@ -335,3 +335,126 @@ def test_a_guest_request_on_a_busy_device_is_handed_copies_of_guest_memory() -> 
             np.testing.assert_array_equal(handed["lease"], guest_memory)
         else:
             assert "lease" not in handed
+
+
+# -- declared bounds and dimension names ----------------------------------------------------
+def test_a_spec_describes_its_bounds_and_refuses_bounds_that_do_not_fit() -> None:
+    def spec(shape: tuple[int | None, ...], bounds: Any) -> TensorSpec:
+        return TensorSpec("x", TensorType.F32, shape, bounds=bounds)
+
+    assert spec((None, 3), ((1, 4), (3, 3))).describe() == "x: f32[1..4, 3]"
+    assert spec((None, None, None), ((2, None), (0, 8), (0, None))).describe() == \
+        "x: f32[2.., ..8, ?]"
+    # Bounds take part in equality: a model that limits a dimension is another model.
+    assert spec((None, 3), ((1, 4), (3, 3))) != TensorSpec("x", TensorType.F32, (None, 3))
+    for shape, bounds in [((None, 3), ((1, 4),)),            # not one per dimension
+                          ((None, 3), ((1, 4), (2, 2))),     # not the fixed size
+                          ((None,), ((5, 4),)),              # low above high
+                          ((None,), ((-1, None),))]:
+        with pytest.raises(InvalidArgumentError, match=r"expected one \(low, high\) per"):
+            spec(shape, bounds)
+
+
+def test_set_input_refuses_a_size_outside_a_declared_bound() -> None:
+    # Before: set_input took 5 rows for x: [1..4, 3] (the spec kept no bounds), and the
+    # guest's compute failed inside OpenVINO as runtime_error.
+    bounded = TensorSpec("x", TensorType.F32, (None, 3), bounds=((1, 4), (3, 3)))
+    check_against_spec(TensorRecord((4, 3), TensorType.F32, 0, 48), bounded)
+    for rows in (0, 5):
+        with pytest.raises(InvalidArgumentError) as caught:
+            check_against_spec(TensorRecord((rows, 3), TensorType.F32, 0, 12 * rows), bounded)
+        assert caught.value.message == (
+            f"input 'x' has size {rows} in dimension 0, but the model allows 1 to 4 there "
+            "(expected x: f32[1..4, 3])")
+        assert errno_of(caught.value) is Errno.INVALID_ARGUMENT
+
+
+def _nn_guest(load: str, data: bytes, tensors: list[tuple[tuple[int, ...], bytes]]) -> str:
+    """A core-module guest that loads a graph (``load``: WAT that leaves load's errno and
+    writes the graph's handle to 64), sets ``tensors`` (f32, of dims and bytes) as its
+    inputs 0, 1, ... and computes; its exit code is the first failure's errno plus 10 for
+    a load, 20 for the context, 30 + 10 i for input i's set_input, 90 for compute (0 if
+    none fails). ``data`` lies at 4096."""
+    mem, records, at, calls = bytearray(1024), 128, 256, []
+    for i, (dims, values) in enumerate(tensors):
+        data_at = 512 + 64 * i
+        struct.pack_into("<2IB3xII", mem, records + 20 * i, at, len(dims), 1, data_at,
+                         len(values))
+        struct.pack_into(f"<{len(dims)}I", mem, at, *dims)
+        mem[data_at:data_at + len(values)] = values
+        at += 4 * len(dims)
+        calls.append((30 + 10 * i, f"(call $set (i32.load (i32.const 68)) (i32.const {i}) "
+                                   f"(i32.const {records + 20 * i}))"))
+    calls = [(10, load), (20, "(call $init (i32.load (i32.const 64)) (i32.const 68))"),
+             *calls, (90, "(call $compute (i32.load (i32.const 68)))")]
+    body = "".join(f"""
+    (local.set $e {call})
+    (if (local.get $e) (then (call $exit (i32.add (i32.const {fail}) (local.get $e)))))"""
+                   for fail, call in calls)
+
+    def escaped(b: bytes) -> str:
+        return "".join(f"\\{c:02x}" for c in b)
+
+    from tests.support import CORE_NN_IMPORTS
+
+    return f"""(module{CORE_NN_IMPORTS}
+  (import "wasi_ephemeral_nn" "load_by_name" (func $lbn (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 0) "{escaped(bytes(mem))}")
+  (data (i32.const 4096) "{escaped(data)}")
+  (func (export "_start") (local $e i32){body}
+    (call $exit (i32.const 0))))"""
+
+
+def _f32(rows: int, columns: int = 3) -> tuple[tuple[int, ...], bytes]:
+    return (rows, columns), np.ones((rows, columns), np.float32).tobytes()
+
+
+@pytest.mark.parametrize(("rows", "code"), [(4, 0), (5, 30 + Errno.INVALID_ARGUMENT)])
+async def test_a_guest_gets_invalid_argument_for_a_size_outside_a_declared_bound(
+        tmp_path: Any, rows: int, code: int) -> None:
+    # Before: 5 rows for x: [1..4, 3] passed set_input, and compute failed inside
+    # OpenVINO: runtime_error (90 + 5).
+    from tests.support import require_backend
+    from tests.test_openvino_edges import _bounded_ir
+
+    require_backend("openvino")
+    import wasinn
+
+    xml, weights = _bounded_ir()
+    (tmp_path / "bounded.xml").write_bytes(xml)
+    (tmp_path / "bounded.bin").write_bytes(weights)
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[pools.cpu]\nkind = "cpu"\ndevices = ["cpu"]\n'
+                      '[models.bounded]\nfiles = ["bounded.xml", "bounded.bin"]\n'
+                      'encoding = "openvino"\n')
+    guest = tmp_path / "bounded.wat"
+    guest.write_text(_nn_guest("(call $lbn (i32.const 4096) (i32.const 7) (i32.const 64))",
+                               b"bounded", [_f32(rows)]))
+    async with wasinn.Runtime.from_config(config) as rt:
+        assert await rt.run_wasm(guest) == code
+
+
+@pytest.mark.parametrize(("rows", "code"), [(2, 0), (4, 90 + Errno.INVALID_ARGUMENT)])
+async def test_a_guest_gets_invalid_argument_for_inputs_whose_named_dimensions_differ(
+        tmp_path: Any, rows: int, code: int) -> None:
+    # a: [n, 3], b: [n, 3], from the guest's own bytes (so in a sandbox process, by
+    # default). Before: b of 4 rows reached ONNX Runtime's Add: runtime_error (90 + 5).
+    from onnx import TensorProto, helper
+
+    from tests.support import cpu_pool, no_spares, require_backend
+    from wasinn.modelgen import onnx_model_bytes
+
+    require_backend("onnxruntime")
+    import wasinn
+
+    a, b, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", 3]) for n in "aby")
+    model = onnx_model_bytes(helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])],
+                                               "add", [a, b], [y]))
+    struct_at = struct.pack("<2I", 4096 + 8, len(model))  # the builder array, at 4096
+    guest = tmp_path / "named.wat"
+    guest.write_text(_nn_guest(
+        "(call $load (i32.const 4096) (i32.const 1) (i32.const 1) (i32.const 0) "
+        "(i32.const 64))", struct_at + model, [_f32(2), _f32(rows)]))
+    async with wasinn.Runtime(no_spares(cpu_pool(backends=["onnxruntime"]))) as rt:
+        assert await rt.run_wasm(guest) == code

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.support import require_backend
-from wasinn import BackendRuntimeError, GraphEncoding, Tensor, TensorType
+from wasinn import BackendRuntimeError, GraphEncoding, InvalidArgumentError, Tensor, TensorType
 from wasinn.backends import Device
 from wasinn.backends.base import Cancellation, running_under
 from wasinn.modelgen import affine_onnx, onnx_model_bytes
@@ -249,3 +249,59 @@ def test_runs_after_a_run_cancelled_inside_openvino_get_their_own_shapes(backend
     assert stopped >= 5, "too few runs were stopped midway to show anything"
     assert wrong == []
     assert graph.recompiles == stopped
+
+
+# -- interval dimensions --------------------------------------------------------------------
+def _bounded_ir() -> list[bytes]:
+    """IR of ``y = relu(x)`` over x: f32[1..4, 3], as ``ov.convert_model(..., input=[("x",
+    [(1, 4), 3])])`` declares it."""
+    import openvino as ov
+
+    return _relu_ir(ov.PartialShape([ov.Dimension(1, 4), 3]))
+
+
+def _relu_ir(shape: Any) -> list[bytes]:
+    """IR of ``y = relu(x)`` over x: f32 of the ``ov.PartialShape`` ``shape``."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    x = ops.parameter(shape, np.float32, name="x")
+    y = ops.relu(x)
+    y.output(0).get_tensor().set_names({"y"})
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "relu.xml"
+        ov.save_model(ov.Model([ops.result(y)], [x], "relu"), str(xml),
+                      compress_to_fp16=False)
+        return [xml.read_bytes(), xml.with_suffix(".bin").read_bytes()]
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_an_input_outside_an_interval_dimension_is_an_invalid_argument(
+        backend: Any, rows: int) -> None:
+    # Before: the spec read x: f32[?, 3], and 0 or 5 rows failed inside OpenVINO
+    # (BackendRuntimeError with C++ text), leaving the graph to be compiled again.
+    graph = backend.load(_bounded_ir(), GraphEncoding.OPENVINO, CPU)
+    assert graph.inputs[0].describe() == "x: f32[1..4, 3]"
+    assert graph.inputs[0].bounds == ((1, 4), (3, 3))
+    for fits in (1, 4):
+        x = np.full((fits, 3), -1.0, np.float32)
+        assert graph.run({"x": Tensor.from_numpy(x)})["y"].numpy().tolist() == [[0.0] * 3] * fits
+    with pytest.raises(InvalidArgumentError) as caught:
+        graph.run({"x": Tensor.from_numpy(np.ones((rows, 3), np.float32))})
+    assert caught.value.message == (
+        f"openvino: input 'x' has size {rows} in dimension 0, but the model allows 1 to 4 "
+        "there (expected x: f32[1..4, 3])")
+    assert graph.recompiles == 0  # refused before OpenVINO saw it
+
+
+def test_a_dimension_bounded_on_one_side_is_described_and_checked(backend: Any) -> None:
+    import openvino as ov
+
+    shape = ov.PartialShape([ov.Dimension(2, -1), ov.Dimension(0, 8)])
+    graph = backend.load(_relu_ir(shape), GraphEncoding.OPENVINO, CPU)
+    assert graph.inputs[0].describe() == "x: f32[2.., ..8]"
+    assert graph.run({"x": Tensor.from_numpy(np.ones((2, 8), np.float32))})["y"].dims == (2, 8)
+    for shape, words in (((1, 8), "size 1 in dimension 0, but the model allows at least 2"),
+                         ((2, 9), "size 9 in dimension 1, but the model allows at most 8")):
+        with pytest.raises(InvalidArgumentError, match=words):
+            graph.run({"x": Tensor.from_numpy(np.ones(shape, np.float32))})
