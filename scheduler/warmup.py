@@ -106,8 +106,9 @@ def zero_inputs(specs: Sequence[TensorSpec],
                 *, shape_hint: str = WARMUP_SHAPE_HINT) -> dict[str, Tensor]:
     """A zero-filled tensor for every input in ``specs``: of the shape ``shapes`` gives
     (a shape, or a :class:`ZeroInput` of shape and type), else of the input's own,
-    dynamic dimensions as 1 (rank 0 for a scalar input); of the type given, else of the
-    input's (f32 for one of undeclared type, ``type_known=False``).
+    dynamic dimensions as 1 or the least their bounds allow (rank 0 for a scalar input);
+    of the type given, else of the input's (f32 for one of undeclared type,
+    ``type_known=False``).
 
     Raises InvalidArgumentError for a name in ``shapes`` that is no input, for a type
     given where the model declares another, and for an input whose rank is unknown
@@ -134,11 +135,20 @@ def zero_inputs(specs: Sequence[TensorSpec],
                 raise InvalidArgumentError(
                     f"input {spec.name!r} declares no shape, not even its rank, so no "
                     f"zero-filled value can be made for it: {shape_hint.format(name=spec.name)}")
-            shape = tuple(1 if d is None else d for d in spec.shape)
+            shape = _smallest_shape(spec)
         zeros = _zeros(spec, shape, given.type or spec.type, available, taken)
         taken += zeros.nbytes
         inputs[spec.name] = Tensor.from_numpy(zeros)
     return inputs
+
+
+def _smallest_shape(spec: TensorSpec) -> tuple[int, ...]:
+    """``spec``'s shape, a dynamic dimension as 1, or as the least its bounds allow where
+    that is more (an OpenVINO ``[2..8, 3]`` gives ``(2, 3)``)."""
+    if not spec.bounds:
+        return tuple(1 if d is None else d for d in spec.shape)
+    return tuple(max(1, low) if d is None else d
+                 for d, (low, _) in zip(spec.shape, spec.bounds, strict=True))
 
 
 def _zero_input(given: ZeroInput | tuple[int, ...] | None) -> ZeroInput:

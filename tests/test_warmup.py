@@ -337,6 +337,32 @@ def test_zero_inputs_are_rank_0_for_a_scalar_and_refused_for_an_unknown_rank() -
     assert zero_inputs(unknown, {"u": ()})["u"].dims == ()
 
 
+def test_a_zero_input_has_the_least_size_a_bounded_dimension_allows() -> None:
+    bounded = TensorSpec("x", TensorType.F32, (None, None, 3), bounds=((2, 8), (0, 4), (3, 3)))
+    assert zero_inputs([bounded], {})["x"].dims == (2, 1, 3)
+
+
+async def test_a_model_whose_dimension_is_bounded_above_1_warms_up(tmp_path: Path) -> None:
+    # Before: its zeros had 1 row, which the model's [2..8, 3] refuses: the start failed.
+    require_backend("openvino")
+    import openvino as ov
+
+    from tests.test_openvino_edges import _relu_ir
+
+    xml, weights = _relu_ir(ov.PartialShape([ov.Dimension(2, 8), 3]))
+    (tmp_path / "relu.xml").write_bytes(xml)
+    (tmp_path / "relu.bin").write_bytes(weights)
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[models.relu]\nfiles = ["relu.xml", "relu.bin"]\nencoding = "openvino"\n'
+                    'warmup = 1\n')
+    async with wasinn.Runtime.from_config(path) as rt:
+        graph = await rt.load_by_name("relu")
+        assert graph.inputs[0].describe() == "x: f32[2..8, 3]"
+        assert graph.stats().completed == 0  # (a warm-up is no request)
+        out = await graph.compute({"x": -np.ones((2, 3), np.float32)})
+        assert out["y"].numpy().tolist() == [[0.0] * 3] * 2
+
+
 class _OwnError(BackendRuntimeError):
     """A backend's own error whose constructor takes other arguments."""
 
