@@ -4,7 +4,8 @@
 A ``torch.export`` program gets a checkpoint before each operator of its fx graphs
 (:func:`_interruptible`). A TorchScript module's forward gets a ``stop`` flag and a check
 of it at the start of every loop iteration, read in C++ without the GIL
-(:func:`_with_stop_checks`, called through :class:`_StopChecked`). A module loaded
+(:func:`_with_stop_checks`, called through :class:`_StopChecked`), the iterations of the
+loops that freezing unrolled included (:class:`LoopSources`). A module loaded
 ``interruptible`` also runs every operator through a dispatch mode holding the
 checkpoint (:class:`_Checkpoints`).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -94,17 +94,22 @@ class _StopChecked:
                 _spare.flag = None
 
 
-def _with_stop_checks(module: Any, tensors: int) -> _StopChecked | None:
+def _with_stop_checks(module: Any, tensors: int, loaded: LoopSources | None = None
+                      ) -> tuple[_StopChecked | None, list[str]]:
     """``module``'s forward (its first ``tensors`` arguments are its tensors, the others
     have defaults: the load checked) with its calls inlined, a ``stop`` flag as one more
     argument and a check of the flag (:data:`_STOP_CHECK`) at the start of every loop
-    iteration; None for a forward without loops (its run is as long as its code: it runs
-    as loaded). Only ATen and TorchScript operators that the archive checks allow are
-    added."""
+    iteration, and, given the loops of the module as ``loaded`` before it was frozen, at
+    the start of every iteration that freezing unrolled (:meth:`LoopSources.unrolled`);
+    None for a forward without either (its run is as long as its code: it runs as
+    loaded); and the loops freezing took out whose iterations cannot be told, which have
+    no checks (:meth:`LoopSources.unrolled`). Only ATen and TorchScript operators that the
+    archive checks allow are added."""
     graph = module._c._get_method("forward").inlined_graph  # a copy
-    loops = list(_loops(graph.block()))
-    if not loops:
-        return None
+    loops = _loops(graph)
+    starts, unchecked = loaded.unrolled(graph) if loaded is not None else ([], [])
+    if not loops and not starts:
+        return None, unchecked
     rest = module.forward.schema.arguments[1 + tensors:]  # [0] is self
     stop = graph.addInput("wasinn_stop")
     stop.setType(torch._C.TensorType.get())
@@ -112,17 +117,96 @@ def _with_stop_checks(module: Any, tensors: int) -> _StopChecked | None:
     for loop in loops:
         (body,) = loop.blocks()
         _insert(graph, check, stop, next(iter(body.nodes()), body.returnNode()))
+    for start in starts:
+        _insert(graph, check, stop, start)
     function = torch._C._create_function_from_graph("wasinn_stop_checked", graph)
-    return _StopChecked(function, tuple(arg.default_value for arg in rest))
+    return _StopChecked(function, tuple(arg.default_value for arg in rest)), unchecked
 
 
-def _loops(block: Any) -> Iterator[Any]:
-    """The ``prim::Loop`` nodes of ``block`` and of the blocks nested in it."""
-    for node in block.nodes():
-        if node.kind() == "prim::Loop":
-            yield node
-        for inner in node.blocks():
-            yield from _loops(inner)
+def _loops(graph: Any) -> list[Any]:
+    """The ``prim::Loop`` nodes of ``graph``, nested ones included (found in C++: a walk
+    over a scripted model's thousands of nodes in Python takes tens of ms)."""
+    return list(graph.findAllNodes("prim::Loop", True))
+
+
+def _origin(node: Any) -> str:
+    """Where ``node`` comes from: the module it was called in (its path from the module
+    loaded) and its source range, or ``""`` where it has no source range."""
+    source = node.sourceRange()
+    return f"{node.getModuleHierarchy()}\n{source}" if source else ""
+
+
+class LoopSources:
+    """Where the nodes of a TorchScript forward's loops come from, read before freezing.
+
+    ``torch.jit.freeze`` unrolls a loop of constant trip count under 64 completely,
+    leaving no ``prim::Loop`` to put a check in (a longer one it unrolls by 8 within a
+    loop it keeps). Unrolling copies each node's origin (the module it was called in, its
+    source range: :func:`_origin`), so the iterations show in the frozen graph as runs of
+    nodes from the loop's body, in the body's order: an iteration starts at a node from a
+    loop body that comes, in that body, at or before the node from a loop body before it
+    (:meth:`unrolled`). A check there costs what the loop's own check did: one an
+    iteration (more where the body runs the same code twice, or where code outside the
+    loop shares its origin: the same submodule called there too)."""
+
+    __slots__ = ("_loops", "_places")
+
+    def __init__(self, module: Any) -> None:
+        graph = module._c._get_method("forward").inlined_graph  # a copy
+        self._loops: set[str] = set()  # each loop's own origin
+        #: a loop body's node's origin -> (its innermost loop's origin, its place there)
+        self._places: dict[str, tuple[str, int]] = {}
+        for loop in _loops(graph):
+            origin = _origin(loop)
+            self._loops.add(origin)
+            self._read(next(loop.blocks()), origin, 0)
+
+    def _read(self, block: Any, loop: str, place: int) -> int:
+        for node in block.nodes():
+            place += 1
+            kind = node.kind()
+            if kind != "prim::Constant":
+                origin = _origin(node)
+                if origin:
+                    self._places.setdefault(origin, (loop, place))
+            if kind != "prim::Loop":  # (a loop in the body is read as one of its own)
+                for inner in node.blocks():
+                    place = self._read(inner, loop, place)
+        return place
+
+    def unrolled(self, graph: Any) -> tuple[list[Any], list[str]]:
+        """The nodes of ``graph`` (the forward frozen, then inlined) that start an
+        iteration of a loop, but for the first of a body that a kept loop's own check
+        starts; and the loops freezing took out whose nodes cannot be told (the code
+        carries no source ranges), each as the first line of its source or ``"(no
+        source)"``. A loop taken out of which no node is left was dead code (e.g. a
+        check in a training-mode branch, which freezing drops): it needs no check."""
+        if not self._loops:
+            return [], []
+        starts: list[Any] = []
+        self._starts(graph.block(), None, starts)
+        gone = self._loops - {_origin(loop) for loop in _loops(graph)}
+        unknown = sorted(gone - {loop for loop, _ in self._places.values()})
+        return starts, [origin.split("\n")[1].strip() if origin else "(no source)"
+                        for origin in unknown]
+
+    def _starts(self, block: Any, last: tuple[str, int] | None, starts: list[Any]) -> None:
+        # last: where the node from a loop body before this one comes from: None where
+        # none came before, _CHECKED at a kept loop's body's start (it has a check there)
+        for node in block.nodes():
+            kind = node.kind()
+            place = None if kind == "prim::Constant" else self._places.get(_origin(node))
+            if place is not None:
+                if last is None or (last is not _CHECKED
+                                    and (place[0] != last[0] or place[1] <= last[1])):
+                    starts.append(node)
+                last = place
+            for inner in node.blocks():  # an If's blocks go on from the If
+                self._starts(inner, _CHECKED if kind == "prim::Loop" else last, starts)
+
+
+#: In :meth:`LoopSources._starts`, a block that starts with a check: a kept loop's body.
+_CHECKED = ("", -1)
 
 
 def _insert(graph: Any, check: Any, stop: Any, before: Any) -> None:

@@ -5,7 +5,8 @@ Its code is checked before ``torch.jit.load`` runs any of it, its operators and 
 divisions after; its specs come from ``forward``'s signature (Tensor arguments first,
 of undeclared element type and rank: TorchScript records neither); on the CPU it is
 frozen and optimized for inference where torch can; its loops get stop checks where
-torch can put them in. A ``torch.save`` checkpoint is refused before torch reads it.
+torch can put them in, the iterations of those that freezing unrolled included. A
+``torch.save`` checkpoint is refused before torch reads it.
 
 ``torch.jit.load`` holds the GIL throughout, which stops every thread of the process, the
 trio loop that serves every other request included. Given bytes (a ``BytesIO``), it
@@ -34,7 +35,7 @@ from wasinn.enums import ExecutionTarget, TensorType
 from wasinn.errors import InvalidEncodingError, UnsupportedOperationError
 
 from ._model_pipe import memory_file
-from ._torch_cancel import _with_stop_checks
+from ._torch_cancel import LoopSources, _with_stop_checks
 from ._torch_division import check_folded_divisions, guard_torchscript_divisions
 from ._torch_graph import NAME, TorchGraph, _first_line, _output_names
 from ._torch_memory import script_keeps_tensors, script_storages, script_written_inputs
@@ -113,17 +114,27 @@ def _load_torchscript(
             f"{NAME}: forward() returns {returns}: expected a Tensor or a tuple of Tensors"
         )
     outputs = tuple(map(_undeclared, _output_names(count)))
+    loaded_loops = None
     if optimize and device.kind is ExecutionTarget.CPU:
-        # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded.
+        # A module that cannot be frozen (e.g. it mutates attributes) still runs as loaded,
+        # as does one whose loops cannot be read (freezing would unroll them unchecked).
         with contextlib.suppress(Exception):
+            loops = LoopSources(module)  # before freezing unrolls the short loops
             module = torch.jit.optimize_for_inference(torch.jit.freeze(module))
+            loaded_loops = loops
     stop_checked = None
     try:
-        stop_checked = _with_stop_checks(module, len(inputs))
+        stop_checked, unchecked = _with_stop_checks(module, len(inputs), loaded_loops)
     except Exception as exc:  # a graph torch cannot edit still runs, as loaded
         log.warning("%s: no stop checks could be put into the loops of this TorchScript "
                     "model (%s: %s): a cancelled run of it goes on to its end", NAME,
                     type(exc).__name__, exc)
+    else:
+        if unchecked:
+            log.warning("%s: freezing unrolled %d loop(s) of this TorchScript model (%s) "
+                        "and no stop check could be put between their iterations: a "
+                        "cancelled run of it goes on through them (options = { optimize = "
+                        "false } keeps its loops)", NAME, len(unchecked), "; ".join(unchecked))
     return TorchGraph(module, device, tuple(inputs), outputs, checked=False,
                       private=script_written_inputs(module),
                       model_storages=script_storages(module),

@@ -209,6 +209,76 @@ def test_torchscript_stop_checks_change_no_output_and_call_no_new_operator(
         is None
 
 
+@pytest.mark.parametrize("optimize", [True, False])
+def test_a_torchscript_loop_that_freezing_unrolls_keeps_a_stop_check_at_each_iteration(
+        backend: Any, optimize: bool) -> None:
+    # range(63): torch.jit.freeze (optimize) unrolls it into 63 products and no loop; each
+    # product still gets the check its iteration had (that a cancelled run stops at, see
+    # test_cancel_runs), and the outputs do not change.
+    import torch
+
+    from tests.test_cancel_runs import UNROLLED_STEPS, matmul_loop_torchscript
+    from wasinn.backends._torch_ops import graph_nodes, script_graphs
+    from wasinn.backends.base import Cancellation, running_under
+
+    graph = backend.load([matmul_loop_torchscript(4, constant=True)], PT, CPU,
+                         LoadOptions(extra={"optimize": optimize}))
+    checked = graph._stop_checked._function.graph
+    kinds = [node.kind() for node in graph_nodes(checked)]
+    assert kinds.count("prim::Loop") == (0 if optimize else 1)
+    assert kinds.count("aten::Bool") == (UNROLLED_STEPS if optimize else 1)
+    loaded = {node.kind() for g in script_graphs(graph.module) for node in graph_nodes(g)}
+    assert set(kinds) - loaded <= {"aten::Bool", "aten::fill_", "prim::If",
+                                   "prim::RaiseException"}
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    with torch.inference_mode():
+        expected = graph.module(torch.from_numpy(x)).numpy()
+    for cancellation in (None, Cancellation()):
+        with running_under(cancellation):
+            out = graph.run({"x": Tensor.from_numpy(x)})
+        assert out["output"].numpy().tobytes() == expected.tobytes()
+
+
+def test_an_unrolled_torchscript_loop_whose_iterations_cannot_be_told_is_logged(
+        backend: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Code without source ranges (as if the archive carried none): freezing unrolls the
+    # loop and nothing tells its iterations apart, so no check can be put between them.
+    import logging
+
+    from tests.test_cancel_runs import matmul_loop_torchscript
+    from wasinn.backends import _torch_cancel
+
+    monkeypatch.setattr(_torch_cancel, "_origin", lambda node: "", raising=False)
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        graph = backend.load([matmul_loop_torchscript(4, constant=True)], PT, CPU)
+    assert graph._stop_checked is None
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "pytorch: freezing unrolled 1 loop(s) of this TorchScript model ((no source)) and "
+        "no stop check could be put between their iterations: a cancelled run of it goes "
+        "on through them (options = { optimize = false } keeps its loops)")
+
+
+def test_a_loop_that_freezing_drops_as_dead_code_needs_no_check_and_is_not_logged(
+        backend: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # A scripted BatchNorm's forward holds a loop (the batch size check of its
+    # training-mode branch); freezing drops that branch and its loop with it.
+    import logging
+
+    import torch
+
+    from wasinn.backends._torch_ops import graph_nodes
+
+    model = scripted(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)))
+    module = torch.jit.load(io.BytesIO(model)).eval()  # type: ignore[no-untyped-call]
+    assert any(node.kind() == "prim::Loop"
+               for node in graph_nodes(module._c._get_method("forward").inlined_graph))
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        graph = backend.load([model], PT, CPU)
+    assert graph._stop_checked is None and not caplog.records
+
+
 def test_dict_outputs_are_unsupported(backend: Any) -> None:
     import torch
 

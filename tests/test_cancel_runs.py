@@ -241,9 +241,11 @@ def test_a_cancelled_torch_export_run_stops_before_its_next_operator() -> None:
     graph.close()
 
 
-def matmul_loop_torchscript(size: int) -> bytes:
+@functools.cache
+def matmul_loop_torchscript(size: int, *, constant: bool = False) -> bytes:
     """A TorchScript archive of ``for _ in range(steps): x = x @ I`` (``steps`` an input:
-    a loop TorchScript's interpreter runs in C++)."""
+    a loop TorchScript's interpreter runs in C++); ``constant``: of ``range(63)``
+    (UNROLLED_STEPS) instead, a loop ``torch.jit.freeze`` unrolls: none is left."""
     import torch
 
     class Loop(torch.nn.Module):
@@ -256,9 +258,25 @@ def matmul_loop_torchscript(size: int) -> bytes:
                 x = x @ self.w
             return x
 
+    class Constant(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.eye(size), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(63):  # UNROLLED_STEPS
+                x = x @ self.w
+            return x
+
+    module = Constant() if constant else Loop()
     buf = io.BytesIO()
-    torch.jit.save(torch.jit.script(Loop()), buf)  # type: ignore[no-untyped-call]
+    torch.jit.save(torch.jit.script(module), buf)  # type: ignore[no-untyped-call]
     return buf.getvalue()
+
+
+#: A constant trip count that ``torch.jit.freeze`` unrolls (under 64), and a product
+#: 4x TORCH_SIZE's: with ``TORCH_ROWS`` rows, ~8 s for the whole loop here.
+UNROLLED_STEPS, UNROLLED_SIZE = 63, 2048
 
 
 def started_matmuls(first: threading.Event, started: list[object] | None = None) -> Any:
@@ -279,37 +297,44 @@ def started_matmuls(first: threading.Event, started: list[object] | None = None)
     return Started()
 
 
-@pytest.mark.parametrize(("interruptible", "optimize"), [(False, True), (False, False),
-                                                       (True, True)])
+@pytest.mark.parametrize(("interruptible", "optimize", "constant"), [
+    (False, True, False), (False, False, False), (True, True, False),
+    # range(63): freezing (optimize) unrolls the loop; the checks stay at its iterations
+    (False, True, True), (False, False, True)])
 def test_a_cancelled_torchscript_run_stops_at_its_next_loop_iteration(
-        interruptible: bool, optimize: bool) -> None:
+        interruptible: bool, optimize: bool, constant: bool) -> None:
     """TorchScript's interpreter runs its graph in C++, out of reach of the checkpoints a
     torch.export program gets: its forward gets stop checks of its own, read in C++, at
-    each loop iteration, by default (frozen or not); ``interruptible`` adds a checkpoint
-    before each operator it calls (through a torch dispatch mode)."""
+    each loop iteration, by default (frozen or not, a loop that freezing unrolled
+    included); ``interruptible`` adds a checkpoint before each operator it calls
+    (through a torch dispatch mode)."""
     require_backend("torch")
     from wasinn.backends import LoadOptions
     from wasinn.backends.base import Cancellation, running_under
     from wasinn.backends.pytorch import TorchBackend
 
-    graph = TorchBackend().load([matmul_loop_torchscript(TORCH_SIZE)], GraphEncoding.PYTORCH,
-                                Device(ExecutionTarget.CPU),
+    if constant:  # ~8 s of work, a constant UNROLLED_STEPS products
+        model, size, steps = (matmul_loop_torchscript(UNROLLED_SIZE, constant=True),
+                              UNROLLED_SIZE, UNROLLED_STEPS)
+    else:  # ~12 s of work, TORCH_STEPS products
+        model, size, steps = matmul_loop_torchscript(TORCH_SIZE), TORCH_SIZE, TORCH_STEPS
+    graph = TorchBackend().load([model], GraphEncoding.PYTORCH, Device(ExecutionTarget.CPU),
                                 LoadOptions(extra={"interruptible": interruptible,
                                                    "optimize": optimize}))
+    trip = {} if constant else {"steps": np.array(steps, np.int64)}
     executed: list[object] = []
     error, ran_before = cancelled_mid_run(
-        graph, {"x": np.ones((TORCH_ROWS, TORCH_SIZE), np.float32),
-                "steps": np.array(TORCH_STEPS, np.int64)},  # ~12 s of work
+        graph, {"x": np.ones((TORCH_ROWS, size), np.float32), **trip},
         lambda first: started_matmuls(first, executed), executed)
     assert isinstance(error, BackendRuntimeError), error
     assert "pytorch: run cancelled" in str(error)
     # At most the product that was running as it was cancelled ended after it: the
-    # ~TORCH_STEPS left never started.
-    assert ran_before <= len(executed) <= ran_before + 1 < TORCH_STEPS
+    # products left never started.
+    assert ran_before <= len(executed) <= ran_before + 1 < steps
+    trip = {} if constant else {"steps": np.array(3, np.int64)}
     with running_under(Cancellation()):  # the graph serves the next run
-        out = graph.run({"x": np.full((1, TORCH_SIZE), 2.0, np.float32),
-                         "steps": np.array(3, np.int64)})
-    assert out["output"].numpy().tolist() == [[2.0] * TORCH_SIZE]
+        out = graph.run({"x": np.full((1, size), 2.0, np.float32), **trip})
+    assert out["output"].numpy().tolist() == [[2.0] * size]
     graph.close()
 
 
@@ -355,21 +380,26 @@ def test_a_torch_export_run_cancelled_before_it_starts_does_no_work() -> None:
     assert executed  # (operators are seen where they run)
 
 
-@pytest.mark.parametrize(("library", "backend"), [("openvino", "openvino"),
-                                                   ("torch", "pytorch")])
+@pytest.mark.parametrize(("library", "backend", "model"), [
+    ("openvino", "openvino", "onnx"), ("torch", "pytorch", "export"),
+    ("torch", "pytorch", "torchscript range(63)")])
 async def test_an_abandoned_matmul_chain_stops_and_frees_its_worker_slot(
-        library: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        library: str, backend: str, model: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # OpenVINO is cancelled at its next node, a torch.export program before its next
-    # operator: seconds of work left undone either way.
+    # operator, a TorchScript loop that freezing unrolled at its next iteration: seconds
+    # of work left undone either way.
     require_backend(library)
     runs = recorded_runs(monkeypatch)
-    if backend == "openvino":
-        model, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_ROWS
-    else:
-        model, encoding = matmul_chain_torch(TORCH_STEPS, TORCH_SIZE), "pytorch"
+    if model == "onnx":
+        data, encoding, size, rows = matmul_chain_onnx(OV_STEPS, OV_SIZE), "onnx", OV_SIZE, OV_ROWS
+    elif model == "export":
+        data, encoding = matmul_chain_torch(TORCH_STEPS, TORCH_SIZE), "pytorch"
         size, rows = TORCH_SIZE, TORCH_ROWS
+    else:
+        data = matmul_loop_torchscript(UNROLLED_SIZE, constant=True)
+        encoding, size, rows = "pytorch", UNROLLED_SIZE, TORCH_ROWS
     async with wasinn.Runtime(cpu_pool(workers=1, backends=[backend])) as rt:
-        graph = await rt.load([model], encoding, "cpu")
+        graph = await rt.load([data], encoding, "cpu")
         assert graph.backend == backend
         with pytest.raises(TimeoutError_):
             await graph.compute({"x": np.ones((rows, size), np.float32)}, timeout=0.3)
