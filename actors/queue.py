@@ -40,6 +40,7 @@ from typing import Protocol
 
 import trio
 
+from wasinn._utf8 import utf8_text
 from wasinn.errors import InvalidArgumentError
 
 
@@ -238,10 +239,12 @@ def check_weight(weight: object) -> float:
 def check_tenant_weight(tenant: object, weight: object, where: str = "") -> float:
     """``weight`` checked as :func:`check_weight` does, as ``tenant``'s (WeightError
     naming the tenant), and ``tenant`` as a tenant's name (:class:`TenantNameError`, a
-    TypeError, unless a str; ``where`` says where it was given)."""
+    TypeError, unless a str; InvalidArgumentError unless valid UTF-8, as a request's
+    tenant must be; ``where`` says where it was given)."""
     if not isinstance(tenant, str):
         raise TenantNameError(f"tenant {tenant!r:.60} ({type(tenant).__name__}){where}: "
                               "expected a str naming a tenant")
+    utf8_text(f"tenant{where}", tenant)
     try:
         return check_weight(weight)
     except WeightError as exc:

@@ -19,7 +19,9 @@ grows) and from an overloaded event loop (delivery time grows).
 
 A request is also counted in the :class:`Account` its caller gives: its model's
 (:class:`ModelStats`), or one that counts it in its model's and its tenant's
-(:class:`TenantStats`; see :mod:`wasinn.scheduler.tenants`).
+(:class:`TenantStats`; see :mod:`wasinn.scheduler.tenants`). A pipeline's step models
+count the runs its requests make of them as their own requests
+(:meth:`RequestStats.record_run`; see :class:`wasinn.scheduler.pipeline.StepsAccount`).
 
 Recording is thread-safe (lease holders record from their own threads) and costs one
 uncontended lock per request and account.
@@ -247,6 +249,34 @@ class RequestStats:
     def record_batch(self, requests: int) -> None:
         """One merged run answered ``requests`` requests (each also ``record``-ed)."""
         with self._lock:
+            self._batches += 1
+            self._batched += requests
+
+    def record_run(self, seconds: float, *, failed: bool = False, leased: bool = False
+                   ) -> None:
+        """One run of the model as a pipeline's step, of ``seconds`` (timed in its
+        thread), counted as a request of the model (see
+        :class:`wasinn.scheduler.pipeline.StepsAccount`): one that raised as failed, one
+        that returned as completed, its time in the window's latencies (as a request's
+        that neither queued nor waited to be delivered: the chain ran it at once) and in
+        ``running_seconds`` (a merged run's once, as the device counts it); ``leased``:
+        run in a lease holder's own thread."""
+        with self._lock:
+            if leased:
+                self._leased += 1
+            if failed:
+                self._counts[Outcome.FAILED] += 1
+                return
+            self._counts[Outcome.COMPLETED] += 1
+            self._latencies.append((seconds, 0.0, 0.0))
+            self._running += seconds
+
+    def record_merged_run(self, requests: int) -> None:
+        """The pipeline's run that :meth:`record_run` counted as one request was a merged
+        run that answered ``requests``: the others are counted as completed too (no
+        latency of their own: the run's is in), and the run as a batch."""
+        with self._lock:
+            self._counts[Outcome.COMPLETED] += max(requests - 1, 0)
             self._batches += 1
             self._batched += requests
 

@@ -15,22 +15,27 @@ The models a guest loads from its bytes are named after its tenant too (:func:`g
 
 from __future__ import annotations
 
+from wasinn._utf8 import LABEL_REASON, utf8_text
 from wasinn.errors import InvalidArgumentError
 
 
 def guest_tenant(tenant: object, program: str) -> str:
     """The tenant of ``program``'s requests: ``tenant``, or ``program`` when it is None.
 
-    Raises InvalidArgumentError unless ``tenant`` is a str or None.
+    Raises InvalidArgumentError unless ``tenant`` is a str or None, and unless the
+    tenant is valid UTF-8 (see :func:`wasinn._utf8.utf8_text`: a program file name
+    that is not UTF-8 is refused when no ``tenant`` is given).
     """
     if tenant is None:
-        return program
+        return utf8_text("the program name", program,
+                         f"UTF-8 text (it is the guest's tenant when none is given, and "
+                         f"{LABEL_REASON})")
     if not isinstance(tenant, str):
         raise InvalidArgumentError(
             f"tenant {tenant!r} ({type(tenant).__name__}): expected a str naming whom the "
             "guest's requests are for (the fair queue policy shares device time among "
             "tenants), or None for the guest's program name")
-    return tenant
+    return utf8_text("tenant", tenant)
 
 
 def graph_name(tenant: str, loaded: int) -> str:

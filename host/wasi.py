@@ -32,6 +32,7 @@ from pathlib import Path
 
 import wasmtime
 
+from wasinn._utf8 import utf8_text
 from wasinn.errors import InvalidArgumentError
 
 Dirs = Mapping[str, "str | os.PathLike[str]"]
@@ -61,11 +62,6 @@ def wasi_config(program: str, argv: Sequence[str] = (), dirs: Dirs | None = None
 
 def _utf8(what: str, text: str) -> str:
     """``text``, which WASI hands the guest as UTF-8; InvalidArgumentError if it has no
-    UTF-8 form (bytes that are not UTF-8, kept by Python as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgumentError(
-            f"{what} is not valid UTF-8 ({text!r}): expected UTF-8 text (WASI passes "
-            "arguments, environment and paths to the guest as UTF-8)") from None
-    return text
+    UTF-8 form (see :func:`wasinn._utf8.utf8_text`)."""
+    return utf8_text(what, text, "UTF-8 text (WASI passes arguments, environment and "
+                                 "paths to the guest as UTF-8)")

@@ -6,12 +6,15 @@ A job runs in an actor's worker thread, or in the caller's own thread under a le
 before its first run until it is over, so that an unload meanwhile closes it only after
 the job: :func:`hold` and :func:`let_go`. A chain feeds each step's native outputs to the
 next along its links, stops between steps once its job is cancelled, and prefixes a
-step's error with the pipeline's name and the step (:func:`step_label`).
+step's error with the pipeline's name and the step (:func:`step_label`). A request's
+chain (``counted``; not a warm-up's) times each step's run in its thread and counts it
+in the step model's figures (:meth:`~wasinn.actors.stats.RequestStats.record_run`).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 
 from wasinn.actors.lease import Lease
@@ -46,11 +49,12 @@ def run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool
 
 
 def run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
-              keep: bool, *, named: Named | None = None) -> dict[str, Tensor]:
+              keep: bool, *, named: Named | None = None, counted: bool = False
+              ) -> dict[str, Tensor]:
     # Runs in the actor's worker thread; the in-use counts defer an unload's close.
     held = hold(sessions)  # raises before any run if one was unloaded
     try:
-        return chain(links, held, inputs, keep, named=named)
+        return chain(links, held, inputs, keep, named=named, counted=counted)
     finally:
         let_go(sessions)
 
@@ -68,31 +72,40 @@ def step_label(named: Named | None, step: int) -> str | None:
 
 
 def chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inputs,
-          keep: bool, *, named: Named | None = None) -> dict[str, Tensor]:
+          keep: bool, *, named: Named | None = None, counted: bool = False,
+          leased: bool = False) -> dict[str, Tensor]:
     # Every step on this device, natives passed along. A cancelled job (abandoned, or its
     # device closing) stops between steps, whatever its backends can interrupt. A step's
-    # error is prefixed with its label (step_label).
+    # error is prefixed with its label (step_label). ``counted`` (a request's chain,
+    # ``named``): each step's run is counted in its model's figures (``leased``: in a
+    # lease holder's thread), but a run that raised as its job was cancelled
+    # (interrupted) is no failure of its model's.
     cancellation = current_cancellation()
     last = len(compiled) - 1
     current: dict[str, Tensor] = {}
+    models = named[1] if counted and named is not None else None
     for step, graph in enumerate(compiled):
         if step and cancellation is not None and cancellation.cancelled:
             raise BackendRuntimeError(
                 f"pipeline cancelled after step {step} of {len(compiled)}")
         fed = inputs if step == 0 else {inp: current[out] for out, inp in links[step - 1]}
+        start = time.perf_counter()
         try:
             current = graph.run(fed, keep_on_device=keep or step < last)  # type: ignore[arg-type]
-        except WasiNNError as exc:
+        except Exception as exc:  # (a WasiNNError, or the backend's library's own)
+            if models is not None and not (cancellation is not None
+                                           and cancellation.cancelled):
+                models[step].requests.record_run(time.perf_counter() - start, failed=True,
+                                                 leased=leased)
             label = step_label(named, step)
             if label is None:
                 raise
-            raise exc.prefixed(label) from exc
-        except Exception as exc:  # the backend's library's own, as backend_failure says
-            label = step_label(named, step)
-            if label is None:
-                raise
-            raise BackendRuntimeError(
+            if isinstance(exc, WasiNNError):
+                raise exc.prefixed(label) from exc
+            raise BackendRuntimeError(  # as backend_failure says it
                 f"{label}: the backend failed: {type(exc).__name__}: {exc}") from exc
+        if models is not None:
+            models[step].requests.record_run(time.perf_counter() - start, leased=leased)
     return current
 
 

@@ -155,7 +155,7 @@ class Requests:
         except ClosedResourceError:
             return None  # unloaded meanwhile: lease_chain says so
         job = functools.partial(chain, links, held, inputs, _keep(actor, keep_on_device),
-                                named=(name, models))
+                                named=(name, models), counted=True, leased=True)
         label = "" if timeout is None else f"run of pipeline {name!r}"  # (see above)
         return held_by(actor.try_lease(job, timeout=timeout, tenant=tenant,
                                        account=self.tenants.account(account, tenant),
@@ -217,14 +217,15 @@ class Requests:
         """Run ``models`` one after another on ONE ``target`` device, as one job, feeding
         each step's native outputs to the next along ``links``; the last step's outputs
         follow ``keep_on_device`` as in :meth:`run_model`. ``account``: the pipeline's
-        stats, where the request is counted too (and in its tenant's); ``batching``: the
+        stats, where the request is counted too (and in its tenant's; each step's run is
+        counted in its model's: see :func:`._jobs.chain`); ``batching``: the
         pipeline's, if any; ``batch_major``: whether its steps declare the outputs they
         pass on batch-major (see :func:`~.pipeline.check_chain_batchable`): if not, the
         first merged run of each input signature is checked against a run alone."""
         account = self.tenants.account(account, tenant)
         actor, sessions, reached = await self._chain_job(name, models, links, target, inputs,
                                                          deadline, account)
-        run = functools.partial(run_chain, sessions, links, named=(name, models))
+        run = functools.partial(run_chain, sessions, links, named=(name, models), counted=True)
         return await _execute(actor, chain_key(name, models, links), run,
                               _keep(actor, keep_on_device), batching, inputs,
                               priority=priority, deadline=deadline, tenant=tenant,
@@ -244,12 +245,14 @@ class Requests:
                                                          deadline, account)
         named = (name, models)
         return await _lease(actor, chain_key(name, models, links),
-                            functools.partial(run_chain, sessions, links, named=named),
+                            functools.partial(run_chain, sessions, links, named=named,
+                                              counted=True),
                             _keep(actor, keep_on_device), batching, inputs,
                             priority=priority, deadline=deadline, tenant=tenant,
                             label=f"run of pipeline {name!r}", account=account,
                             sessions=sessions,
-                            run_held=functools.partial(chain, links, named=named),
+                            run_held=functools.partial(chain, links, named=named,
+                                                       counted=True, leased=True),
                             reached=reached, batch_major=batch_major)
 
     async def _chain_job(self, name: str, models: Sequence[LoadedModel], links: Sequence[Link],

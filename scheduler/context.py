@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from wasinn._utf8 import utf8_text
 from wasinn.actors.slots import QUEUE_OWNER, QueueOwner
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
@@ -120,8 +121,9 @@ def check_request(priority: object, timeout: object, tenant: object) -> float | 
     """Check a request's terms as a caller gave them; its timeout in seconds (None:
     none). The one check of every compute, run and lease (from any thread):
     InvalidArgumentError unless ``priority`` is an int (not a bool), ``timeout`` None or
-    a real number >= 0 and ``tenant`` a str. A few type checks: it runs on every
-    request."""
+    a real number >= 0 and ``tenant`` a str of valid UTF-8 (not a lone surrogate, which a
+    Prometheus scrape could not write: see :mod:`wasinn._utf8`). A few type checks: it
+    runs on every request."""
     if type(priority) is not int and (isinstance(priority, bool)
                                       or not hasattr(priority, "__index__")):
         raise InvalidArgumentError(
@@ -131,6 +133,8 @@ def check_request(priority: object, timeout: object, tenant: object) -> float | 
         raise InvalidArgumentError(
             f"tenant {tenant!r} ({type(tenant).__name__}): expected a str naming who "
             "the request is for (the fair queue policy shares device time among tenants)")
+    if not tenant.isascii():  # (the check's own first step: saves its call per request)
+        utf8_text("tenant", tenant)
     return None if timeout is None else check_timeout(timeout)
 
 

@@ -89,8 +89,9 @@ class Graph:
         return self._executable.batching
 
     def stats(self) -> ModelStats:
-        """The model's (a pipeline's: the whole pipeline's) requests on every device since
-        it was loaded, by how they ended, with their latency percentiles, time queued and
+        """The model's (a pipeline's: the whole pipeline's; a pipeline step's: with the
+        runs pipelines made of it) requests on every device since it was loaded, by how
+        they ended, with their latency percentiles, time queued and
         time running apart (see :class:`wasinn.actors.ModelStats`). Every handle on the
         same loaded model (``load_by_name``) sees the same figures; readable after
         ``unload`` too. These are this load's alone: :meth:`Runtime.model_stats` adds up

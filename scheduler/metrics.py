@@ -41,11 +41,21 @@ are those of their windows together; so a scrape never has one label set twice. 
 series' counters never go down: a registry model released (by every handle, as each
 guest's is when it exits) and loaded again goes on from its counts, and a graph unloaded
 while its name's series lasts leaves its counts in it. The gauges are the figures now.
+A pipeline's step model also counts, as requests of its own, the runs the pipeline's
+requests make of it (as an inference server reports an ensemble's composing models: see
+:class:`wasinn.scheduler.pipeline.StepsAccount`), so the model series do not add up to
+the device's; the device and the tenant series count each request once.
 
 A scrape never fails for the runtime's lifetime: before the runtime starts there are no
 device series (models and tenants have none yet either), once it is closed the final
 figures are reported. Scrapes run in the HTTP server's thread; the figures are read
-under their own locks, or as snapshots the event loop cannot change halfway.
+under their own locks, or as snapshots the event loop cannot change halfway. The
+exposition is UTF-8, so a label value with no UTF-8 form (a lone surrogate: bytes that
+were not UTF-8, as in a file name) would fail the whole scrape: wasinn refuses such model
+names and tenants where they are given (``Runtime.load``, ``tenant=``), and should one
+come by another way its series are left out of every scrape (a warning, once per name).
+They are not written escaped instead (``backslashreplace``): the escaped text may be
+another name's, and two identical series make Prometheus reject the scrape whole.
 
 ``prometheus-client`` is an optional dependency (``pip install wasinn[metrics]``);
 ``import wasinn`` does not import it, importing this module does (ImportError naming
@@ -55,6 +65,7 @@ the extra when it is missing).
 from __future__ import annotations
 
 import errno
+import logging
 import re
 import socket
 import threading
@@ -74,6 +85,7 @@ except ImportError as exc:  # pragma: no cover - exercised with the module hidde
         f"wasinn.scheduler.metrics needs prometheus-client (>= 0.20), which could not be "
         f"imported ({exc}): install it with `pip install wasinn[metrics]`") from exc
 
+from wasinn._utf8 import has_utf8
 from wasinn.actors.stats import (
     DeviceStats,
     ModelStats,
@@ -84,6 +96,8 @@ from wasinn.actors.stats import (
 from wasinn.errors import ClosedResourceError
 
 __all__ = ["MetricsServer", "RuntimeCollector", "RuntimeFigures", "register_metrics"]
+
+log = logging.getLogger("wasinn.scheduler")
 
 _PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 #: (the ``quantile`` label, the RequestFigures field's suffix)
@@ -148,15 +162,20 @@ class RuntimeCollector(Collector):
                 f"letter, '_' or ':', then letters, digits, '_' or ':'")
         self.runtime = runtime
         self.prefix = prefix
+        self._unwritable = _Unwritable()
 
     def collect(self) -> Iterator[Metric]:
-        """The families, with the runtime's figures now."""
+        """The families, with the runtime's figures now (less the series of a name with
+        no UTF-8 form: see the module docstring)."""
         try:
             devices = self.runtime.stats()
         except ClosedResourceError:  # not started yet: no device actors to read
             devices = []
-        yield from self._families(devices, self.runtime.model_stats(),
-                                  self.runtime.tenant_stats())
+        keep = self._unwritable.keep
+        yield from self._families([s for s in devices if keep("device", s.device)],
+                                  [s for s in self.runtime.model_stats() if keep("model", s.name)],
+                                  [s for s in self.runtime.tenant_stats()
+                                   if keep("tenant", s.name)])
 
     def describe(self) -> Iterator[Metric]:
         """The families without samples: their names, for the registry to check for
@@ -183,6 +202,37 @@ class RuntimeCollector(Collector):
         for tenant in tenants:
             weight.add_metric([tenant.name], tenant.weight)
         yield weight
+
+
+class _Unwritable:
+    """Which label values a scrape leaves out, as they have no UTF-8 form, and the
+    warning for each (once per scope and value; the first :data:`_MAX_WARNED`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._warned: set[tuple[str, str]] = set()
+
+    def keep(self, scope: str, value: str) -> bool:
+        """Whether the series of ``scope`` (device, model, tenant) ``value`` can be
+        written (one C call for an ASCII value: every series' is checked)."""
+        if has_utf8(value):
+            return True
+        self._warn(scope, value)
+        return False
+
+    def _warn(self, scope: str, value: str) -> None:
+        with self._lock:
+            if (scope, value) in self._warned or len(self._warned) >= _MAX_WARNED:
+                return
+            self._warned.add((scope, value))
+        log.warning("metrics: %s %s is left out of every scrape: it is not valid UTF-8 "
+                    "(a lone surrogate, as bytes that are not UTF-8 become), which the "
+                    "exposition cannot carry; its figures are in the runtime's stats",
+                    scope, ascii(value))
+
+
+#: The most names an exporter warns of (a warning each); the others are left out quietly.
+_MAX_WARNED = 64
 
 
 def register_metrics(runtime: RuntimeFigures, registry: CollectorRegistry | None = None, *,

@@ -27,6 +27,11 @@ passes on (the last step's: all of them), fix their first dimension or are scala
 Loading (``Runtime.load_by_name``) holds each step model as soon as the registry hands it
 over and checks the wiring before compiling the steps on the pipeline's device; a load
 that fails or is cancelled lets the steps go again, freeing those nobody else holds.
+
+Figures: a request is counted in the pipeline's figures (end to end) and, as an inference
+server counts an ensemble's composing models, in each step model's
+(:class:`StepsAccount`), so that ``Runtime.model_stats`` and a Prometheus scrape show the
+steps at work; its device and its tenant count it once.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import trio
 
 from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.lease import Lease
-from wasinn.actors.stats import RequestStats
+from wasinn.actors.stats import Outcome, RequestStats
 from wasinn.backends.base import TensorSpec
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
@@ -184,11 +189,43 @@ def check_chain_batchable(name: str, steps: Sequence[LoadedModel],
     return declared
 
 
+class StepsAccount:
+    """Where a pipeline's requests are counted (an :class:`~wasinn.actors.stats.Account`):
+    in ``pipeline``, the pipeline's figures, end to end; and, as an inference server
+    counts an ensemble's composing models, each step's run as a request of the step's
+    model, in ``steps`` (its step models' figures; a model that is two of its steps
+    counts both runs). The chain's job counts those runs as it makes them
+    (:meth:`~wasinn.actors.stats.RequestStats.record_run`): a run that returned as
+    completed, its latency that run's (none queued: the pipeline's request did) and its
+    time in ``running_seconds`` (the device's time, a merged run's once); a run that
+    raised as failed (a merged run's too, before its requests run one by one). A merged
+    run counts as the requests it answered (this account's :meth:`record_batch`). A step
+    its pipeline's request never reached (rejected, timed out or cancelled before it,
+    or after an earlier step failed) counts nothing; the device and the tenant count the
+    request once."""
+
+    __slots__ = ("pipeline", "steps")
+
+    def __init__(self, pipeline: RequestStats, steps: Sequence[RequestStats]) -> None:
+        self.pipeline = pipeline
+        self.steps = tuple(steps)
+
+    def record(self, outcome: Outcome, seconds: float, *, queued: float = 0.0,
+               delivering: float = 0.0, leased: bool = False, share: float = 1.0) -> None:
+        self.pipeline.record(outcome, seconds, queued=queued, delivering=delivering,
+                             leased=leased, share=share)
+
+    def record_batch(self, requests: int) -> None:
+        self.pipeline.record_batch(requests)
+        for step in self.steps:
+            step.record_merged_run(requests)
+
+
 class PipelineModel:
     """The executable behind a :class:`Pipeline`: step models plus their wiring."""
 
-    __slots__ = ("batch_major", "batching", "in_flight", "input_aliases", "inputs", "links",
-                 "name", "output_aliases", "outputs", "refs", "released",
+    __slots__ = ("account", "batch_major", "batching", "in_flight", "input_aliases", "inputs",
+                 "links", "name", "output_aliases", "outputs", "refs", "released",
                  "requests", "scheduler", "steps")
 
     def __init__(self, name: str, steps: Sequence[LoadedModel], links: Sequence[Link],
@@ -207,9 +244,10 @@ class PipelineModel:
         self.scheduler = scheduler
         self.refs = 0
         self.released = False
-        #: The pipeline's requests (each runs every step as one job; the steps' own
-        #: stats count only requests made to them directly).
+        #: The pipeline's requests (each runs every step as one job).
         self.requests = RequestStats()
+        #: Where they are counted: there, and in each step model's (see StepsAccount).
+        self.account = StepsAccount(self.requests, [step.requests for step in self.steps])
         #: How its requests are merged on a device (None: never), whatever its steps'.
         self.batching = batching
         self.in_flight = RunsInFlight()
@@ -251,7 +289,7 @@ class PipelineModel:
         return await self.scheduler.run_chain(self.name, self.steps, self.links, target,
                                               inputs, priority=priority, deadline=deadline,
                                               tenant=tenant, keep_on_device=keep_on_device,
-                                              account=self.requests, batching=self.batching,
+                                              account=self.account, batching=self.batching,
                                               batch_major=self.batch_major)
 
     async def lease(self, target: ExecutionTarget, inputs: Inputs, *, priority: int,
@@ -260,7 +298,7 @@ class PipelineModel:
         lease = await self.scheduler.lease_chain(
             self.name, self.steps, self.links, target, inputs, priority=priority,
             deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
-            account=self.requests, batching=self.batching, batch_major=self.batch_major)
+            account=self.account, batching=self.batching, batch_major=self.batch_major)
         self.in_flight.lent(lease)
         return lease
 
@@ -276,7 +314,7 @@ class PipelineModel:
         lease = self.scheduler.try_lease_chain(self.name, self.steps, self.links, target,
                                                inputs, timeout=timeout, tenant=tenant,
                                                keep_on_device=keep_on_device,
-                                               account=self.requests, batching=self.batching)
+                                               account=self.account, batching=self.batching)
         if lease is not None:
             self.in_flight.lent(lease)
         return lease

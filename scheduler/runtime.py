@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
+from wasinn._utf8 import utf8_text
 from wasinn.actors.batching import Batching
 from wasinn.actors.device import DeviceActor
 from wasinn.actors.stats import DeviceStats, ModelStats, TenantStats
@@ -310,7 +311,8 @@ class Runtime(ModelLoading):
         have requests waiting too, a tenant of weight 2 gets twice the device time of one
         of weight 1. The device time it has had so far is not made up for. Raises
         InvalidArgumentError unless ``weight`` is a finite number > 0 (also a ValueError)
-        and unless ``tenant`` is a str (also a TypeError); pools of another policy ignore
+        and unless ``tenant`` is a str (also a TypeError) of valid UTF-8 (as a request's
+        tenant must be: not a lone surrogate); pools of another policy ignore
         weights. From any thread, before the runtime starts too."""
         self._tenants.set_weight(tenant, weight)
 
@@ -374,7 +376,8 @@ class Runtime(ModelLoading):
         ``precision`` (one of ``wasinn.configs.PRECISIONS``), ``threads``, and backend
         options (as keys, or under ``extra``). The graph keeps its compiled sessions until
         :meth:`Graph.unload` (or the runtime closes). Raises InvalidEncodingError (bytes
-        no backend reads, an empty builder list), InvalidArgumentError (unknown
+        no backend reads, an empty builder list), InvalidArgumentError (a ``name`` that is
+        not valid UTF-8, unknown
         encoding/target/backend names, bad options, batching for a model whose first
         dimension is fixed or whose declared shapes show an output without the inputs'
         batch dimension first: see :func:`wasinn.actors.batching.check_batchable`),
@@ -389,6 +392,7 @@ class Runtime(ModelLoading):
             raise InvalidArgumentError(
                 f"name {name!r:.60} ({type(name).__name__}): expected a str naming the model "
                 "in stats, logs and errors")
+        utf8_text("name", name)
         load_options = checked_options(options)
         check_backend_options(load_options, backend, lambda: self._backend_names)
         try:

@@ -279,7 +279,7 @@ async def test_each_model_counts_its_own_requests_on_every_path() -> None:
     assert (device.completed, device.failed, device.in_caller_thread) == (8, 1, 2)
 
 
-async def test_a_pipeline_counts_its_requests_not_its_steps_or_warm_ups(
+async def test_a_pipeline_counts_its_requests_in_its_steps_too_not_warm_ups(
         tmp_path: Path, small_mobilenet: ModelFiles) -> None:
     require_backend("onnxruntime")
     config = example_config("pipeline.toml", tmp_path, small_mobilenet)
@@ -293,7 +293,15 @@ async def test_a_pipeline_counts_its_requests_not_its_steps_or_warm_ups(
         await mobilenet.compute({"input": sample_image(0)})
         by_name = {s.name: s for s in rt.model_stats()}
         assert classify.stats() == by_name["classify"]
+        assert mobilenet.stats() == by_name["mobilenet"]  # a handle sees its step runs too
+        (device,) = rt.stats()
     assert list(by_name) == ["scale", "mobilenet", "classify"]  # the registry's order
     assert by_name["classify"].completed == 3
-    assert by_name["mobilenet"].completed == 1  # asked for directly; the steps ran as one job
-    assert by_name["scale"].finished == 0
+    # As an inference server counts an ensemble's composing models: each step counts the
+    # pipeline's requests (mobilenet: and the one asked of it directly), each with its
+    # run's time; the device counted each request once.
+    assert (by_name["scale"].completed, by_name["scale"].finished) == (3, 3)
+    assert (by_name["mobilenet"].completed, by_name["mobilenet"].finished) == (4, 4)
+    assert (by_name["scale"].latency_window, by_name["mobilenet"].latency_window) == (3, 4)
+    assert by_name["scale"].running_seconds > 0 and by_name["scale"].queued_p99 == 0.0
+    assert (device.completed, device.finished) == (4, 4)

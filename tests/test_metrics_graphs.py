@@ -6,6 +6,7 @@ running guest after guest, each releasing the model as it exits)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import weakref
@@ -20,10 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import wasinn
 from tests.guest_support import WAT_DIR
+from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
 from tests.support import affine_pipeline_config, cpu_pool, require_backend
+from tests.test_batching import device_busy
+from tests.test_pipeline_edges import gather_onnx, three_steps
 from wasinn import InvalidArgumentError
 from wasinn.actors.stats import Outcome, RequestStats
 from wasinn.backends.base import LoadOptions
+from wasinn.configs.loader import parse_config
 from wasinn.enums import GraphEncoding
 from wasinn.modelgen import affine_onnx
 from wasinn.scheduler.metrics import register_metrics
@@ -194,10 +199,91 @@ async def test_a_registry_pipeline_loaded_again_goes_on_from_its_counts(
             out = await pipeline.compute({"x": X})
             assert out["y"].numpy().tolist() == [[9.0] * 4]  # 3 * (2x + 1)
             await pipeline.unload()  # the pipeline and its steps released
-            assert scraped(registry)["p"] == round_
+            # (its steps count its requests too, and go on from their counts as it does)
+            assert [scraped(registry)[name] for name in ("p", "a", "b")] == [round_] * 3
         assert rt.name_registry.loads["p"] == 3
         by_name = {s.name: s for s in rt.model_stats()}
-        assert (by_name["p"].completed, by_name["a"].completed) == (3, 0)  # (steps: one job)
+        assert (by_name["p"].completed, by_name["a"].completed) == (3, 3)
+
+
+async def test_a_pipelines_steps_count_the_runs_its_requests_made_of_them(
+        tmp_path: Path) -> None:
+    # As an inference server reports an ensemble's composing models (Triton): each step
+    # model counts its runs for the pipeline as its own requests, each with that run's
+    # time; the pipeline has its requests end to end, and the device and the tenant
+    # count each request once.
+    require_backend("onnxruntime")
+    async with wasinn.Runtime(three_steps(tmp_path, gather_onnx())) as rt:
+        registry = registry_of(rt)
+        pipeline = await rt.load_by_name("p")  # a (2x + 1), m (table[x]), c (3x)
+        for _ in range(3):
+            await pipeline.compute({"x": X}, tenant="t")
+        by_name = {s.name: s for s in rt.model_stats()}
+        (device,) = rt.stats()
+        # The steps' device time is within the pipeline's, which is the device's.
+        assert by_name["p"].running_seconds == device.running_seconds
+        assert 0 < sum(by_name[step].running_seconds for step in "amc") <= (
+            device.running_seconds)
+        with pytest.raises(wasinn.BackendRuntimeError, match=r"^pipeline 'p' step 1 "):
+            await pipeline.compute({"x": 5 * X}, tenant="t")  # m: 11 is past its table
+        ctx = pipeline.init_execution_context()
+        await trio.to_thread.run_sync(
+            lambda: ctx.compute_in_caller_thread({"x": X}, tenant="t"))
+        by_name = {s.name: s for s in rt.model_stats()}
+        (device,) = rt.stats()
+        (tenant,) = rt.tenant_stats()
+        assert {name: scraped(registry)[name] for name in "pamc"} == {
+            "p": 4, "a": 5, "m": 4, "c": 4}
+    counts = {name: (s.completed, s.failed, s.in_caller_thread, s.latency_window)
+              for name, s in by_name.items()}
+    assert counts == {"a": (5, 0, 1, 5),  # its run for the failed request returned
+                      "m": (4, 1, 1, 4),  # the run that failed
+                      "c": (4, 0, 1, 4),  # never reached by the failed request
+                      "p": (4, 1, 1, 4)}
+    assert (device.completed, device.failed) == (tenant.completed, tenant.failed) == (4, 1)
+    # A step's latency is its run's: the pipeline's request did the queueing.
+    assert by_name["a"].queued_p99 == by_name["a"].delivering_p99 == 0.0
+    assert by_name["a"].latency_p99 == by_name["a"].running_p99
+
+
+async def test_a_step_run_stopped_as_its_request_timed_out_is_no_failure_of_its_model(
+        tmp_path: Path) -> None:
+    # The pipeline's request timed out; its step's run, interrupted for it, raised: that
+    # is not the model failing.
+    require_backend("onnxruntime")
+    (tmp_path / "loop.onnx").write_bytes(loop_onnx())
+    config = parse_config({
+        "pools": {"cpu": {"kind": "cpu", "devices": ["cpu"], "workers": 1}},
+        "models": {"loop": {"files": ["loop.onnx"]}},
+        "pipelines": {"p": {"steps": [{"model": "loop"}]}}}, tmp_path / "wasinn.toml")
+    async with wasinn.Runtime(config) as rt:
+        pipeline = await rt.load_by_name("p")
+        with pytest.raises(wasinn.TimeoutError_):
+            await pipeline.compute(loop_inputs(HUGE_LOOP), timeout=0.2)
+        with trio.fail_after(GUARD_S):  # (runs once the interrupted run has ended)
+            await pipeline.compute(loop_inputs(3))
+        by_name = {s.name: s for s in rt.model_stats()}
+    assert (by_name["p"].completed, by_name["p"].timed_out) == (1, 1)
+    assert (by_name["loop"].completed, by_name["loop"].finished) == (1, 1)
+
+
+async def test_a_merged_run_of_a_batching_pipeline_counts_its_requests_in_each_step(
+        tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    config = three_steps(tmp_path, affine_onnx(1.0, 0.0), batching={"max_batch": 4})
+    async with wasinn.Runtime(config) as rt:
+        (actor,) = rt.actors
+        pipeline = await rt.load_by_name("p")
+        async with device_busy(actor) as nursery:  # the three queue, then run as one
+            for _ in range(3):
+                nursery.start_soon(functools.partial(pipeline.compute, {"x": X}))
+        by_name = {s.name: s for s in rt.model_stats()}
+    for name in "pamc":
+        stats = by_name[name]
+        assert (stats.completed, stats.batches, stats.batched) == (3, 1, 3), name
+    # The merged run's time is counted once in each step (one run: one latency), as
+    # the device counts it.
+    assert [by_name[name].latency_window for name in "amc"] == [1, 1, 1]
 
 
 async def test_guest_after_guest_counts_all_their_requests(tmp_path: Path) -> None:
