@@ -54,7 +54,8 @@ the module's forward, with the calls it makes inlined, gets a ``stop`` flag (a b
 of the run's own, set from the cancelling thread) as an extra input and a check of it
 (``if bool(stop): raise``) at the start of every loop iteration, read in C++ without the
 GIL (a loop that ``torch.jit.freeze`` unrolls included: at each unrolled iteration); a
-cancelled loop of large matrix products stops within the product that was running. A forward without loops runs as loaded: its run is as long as its code. Checks
+cancelled loop of large matrix products stops within the product that was running. A
+forward without loops runs as loaded: its run is as long as its code. Checks
 between straight-line operators were measured and dropped: one before every operator
 cost +10 % on MobileNetV2 here, one before every 8th +3 % (each check splits the graph
 that TorchScript's executor optimizes), against nothing for loop checks. What the loop
