@@ -12,7 +12,8 @@ A lost device: some CUDA errors (a device-side assert, an illegal memory access:
 and every later call on that GPU fails the same way until the process restarts. A
 malformed input can cause one (an out-of-range index in a gather). A job that raises
 one (in the library's own words, and, where the CUDA driver can be asked, confirmed by
-synchronizing the context in the job's thread) raises
+synchronizing that device's primary context, whatever context the job's thread has
+current) raises
 :class:`~wasinn.errors.DeviceLostError` instead, which says so plainly,
 and the context records the loss once (:attr:`DeviceContext.lost`) and tells its
 ``on_lost`` callback, from the thread that ran the job.
@@ -95,14 +96,22 @@ class CudaContext(DeviceContext):
         return watched
 
     def fatal(self, exc: BaseException) -> bool:
-        return sticky_error(exc) is not None
+        return self._lost_by(exc) is not None
+
+    def _lost_by(self, exc: BaseException) -> str | None:
+        # What lost the device in ``exc`` (see sticky_error), unless the driver, asked,
+        # finds the device's context fine (its answer is None where it cannot be asked).
+        cause = sticky_error(exc)
+        if cause is None or context_failure(self.device.index) == 0:
+            return None
+        return cause
 
     def loss(self, exc: BaseException) -> DeviceLostError | None:
         """The DeviceLostError for a job's exception ``exc`` if it lost the device (the
         first loss is recorded and told to ``on_lost``); None when the device is fine."""
-        cause = sticky_error(exc)
-        if cause is None or context_failure() == 0:
-            return None  # (the driver, where it can be asked, says the context is fine)
+        cause = self._lost_by(exc)
+        if cause is None:
+            return None
         said = str(exc).strip()
         first_line = said.splitlines()[0] if said else ""
         error = DeviceLostError(

@@ -61,7 +61,7 @@ from wasinn.backends.base import (
     mark_sandbox_process,
     running_under,
 )
-from wasinn.backends.cuda import sticky_error
+from wasinn.backends.cuda import context_failure, sticky_error
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor
@@ -268,13 +268,15 @@ def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | N
     only logs that) are an error here, so that the host, which checks them too, does not
     take this process for a compromised one. On a GPU, an error that lost this process's
     CUDA context, as the library's own exception says (never a message's words, which
-    may be the model's), says so (``"lost_context": true``): the host then retires this
-    process, whose every later run would fail the same way."""
+    may be the model's) and, where the CUDA driver can be asked, that device's context
+    confirms (as in the host: :meth:`wasinn.actors.devicectx.CudaContext.loss`), says so
+    (``"lost_context": true``): the host then retires this process, whose every later
+    run would fail the same way."""
     try:
         result = graph.run(inputs, outputs=outputs)
     except Exception as exc:
         error = _error(exc, bound)
-        if graph.device.kind is not ExecutionTarget.CPU and sticky_error(exc) is not None:
+        if _lost_context(graph.device, exc):
             error["lost_context"] = True
         return error, {}
     problem = declared.problem(result, outputs)
@@ -282,6 +284,14 @@ def _run(graph: CompiledGraph, inputs: dict[str, Tensor], outputs: list[str] | N
         return {"error": ["BackendRuntimeError", f"{declared.backend}: the run's outputs are "
                           f"not those the model declares: {problem}"]}, {}
     return {"ok": True}, result
+
+
+def _lost_context(device: Device, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a run on ``device``, lost this process's CUDA context:
+    one of the sticky CUDA errors in the library's own words, unless the driver, asked,
+    finds the device's context fine (where it cannot be asked, the words decide)."""
+    return (device.kind is not ExecutionTarget.CPU and sticky_error(exc) is not None
+            and context_failure(device.index) != 0)
 
 
 def _serve(conn: Connection, arena: Arena, graph: CompiledGraph, current: _Current,

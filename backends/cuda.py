@@ -109,11 +109,19 @@ STICKY_ERRORS: Final[dict[int, tuple[str, str]]] = {
 
 #: How the libraries word one of them in their own exceptions: torch's c10 CUDA check
 #: opens its message with "CUDA error: device-side assert triggered"; ONNX Runtime's
-#: CudaCall writes "CUDA failure 710: device-side assert triggered ; GPU=0 ; ..." after
-#: the failing node's name and the throwing function's signature (the code must agree
-#: with the text).
+#: CudaCall writes "CUDA failure 710: device-side assert triggered ; GPU=0 ; ..." (the
+#: code must agree with the text), which opens the run's status (after the Python
+#: binding's "[ONNXRuntimeError] : 1 : FAIL : ") or, for a node's failure, the part after
+#: the failing node's name ("... Name:'n' Status Message: ..."), behind the location of
+#: the throw where CudaCall threw ("/src/.../cuda_call.cc:129 <its signature> CUDA
+#: failure ..."). Only the first library failure there counts: the node's name, and any
+#: name a status message quotes further on, are the model's.
 _TORCH_WORDS = re.compile(r"^\s*CUDA error: (?P<said>[^\n]+?)\s*(?:\n|$)")
-_ORT_WORDS = re.compile(r"CUDA failure (?P<code>\d+): (?P<said>[^;\n]+?) ; GPU=")
+_ORT_PREFIX = re.compile(r"^\s*\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_ORT_STATUS = "Status Message:"
+_ORT_WORDS = re.compile(
+    r"\s*(?:\S*cuda_call\.cc:\d+ [^\n]*?)?"  # where CudaCall threw, if it did
+    r"(?P<library>[A-Z][A-Z_]*) failure (?P<code>-?\d+): (?P<said>[^;\n]+?) ; GPU=")
 
 
 def sticky_error(exc: BaseException) -> str | None:
@@ -150,7 +158,8 @@ def _in_library_words(error: BaseException) -> str | None:
         for code, (_, description) in STICKY_ERRORS.items():
             if torch_words["said"] == description:
                 return _describe(code)
-    for ort_words in _ORT_WORDS.finditer(text):
+    ort_words = _ORT_WORDS.match(_ort_status(text))
+    if ort_words is not None and ort_words["library"] == "CUDA":
         code = int(ort_words["code"])
         known = STICKY_ERRORS.get(code)
         if known is not None and known[1] == ort_words["said"]:
@@ -158,26 +167,81 @@ def _in_library_words(error: BaseException) -> str | None:
     return None
 
 
-def context_failure(driver: Any = None) -> int | None:
-    """What the CUDA context current in this thread says when synchronized: 0 when it is
-    fine, the CUDA error code when it is not (a code in :data:`STICKY_ERRORS` when it is
-    lost), None when it cannot be asked (no driver library, no context current here).
-    Asks ``driver`` (a loaded driver library) or this host's. Never raises.
+def _ort_status(text: str) -> str:
+    # ONNX Runtime's own status text in an exception's ``text``: after the last "Status
+    # Message:" (ONNX Runtime's follows the node's name, which may hold the words too),
+    # else after the Python binding's prefix.
+    _, found, after = text.rpartition(_ORT_STATUS)
+    if found:
+        return after
+    prefix = _ORT_PREFIX.match(text)
+    return text if prefix is None else text[prefix.end():]
 
-    The thread that ran a job on a GPU has that GPU's context current (torch and ONNX
-    Runtime both make the primary context current), so this tells a lost context from
-    an exception that only reads like one."""
+
+def context_failure(index: int, driver: Any = None) -> int | None:
+    """What the primary CUDA context of device ``index`` (the one torch and ONNX Runtime
+    run on) says when synchronized: 0 when it is fine, the CUDA error code when it is not
+    (a code in :data:`STICKY_ERRORS` when it is lost), None when it cannot be asked (no
+    driver library or one not initialized, no such device, no context on it yet). Asks
+    ``driver`` (a loaded driver library) or this host's. Never raises.
+
+    This tells a lost context from an exception that only reads like one. It asks that
+    device's context whatever the calling thread has current (the thread that ran a job
+    on ``gpu:1`` may have ``gpu:0``'s current again: leaving ``torch.cuda.device`` makes
+    the previous device current), and leaves the thread as it found it: the context is
+    retained (``cuDevicePrimaryCtxRetain``), pushed (``cuCtxPushCurrent``), synchronized,
+    popped and released. A device whose primary context is not active is not asked:
+    retaining it would create one. Each call may report an earlier asynchronous error;
+    one of the :data:`STICKY_ERRORS` is the answer, any other one that it cannot be
+    asked. Meant for failures (it waits for the device's queued work)."""
     try:
         if driver is None:
             driver = _driver()
             if driver is None:
                 return None
-        context = ctypes.c_void_p(None)
-        if driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_SUCCESS or not context.value:
+        device = ctypes.c_int(0)
+        if driver.cuDeviceGet(ctypes.byref(device), int(index)) != _CUDA_SUCCESS:
             return None
-        return int(driver.cuCtxSynchronize())
-    except Exception:  # a library without those symbols
+        flags, active = ctypes.c_uint(0), ctypes.c_int(0)
+        failed = int(driver.cuDevicePrimaryCtxGetState(
+            device, ctypes.byref(flags), ctypes.byref(active)))
+        if failed != _CUDA_SUCCESS or not active.value:
+            return _sticky_or_none(failed)
+        push = _versioned(driver, "cuCtxPushCurrent")
+        pop = _versioned(driver, "cuCtxPopCurrent")
+        release = _versioned(driver, "cuDevicePrimaryCtxRelease")
+        context = ctypes.c_void_p(None)
+        failed = int(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+        if failed != _CUDA_SUCCESS:
+            return _sticky_or_none(failed)
+    except Exception:  # not a driver library, or one without those calls
         return None
+    try:
+        failed = int(push(context))
+        if failed != _CUDA_SUCCESS:
+            return _sticky_or_none(failed)
+        try:
+            return int(driver.cuCtxSynchronize())
+        finally:
+            with contextlib.suppress(Exception):
+                pop(ctypes.byref(ctypes.c_void_p(None)))
+    except Exception:  # (a foreign library's call misbehaving)
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            release(device)
+
+
+def _sticky_or_none(code: int) -> int | None:
+    # A failed driver call's answer for context_failure: the code if it is the sticky
+    # error of an earlier launch, else None (the context cannot be asked).
+    return code if code in STICKY_ERRORS else None
+
+
+def _versioned(driver: Any, name: str) -> Any:
+    # The driver's call ``name`` as cuda.h binds it (``name_v2`` where there is one).
+    call = getattr(driver, f"{name}_v2", None)
+    return call if call is not None else getattr(driver, name)
 
 
 def retain_primary_context(index: int, driver: Any = None) -> Callable[[], None]:
@@ -200,9 +264,7 @@ def retain_primary_context(index: int, driver: Any = None) -> Callable[[], None]
         failed = int(driver.cuDeviceGet(ctypes.byref(device), int(index)))
         if failed == _CUDA_SUCCESS:
             failed = int(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
-        release = getattr(driver, "cuDevicePrimaryCtxRelease_v2", None)
-        if release is None:
-            release = driver.cuDevicePrimaryCtxRelease
+        release = _versioned(driver, "cuDevicePrimaryCtxRelease")
     except AttributeError as exc:  # not a driver library, or one without those calls
         raise UnsupportedOperationError(
             f"gpu:{index}: the CUDA driver library lacks a call it needs ({exc})") from exc

@@ -11,6 +11,7 @@ keep failing, as a real lost GPU's do. The test with a real device-side assert i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import trio
 
 import wasinn
 from tests.fake_backend import CUDA_ASSERT_MESSAGE, DEVICE_ASSERT, FakeBackend
+from tests.support import require_backend
 from tests.test_scheduler_routing import fake_config
 from wasinn import (
     BackendRuntimeError,
@@ -34,17 +36,24 @@ from wasinn import (
     UnsupportedOperationError,
 )
 from wasinn.actors import devicectx
-from wasinn.backends.cuda import STICKY_ERRORS, retain_primary_context, sticky_error
+from wasinn.backends import cuda
+from wasinn.backends.cuda import (
+    STICKY_ERRORS,
+    context_failure,
+    retain_primary_context,
+    sticky_error,
+)
 from wasinn.backends.sandbox import load_sandboxed
 
 RECIPE = [b"fake:add=1"]
 
 #: ONNX Runtime's CUDA provider's message for the same error (CudaCall in cuda_call.cc),
 #: as onnxruntime's Python binding raises it.
-ORT_ASSERT_MESSAGE = (
-    "[ONNXRuntimeError] : 1 : FAIL : CUDA failure 710: device-side assert triggered ; "
-    "GPU=0 ; hostname=host ; file=cuda_execution_provider.cc ; line=453 ; "
+ORT_ASSERT_STATUS = (
+    "CUDA failure 710: device-side assert triggered ; GPU=0 ; hostname=host ; "
+    "file=cuda_execution_provider.cc ; line=453 ; "
     "expr=cudaStreamSynchronize(static_cast<cudaStream_t>(stream)); ")
+ORT_ASSERT_MESSAGE = f"[ONNXRuntimeError] : 1 : FAIL : {ORT_ASSERT_STATUS}"
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +62,7 @@ def _driver_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
     CUDA driver is loaded it would have the last word and find this process's context
     fine, so every test starts with a driver that cannot tell (as on a machine without
     one); a test that asks the driver patches it itself."""
-    monkeypatch.setattr(devicectx, "context_failure", lambda: None)
+    monkeypatch.setattr(devicectx, "context_failure", lambda index: None)
 
 
 def x(value: float) -> np.ndarray[Any, Any]:
@@ -103,26 +112,23 @@ def test_text_that_only_quotes_a_sticky_error_does_not_lose_a_gpu(error: Excepti
 
 
 def test_the_driver_has_the_last_word_where_it_can_be_asked() -> None:
-    from wasinn.backends.cuda import context_failure
-
-    class Driver:  # stands for libcuda: a context current in this thread, in a state
-        def __init__(self, current: int, state: int) -> None:
-            self.current, self.state = current, state
-
-        def cuCtxGetCurrent(self, out: Any) -> int:
-            out._obj.value = self.current
-            return 0
-
-        def cuCtxSynchronize(self) -> int:
-            return self.state
-
-    assert context_failure(Driver(0x1000, 710)) == 710  # lost
-    assert context_failure(Driver(0x1000, 0)) == 0  # fine: the text misled
-    assert context_failure(Driver(0, 0)) is None  # no context here: cannot tell
-    assert context_failure(object()) is None  # not a driver library
+    driver = _PrimaryContexts()
+    driver.open(0)
+    assert context_failure(0, driver) == 0  # fine: the text misled
+    driver.lost[driver.context(0)] = 710
+    assert context_failure(0, driver) == 710  # lost
+    assert context_failure(1, driver) is None  # no context there yet: cannot tell
+    assert 11 not in driver.retained  # (and none was made to ask)
+    assert context_failure(2, driver) is None  # no such device
+    assert context_failure(0, object()) is None  # not a driver library
+    driver.pushing = 710  # an earlier launch's sticky error, reported by the push
+    assert context_failure(0, driver) == 710
+    driver.pushing = 201  # any other failure to push: cannot tell
+    assert context_failure(0, driver) is None
+    assert driver.retained == {10: 1} and driver.stack() == []  # left as it was found
     context = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:0"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(devicectx, "context_failure", lambda: 0)
+        patch.setattr(devicectx, "context_failure", lambda index: 0)
 
         def fails() -> None:
             raise RuntimeError(CUDA_ASSERT_MESSAGE)
@@ -130,9 +136,137 @@ def test_the_driver_has_the_last_word_where_it_can_be_asked() -> None:
         with pytest.raises(RuntimeError, match="device-side assert"):
             context.wrap(fails)()  # raised as it is: the device is fine
         assert context.lost is None
-        patch.setattr(devicectx, "context_failure", lambda: 710)
+        patch.setattr(devicectx, "context_failure", lambda index: 710)
         with pytest.raises(DeviceLostError):
             context.wrap(fails)()
+
+
+def _in_a_new_thread(call: Any) -> BaseException | None:
+    # What ``call`` raised in a thread of its own (a worker's: its device is 0).
+    raised: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            raised[0] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return raised[0]
+
+
+def test_a_lost_gpu_other_than_gpu_0_is_found_whatever_the_job_thread_has_current(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the driver was asked about the context current in the job's thread, which
+    # leaving torch.cuda.device(1) had made gpu:0's again: a device-side assert on gpu:1
+    # came out as the library's error, and gpu:1 stayed in service.
+    require_backend("torch")
+    import torch
+
+    driver = _PrimaryContexts()
+    driver.open(0)  # both actors have opened their device
+    driver.open(1)
+    monkeypatch.setattr(cuda, "_driver", lambda: driver)
+    monkeypatch.setattr(devicectx, "context_failure", context_failure)
+
+    class CudaDevice:  # torch.cuda.device: selects its device, then the previous again
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            self.previous = driver.device()
+            driver.select(self.index)
+
+        def __exit__(self, *exc: object) -> None:
+            driver.select(self.previous)
+
+    class Stream:
+        def synchronize(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "device", CudaDevice)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    def kernel_assert() -> None:
+        driver.hit_assert()  # on the context current in the job: its device's
+        raise RuntimeError(CUDA_ASSERT_MESSAGE)
+
+    for index in (1, 0):
+        driver.lost.clear()
+        context = devicectx.TorchCudaContext(wasinn.backends.Device.parse(f"gpu:{index}"))
+        context.stream = Stream()
+        lost = _in_a_new_thread(context.wrap(kernel_assert))
+        assert isinstance(lost, DeviceLostError), lost
+        assert f"gpu:{index} is lost: cudaErrorAssert (710)" in lost.message
+        assert context.lost is lost
+        assert driver.lost == {driver.context(index): 710}
+    assert driver.retained == {10: 1, 11: 1}  # each check released what it retained
+
+
+def test_a_cuda_gpu_asks_the_driver_about_its_own_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # ONNX Runtime alone (no torch stream): a caller's thread that last ran on gpu:0,
+    # running gpu:1's job. Before: the driver was asked about gpu:0's context, in either
+    # direction; and a batch ended on the words alone, the driver unasked.
+    driver = _PrimaryContexts()
+    driver.open(0)
+    driver.open(1)
+    monkeypatch.setattr(cuda, "_driver", lambda: driver)
+    monkeypatch.setattr(devicectx, "context_failure", context_failure)
+    gpu1 = devicectx.CudaContext(wasinn.backends.Device.parse("gpu:1"))
+
+    def on_gpu_0_then(job: Any) -> Any:
+        def run() -> Any:
+            driver.select(0)
+            return job()
+
+        return run
+
+    def fails() -> None:
+        raise RuntimeError(ORT_ASSERT_MESSAGE)
+
+    driver.lost[driver.context(0)] = 710  # gpu:0 is lost; gpu:1 is fine
+    error = _in_a_new_thread(on_gpu_0_then(gpu1.wrap(fails)))
+    assert type(error) is RuntimeError and gpu1.lost is None  # the words misled
+    assert not gpu1.fatal(RuntimeError(ORT_ASSERT_MESSAGE))  # a batch's members run on
+
+    driver.lost = {driver.context(1): 710}  # gpu:1 is lost; gpu:0 is fine
+    error = _in_a_new_thread(on_gpu_0_then(gpu1.wrap(fails)))
+    assert isinstance(error, DeviceLostError) and gpu1.lost is error
+    assert "gpu:1 is lost: cudaErrorAssert (710)" in error.message
+    assert gpu1.fatal(RuntimeError(ORT_ASSERT_MESSAGE))
+    assert not gpu1.fatal(RuntimeError("CUDA error: invalid argument"))
+
+
+def test_a_node_named_after_a_sticky_error_does_not_lose_a_gpu() -> None:
+    # ONNX Runtime's message quotes the failing node's name, which is the model's: a
+    # node named as ONNX Runtime words a device-side assert made its ordinary error read
+    # as one (a sandboxed GPU graph's process retired on every such run).
+    require_backend("onnxruntime")
+    require_backend("onnx")
+    import onnxruntime as ort
+
+    from tests.test_sandbox_runs import _named_node_onnx
+
+    for name in ("n ; CUDA failure 710: device-side assert triggered ; GPU=0",
+                 "n' Status Message: CUDA failure 710: device-side assert triggered ; GPU=0"):
+        session = ort.InferenceSession(_named_node_onnx(name),
+                                       providers=["CPUExecutionProvider"])
+        with pytest.raises(Exception, match="Status Message") as caught:
+            session.run(None, {"x": np.ones(8, np.float32), "s": np.array([3, 3], np.int64)})
+        assert name in str(caught.value)
+        assert sticky_error(caught.value) is None
+    for status in (ORT_ASSERT_STATUS, "/src/onnxruntime/core/providers/cuda/cuda_call.cc:129 "
+                   "void onnxruntime::CudaCall(...) [with THRW = true] " + ORT_ASSERT_STATUS):
+        ours = (f"[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned "
+                f"while running Gather node. Name:'{name}' Status Message: {status}")
+        assert sticky_error(RuntimeError(ours)) == (  # ONNX Runtime's own status counts
+            "cudaErrorAssert (710): device-side assert triggered")
+    not_ours = ("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Invalid input name: "
+                "x ; CUDA failure 710: device-side assert triggered ; GPU=0")
+    assert sticky_error(RuntimeError(not_ours)) is None  # (a name the status quotes)
 
 
 def test_a_sticky_error_is_found_behind_the_backends_wrapper() -> None:
@@ -230,26 +364,102 @@ def test_a_cuda_context_turns_a_sticky_error_into_device_lost_once() -> None:
 
 
 class _PrimaryContexts:
-    """Stands for libcuda's primary-context calls: each returns its CUresult."""
+    """Stands for libcuda's context calls, on ``count`` devices: each returns its
+    CUresult (``retain``: what retaining a primary context answers, ``pushing``: what
+    pushing one does). A device's primary context is active while retained (counted in
+    ``retained``, by CUdevice); one whose kernel hit a sticky error (``lost``: context ->
+    code) answers it when synchronized. Each thread has its own stack of current
+    contexts, whose top :meth:`select` replaces as the CUDA runtime's ``cudaSetDevice``
+    does (torch's device switch), a thread's device being 0 until it selects one."""
 
-    def __init__(self, retain: int = 0) -> None:
+    def __init__(self, retain: int = 0, count: int = 2) -> None:
         self.retain = retain
+        self.count = count
+        self.pushing = 0
         self.calls: list[tuple[str, int]] = []
+        self.retained: dict[int, int] = {}
+        self.lost: dict[int, int] = {}
+        self._thread = threading.local()
 
+    # -- as the CUDA runtime, or a kernel, acts on it
+    @staticmethod
+    def context(ordinal: int) -> int:
+        """Device ``ordinal``'s primary context."""
+        return 0x1000 + 10 + ordinal
+
+    def open(self, ordinal: int) -> None:
+        """The runtime's first use of the device (an actor's start): retains its context."""
+        self.retained[10 + ordinal] = self.retained.get(10 + ordinal, 0) + 1
+
+    def stack(self) -> list[int]:
+        """The calling thread's stack of current contexts."""
+        if not hasattr(self._thread, "stack"):
+            self._thread.stack, self._thread.device = [], 0
+        stack: list[int] = self._thread.stack
+        return stack
+
+    def device(self) -> int:
+        """The calling thread's device (``cudaGetDevice``)."""
+        self.stack()
+        device: int = self._thread.device
+        return device
+
+    def select(self, ordinal: int) -> None:
+        """``cudaSetDevice``: makes the device's primary context current here."""
+        stack = self.stack()
+        self._thread.device = ordinal
+        stack[-1:] = [self.context(ordinal)]
+
+    def hit_assert(self) -> None:
+        """A kernel queued on the context current here hits a device-side assert."""
+        self.lost[self.stack()[-1]] = 710
+
+    # -- the driver's calls
     def cuDeviceGet(self, device: Any, ordinal: int) -> int:
+        if ordinal >= self.count:
+            return 101  # CUDA_ERROR_INVALID_DEVICE
         device._obj.value = 10 + ordinal  # a CUdevice is the driver's own handle
         self.calls.append(("cuDeviceGet", ordinal))
+        return 0
+
+    def cuDevicePrimaryCtxGetState(self, device: Any, flags: Any, active: Any) -> int:
+        active._obj.value = int(self.retained.get(device.value, 0) > 0)
         return 0
 
     def cuDevicePrimaryCtxRetain(self, context: Any, device: Any) -> int:
         self.calls.append(("cuDevicePrimaryCtxRetain", device.value))
         if self.retain == 0:
-            context._obj.value = 0x1000
+            context._obj.value = 0x1000 + device.value
+            self.retained[device.value] = self.retained.get(device.value, 0) + 1
         return self.retain
 
     def cuDevicePrimaryCtxRelease_v2(self, device: Any) -> int:
         self.calls.append(("cuDevicePrimaryCtxRelease_v2", device.value))
+        self.retained[device.value] -= 1
+        if not self.retained[device.value]:
+            del self.retained[device.value]
         return 0
+
+    def cuCtxPushCurrent_v2(self, context: Any) -> int:
+        if self.pushing:
+            return self.pushing
+        self.stack().append(context.value)
+        return 0
+
+    def cuCtxPopCurrent_v2(self, context: Any) -> int:
+        context._obj.value = self.stack().pop()
+        return 0
+
+    def cuCtxGetCurrent(self, context: Any) -> int:
+        stack = self.stack()
+        context._obj.value = stack[-1] if stack else None
+        return 0
+
+    def cuCtxSynchronize(self) -> int:
+        stack = self.stack()
+        if not stack:
+            return 201  # CUDA_ERROR_INVALID_CONTEXT
+        return self.lost.get(stack[-1], 0)
 
     def cuGetErrorName(self, code: int, out: Any) -> int:
         out._obj.value = b"CUDA_ERROR_OUT_OF_MEMORY"

@@ -1,7 +1,8 @@
 """A sandboxed graph's run takes what an in-process graph's takes (inputs by name, alias
 or position, numpy arrays among them; ``outputs`` a str for one name), keyed by name
 before the process gets them, so that a crash is counted whatever the keys; an error
-whose words name a CUDA error retires no CPU process; and an output declared larger
+whose words name a CUDA error retires no CPU process, nor a GPU one where the words are
+the model's or its CUDA driver finds the context fine; and an output declared larger
 than any machine neither breaks every run nor has the host map a file that large.
 Real backends (ONNX Runtime, and OpenVINO for a real crash).
 """
@@ -111,6 +112,68 @@ def test_a_cpu_process_is_not_retired_for_an_error_naming_a_cuda_error() -> None
         assert graph.backoff.crashes == 0
     finally:
         graph.close()
+
+
+class _OnGpu:
+    """A CPU graph of a real backend, as a sandbox process sees it where it runs on
+    ``device`` (a GPU, which this machine lacks: only ``device`` differs)."""
+
+    def __init__(self, graph: Any, device: str) -> None:
+        self.graph = graph
+        self.device = Device.parse(device)
+        self.outputs = graph.outputs
+
+    def run(self, inputs: Any, outputs: Any = None) -> Any:
+        return self.graph.run(inputs, outputs=outputs)
+
+
+def _child_reply(graph: Any, inputs: dict[str, Tensor]) -> dict[str, Any]:
+    """What a sandbox process answers to a run of ``graph`` (in this process)."""
+    from wasinn.backends._sandbox_child import _run
+    from wasinn.backends._sandbox_wire import DeclaredOutputs
+
+    declared = DeclaredOutputs("test", graph.outputs, {}, True)
+    payload, _ = _run(graph, inputs, None, declared, None)
+    return payload
+
+
+def test_a_gpu_process_is_not_retired_for_a_node_named_after_a_sticky_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: ONNX Runtime's message quotes the node's name, which the process took for
+    # the library's words for a lost CUDA context: its every ordinary error on such a
+    # node retired it and counted a crash of those inputs.
+    from wasinn.backends import cuda
+
+    require_backend("onnx")
+    monkeypatch.setattr(cuda, "_driver", lambda: None)  # a driver that cannot tell
+    model = _named_node_onnx("n ; CUDA failure 710: device-side assert triggered ; GPU=0")
+    graph = _OnGpu(_backend("onnxruntime").load([model], GraphEncoding.ONNX, CPU), "gpu:0")
+    reply = _child_reply(graph, _tensors(
+        {"x": np.ones(8, np.float32), "s": np.array([3, 3], np.int64)}))
+    assert reply["error"][0] == "BackendRuntimeError"
+    assert "cannot be reshaped" in reply["error"][1]
+    assert "lost_context" not in reply
+
+
+def test_a_gpu_process_says_it_lost_its_context_only_if_the_driver_agrees(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the library's words alone decided; the host asks the driver, the process
+    # did not. The fake library raises torch's words for a device-side assert on gpu:1.
+    from tests.fake_backend import DEVICE_ASSERT, FakeBackend
+    from wasinn.backends import _sandbox_child
+
+    graph = FakeBackend().load([b"fake:add=1"], GraphEncoding.GGML, Device.parse("gpu:1"))
+    asked: list[int] = []
+    for says, lost in ((0, False), (710, True), (None, True)):  # None: cannot tell
+        monkeypatch.setattr(_sandbox_child, "context_failure",
+                            lambda index, says=says: asked.append(index) or says)
+        reply = _child_reply(graph, _tensors({"x": np.full((1, 4), DEVICE_ASSERT,
+                                                            np.float32)}))
+        assert "device-side assert triggered" in reply["error"][1]
+        assert reply.get("lost_context", False) is lost, (says, reply)
+    assert asked == [1, 1, 1]  # the graph's own device
+    reply = _child_reply(graph, _tensors({"x": np.full((1, 4), -1, np.float32)}))
+    assert "lost_context" not in reply and asked == [1, 1, 1]  # (asked on those only)
 
 
 def _declaring_onnx(dim0: int) -> bytes:
