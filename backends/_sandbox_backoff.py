@@ -179,6 +179,20 @@ class CrashBackoff:
         #: Each caller's, the one whose last crash is the oldest first.
         self._callers: collections.OrderedDict[str, _Streak] = collections.OrderedDict()
         self._inputs: collections.OrderedDict[bytes, _Crashed] = collections.OrderedDict()
+        #: When a process ended by a signal from outside was last excused (excused_stop).
+        self._excused_at: float | None = None
+
+    def excused_stop(self) -> bool:
+        """Whether a process that a signal from outside ended (SIGTERM, SIGHUP: an
+        operator's kill, a service manager stopping the service) is excused, not counted
+        as a crash: the graph's first such end in :data:`QUIET_S`. A process can send
+        itself the signal (its library, or code a hostile model got to run), so a second
+        one within :data:`QUIET_S` counts as a crash: nobody escapes the back-off by it."""
+        now = self._clock()
+        if self._excused_at is not None and now - self._excused_at < QUIET_S:
+            return False
+        self._excused_at = now
+        return True
 
     @property
     def crashes(self) -> int:

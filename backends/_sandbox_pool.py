@@ -94,6 +94,12 @@ class GraphProcesses:
             raise
         return child, payload
 
+    def _excused_stop(self) -> bool:
+        """Whether a process a signal from outside ended is no crash (see
+        :meth:`CrashBackoff.excused_stop`: the graph's first in :data:`QUIET_S`)."""
+        with self._cond:
+            return self.backoff.excused_stop()
+
     def _load_in(self, child: SandboxProcess, files: Mapping[str, Tensor]) -> dict[str, Any]:
         """Have ``child`` load the model from ``files``: what it said of the model."""
         name = self._backend.name
@@ -108,7 +114,7 @@ class GraphProcesses:
                 raise BackendRuntimeError(
                     f"{name}: cancelled while a process loaded the model: it was "
                     "stopped") from None
-            if child.stopped_from_outside:
+            if child.stopped_from_outside and self._excused_stop():
                 log.warning("%s: sandbox process %d on %s %s loading the model, sent "
                             "from outside wasinn: not counted as a crash", self._name,
                             child.process.pid, self.device.name, how)
@@ -116,6 +122,8 @@ class GraphProcesses:
                     f"{name}: the process loading the model {how}, sent from outside "
                     f"wasinn ({OUTSIDE_SENDERS}): not a crash on the model's bytes (the "
                     "host goes on; a load again starts a new process)") from None
+            if child.stopped_from_outside:
+                how += f" a second time in {QUIET_S:g} s (which counts as a crash)"
             log.warning("%s: sandbox process %d on %s %s loading the model", self._name,
                         child.process.pid, self.device.name, how)
             with self._cond:

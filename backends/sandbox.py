@@ -117,7 +117,7 @@ from wasinn.errors import BackendRuntimeError, ClosedResourceError, WasiNNError
 from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import InputChecker
-from ._sandbox_backoff import CrashBackoff, digest_of, shapes_of
+from ._sandbox_backoff import QUIET_S, CrashBackoff, digest_of, shapes_of
 from ._sandbox_env import env_pattern_problem
 from ._sandbox_errors import child_error, lost_context
 from ._sandbox_limit import ProcessLimit, default_max_processes, host_limit
@@ -456,7 +456,7 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
                 raise BackendRuntimeError(
                     f"{name}: the run was cancelled and did not stop within "
                     f"{CANCEL_GRACE_S:g} s: its process was killed") from None
-            if child.stopped_from_outside:
+            if child.stopped_from_outside and self._excused_stop():
                 log.warning("%s: sandbox process %d on %s %s during a run, sent from "
                             "outside wasinn: not counted as a crash", name,
                             child.process.pid, self.device.name, how)
@@ -465,6 +465,8 @@ class SandboxedGraph(CompiledGraph, GraphProcesses):
                     f"wasinn ({OUTSIDE_SENDERS}): not a crash of the model or of these "
                     "inputs, which are not held against them (the host goes on; the next "
                     "run starts a new process)") from None
+            if child.stopped_from_outside:
+                how += f" a second time in {QUIET_S:g} s (which counts as a crash)"
             then = self._crashed(child, how, inputs, digest, caller)
             raise BackendRuntimeError(
                 f"{name}: the process running the model {how}: the library crashed "
