@@ -251,40 +251,36 @@ def _instantiate_and_start(linker: wasmtime.Linker, store: wasmtime.Store,
         raise
     except wasmtime.WasmtimeError as exc:
         raise InvalidArgumentError(f"cannot instantiate {program}: {exc}") from None
-    exports = instance.exports(store)
-    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
-    initialize = exports.get("_initialize")
-    if initialize is not None:  # as Wasmtime does: its constructors, then _start
-        assert isinstance(initialize, wasmtime.Func)  # _check_start
-        initialize(store)
-    start = exports["_start"]
+    start = instance.exports(store)["_start"]
     assert isinstance(start, wasmtime.Func)  # _check_start
+    log.info("instantiated %s in %.1f ms", program, (time.perf_counter() - start_time) * 1e3)
     start(store)
 
 
 def _check_start(module: wasmtime.Module, program: str) -> None:
     """InvalidArgumentError unless ``module`` exports ``_start: () -> ()`` (a WASI
-    command's entry point) and, where it exports ``_initialize`` (run first, as Wasmtime
-    runs it), that is ``() -> ()`` too; checked before anything of it runs."""
+    command's entry point) and no ``_initialize`` (a reactor's: a module is one or the
+    other, and Wasmtime refuses one that exports both, whose constructors ``_start`` and
+    ``_initialize`` would each run); checked before anything of it runs."""
     exported = {e.name: e.type for e in module.exports}
-    if not isinstance(exported.get("_start"), wasmtime.FuncType):
+    start = exported.get("_start")
+    if not isinstance(start, wasmtime.FuncType):
+        reactor = " (it exports _initialize: a reactor)" if "_initialize" in exported else ""
         raise InvalidArgumentError(
-            f"{program} exports no _start function: expected a WASI command module"
+            f"{program} exports no _start function{reactor}: expected a WASI command module"
         )
-    for name in ("_initialize", "_start"):
-        entry = exported.get(name)
-        if name not in exported:
-            continue
-        if not isinstance(entry, wasmtime.FuncType):
-            raise InvalidArgumentError(
-                f"{program}'s {name} export is no function: expected a function () -> ()")
-        if entry.params or entry.results:
-            params = ", ".join(str(t) for t in entry.params)
-            results = ", ".join(str(t) for t in entry.results)
-            raise InvalidArgumentError(
-                f"{program}'s {name} has type ({params}) -> ({results}): expected () -> () "
-                "(a WASI command's entry points take and return nothing)"
-            )
+    if "_initialize" in exported:
+        raise InvalidArgumentError(
+            f"{program} exports both _start and _initialize: expected a WASI command "
+            "(_start) or a reactor (_initialize), not both, as Wasmtime does (each runs "
+            "the module's constructors)")
+    if start.params or start.results:
+        params = ", ".join(str(t) for t in start.params)
+        results = ", ".join(str(t) for t in start.results)
+        raise InvalidArgumentError(
+            f"{program}'s _start has type ({params}) -> ({results}): expected () -> () "
+            "(a WASI command's entry point takes and returns nothing)"
+        )
 
 
 def _trap_message(exc: Any) -> str:
