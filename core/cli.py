@@ -182,10 +182,19 @@ def _preloads(args: argparse.Namespace) -> list[Preload]:
 
     given = [(f"--nn-preload {s!r}", parse_nn_preload(s)) for s in args.nn_preload]
     for spec in args.wasi:
-        for item in spec.split(","):  # (Wasmtime's -S nn,nn-graph=openvino::DIR)
+        items = spec.split(",")  # (Wasmtime's -S nn,nn-graph=openvino::DIR)
+        for item in items:
             if item.strip() in ("nn", "nn=y", "nn=true", "common", "common=y"):
                 continue  # wasi-nn and WASI are always on
-            given.append((f"--wasi {spec!r}", parse_nn_graph(item)))
+            try:
+                given.append((f"--wasi {spec!r}", parse_nn_graph(item)))
+            except InvalidArgumentError as exc:
+                if len(items) == 1:
+                    raise
+                raise exc.suffixed(
+                    f"(in --wasi {spec!r}, whose commas separate items, as Wasmtime's -S "
+                    "does: a folder whose path holds a comma can be given with "
+                    "--nn-preload)") from None
     chosen: dict[str, Preload] = {}
     for flag, preload in given:
         earlier = chosen.setdefault(preload.name, preload)

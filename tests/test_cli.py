@@ -177,7 +177,9 @@ def test_wasmtime_s_flags_may_be_comma_separated_and_a_preload_repeated_in_any_c
     with pytest.raises(SystemExit) as exc:
         main(["models", "-S", f"nn,nn-graph=onnx::{graph_dir},foo=1"])
     assert exc.value.code == 2
-    assert "--wasi 'foo=1': expected nn-graph=ENCODING::DIR" in capfd.readouterr().err
+    said = capfd.readouterr().err
+    assert "--wasi 'foo=1': expected nn-graph=ENCODING::DIR" in said
+    assert "whose commas separate items, as Wasmtime's -S does" in said
     with pytest.raises(SystemExit):
         main(["models", "--nn-preload", f"a:onnx:cpu:{model}",
               "--nn-preload", f"a:openvino:cpu:{model}"])
