@@ -209,8 +209,10 @@ def _check_bound(bound: int) -> None:
 
 def _specs(graph: CompiledGraph) -> dict[str, Any]:
     def spec(s: Any) -> list[Any]:
-        # (null for a type the model does not declare: TorchScript's placeholder)
-        return [s.name, s.type.value if s.type_known else None, list(s.shape), s.rank_known]
+        # (null for a type the model does not declare: TorchScript's placeholder; the
+        # bounds, [low, high] per dimension, only where the model has them)
+        said = [s.name, s.type.value if s.type_known else None, list(s.shape), s.rank_known]
+        return [*said, [list(b) for b in s.bounds]] if s.bounds else said
 
     return {"inputs": [spec(s) for s in graph.inputs],
             "outputs": [spec(s) for s in graph.outputs],

@@ -2,7 +2,8 @@
 :mod:`.sandbox`).
 
 The process answers a load with the model's inputs and outputs (``[name, type, dims,
-rank_known]`` each, the type null where the model declares none), their other names
+rank_known]`` each, the type null where the model declares none, and a fifth element,
+``bounds``, where the model limits the sizes of its dynamic dimensions), their other names
 (aliases, by position) and whether its output types hold, in JSON
 (:func:`._sandbox_child._specs`). The host believes none of it unchecked: a library bug
 that let a model run code in the process could make it answer anything, and what it
@@ -13,8 +14,10 @@ output's its own), one of wasi-nn's element types or null (none declared, as
 TorchScript's: a spec with ``type_known=False``), at most
 :data:`~wasinn.tensor.MAX_RANK` dimensions, each null (dynamic) or an integer from 0 to
 :data:`MAX_DIM` (JSON's ``Infinity``, a float, a bool or a negative number is none), no
-dimension for a spec of unknown rank, aliases that name a position there is, and a
-boolean flag; ValueError naming what is wrong otherwise.
+dimension for a spec of unknown rank, bounds (where given) that are one ``[low, high]``
+per dimension, each an integer from 0 to :data:`MAX_DIM` or ``high`` null (no upper
+bound), ``low <= high``, a fixed dimension's ``[size, size]``, aliases that name a
+position there is, and a boolean flag; ValueError naming what is wrong otherwise.
 """
 
 from __future__ import annotations
@@ -95,10 +98,11 @@ def _specs(payload: Mapping[str, Any], key: str) -> tuple[TensorSpec, ...]:
 
 
 def _spec(entry: object, what: str) -> TensorSpec:
-    if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+    if not (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[0], str)
             and isinstance(entry[2], list) and isinstance(entry[3], bool)):
-        raise ValueError(f"{what} {entry!r:.80}: expected [name, type, dims, rank_known]")
-    name, type_, dims, rank_known = entry
+        raise ValueError(f"{what} {entry!r:.80}: expected [name, type, dims, rank_known] "
+                         "or [name, type, dims, rank_known, bounds]")
+    name, type_, dims, rank_known, *said = entry
     what = f"{what} {quoted(name)}"
     try:
         # null: the model declares no type (the spec's f32 is a placeholder)
@@ -110,13 +114,40 @@ def _spec(entry: object, what: str) -> TensorSpec:
     if len(dims) > MAX_RANK:
         raise ValueError(f"{what} of {len(dims)} dimensions: expected at most {MAX_RANK}")
     for d in dims:
-        if d is not None and not (type(d) is int and 0 <= d <= MAX_DIM):
+        if d is not None and not _is_dim(d):
             raise ValueError(f"{what} of dimension {d!r:.40}: expected null (dynamic) or "
                              f"an integer from 0 to {MAX_DIM}")
     if not rank_known and dims:
         raise ValueError(f"{what} of dimensions {dims!r:.80} but of unknown rank: expected "
                          "no dimension")
-    return TensorSpec(name, ttype, tuple(dims), rank_known, type_known=type_ is not None)
+    bounds = _bounds(said[0], dims, what) if said else ()
+    return TensorSpec(name, ttype, tuple(dims), rank_known, type_known=type_ is not None,
+                      bounds=bounds)
+
+
+def _bounds(said: object, dims: list[int | None], what: str
+            ) -> tuple[tuple[int, int | None], ...]:
+    """The bounds ``said`` of a spec of ``dims`` (checked: see the module docstring)."""
+    if not (isinstance(said, list) and len(said) == len(dims)):
+        raise ValueError(f"{what} of bounds {said!r:.80}: expected a list of {len(dims)} "
+                         "[low, high], one per dimension")
+    bounds: list[tuple[int, int | None]] = []
+    for axis, (size, pair) in enumerate(zip(dims, said, strict=True)):
+        if not (isinstance(pair, list) and len(pair) == 2 and _is_dim(pair[0])
+                and (pair[1] is None or (_is_dim(pair[1]) and pair[0] <= pair[1]))):
+            raise ValueError(f"{what} of bound {pair!r:.40} in dimension {axis}: expected "
+                             f"[low, high], integers from 0 to {MAX_DIM}, low <= high, or "
+                             "[low, null] (no upper bound)")
+        if size is not None and pair != [size, size]:
+            raise ValueError(f"{what} of bound {pair!r:.40} in dimension {axis}, of fixed "
+                             f"size {size}: expected [{size}, {size}]")
+        bounds.append((pair[0], pair[1]))
+    return tuple(bounds)
+
+
+def _is_dim(value: object) -> bool:
+    """Whether ``value`` is a size a dimension may have (not a bool, a float, ...)."""
+    return type(value) is int and 0 <= value <= MAX_DIM
 
 
 def _aliases(payload: Mapping[str, Any], key: str, count: int) -> Mapping[str, int]:

@@ -14,17 +14,19 @@ from __future__ import annotations
 import json
 import tracemalloc
 from collections.abc import Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import numpy as np
 import pytest
 
 import wasinn
 from tests.compromised_backend import CompromisedBackend, ones
 from tests.sandbox_memory import held_before_load
 from tests.support import sandbox_children
-from wasinn import BackendRuntimeError, GraphEncoding
+from wasinn import BackendRuntimeError, GraphEncoding, InvalidArgumentError, TensorType
 from wasinn.backends import Device, LoadOptions
-from wasinn.backends.base import TensorSpec
+from wasinn.backends.base import CompiledGraph, TensorSpec
 from wasinn.backends.sandbox import ProcessLimit, Spares, load_sandboxed
 
 CPU = Device.parse("cpu")
@@ -189,7 +191,35 @@ def test_an_error_reply_carries_no_tensor_nor_may_a_load_ask_for_room() -> None:
     ('{"outputs": [["y", "f128", [2], true]]}', r"output 0 'y' of type 'f128': expected one "
                                                r"of "),
     ('{"outputs": [["y", "f32", [2], 1]]}', r"output 0 \['y', 'f32', \[2\], 1\]: expected "
-                                            r"\[name, type, dims, rank_known\]"),
+                                            r"\[name, type, dims, rank_known\] or \[name, "
+                                            r"type, dims, rank_known, bounds\]$"),
+    ('{"outputs": [["y", "f32", [2], true, [[2, 2]], 0]]}', r"output 0 .*: expected \[name, "),
+    # Bounds (a fifth element, where the model limits its dynamic dimensions' sizes).
+    ('{"inputs": [["x", "f32", [null], true, {"low": 2}]]}',
+     r"input 0 'x' of bounds \{'low': 2\}: expected a list of 1 \[low, high\], one per "
+     r"dimension$"),
+    ('{"inputs": [["x", "f32", [null, 3], true, [[2, 8]]]]}',
+     r"input 0 'x' of bounds \[\[2, 8\]\]: expected a list of 2 "),
+    ('{"inputs": [["x", "f32", [], false, [[2, 8]]]]}',
+     r"input 0 'x' of bounds \[\[2, 8\]\]: expected a list of 0 "),
+    ('{"inputs": [["x", "f32", [null], true, [[8, 2]]]]}',
+     r"input 0 'x' of bound \[8, 2\] in dimension 0: expected \[low, high\], integers from "
+     r"0 to 9223372036854775807, low <= high, or \[low, null\] \(no upper bound\)$"),
+    ('{"inputs": [["x", "f32", [null], true, [[-1, 2]]]]}', r"input 0 'x' of bound \[-1, 2\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[2, Infinity]]]]}',
+     r"input 0 'x' of bound \[2, inf\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[0, 9223372036854775808]]]]}',
+     r"input 0 'x' of bound \[0, 9223372036854775808\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[true, 2]]]]}',
+     r"input 0 'x' of bound \[True, 2\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[1.0, 2]]]]}', r"input 0 'x' of bound \[1.0, 2\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[null, 2]]]]}',
+     r"input 0 'x' of bound \[None, 2\] "),
+    ('{"inputs": [["x", "f32", [null], true, [[1, 2, 3]]]]}',
+     r"input 0 'x' of bound \[1, 2, 3\] "),
+    ('{"inputs": [["x", "f32", [null], true, [2]]]}', r"input 0 'x' of bound 2 "),
+    ('{"inputs": [["x", "f32", [2], true, [[1, 4]]]]}',
+     r"input 0 'x' of bound \[1, 4\] in dimension 0, of fixed size 2: expected \[2, 2\]$"),
     ('{"outputs": {"y": 1}}', r"outputs \{'y': 1\}: expected a list"),
     ('{"output_types_declared": 1}', r"output_types_declared 1: expected true or false"),
 ])
@@ -211,6 +241,40 @@ def test_a_load_that_describes_a_graph_runs() -> None:
         assert out["y"].numpy().tolist() == [1.0, 1.0]
     finally:
         graph.close()
+
+
+def test_a_load_that_describes_bounds_has_the_host_check_them_before_a_run() -> None:
+    # Before: the process sent no bounds, and the host's spec said x: f32[?].
+    graph = load_sandboxed(
+        CompromisedBackend(), [b'specs:{"inputs": [["x", "f32", [null], true, [[2, 8]]]]}'],
+        GraphEncoding.GGML, CPU)
+    try:
+        assert graph.inputs == (TensorSpec("x", TensorType.F32, (None,), bounds=((2, 8),)),)
+        assert graph.inputs[0].describe() == "x: f32[2..8]"
+        assert graph.outputs[0].bounds == ()  # (a spec of 4 elements: none)
+        assert graph.run(ones())["y"].numpy().tolist() == [1.0, 1.0]
+        # (the graph in the process checks nothing: it would return the 1 element)
+        with pytest.raises(InvalidArgumentError, match=(
+                r"^compromised: input 'x' has size 1 in dimension 0, but the model allows 2 "
+                r"to 8 there \(expected x: f32\[2\.\.8\]\)$")):
+            graph.run({"x": np.ones(1, np.float32)})
+    finally:
+        graph.close()
+
+
+def test_a_process_sends_the_bounds_it_has_as_the_host_reads_them() -> None:
+    from wasinn.backends._sandbox_child import _specs
+    from wasinn.backends._sandbox_specs import read_specs
+
+    inputs = (TensorSpec("x", TensorType.F32, (None, 3, None), bounds=((2, 8), (3, 3), (0, None))),
+              TensorSpec("s", TensorType.I64, ()))
+    outputs = (TensorSpec("y", TensorType.F32, (None, 3)),)
+    graph = SimpleNamespace(inputs=inputs, outputs=outputs, input_aliases={}, output_aliases={},
+                            output_types_declared=True)
+    said = json.loads(json.dumps(_specs(cast(CompiledGraph, graph))))
+    assert [len(spec) for spec in said["inputs"]] == [5, 4]  # (bounds only where there are)
+    specs = read_specs(said)
+    assert (specs.inputs, specs.outputs) == (inputs, outputs)
 
 
 def test_an_arena_too_large_to_make_fails_as_the_system_would() -> None:
