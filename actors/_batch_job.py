@@ -10,6 +10,13 @@ does not declare its outputs batch-major: :mod:`wasinn.actors._batch_axes`) also
 its member of fewest rows alone, which gets that run's outputs, and compares their
 shapes with its rows of the merged run (:func:`~wasinn.actors._batch_rows.check_alone`):
 when they differ, the merged run is unsplittable, as above.
+
+What the merged run records as it runs (a pipeline's steps, each run counted in its
+model's figures) is held (:class:`~wasinn.actors.stats.MergedRun`) and counted once the
+job knows how many requests it answered: those given its rows, not the probe's member
+(its run alone answered it, and counted itself), none when it failed or could not be
+split (each request's run alone answers it). Its time is counted either way: the device
+spent it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from wasinn.tensor import Tensor
 
 from ._batch import Member
 from ._batch_rows import RunInputs, Unsplittable, check_alone, merge_rows, split_rows
+from .stats import MergedRun
 
 log = logging.getLogger("wasinn.actors")
 
@@ -64,8 +72,11 @@ class BatchJob:
             return results
         keeps = [m.keep for m in members]
         ran = -1  # the member already run alone (by the probe), if any
+        merged_run = MergedRun()
+        answered = 0  # the requests given the merged run's rows
         try:
-            outputs = self.run(merge_rows([m.inputs for m in members]), any(keeps))
+            with merged_run.running():
+                outputs = self.run(merge_rows([m.inputs for m in members]), any(keeps))
             parts = split_rows(outputs, [m.inputs.rows for m in members], keeps)
             if self.probe and not _cancelled():
                 # Its member of fewest rows runs alone too (that run is its result), and
@@ -87,7 +98,10 @@ class BatchJob:
             for k, (i, part) in enumerate(zip(alive, parts, strict=True)):
                 if k != ran:
                     results[i] = outcome.Value(part)
+                    answered += 1
             return results
+        finally:
+            merged_run.answered(answered)
         cancellation = current_cancellation()
         for k, (i, member) in enumerate(zip(alive, members, strict=True)):
             if member.abandoned or k == ran:

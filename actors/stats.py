@@ -21,7 +21,9 @@ A request is also counted in the :class:`Account` its caller gives: its model's
 (:class:`ModelStats`), or one that counts it in its model's and its tenant's
 (:class:`TenantStats`; see :mod:`wasinn.scheduler.tenants`). A pipeline's step models
 count the runs its requests make of them as their own requests
-(:meth:`RequestStats.record_run`; see :class:`wasinn.scheduler.pipeline.StepsAccount`).
+(:meth:`RequestStats.record_run`; see :class:`wasinn.scheduler.pipeline.StepsAccount`);
+what a merged run records is held back (:class:`MergedRun`) until its job knows how many
+requests that run answered.
 
 Recording is thread-safe (lease holders record from their own threads) and costs one
 uncontended lock per request and account.
@@ -29,10 +31,12 @@ uncontended lock per request and account.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -259,8 +263,13 @@ class RequestStats:
         :class:`wasinn.scheduler.pipeline.StepsAccount`): one that raised as failed, one
         that returned as completed, its time in the window's latencies (as a request's
         that neither queued nor waited to be delivered: the chain ran it at once) and in
-        ``running_seconds`` (a merged run's once, as the device counts it); ``leased``:
-        run in a lease holder's own thread."""
+        ``running_seconds``; ``leased``: run in a lease holder's own thread. Made while a
+        :class:`MergedRun` runs in this thread, it is held there until that run's job
+        knows how many requests the run answered."""
+        held = _HELD.runs
+        if held is not None:
+            held.append((self, seconds, failed, leased))
+            return
         with self._lock:
             if leased:
                 self._leased += 1
@@ -271,14 +280,22 @@ class RequestStats:
             self._latencies.append((seconds, 0.0, 0.0))
             self._running += seconds
 
-    def record_merged_run(self, requests: int) -> None:
-        """The pipeline's run that :meth:`record_run` counted as one request was a merged
-        run that answered ``requests``: the others are counted as completed too (no
-        latency of their own: the run's is in), and the run as a batch."""
+    def record_merged_run(self, seconds: float, requests: int, *, failed: bool = False,
+                          leased: bool = False) -> None:
+        """A :meth:`record_run` of a merged run that answered ``requests`` requests (see
+        :class:`MergedRun`): they are counted as completed, with the run's latency once
+        (one run) and its time in ``running_seconds``. One that answered none (raised,
+        or its outputs were thrown away) counts no request, only its time if it returned:
+        the device spent it (its own ``running_seconds`` has the whole job)."""
         with self._lock:
-            self._counts[Outcome.COMPLETED] += max(requests - 1, 0)
-            self._batches += 1
-            self._batched += requests
+            if failed:
+                return
+            self._running += seconds
+            if requests:
+                self._counts[Outcome.COMPLETED] += requests
+                self._latencies.append((seconds, 0.0, 0.0))
+                if leased:
+                    self._leased += requests
 
     def figures(self) -> dict[str, Any]:
         """The :class:`RequestFigures` fields, as keyword arguments for it or a subclass."""
@@ -301,6 +318,46 @@ class RequestStats:
             sorted(total for total, _, _ in window), sorted(queued for _, queued, _ in window),
             sorted(total - queued - delivering for total, queued, delivering in window),
             sorted(delivering for _, _, delivering in window))
+
+
+class _Held(threading.local):
+    """This thread's runs held by the :class:`MergedRun` running there (None: none)."""
+
+    runs: list[tuple[RequestStats, float, bool, bool]] | None = None
+
+
+_HELD = _Held()
+
+
+class MergedRun:
+    """What one merged run (a batch's rows in one run) records in
+    :meth:`RequestStats.record_run` while it runs (a pipeline's chain, each step's run),
+    held back until its job knows how many requests it answered: :meth:`answered`
+    counts it once. So a step counts the requests each of its runs answered: a
+    merged run, those given its rows; a run of one request alone (the probe's, or
+    after the merged run failed or could not be split), that request."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[RequestStats, float, bool, bool]] = []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """While this block lasts, this thread's :meth:`RequestStats.record_run` calls are
+        held here (the block runs the merged run, in its worker thread)."""
+        _HELD.runs = self._runs
+        try:
+            yield
+        finally:
+            _HELD.runs = None
+
+    def answered(self, requests: int) -> None:
+        """Count what was held as a run that answered ``requests`` requests (0: none; see
+        :meth:`RequestStats.record_merged_run`). Once: held runs are then forgotten."""
+        runs, self._runs = self._runs, []
+        for stats, seconds, failed, leased in runs:
+            stats.record_merged_run(seconds, requests, failed=failed, leased=leased)
 
 
 def outcome_of(exc: BaseException) -> Outcome:

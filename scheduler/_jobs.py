@@ -8,7 +8,9 @@ the job: :func:`hold` and :func:`let_go`. A chain feeds each step's native outpu
 next along its links, stops between steps once its job is cancelled, and prefixes a
 step's error with the pipeline's name and the step (:func:`step_label`). A request's
 chain (``counted``; not a warm-up's) times each step's run in its thread and counts it
-in the step model's figures (:meth:`~wasinn.actors.stats.RequestStats.record_run`).
+in the step model's figures (:meth:`~wasinn.actors.stats.RequestStats.record_run`; a
+merged run's, once its batch job knows the requests it answered:
+:class:`~wasinn.actors.stats.MergedRun`).
 """
 
 from __future__ import annotations

@@ -197,12 +197,21 @@ class StepsAccount:
     counts both runs). The chain's job counts those runs as it makes them
     (:meth:`~wasinn.actors.stats.RequestStats.record_run`): a run that returned as
     completed, its latency that run's (none queued: the pipeline's request did) and its
-    time in ``running_seconds`` (the device's time, a merged run's once); a run that
-    raised as failed (a merged run's too, before its requests run one by one). A merged
-    run counts as the requests it answered (this account's :meth:`record_batch`). A step
-    its pipeline's request never reached (rejected, timed out or cancelled before it,
-    or after an earlier step failed) counts nothing; the device and the tenant count the
-    request once."""
+    time in ``running_seconds`` (the device's time); a run that raised as failed.
+    Each request is counted once in each step it reached, by the run that answered it
+    (:class:`~wasinn.actors.stats.MergedRun`): a merged run counts as the requests given
+    its rows, with one latency (one run) and its time once. The probe's run of one member
+    alone (the first merged run of an input signature, for a pipeline whose steps do not
+    declare their outputs batch-major) answers that member, and counts it, as does each
+    run alone after a merged run failed or could not be split, while such a merged run
+    counts no request (neither completed nor failed: it answered nobody) but its time,
+    which the device spent: so the steps' ``running_seconds`` stays within the
+    pipeline's, the device's, which has the whole job, and their latencies are those of
+    runs that answered requests. The merged run is a batch of the requests its batch
+    answered, as for the pipeline and the device (this account's :meth:`record_batch`).
+    A step its pipeline's request never reached (rejected, timed out or cancelled before
+    it, or after an earlier step failed) counts nothing; the device and the tenant count
+    the request once."""
 
     __slots__ = ("pipeline", "steps")
 
@@ -218,7 +227,7 @@ class StepsAccount:
     def record_batch(self, requests: int) -> None:
         self.pipeline.record_batch(requests)
         for step in self.steps:
-            step.record_merged_run(requests)
+            step.record_batch(requests)
 
 
 class PipelineModel:

@@ -6,12 +6,14 @@ running guest after guest, each releasing the model as it exits)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import threading
 import weakref
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,14 +25,14 @@ import wasinn
 from tests.guest_support import WAT_DIR
 from tests.loop_model import GUARD_S, HUGE_LOOP, loop_inputs, loop_onnx
 from tests.support import affine_pipeline_config, cpu_pool, require_backend
-from tests.test_batching import device_busy
+from tests.test_batching import device_busy, first_row_onnx
 from tests.test_pipeline_edges import gather_onnx, three_steps
 from wasinn import InvalidArgumentError
-from wasinn.actors.stats import Outcome, RequestStats
+from wasinn.actors.stats import ModelStats, Outcome, RequestStats
 from wasinn.backends.base import LoadOptions
 from wasinn.configs.loader import parse_config
 from wasinn.enums import GraphEncoding
-from wasinn.modelgen import affine_onnx
+from wasinn.modelgen import affine_onnx, onnx_model_bytes
 from wasinn.scheduler.metrics import register_metrics
 from wasinn.scheduler.model import LoadedModel
 from wasinn.scheduler.names import LoadedGraphs, added, merged_figures
@@ -284,6 +286,77 @@ async def test_a_merged_run_of_a_batching_pipeline_counts_its_requests_in_each_s
     # The merged run's time is counted once in each step (one run: one latency), as
     # the device counts it.
     assert [by_name[name].latency_window for name in "amc"] == [1, 1, 1]
+
+
+def unnamed_scale_onnx() -> bytes:
+    """``y = x`` (times ones) over f32 ``(?, 4)`` whose first dimensions have no name:
+    a step that does not declare its outputs batch-major, so its pipeline's first merged
+    run of an input signature is checked against a run of one request alone."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4])
+    return onnx_model_bytes(helper.make_graph([helper.make_node("Mul", ["x", "scale"], ["y"])],
+                                              "unnamed", [x], [y], initializer=[scale]))
+
+
+async def three_merged(tmp_path: Path, middle: bytes, inputs: list[np.ndarray[Any, Any]]
+                       ) -> dict[str, ModelStats]:
+    """The model stats after ``inputs`` went, queued together, to pipeline ``p`` of
+    :func:`three_steps` with ``middle`` (batching up to 4 rows): one batch."""
+    config = three_steps(tmp_path, middle, batching={"max_batch": 4})
+    async with wasinn.Runtime(config) as rt:
+        (actor,) = rt.actors
+        pipeline = await rt.load_by_name("p")
+
+        async def compute(x: np.ndarray[Any, Any]) -> None:
+            with contextlib.suppress(wasinn.BackendRuntimeError):
+                await pipeline.compute({"x": x})
+
+        async with device_busy(actor) as nursery:  # they queue, then run as one batch
+            for x in inputs:
+                nursery.start_soon(compute, x)
+        return {s.name: s for s in rt.model_stats()}
+
+
+async def test_a_probed_merged_run_counts_each_request_once_in_each_step(
+        tmp_path: Path) -> None:
+    # The first merged run of a signature is checked against its smallest member's run
+    # alone, which is that member's answer: two runs of each step, three requests. (It
+    # counted four: the merged run as all three, and the run alone once more.)
+    require_backend("onnxruntime")
+    by_name = await three_merged(tmp_path, unnamed_scale_onnx(), [X, X, X])
+    for name in "pamc":
+        stats = by_name[name]
+        assert (stats.completed, stats.batches, stats.batched) == (3, 1, 3), name
+    # Each run's latency once: the merged run's and the run alone's.
+    assert [by_name[name].latency_window for name in "amc"] == [2, 2, 2]
+
+
+async def test_a_merged_run_thrown_away_counts_no_request_in_any_step(
+        tmp_path: Path) -> None:
+    # The middle step keeps one row of any number: the merged run's outputs cannot be
+    # split, so each request runs alone and is answered there. (The merged run counted
+    # as a fourth request of each step.)
+    require_backend("onnxruntime")
+    by_name = await three_merged(tmp_path, first_row_onnx(), [X, X, X])
+    for name in "pamc":
+        stats = by_name[name]
+        assert (stats.completed, stats.batches, stats.latency_window) == (3, 0, 3), name
+    # The thrown-away run's time is in (the device spent it): within the whole job's.
+    assert 0 < sum(by_name[name].running_seconds for name in "amc") <= (
+        by_name["p"].running_seconds)
+
+
+async def test_a_merged_run_that_failed_counts_no_request_in_any_step(
+        tmp_path: Path) -> None:
+    # m fails the merged run on 5's row; its requests then run alone, where only that one
+    # fails. (The merged run counted as one more request of a, and one more failure of m.)
+    require_backend("onnxruntime")
+    by_name = await three_merged(tmp_path, gather_onnx(), [X, X, 5 * X])
+    counts = {name: (by_name[name].completed, by_name[name].failed) for name in "pamc"}
+    assert counts == {"p": (2, 1), "a": (3, 0), "m": (2, 1), "c": (2, 0)}
 
 
 async def test_guest_after_guest_counts_all_their_requests(tmp_path: Path) -> None:
