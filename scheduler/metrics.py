@@ -304,12 +304,18 @@ _BIND_ERRORS = {
 }
 
 
+#: How long the metrics server waits for a connection's next bytes (a request's, or the
+#: room to send a reply) before it closes it.
+CONNECTION_TIMEOUT_S = 10.0
+
+
 class MetricsServer:
     """``runtime``'s figures served at ``http://addr:port/metrics`` by
     ``prometheus_client``'s own HTTP server (``start_http_server``: a daemon thread, a
     thread per scrape), from a :class:`CollectorRegistry` of its own that holds only a
     :class:`RuntimeCollector` of ``runtime`` (nothing of ``prometheus_client.REGISTRY``),
-    until :meth:`close`.
+    until :meth:`close`. A connection that sends nothing, or stops sending or reading, for
+    :data:`CONNECTION_TIMEOUT_S` is closed (it would hold a server thread).
 
     ``addr`` is 127.0.0.1 unless given: only this machine may scrape (give an address of
     another interface, or 0.0.0.0, to be scraped from elsewhere: the figures name models
@@ -342,6 +348,14 @@ class MetricsServer:
             error = OSError(f"cannot serve metrics at {_host(addr)}:{port}: {why}")
             error.errno = exc.errno
             raise error from exc
+        # Each connection's reads and writes time out: else a client that connects and
+        # sends nothing (or stops halfway) holds a server thread for ever, and enough of
+        # them hold as many threads. (prometheus_client's handler sets no timeout; a
+        # subclass of it, for this server only.)
+        handler = server.RequestHandlerClass
+        assert isinstance(handler, type)  # (typeshed: any callable making a handler)
+        server.RequestHandlerClass = type(
+            "TimedHandler", (handler,), {"timeout": CONNECTION_TIMEOUT_S})
         self._server: WSGIServer = server
         self._thread: threading.Thread = thread
         self._lock = threading.Lock()

@@ -150,6 +150,21 @@ def test_the_metrics_server_is_a_registry_of_its_own_on_localhost() -> None:
         pass
 
 
+def test_a_connection_that_sends_nothing_is_closed_after_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: it held a server thread for ever (prometheus_client's handler has no
+    # timeout), and a client opening many such connections held as many threads.
+    from wasinn.scheduler import metrics
+
+    monkeypatch.setattr(metrics, "CONNECTION_TIMEOUT_S", 0.5)
+    with MetricsServer(Figures(), 0) as server, socket.create_connection(
+            ("127.0.0.1", server.port), timeout=30) as idle:
+        idle.sendall(b"GET /metr")  # and no more
+        assert idle.recv(1) == b""  # the server closed it (a hang fails at 30 s)
+        with urllib.request.urlopen(server.url, timeout=60) as response:
+            assert response.status == 200  # and serves the next scrape
+
+
 @pytest.mark.parametrize("port", [-1, 65536, True, "9100", 80.0])
 def test_a_bad_port_is_refused(port: object) -> None:
     with pytest.raises(ValueError, match=r"port=.*expected a TCP port from 0 to 65535"):
