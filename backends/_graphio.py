@@ -100,8 +100,8 @@ class InputChecker:
     Keys may be input names or integer positions (the order of the graph's inputs).
     """
 
-    __slots__ = ("_any_type", "_backend", "_by_key", "_fixed", "_not_inputs", "_shared",
-                 "_specs")
+    __slots__ = ("_any_type", "_backend", "_bounds_said", "_by_key", "_fixed", "_not_inputs",
+                 "_shared", "_specs")
 
     def __init__(
         self,
@@ -112,6 +112,7 @@ class InputChecker:
         any_type: frozenset[int] = frozenset(),
         dim_names: Mapping[str, Sequence[object]] | None = None,
         not_inputs: Mapping[str, str] | None = None,
+        bounds_said: str = "allows",
     ) -> None:
         """``aliases`` are extra names for inputs (e.g. ``x`` for TensorFlow's ``x:0``);
         the shape of an input whose rank is unknown (``rank_known=False``) is not checked
@@ -122,8 +123,11 @@ class InputChecker:
         :func:`.onnx_dims.declared_dims` reads them): the dynamic dimensions that share a
         name (a str) must be given the same size, as the ONNX standard says.
         ``not_inputs``: names the model declares that a run may not set -> what they are
-        (``"an initializer ..."``), which the error for a run that sets one says."""
+        (``"an initializer ..."``), which the error for a run that sets one says.
+        ``bounds_said``: how an error says where the bounds come from (the model
+        ``"allows"``, torch.export's ``"was exported for"``)."""
         self._backend = backend
+        self._bounds_said = bounds_said
         self._not_inputs = not_inputs or {}
         self._any_type = any_type
         self._specs = tuple(specs)
@@ -181,7 +185,8 @@ class InputChecker:
                 for axis, low, high in bounded:
                     size = dims[axis]
                     if size < low or (high is not None and size > high):
-                        raise out_of_bounds(self._backend, spec, axis, size, low, high)
+                        raise out_of_bounds(self._backend, spec, axis, size, low, high,
+                                            self._bounds_said)
             if ordered[index] is not None:
                 raise InvalidArgumentError(
                     f"{self._backend}: input {spec.name!r} is given twice (by name and index)"
@@ -298,6 +303,7 @@ class CheckedGraph(CompiledGraph):
         any_type: frozenset[int] = frozenset(),
         dim_names: Mapping[str, Sequence[object]] | None = None,
         not_inputs: Mapping[str, str] | None = None,
+        bounds_said: str = "allows",
     ) -> None:
         """``handle`` is the library's compiled model (None once closed); the keywords go
         to :class:`InputChecker` and :class:`OutputSelector`."""
@@ -310,7 +316,7 @@ class CheckedGraph(CompiledGraph):
         self.output_aliases = MappingProxyType(dict(out_aliases or {}))
         self._checker = InputChecker(
             backend, inputs, aliases=in_aliases, any_type=any_type, dim_names=dim_names,
-            not_inputs=not_inputs,
+            not_inputs=not_inputs, bounds_said=bounds_said,
         )
         self._selector = OutputSelector(backend, outputs, aliases=out_aliases)
         #: What ``select(None)`` returns: the very object, so ``picked is self._all`` holds.

@@ -14,6 +14,7 @@ to check before each run. What torch's caches keep of each load is given back af
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import zipfile
@@ -31,7 +32,7 @@ from ._pt2_check import check_pt2_archive
 from ._torch_cancel import _interruptible
 from ._torch_division import guard_exported_divisions
 from ._torch_export_caches import drop_dead_sources, forget_shape_envs, sources_mark
-from ._torch_graph import NAME, TorchGraph, _DimRange, _first_line, _output_names
+from ._torch_graph import NAME, TorchGraph, _first_line, _output_names
 from ._torch_memory import exported_written_inputs, module_storages
 from ._torch_ops import check_exported_program
 from ._torch_tensors import _TYPES
@@ -110,7 +111,9 @@ def _exported_graph(data: bytes, device: Device, torch_device: torch.device) -> 
     user_inputs = set(signature.user_inputs)
     placeholders = [n for n in program.graph.nodes
                     if n.op == "placeholder" and n.name in user_inputs]
-    inputs = tuple(_spec_of(n.name, n.meta.get("val"), "input") for n in placeholders)
+    ranges = _dim_ranges(program, placeholders)
+    inputs = tuple(_bounded(_spec_of(n.name, n.meta.get("val"), "input"), ranges.get(i, {}))
+                   for i, n in enumerate(placeholders))
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     user_outputs = list(out_node.args[0])[-len(signature.user_outputs):]
     names = _output_names(len(user_outputs))
@@ -123,7 +126,6 @@ def _exported_graph(data: bytes, device: Device, torch_device: torch.device) -> 
         outputs, checked=True,
         private=exported_written_inputs(program, placeholders),
         model_storages=module_storages(module),
-        dim_ranges=_dim_ranges(program, placeholders),
     )
 
 
@@ -177,11 +179,12 @@ def _flat_calls(program: Any, module: torch.nn.Module, inputs: int,
     return module if flat_in and flat_out else _Flattened(module, leaves, in_spec)
 
 
-def _dim_ranges(program: Any, placeholders: list[Any]) -> tuple[_DimRange, ...]:
-    """The checked range of each input dim that is a plain symbol (``Dim("n")``), where
-    torch checks one: a lower bound above 2 (torch does not check 0, 1 or 2), a finite
-    upper bound."""
-    ranges = []
+def _dim_ranges(program: Any, placeholders: list[Any]
+                ) -> dict[int, dict[int, tuple[int, int | None]]]:
+    """The checked range ``(low, high)`` of each input dim that is a plain symbol
+    (``Dim("n")``), by input and axis, where torch checks one: a lower bound above 2
+    (torch does not check 0, 1 or 2: 0 here), a finite upper bound (None: none)."""
+    ranges: dict[int, dict[int, tuple[int, int | None]]] = {}
     for index, node in enumerate(placeholders):
         for axis, size in enumerate(getattr(node.meta.get("val"), "shape", ())):
             if not isinstance(size, torch.SymInt):
@@ -193,5 +196,14 @@ def _dim_ranges(program: Any, placeholders: list[Any]) -> tuple[_DimRange, ...]:
             high = int(bounds.upper) if bounds.upper.is_Integer else None  # not int_oo
             low = low if low > 2 else 0
             if low or high is not None:
-                ranges.append(_DimRange(index, axis, low, high))
-    return tuple(ranges)
+                ranges.setdefault(index, {})[axis] = (low, high)
+    return ranges
+
+
+def _bounded(spec: TensorSpec, ranges: dict[int, tuple[int, int | None]]) -> TensorSpec:
+    """``spec`` with the bounds of its dims that have a checked ``ranges`` (by axis)."""
+    if not ranges:
+        return spec
+    bounds = tuple((size, size) if size is not None else ranges.get(axis, (0, None))
+                   for axis, size in enumerate(spec.shape))
+    return dataclasses.replace(spec, bounds=bounds)

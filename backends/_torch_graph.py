@@ -13,7 +13,7 @@ share: the backend's :data:`NAME`, :func:`_output_names` and :func:`_first_line`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from wasinn.enums import ExecutionTarget
 from wasinn.errors import BackendRuntimeError, InvalidArgumentError, WasiNNError
 from wasinn.tensor import Tensor, count_host_copies
 
-from ._graphio import CheckedGraph, out_of_bounds
+from ._graphio import CheckedGraph
 from ._torch_cancel import _Checkpoints, _StopChecked
 from ._torch_memory import storage_of
 from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
@@ -34,15 +34,6 @@ NAME = "pytorch"
 
 def _output_names(count: int) -> list[str]:
     return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
-
-
-class _DimRange(NamedTuple):
-    """A symbolic input dimension's exported range, as torch's input guards check it."""
-
-    input: int
-    axis: int
-    low: int  # 0 when torch does not check it (a lower bound of 2 or less)
-    high: int | None
 
 
 #: ``LoadOptions.precision`` -> whether torch may compute f32 in TF32 on CUDA (other
@@ -63,7 +54,6 @@ class TorchGraph(CheckedGraph):
         checked: bool,
         private: frozenset[int] = frozenset(),
         model_storages: frozenset[int] = frozenset(),
-        dim_ranges: tuple[_DimRange, ...] = (),
         checkpoints: bool = False,
         stop_checked: _StopChecked | None = None,
         stateful: bool = False,
@@ -72,7 +62,6 @@ class TorchGraph(CheckedGraph):
         the memory of its parameters, buffers and constants (outputs there are cloned);
         ``stateful``: the model keeps tensors it computes (an attribute it assigns), which
         ``model_storages`` cannot name, so every output is cloned;
-        ``dim_ranges``: the symbolic dims' ranges to check before each run;
         ``checkpoints``: run under :class:`_Checkpoints` (a TorchScript module loaded
         with ``interruptible``); ``stop_checked``: a TorchScript module's forward with
         stop checks, run in its place."""
@@ -80,12 +69,14 @@ class TorchGraph(CheckedGraph):
         # placeholder, unchecked (their ranks are unknown, so their shapes go unchecked
         # as well).
         unchecked = frozenset(i for i, spec in enumerate(inputs) if not spec.type_known)
-        super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked)
+        # (A torch.export program's symbolic dims carry their exported ranges as their
+        # specs' bounds, which the input check checks, as torch's input guards would.)
+        super().__init__(NAME, module, device, inputs, outputs, any_type=unchecked,
+                         bounds_said="was exported for")
         self._checked = checked
         self.output_types_declared = all(spec.type_known for spec in outputs)
         self._private = private
         self._model_storages = model_storages
-        self._dim_ranges = dim_ranges
         self._checkpoints = checkpoints
         self._stop_checked = stop_checked
         self._stateful = stateful
@@ -107,8 +98,6 @@ class TorchGraph(CheckedGraph):
         self, module: Any, ordered: list[Tensor], picked: tuple[int, ...], keep_on_device: bool
     ) -> dict[str, Tensor]:
         device = self._torch_device
-        if self._dim_ranges:
-            self._check_ranges(ordered)
         private = self._private
         on_cuda = device.type == "cuda"
         try:
@@ -181,15 +170,6 @@ class TorchGraph(CheckedGraph):
     def close(self) -> None:
         super().close()
         self._stop_checked = None  # (its graph holds the frozen module's weights)
-
-    def _check_ranges(self, ordered: list[Tensor]) -> None:
-        """InvalidArgumentError for a symbolic dim outside its exported range, which
-        torch reports as a failed guard."""
-        for index, axis, low, high in self._dim_ranges:
-            size = ordered[index].dims[axis]
-            if size < low or (high is not None and size > high):
-                raise out_of_bounds(NAME, self.inputs[index], axis, size, low, high,
-                                    "was exported for")
 
     def _wrap(self, value: Any, taken: set[int], keep: bool,
               ready: torch.cuda.Event | None) -> Tensor:

@@ -12,9 +12,10 @@ constant is passed that constant, and is no input. Integer positions work as key
 everywhere.
 
 Specs. A ``torch.export`` program records element types and shapes (symbolic dims are
-reported as None) and inputs are checked against them, a symbolic dim against the range
-it was exported with (``Dim("n", max=8)``; like torch, only lower bounds above 2): an
-input outside it is InvalidArgumentError naming the input, the dimension and the range.
+reported as None, their exported range as the spec's ``bounds``) and inputs are checked
+against them, a symbolic dim against the range it was exported with (``Dim("n", max=8)``;
+like torch, only lower bounds above 2): an input outside it is InvalidArgumentError
+naming the input, the dimension and the range.
 A TorchScript archive records neither: its specs declare no element type and no rank
 (``type_known=False``, ``rank_known=False``, described as ``x: any[...]``; their f32 is a
 placeholder) and only input names are checked;

@@ -1000,10 +1000,13 @@ def test_dim_outside_its_exported_range_is_invalid_argument(backend: Any) -> Non
 
     n = torch.export.Dim("n", min=3, max=8)
     graph = backend.load([_exported(Square(), (torch.zeros(4, 4),), {"x": {0: n}})], PT, CPU)
+    # The spec carries the range (before: f32[?, 4]): warm-ups start there.
+    assert graph.inputs[0].describe() == "x: f32[3..8, 4]"
     graph.run({"x": Tensor.from_numpy(np.ones((8, 4), np.float32))})
     for batch in (16, 2):
         with pytest.raises(InvalidArgumentError,
-                           match=r"input 'x' has size .* in dimension 0.* 3 to 8"):
+                           match=r"^pytorch: input 'x' has size .* in dimension 0, but the "
+                                 r"model was exported for 3 to 8 there"):
             graph.run({"x": Tensor.from_numpy(np.ones((batch, 4), np.float32))})
     # A relation between dims (both sizes of a square) is torch's guard: also the caller's.
     square = backend.load([_exported(Square(), (torch.zeros(4, 4),),

@@ -368,6 +368,28 @@ async def test_a_model_whose_dimension_is_bounded_above_1_warms_up(
         assert out["y"].numpy().tolist() == [[0.0] * 3] * 2
 
 
+async def test_a_torch_export_model_warms_up_at_the_least_size_it_was_exported_for(
+        tmp_path: Path) -> None:
+    # Before: its zeros had 1 row, which Dim("n", min=4) refuses: the start failed.
+    require_backend("torch")
+    import torch
+
+    class Double(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    n = torch.export.Dim("n", min=4, max=16)
+    torch.export.save(torch.export.export(Double(), (torch.ones(5, 3),),
+                                          dynamic_shapes={"x": {0: n}}), tmp_path / "m.pt2")
+    path = tmp_path / "wasinn.toml"
+    path.write_text('[models.m]\nfiles = ["m.pt2"]\nencoding = "pytorch"\nwarmup = 1\n')
+    async with wasinn.Runtime.from_config(path) as rt:
+        graph = await rt.load_by_name("m")
+        assert graph.inputs[0].describe() == "x: f32[4..16, 3]"
+        out = await graph.compute({"x": np.ones((4, 3), np.float32)})
+        assert out["output"].numpy().tolist() == [[2.0] * 3] * 4
+
+
 class _OwnError(BackendRuntimeError):
     """A backend's own error whose constructor takes other arguments."""
 
