@@ -28,7 +28,7 @@ symbolic dimension names: :mod:`wasinn.backends.onnx_dims`) tells three cases ap
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from wasinn.backends.base import TensorSpec
 from wasinn.backends.onnx_dims import DeclaredDim
@@ -92,6 +92,17 @@ def check_batchable(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[T
         known = known and first in batch and all(
             isinstance(dim, int) or dim in other for dim in dims[1:])
     return known
+
+
+def row_limit(inputs: Iterable[TensorSpec]) -> tuple[int, TensorSpec] | None:
+    """The fewest rows that one of ``inputs`` allows at most in its first dimension, and
+    that input, where any bounds it (None where none does)."""
+    least: tuple[int, TensorSpec] | None = None
+    for spec in inputs:
+        high = spec.bounds[0][1] if spec.bounds else None
+        if high is not None and (least is None or high < least[0]):
+            least = (high, spec)
+    return least
 
 
 def _dims(spec: TensorSpec, declared: Declared | None) -> tuple[DeclaredDim, ...] | None:

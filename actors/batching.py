@@ -37,7 +37,9 @@ Correctness never rests on the merge:
   dimension the inputs' batch dimension. What it declares is checked at load
   (:func:`check_batchable`, :mod:`~wasinn.actors._batch_axes`): a fixed first dimension,
   or ONNX dimension names that show an output has another first dimension, is refused.
-  Where its declarations do not show every output batch-major (no names, no shapes),
+  A model that bounds its first dimension (``x: f32[1..4, 3]``) has ``max_batch``
+  lowered to that bound (:func:`fit_batching`): a merged run it would refuse is never
+  made. Where its declarations do not show every output batch-major (no names, no shapes),
   the first merged run of each graph and input signature on a device is checked: its
   member of fewest rows runs alone too, and the merged outputs must be shaped as that
   run's but for their rows (a transposed output may have as many rows as the batch).
@@ -75,14 +77,18 @@ are merged for a run and split back.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from wasinn.backends.base import TensorSpec
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import as_int
 
-from ._batch_axes import check_batchable
+from ._batch_axes import check_batchable, row_limit
 from ._batch_rows import BatchInputs, RunInputs, Signature, merge_rows, split_rows
 from ._batcher import Batcher
 
@@ -95,6 +101,7 @@ __all__ = [
     "RunInputs",
     "Signature",
     "check_batchable",
+    "fit_batching",
     "merge_rows",
     "split_rows",
 ]
@@ -102,6 +109,7 @@ __all__ = [
 #: The most rows a batch may be given (``Batching.max_batch``, the config's too).
 MAX_BATCH = 65_536
 
+log = logging.getLogger("wasinn.actors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +147,24 @@ class Batching:
 class BatchingError(InvalidArgumentError, ValueError):
     """A :class:`Batching` with bounds out of range (``wasinn.BatchingError``):
     invalid-argument, and a ValueError for callers that caught that before."""
+
+
+def fit_batching(name: str, batching: Batching, inputs: Iterable[TensorSpec]) -> Batching:
+    """``batching`` for a model (or pipeline step) ``name`` of ``inputs``: as given, or
+    with ``max_batch`` lowered (with a warning) to the most rows an input's first
+    dimension allows where the model bounds it below that (an OpenVINO interval
+    ``x: f32[1..8, 3]``, a torch.export ``Dim(max=8)``), so that no merged run is larger
+    than the model takes. Raises InvalidArgumentError where that is fewer than 2 rows:
+    no two requests could ever share a run."""
+    limit = row_limit(inputs)
+    if limit is None or limit[0] >= batching.max_batch:
+        return batching
+    rows, spec = limit
+    if rows < 2:
+        raise InvalidArgumentError(
+            f"{name}: batching merges requests along the first dimension, but input "
+            f"{spec.describe()} allows at most {rows} row there: expected a first "
+            "dimension that allows 2 rows or more, or load the model without batching")
+    log.warning("%s: batching's max_batch %d lowered to %d: input %s allows at most %d "
+                "rows", name, batching.max_batch, rows, spec.describe(), rows)
+    return dataclasses.replace(batching, max_batch=rows)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from wasinn.actors.batching import Batching, check_batchable
+from wasinn.actors.batching import Batching, check_batchable, fit_batching
 from wasinn.backends.base import LoadOptions
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import NotFoundError, SecurityError, WasiNNError
@@ -69,6 +69,7 @@ class ModelLoading:
             if batching is not None:
                 model.batch_major = check_batchable(model.name, model.inputs,
                                                     model.outputs, model.declared_dims())
+                model.batching = fit_batching(model.name, batching, model.inputs)
         except BaseException:
             # Nobody holds it: leave nothing compiled, and no compile still under way
             # (this load was cancelled) cached for a model nobody can unload.
@@ -134,6 +135,10 @@ class ModelLoading:
             if batching is not None:
                 try:  # (before compiling anything more)
                     check_chain_batchable(name, steps, links)
+                    for i, step_model in enumerate(steps):  # its rows pass every step
+                        batching = fit_batching(
+                            f"pipeline {name!r} step {i} ({step_model.name})", batching,
+                            step_model.inputs)
                 except WasiNNError as exc:
                     raise exc.prefixed(pipeline_key(self._config, name, "batching")
                                        ) from exc
