@@ -43,7 +43,7 @@ import trio
 from wasinn.actors.batching import Batching, check_batchable
 from wasinn.actors.lease import Lease
 from wasinn.actors.stats import Outcome, RequestStats
-from wasinn.backends.base import TensorSpec
+from wasinn.backends.base import TensorSpec, describe_range
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 from wasinn.tensor import Tensor
@@ -155,10 +155,11 @@ def _primary(specs: Sequence[TensorSpec], aliases: Mapping[str, int], name: str)
 
 
 def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
-    """Why ``out`` can never feed ``inp`` (element types, ranks or fixed dimensions that
-    differ), or None. Only what both declare is compared: a TorchScript model declares
-    neither types nor shapes (its specs say ``any`` of unknown rank); an ONNX value
-    declared without a shape still declares its type."""
+    """Why ``out`` can never feed ``inp`` (element types, ranks, fixed dimensions that
+    differ, or sizes outside the input's bounds: ``x: f32[1..4, 3]``), or None. Only what
+    both declare is compared: a TorchScript model declares neither types nor shapes (its
+    specs say ``any`` of unknown rank); an ONNX value declared without a shape still
+    declares its type."""
     if out.type_known and inp.type_known and out.type is not inp.type:
         return f"their element types differ ({out.type.value}, {inp.type.value})"
     if not (out.rank_known and inp.rank_known):
@@ -166,9 +167,25 @@ def _incompatible(out: TensorSpec, inp: TensorSpec) -> str | None:
     if len(out.shape) != len(inp.shape):
         return f"their ranks differ ({len(out.shape)}, {len(inp.shape)})"
     for axis, (have, want) in enumerate(zip(out.shape, inp.shape, strict=True)):
-        if have is not None and want is not None and have != want:
-            return f"dimension {axis} differs ({have}, {want})"
+        if have is not None and want is not None:
+            if have != want:
+                return f"dimension {axis} differs ({have}, {want})"
+            continue
+        (out_low, out_high), (in_low, in_high) = _sizes(out, axis), _sizes(inp, axis)
+        if ((out_high is not None and out_high < in_low)
+                or (in_high is not None and in_high < out_low)):
+            made = str(have) if have is not None else describe_range(out_low, out_high)
+            return (f"dimension {axis} is {made} and {inp.name} takes "
+                    f"{describe_range(in_low, in_high)} there")
     return None
+
+
+def _sizes(spec: TensorSpec, axis: int) -> tuple[int, int | None]:
+    """The least and most (None: no most) sizes ``spec`` allows in dimension ``axis``."""
+    size = spec.shape[axis]
+    if size is not None:
+        return size, size
+    return spec.bounds[axis] if spec.bounds else (0, None)
 
 
 def check_chain_batchable(name: str, steps: Sequence[LoadedModel],

@@ -445,6 +445,8 @@ def test_a_wire_on_the_first_step_is_refused() -> None:
     (TensorSpec("x", TensorType.I64, (None, 4)), r"their element types differ \(f32, i64\)"),
     (TensorSpec("x", TensorType.F32, (None, 8)), r"dimension 1 differs \(4, 8\)"),
     (TensorSpec("x", TensorType.F32, (None, 2, 2)), r"their ranks differ \(2, 3\)"),
+    (TensorSpec("x", TensorType.F32, (None, None), bounds=((0, None), (5, 8))),
+     r"dimension 1 is 4 and x takes 5 to 8 there"),
 ])
 def test_a_wire_between_incompatible_tensors_is_refused_at_load(second_input: TensorSpec,
                                                                why: str) -> None:
@@ -464,6 +466,31 @@ def test_a_wire_between_incompatible_tensors_is_refused_at_load(second_input: Te
         resolve_wiring("p", [a, b], [{}, {"y": "x"}])
     # Unknown ranks (TorchScript declares none) and dynamic dimensions are not compared.
     b.inputs = (TensorSpec("x", TensorType.F32, (), rank_known=False),)
+    assert resolve_wiring("p", [a, b], [{}, {"y": "x"}]) == ((("y", "x"),),)
+
+
+def test_a_wire_whose_sizes_fall_outside_the_inputs_bounds_is_refused_at_load() -> None:
+    # Before: bounds were not compared, and every compute failed in step 1.
+    from wasinn.backends import LoadOptions
+    from wasinn.enums import GraphEncoding
+    from wasinn.scheduler.model import LoadedModel
+    from wasinn.scheduler.pipeline import resolve_wiring
+
+    a, b = (LoadedModel((b"",), GraphEncoding.ONNX, LoadOptions(), name=n) for n in "ab")
+    a.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
+    a.outputs = (TensorSpec("y", TensorType.F32, (None, 4), bounds=((5, 8), (4, 4))),)
+    b.inputs = (TensorSpec("x", TensorType.F32, (None, 4), bounds=((1, 4), (4, 4))),)
+    b.outputs = (TensorSpec("z", TensorType.F32, (None, 4)),)
+    with pytest.raises(InvalidArgumentError) as caught:
+        resolve_wiring("p", [a, b], [{}, {"y": "x"}])
+    assert caught.value.message == (
+        "pipeline 'p' step 1 (b): wires y: f32[5..8, 4] into x: f32[1..4, 4], but dimension "
+        "0 is 5 to 8 and x takes 1 to 4 there: expected an output b can take")
+    # Sizes that may fit are left to the run's check.
+    for bounds in (((4, 9), (4, 4)), ((0, None), (4, 4))):
+        a.outputs = (TensorSpec("y", TensorType.F32, (None, 4), bounds=bounds),)
+        assert resolve_wiring("p", [a, b], [{}, {"y": "x"}]) == ((("y", "x"),),)
+    a.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
     assert resolve_wiring("p", [a, b], [{}, {"y": "x"}]) == ((("y", "x"),),)
 
 
