@@ -39,6 +39,11 @@ NAME = "onnxruntime"
 _NotImplemented: type[Exception] = ort.capi.onnxruntime_pybind11_state.NotImplemented
 
 
+#: What ONNX Runtime says of a well-formed model of an opset or IR version newer than it
+#: supports (which another library, or a newer onnxruntime, may run).
+_TOO_NEW = ("is till opset", "Unsupported model IR version")
+
+
 def _session(data: bytes, device: Device, options: LoadOptions,
              external: Mapping[str, bytes], *, ort_format: bool) -> Any:
     """An ``InferenceSession`` for ``data`` on ``device``, with ORT's provider fallback off.
@@ -52,7 +57,8 @@ def _session(data: bytes, device: Device, options: LoadOptions,
 
     Raises InvalidEncodingError for a model ONNX Runtime cannot load,
     UnsupportedOperationError where only the CUDA provider fails on it or where ONNX
-    Runtime has no kernel for what a well-formed model uses (NOT_IMPLEMENTED), and
+    Runtime has no kernel for what a well-formed model uses (NOT_IMPLEMENTED) or reads
+    no model of its opset or IR version (newer than this build's), and
     InvalidArgumentError for provider options that contradict ``device``
     (:func:`providers_for`). ``external``: the model's external data files, by location;
     ``ort_format``: whether the checks read ``data`` as an ORT-format model (which ONNX
@@ -70,6 +76,10 @@ def _session(data: bytes, device: Device, options: LoadOptions,
             raise UnsupportedOperationError(
                 f"{NAME}: ONNX Runtime cannot run the model on {device}: {exc}: expected "
                 "operators and element types it implements there") from exc
+        if any(sign in str(exc) for sign in _TOO_NEW):
+            raise UnsupportedOperationError(
+                f"{NAME}: the model is newer than this ONNX Runtime reads: {exc}: expected "
+                "an opset and IR version it supports (a newer onnxruntime may)") from exc
         raise InvalidEncodingError(f"{NAME}: cannot load the ONNX model: {exc}") from exc
     session.disable_fallback()  # enable_fallback=0 did so already; said again for run()
     return session

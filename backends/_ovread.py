@@ -34,7 +34,9 @@ and reads back only plain files. That costs about 1 ms, and leaving OpenVINO's t
 out of the child (it keeps a client ID file in the home directory) saves more.
 
 Every failure is an InvalidEncodingError that names the backend and the reason, except
-a child process that cannot be started at all (BackendRuntimeError).
+operators a frontend cannot convert in a well-formed model (UnsupportedOperationError:
+another library may run it) and a child process that cannot be started at all
+(BackendRuntimeError).
 """
 
 from __future__ import annotations
@@ -51,7 +53,12 @@ import numpy as np
 import openvino as ov
 
 from wasinn.enums import GraphEncoding
-from wasinn.errors import BackendRuntimeError, InvalidEncodingError
+from wasinn.errors import (
+    BackendRuntimeError,
+    InvalidEncodingError,
+    UnsupportedOperationError,
+    WasiNNError,
+)
 from wasinn.files import read_regular
 
 from . import _confine
@@ -189,7 +196,7 @@ def _read_ir(core: Any, xml: bytes | bytearray | memoryview,
         tensor = ov.Tensor(shared, ov.Shape([shared.size]), ov.Type.u8)
         model = core.read_model(bytes(xml), tensor)
     except Exception as exc:
-        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {ov_message(exc)}") from exc
+        raise refused(what, ov_message(exc)) from exc
     return model, shared
 
 
@@ -197,7 +204,23 @@ def _read(reader: Any, what: str) -> Any:
     try:
         return reader()
     except Exception as exc:
-        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: {ov_message(exc)}") from exc
+        raise refused(what, ov_message(exc)) from exc
+
+
+#: What OpenVINO's frontends say of a well-formed model with operators they cannot
+#: convert (an ONNX ``com.microsoft`` contrib op, an op of a newer opset).
+_NOT_CONVERTED = ("OpConversionFailure", "No conversion rule found")
+
+
+def refused(what: str, message: str) -> WasiNNError:
+    """Why OpenVINO did not read the ``what``: UnsupportedOperationError for operators
+    its frontend cannot convert (the model is well formed: another library may run it),
+    else InvalidEncodingError."""
+    if any(sign in message for sign in _NOT_CONVERTED):
+        return UnsupportedOperationError(
+            f"{NAME}: cannot convert the {what}: {message}: expected operators OpenVINO's "
+            "frontend converts")
+    return InvalidEncodingError(f"{NAME}: cannot read the {what}: {message}")
 
 
 def _read_files(core: Any, files: dict[str, bytes | bytearray | memoryview],
@@ -306,8 +329,7 @@ def _convert_in_child(root: Path, main: str, what: str, fsize: int) -> tuple[Pat
             raise InvalidEncodingError(
                 f"{NAME}: cannot read the {what}: as IR it takes over {fsize:,} bytes, the "
                 "most a file written by the process that reads such models may hold")
-        raise InvalidEncodingError(f"{NAME}: cannot read the {what}: "
-                                   f"{_child_failure(done.returncode, done.stdout, log)}")
+        raise refused(what, _child_failure(done.returncode, done.stdout, log))
     return xml, weights
 
 

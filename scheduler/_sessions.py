@@ -105,42 +105,44 @@ class Sessions:
         """``model`` compiled on ``actor``'s device (compiled on first use, then cached).
 
         A model that names no backend, which the chosen one cannot run there
-        (UnsupportedOperationError: a kernel its library lacks), is compiled by the next
-        backend of the preference order that reads its encoding on that device, with a
-        warning; where none can, the first backend's error is raised."""
+        (UnsupportedOperationError: a kernel its library lacks) or cannot read
+        (InvalidEncodingError: a variant of its format, an operator domain or an opset
+        that library does not know, which another may), is compiled by the next backend
+        of the preference order that reads its encoding on that device, with a warning;
+        where none can, the first backend's error is raised, followed by each other's."""
         kind = actor.device.kind
         model.placed_on.add(kind)  # (first: an unload from now on waits for this pool)
         backend = await self.backend_for(model, kind)
         try:
             return await self._session_with(actor, model, backend)
-        except UnsupportedOperationError as exc:
+        except (UnsupportedOperationError, InvalidEncodingError) as exc:
             if model.backend_name is not None or model.released:
                 raise
             return await self._session_with_another(actor, model, backend, exc)
 
     async def _session_with_another(self, actor: DeviceActor, model: LoadedModel,
-                                    failed: str, exc: UnsupportedOperationError) -> Session:
+                                    failed: str, exc: WasiNNError) -> Session:
         # The backends after ``failed`` in the preference order that read the model's
         # encoding on ``actor``'s device (asking may import them: in a worker thread).
         kind = actor.device.kind
         others = await trio.to_thread.run_sync(self._others, model, kind, failed)
-        tried = [failed]
+        refusals = []
         for other in others:
             try:
                 session = await self._session_with(actor, model, other)
             except (ClosedResourceError, DeviceLostError):
                 raise  # the runtime or the model closed, the device was lost: not a refusal
-            except WasiNNError:  # (what the first backend said is what the caller hears)
-                tried.append(other)
+            except WasiNNError as refusal:  # (told after what the first backend said)
+                refusals.append(_refusal(other, refusal))
                 continue
             log.warning("%s: backend %s cannot run it on %s (%s): it runs on %s instead",
                         model.name, failed, actor.device, exc.message, other)
             model.backends[kind] = other
             _warn_unread_options(model, other)
             return session
-        if len(tried) == 1:
+        if not refusals:
             raise exc
-        raise exc.suffixed(f"(nor could {', '.join(tried[1:])})")
+        raise exc.suffixed(f"(nor could {'; nor '.join(refusals)})")
 
     def _others(self, model: LoadedModel, kind: ExecutionTarget, failed: str) -> list[str]:
         registry = self._registry(kind)
@@ -275,6 +277,13 @@ class Sessions:
         close blocks (sandboxed ones), which close in a thread, included."""
         for actor in self.actors:
             await actor.graphs_closed()
+
+
+def _refusal(backend: str, exc: WasiNNError) -> str:
+    """Why ``backend`` did not compile a model, its name first once (a backend's messages
+    begin with its name)."""
+    message = exc.message
+    return message if message.startswith(f"{backend}:") else f"{backend}: {message}"
 
 
 def _batch_key(executable: Executable) -> Hashable:
