@@ -1,8 +1,10 @@
 """Guarding ONNX Runtime against integer division overflow.
 
 ONNX Runtime's CPU kernels for ``Div`` and ``Mod`` divide int32 and int64 elements with
-C++'s ``/`` and ``%``, checking the divisor for zero but not the one other case that has
-no result: the type's minimum divided by -1. On x86 the ``idiv`` instruction traps on it
+C++'s ``/`` and ``%``, checking the divisor for zero (from onnxruntime 1.25: older ones
+divide by it, which is why the backend refuses them, see
+:func:`~.onnxruntime.check_version`) but not the one other case that has no result:
+the type's minimum divided by -1. On x86 the ``idiv`` instruction traps on it
 and the whole host process dies of SIGFPE (exit 136), every other guest and caller with
 it. Guests choose a model's inputs, so any model with an integer Div let a guest kill
 the host with two numbers; a model whose Div has the constants MIN and -1 killed it while

@@ -57,6 +57,7 @@ of one model are unaffected (2.9 ms either way).
 
 from __future__ import annotations
 
+import re
 import threading
 
 import onnxruntime as ort
@@ -107,6 +108,24 @@ def _without_cuda(session: ort.InferenceSession, device: Device) -> bool:
         session.get_providers())
 
 
+#: The oldest onnxruntime wasinn runs models on: the first whose integer Div and Mod
+#: check the divisor for zero (1.17 to 1.24 divide by it: SIGFPE ends the host process).
+OLDEST = (1, 25)
+
+
+def check_version(version: str) -> None:
+    """UnsupportedOperationError where onnxruntime ``version`` is older than
+    :data:`OLDEST` (the registry then passes the backend over, saying why)."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < OLDEST:
+        oldest = ".".join(map(str, OLDEST))
+        raise UnsupportedOperationError(
+            f"onnxruntime {version} is older than {oldest}, the first that checks an "
+            "integer division's divisor for zero (older ones end the host process with "
+            f"SIGFPE on a division by zero): expected onnxruntime>={oldest} "
+            "(pip install -U 'wasinn[onnxruntime]')")
+
+
 class OnnxRuntimeBackend(Backend):
     """ONNX Runtime: ``onnx`` on ``cpu`` and, with the CUDA provider, ``gpu:N``."""
 
@@ -114,6 +133,7 @@ class OnnxRuntimeBackend(Backend):
     encodings = frozenset({GraphEncoding.ONNX})
 
     def __init__(self) -> None:
+        check_version(ort.__version__)
         self._devices: list[Device] | None = None
         self._lock = threading.Lock()
 

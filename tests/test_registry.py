@@ -263,3 +263,45 @@ def test_a_plugin_that_cannot_be_imported_is_unsupported_where_it_is_named(
 
 
 GGML = GraphEncoding.GGML
+
+
+async def test_an_onnxruntime_older_than_1_25_is_not_used_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # onnxruntime 1.17 to 1.24 divide integers by zero: SIGFPE ended the host process on
+    # a model's Div whose divisor a guest set to 0. The extras ask for 1.25 or later.
+    require_backend("onnxruntime")
+    require_backend("openvino")
+    import numpy as np
+    import onnxruntime
+
+    import wasinn
+    from wasinn.backends.onnxruntime import check_version
+    from wasinn.modelgen import affine_onnx
+
+    check_version("1.25.0")
+    check_version("1.31.1")
+    with pytest.raises(UnsupportedOperationError) as caught:
+        check_version("1.24.4")
+    assert caught.value.message == (
+        "onnxruntime 1.24.4 is older than 1.25, the first that checks an integer division's "
+        "divisor for zero (older ones end the host process with SIGFPE on a division by "
+        "zero): expected onnxruntime>=1.25 (pip install -U 'wasinn[onnxruntime]')")
+    monkeypatch.setattr(onnxruntime, "__version__", "1.24.4")
+    async with wasinn.Runtime() as rt:
+        with caplog.at_level(logging.WARNING):
+            graph = await rt.load([affine_onnx()], "onnx")
+        assert graph.backend == "openvino"  # the next that reads ONNX
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+        assert out["y"].numpy().tolist() == [[3.0] * 4]
+        assert "onnxruntime 1.24.4 is older than 1.25" in caplog.text
+        with pytest.raises(UnsupportedOperationError, match=r"older than 1\.25"):
+            await rt.load([affine_onnx()], "onnx", backend="onnxruntime")
+
+
+def test_the_extras_ask_for_an_onnxruntime_that_checks_divisors() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extras = project["project"]["optional-dependencies"]
+    for extra in ("onnxruntime", "all"):
+        assert "onnxruntime>=1.25" in extras[extra], extra
