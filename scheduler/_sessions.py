@@ -133,7 +133,7 @@ class Sessions:
             except (ClosedResourceError, DeviceLostError):
                 raise  # the runtime or the model closed, the device was lost: not a refusal
             except WasiNNError as refusal:  # (told after what the first backend said)
-                refusals.append(_refusal(other, refusal))
+                refusals.append(_refusal(other, refusal, _reason(failed, exc)))
                 continue
             log.warning("%s: backend %s cannot run it on %s (%s): it runs on %s instead",
                         model.name, failed, actor.device, exc.message, other)
@@ -279,11 +279,18 @@ class Sessions:
             await actor.graphs_closed()
 
 
-def _refusal(backend: str, exc: WasiNNError) -> str:
-    """Why ``backend`` did not compile a model, its name first once (a backend's messages
-    begin with its name)."""
+def _refusal(backend: str, exc: WasiNNError, first: str) -> str:
+    """Why ``backend`` did not compile a model, after the first backend's reason
+    ``first`` (see :func:`_reason`): its name and reason, or that it was the same."""
+    reason = _reason(backend, exc)
+    return f"{backend}, for the same reason" if reason == first else f"{backend}: {reason}"
+
+
+def _reason(backend: str, exc: WasiNNError) -> str:
+    """``exc``'s message without the name of ``backend``, which a backend's messages
+    begin with."""
     message = exc.message
-    return message if message.startswith(f"{backend}:") else f"{backend}: {message}"
+    return message.removeprefix(f"{backend}: ")
 
 
 def _batch_key(executable: Executable) -> Hashable:

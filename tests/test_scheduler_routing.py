@@ -451,8 +451,8 @@ async def test_where_no_backend_can_compile_a_model_the_first_ones_error_is_rais
                                              "backends": ["first", "second"]}}}, None)
     async with wasinn.Runtime(config, backends=[first, second]) as rt:
         with pytest.raises(UnsupportedOperationError,
-                           match=r"^first: no kernel for it on cpu \(nor could second: no "
-                                 r"kernel for it on cpu\)$"):
+                           match=r"^first: no kernel for it on cpu \(nor could second, for "
+                                 r"the same reason\)$"):
             await rt.load(RECIPE, "ggml")
 
 
