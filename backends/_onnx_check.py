@@ -60,6 +60,7 @@ from wasinn.files import OutsideError, read_regular
 from ._onnx_structure import check_structure
 from ._onnx_wire import message_fields, onnx_records, onnx_values
 from .base import in_sandbox
+from .formats import ORT_FORMAT, reads_as_ort_format
 
 __all__ = ["LOAD_FORMAT_KEY", "ORT_FORMAT", "check_external_data", "external_data_folder",
            "given_external_data", "onnx_records", "read_external_data", "reads_as_ort_format"]
@@ -91,8 +92,6 @@ _CHILDREN: dict[_Kind, dict[int, _Kind]] = {
 _NAME, _EXTERNAL_DATA, _DATA_LOCATION = 8, 13, 14
 #: StringStringEntryProto: key, value.
 _KEY, _VALUE = 1, 2
-#: ORT-format models are flatbuffers with this file identifier (bytes 4 to 8).
-ORT_FORMAT = b"ORTM"
 #: The session config entry that tells ONNX Runtime which format the bytes are in.
 LOAD_FORMAT_KEY = "session.load_model_format"
 #: Protobuf's parsers refuse messages nested deeper than this (a model as well).
@@ -111,16 +110,6 @@ def _first_bytes(numbers: Iterable[int]) -> re.Pattern[bytes]:
 
 #: The messages whose children are sought by their tags' first bytes before a walk.
 _SOUGHT = {kind: _first_bytes(_CHILDREN[kind]) for kind in (_Kind.NODE, _Kind.ATTRIBUTE)}
-
-
-def reads_as_ort_format(data: bytes | bytearray | memoryview, load_format: str = "") -> bool:
-    """Whether ONNX Runtime reads ``data`` as an ORT-format model (a flatbuffer), as it
-    decides: by ``load_format``, the session config entry :data:`LOAD_FORMAT_KEY` it is
-    given ("ORT": yes; any other text: no, the bytes are read as ONNX), else (empty) by
-    the identifier at bytes 4 to 8 of more than 8 bytes."""
-    if load_format:
-        return load_format == "ORT"
-    return len(data) > 8 and bytes(memoryview(data).cast("B")[4:8]) == ORT_FORMAT
 
 
 def check_external_data(backend: str, data: bytes | bytearray | memoryview,

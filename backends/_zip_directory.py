@@ -9,7 +9,12 @@ entries as it will, having held one name at a time.
 
 The archive is read as :mod:`zipfile` reads it (the end record in the last 64 KiB, a
 zip64 end record just before its locator, the central directory ending where the end
-records begin), so that both find the same names in the same order.
+records begin), so that both find the same names in the same order, with one
+difference: zipfile takes the last end record signature in the last 64 KiB, and here a
+record is taken only where it is the archive's (:func:`_end_record`). In bytes cut short
+the last signature left is that of a zip archive stored inside them (a ``.pt2``
+archive's sample inputs, themselves a ``torch.save`` archive), whose names are not
+theirs: such bytes have no end record (:class:`NoEndRecordError`).
 """
 
 from __future__ import annotations
@@ -41,16 +46,21 @@ _MAX_COMMENT = 0xFFFF
 _MAX_EXTRACT_VERSION = 63
 
 
+class NoEndRecordError(ValueError):
+    """The bytes have no end of central directory record of their own: they are cut
+    short (or no zip archive at all)."""
+
+
 def central_directory_names(data: bytes | bytearray | memoryview) -> Iterator[bytes]:
     """Each member name of the zip archive ``data``, in the central directory's order,
     as its raw bytes up to any NUL (as zipfile cuts them): cp437 or UTF-8, both of which
     read ASCII as ASCII. Each is a copy of at most 64 KiB; besides, only the last 64 KiB
     (where the end record is looked for) are copied.
 
-    Raises ValueError, saying what is wrong, as it gets there: for bytes with no end of
-    central directory record, a directory that spans disks or does not fit before its
-    end record, a damaged entry, or an entry that needs a newer zip version than
-    Python's zipfile reads.
+    Raises ValueError, saying what is wrong, as it gets there: NoEndRecordError for
+    bytes with no end of central directory record of their own; ValueError for a
+    directory that spans disks or does not fit before its end record, a damaged entry,
+    or an entry that needs a newer zip version than Python's zipfile reads.
     """
     view = memoryview(data).cast("B")
     start, end = _directory(view)
@@ -81,8 +91,16 @@ def _directory(view: memoryview) -> tuple[int, int]:
     self-extractor's, move it as they move them)."""
     at = _end_record(view)
     if at < 0:
-        raise ValueError("no end of central directory record in its last 64 KiB")
-    _, _, _, _, _, size, _, _ = _END.unpack_from(view, at)
+        raise NoEndRecordError("no end of central directory record in its last 64 KiB")
+    start, ends, _ = _bounds(view, at)
+    return start, ends
+
+
+def _bounds(view: memoryview, at: int) -> tuple[int, int, int]:
+    """For the end record at ``at``: where the central directory begins and ends in
+    ``view``, and where the records say it begins (its offset from the archive's first
+    byte). ValueError when the archive spans disks or its directory does not fit."""
+    _, _, _, _, _, size, offset, _ = _END.unpack_from(view, at)
     ends = at
     locator = at - _LOCATOR.size
     if locator >= 0 and bytes(view[locator:locator + 4]) == _LOCATOR_SIGNATURE:
@@ -91,22 +109,39 @@ def _directory(view: memoryview) -> tuple[int, int]:
             raise ValueError("the archive spans several disks")
         record = locator - _END64.size
         if record >= 0 and bytes(view[record:record + 4]) == _END64_SIGNATURE:
-            size = _END64.unpack_from(view, record)[8]
+            size, offset = _END64.unpack_from(view, record)[8:10]
             ends = record
     if size > ends:
         raise ValueError(f"its central directory of {size} bytes does not fit before its "
                          f"end record (at {ends})")
-    return ends - size, ends
+    return ends - size, ends, offset
 
 
 def _end_record(view: memoryview) -> int:
-    """The offset of the end of central directory record, found as zipfile finds it (at
-    the very end when the archive has no comment, else the last signature in the last
-    64 KiB + 22 bytes), or -1."""
+    """The offset of the archive's end of central directory record, or -1. It is looked
+    for as zipfile looks (at the very end when the archive has no comment, else the last
+    signature in the last 64 KiB + 22 bytes), but a signature is taken only when its
+    record's comment ends where the bytes end, or its central directory lies where the
+    record says with no bytes before the archive (a whole archive with bytes after it,
+    which zipfile and torch read). Others, such as the record of an archive stored
+    uncompressed inside the bytes, are passed over for the one before."""
     first = max(len(view) - _END.size - _MAX_COMMENT, 0)
     tail = bytes(view[first:])
     last = len(tail) - _END.size  # where an end record of no comment begins
-    if last >= 0 and tail.startswith(_END_SIGNATURE, last) and tail.endswith(b"\x00\x00"):
+    if last < 0:
+        return -1
+    if tail.startswith(_END_SIGNATURE, last) and tail.endswith(b"\x00\x00"):
         return first + last
-    found = tail.rfind(_END_SIGNATURE)
-    return -1 if found < 0 or found > last else first + found
+    before = last + len(_END_SIGNATURE)  # a whole record begins at `last` at the latest
+    while (found := tail.rfind(_END_SIGNATURE, 0, before)) >= 0:
+        if found + _END.size + _END.unpack_from(tail, found)[-1] == len(tail):
+            return first + found
+        try:
+            start, _, offset = _bounds(view, first + found)
+        except ValueError:
+            pass
+        else:
+            if start == offset:
+                return first + found
+        before = found
+    return -1

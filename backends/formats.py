@@ -3,9 +3,10 @@
 ``detect_encoding`` answers ``autodetect`` for the registry: ONNX and TensorFlow
 protobufs are told apart by walking their top-level protobuf fields, OpenVINO IR by its
 ``<net`` XML root, TorchScript and ``torch.export`` archives by their zip layout,
-TensorFlow Lite by the ``TFL3`` flatbuffer identifier, GGUF by its magic. A
-``torch.save`` checkpoint (pickled weights or module: no model any backend reads) is
-recognised too, and refused saying how to save a model that loads
+TensorFlow Lite by the ``TFL3`` flatbuffer identifier, ONNX Runtime's ORT-format models
+(encoding ``onnx``) by their ``ORTM`` one (:func:`reads_as_ort_format`), GGUF by its
+magic. A ``torch.save`` checkpoint (pickled weights or module: no model any backend
+reads) is recognised too, and refused saying how to save a model that loads
 (:func:`check_not_torch_save`); it is never unpickled.
 
 The host sniffs a guest's bytes before any sandbox, so what sniffing reads is bounded
@@ -25,7 +26,7 @@ from itertools import islice
 from wasinn.enums import GraphEncoding
 from wasinn.errors import InvalidEncodingError
 
-from ._zip_directory import central_directory_names
+from ._zip_directory import NoEndRecordError, central_directory_names
 from .base import Builders
 
 _ONNX_FIELDS = frozenset({1, 2, 3, 4, 5, 6, 7, 8, 14, 20, 25, 26})  # onnx.ModelProto
@@ -125,6 +126,21 @@ def protobuf_fields(data: bytes | bytearray | memoryview, limit: int | None = No
     return fields
 
 
+#: ORT-format models are flatbuffers with this file identifier (bytes 4 to 8).
+ORT_FORMAT = b"ORTM"
+
+
+def reads_as_ort_format(data: bytes | bytearray | memoryview, load_format: str = "") -> bool:
+    """Whether ONNX Runtime reads ``data`` as an ORT-format model (a flatbuffer), as it
+    decides: by ``load_format``, the session config entry
+    :data:`~._onnx_check.LOAD_FORMAT_KEY` it is given ("ORT": yes; any other text: no,
+    the bytes are read as ONNX), else (empty) by the identifier at bytes 4 to 8 of more
+    than 8 bytes."""
+    if load_format:
+        return load_format == "ORT"
+    return len(data) > 8 and bytes(memoryview(data).cast("B")[4:8]) == ORT_FORMAT
+
+
 #: How far into an IR XML its ``<net`` root element is looked for.
 _IR_HEAD = 64 * 1024
 #: Before the root element: a declaration, comments, processing instructions, a DOCTYPE.
@@ -156,6 +172,14 @@ _TORCH_SAVE_CHECKPOINT = (
     "TorchScript or torch.export archive, and is not unpickled (that would run any code "
     "it holds): expected a model saved with torch.jit.save(torch.jit.script(model), f) or "
     "torch.export.save(torch.export.export(model, args), f)")
+
+
+def _unreadable_zip(who: str, exc: ValueError) -> InvalidEncodingError:
+    """What to say of a zip archive that cannot be read for ``exc``: one with no end
+    record of its own is most likely cut short (an upload or copy that stopped early)."""
+    hint = ": the file may be cut short" if isinstance(exc, NoEndRecordError) else ""
+    return InvalidEncodingError(f"{who}: a zip archive that cannot be read ({exc}{hint}): "
+                                "expected a TorchScript or torch.export archive")
 
 
 class _ZipHolds(enum.Enum):
@@ -190,15 +214,20 @@ def _zip_holds(data: bytes | bytearray | memoryview, limit: int | None) -> _ZipH
 
 
 def check_not_torch_save(backend: str, data: bytes | bytearray | memoryview) -> None:
-    """InvalidEncodingError, naming ``backend`` and saying how to save a model that loads,
+    """InvalidEncodingError, naming ``backend``: saying how to save a model that loads,
     when ``data`` is a ``torch.save`` checkpoint (its zip format or its legacy pickle);
-    other bytes, a zip that cannot be read included, are left for the library to judge."""
+    saying that the file may be cut short, for a zip with no end of central directory
+    record of its own (whose last one found may be that of a ``torch.save`` archive
+    stored in it, as a ``.pt2`` stores its sample inputs). Other bytes, a zip that cannot
+    be read otherwise included, are left for the library to judge."""
     view = memoryview(data).cast("B")
     found = _is_legacy_torch_save(view)
     if not found and bytes(view[:4]) == b"PK\x03\x04":
         # Every entry: the backend's library reads them all next.
         try:
             found = _zip_holds(view, None) is _ZipHolds.CHECKPOINT
+        except NoEndRecordError as exc:
+            raise _unreadable_zip(backend, exc) from exc
         except ValueError:
             return
     if found:
@@ -252,10 +281,13 @@ def detect_encoding(builders: Builders) -> GraphEncoding:
     found = _protobuf_encoding(first)
     if found is not None:
         return found
+    # After the protobufs: a GraphDef whose first node's name begins "ORTM" stays one.
+    if reads_as_ort_format(first):
+        return GraphEncoding.ONNX
     raise InvalidEncodingError(
         f"autodetect: {len(memoryview(first).cast('B'))} bytes starting {head.hex()} match no "
-        "known format: expected ONNX, OpenVINO IR (xml + bin), TorchScript, TensorFlow Lite "
-        "or a TensorFlow GraphDef/SavedModel"
+        "known format: expected ONNX (protobuf, or ONNX Runtime's ORT format), OpenVINO IR "
+        "(xml + bin), TorchScript, TensorFlow Lite or a TensorFlow GraphDef/SavedModel"
     )
 
 
@@ -265,10 +297,7 @@ def _zip_encoding(data: bytes | bytearray | memoryview) -> GraphEncoding:
     try:
         holds = _zip_holds(data, SNIFF_ZIP_ENTRIES)
     except ValueError as exc:
-        raise InvalidEncodingError(
-            f"autodetect: a zip archive that cannot be read ({exc}): expected a TorchScript "
-            "or torch.export archive"
-        ) from exc
+        raise _unreadable_zip("autodetect", exc) from exc
     if holds is _ZipHolds.MODEL:
         return GraphEncoding.PYTORCH
     if holds is _ZipHolds.CHECKPOINT:

@@ -9,6 +9,7 @@ import sys
 import tracemalloc
 import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -389,3 +390,98 @@ def test_a_checkpoint_past_the_bound_is_still_refused_by_the_backend(
     with pytest.raises(InvalidEncodingError, match=r"^pytorch: the model is a torch\.save "
                                                    r"checkpoint"):
         formats.check_not_torch_save("pytorch", buffer.getvalue())
+
+
+def _ort_format(model: bytes, folder: Path) -> bytes:
+    """``model`` saved by ONNX Runtime in its ORT (flatbuffers) format."""
+    require_backend("onnxruntime")
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "model.ort")
+    options.add_session_config_entry("session.save_model_format", "ORT")
+    ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return (folder / "model.ort").read_bytes()
+
+
+async def test_an_ort_format_model_is_detected_as_onnx_and_loads(tmp_path: Path) -> None:
+    # Before: "match no known format" (ONNX Runtime's ORTM identifier was not looked
+    # for), although the same bytes declared onnx load.
+    import wasinn
+
+    data = _ort_format(affine_onnx(2.0, 1.0), tmp_path)
+    assert data[4:8] == b"ORTM"
+    assert detect_encoding([data]) is GraphEncoding.ONNX
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([data], "autodetect")
+        assert graph.backend == "onnxruntime"
+        out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+    assert out["y"].numpy().tolist() == [[3.0, 3.0, 3.0, 3.0]]
+
+
+def test_a_graphdef_whose_bytes_4_to_8_read_ortm_stays_tensorflow() -> None:
+    # node { name: "ORTMnode" }: the identifier is looked for only in bytes no protobuf
+    # format claims.
+    graphdef = b"\x0a\x0a\x0a\x08ORTMnode"
+    assert graphdef[4:8] == b"ORTM"
+    assert detect_encoding([graphdef]) is GraphEncoding.TENSORFLOW
+
+
+def test_unknown_bytes_name_the_ort_format_among_those_expected() -> None:
+    with pytest.raises(InvalidEncodingError, match=r"match no known format: expected ONNX "
+                       r"\(protobuf, or ONNX Runtime's ORT format\), OpenVINO IR"):
+        detect_encoding([b"\x14\x00\x00\x00ORTX" + bytes(16)])
+
+
+def _affine_pt2() -> bytes:
+    require_backend("torch")
+    (data,), _ = backend_models.affine("pytorch", 2.0, 1.0)
+    return bytes(data)
+
+
+_CUT_SHORT = (r"^{}: a zip archive that cannot be read \(no end of central directory record "
+              r"in its last 64 KiB: the file may be cut short\): expected a TorchScript or "
+              r"torch\.export archive$")
+
+
+@pytest.mark.parametrize("missing", [100, 1000])
+async def test_a_torch_export_archive_cut_short_is_not_called_a_checkpoint(
+        missing: int) -> None:
+    # Before: the end record found was that of the torch.save archive the .pt2 stores
+    # its sample inputs in, and the model was called a torch.save checkpoint.
+    import wasinn
+
+    data = _affine_pt2()[:-missing]
+    assert b"PK\x05\x06" in data[-64 * 1024:]  # the stored archive's end record is left
+    with pytest.raises(InvalidEncodingError, match=_CUT_SHORT.format("autodetect")):
+        detect_encoding([data])
+    async with wasinn.Runtime() as rt:
+        for encoding in ("autodetect", "pytorch"):
+            with pytest.raises(InvalidEncodingError,
+                               match=_CUT_SHORT.format(encoding)) as info:
+                await rt.load([data], encoding)
+            assert "torch.save" not in str(info.value)
+
+
+async def test_archives_followed_by_other_bytes_still_load_through_autodetect() -> None:
+    # An end record that does not end the bytes is still the archive's when its central
+    # directory lies where it says (torch reads such files too).
+    require_backend("torch")
+    import torch
+
+    import wasinn
+
+    class Affine(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2.0 + 1.0
+
+    scripted = io.BytesIO()
+    torch.jit.save(torch.jit.script(Affine()), scripted)
+    x = np.ones((1, 4), np.float32)
+    async with wasinn.Runtime() as rt:
+        for data in (_affine_pt2(), scripted.getvalue()):
+            padded = data + bytes(1000)
+            assert detect_encoding([padded]) is GraphEncoding.PYTORCH
+            graph = await rt.load([padded], "autodetect")
+            (y,) = (await graph.compute({"x": x})).values()
+            assert y.numpy().tolist() == [[3.0] * 4]
