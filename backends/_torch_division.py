@@ -39,6 +39,10 @@ sandboxed graph's own process (:func:`~.base.in_sandbox`) it is logged at debug 
 (logger ``wasinn.backends``) and loaded, so a fold that traps ends only that process,
 which the host reports as an invalid encoding ("the library crashed on it"). The guards
 above apply to the graphs of an archive so loaded as to any other.
+
+A tensor's integer division by zero is left to torch, which raises; :func:`divided_by_zero`
+tells its error apart, so that a run reports it as the model's runtime error (the guards'
+own ZeroDivisionError, on numbers, is one the model raised).
 """
 
 from __future__ import annotations
@@ -244,6 +248,28 @@ def guard_exported_divisions(module: torch.nn.Module) -> int:
         if changed:
             graph_module.recompile()
     return swapped
+
+
+# -- a run's division by zero -------------------------------------------------------------
+
+#: What torch's CPU kernels raise on an integer tensor's zero divisor (floor and
+#: truncating ``div``, ``floor_divide``, ``remainder``, ``fmod``; TorchScript's ``//`` and
+#: ``%`` of tensors): a bare ``RuntimeError`` with this message, the last line of the
+#: message once TorchScript's interpreter has put its traceback before it (there with
+#: ``RuntimeError: `` in front).
+_KERNEL_ZERO_DIVISION = "ZeroDivisionError"
+
+
+def divided_by_zero(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by running a program, is torch's error for an integer
+    tensor divided by zero: a runtime error of the model on the values it was given, not
+    inputs it rejected. (The guards' own ZeroDivisionError, on ``int`` and Scalar
+    operands, comes as a ``torch.jit.Error`` the model raised instead.)"""
+    if not isinstance(exc, RuntimeError):
+        return False
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return bool(lines) and lines[-1] in (_KERNEL_ZERO_DIVISION,
+                                         f"RuntimeError: {_KERNEL_ZERO_DIVISION}")
 
 
 # -- divisions torch.jit.load would fold ------------------------------------------------

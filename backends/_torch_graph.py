@@ -4,10 +4,11 @@
 runs it: inputs checked against the exported ranges of symbolic dims, handed to torch
 (copies for those the model writes to), run under ``torch.inference_mode()`` and, where
 asked, stop checks or checkpoints; torch's failures told apart (a cancelled run, a
-broken shape guard, an error the model raised, inputs TorchScript rejected); outputs
-cloned where their memory is not theirs alone, and on CUDA the run's TF32 setting and
-the events that let other streams read its outputs. Also the names both archive loaders
-share: the backend's :data:`NAME`, :func:`_output_names` and :func:`_first_line`.
+broken shape guard, an error the model raised, an integer tensor divided by zero, inputs
+TorchScript rejected); outputs cloned where their memory is not theirs alone, and on
+CUDA the run's TF32 setting and the events that let other streams read its outputs.
+Also the names both archive loaders share: the backend's :data:`NAME`,
+:func:`_output_names` and :func:`_first_line`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from wasinn.tensor import Tensor, count_host_copies
 
 from ._graphio import CheckedGraph
 from ._torch_cancel import _Checkpoints, _StopChecked
+from ._torch_division import divided_by_zero
 from ._torch_memory import storage_of
 from ._torch_tensors import _TYPES, _foreign, _native, _to_numpy, _to_torch
 from ._torch_tf32 import tf32_runs
@@ -131,6 +133,10 @@ class TorchGraph(CheckedGraph):
             if isinstance(exc, torch.jit.Error):  # raised by the model's TorchScript code
                 raise BackendRuntimeError(
                     f"{NAME}: the model raised {_first_line(exc)}") from exc
+            if divided_by_zero(exc):  # on the values given: not inputs TorchScript rejected
+                raise BackendRuntimeError(
+                    f"{NAME}: the model divided by zero: an integer division or remainder "
+                    "of tensors had a zero divisor (torch raised ZeroDivisionError)") from exc
             if (not self._checked and isinstance(exc, RuntimeError)
                     and not isinstance(exc, torch.OutOfMemoryError)):
                 raise InvalidArgumentError(

@@ -15,6 +15,7 @@ import logging
 import random
 import re
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import pytest
 
 import wasinn
 from tests.backend_models import scripted
-from tests.support import cpu_pool, require_backend
+from tests.support import CORE_NN_IMPORTS, cpu_pool, in_process_guests, require_backend
 
 MIN64 = -(2**63)
 MIN32 = -(2**31)
@@ -46,7 +47,15 @@ MODELS = {
     "trunc_by_int": "return torch.div(x, b, rounding_mode='trunc')",
     "trunc_by_scalar": "return torch.div(x, y.item(), rounding_mode='trunc')",
     "trunc_in_place": "return x.clone().div_(y, rounding_mode='trunc')",
+    "tensor_floordiv": "return x // y",
+    "tensor_mod": "return x % y",
 }
+
+#: What a run whose integer tensor division had a zero divisor gives.
+TENSOR_ZERO_DIVISION = {
+    "error": "BackendRuntimeError",
+    "message": "pytorch: the model divided by zero: an integer division or remainder of "
+               "tensors had a zero divisor (torch raised ZeroDivisionError)"}
 
 #: A module defining ``M``, whose forward on int64 scalars x, y runs ``body``.
 MODULE = """import math
@@ -159,20 +168,23 @@ def test_torchscript_divisions_that_trapped_now_give_values_or_errors() -> None:
         assert got["divmod"] == {"value": [MIN64, 0]}
         assert got["gcd"] == got["gcd_swapped"] == {"value": 1}
         assert got["scalar_mod"] == {"value": 0}
-        for name in ("trunc", "trunc_by_int", "trunc_by_scalar", "trunc_in_place"):
+        for name in ("trunc", "trunc_by_int", "trunc_by_scalar", "trunc_in_place",
+                     "tensor_floordiv"):
             assert got[name] == {"value": MIN64}, name
+        assert got["tensor_mod"] == {"value": 0}
         assert results[f"trunc_int32/{optimize}/min32"] == {"value": MIN32}
-        # A zero divisor: the guard's ZeroDivisionError (the model raised it: a
-        # runtime-error), or torch's own error for tensors, never a crash.
+        # A zero divisor: the guard's ZeroDivisionError (the model raised it) or, for
+        # tensors, torch's own: a runtime-error either way, never a crash.
         for name in ("mod", "floordiv", "divmod", "scalar_mod"):
             assert results[f"{name}/{optimize}/zero"] == {
                 "error": "BackendRuntimeError",
                 "message": "pytorch: the model raised builtins.ZeroDivisionError: integer "
                            "division or modulo by zero"}, name
-        for name in ("trunc", "trunc_by_int"):
-            zero = results[f"{name}/{optimize}/zero"]
-            assert zero.get("error") == "InvalidArgumentError", (name, zero)
-            assert zero["message"].endswith("ZeroDivisionError"), zero
+        # Before: InvalidArgumentError, "the TorchScript model rejected its inputs (it
+        # declares no types or shapes ...)", though the inputs were fine.
+        for name in ("trunc", "trunc_int32", "trunc_by_int", "trunc_by_scalar",
+                     "trunc_in_place", "tensor_floordiv", "tensor_mod"):
+            assert results[f"{name}/{optimize}/zero"] == TENSOR_ZERO_DIVISION, name
         assert results[f"gcd/{optimize}/zero"] == {"value": 7}
 
 
@@ -221,8 +233,10 @@ def test_exported_truncating_divisions_give_the_wrapped_quotient() -> None:
         feeds = {"x": Tensor.from_numpy(np.array([low, -7, 7], dtype)),
                  "y": Tensor.from_numpy(np.array([-1, 2, -1], dtype))}
         for name, module in (("tensor", ByTensor()), ("in_place", InPlace())):
-            out = exported(module, pair).run(feeds)["output"]
+            graph = exported(module, pair)
+            out = graph.run(feeds)["output"]
             report(f"{name}/{np.dtype(dtype).name}", {"value": out.numpy().tolist()})
+            report(f"{name}/{np.dtype(dtype).name}/zero", run(graph, [7, 1, 2], [2, 0, 1], dtype))
     graph = exported(ByScalar(), (torch.tensor([5, -7]),))
     feeds = {"x": Tensor.from_numpy(np.array([-9223372036854775807 - 1, 7]))}
     report("scalar", {"value": graph.run(feeds)["output"].numpy().tolist()})
@@ -231,7 +245,48 @@ def test_exported_truncating_divisions_give_the_wrapped_quotient() -> None:
     for name in ("tensor", "in_place"):
         assert results[f"{name}/int64"] == {"value": [MIN64, -3, -7]}
         assert results[f"{name}/int32"] == {"value": [MIN32, -3, -7]}
+        for dtype in ("int64", "int32"):
+            assert results[f"{name}/{dtype}/zero"] == TENSOR_ZERO_DIVISION, (name, dtype)
     assert results["scalar"] == {"value": [MIN64, -7]}
+
+
+async def test_a_legacy_guest_dividing_a_tensor_by_zero_gets_runtime_error(
+        tmp_path: Path) -> None:
+    # Before: invalid_argument (1), from "the TorchScript model rejected its inputs".
+    require_backend("torch")
+    import torch
+
+    from wasinn.host.abi import Errno
+
+    class FloorDivide(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x // y
+
+    model = scripted(FloorDivide())
+    memory = bytearray(4096)
+    struct.pack_into("<2I", memory, 0, 4096, len(model))  # the graph builder
+    for record, values in ((128, 512), (160, 528)):  # x, y: i64[2] (WITX type 5)
+        struct.pack_into("<2IB3xII", memory, record, 256, 1, 5, values, 16)
+    struct.pack_into("<I", memory, 256, 2)
+    struct.pack_into("<4q", memory, 512, 7, 1, 0, 1)  # x = [7, 1], y = [0, 1]
+    data = "".join(f"\\{b:02x}" for b in memory + model)
+    guest = tmp_path / "divide_by_zero.wat"
+    guest.write_text(f"""(module{CORE_NN_IMPORTS}
+  (memory (export "memory") {(len(memory) + len(model)) // 65536 + 1})
+  (data (i32.const 0) "{data}")
+  (func (export "_start") (local $e i32) (local $ctx i32)
+    (local.set $e (call $load (i32.const 0) (i32.const 1) (i32.const 3) (i32.const 0)
+                              (i32.const 64)))  ;; pytorch, cpu
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 100) (local.get $e)))))
+    (local.set $e (call $init (i32.load (i32.const 64)) (i32.const 68)))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 200) (local.get $e)))))
+    (local.set $ctx (i32.load (i32.const 68)))
+    (local.set $e (i32.or (call $set (local.get $ctx) (i32.const 0) (i32.const 128))
+                          (call $set (local.get $ctx) (i32.const 1) (i32.const 160))))
+    (if (local.get $e) (then (call $exit (i32.add (i32.const 300) (local.get $e)))))
+    (call $exit (call $compute (local.get $ctx)))))""")
+    async with wasinn.Runtime(in_process_guests(cpu_pool())) as rt:
+        assert await rt.run_wasm(guest) == Errno.RUNTIME_ERROR
 
 
 # -- no change where nothing traps (in process: none of these values can crash) ------------
