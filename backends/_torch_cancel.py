@@ -33,11 +33,18 @@ class _Checkpoints(TorchDispatchMode):  # type: ignore[no-untyped-call]  # (torc
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        #: What an operator raised, as raised: TorchScript's interpreter passes on only
+        #: a bare ``RuntimeError`` without its message (a kernel's zero divisor, say).
+        self.failed: Exception | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         stop_if_cancelled()
-        return func(*args, **(kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception as exc:
+            self.failed = exc
+            raise
 
 
 #: The stop check put into TorchScript graphs (:func:`_with_stop_checks`): raise once the

@@ -102,12 +102,13 @@ class TorchGraph(CheckedGraph):
         device = self._torch_device
         private = self._private
         on_cuda = device.type == "cuda"
+        checkpoints = _Checkpoints() if self._checkpoints else None
         try:
             args = [_to_torch(t, device, i in private) for i, t in enumerate(ordered)]
             with torch.inference_mode(), tf32_runs(self.allow_tf32 if on_cuda else None):
                 stop_checked = self._stop_checked
-                if self._checkpoints:
-                    with _Checkpoints():
+                if checkpoints is not None:
+                    with checkpoints:
                         result = (module(*args) if stop_checked is None
                                   else stop_checked(module, args))
                 elif stop_checked is None:
@@ -133,7 +134,10 @@ class TorchGraph(CheckedGraph):
             if isinstance(exc, torch.jit.Error):  # raised by the model's TorchScript code
                 raise BackendRuntimeError(
                     f"{NAME}: the model raised {_first_line(exc)}") from exc
-            if divided_by_zero(exc):  # on the values given: not inputs TorchScript rejected
+            # An operator's own error where TorchScript passed on a bare one.
+            cause = exc if checkpoints is None or checkpoints.failed is None \
+                else checkpoints.failed
+            if divided_by_zero(cause):  # on the values given: not inputs it rejected
                 raise BackendRuntimeError(
                     f"{NAME}: the model divided by zero: an integer division or remainder "
                     "of tensors had a zero divisor (torch raised ZeroDivisionError)") from exc
@@ -142,7 +146,7 @@ class TorchGraph(CheckedGraph):
                 raise InvalidArgumentError(
                     f"{NAME}: the TorchScript model rejected its inputs (it declares no types "
                     f"or shapes; given {[f'{t.type.value}{list(t.dims)}' for t in ordered]}): "
-                    f"{_first_line(exc)}"
+                    f"{_first_line(cause)}"
                 ) from exc
             raise BackendRuntimeError(f"{NAME}: run failed: {exc}") from exc
         values = list(result) if isinstance(result, (tuple, list)) else [result]

@@ -188,6 +188,29 @@ def test_torchscript_divisions_that_trapped_now_give_values_or_errors() -> None:
         assert results[f"gcd/{optimize}/zero"] == {"value": 7}
 
 
+def test_an_interruptible_torchscript_models_tensor_division_by_zero_is_a_runtime_error(
+        ) -> None:
+    # Before: TorchScript's interpreter passed on the checkpoints' operator error without
+    # its message, and the run read as inputs the model rejected (invalid-argument).
+    require_backend("torch")
+    script = f"""
+    from wasinn.backends import LoadOptions
+    for name in ("tensor_floordiv", "tensor_mod", "trunc"):
+        buf = io.BytesIO()
+        module = from_source(MODULE.format(body={MODELS!r}[name])).M()
+        torch.jit.save(torch.jit.script(module), buf)
+        graph = backend.load([buf.getvalue()], GraphEncoding.PYTORCH, Device.parse("cpu"),
+                             LoadOptions(extra={{"interruptible": True}}))
+        report(name, run(graph, 7, 0))
+        report(name + "/ok", run(graph, 7, 2))
+    """
+    results = _in_child(script)
+    for name in ("tensor_floordiv", "tensor_mod", "trunc"):
+        assert results[name] == TENSOR_ZERO_DIVISION, name
+    assert results["tensor_floordiv/ok"] == results["trunc/ok"] == {"value": 3}
+    assert results["tensor_mod/ok"] == {"value": 1}
+
+
 def test_a_model_dividing_by_an_attribute_set_to_zero_loads_and_its_runs_fail() -> None:
     # Before: freezing folded 7 % self.d with d == 0 and the host died inside the load.
     require_backend("torch")
