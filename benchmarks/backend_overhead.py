@@ -8,7 +8,9 @@ model: *native* (the library's own call: ``InferenceSession.run``, an OpenVINO
 ``InferRequest.infer``, the TorchScript module under ``inference_mode``) and *wasinn*
 (``CompiledGraph.run`` on host tensors, outputs copied to host memory like the native
 calls do). Calls are interleaved, alternating which goes first, so that noise from other
-processes hits both alike; the table reports medians and their ratio. Goal: <= 2% at batch 1.
+processes hits both alike; the table reports medians and their ratio. Goal: <= 2% at batch 1,
+judged on the ratio of the medians (``ratio-1``); the median of the paired differences
+(``paired``) is printed beside it, and said to disagree when it alone exceeds the goal.
 """
 
 from __future__ import annotations
@@ -110,6 +112,21 @@ def measure(native: Call, layer: Call, iters: int, warmup: int) -> tuple[float, 
     return statistics.median(a), statistics.median(b), paired
 
 
+#: The goal for ``ratio-1`` at batch 1: the layer adds at most 2 % to the library's call.
+GOAL = 0.02
+
+
+def goal_flag(ratio: float, paired: float, goal: float = GOAL) -> str:
+    """The note after a row: the goal is judged on ``ratio`` (median(wasinn) /
+    median(native) - 1, the figure the README records), whatever ``paired`` says; a
+    ``paired`` estimate beyond the goal under a ``ratio`` within it is said, not hidden."""
+    if ratio > goal:
+        return f"  (> {goal:.0%} goal)"
+    if paired > goal:
+        return f"  (within the {goal:.0%} goal on ratio-1; paired exceeds it)"
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200, help="timed calls per side")
@@ -144,11 +161,10 @@ def main() -> None:
     for name, native_ms, layer_ms, paired_ms in rows:
         ratio = layer_ms / native_ms - 1.0
         paired = paired_ms / native_ms
-        flag = "" if min(ratio, paired) <= 0.02 else "  (> 2% goal)"
         print(f"{name:<12} {native_ms:>10.3f} {layer_ms:>10.3f} {ratio:>+9.2%} {paired:>+9.2%}"
-              f"{flag}")
-    print("ratio-1: median(wasinn) / median(native) - 1; "
-          "paired: median(wasinn_i - native_i) / median(native)")
+              f"{goal_flag(ratio, paired)}")
+    print("ratio-1: median(wasinn) / median(native) - 1, the figure the goal (<= 2 %) is "
+          "judged on; paired: median(wasinn_i - native_i) / median(native)")
 
     print("\nPer-call cost on a tiny affine ONNX graph (absolute overhead of the layer)")
     print(f"{'backend':<12} {'native us':>10} {'wasinn us':>10} {'extra us':>9}")

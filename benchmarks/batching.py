@@ -9,8 +9,10 @@ little next to the scheduler's hand-off so merging requests saves per-request ov
 and the MobileNetV2-like (width W, dynamic batch axis) on each backend of ``--backends``,
 where the backend's own gain from larger batches is what counts. For each:
 
-1. Native: the compiled graph the runtime holds, called directly in a plain loop, on one
-   row (requests/s) and on a batch of M rows (rows/s): what the backend itself gains from
+1. Native: the library's own call (ONNX Runtime's ``InferenceSession.run``, an OpenVINO
+   ``InferRequest.infer``, as ``scheduler_overhead.py``'s ``library_step`` makes it: no
+   wasinn code on the way) on the model the runtime compiled, in a plain loop, on one row
+   (requests/s) and on a batch of M rows (rows/s): what the backend itself gains from
    batching on this machine.
 2. wasinn: the same model loaded once without batching and once with
    ``Batching(max_batch=M)`` (``max_delay`` = 0: only requests that queued while the
@@ -18,14 +20,19 @@ where the backend's own gain from larger batches is what counts. For each:
    ``graph.compute`` in a loop on an input of its own for S seconds. Printed: requests/s,
    the ratio to native batch-1 requests/s, the callers' median latency and, with
    batching, the mean size of the merged runs (``stats.batched / stats.batches`` over
-   the round) with the share of requests that ran merged.
+   the round) with the share of requests that ran merged. A rate above 1.1x what the
+   library's own calls reached (batch 1 unbatched, the better of batch 1 and batch M
+   batched, times the CPU workers that can run at once) reads "baseline disturbed: not a
+   verdict": wasinn makes the same calls with more work around them, so only a slowed
+   native measurement puts it there.
 
 Every configuration runs once per round and rounds interleave them, each keeping its best
 round, so that a burst of load from other processes does not decide a comparison. The
 default config has one CPU worker: unbatched requests run one at a time, so concurrent
 callers only queue; with batching, the queue becomes merged runs. With one caller
 nothing merges, so its batched and unbatched figures do the same work: their gap is the
-run's noise. Figures vary with the machine's load: compare ratios, not absolutes. The tiny
+run's noise. Figures vary with the machine's load (printed first, with a warning when it
+exceeds the CPU count): compare ratios, not absolutes. The tiny
 model's per-request cost is mostly the cross-thread wake-up, which on an idle VM without
 halt polling can exceed what it is under load (see ``scheduler_overhead.py``).
 
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -54,6 +62,10 @@ import trio
 
 import wasinn
 from wasinn.modelgen import affine_onnx, export_mobilenet, sample_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# A sibling script: the library's own call, and what a result no overhead gives reads as.
+from scheduler_overhead import LIBRARY_CALLS, library_step, print_load, rate_verdict
 
 #: Tolerance of the correctness check (merged runs against single-row runs).
 ATOL = 1e-4
@@ -96,17 +108,29 @@ def compiled_of(rt: wasinn.Runtime) -> Any:
     return session.compiled
 
 
-def native_rate(compiled: Any, tensors: dict[str, wasinn.Tensor], seconds: float) -> float:
-    """Runs per second of the compiled graph called directly in a plain loop."""
+def native_rate(backend: str, compiled: Any, inputs: dict[str, np.ndarray],
+                seconds: float) -> float:
+    """Runs per second of the library's own call (:func:`library_step`) on ``compiled``,
+    a graph of ``backend``, with ``inputs`` (numpy arrays by name), in a plain loop."""
+    run = library_step(backend, compiled, inputs)()
     for _ in range(3):  # warm: a new batch size may allocate on first use
-        compiled.run(tensors)
+        run()
     runs = 0
     start = time.perf_counter()
     stop = start + seconds
     while (now := time.perf_counter()) < stop or runs == 0:
-        compiled.run(tensors)
+        run()
         runs += 1
     return runs / (now - start)
+
+
+def native_ceiling(batched: bool, callers: int, workers: int, native1: float,
+                   native_m: float) -> float:
+    """The most requests/s the library's own calls reached for a configuration: batch-1
+    runs unbatched, the better of batch 1 and batch M batched, on as many CPU workers as
+    can run at once (``callers``, at most ``workers``)."""
+    best = max(native1, native_m) if batched else native1
+    return best * min(callers, workers)
 
 
 async def callers_round(graph: wasinn.Graph, inputs: list[dict[str, np.ndarray]],
@@ -169,18 +193,22 @@ async def check_outputs(plain: wasinn.Graph, batched: wasinn.Graph,
             f"match the unbatched outputs (max abs diff {worst:.2g}, atol {ATOL:g})")
 
 
-def report(batched: bool, callers: int, figures: Figures,
-           native: float) -> None:
-    """One configuration's line."""
+def report(batched: bool, callers: int, figures: Figures, native: float,
+           ceiling: float) -> None:
+    """One configuration's line; ``ceiling`` is :func:`native_ceiling`'s for it."""
     kind = "batched  " if batched else "unbatched"
     note = figures.batch_note() if batched else ""
+    if disturbed := rate_verdict(figures.rate, ceiling):
+        note += f": {disturbed}"
     print(f"  {kind} {callers:2d} caller(s): {figures.rate:9.1f} req/s, "
           f"ratio to native batch-1 {figures.rate / native:.3f}, "
           f"p50 {figures.p50 * 1e3:.2f} ms{note}")
 
 
-async def measure(rt: wasinn.Runtime, model: Model, args: argparse.Namespace) -> None:
-    """Every figure for one model on one backend, then its summary line."""
+async def measure(rt: wasinn.Runtime, model: Model, args: argparse.Namespace,
+                  workers: int) -> None:
+    """Every figure for one model on one backend (``workers``: the CPU pool's), then its
+    summary line."""
     max_batch: int = args.max_batch
     callers_list: list[int] = args.callers
     inputs = [{model.input_name: model.make_input(i)}
@@ -193,26 +221,28 @@ async def measure(rt: wasinn.Runtime, model: Model, args: argparse.Namespace) ->
     # One more than a batch: the first request finds the device idle and runs alone.
     print(await check_outputs(plain, batched, inputs[:max_batch + 1], model.label))
 
-    one = {model.input_name: wasinn.Tensor.from_numpy(inputs[0][model.input_name])}
-    rows = np.concatenate([inputs[i % len(inputs)][model.input_name]
-                           for i in range(max_batch)])
-    many = {model.input_name: wasinn.Tensor.from_numpy(rows)}
+    one = {model.input_name: inputs[0][model.input_name]}
+    many = {model.input_name: np.concatenate([inputs[i % len(inputs)][model.input_name]
+                                              for i in range(max_batch)])}
     native1 = native_m = 0.0
     best: dict[tuple[bool, int], Figures] = {}
     for _ in range(args.rounds):
-        native1 = max(native1, native_rate(compiled, one, args.seconds))
-        native_m = max(native_m, native_rate(compiled, many, args.seconds) * max_batch)
+        native1 = max(native1, native_rate(model.backend, compiled, one, args.seconds))
+        native_m = max(native_m, native_rate(model.backend, compiled, many, args.seconds)
+                       * max_batch)
         for callers in callers_list:
             for is_batched, graph in ((False, plain), (True, batched)):
                 got = await callers_round(graph, inputs, callers, args.seconds)
                 key = (is_batched, callers)
                 if key not in best or got.rate > best[key].rate:
                     best[key] = got
-    print(f"  native batch 1: {native1:9.1f} req/s; batch {max_batch}: {native_m:9.1f} "
-          f"rows/s ({native_m / native1:.2f}x)")
+    print(f"  native (the library's own {LIBRARY_CALLS[model.backend]}) batch 1: "
+          f"{native1:9.1f} req/s; batch {max_batch}: {native_m:9.1f} rows/s "
+          f"({native_m / native1:.2f}x)")
     for callers in callers_list:
         for is_batched in (False, True):
-            report(is_batched, callers, best[(is_batched, callers)], native1)
+            ceiling = native_ceiling(is_batched, callers, workers, native1, native_m)
+            report(is_batched, callers, best[(is_batched, callers)], native1, ceiling)
     most = max(callers_list)
     on, off = best[(True, most)].rate, best[(False, most)].rate
     print(f"batched throughput, {model.label} on {model.backend}, {most} callers: "
@@ -241,12 +271,13 @@ def models(args: argparse.Namespace) -> list[Model]:
 
 
 async def main(args: argparse.Namespace) -> None:
+    print_load()
     async with wasinn.Runtime() as rt:
         workers = rt.config.pools["cpu"].workers
         print(f"devices: {[d.name for d in rt.devices]}, cpu workers: {workers}, "
               f"{args.seconds:g} s per configuration, best of {args.rounds} round(s)")
         for model in models(args):
-            await measure(rt, model, args)
+            await measure(rt, model, args, workers)
 
 
 def callers_flag(text: str) -> list[int]:

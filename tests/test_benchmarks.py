@@ -7,6 +7,7 @@ code they measure changes.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.component_guests import require_tool
-from tests.support import skip_unless
+from tests.support import has_module, require_backend, skip_unless
 from wasinn.host.guests import compiler
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -86,3 +87,18 @@ def test_benchmark_runs(script: str, tmp_path: Path) -> None:
     assert re.search(expected, done.stdout, re.MULTILINE), (
         f"{script} did not print a line matching {expected!r}:\n{done.stdout}"
     )
+
+
+def test_guest_core_without_a_compiler_says_so_and_lets_make_bench_go_on(
+        tmp_path: Path) -> None:
+    require_backend("onnxruntime")
+    skip_unless("wasm", has_module("wasmtime"), "wasmtime is not installed")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "guest_core.py"), "--n", "1",
+                           "--rounds", "1", "--mb", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          check=False, env={**os.environ, "WASINN_CC": "/nonexistent"})
+    assert done.returncode == 0, f"guest_core.py failed:\n{done.stdout}\n{done.stderr}"
+    assert done.stdout == (
+        "core-module guests not measured: no C compiler for wasm32-wasi "
+        "(WASINN_CC='/nonexistent' is not an executable): install clang-19, lld-19, "
+        "libclang-rt-19-dev-wasm32 and wasi-libc, or set WASINN_CC; nothing was measured\n")
