@@ -40,7 +40,7 @@ from wasinn.tensor import Tensor
 from ._jobs import Link, RunHeld, chain, held_by, hold, let_go, run_chain, run_first, run_session
 from .model import Inputs, LoadedModel
 from .tenants import TenantLedger
-from .triorun import A_REQUEST, check_trio_run
+from .triorun import A_REQUEST, REQUESTS_CLOSED, check_trio_run
 
 log = logging.getLogger("wasinn.scheduler")
 
@@ -51,6 +51,7 @@ class Requests:
 
     tenants: TenantLedger
     trio_token: trio.lowlevel.TrioToken | None
+    stopped: bool
 
     if TYPE_CHECKING:
         def pick(self, kind: ExecutionTarget, inputs: Inputs) -> DeviceActor: ...
@@ -168,7 +169,7 @@ class Requests:
         # The actor that runs it, its session there, how to run it on inputs, and when
         # (perf_counter) the request reached the device if it waited there for the
         # compile (None: it reaches it now, its graph compiled).
-        check_trio_run(self.trio_token, A_REQUEST)
+        check_trio_run(self.trio_token, A_REQUEST, REQUESTS_CLOSED if self.stopped else None)
         actor = self._serving(self.pick(target, inputs))
         if model.released:
             raise ClosedResourceError(f"{model.name} was unloaded")
@@ -261,7 +262,7 @@ class Requests:
                          ) -> tuple[DeviceActor, list[Session], float | None]:
         # The actor that runs the chain, each step's session there, and when the request
         # reached the device if it waited there for a step's compile (see _model_job).
-        check_trio_run(self.trio_token, A_REQUEST)
+        check_trio_run(self.trio_token, A_REQUEST, REQUESTS_CLOSED if self.stopped else None)
         actor = self._serving(self.pick(target, inputs))
         sessions = []
         reached = None

@@ -68,11 +68,13 @@ import errno
 import logging
 import re
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Protocol
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.types import ErrorStream
 
 import trio
 
@@ -315,7 +317,10 @@ class MetricsServer:
     thread per scrape), from a :class:`CollectorRegistry` of its own that holds only a
     :class:`RuntimeCollector` of ``runtime`` (nothing of ``prometheus_client.REGISTRY``),
     until :meth:`close`. A connection that sends nothing, or stops sending or reading, for
-    :data:`CONNECTION_TIMEOUT_S` is closed (it would hold a server thread).
+    :data:`CONNECTION_TIMEOUT_S` is closed (it would hold a server thread). The server
+    writes nothing on stderr: a connection that timed out, or that its client reset or
+    aborted, is logged at DEBUG on the ``wasinn.scheduler`` logger, and a request that
+    failed otherwise at ERROR, with its traceback (see :class:`_LoggingHandler`).
 
     ``addr`` is 127.0.0.1 unless given: only this machine may scrape (give an address of
     another interface, or 0.0.0.0, to be scraped from elsewhere: the figures name models
@@ -351,11 +356,12 @@ class MetricsServer:
         # Each connection's reads and writes time out: else a client that connects and
         # sends nothing (or stops halfway) holds a server thread for ever, and enough of
         # them hold as many threads. (prometheus_client's handler sets no timeout; a
-        # subclass of it, for this server only.)
+        # subclass of it, for this server only, that logs what fails instead of printing
+        # it: _LoggingHandler.)
         handler = server.RequestHandlerClass
         assert isinstance(handler, type)  # (typeshed: any callable making a handler)
         server.RequestHandlerClass = type(
-            "TimedHandler", (handler,), {"timeout": CONNECTION_TIMEOUT_S})
+            "TimedHandler", (_LoggingHandler, handler), {"timeout": CONNECTION_TIMEOUT_S})
         self._server: WSGIServer = server
         self._thread: threading.Thread = thread
         self._lock = threading.Lock()
@@ -406,3 +412,71 @@ class MetricsServer:
 def _host(addr: str) -> str:
     # An IPv6 address in brackets, as a URL (and "ADDR:PORT") writes it.
     return f"[{addr}]" if ":" in addr else addr
+
+
+class _LoggingHandler(WSGIRequestHandler):
+    """What :class:`MetricsServer`'s request handler adds to ``prometheus_client``'s (its
+    next base): a request that fails goes to the log, not to stderr, where the standard
+    library prints its traceback (socketserver for a request that could not be read,
+    wsgiref for a reply that could not be made or sent), which under ``wasinn run
+    --metrics-port`` lands amid the guest's own stderr. A connection that timed out
+    (:data:`CONNECTION_TIMEOUT_S`) or that its client reset or aborted is logged at DEBUG:
+    any port scanner or TCP health check does that, and the connection is closed as it
+    should be. Any other failure is logged at ERROR with its traceback."""
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except Exception as exc:  # (else socketserver's handle_error prints it)
+            _log_failure(self.client_address, exc)
+
+    def get_stderr(self) -> ErrorStream:
+        # The request's wsgi.errors, where wsgiref prints the traceback of a reply that
+        # failed (and the application its own errors: prometheus_client's writes none).
+        return _RequestErrors(self.client_address)
+
+
+class _RequestErrors:
+    """The ``wsgi.errors`` stream of one metrics request. wsgiref prints there the
+    traceback of a reply that failed (the application raised, or sending it timed out),
+    then flushes, as it handles that exception: the printed text is dropped and the
+    exception logged instead (:func:`_log_failure`). Text flushed with no exception being
+    handled is logged as it is, at ERROR."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+        self._text: list[str] = []
+
+    def write(self, text: str, /) -> int:
+        self._text.append(text)
+        return len(text)
+
+    def writelines(self, lines: Iterable[str], /) -> None:
+        self._text.extend(lines)
+
+    def flush(self) -> None:
+        text = "".join(self._text).strip()
+        self._text.clear()
+        exc = sys.exception()
+        if exc is not None:
+            _log_failure(self._client, exc)
+        elif text:
+            log.error("metrics server, a request from %s: %s", _peer(self._client), text)
+
+
+def _log_failure(client: object, exc: BaseException) -> None:
+    """Log the failure ``exc`` of a request from ``client`` (its address): at DEBUG for a
+    connection that timed out or was reset or aborted (the client's doing), else at ERROR
+    with the traceback."""
+    if isinstance(exc, TimeoutError | ConnectionError):
+        log.debug("metrics server: the connection from %s ended (%s: %s)", _peer(client),
+                  type(exc).__name__, exc)
+    else:
+        log.error("metrics server: a request from %s failed", _peer(client), exc_info=exc)
+
+
+def _peer(client: object) -> str:
+    # A client's address as "HOST:PORT" (an IPv6 one's host in brackets).
+    if isinstance(client, tuple) and len(client) >= 2:
+        return f"{_host(str(client[0]))}:{client[1]}"
+    return str(client)

@@ -61,6 +61,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("wasinn.scheduler")
 
+#: What a call that would run or load is told once the runtime is closed by aclose.
+_CLOSED = "the runtime is closed"
+
 
 class Runtime(ModelLoading):
     """Device actors, placement, the model registry and the async API, for one config.
@@ -178,10 +181,13 @@ class Runtime(ModelLoading):
 
     def _check_trio(self, method: str) -> None:
         # Before anything changes: a call from outside trio, or from another trio run than
-        # the one the runtime serves in, gets a RuntimeError saying so (see triorun).
+        # the one the runtime serves in, gets a RuntimeError saying so (see triorun); from
+        # a later run, a ClosedResourceError: "closed" where aclose stopped the runtime
+        # before its run ended (scheduler.stopped), else that the run's end stopped it.
         scheduler = self._scheduler
         token = None if scheduler is None else scheduler.trio_token
-        check_trio_run(token, f"Runtime.{method}")
+        closed = _CLOSED if scheduler is not None and scheduler.stopped else None
+        check_trio_run(token, f"Runtime.{method}", closed)
 
     def _check_not_closed_while_starting(self) -> None:
         if self._closed:
@@ -265,7 +271,7 @@ class Runtime(ModelLoading):
     @property
     def _sched(self) -> Scheduler:
         if self._closed:
-            raise ClosedResourceError("the runtime is closed")
+            raise ClosedResourceError(_CLOSED)
         if self._scheduler is None:
             raise ClosedResourceError(
                 "the runtime is not running: use `async with wasinn.Runtime() as rt:`"

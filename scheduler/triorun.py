@@ -9,7 +9,9 @@ task state: a request queued behind a busy slot would later be woken by the wron
 one thread-local read (well under a microsecond), so the request paths call it too. A
 runtime whose trio run has ended was stopped with it (its actors were tasks of that
 run): a call from a later run gets ClosedResourceError saying so, as a closed runtime's
-callers do, and ``aclose`` has nothing left to do.
+callers do, and ``aclose`` has nothing left to do. One closed by ``aclose`` before its
+run ended was not stopped by the run's end: a later run's call is told that it is
+closed, in the words its own run's calls get.
 """
 
 from __future__ import annotations
@@ -52,12 +54,18 @@ def yields_when_refused(call: Callable[P, Awaitable[T]]) -> Callable[P, Coroutin
 
 #: How :func:`check_trio_run` names a request (a compute, run or lease) in its message.
 A_REQUEST = "a request (compute, run or lease)"
+#: What a request to a runtime closed by ``aclose`` is told, in its run or a later one.
+REQUESTS_CLOSED = "the runtime is closed: requests can no longer run"
 
 
-def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
+def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str,
+                   closed: str | None = None) -> None:
     """RuntimeError unless the caller runs in trio and, where ``token`` is given, in the
-    trio run that ``token`` belongs to; ClosedResourceError where that run has ended.
-    ``what`` names the call in the message."""
+    trio run that ``token`` belongs to; ClosedResourceError where that run has ended:
+    with ``closed`` as its message where the caller gives one (the runtime was closed by
+    ``aclose`` before the run ended: what the caller says of a closed runtime in its own
+    run), else saying that the run's end stopped the runtime. ``what`` names the call in
+    the message."""
     try:
         current = trio.lowlevel.current_trio_token()
     except RuntimeError:
@@ -66,6 +74,8 @@ def check_trio_run(token: trio.lowlevel.TrioToken | None, what: str) -> None:
             "on asyncio or any other event loop") from None
     if token is not None and current is not token:
         if run_ended(token):
+            if closed is not None:
+                raise ClosedResourceError(closed)
             raise ClosedResourceError(
                 f"{what}: the trio run this runtime served has ended, and stopped the "
                 "runtime with it: make a Runtime in this run")

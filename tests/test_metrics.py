@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import re
+import socket
+import struct
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,7 @@ from wasinn import InvalidArgumentError
 from wasinn.actors import DeviceStats, ModelStats, TenantStats
 from wasinn.actors.stats import RequestFigures, RequestStats
 from wasinn.modelgen import affine_onnx
+from wasinn.scheduler import metrics
 from wasinn.scheduler.metrics import RuntimeCollector, register_metrics
 
 X = np.ones((1, 4), np.float32)
@@ -274,6 +281,66 @@ async def test_metric_names_types_and_help_follow_prometheus_conventions() -> No
         register_metrics(Figures(), registry)
     register_metrics(Figures(), registry, prefix="other")
     assert registry.get_sample_value("other_device_lost", {"device": "gpu:0"}) == 1
+
+
+def server_record(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
+    """The first record of the metrics server (its thread's) whose message has ``text``,
+    once it is logged (a failure after 60 s)."""
+    for _ in range(6000):
+        found = [r for r in caplog.records if text in r.getMessage()]
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no record with {text!r}: {caplog.text}")
+
+
+def test_connections_that_time_out_or_are_reset_are_logged_at_debug_not_printed(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: socketserver (a request that could not be read) and wsgiref (a reply that
+    # could not be sent) printed a traceback on stderr for each: wasinn run
+    # --metrics-port's stderr, amid the guest's own, at every port scan or health check.
+    monkeypatch.setattr(metrics, "CONNECTION_TIMEOUT_S", 0.5)
+    caplog.set_level(logging.DEBUG, logger="wasinn.scheduler")
+    many = Figures()
+    many.model_stats = lambda: [ModelStats(**made_up(30), name=f"model{i}")  # type: ignore[method-assign]
+                                for i in range(200)]  # a reply of some 280 KB
+    with metrics.MetricsServer(many, 0) as server:
+        # A reset halfway through the request line.
+        reset = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        reset.sendall(b"GET /metr")
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()
+        said = server_record(caplog, "ended (ConnectionResetError").getMessage()
+        assert re.fullmatch(r"metrics server: the connection from 127\.0\.0\.1:\d+ ended "
+                            r"\(ConnectionResetError: .*\)", said)
+        # A reply its client never reads: sending it times out (small buffers each side).
+        server._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        with socket.socket() as stalled:
+            stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stalled.settimeout(30)
+            stalled.connect(("127.0.0.1", server.port))
+            stalled.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")  # and reads nothing
+            server_record(caplog, "ended (TimeoutError: timed out)")
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG] * len(caplog.records)
+    assert capfd.readouterr().err == ""
+
+
+def test_a_scrape_that_fails_is_logged_with_its_traceback_not_printed(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(Figures):
+        def model_stats(self) -> list[ModelStats]:
+            raise RuntimeError("a collector bug")
+
+    with metrics.MetricsServer(Broken(), 0) as server:
+        with pytest.raises(urllib.error.HTTPError, match="500"):
+            urllib.request.urlopen(server.url, timeout=60)
+        record = server_record(caplog, "failed")
+    assert record.levelno == logging.ERROR
+    assert re.fullmatch(r"metrics server: a request from 127\.0\.0\.1:\d+ failed",
+                        record.getMessage())
+    assert record.exc_info is not None and str(record.exc_info[1]) == "a collector bug"
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.parametrize("prefix", ["", "9lives", "wasinn-prod", "a b"])

@@ -4,6 +4,7 @@ its guest runs, and what a port that cannot be served says; :class:`MetricsServe
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import socket
 import struct
@@ -151,18 +152,27 @@ def test_the_metrics_server_is_a_registry_of_its_own_on_localhost() -> None:
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_timeout(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
     # Before: it held a server thread for ever (prometheus_client's handler has no
-    # timeout), and a client opening many such connections held as many threads.
+    # timeout), and a client opening many such connections held as many threads. Then:
+    # each such close printed socketserver's traceback of the TimeoutError on stderr.
     from wasinn.scheduler import metrics
 
     monkeypatch.setattr(metrics, "CONNECTION_TIMEOUT_S", 0.5)
+    caplog.set_level(logging.DEBUG, logger="wasinn.scheduler")
     with MetricsServer(Figures(), 0) as server, socket.create_connection(
             ("127.0.0.1", server.port), timeout=30) as idle:
         idle.sendall(b"GET /metr")  # and no more
         assert idle.recv(1) == b""  # the server closed it (a hang fails at 30 s)
         with urllib.request.urlopen(server.url, timeout=60) as response:
             assert response.status == 200  # and serves the next scrape
+    assert "Traceback" not in capfd.readouterr().err
+    # Logged at DEBUG (before the close: the recv above saw it).
+    (record,) = caplog.records
+    assert record.levelno == logging.DEBUG
+    assert re.fullmatch(r"metrics server: the connection from 127\.0\.0\.1:\d+ ended "
+                        r"\(TimeoutError: timed out\)", record.getMessage())
 
 
 @pytest.mark.parametrize("port", [-1, 65536, True, "9100", 80.0])

@@ -16,7 +16,7 @@ import trio.testing
 import wasinn
 from tests.fake_backend import FakeBackend
 from tests.loop_model import loop_inputs, loop_onnx
-from tests.support import cpu_pool
+from tests.support import affine_pipeline_config, cpu_pool, require_backend
 from tests.test_scheduler_routing import fake_config
 from wasinn import ConfigError, InvalidArgumentError
 from wasinn.configs import loader
@@ -111,6 +111,42 @@ def test_a_runtime_stopped_with_its_trio_run_is_closed_to_a_later_run() -> None:
 
     trio.run(forgetful)
     trio.run(later)
+
+
+def test_a_runtime_closed_by_aclose_says_so_to_a_later_run(tmp_path: Path) -> None:
+    # Before: a later run was told that its trio run's end had stopped the runtime (the
+    # message above), sending whoever chases the error to the wrong cause. Each call says
+    # what it says in the runtime's own run after aclose.
+    require_backend("onnxruntime")
+    kept: list[Any] = []
+
+    async def refusals() -> list[str]:
+        rt, ctx, pipeline = kept
+        said = []
+        for call in (lambda: ctx.compute({"x": X}),  # a request of a graph
+                     lambda: pipeline.compute({"x": X}),  # of a pipeline
+                     lambda: rt.load([affine_onnx()], "onnx"),
+                     lambda: rt.load_by_name("a")):
+            with pytest.raises(wasinn.ClosedResourceError) as refused:
+                await call()
+            said.append(str(refused.value))
+        return said
+
+    async def closes() -> list[str]:
+        async with wasinn.Runtime.from_config(affine_pipeline_config(tmp_path)) as rt:
+            graph = await rt.load([affine_onnx()], "onnx", name="aff")
+            kept.extend([rt, graph.init_execution_context(), await rt.load_by_name("p")])
+        return await refusals()
+
+    async def later() -> list[str]:
+        said = await refusals()
+        await kept[0].aclose()  # nothing left to do
+        return said
+
+    in_its_run = trio.run(closes)
+    assert in_its_run == ["the runtime is closed: requests can no longer run"] * 2 + [
+        "the runtime is closed"] * 2
+    assert trio.run(later) == in_its_run
 
 
 def wasinn_threads() -> list[str]:
