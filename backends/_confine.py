@@ -16,8 +16,10 @@ thread and the threads it starts later only:
 * ``landlock`` (Linux 5.13 and later, where enabled): the file system is read-only in
   the Python installation, the directories on ``sys.path`` (a sandbox process is given
   only its backend's and wasinn's own folders, not the host's working directory or
-  script folder: see :mod:`._sandbox_process`), the system's libraries and what the
-  caller names (a sandbox process: the folders and files of ``[runtime] sandbox_read``,
+  script folder: see :mod:`._sandbox_process`) and what the links directly in them lead
+  to (a site-packages whose packages are links, as Nix and Bazel lay them out), the
+  system's libraries and what the caller names (a sandbox process: the folders and
+  files of ``[runtime] sandbox_read``,
   see :mod:`._sandbox_read`, each as the host resolved and checked it: opened through
   no symlink and checked again, see :func:`_add_named_rule`), and writable only in the
   child's own temporary directory;
@@ -442,12 +444,17 @@ def landlock_rules(writable: str, readable: Iterable[str] = (), *, gpu: bool = F
                    handled: int = _DEVICE | _WRITE) -> list[tuple[str, int]]:
     """The paths :func:`lock_down` lets this process reach, each with its access rights
     (of ``handled``, those the kernel's Landlock knows): ``writable`` to write in, what
-    :func:`_readable` lists to read, and for a GPU graph's process (``gpu``) the GPUs'
-    device files (:func:`gpu_device_files`, read, written and sent ioctls), the folders
+    :func:`_readable` lists and what the links in ``readable``'s and ``sys.path``'s
+    folders lead to (:func:`_link_targets`) to read, and for a GPU graph's process
+    (``gpu``) the GPUs' device files (:func:`gpu_device_files`, read, written and sent
+    ioctls), the folders
     of :data:`GPU_DEVICE_FOLDERS` (listed) and :data:`GPU_READ` (read), those that exist,
     and its own threads' ``/proc`` folders (read and written, see below)."""
+    readable = list(readable)
     rules = [(writable, _WRITE & handled)]
     rules += [(path, _READ) for path in _readable(readable)]
+    temp = os.path.dirname(os.path.realpath(writable))  # (as for the paths named)
+    rules += [(path, _READ) for path in _link_targets([*readable, *sys.path], temp)]
     if gpu:
         rules += [(path, _DEVICE & handled) for path in gpu_device_files()]
         folders = (os.path.join(DEV, name) for name in GPU_DEVICE_FOLDERS)
@@ -507,6 +514,32 @@ def _readable(extra: Iterable[str]) -> list[str]:
         if path and os.path.exists(path):
             seen.setdefault(os.path.realpath(path))
     return list(seen)
+
+
+def _link_targets(folders: Iterable[str], temp: str) -> list[str]:
+    """Where the symlinks directly in ``folders`` (code folders: ``sys.path``'s and those
+    the caller names) lead, resolved, each once: in a site-packages laid out as links
+    (Nix's ``python.withPackages``, a Bazel runfiles tree) each package's folder is a
+    link to one elsewhere, and landlock checks the file a link leads to, so the folder
+    that holds the links is not enough to import them. One level only: links deeper
+    inside a package (a tree linked file by file) are not followed. ``""`` (the working
+    directory) and folders that cannot be listed give none, and a target that would
+    undo the confinement (:func:`read_refusal`, ``temp`` as there: a link to ``/``)
+    is left out."""
+    targets: dict[str, None] = {}
+    for folder in folders:
+        if not folder:
+            continue
+        try:
+            with os.scandir(folder) as entries:
+                links = [entry.path for entry in entries if entry.is_symlink()]
+        except OSError:  # (not there, not a folder: a zip on sys.path)
+            continue
+        for link in links:
+            target = os.path.realpath(link)
+            if os.path.exists(target) and read_refusal(target, temp) is None:
+                targets.setdefault(target)
+    return list(targets)
 
 
 def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> None:

@@ -62,6 +62,30 @@ NO_CUDA = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 #: The private folders of confined processes: ``wasinn-sandbox-<host's pid>-<random>``,
 #: in the system temporary folder.
 PRIVATE_DIR_PREFIX = "wasinn-sandbox-"
+#: What a process that could not start sends on the CANCELS socket instead of
+#: :data:`~._sandbox_child.READY`, before the error that ended it (``Type: message``,
+#: UTF-8, at most :data:`START_FAILURE_BYTES` bytes).
+START_FAILED = b"F"
+START_FAILURE_BYTES = 2000
+#: Put before the start program of every process (standard library only: it runs before
+#: the lock-down and before wasinn can be imported): an error that ends the process
+#: uncaught (Python cannot import wasinn or its dependencies, for one that a confined
+#: process may not read; the lock-down fails) is sent to the host, which then reports
+#: that the process could not start (:meth:`SandboxProcess.start_failure`) rather than a
+#: crash on the model, which it has not read. Its traceback goes to stderr as before.
+_REPORT_START_FAILURE = f"""
+import os as _os, sys as _sys
+
+def _start_failed(kind, exc, tb, _shown=_sys.excepthook):
+    try:
+        said = f"{{kind.__name__}}: {{exc}}".encode("utf-8", "replace")
+        _os.write(int(_sys.argv[2]), {START_FAILED!r} + said[:{START_FAILURE_BYTES}])
+    except Exception:
+        pass
+    _shown(kind, exc, tb)
+
+_sys.excepthook = _start_failed
+"""
 
 
 def _died(process: subprocess.Popen[bytes]) -> str:
@@ -253,6 +277,7 @@ class SandboxProcess:
                  extra_env: tuple[str, ...] = (), extra_read: tuple[str, ...] = ()) -> None:
         self._slot = slot
         self._name = backend.name
+        self._confined = confined
         self._confine_dir: PrivateDir | None = None
         # Each step names what it makes, for the error should it fail (EMFILE from a
         # socket pair, ENOSPC from the private folder, EAGAIN from fork ...): everything
@@ -267,7 +292,7 @@ class SandboxProcess:
             made += (requests, theirs)
             cancels, their_cancels = socket.socketpair()
             made += (cancels, their_cancels)
-            start = ["-c", SPARE_START if spare else CHILD_START]
+            start = ["-c", _REPORT_START_FAILURE + (SPARE_START if spare else CHILD_START)]
             command = [sys.executable, *start, str(theirs.fileno()),
                        str(their_cancels.fileno()), str(self.arena.fd), backend.entry]
             step = "prepare the environment of a sandbox process"
@@ -316,8 +341,39 @@ class SandboxProcess:
         """Whether it has imported its library (without waiting)."""
         if not self._ready:
             with contextlib.suppress(OSError):  # BlockingIOError: not yet
-                self._ready = self._cancels.recv(len(READY), socket.MSG_DONTWAIT) == READY
+                # (peeked: what one that could not start said stays for start_failure)
+                self._ready = self._cancels.recv(
+                    len(READY), socket.MSG_DONTWAIT | socket.MSG_PEEK) == READY
         return self._ready
+
+    def start_failure(self) -> BackendRuntimeError | None:
+        """Why it ended on its own before it was ready, so before it read any model
+        (Python could not import wasinn, the library or a dependency; the lock-down
+        failed): how it ended and the error it sent. None where it was ready, or was
+        ended by a signal (killed for a cancel or by its closing, stopped from outside,
+        a crash: the caller's to report). Call it once its socket has closed: it waits
+        for the process to end (see :func:`_died`)."""
+        if self.ready() or self.killed_for_cancel:
+            return None
+        how = _died(self.process)
+        said = bytearray()
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing (more) sent
+            while chunk := self._cancels.recv(4096, socket.MSG_DONTWAIT):
+                said += chunk
+        if said.startswith(READY):  # (said as it ended)
+            self._ready = True
+            return None
+        failed = said.startswith(START_FAILED)
+        if not failed and self.process.returncode <= 0:
+            return None
+        error = said[len(START_FAILED):].decode("utf-8", "replace") if failed else ""
+        hint = ("; a confined one may read only the folders of its import path, the Python "
+                "installation, the system's libraries and [runtime] sandbox_read"
+                if self._confined and error.startswith("PermissionError") else "")
+        return BackendRuntimeError(
+            f"{self._name}: the sandbox process {how} as it started, before it read the "
+            f"model{': ' if error else ''}{error} (it could not set itself up: the model "
+            f"is not to blame{hint})")
 
     @staticmethod
     def key_of(backend: BackendRef, confined: bool, gpu: bool = False
@@ -335,10 +391,22 @@ class SandboxProcess:
         read its reply, growing the arena once if the reply asks; ``expected``: what the
         reply may hold (None: no tensor, as a load's reply; see
         :func:`~._sandbox_wire.read_reply`). EOFError or OSError when the process is
-        gone, ValueError for a reply that is not one, BackendRuntimeError when the arena
-        cannot grow."""
-        if expected is None:
-            expected = Expected()
+        gone, BackendRuntimeError when it is gone before it was ready
+        (:meth:`start_failure`) or the arena cannot grow, ValueError for a reply that is
+        not one."""
+        try:
+            return self._exchange(payload, tensors, reserve,
+                                  Expected() if expected is None else expected)
+        except (EOFError, OSError):
+            failure = self.start_failure()
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _exchange(self, payload: object, tensors: Mapping[str, Tensor] | None,
+                  reserve: int, expected: Expected
+                  ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """:meth:`call`'s request and reply."""
         with self._growing():
             header = request(self.arena, payload, tensors, reserve=reserve)
         send(self.conn, header)

@@ -290,6 +290,36 @@ def test_landlock_keeps_reads_and_writes_to_the_private_directory(
     assert probe["written"] == ["big.bin", "small.bin"]  # big.bin: truncated at the bound
 
 
+def test_the_links_in_the_code_folders_are_read_where_they_lead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A site-packages whose packages are links (Nix, Bazel): landlock checks the file a
+    # link leads to, so their targets are readable too (the import itself, confined:
+    # test_sandbox's test_a_confined_process_imports_a_package_whose_folder_is_a_symlink);
+    # one level only, and never a target that would undo the confinement.
+    tmp_path = tmp_path.resolve()  # (the rules' paths are resolved)
+    store, site, temp = tmp_path / "store", tmp_path / "site", tmp_path / "temp"
+    for folder in (store / "pkg" / "sub", store / "deep", site, temp / "private"):
+        folder.mkdir(parents=True)
+    (store / "module.py").write_text("")
+    (site / "pkg").symlink_to(store / "pkg")
+    (site / "module.py").symlink_to(store / "module.py")
+    (site / "real").mkdir()
+    (site / "real" / "deep").symlink_to(store / "deep")  # (deeper: not followed)
+    (site / "root").symlink_to("/")
+    (site / "temps").symlink_to(temp)  # (holds the private folders)
+    (site / "gone").symlink_to(tmp_path / "nowhere")
+    (temp / "private" / "link").symlink_to(store / "deep")  # (not a code folder)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path / "absent.zip"), str(site)])
+    rules = dict(confine.landlock_rules(str(temp / "private")))
+    linked = {path for path in rules if path.startswith(str(store))}
+    assert linked == {str(store / "pkg"), str(store / "module.py")}
+    assert rules[str(store / "pkg")] == rules[str(site)]  # (read only, as the folder)
+    assert "/" not in rules and str(temp) not in rules
+    # A folder the caller names is a code folder too.
+    rules = dict(confine.landlock_rules(str(temp / "private"), [str(site / "real")]))
+    assert str(store / "deep") in rules
+
+
 @pytest.mark.skipif(not HAS_LANDLOCK, reason="landlock (Linux 5.13 or later, enabled)")
 def test_landlock_keeps_the_host_out_of_procs_reach(probe: dict[str, Any]) -> None:
     # Before: all of /proc was readable, the host's environment and command line too.

@@ -1450,6 +1450,74 @@ def test_a_sandbox_process_reads_no_folder_of_the_hosts_path_but_wasinns_and_its
         "WASINN_SANDBOX_CODE"].split(os.pathsep)
 
 
+#: A plug-in backend (ONNX Runtime's, under another module) for a package folder that is
+#: a symlink, as Nix's python.withPackages and Bazel's runfiles lay out site-packages.
+_LINKED_BACKEND = """
+from wasinn.backends.onnxruntime import OnnxRuntimeBackend
+
+
+class LinkedBackend(OnnxRuntimeBackend):
+    pass
+"""
+
+
+def test_a_confined_process_imports_a_package_whose_folder_is_a_symlink(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: landlock let it read the folders on its import path, not where the links in
+    # them lead (it checks the file a link leads to): the import failed with
+    # PermissionError, and so did every sandboxed load in such a site-packages.
+    import importlib
+
+    from tests.test_confine import HAS_LANDLOCK
+
+    require_backend("onnxruntime")
+    real = tmp_path / "store" / "wasinn_linked_backend"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text(_LINKED_BACKEND)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "wasinn_linked_backend").symlink_to(real, target_is_directory=True)
+    monkeypatch.syspath_prepend(str(site))
+    linked = importlib.import_module("wasinn_linked_backend")
+    monkeypatch.setitem(sys.modules, "wasinn_linked_backend", linked)  # (forgotten after)
+    backend = linked.LinkedBackend()
+    graph = load_sandboxed(backend, [affine_onnx()], GraphEncoding.ONNX, CPU,
+                           LoadOptions(sandbox=True))
+    try:
+        report = graph.confinement
+        assert report is not None
+        assert any(a.startswith("landlock") for a in report["applied"]) == HAS_LANDLOCK, report
+        out = graph.run({graph.inputs[0].name: Tensor.from_numpy(np.ones((1, 4), np.float32))})
+        assert out[graph.outputs[0].name].numpy().shape == (1, 4)
+    finally:
+        graph.close()
+
+
+def test_a_process_that_cannot_import_wasinn_did_not_start_and_the_model_is_not_blamed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a confined process met that could not read a dependency (a package folder it
+    # was not let read): before, the host said the library crashed on the model
+    # (InvalidEncodingError), which the process never read, and named no path.
+    from wasinn.backends import _sandbox_process
+
+    shadow = tmp_path / "path"
+    (shadow / "wasinn").mkdir(parents=True)
+    denied = tmp_path / "deps" / "ml_dtypes" / "__init__.py"
+    (shadow / "wasinn" / "__init__.py").write_text(
+        f"raise PermissionError(13, 'Permission denied', {str(denied)!r})\n")
+    # (its import path: the shadow wasinn alone, found before the real one)
+    monkeypatch.setattr(_sandbox_process, "_top_folder", lambda module: shadow)
+    with pytest.raises(BackendRuntimeError) as failed:
+        load_sandboxed(CrashingBackend(), [b"fake:add=1"], GraphEncoding.GGML, CPU)
+    assert str(failed.value) == (
+        "crashing: the sandbox process exited with status 1 as it started, before it read "
+        f"the model: PermissionError: [Errno 13] Permission denied: '{denied}' (it could "
+        "not set itself up: the model is not to blame; a confined one may read only the "
+        "folders of its import path, the Python installation, the system's libraries and "
+        "[runtime] sandbox_read)")
+    assert sandbox_children() == []
+
+
 _HOST_THAT_DIES = """
 import sys, numpy as np
 from tests.loop_model import LONG_LOOP, loop_inputs, loop_onnx
