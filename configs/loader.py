@@ -325,8 +325,9 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
     ``backends`` names the backends the runtime will be given in code
     (``Runtime(..., backends=...)``), which a config may name besides the installed ones.
     The file is UTF-8, with or without a byte-order mark. Raises NotFoundError when the
-    file does not exist, ConfigError when it is not TOML or does not validate (an
-    unknown backend name included).
+    file does not exist (saying where the example of that file name lies, for the names of
+    those wasinn ships: ``pools.toml``, ``pipeline.toml``), ConfigError when it is not
+    TOML or does not validate (an unknown backend name included).
     """
     if not isinstance(path, str | os.PathLike):
         raise InvalidArgumentError(
@@ -341,7 +342,8 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
         # refuses at line 1, column 1 with no word of why.
         text = source.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise NotFoundError(f"config file {source} does not exist") from None
+        raise NotFoundError(
+            f"config file {source} does not exist{_shipped_hint(source.name)}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: cannot read the config: {exc}") from None
     try:
@@ -352,6 +354,17 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
         raise ConfigError(f"{source}: not valid TOML here: arrays or inline tables nested "
                           "too deeply for the parser: expected a config's few levels") from None
     return parse_config(data, source, backends=backends)
+
+
+def _shipped_hint(name: str) -> str:
+    """Where the example config ``name`` that wasinn ships lies, to add to a missing
+    path's error (``configs/pools.toml`` of the README names a source tree's file, which
+    an installed wasinn keeps in its package); "" for any other name. Only a hint: the
+    path given is not resolved against the package."""
+    if name not in packaged_configs():
+        return ""
+    shipped = importlib.resources.files("wasinn.configs") / name
+    return f": wasinn ships an example {name} at {shipped}: copy it, or pass that path"
 
 
 def packaged_configs() -> list[str]:

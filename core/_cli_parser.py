@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from wasinn._version import __version__
 from wasinn.enums import ExecutionTarget
 from wasinn.errors import InvalidArgumentError
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run wasi-nn WebAssembly guests on an async multi-device scheduler.")
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="progress and timing (-vv: every wasi-nn call)")
+    parser.add_argument("--version", action="version", version=f"wasinn {__version__}",
+                        help="print wasinn's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     registry = argparse.ArgumentParser(add_help=False, parents=[config])

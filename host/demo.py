@@ -5,8 +5,9 @@ Generates the MobileNetV2-like model (:mod:`wasinn.modelgen`, fixed seed) in thr
 (``examples/classify.c``) to wasm32-wasi, and runs it through the scheduler once per
 format with ``autodetect``, so the host picks the backend (ONNX Runtime, OpenVINO,
 PyTorch) from the model's bytes. It then runs the same models from the host and prints
-the answers side by side; the exit status is non-zero when a guest fails or the backends
-disagree on the class.
+the answers side by side; the exit status is non-zero when a guest fails, the backends
+disagree on the class, or no backend library is installed (nothing would run). A format
+whose library is not installed is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import numpy as np
 
 from wasinn.host.engine import cache_dir
 
+#: The backend library each of the demo's formats runs on: ONNX, OpenVINO IR, TorchScript.
+LIBRARIES = ("onnxruntime", "openvino", "torch")
+
 
 @dataclass(frozen=True)
 class _Format:
@@ -37,7 +41,8 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
     ``workdir`` (``--workdir``) is where the model and input go, created if need be;
     default: ``demo`` in wasinn's cache. Raises InvalidArgumentError naming it when it
     cannot be created or written, UnsupportedOperationError when no C compiler or no model
-    tooling (torch/onnx/openvino) is installed, naming what to install.
+    tooling (torch/onnx/openvino) is installed, naming what to install, and when no backend
+    library is installed at all (every format would be skipped, nothing would run).
     """
     from wasinn.errors import UnsupportedOperationError
     from wasinn.host.guests import build_example
@@ -45,6 +50,11 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
 
     workdir = (_folder(workdir, "--workdir") if workdir is not None
                else _folder(cache_dir() / "demo", "the demo's folder in wasinn's cache"))
+    if not any(importlib.util.find_spec(library) is not None for library in LIBRARIES):
+        # Every format would be skipped: a run that classifies nothing is not a success.
+        raise UnsupportedOperationError(
+            f"the demo runs nothing: no backend is installed (none of "
+            f"{', '.join(LIBRARIES)}): pip install 'wasinn[all]'")
     try:
         from wasinn.modelgen import export_mobilenet, sample_image
 

@@ -381,6 +381,35 @@ def test_demo_workdir_that_cannot_be_a_folder(tmp_path: Path,
             "create or write in\n")
 
 
+def test_demo_with_no_backend_installed_runs_nothing_and_says_so(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # (Before: every format was skipped, the table was empty and the status 0.)
+    import importlib.util
+
+    from wasinn.host import demo
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name in demo.LIBRARIES else find_spec(name, *args)))
+    assert main(["demo", "--workdir", str(tmp_path)]) == 1
+    assert capfd.readouterr().err == (
+        "wasinn: error: the demo runs nothing: no backend is installed (none of "
+        "onnxruntime, openvino, torch): pip install 'wasinn[all]'\n")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from wasinn import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"wasinn {__version__}\n"
+    run = subprocess.run([sys.executable, "-m", "wasinn", "--version"], capture_output=True,
+                         text=True, check=False, timeout=120)
+    assert (run.returncode, run.stdout) == (0, f"wasinn {__version__}\n"), run.stderr
+
+
 @pytest.mark.slow
 def test_demo_classifies_end_to_end(tmp_path: Path) -> None:
     example_guest("classify", tmp_path)  # skips without a compiler

@@ -283,8 +283,25 @@ def test_warmup_inputs_without_warmup_are_warned_about(
 def test_not_toml_and_missing_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(write(tmp_path, "[pools.cpu\n"))
-    with pytest.raises(NotFoundError, match="does not exist"):
+    with pytest.raises(NotFoundError) as absent:
         load_config(tmp_path / "absent.toml")
+    assert str(absent.value) == f"config file {tmp_path / 'absent.toml'} does not exist"
+
+
+@pytest.mark.parametrize("name", ["pools.toml", "pipeline.toml", "default.toml"])
+def test_a_missing_config_named_as_a_shipped_one_says_where_that_lies(
+        tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's configs/pools.toml is a checkout's path: an installed wasinn keeps the
+    # file in its package, which the error points at (a hint only: nothing is looked up).
+    monkeypatch.chdir(tmp_path)
+    shipped = packaged_dir() / name
+    for given in (tmp_path / "configs" / name, Path(name)):
+        with pytest.raises(NotFoundError) as missing:
+            load_config(given)
+        assert str(missing.value) == (
+            f"config file {given.absolute()} does not exist: wasinn ships an example "
+            f"{name} at {shipped}: copy it, or pass that path")
+    assert load_config(shipped).pools  # the path it gives loads
 
 
 def test_a_symlink_out_of_the_config_directory_is_refused(tmp_path: Path) -> None:

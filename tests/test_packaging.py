@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -69,21 +71,53 @@ def test_import_wasinn_leaves_the_runtime_to_first_use() -> None:
                          ) == "True"
 
 
+#: What a build leaves in a checkout: a wheel built from it would ship build/lib's copy of
+#: a module deleted since (setuptools reuses build/lib), and nothing would tell.
+_BUILD_LEFTOVERS = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+
+
+def _package_source(root: Path, into: Path) -> dict[str, Path]:
+    """Copy what the wheel is built from (the root's files and the package folders of
+    pyproject's ``package-dir``, as they are now: modules not yet committed included,
+    build leftovers not) into ``into``; each folder by its package name."""
+    into.mkdir()
+    for file in root.iterdir():
+        if file.is_file():
+            shutil.copy2(file, into / file.name)
+    mapping = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {}
+    for package, folder in mapping["package-dir"].items():
+        shutil.copytree(root / folder, into / folder, ignore=_BUILD_LEFTOVERS,
+                        dirs_exist_ok=True)  # (a subpackage's folder may be mapped too)
+        folders[package] = into / folder
+    return folders
+
+
+def _modules(folders: dict[str, Path]) -> set[str]:
+    """The .py files under the package folders, as the wheel names them."""
+    return {"/".join([*package.split("."), *py.relative_to(folder).parts])
+            for package, folder in folders.items() for py in folder.rglob("*.py")}
+
+
 @pytest.mark.slow
 def test_wheel_installs_only_the_wasinn_namespace(tmp_path: Path) -> None:
     # Build the real wheel (no network: the build backend is already installed) and read its
     # file list: every module must sit under wasinn/, with the TOML configs and WIT files
-    # shipped as package data.
+    # shipped as package data. Built from a copy of the package's sources, not the
+    # checkout, whose build/ may hold modules deleted since (and which a build writes in).
     import zipfile
 
     root = Path(__file__).resolve().parents[1]
+    folders = _package_source(root, tmp_path / "src")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(root)],
+         "-w", str(tmp_path), str(tmp_path / "src")],
         check=True, capture_output=True,
     )
     (wheel,) = tmp_path.glob("wasinn-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
+    # Every module of the package folders, and no other (a deleted one left in build/lib).
+    assert {n for n in names if n.endswith(".py")} == _modules(folders)
     tops = {n.split("/")[0] for n in names if not n.startswith("wasinn-")}
     assert tops == {"wasinn"}, tops
     assert "wasinn/py.typed" in names

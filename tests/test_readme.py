@@ -253,8 +253,10 @@ def test_readme_commands_use_the_parsers_commands_and_options() -> None:
                                                          "demo"}
     for line in lines:
         words = line.split()[1:]
-        while words[0] in top:  # -v before the command
+        while words and words[0] in top:  # -v before the command
             words.pop(0)
+        if not words:  # (wasinn --version: no command)
+            continue
         sub = commands.choices.get(words[0])
         assert sub is not None, f"README: {line}: no command {words[0]!r}"
         options = {s for a in sub._actions for s in a.option_strings}
