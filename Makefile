@@ -32,6 +32,7 @@ CI_REQUIRE := $(if $(CI),wasm$(comma)onnxruntime$(comma)openvino$(comma)torch,)
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy -p wasinn
+	$(BIN)/mypy --strict tests/typed_usage.py
 
 test: lint
 	WASINN_REQUIRE=$${WASINN_REQUIRE:-$(CI_REQUIRE)} $(BIN)/pytest

@@ -3,7 +3,8 @@
 A :class:`Backend` is a library (ONNX Runtime, OpenVINO, PyTorch, ...) seen through
 four questions: which encodings it reads, which devices it can run on here
 (:meth:`Backend.devices`), how sure it is that some bytes are its format
-(:meth:`Backend.sniff`), and how to compile model bytes for one device
+(:meth:`Backend.sniff`: asked of a plugin when an autodetected model's bytes match no
+built-in format), and how to compile model bytes for one device
 (:meth:`Backend.load`). A :class:`CompiledGraph` reports its inputs and outputs and
 runs named inputs to named outputs, synchronously.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from wasinn.enums import ExecutionTarget, GraphEncoding, TensorType
-from wasinn.errors import InvalidArgumentError
+from wasinn.errors import InvalidArgumentError, InvalidEncodingError
 from wasinn.tensor import Tensor
 
 #: Model bytes as the guest handed them over: one buffer per builder.
@@ -171,6 +173,33 @@ def _interval(low: int, high: int | None) -> str:
 MAX_THREADS = 1024
 
 
+class _PathText:
+    """A dataclass field holding a file's path as a str: set to a str or any
+    ``os.PathLike`` of str (a ``pathlib.Path``, a ``trio.Path``), read as its
+    ``os.fspath``; ``""`` by default. Anything else is an InvalidArgumentError naming the
+    field."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._owner, self._name, self._slot = owner.__name__, name, f"_{name}"
+
+    def __get__(self, instance: object | None, owner: type | None = None) -> str:
+        if instance is None:  # (the dataclass's default)
+            return ""
+        text: str = getattr(instance, self._slot)
+        return text
+
+    def __set__(self, instance: object, value: str | os.PathLike[str]) -> None:
+        try:
+            text = value if type(value) is str else os.fspath(value)
+        except TypeError:
+            text = None
+        if not isinstance(text, str):
+            raise InvalidArgumentError(
+                f"{self._owner} {self._name}={value!r:.60} ({type(value).__name__}): "
+                "expected a file's path, a str or an os.PathLike of str (a Path)")
+        setattr(instance, self._slot, text)
+
+
 @dataclass
 class LoadOptions:
     """Options a backend may honour when compiling; unknown keys are ignored.
@@ -183,7 +212,8 @@ class LoadOptions:
     ``source`` the path of the model's (first) file where it was read from the host's
     files by the host's own choice (a model registry entry), else ``""`` (bytes from a
     guest or a caller): only such a model may keep ONNX weights in external data files,
-    each inside that file's folder (see :mod:`._onnx_check`);
+    each inside that file's folder (see :mod:`._onnx_check`); given as a str or any
+    ``os.PathLike`` of str (a ``pathlib.Path``), kept as its str (``os.fspath``);
     ``thread_pinning`` whether the backend may pin its own threads to CPUs as it sees fit
     (OpenVINO's ``ENABLE_CPU_PINNING``, unless ``extra`` names it): False where the
     caller manages the affinity of the threads that call it (a pool with pinned
@@ -204,7 +234,7 @@ class LoadOptions:
     precision: str = "f32"
     threads: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
-    source: str = ""
+    source: _PathText = _PathText()
     thread_pinning: bool = True
     sandbox: bool | Literal["cpu"] = False
     max_sandbox_bytes: int | None = None
@@ -295,7 +325,11 @@ class CompiledGraph(abc.ABC):
     ) -> dict[str, Tensor]:
         """Run the graph on named inputs and return the named outputs.
 
-        ``outputs`` limits which outputs are produced (all when None).
+        The scheduler hands it input names only: the positions and aliases a caller may
+        use are resolved to the names of :attr:`inputs` before a request reaches a
+        device, and a position the graph does not have is refused there. A str it does
+        not list may still come, for the backend to refuse (it can say what that name
+        is). ``outputs`` limits which outputs are produced (all when None).
         ``keep_on_device`` returns backend-native tensors that stay on this graph's
         device (ready to be fed to another graph of the same backend and device)
         instead of host numpy tensors. Inputs may be host tensors or native tensors
@@ -321,10 +355,24 @@ class Backend(abc.ABC):
         """The devices this backend can run on in this process (probed, cached)."""
 
     def sniff(self, builders: Builders) -> float:
-        """How sure (0.0-1.0) this backend is that ``builders`` are a model it reads."""
+        """How sure (0.0-1.0) this backend is that ``builders`` are a model it reads.
+
+        Asked when a model's encoding is autodetected and its bytes match no built-in
+        format (see :func:`wasinn.backends.formats.detect_encoding`), of the backends
+        that are not built in (given to the runtime in code, or entry-point plugins)
+        with a device of the kind the model runs on: the highest score above 0 wins,
+        and the model is read by that backend, in its encoding. Only a backend that
+        reads exactly one encoding is asked (a score cannot say which of several the
+        bytes are in): the models of one that reads several need their encoding
+        declared. Called in a worker thread; should be quick and read little. This
+        default claims the bytes the built-in detection finds in one of
+        :attr:`encodings`, which a plugin overrides to recognise its own format."""
         from wasinn.backends.formats import detect_encoding
 
-        encoding = detect_encoding(builders)
+        try:
+            encoding = detect_encoding(builders)
+        except InvalidEncodingError:
+            return 0.0
         return 1.0 if encoding in self.encodings else 0.0
 
     @abc.abstractmethod

@@ -21,12 +21,12 @@ import importlib.util
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.errors import InvalidArgumentError, UnsupportedOperationError
 
-from .base import Backend, BackendRef, Device
+from .base import Backend, BackendRef, Builders, Device
 
 log = logging.getLogger("wasinn.backends")
 
@@ -57,6 +57,31 @@ BUILTIN: tuple[BackendSpec, ...] = (
 #: Default preference: ONNX Runtime first for ONNX (fastest on CPU at batch 1 in our
 #: measurements and the only one with a CUDA provider), then OpenVINO, then PyTorch.
 DEFAULT_PREFERENCE: tuple[str, ...] = ("onnxruntime", "openvino", "pytorch")
+
+
+@dataclass
+class Sniffed:
+    """What :meth:`BackendRegistry.sniff` found: the backend that claims a model, its
+    encoding and score (``name`` None: none did), and which backends were asked, and
+    which not (``skipped``: they read several encodings)."""
+
+    name: str | None = None
+    encoding: GraphEncoding | None = None
+    score: float = 0.0
+    asked: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def unclaimed(self) -> str:
+        """Says, for an error, that no backend claimed the model and which were asked
+        ("" when there were none to ask)."""
+        said = []
+        if self.asked:
+            said.append(f"nor does a plugin backend's sniff claim them (asked: "
+                        f"{', '.join(self.asked)})")
+        if self.skipped:
+            said.append(f"{', '.join(self.skipped)} read(s) several encodings, which its "
+                        "sniff cannot tell apart: declare the model's encoding")
+        return "; ".join(said)
 
 
 def _plugin_specs() -> list[BackendSpec]:
@@ -206,6 +231,42 @@ class BackendRegistry:
         raise UnsupportedOperationError(
             f"no backend runs {encoding.value} on {target.value}: " + "; ".join(passed)
         )
+
+    def sniff(self, builders: Builders, target: ExecutionTarget,
+              only: str | None = None) -> Sniffed:
+        """Which backend that is not built in (given in code, or an entry-point plugin)
+        claims ``builders`` by its :meth:`~.base.Backend.sniff`, for an autodetected model
+        whose bytes match no built-in format: the highest score above 0 among those with
+        a ``target`` device (``only``: that backend alone, where the model names it),
+        each imported to be asked. A backend that reads several encodings is not asked:
+        its score could not say which one the bytes are in (its models need their
+        encoding declared). One whose sniff raises, or cannot be imported, is passed
+        over with a warning."""
+        found = Sniffed()
+        for name in self.installed() if only is None else [only]:
+            if any(self._specs.get(name) is builtin for builtin in BUILTIN):
+                continue
+            if not self._usable(name, lambda n: self.has_device(n, target)):
+                continue
+            backend = self.get(name)
+            if len(backend.encodings) != 1:
+                found.skipped.append(name)
+                continue
+            found.asked.append(name)
+            try:
+                score = float(backend.sniff(builders))
+            except Exception as exc:  # a plugin's sniff may raise anything
+                self._warn_passed_over(
+                    name, f"backend {name!r}'s sniff raised {type(exc).__name__}: {exc}")
+                continue
+            if score > 0 and (found.name is None or score > found.score):
+                found.name, found.score = name, score
+                (found.encoding,) = backend.encodings
+        if found.name is not None:
+            log.debug("autodetect: backend %s claims the model (%s, sniff %g; asked %s)",
+                      found.name, found.encoding and found.encoding.value, found.score,
+                      found.asked)
+        return found
 
     def _passed_over(self, name: str, otherwise: str) -> str:
         """Why ``name`` was passed over: it cannot be imported, or ``otherwise``."""

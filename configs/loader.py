@@ -319,7 +319,8 @@ def _warn_unused(config: RuntimeConfig, label: str) -> None:
                     label, shown, pools)
 
 
-def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeConfig:
+def load_config(path: str | os.PathLike[str], *, backends: Iterable[str] = ()
+                ) -> RuntimeConfig:
     """Read and validate the TOML config at ``path``.
 
     ``backends`` names the backends the runtime will be given in code
@@ -329,13 +330,15 @@ def load_config(path: str | Path, *, backends: Iterable[str] = ()) -> RuntimeCon
     those wasinn ships: ``pools.toml``, ``pipeline.toml``), ConfigError when it is not
     TOML or does not validate (an unknown backend name included).
     """
-    if not isinstance(path, str | os.PathLike):
+    given = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(given, str):  # (an os.PathLike of bytes too)
         raise InvalidArgumentError(
-            f"config path {path!r:.60} ({type(path).__name__}): expected a str or Path")
-    if "\0" in str(path):  # else the file system's ValueError, naming no config
+            f"config path {path!r:.60} ({type(path).__name__}): expected a str or an "
+            "os.PathLike of str (a Path)")
+    if "\0" in given:  # else the file system's ValueError, naming no config
         raise InvalidArgumentError(
-            f"config path {str(path)!r:.60} contains a NUL byte: expected a file path")
-    source = Path(path).absolute()
+            f"config path {given!r:.60} contains a NUL byte: expected a file path")
+    source = Path(given).absolute()
     try:
         # utf-8-sig: a byte-order mark at the start (what Windows editors save as "UTF-8
         # with BOM") is dropped, not taken for an invisible character the TOML parser

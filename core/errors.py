@@ -1,7 +1,8 @@
 """wasinn's exception tree.
 
-Every error wasinn raises is a :class:`WasiNNError`. Its leaves map one to one onto
-wasi-nn's ``error-code`` values, so any layer (backend, actor, scheduler, guest
+Every failure of the wasi-nn API (loading, running and unloading models, configs,
+the registry, a guest's wasi-nn calls) is a :class:`WasiNNError`. Its leaves map one to
+one onto wasi-nn's ``error-code`` values, so any layer (backend, actor, scheduler, guest
 bindings) can raise the precise leaf and the guest ABIs translate it without guessing::
 
     WasiNNError
@@ -18,6 +19,14 @@ bindings) can raise the precise leaf and the guest ABIs translate it without gue
     │   └── ClosedResourceError                         the handle was closed/unloaded by its owner
     ├── SecurityError             security              refused for safety (e.g. path escape)
     └── UnknownError              unknown               anything else
+
+What is not a WasiNNError, because it is not the API failing: a guest that traps
+(``unreachable``, a memory fault, its ``run_timeout`` or fuel spent) raises
+``wasinn.GuestTrap`` (:class:`wasinn.host.runner.GuestTrap`, an Exception) from
+``Runtime.run_wasm``; misuse from the wrong thread or event loop (a caller-thread method
+called in the trio thread, a runtime used outside its trio run) raises RuntimeError, as
+trio's own misuse does; ``MetricsServer`` raises ValueError for a bad port or address
+and OSError for one it cannot listen on.
 
 Messages say what was wrong and what was expected. An error that crosses an actor
 or thread boundary keeps its type and message. ``ConfigError`` is defined beside the

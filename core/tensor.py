@@ -22,7 +22,7 @@ import numbers
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -44,6 +44,15 @@ _TYPES: dict[np.dtype[Any], TensorType] = {dt: tt for tt, dt in _DTYPES.items()}
 
 #: Upper bound on the rank of a tensor; wasi-nn guests never need more.
 MAX_RANK = 32
+
+
+class Buffer(Protocol):
+    """What the buffer protocol reads (``bytes``, ``bytearray``, ``memoryview``,
+    ``array.array``, ``mmap``...), as :meth:`Tensor.from_bytes` takes it: the type of
+    ``collections.abc.Buffer`` (Python 3.12 on), for type checkers only (never checked
+    with isinstance)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 
 def numpy_dtype(tensor_type: TensorType) -> np.dtype[Any]:
@@ -320,11 +329,12 @@ class Tensor:
         cls,
         dims: Sequence[int],
         type: TensorType | str,
-        data: bytes | bytearray | memoryview | np.ndarray[Any, Any],
+        data: Buffer | np.ndarray[Any, Any],
     ) -> Tensor:
         """A tensor over raw little-endian bytes, without copying them (a contiguous
-        buffer, or a C-contiguous numpy array whose bytes are taken as they are; a
-        non-contiguous one is copied).
+        buffer: ``bytes``, ``bytearray``, ``memoryview``, ``array.array``, ``mmap``...,
+        or a C-contiguous numpy array whose bytes are taken as they are; a non-contiguous
+        one is copied).
 
         Raises InvalidArgumentError for dimensions that are not non-negative integers, an
         unknown element type, ``data`` that is no bytes-like object, and when its size is

@@ -39,7 +39,7 @@ def run_session(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tenso
     # Runs in the actor's worker thread; the in-use count defers an unload's close.
     compiled = session.acquire()
     try:
-        return compiled.run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
+        return compiled.run(inputs, keep_on_device=keep)
     finally:
         session.release()
 
@@ -47,7 +47,7 @@ def run_session(session: Session, inputs: Inputs, keep: bool) -> dict[str, Tenso
 def run_first(held: Sequence[CompiledGraph], inputs: Inputs, keep: bool
               ) -> dict[str, Tensor]:
     # A model lease's job (a RunHeld): the one graph held for it.
-    return held[0].run(inputs, keep_on_device=keep)  # type: ignore[arg-type]
+    return held[0].run(inputs, keep_on_device=keep)
 
 
 def run_chain(sessions: Sequence[Session], links: Sequence[Link], inputs: Inputs,
@@ -93,7 +93,7 @@ def chain(links: Sequence[Link], compiled: Sequence[CompiledGraph], inputs: Inpu
         fed = inputs if step == 0 else {inp: current[out] for out, inp in links[step - 1]}
         start = time.perf_counter()
         try:
-            current = graph.run(fed, keep_on_device=keep or step < last)  # type: ignore[arg-type]
+            current = graph.run(fed, keep_on_device=keep or step < last)
         except Exception as exc:  # (a WasiNNError, or the backend's library's own)
             if models is not None and not (cancellation is not None
                                            and cancellation.cancelled):

@@ -87,9 +87,11 @@ class Sessions:
         return registry
 
     def _choose(self, model: LoadedModel, kind: ExecutionTarget) -> str:
-        if model.encoding is GraphEncoding.AUTODETECT:
-            model.encoding = detect_encoding(model.builders)
         registry = self._registry(kind)
+        if model.encoding is GraphEncoding.AUTODETECT:
+            claimed = _autodetect(model, registry, kind)
+            if claimed is not None:
+                return claimed
         if model.backend_name is None:
             return registry.choose_name(model.encoding, kind)
         name = model.backend_name
@@ -277,6 +279,28 @@ class Sessions:
         close blocks (sandboxed ones), which close in a thread, included."""
         for actor in self.actors:
             await actor.graphs_closed()
+
+
+def _autodetect(model: LoadedModel, registry: BackendRegistry, kind: ExecutionTarget
+                ) -> str | None:
+    """Set ``model``'s encoding from its bytes: a built-in format's, else the one of the
+    backend not built in (given in code, a plugin) whose sniff claims them (see
+    :meth:`BackendRegistry.sniff`; only the backend the model names, if it names one),
+    whose name is returned then (None: a built-in format's, the backend still to be
+    chosen). Raises the built-in detection's InvalidEncodingError when no backend
+    claims them, naming the backends asked."""
+    try:
+        model.encoding = detect_encoding(model.builders)
+    except InvalidEncodingError as exc:
+        found = registry.sniff(model.builders, kind, model.backend_name)
+        if found.name is None or found.encoding is None:
+            unclaimed = found.unclaimed()
+            if unclaimed:
+                raise exc.retold(f"{exc.message}; {unclaimed}") from None
+            raise
+        model.encoding = found.encoding
+        return found.name
+    return None
 
 
 def _refusal(backend: str, exc: WasiNNError, first: str) -> str:

@@ -34,7 +34,10 @@ its timeout passes, or another thread calls ``ContextRun.interrupt``, the run is
 where the backend can stop it (ONNX Runtime, OpenVINO, a ``torch.export`` program, a
 TorchScript loop: see :mod:`wasinn.backends.pytorch`).
 
-Keys are input/output names or their positions. Contexts are not thread-safe: use them
+Keys are input/output names, their positions or their aliases; a request's input keys
+are resolved to the input names before it reaches a device (:func:`tensor_inputs`), so
+that every backend is handed names, as ``CompiledGraph.run`` takes them, and a position
+the graph does not have is an UnknownNameError here. Contexts are not thread-safe: use them
 from the trio thread (guests' worker threads go through ``trio.from_thread``), or from the
 one thread that owns them through the caller-thread methods.
 """
@@ -67,7 +70,7 @@ from wasinn.errors import (
 from wasinn.tensor import Tensor, as_tensor
 
 from .binding import OutputBuffer, fill
-from .model import Executable, Inputs
+from .model import Executable, GivenInputs, Inputs
 from .triorun import A_REQUEST, check_trio_run, yields_when_refused
 
 if TYPE_CHECKING:
@@ -172,13 +175,43 @@ def _input_key(key: object) -> str | int:
         "position (int)")
 
 
-def tensor_inputs(inputs: object) -> Inputs:
-    """``inputs`` with every value a :class:`Tensor`: the mapping itself when they all
-    are, else a new dict with the others converted (:func:`wasinn.tensor.as_tensor`).
+def _input_name(key: object, executable: Executable) -> str:
+    """The input name ``key`` stands for: a position's or an alias's name (UnknownNameError
+    for a position the graph does not have, see :func:`spec_name`); any other str as it
+    is (a name the graph does not list is the backend's to refuse, which can say what it
+    is: an ONNX initializer, say)."""
+    specs = executable.inputs
+    if type(key) is int and 0 <= key < len(specs):  # (the usual position: at once)
+        return specs[key].name
+    plain = key if type(key) is str or type(key) is int else _input_key(key)
+    aliases = executable.input_aliases
+    if isinstance(plain, str) and not (aliases and plain in aliases):
+        return plain
+    return spec_name(specs, plain, "input", executable.name, aliases)
 
-    Run before a request reaches a device, so that a value with no tensor form is an
-    InvalidArgumentError naming its input, not a failure of the backend's run; also
-    InvalidArgumentError unless ``inputs`` is a mapping (names or positions -> values).
+
+def _given_twice(inputs: GivenInputs, given: object, name: str, executable: Executable
+                 ) -> InvalidArgumentError:
+    """The error for input ``name`` given a second time, as ``given``: names both keys."""
+    first = next(k for k in inputs if _input_name(k, executable) == name)
+    return InvalidArgumentError(
+        f"{executable.name}: input {name!r} is given twice (as {first!r} and {given!r}): "
+        "expected each input once, by its name or its position")
+
+
+def tensor_inputs(inputs: object, executable: Executable) -> Inputs:
+    """``inputs`` (input names, aliases or positions -> values) as a request carries them
+    to a device: keyed by ``executable``'s input names, every value a :class:`Tensor`
+    (:func:`wasinn.tensor.as_tensor`). The mapping itself when it already is (str keys,
+    none an alias, and Tensor values), else a new dict.
+
+    Run before a request reaches a device, so that every backend is handed names, as
+    ``CompiledGraph.run`` takes them, and a value with no tensor form is an
+    InvalidArgumentError naming its input, not a failure of the backend's run. Raises
+    InvalidArgumentError unless ``inputs`` is a mapping, for a key that is neither a str
+    nor an integer, and for an input given twice (by name and position or alias);
+    UnknownNameError (an InvalidArgumentError) for a position or alias the graph does not
+    have.
     """
     # A dict first: the ABC check of Mapping is several Python calls, on every request.
     if type(inputs) is not dict and not isinstance(inputs, Mapping):
@@ -186,14 +219,19 @@ def tensor_inputs(inputs: object) -> Inputs:
             f"inputs must be a mapping of input names or positions to tensors, "
             f"not {type(inputs).__name__}"
         )
+    aliases = executable.input_aliases or None  # (most graphs have none)
     for key, value in inputs.items():
-        if type(value) is not Tensor or (type(key) is not str and type(key) is not int):
+        if (type(value) is not Tensor or type(key) is not str
+                or (aliases is not None and key in aliases)):
             break
     else:
         return inputs
-    converted: dict[Any, Tensor] = {}
+    converted: dict[str, Tensor] = {}
     for given, value in inputs.items():
-        key = given if type(given) is str or type(given) is int else _input_key(given)
+        key = (given if type(given) is str and (aliases is None or given not in aliases)
+               else _input_name(given, executable))
+        if key in converted:
+            raise _given_twice(inputs, given, key, executable)
         if type(value) is Tensor:
             converted[key] = value
             continue
@@ -239,7 +277,7 @@ class ExecutionContext:
     @yields_when_refused
     async def compute(
         self,
-        inputs: Inputs,
+        inputs: GivenInputs,
         *,
         priority: int = 0,
         timeout: float | None = None,
@@ -282,8 +320,8 @@ class ExecutionContext:
         token = QUEUE_OWNER.set(self._queue_owner())
         try:
             outputs = await self._executable.execute(
-                self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
-                tenant=tenant, keep_on_device=keep_on_device,
+                self.target, tensor_inputs(inputs, self._executable), priority=priority,
+                deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
             )
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
@@ -320,7 +358,7 @@ class ExecutionContext:
     @yields_when_refused
     async def lease(
         self,
-        inputs: Inputs | None = None,
+        inputs: GivenInputs | None = None,
         *,
         priority: int = 0,
         timeout: float | None = None,
@@ -351,8 +389,8 @@ class ExecutionContext:
         token = QUEUE_OWNER.set(self._queue_owner())
         try:
             lease = await self._executable.lease(
-                self.target, tensor_inputs(inputs), priority=priority, deadline=deadline,
-                tenant=tenant, keep_on_device=keep_on_device,
+                self.target, tensor_inputs(inputs, self._executable), priority=priority,
+                deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
             )
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
@@ -360,7 +398,7 @@ class ExecutionContext:
             QUEUE_OWNER.reset(token)
         return ContextRun(self, lease, bound, timeout)
 
-    def try_lease(self, inputs: Inputs | None = None, *, timeout: float | None = None,
+    def try_lease(self, inputs: GivenInputs | None = None, *, timeout: float | None = None,
                   tenant: str = "", keep_on_device: bool | None = None
                   ) -> ContextRun | None:
         """From the thread that owns this context (no trio): a :class:`ContextRun` holding
@@ -375,7 +413,8 @@ class ExecutionContext:
         if inputs is None:
             inputs = self._staged()
         timeout = check_request(0, timeout, tenant)
-        return self._try_lease(tensor_inputs(inputs), timeout, tenant, keep_on_device)
+        return self._try_lease(tensor_inputs(inputs, self._executable), timeout, tenant,
+                               keep_on_device)
 
     def _try_lease(self, inputs: Inputs, timeout: float | None, tenant: str,
                    keep_on_device: bool | None) -> ContextRun | None:
@@ -387,7 +426,7 @@ class ExecutionContext:
 
     def compute_in_caller_thread(
         self,
-        inputs: Inputs,
+        inputs: GivenInputs,
         *,
         priority: int = 0,
         timeout: float | None = None,
@@ -411,7 +450,7 @@ class ExecutionContext:
                 "instead, or call it from a worker thread (trio.to_thread.run_sync)")
         self._check_open()
         seconds = check_request(priority, timeout, tenant)
-        inputs = tensor_inputs(inputs)  # once, for both tries
+        inputs = tensor_inputs(inputs, self._executable)  # once, for both tries
         run = self._try_lease(inputs, seconds, tenant, keep_on_device)
         if run is None:
             queue = functools.partial(self.lease, inputs, priority=priority, timeout=timeout,

@@ -30,7 +30,7 @@ from .context import (
     request_deadline,
     tensor_inputs,
 )
-from .model import Executable, Inputs
+from .model import Executable, GivenInputs
 from .placement import Scheduler
 from .triorun import check_trio_run, yields_when_refused
 
@@ -126,7 +126,7 @@ class Graph:
     @yields_when_refused
     async def compute(
         self,
-        inputs: Inputs,
+        inputs: GivenInputs,
         *,
         target: ExecutionTarget | str | None = None,
         priority: int = 0,
@@ -138,7 +138,7 @@ class Graph:
         The model is kept loaded until the run ends: an unload meanwhile frees it after."""
         self._check_loaded()
         deadline = request_deadline(priority, timeout, tenant)
-        inputs = tensor_inputs(inputs)
+        inputs = tensor_inputs(inputs, self._executable)
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         executable = self._executable
         executable.retain()  # an unload during the run frees after it, and waits for it
@@ -155,7 +155,7 @@ class Graph:
     @yields_when_refused
     async def lease(
         self,
-        inputs: Inputs,
+        inputs: GivenInputs,
         *,
         target: ExecutionTarget | str | None = None,
         priority: int = 0,
@@ -171,7 +171,7 @@ class Graph:
         cancelled): an unload meanwhile frees the compiled graphs after it."""
         self._check_loaded()
         deadline = request_deadline(priority, timeout, tenant)
-        inputs = tensor_inputs(inputs)
+        inputs = tensor_inputs(inputs, self._executable)
         kind = self.default_target if target is None else self._scheduler.resolve_target(target)
         executable = self._executable
         executable.retain()  # until the lease holds its compiled graphs (see placement)
@@ -187,7 +187,8 @@ class Graph:
         lease.timeout = timeout  # named if it passes during the run
         return lease
 
-    def try_lease(self, inputs: Inputs, *, timeout: float | None = None, tenant: str = "",
+    def try_lease(self, inputs: GivenInputs, *, timeout: float | None = None,
+                  tenant: str = "",
                   keep_on_device: bool | None = None) -> Lease[dict[str, Tensor]] | None:
         """One-shot run on the graph's default target from the caller's own thread,
         without trio: a lease if the model is compiled there and a slot is free with
@@ -196,7 +197,8 @@ class Graph:
         charged its run as in :meth:`lease`."""
         self._check_loaded()
         timeout = check_request(0, timeout, tenant)
-        lease = self._executable.try_lease(self.default_target, tensor_inputs(inputs),
+        lease = self._executable.try_lease(self.default_target,
+                                           tensor_inputs(inputs, self._executable),
                                            timeout=timeout, tenant=tenant,
                                            keep_on_device=keep_on_device)
         if lease is not None:

@@ -28,8 +28,13 @@ from wasinn.backends.onnx_dims import DeclaredDim, declared_dims
 from wasinn.enums import ExecutionTarget, GraphEncoding
 from wasinn.tensor import Tensor
 
-#: Inputs as callers give them: names or positions -> tensors or numpy-compatible values.
-Inputs = Mapping[Any, object]
+#: Inputs as callers give them: names, aliases or positions -> tensors or
+#: numpy-compatible values.
+GivenInputs = Mapping[Any, object]
+#: Inputs as a request carries them to a device, the given ones resolved by
+#: :func:`~.context.tensor_inputs`: input names -> tensors, as ``CompiledGraph.run`` takes
+#: them.
+Inputs = Mapping[str, Tensor]
 
 _ids = itertools.count(1)
 

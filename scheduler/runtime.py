@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -81,7 +80,7 @@ class Runtime(ModelLoading):
     and close them (``try``/``finally``, ``with ctx:``) when the runtime outlives them.
     """
 
-    def __init__(self, config: RuntimeConfig | str | Path | None = None, *,
+    def __init__(self, config: RuntimeConfig | str | os.PathLike[str] | None = None, *,
                  backends: Iterable[Backend] = ()) -> None:
         from wasinn.configs.loader import check_backends, load_config, packaged_config
         from wasinn.configs.schema import RuntimeConfig
@@ -89,7 +88,7 @@ class Runtime(ModelLoading):
         self._extra = backend_instances(backends)
         if config is None:
             config = packaged_config()
-        elif isinstance(config, (str, Path)):  # as from_config
+        elif isinstance(config, str | os.PathLike):  # as from_config
             config = load_config(config, backends=[b.name for b in self._extra])
         elif not isinstance(config, RuntimeConfig):
             raise InvalidArgumentError(
@@ -112,7 +111,8 @@ class Runtime(ModelLoading):
         self._graphs = LoadedGraphs(kept=self._names.names())
 
     @classmethod
-    def from_config(cls, path: str | Path, *, backends: Iterable[Backend] = ()) -> Runtime:
+    def from_config(cls, path: str | os.PathLike[str], *, backends: Iterable[Backend] = ()
+                    ) -> Runtime:
         """A runtime for the TOML config at ``path`` (NotFoundError, ConfigError); the
         config may name the ``backends`` given here besides the installed ones."""
         from wasinn.configs.loader import load_config
@@ -438,7 +438,7 @@ class Runtime(ModelLoading):
         return Graph(executable, scheduler, kind)
 
     # -- guests -----------------------------------------------------------------------------
-    async def run_wasm(self, path: str | Path, *, argv: Sequence[str] = (),
+    async def run_wasm(self, path: str | os.PathLike[str], *, argv: Sequence[str] = (),
                        dirs: Mapping[str, Any] | None = None,
                        env: Mapping[str, str] | None = None,
                        stdin: bytes | os.PathLike[str] | Literal["inherit"] | None = None,

@@ -69,7 +69,7 @@ class FakeGraph(CompiledGraph):
     def _compute(self, inputs: Mapping[str, Tensor], keep_on_device: bool
                  ) -> dict[str, Tensor]:
         assert not self.closed, "ran a closed graph"
-        tensor = as_tensor(inputs["x"] if "x" in inputs else inputs[0])  # type: ignore[index]
+        tensor = as_tensor(inputs["x"])
         native = tensor.native
         if isinstance(native, FakeNative) and native.device == self.device.name:
             x = native.array  # same device: no copy

@@ -87,7 +87,8 @@ async def test_a_window_of_mixed_shapes_types_and_keys_is_never_concatenated_wro
     graph, actor, sizes = await loaded(rt, sum_and_difference_onnx(), max_batch=16)
     cases: dict[str, dict[Any, Any]] = {
         # Only requests with the same keys, in the same order, with the same element types
-        # and the same dimensions after the first, may share a run.
+        # and the same dimensions after the first, may share a run: positions are the
+        # names they stand for (resolved before the request reaches the device).
         "k4 names": {"a": rows(1, 2), "b": rows(10, 2)},
         "k4 names again": {"a": rows(2, 1), "b": rows(20, 1)},
         "k3 names": {"a": rows(3, 1, 3), "b": rows(30, 1, 3)},
@@ -112,9 +113,10 @@ async def test_a_window_of_mixed_shapes_types_and_keys_is_never_concatenated_wro
             continue
         np.testing.assert_array_equal(results[name]["s"].numpy(), a + b, err_msg=name)
         np.testing.assert_array_equal(results[name]["d"].numpy(), a - b, err_msg=name)
-    # Two merged runs (names 2 + 1 rows, positions 3 + 1); every other request alone.
-    assert sorted(sizes) == sorted([3, 4, 1, 1, 1, 2, 2]), sizes
-    assert (graph.stats().batches, graph.stats().batched) == (2, 4)
+    # One merged run (names 2 + 1 rows and positions 3 + 1, in the same order); every
+    # other request alone.
+    assert sorted(sizes) == sorted([7, 1, 1, 1, 2, 2]), sizes
+    assert (graph.stats().batches, graph.stats().batched) == (1, 4)
 
 
 async def test_device_resident_inputs_run_alone_and_read_ones_batch(rt: wasinn.Runtime) -> None:

@@ -9,8 +9,11 @@ import importlib.metadata
 import logging
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.support import require_backend
@@ -18,6 +21,7 @@ from wasinn import (
     ExecutionTarget,
     GraphEncoding,
     InvalidArgumentError,
+    Tensor,
     UnsupportedOperationError,
 )
 from wasinn.backends import Backend, BackendRegistry, Builders, CompiledGraph, Device, LoadOptions
@@ -305,3 +309,150 @@ def test_the_extras_ask_for_an_onnxruntime_that_checks_divisors() -> None:
     extras = project["project"]["optional-dependencies"]
     for extra in ("onnxruntime", "all"):
         assert "onnxruntime>=1.25" in extras[extra], extra
+
+
+# -- autodetection asks the plugins' sniff -------------------------------------------------
+class DoublingGraph(CompiledGraph):
+    def __init__(self, device: Device) -> None:
+        from wasinn import TensorType
+        from wasinn.backends import TensorSpec
+
+        self.device = device
+        self.inputs = (TensorSpec("x", TensorType.F32, (None, 4)),)
+        self.outputs = (TensorSpec("y", TensorType.F32, (None, 4)),)
+
+    def run(self, inputs: Mapping[str, Tensor], *, outputs: Sequence[str] | None = None,
+            keep_on_device: bool = False) -> dict[str, Tensor]:
+        return {"y": Tensor.from_numpy(inputs["x"].numpy() * 2)}
+
+
+class SniffingBackend(Backend):
+    """Reads its own format (bytes starting ``DOUBLE``), which it recognises by sniff."""
+
+    name = "sniffing"
+    encodings = frozenset({GraphEncoding.GGML})
+
+    def __init__(self) -> None:
+        self.sniffed: list[bytes] = []
+
+    def devices(self) -> list[Device]:
+        return [Device(CPU)]
+
+    def sniff(self, builders: Builders) -> float:
+        head = bytes(builders[0][:6])
+        self.sniffed.append(head)
+        return 0.9 if head == b"DOUBLE" else 0.0
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> CompiledGraph:
+        assert encoding is GraphEncoding.GGML, encoding
+        return DoublingGraph(device)
+
+
+class LowerSniffingBackend(SniffingBackend):
+    """Claims the same bytes, less sure: never chosen beside SniffingBackend."""
+
+    name = "lowersniffing"
+
+    def sniff(self, builders: Builders) -> float:
+        return 0.5 if super().sniff(builders) else 0.0
+
+    def load(self, builders: Builders, encoding: GraphEncoding, device: Device,
+             options: LoadOptions | None = None) -> CompiledGraph:
+        raise AssertionError("the lower score was chosen")
+
+
+async def _doubled(graph: Any) -> list[list[float]]:
+    out = await graph.compute({"x": np.ones((1, 4), np.float32)})
+    return [list(map(float, row)) for row in out["y"].numpy()]
+
+
+async def test_autodetect_asks_a_plugins_sniff_where_no_builtin_format_matches(
+        tmp_path: Path) -> None:
+    # Before: Backend.sniff was never called, and every autodetected load of a plugin's
+    # model failed with "match no known format".
+    import wasinn
+
+    plugin = SniffingBackend()
+    async with wasinn.Runtime(backends=[LowerSniffingBackend(), plugin]) as rt:
+        graph = await rt.load([b"DOUBLE model"])  # encoding autodetect, no backend named
+        assert graph.backend == "sniffing"
+        assert await _doubled(graph) == [[2.0] * 4]
+        named = await rt.load([b"DOUBLE model"], backend="sniffing")
+        assert named.backend == "sniffing"
+    assert plugin.sniffed == [b"DOUBLE", b"DOUBLE"]
+    # A config model with the default encoding (autodetect).
+    (tmp_path / "double.bin").write_bytes(b"DOUBLE model")
+    config = tmp_path / "wasinn.toml"
+    config.write_text('[models.doubler]\nfiles = ["double.bin"]\n')
+    async with wasinn.Runtime.from_config(config, backends=[SniffingBackend()]) as rt:
+        graph = await rt.load_by_name("doubler")
+        assert graph.backend == "sniffing"
+        assert await _doubled(graph) == [[2.0] * 4]
+
+
+async def test_a_builtin_format_is_detected_without_asking_the_plugins() -> None:
+    require_backend("onnxruntime")
+    import wasinn
+    from wasinn.modelgen import affine_onnx
+
+    plugin = SniffingBackend()
+    async with wasinn.Runtime(backends=[plugin]) as rt:
+        graph = await rt.load([affine_onnx()])
+        assert graph.backend == "onnxruntime"
+    assert plugin.sniffed == []
+
+
+async def test_an_entry_point_plugin_is_asked_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    import wasinn
+
+    _with_plugins(monkeypatch, sniffing=f"{__name__}:SniffingBackend")
+    async with wasinn.Runtime() as rt:
+        graph = await rt.load([b"DOUBLE model"])
+        assert graph.backend == "sniffing"
+        assert await _doubled(graph) == [[2.0] * 4]
+
+
+async def test_bytes_nobody_claims_name_the_plugins_asked() -> None:
+    import wasinn
+    from wasinn import InvalidEncodingError
+
+    builtin = (r"^autodetect: 7 bytes starting 4e4f5448494e47 match no known format: "
+               r"expected ONNX .*TensorFlow GraphDef/SavedModel")
+    async with wasinn.Runtime(backends=[SniffingBackend(), RoutingBackend()]) as rt:
+        with pytest.raises(InvalidEncodingError, match=(
+                builtin + r"; nor does a plugin backend's sniff claim them \(asked: "
+                r"sniffing\); routing read\(s\) several encodings, which its sniff cannot "
+                r"tell apart: declare the model's encoding$")):
+            await rt.load([b"NOTHING"])
+        with pytest.raises(InvalidEncodingError, match=(
+                builtin + r"; nor does a plugin backend's sniff claim them \(asked: "
+                r"sniffing\)$")):
+            await rt.load([b"NOTHING"], backend="sniffing")
+    async with wasinn.Runtime() as rt:  # no plugin to ask: the built-in detection's error
+        with pytest.raises(InvalidEncodingError, match=builtin + "$"):
+            await rt.load([b"NOTHING"])
+
+
+def test_a_sniff_that_raises_is_passed_over_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class Raising(SniffingBackend):
+        name = "raising"
+
+        def sniff(self, builders: Builders) -> float:
+            raise ValueError("cannot read that")
+
+    registry = BackendRegistry(extra=[Raising(), SniffingBackend()], discover_plugins=False)
+    with caplog.at_level(logging.WARNING, logger="wasinn.backends"):
+        found = registry.sniff([b"DOUBLE"], CPU)
+    assert (found.name, found.encoding, found.asked) == ("sniffing", GGML,
+                                                         ["raising", "sniffing"])
+    assert ("backend 'raising''s sniff raised ValueError: cannot read that: it is passed "
+            "over") in caplog.text
+    assert registry.sniff([b"DOUBLE"], GPU).asked == []  # no gpu device: not asked
+
+
+def test_the_default_sniff_says_0_for_bytes_of_no_known_format() -> None:
+    # Before: it raised the built-in detection's InvalidEncodingError.
+    assert Backend.sniff(RoutingBackend(), [b"NOTHING"]) == 0.0
+    assert Backend.sniff(RoutingBackend(), [b"GGUF\x03\x00\x00\x00"]) == 1.0

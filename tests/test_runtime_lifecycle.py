@@ -4,6 +4,7 @@ can find."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,26 @@ from wasinn.configs import loader
 from wasinn.modelgen import affine_onnx
 
 X = np.ones((1, 4), np.float32)
+
+
+class AppPath(os.PathLike[str]):
+    """A path type of an application's own."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+class BytesPath(os.PathLike[bytes]):
+    """A path of bytes, which no config path may be."""
+
+    def __init__(self, path: bytes) -> None:
+        self.path = path
+
+    def __fspath__(self) -> bytes:
+        return self.path
 
 
 async def still_serves(rt: wasinn.Runtime) -> None:
@@ -223,8 +244,9 @@ def test_runtime_arguments_of_the_wrong_kind_are_invalid_arguments() -> None:
                            (5, rf"backends=5 \(int\): {expected}")):
         with pytest.raises(InvalidArgumentError, match=said):
             wasinn.Runtime(backends=backends)  # type: ignore[arg-type]
-    for path in (None, b"/x.toml"):
-        with pytest.raises(InvalidArgumentError, match=r"config path .*: expected a str or Path"):
+    for path in (None, b"/x.toml", BytesPath(b"/x.toml")):
+        with pytest.raises(InvalidArgumentError, match=r"config path .*: expected a str or "
+                                                       r"an os\.PathLike of str \(a Path\)$"):
             wasinn.Runtime.from_config(path)  # type: ignore[arg-type]
 
 
@@ -312,6 +334,14 @@ async def test_a_runtime_takes_a_config_path_and_refuses_anything_else(tmp_path:
         assert rt.stats()[0].workers == 3
     async with wasinn.Runtime(config) as rt:
         assert rt.stats()[0].workers == 3
+    # Any os.PathLike of str, as Runtime.from_config takes it. Before: refused, "expected
+    # a RuntimeConfig, a TOML file's path or None ..., not PosixPath" (a trio.Path).
+    for path in (trio.Path(config), AppPath(str(config))):
+        async with wasinn.Runtime(path) as rt:
+            assert rt.stats()[0].workers == 3
+    with pytest.raises(InvalidArgumentError, match=r"config path .*\(BytesPath\): expected "
+                                                   r"a str or an os\.PathLike of str"):
+        wasinn.Runtime(BytesPath(bytes(config)))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="expected a RuntimeConfig, a TOML file"):
         wasinn.Runtime({"pools": {}})  # type: ignore[arg-type]
     with pytest.raises(wasinn.NotFoundError):

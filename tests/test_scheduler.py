@@ -722,8 +722,8 @@ async def test_a_value_with_no_tensor_form_is_an_invalid_argument(rt: wasinn.Run
             await attempt
     with pytest.raises(InvalidArgumentError, match="input 'x': cannot make a tensor"):
         ctx.set_input("x", ragged)
-    with pytest.raises(InvalidArgumentError, match="input 0: numpy dtype object"):
-        graph.try_lease({0: object()})
+    with pytest.raises(InvalidArgumentError, match="input 'x': numpy dtype object"):
+        graph.try_lease({0: object()})  # (a position is named by its name)
     with pytest.raises(InvalidArgumentError, match="input 'x': numpy dtype <U3"):
         await trio.to_thread.run_sync(ctx.compute_in_caller_thread, {"x": "abc"})
     assert rt.stats()[0].finished == 0  # refused before reaching the device
