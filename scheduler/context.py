@@ -317,15 +317,21 @@ class ExecutionContext:
         self._check_open()
         deadline = request_deadline(priority, timeout, tenant)
         bound = self._bound  # as bound now: set_output replaces the dict, never edits it
+        executable = self._executable
+        named = tensor_inputs(inputs, executable)
         token = QUEUE_OWNER.set(self._queue_owner())
+        # Held by the request too, so that a close (the graph's last holder once it was
+        # unloaded) between the request's slot and its run cannot free it under the run.
+        executable.retain()
         try:
-            outputs = await self._executable.execute(
-                self.target, tensor_inputs(inputs, self._executable), priority=priority,
-                deadline=deadline, tenant=tenant, keep_on_device=keep_on_device,
+            outputs = await executable.execute(
+                self.target, named, priority=priority, deadline=deadline, tenant=tenant,
+                keep_on_device=keep_on_device,
             )
         except TimeoutError_ as exc:
             raise naming_timeout(exc, timeout) from exc
         finally:
+            executable.release()
             QUEUE_OWNER.reset(token)
         self._record(outputs, bound)
         return outputs
