@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from wasinn.errors import WasiNNError
 
 if TYPE_CHECKING:
+    from wasinn.backends.registry import BackendRegistry
     from wasinn.configs.schema import ModelConfig, PipelineConfig, RuntimeConfig
 
 
@@ -20,11 +21,30 @@ async def print_devices(config: RuntimeConfig) -> None:
     depend on them, and a preload that cannot load (a model file not there yet) must not
     hide the device table, nor a heavy one make the listing as slow as a start. Raises
     what starting the runtime raises (a WasiNNError for a pool that cannot be served).
+
+    Cancellation (Ctrl-C) stops it at once, also while the backends are probed: that
+    probe (importing torch or OpenVINO takes seconds) runs in a worker thread, which is
+    abandoned (:mod:`wasinn._abandoned`); it only imports and asks, and writes nothing.
     """
+    from wasinn._abandoned import run_abandonable
     from wasinn.backends.registry import BackendRegistry
     from wasinn.scheduler import Runtime
 
     registry = BackendRegistry(config.runtime.backends or ())
+    rows, found = await run_abandonable(_probe_backends, registry)
+    print(table(("BACKEND", "STATUS", "DEVICES", "ENCODINGS"), rows))
+    print()
+    devices_only = config.model_copy(update={"models": {}, "pipelines": {}})
+    async with Runtime(devices_only) as rt:
+        served = [(d.name, d.kind.value, ", ".join(found.get(d.name, [])) or "-")
+                  for d in rt.devices]
+    print(table(("DEVICE", "KIND", "BACKENDS"), served))
+
+
+def _probe_backends(registry: BackendRegistry
+                    ) -> tuple[list[tuple[str, ...]], dict[str, list[str]]]:
+    """The backends table's rows for ``registry``'s backends (installed or not, their
+    devices and encodings), and the backends found for each device name."""
     rows: list[tuple[str, ...]] = []
     found: dict[str, list[str]] = {}
     for name in registry.names():
@@ -41,13 +61,7 @@ async def print_devices(config: RuntimeConfig) -> None:
         rows.append((name, "installed", ", ".join(devices) or "-", encodings))
         for device in devices:
             found.setdefault(device, []).append(name)
-    print(table(("BACKEND", "STATUS", "DEVICES", "ENCODINGS"), rows))
-    print()
-    devices_only = config.model_copy(update={"models": {}, "pipelines": {}})
-    async with Runtime(devices_only) as rt:
-        served = [(d.name, d.kind.value, ", ".join(found.get(d.name, [])) or "-")
-                  for d in rt.devices]
-    print(table(("DEVICE", "KIND", "BACKENDS"), served))
+    return rows, found
 
 
 def print_models(config: RuntimeConfig, where: str) -> None:

@@ -41,7 +41,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from wasinn._abandoned import unfinished_work
 from wasinn._cli_parser import METRICS_ADDR, build_parser
+from wasinn._cli_startup import import_holding_ctrl_c, open_closed_standard_fds
 from wasinn.errors import InvalidArgumentError, UnsupportedOperationError, WasiNNError
 
 if TYPE_CHECKING:
@@ -252,6 +254,10 @@ class _Stop:
         return _STOP_SIGNALS[self.signum][1] if self.signum is not None else EXIT_ERROR
 
 
+#: Set once a stop signal came to the command that :func:`main` runs (cleared as it
+#: starts): the command then exits past the work it abandoned (see :func:`main`).
+_stop_signal_taken = threading.Event()
+
 #: The stop of the innermost :func:`_stopped_by` scope the current task runs in (None:
 #: none), which a scope opened inside it takes as its ``outer``. A context variable, not
 #: a global: it is set in the command's own task, and every ``trio.run`` (every
@@ -289,6 +295,7 @@ async def _stopped_by(*signums: signal.Signals) -> AsyncIterator[_Stop]:
                         _exit_now(f"a second {name}" if signum is stop.signum
                                   else f"{name} after {stop.name}", status)
                     stop.take(signum)
+                    _stop_signal_taken.set()
                     scope.cancel()
 
             watching = trio.CancelScope()
@@ -488,17 +495,49 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``wasinn`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "run" and args.guest is None:
-        args.command_parser.error("the following arguments are required: GUEST.wasm")
-    _configure_logging(args.verbose)
+    """Entry point of the ``wasinn`` console script; returns the exit status. A Ctrl-C
+    from the start, while the command line is parsed too, exits quietly with 130.
+
+    A command that a signal stopped while work it abandoned still runs in a worker
+    thread (a backend library's import, a model's export: :mod:`wasinn._abandoned`) does
+    not return: the process exits at once with the status, its output flushed, since the
+    interpreter's normal exit would destroy that library's objects under the work and
+    abort."""
+    _stop_signal_taken.clear()
+    try:
+        open_closed_standard_fds()
+        if import_holding_ctrl_c():
+            return EXIT_INTERRUPTED
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command == "run" and args.guest is None:
+            args.command_parser.error("the following arguments are required: GUEST.wasm")
+        _configure_logging(args.verbose)
+        status = _main(parser, args)
+    except KeyboardInterrupt:
+        _stop_signal_taken.set()
+        status = EXIT_INTERRUPTED
+    # (Only after a signal: a program calling main() with work of its own abandoned
+    # elsewhere must get the status back.)
+    if _stop_signal_taken.is_set() and unfinished_work():
+        log.info("exiting past %d abandoned job(s) still running in worker threads",
+                 unfinished_work())
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # (None, closed)
+                stream.flush()
+        os._exit(status)
+    return status
+
+
+def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the command ``args`` (parsed by ``parser``) names: its exit status, after
+    saying what failed (:func:`main`)."""
     try:
         _parse_values(args)
         with _warning_lines():
             status = _command(args)
-        sys.stdout.flush()  # (a closed stdout is met here, not at the interpreter's exit)
+        if sys.stdout is not None:  # (None: started without one that Python could use)
+            sys.stdout.flush()  # (a closed stdout is met here, not at the interpreter's exit)
         return status
     except UsageError as exc:  # with the subcommand's usage line
         getattr(args, "command_parser", parser).error(str(exc))
@@ -512,10 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(exc)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        _stop_signal_taken.set()
         return EXIT_INTERRUPTED
     except BaseExceptionGroup as group:
         # What trio's nurseries raise: a Ctrl-C, or the errors of tasks run side by side.
         if group.subgroup(KeyboardInterrupt) is not None:
+            _stop_signal_taken.set()
             return EXIT_INTERRUPTED
         failures, rest = group.split(_FAILURES)
         if failures is None or rest is not None:

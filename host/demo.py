@@ -12,6 +12,7 @@ whose library is not installed is skipped.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shlex
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wasinn._abandoned import run_abandonable
 from wasinn.host.engine import cache_dir
 
 #: The backend library each of the demo's formats runs on: ONNX, OpenVINO IR, TorchScript.
@@ -43,6 +45,8 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
     cannot be created or written, UnsupportedOperationError when no C compiler or no model
     tooling (torch/onnx/openvino) is installed, naming what to install, and when no backend
     library is installed at all (every format would be skipped, nothing would run).
+    Cancellation stops it at once, also while the model is exported or the guest built
+    (their worker threads are abandoned).
     """
     from wasinn.errors import UnsupportedOperationError
     from wasinn.host.guests import build_example
@@ -55,17 +59,23 @@ async def run_demo(width: float = 0.35, workdir: Path | None = None) -> int:
         raise UnsupportedOperationError(
             f"the demo runs nothing: no backend is installed (none of "
             f"{', '.join(LIBRARIES)}): pip install 'wasinn[all]'")
+    # The export (torch, onnx, OpenVINO: seconds) and the guest's build (a compiler run)
+    # go to worker threads, abandoned on cancellation (wasinn._abandoned), so that Ctrl-C
+    # stops the demo at once: each writes its files under temporary names and renames
+    # them into place, so an abandoned one leaves nothing a later demo would take for
+    # finished.
     try:
         from wasinn.modelgen import export_mobilenet, sample_image
 
-        files = export_mobilenet(workdir, width=width, seed=0)
+        files = await run_abandonable(
+            functools.partial(export_mobilenet, workdir, width=width, seed=0))
     except ImportError as exc:
         raise UnsupportedOperationError(
             f"generating the demo model needs wasinn[all] (torch, onnx, openvino): {exc}"
         ) from None
     image = sample_image(seed=0)
     (workdir / "input.bin").write_bytes(image.tobytes())
-    wasm = build_example("classify")
+    wasm = await run_abandonable(build_example, "classify")
     formats = [
         _Format("ONNX", (files.onnx,), "onnxruntime"),
         _Format("OpenVINO IR", (files.ir_xml, files.ir_bin), "openvino"),

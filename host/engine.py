@@ -26,7 +26,10 @@ written; the entries used least recently go first, by modification time, which a
 hit renews. Several processes may share the directory: an entry is written to a file of
 its own and renamed into place, and eviction only ever unlinks, so a process that has
 an entry open (wasmtime maps it) keeps reading the file it opened. An artifact larger
-than the bound is not written.
+than the bound is not written. A compile that its caller abandoned (a run cancelled while
+its guest compiles, whose worker thread goes on) writes its entry the same way: a
+process that exits before the rename leaves at most a temporary file, which a later
+eviction removes once it is :data:`STALE_TEMP_SECONDS` old.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def is_component(wasm: bytes) -> bool:
     bytes decide, so comments and annotations before ``(component`` are no trouble. Text
     that does not convert is judged by its first keyword after whitespace and comments
     (:func:`_first_keyword`), so that the compiler that reports its error is the one
-    meant; anything else (not wasm at all) counts as a core module.
+    meant; anything else (not wasm at all) counts as a core module. The conversion takes
+    seconds for a large text: from an event loop, call it in a worker thread.
     """
     if wasm[:4] == b"\0asm":
         return wasm[4:8] == _COMPONENT_LAYER

@@ -7,10 +7,12 @@ in parallel); the Engine and compiled modules are shared and cached on disk
 (:mod:`wasinn.host.engine`). The guest's wasi-nn calls reach the scheduler through
 ``trio.from_thread``.
 
-Cancellation: cancelling ``run_wasm`` interrupts the guest wherever it is. A guest
-computing in wasm traps at its next epoch check (:mod:`wasinn.host.interrupt`); a guest
-waiting in a wasi-nn call has that call cancelled in trio (which drops its queued
-tickets), then traps; a guest sleeping in WASI's ``poll_oneoff`` wakes and traps
+Cancellation: cancelling ``run_wasm`` interrupts the guest wherever it is, and stops
+one that has not started yet at once: its compile is left to finish in its worker thread
+(which then writes the compile cache as usual). A guest computing in wasm traps at its
+next epoch check (:mod:`wasinn.host.interrupt`); a guest waiting in a wasi-nn call has
+that call cancelled in trio (which drops its queued tickets), then traps; a guest
+sleeping in WASI's ``poll_oneoff`` wakes and traps
 (:mod:`wasinn.host.wasi_poll`). Whatever way the guest ends, every context it still
 holds is closed and every graph unloaded before ``run_wasm`` returns or raises. A guest
 reading its stdin reads a pipe the host fills (:mod:`wasinn.host.guest_stdin`): its
@@ -40,6 +42,7 @@ import outcome
 import trio
 import wasmtime
 
+from wasinn._abandoned import run_abandonable
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.core_bindings import check_imports, define_nn
 from wasinn.host.engine import compile_module, engine_for, is_component
@@ -114,12 +117,17 @@ async def run_wasm(
     tenant = guest_tenant(tenant, program)
     wasm = await trio.Path(path).read_bytes()
     limits = limits or limits_of(rt)
-    if is_component(wasm):
+    # Telling text apart converts it (seconds for a large .wat), and compiling takes
+    # seconds for a large guest: both in worker threads that cancellation abandons
+    # (wasinn._abandoned), so that Ctrl-C stops the run at once. An abandoned compile
+    # finishes in its thread and renames its cache entry into place whole
+    # (wasinn.host.engine); its module is dropped.
+    if await run_abandonable(is_component, wasm):
         from wasinn.host.component import run_component
 
         return await run_component(rt, wasm, argv=argv, dirs=dirs, env=env, limits=limits,
                                    program=program, stdin=stdin, tenant=tenant)
-    module = await trio.to_thread.run_sync(_compile, wasm, program, limits.counts_fuel)
+    module = await run_abandonable(_compile, wasm, program, limits.counts_fuel)
     config = wasi_config(program, argv, dirs, env)
     nn = GuestNN(rt, GuestPortal(), limits, tenant=tenant)
     with guest_stdin(stdin, config) as end_stdin, stopped_after(limits.run_timeout, program):

@@ -329,7 +329,7 @@ class MetricsServer:
     in a worker thread from an event loop). Raises ValueError for a ``port`` that is not
     0 to 65535 or an ``addr`` that is not a str, and OSError naming the address and port
     when the server cannot listen there (in use, not this machine's, a name that does
-    not resolve...).
+    not resolve or is no host name at all, such as one with a label over 63 characters).
     """
 
     def __init__(self, runtime: RuntimeFigures, port: int, addr: str = "127.0.0.1", *,
@@ -353,6 +353,11 @@ class MetricsServer:
             error = OSError(f"cannot serve metrics at {_host(addr)}:{port}: {why}")
             error.errno = exc.errno
             raise error from exc
+        except UnicodeError as exc:
+            # The resolver's IDNA encoding refuses the name before any lookup: a label
+            # over 63 characters, an empty one, bytes that are not UTF-8.
+            raise OSError(f"cannot serve metrics at {_host(addr)}:{port}: not a valid host "
+                          f"name ({exc.__cause__ or exc})") from exc
         # Each connection's reads and writes time out: else a client that connects and
         # sends nothing (or stops halfway) holds a server thread for ever, and enough of
         # them hold as many threads. (prometheus_client's handler sets no timeout; a

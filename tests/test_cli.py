@@ -503,3 +503,43 @@ def test_run_gives_the_guest_the_commands_stdin() -> None:
                            str(WAT_DIR / "read_stdin.wat")],
                           input=b"hello\n", capture_output=True, check=False, timeout=120)
     assert proc.returncode == 6, proc.stderr  # the number of bytes it read
+
+
+@pytest.mark.parametrize("step", ["build_parser", "parse_args", "_configure_logging"])
+def test_ctrl_c_while_the_command_line_is_read_exits_quietly_with_130(
+        step: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    # Before: these ran outside main's try, and a Ctrl-C there printed a traceback.
+    import argparse
+
+    import wasinn.cli
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    where = argparse.ArgumentParser if step == "parse_args" else wasinn.cli
+    monkeypatch.setattr(where, step, interrupted)
+    try:
+        status = main(["-v", "models"])
+    except KeyboardInterrupt:  # (which would end pytest's session)
+        pytest.fail("the KeyboardInterrupt went through main")
+    assert status == 130
+    assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize(("closed", "argv", "status"), [
+    (1, ["run", str(WAT_DIR / "exit_code.wat")], 42),
+    (1, ["devices"], 0),
+    (0, ["run", str(WAT_DIR / "read_stdin.wat")], 0),  # (it read nothing: end of file)
+], ids=["stdout-run", "stdout-devices", "stdin-run"])
+def test_a_command_started_with_stdin_or_stdout_closed(closed: int, argv: list[str],
+                                                       status: int) -> None:
+    # `wasinn run guest.wasm >&-` (or `<&-`). Before: with stdout closed, every command
+    # ended with an AttributeError traceback and status 1; with stdin closed, the guest's
+    # stdin was trio's epoll descriptor, which the guest's read waited on for ever.
+    proc = subprocess.run(
+        [sys.executable, "-m", "wasinn", *argv],
+        stdin=subprocess.DEVNULL if closed != 0 else None, stderr=subprocess.PIPE,
+        text=True, check=False, timeout=120,
+        preexec_fn=lambda: os.close(closed))
+    assert (proc.returncode, proc.stderr) == (status, "")

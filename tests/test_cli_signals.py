@@ -19,6 +19,7 @@ Each test runs the real command in a subprocess, as a user at a terminal would.
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -259,3 +261,214 @@ def test_ctrl_c_cancels_the_command_and_a_second_one_exits_at_once(command: str,
     else:
         assert child.stdout == "cancelled\n", child.stdout
         assert child.stderr == "wasinn: a second Ctrl-C: exiting\n"
+
+
+#: A child running ``wasinn ARGS...`` (argv[3:]) through the real ``main``, whose blocking
+#: step MODULE.NAME (argv[1]) says "busy" on stdout when called, then, in the worker
+#: thread it is called in, sleeps far longer than any test waits (argv[2] "sleep") or does
+#: its real work (argv[2] "real").
+_BLOCKED_STEP = textwrap.dedent("""\
+    import importlib, sys, time
+    from wasinn import cli
+
+    where, name = sys.argv[1].rsplit(".", 1)
+    module = importlib.import_module(where)
+    real = getattr(module, name)
+
+    def step(*args, **kwargs):
+        print("busy", flush=True)
+        if sys.argv[2] == "real":
+            return real(*args, **kwargs)
+        time.sleep(600)
+
+    setattr(module, name, step)
+    sys.exit(cli.main(sys.argv[3:]))
+""")
+
+
+def _stopped_in_step(tmp_path: Path, step: str, how: str, argv: list[str],
+                     signum: signal.Signals, settle_s: float = 0.0
+                     ) -> subprocess.CompletedProcess[str]:
+    """``wasinn ARGV`` (in :data:`_BLOCKED_STEP`) sent ``signum`` ``settle_s`` after its
+    ``step`` was called; it must end well within :data:`GUARD_S`, far less than the
+    step's sleep."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BLOCKED_STEP, step, how, *argv], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    assert child.stdout is not None
+    try:
+        busy = child.stdout.readline()
+        time.sleep(settle_s)
+        child.send_signal(signum)
+        out, err = child.communicate(timeout=GUARD_S)
+    finally:
+        child.kill()
+        child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, busy + out, err)
+
+
+def _demo_models_there(workdir: Path) -> list[str]:
+    """``demo --workdir workdir`` with the demo's model files already there (empty), so
+    that its export, which reuses them, returns at once."""
+    from wasinn.modelgen import GENERATION
+
+    workdir.mkdir()
+    for suffix in ("onnx", "pt", "xml", "bin"):
+        (workdir / f"mobilenet_{GENERATION}_w0.35_s0.{suffix}").write_bytes(b"")
+    return ["demo", "--workdir", str(workdir)]
+
+
+@pytest.mark.parametrize(("step", "command", "signum"), [
+    ("wasinn._cli_listings._probe_backends", "devices", signal.SIGINT),
+    ("wasinn._cli_listings._probe_backends", "devices", signal.SIGTERM),
+    ("wasinn.modelgen.export_mobilenet", "demo", signal.SIGINT),
+    ("wasinn.host.guests.build_example", "demo with models", signal.SIGINT),
+    ("wasinn.host.runner.is_component", "run", signal.SIGINT),
+    ("wasinn.host.runner._compile", "run", signal.SIGTERM),
+    ("wasinn.host.component.guest.compile_guest", "run component", signal.SIGINT),
+], ids=["devices-probe-SIGINT", "devices-probe-SIGTERM", "demo-export", "demo-build",
+        "run-wat-conversion", "run-compile-SIGTERM", "run-component-compile"])
+def test_one_signal_stops_a_command_in_blocking_work_at_once(
+        tmp_path: Path, step: str, command: str, signum: signal.Signals) -> None:
+    # Before: the backends' probe, the demo's export and build and a .wat guest's
+    # conversion ran in the event loop, where no signal is seen until they end, and a
+    # guest's compile was waited for in its thread: the command went on for as long.
+    (tmp_path / "empty.wat").write_text("(component)\n")
+    argv = {"devices": ["devices"],
+            "demo": ["demo", "--workdir", str(tmp_path / "demo")],
+            "demo with models": _demo_models_there(tmp_path / "demo"),
+            "run": ["run", str(WAT_DIR / "exit_code.wat")],
+            "run component": ["run", str(tmp_path / "empty.wat")]}[command]
+    done = _stopped_in_step(tmp_path, step, "sleep", argv, signum)
+    assert (done.returncode, done.stdout, done.stderr) == (SIGNALS[signum][1], "busy\n", "")
+
+
+def test_a_demo_stopped_while_torch_exports_its_model_exits_with_130(tmp_path: Path) -> None:
+    # The export goes on in its abandoned thread, in torch or OpenVINO: the command exits
+    # past it (os._exit). Before, the interpreter's exit destroyed torch's thread pool
+    # under it, and the process aborted: "terminate called without an active exception".
+    for library in ("torch", "onnx", "openvino"):
+        require_backend(library)
+    done = _stopped_in_step(tmp_path, "wasinn.modelgen.export_mobilenet", "real",
+                            ["-v", "demo", "--workdir", str(tmp_path / "demo")],
+                            signal.SIGINT, settle_s=1.5)
+    assert done.returncode == 130, done.stderr
+    assert "terminate called" not in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == "busy\n"
+
+
+#: A child that imports the ``wasinn`` command, says so, then runs ``wasinn run`` of a
+#: guest that spins until it is stopped.
+_IMPORTED_THEN_RUN = textwrap.dedent("""\
+    import sys
+    from wasinn import cli
+
+    argv = ["run", sys.argv[1]]
+    print("imported", flush=True)
+    sys.exit(cli.main(argv))
+""")
+
+
+@pytest.mark.parametrize("delay_s", [0.005, 0.02, 0.05, 0.1, 0.2, 0.4])
+def test_ctrl_c_as_the_command_starts_exits_quietly_with_130(delay_s: float) -> None:
+    # From main's first line on: the command line's parse, the logging's set-up, the
+    # imports and trio's start. (Before: a Ctrl-C while the command line was parsed
+    # printed a traceback. One while `import wasinn` imports numpy still may: see the
+    # README.)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _IMPORTED_THEN_RUN, str(WAT_DIR / "spin.wat")],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline() == "imported\n"
+        time.sleep(delay_s)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=GUARD_S)
+    finally:
+        child.kill()
+        child.wait()
+    assert (child.returncode, out, err) == (130, "", "")
+
+
+#: A child running ``wasinn models`` through the real ``main`` as if ``import wasinn``
+#: had not imported numpy yet: its ``wasinn.tensor`` is one whose import gets a Ctrl-C
+#: and, as numpy's does, turns the KeyboardInterrupt into an ImportError.
+_CTRL_C_IN_NUMPYS_IMPORT = textwrap.dedent("""\
+    import importlib.abc, importlib.machinery, os, signal, sys, time
+    from wasinn import cli
+
+    class Tensor(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            return importlib.machinery.ModuleSpec(name, self) if name == "wasinn.tensor" else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+            except KeyboardInterrupt:
+                raise ImportError("numpy._core.umath failed to import") from None
+
+    del sys.modules["wasinn.tensor"]
+    sys.meta_path.insert(0, Tensor())
+    sys.exit(cli.main(["models"]))
+""")
+
+
+def test_ctrl_c_while_main_imports_numpy_exits_quietly_with_130() -> None:
+    # main imports numpy (wasinn.tensor) with Ctrl-C held back, where `import wasinn`
+    # has not (a lighter `import wasinn`). Without: an ImportError's traceback, status 1.
+    child = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_IN_NUMPYS_IMPORT], capture_output=True, text=True,
+        timeout=GUARD_S, check=False,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (child.returncode, child.stdout, child.stderr) == (130, "", "")
+
+
+async def test_a_run_cancelled_while_its_guest_compiles_lets_the_compile_fill_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # What Ctrl-C does to `wasinn run` during a compile, in a process that lives on: the
+    # run ends at once, and its compile, left to its thread, writes its cache entry whole
+    # (renamed into place) when it is done.
+    import threading
+
+    import trio
+
+    from wasinn._abandoned import unfinished_work
+    from wasinn.host import runner
+    from wasinn.host.engine import compile_module
+    from wasinn.scheduler import Runtime
+
+    monkeypatch.setenv("WASINN_CACHE_DIR", str(tmp_path))
+    compiling, go_on = threading.Event(), threading.Event()
+    real = runner._compile
+
+    def held_compile(*args: Any) -> Any:
+        compiling.set()
+        go_on.wait(GUARD_S)
+        return real(*args)
+
+    monkeypatch.setattr(runner, "_compile", held_compile)
+    before = unfinished_work()
+    guest = WAT_DIR / "exit_code.wat"
+    async with Runtime() as rt:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rt.run_wasm, guest)
+            await trio.to_thread.run_sync(compiling.wait, GUARD_S)
+            nursery.cancel_scope.cancel()
+        assert unfinished_work() == before + 1  # (the run ended: its compile still waits)
+        assert not list(tmp_path.glob("wasmtime-*/*"))
+        go_on.set()
+        with trio.fail_after(GUARD_S):
+            while unfinished_work() > before:
+                await trio.sleep(0.01)
+    (entry,) = tmp_path.glob("wasmtime-*/*")
+    assert entry.name.endswith(".cwasm-module")
+    with caplog.at_level(logging.INFO, logger="wasinn.host"):
+        compile_module(guest.read_bytes())
+    assert "loaded compiled module guest from the cache" in caplog.text

@@ -202,6 +202,23 @@ def test_an_address_not_of_this_machine_is_named(capfd: pytest.CaptureFixture[st
                                       "the address is not one of this machine's\n")
 
 
+@pytest.mark.parametrize(("addr", "why"), [
+    ("a" * 64, "label too long"),
+    ("\udcff", "Invalid character '\\udcff'"),  # (the byte 0xff, not UTF-8, from argv)
+])
+def test_an_address_that_is_no_host_name_is_named(
+        addr: str, why: str, capfd: pytest.CaptureFixture[str]) -> None:
+    # The resolver's IDNA encoding refuses these (UnicodeError): before, a traceback.
+    with pytest.raises(OSError, match=r"^cannot serve metrics at .*:0: not a valid host "
+                                      rf"name \({re.escape(why)}\)$"):
+        MetricsServer(Figures(), 0, addr)
+    assert main(["run", "--metrics-port", "0", "--metrics-addr", addr, str(WAITS)]) == 1
+    err = capfd.readouterr().err
+    assert err.startswith("wasinn: error: cannot serve metrics at "), err
+    assert err.endswith(f":0: not a valid host name ({why})\n"), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--metrics-port", "65536"], "argument --metrics-port: '65536': expected a TCP port "
                                   "from 0 to 65535 (0: a free one), such as 9100"),

@@ -41,6 +41,7 @@ import trio
 import wasmtime
 import wasmtime.component as wc
 
+from wasinn._abandoned import run_abandonable
 from wasinn._groups import collapsed_groups
 from wasinn.errors import InvalidArgumentError
 from wasinn.host.component import fastlist, hostcall_fuel
@@ -157,13 +158,17 @@ class ComponentGuest:
         host does not provide or was compiled for the other engine, or for a ``tenant``
         that is no str; GuestTrap when one of its start functions traps (or runs out of
         fuel).
-        Cancellation interrupts a start function that is running; whatever a failed start
-        loaded is released. ``stop_also``: what else to call when the guest is
-        interrupted (ending the stdin ``wasi`` reads: :mod:`wasinn.host.guest_stdin`).
+        Cancellation interrupts a start function that is running, and abandons a compile
+        (left to finish in its worker thread); whatever a failed start loaded is released.
+        ``stop_also``: what else to call when the guest is interrupted (ending the stdin
+        ``wasi`` reads: :mod:`wasinn.host.guest_stdin`).
         """
         tenant = guest_tenant(tenant, program)
         limits = limits or limits_of(rt)
-        component = wasm if isinstance(wasm, wc.Component) else await trio.to_thread.run_sync(
+        # A compile takes seconds for a large guest (a componentize-py one): cancellation
+        # abandons it (wasinn._abandoned), which finishes in its thread and renames its
+        # cache entry into place whole (wasinn.host.engine); nothing of the guest is made.
+        component = wasm if isinstance(wasm, wc.Component) else await run_abandonable(
             functools.partial(compile_guest, wasm, program, fuel=limits.counts_fuel))
         config = wasi or wasi_config(program)
         # Only a guest that imports wasinn:nn/scratch gets a directory: the others never
