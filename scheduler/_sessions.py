@@ -128,14 +128,14 @@ class Sessions:
         # encoding on ``actor``'s device (asking may import them: in a worker thread).
         kind = actor.device.kind
         others = await trio.to_thread.run_sync(self._others, model, kind, failed)
-        refusals = []
+        refusals, first = [], _reason(failed, exc)
         for other in others:
             try:
                 session = await self._session_with(actor, model, other)
             except (ClosedResourceError, DeviceLostError):
                 raise  # the runtime or the model closed, the device was lost: not a refusal
             except WasiNNError as refusal:  # (told after what the first backend said)
-                refusals.append(_refusal(other, refusal, _reason(failed, exc)))
+                refusals.append(_refusal(other, refusal, first))
                 continue
             log.warning("%s: backend %s cannot run it on %s (%s): it runs on %s instead",
                         model.name, failed, actor.device, exc.message, other)

@@ -228,8 +228,7 @@ def tensor_inputs(inputs: object, executable: Executable) -> Inputs:
         return inputs
     converted: dict[str, Tensor] = {}
     for given, value in inputs.items():
-        key = (given if type(given) is str and (aliases is None or given not in aliases)
-               else _input_name(given, executable))
+        key = _input_name(given, executable)
         if key in converted:
             raise _given_twice(inputs, given, key, executable)
         if type(value) is Tensor:
